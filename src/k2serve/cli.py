@@ -1,0 +1,62 @@
+"""The `k2serve` command: a thin dispatcher over one module per subcommand.
+
+Each subcommand module defines `add_arguments(parser: argparse.ArgumentParser) -> None` and
+`run(args: argparse.Namespace) -> int`. Only the chosen subcommand's module is imported, so
+`k2serve plan` starts without importing torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("k2serve.server.cli", "run the OpenAI-compatible server"),
+    "chat": ("k2serve.engine.chat_cli", "chat with a model in the terminal"),
+    "generate": ("k2serve.engine.generate_cli", "generate a completion offline"),
+    "plan": ("k2serve.plan_cli", "what fits on given hardware, how much context, what speed"),
+    "deploy": ("k2serve.deploy.cli", "write Kubernetes / SLURM / systemd files from a plan"),
+    "download": ("k2serve.download", "download a checkpoint from the Hugging Face hub"),
+    "bench": ("k2serve.bench.cli", "benchmark an OpenAI-compatible server"),
+    "make-checkpoint": ("k2serve.weights.make_checkpoint", "write a small checkpoint in the real format"),
+}
+
+
+def _build_parser(chosen: str | None) -> argparse.ArgumentParser:
+    from k2serve import __version__
+
+    parser = argparse.ArgumentParser(prog="k2serve", description="Serve the Kimi-K2 model family.")
+    parser.add_argument("--version", action="version", version=f"k2serve {__version__}")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        if name == chosen:
+            importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    parser = _build_parser(chosen if chosen in COMMANDS else None)
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    module = importlib.import_module(COMMANDS[args.command][0])
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
