@@ -234,4 +234,9 @@ class KimiTokenizer:
             tools=tools,
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
+            special_tokens={
+                k: self._id_to_special[i]
+                for k, i in (("bos_token", self.bos_token_id), ("eos_token", self.eos_token_id))
+                if i is not None
+            },
         )
