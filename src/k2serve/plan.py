@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 from k2serve.config import ModelConfig
+from k2serve.hardware import GpuSpec
 
 DTYPE_BYTES: dict[str, float] = {
     "float32": 4,
@@ -116,6 +117,7 @@ class WeightBreakdown:
     router: int
     routed_experts: int
     embeddings: int  # embed_tokens + lm_head + final norm
+    lm_head: int  # the part of `embeddings` read for every decoded token
     vision: int  # K2.5 vision tower + mm_projector (bf16)
     expert_bytes: int  # one routed expert (gate + up + down with scales)
     num_moe_layers: int
@@ -205,9 +207,11 @@ def weight_breakdown(config: ModelConfig) -> WeightBreakdown:
         else:
             dense += _mlp_bytes(config, mlp, config.intermediate_size)
     emb = config.vocab_size * h * base + h * base  # embed_tokens + final norm
+    lm_head = config.vocab_size * h * base  # tied: the embedding matrix is read
     if not config.tie_word_embeddings:
         lm_q = config.quant is not None and config.quant.method == "int4_group"
-        emb += linear_bytes(config, f"{pre}lm_head", config.vocab_size, h, quantized=lm_q)
+        lm_head = linear_bytes(config, f"{pre}lm_head", config.vocab_size, h, quantized=lm_q)
+        emb += lm_head
     return WeightBreakdown(
         attention_sharded=att_s,
         attention_replicated=att_r,
@@ -216,6 +220,7 @@ def weight_breakdown(config: ModelConfig) -> WeightBreakdown:
         router=router,
         routed_experts=routed,
         embeddings=emb,
+        lm_head=lm_head,
         vision=vision_bytes(config),
         expert_bytes=expert,
         num_moe_layers=len(moe_layers),
@@ -226,3 +231,408 @@ def weight_bytes(config: ModelConfig, include_vision: bool = True) -> int:
     """Bytes of all weights as stored (= the checkpoint's tensor bytes)."""
     b = weight_breakdown(config)
     return b.total if include_vision else b.total - b.vision
+
+
+# --------------------------------------------------------------------------------------------
+# Runtime memory
+
+MiB = 2**20
+# Allowance per GPU for what lives outside the tensor allocator: CUDA context, cuBLAS
+# workspaces, NCCL buffers (measured CUDA contexts are 0.3-0.6 GiB; NCCL adds buffers per peer).
+RUNTIME_RESERVE_BYTES = 768 * MiB
+# Usable DRAM bandwidth assumed when --cpu-bandwidth is not given (a 12-channel DDR5 socket reads
+# ~250-300 GB/s in practice; field.md §0).
+DEFAULT_CPU_BANDWIDTH = 250e9
+# Share of host RAM the CPU experts may take; the rest is the OS, page cache and pinned buffers.
+CPU_MEMORY_UTILIZATION = 0.9
+# Defaults mirrored from k2serve.engine.config.EngineConfig.
+DEFAULT_MAX_NUM_SEQS = 64
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_PAGE_SIZE = 16
+# Suggestions do not offer contexts shorter than this.
+MIN_USEFUL_CONTEXT = 4096
+
+
+def activation_bytes(config: ModelConfig, num_tokens: int, num_seqs: int, tp: int) -> int:
+    """Peak activation bytes on one GPU for a step of `num_tokens` tokens and `num_seqs` logits.
+
+    Residual stream (hidden, residual, normed) + the largest of attention / dense MLP / MoE
+    working sets + float32 logits and probabilities. The MoE term counts every routed copy of
+    every token on this GPU (the worst case of expert-parallel imbalance).
+    """
+    t, h, b = num_tokens, config.hidden_size, int(_dtype_bytes(config.torch_dtype))
+    heads = max(1, config.num_attention_heads // tp)
+    residual = 3 * t * h * b
+    attention = (
+        t
+        * (
+            (config.q_lora_rank or 0)
+            + config.kv_cache_dim
+            + heads * config.qk_head_dim  # q
+            + heads * (config.qk_head_dim + config.v_head_dim)  # k, v expanded for prefill
+            + heads * max(config.v_head_dim, config.kv_cache_dim)  # attention output / absorbed q
+            + h  # o_proj output
+        )
+        * b
+    )
+    dense = t * 3 * (config.intermediate_size // tp) * b if config.first_k_dense_replace else 0
+    k = config.num_experts_per_tok
+    moe = t * config.n_routed_experts * 4 + t * k * 8  # router logits, top-k ids and weights
+    moe += t * k * (3 * config.moe_intermediate_size + h) * b  # gate_up, act, down per copy
+    logits = 2 * num_seqs * config.vocab_size * 4
+    return residual + max(attention, dense, moe) + logits
+
+
+# --------------------------------------------------------------------------------------------
+# The plan
+
+
+@dataclass
+class DeviceMemory:
+    """One GPU's budget: `capacity` = memory * gpu_memory_utilization; rows in bytes."""
+
+    device: str
+    capacity: int
+    rows: dict[str, int]
+
+    @property
+    def used(self) -> int:
+        return sum(self.rows.values())
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.used
+
+    def to_dict(self) -> dict:
+        return {"device": self.device, "capacity": self.capacity, "used": self.used, **self.rows}
+
+
+@dataclass
+class Plan:
+    """What fits where. Sizes are bytes; per-GPU figures are for one GPU."""
+
+    model: str
+    quantization: str
+    gpu: dict | None
+    num_gpus: int
+    tensor_parallel_size: int
+    expert_parallel_size: int
+    gpu_memory_utilization: float
+    weights: dict[str, int]
+    devices: list[DeviceMemory]
+    num_routed_experts: int  # per MoE layer
+    num_gpu_experts: int  # routed experts per MoE layer held by the GPUs
+    num_cpu_experts: int  # routed experts per MoE layer held in host RAM
+    num_moe_layers: int
+    expert_bytes: int
+    cpu_memory: int
+    cpu_memory_needed: int
+    cpu_bandwidth: float
+    kv_cache_dtype: str
+    kv_bytes_per_token: int
+    kv_cache_tokens: int  # tokens of latent cache (each TP rank holds all of them)
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    full_length_seqs: int  # sequences of max_model_len tokens that fit at once
+    gpu_bytes_per_token: int  # read by one GPU per decoded token at batch 1, empty context
+    cpu_bytes_per_token: int
+    decode_tokens_per_s: float  # bandwidth roofline at batch 1, context of 1 token
+    decode_tokens_per_s_full_context: float  # same, with max_model_len tokens of context
+    fits: bool
+    reasons: list[str]
+    suggestions: list[str]
+    notes: list[str]
+    serve_args: list[str]
+
+    @property
+    def command(self) -> str:
+        return "k2serve serve " + " ".join(self.serve_args)
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "devices"}
+        d["devices"] = [dev.to_dict() for dev in self.devices]
+        d["command"] = self.command
+        return d
+
+
+def _valid_tp(config: ModelConfig, n: int) -> bool:
+    return n >= 1 and config.num_attention_heads % n == 0
+
+
+def plan(
+    config: ModelConfig,
+    *,
+    model: str = "MODEL",
+    gpu: GpuSpec | None = None,
+    num_gpus: int = 0,
+    cpu_memory: int = 0,
+    cpu_bandwidth: float | None = None,
+    max_model_len: int | None = None,
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    kv_cache_dtype: str = "bf16",
+    gpu_memory_utilization: float = 0.9,
+    num_gpu_experts: int | None = None,
+    suggest: bool = True,
+) -> Plan:
+    """Place weights, KV cache and experts on `num_gpus` x `gpu` plus `cpu_memory` bytes of RAM.
+
+    Attention, dense MLP, shared experts, embeddings and lm_head are tensor-parallel over all
+    GPUs; routed experts are expert-parallel (each GPU holds 1/N of each layer's GPU experts).
+    The requested context (one `max_model_len` sequence) is reserved first; routed experts then
+    fill the GPUs (all of them, or as many per layer as fit, the rest in RAM; `num_gpu_experts`
+    forces the per-layer count); whatever remains is KV cache.
+    """
+    kv_cache_dtype = "bf16" if kv_cache_dtype == "auto" else kv_cache_dtype
+    ctx = config.max_position_embeddings if max_model_len is None else int(max_model_len)
+    if not 0 < ctx <= config.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len={ctx} must be in 1..{config.max_position_embeddings} "
+            "(the model's max_position_embeddings)"
+        )
+    if max_num_seqs < 1 or max_num_batched_tokens < 1:
+        raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
+    if num_gpus and gpu is None:
+        raise ValueError("num_gpus > 0 needs a gpu preset")
+    if num_gpus and not _valid_tp(config, num_gpus):
+        ok = [n for n in range(1, 65) if _valid_tp(config, n)]
+        raise ValueError(
+            f"{num_gpus} GPUs: tensor parallelism needs a count dividing the "
+            f"{config.num_attention_heads} attention heads ({', '.join(map(str, ok))})"
+        )
+    w = weight_breakdown(config)
+    kvt = kv_bytes_per_token(config, kv_cache_dtype)
+    cpu_bw = float(cpu_bandwidth) if cpu_bandwidth else DEFAULT_CPU_BANDWIDTH
+    n_exp, layers, eb = config.n_routed_experts, w.num_moe_layers, w.expert_bytes
+    g = num_gpus
+    tp = max(g, 1)
+    reasons: list[str] = []
+    notes: list[str] = []
+    kv_need = ctx * kvt
+    devices: list[DeviceMemory] = []
+    kv_tokens = 0
+    if g:
+        cap = int(gpu.memory_bytes * gpu_memory_utilization)
+        act = activation_bytes(config, max_num_batched_tokens, max_num_seqs, tp)
+        rows = {
+            "attention": w.attention_sharded // tp + w.attention_replicated,
+            "dense_mlp": w.dense_mlp // tp,
+            "shared_experts": w.shared_experts // tp,
+            "router": w.router,
+            "routed_experts": 0,
+            "embeddings_lm_head": w.embeddings // tp,
+            "vision": w.vision,
+            "activations": act,
+            # decode graphs share one pool sized by the largest captured batch
+            "cuda_graphs": activation_bytes(config, max_num_seqs, max_num_seqs, tp),
+            "runtime": RUNTIME_RESERVE_BYTES,
+            "kv_cache": 0,
+        }
+        fixed = sum(rows.values())
+        room = cap - fixed - kv_need  # for experts, after one full-length sequence of cache
+        slots = max(0, room // (layers * eb)) if layers else 0  # experts per layer per GPU
+        if num_gpu_experts is None:
+            gpu_exp = min(n_exp, slots * g)
+        else:
+            gpu_exp = min(n_exp, int(num_gpu_experts))
+        rows["routed_experts"] = math.ceil(gpu_exp / g) * layers * eb
+        left = cap - sum(rows.values())
+        rows["kv_cache"] = max(0, left)
+        kv_tokens = rows["kv_cache"] // kvt // DEFAULT_PAGE_SIZE * DEFAULT_PAGE_SIZE
+        devices = [DeviceMemory(f"cuda:{i}", cap, dict(rows)) for i in range(g)]
+        if fixed > cap:
+            reasons.append(
+                f"the non-expert weights, activations and runtime need "
+                f"{fixed / 2**30:.1f} GiB per GPU; {g}x{gpu.name} at gpu_memory_utilization="
+                f"{gpu_memory_utilization} give {cap / 2**30:.1f} GiB"
+            )
+        elif kv_tokens < ctx:
+            reasons.append(
+                f"max_model_len={ctx} needs {kv_need / 2**30:.1f} GiB of KV cache per GPU "
+                f"({kvt} bytes/token, replicated on every TP rank); "
+                f"{max(0, left) / 2**30:.1f} GiB is left"
+            )
+    else:
+        gpu_exp = 0
+        # CPU only: everything lives in RAM
+        kv_tokens = ctx
+        notes.append("no GPU: every weight and the KV cache live in host RAM")
+    cpu_exp = n_exp - gpu_exp
+    cpu_need = cpu_exp * layers * eb
+    if cpu_exp:
+        cpu_need += (max_num_batched_tokens * config.num_experts_per_tok * 2) * (
+            config.hidden_size * 2
+        )  # pinned in/out buffers for the routed copies sent to the CPU
+    if not g:
+        cpu_need += w.non_expert + ctx * kvt
+    usable_ram = int(cpu_memory * CPU_MEMORY_UTILIZATION)
+    if cpu_exp and not reasons:
+        if cpu_memory <= 0:
+            reasons.append(
+                f"{cpu_exp} routed experts per layer ({cpu_exp * layers * eb / 2**30:.0f} GiB) "
+                f"do not fit on the GPUs and --cpu-memory is 0"
+            )
+        elif cpu_need > usable_ram:
+            reasons.append(
+                f"the {cpu_exp * layers} CPU experts need {cpu_need / 2**30:.0f} GiB of RAM; "
+                f"{CPU_MEMORY_UTILIZATION:.0%} of --cpu-memory is {usable_ram / 2**30:.0f} GiB"
+            )
+    # ---- decode roofline at batch 1 ----
+    k = config.num_experts_per_tok
+    routed_tok = k * layers * eb  # bytes of routed experts one token reads
+    dense_tok = (
+        w.attention_sharded // tp
+        + w.attention_replicated
+        + w.dense_mlp // tp
+        + w.shared_experts // tp
+        + w.router
+        + w.lm_head // tp
+    )
+    if g:
+        gpu_tok = dense_tok + routed_tok * gpu_exp // n_exp // g
+        cpu_tok = routed_tok * cpu_exp // n_exp
+        t0 = gpu_tok / gpu.bandwidth + cpu_tok / cpu_bw
+        t1 = t0 + ctx * kvt / gpu.bandwidth  # every TP rank reads the whole latent cache
+    else:
+        gpu_tok, cpu_tok = 0, dense_tok + routed_tok
+        t0 = cpu_tok / cpu_bw
+        t1 = t0 + ctx * kvt / cpu_bw
+    # ---- notes ----
+    if g > 1:
+        notes.append(
+            f"attention is tensor-parallel (TP={tp}); MLA's latent cache is shared by all heads, "
+            f"so every TP rank holds the full cache of every sequence: capacity does not grow "
+            f"with TP. DP attention would multiply it by {tp} at the cost of replicating the "
+            f"attention weights ({w.attention / 2**30:.1f} GiB per GPU); k2serve uses TP"
+        )
+    if g and gpu_exp and cpu_exp:
+        notes.append(
+            f"{gpu_exp} of {n_exp} experts per MoE layer on the GPUs, {cpu_exp} in RAM; the "
+            "GPU ones should be the most often routed (hot) experts; the decode estimate assumes "
+            "uniform routing, so hot-expert placement can only do better"
+        )
+    if g and gpu and not gpu.nvlink and g > 1:
+        notes.append(f"{gpu.name} GPUs talk over PCIe: TP all-reduces cost more than on NVLink")
+    if g and gpu and not gpu.fp8 and config.quant and config.quant.method == "fp8_block":
+        notes.append(f"{gpu.name} has no FP8 tensor cores: FP8 weights run through dequantization")
+    fits = not reasons
+    full = kv_tokens // ctx if ctx else 0
+    args = _serve_args(model, g, ctx, max_num_seqs, kv_cache_dtype, gpu_memory_utilization)
+    if g and cpu_exp:
+        args += ["--num-gpu-experts", str(gpu_exp)]
+    p = Plan(
+        model=model,
+        quantization=config.quant.method if config.quant else config.torch_dtype,
+        gpu=gpu.to_dict() if gpu else None,
+        num_gpus=g,
+        tensor_parallel_size=tp,
+        expert_parallel_size=tp,
+        gpu_memory_utilization=gpu_memory_utilization,
+        weights={**{k: v for k, v in w.__dict__.items()}, "total": w.total},
+        devices=devices,
+        num_routed_experts=n_exp,
+        num_gpu_experts=gpu_exp,
+        num_cpu_experts=cpu_exp,
+        num_moe_layers=layers,
+        expert_bytes=eb,
+        cpu_memory=cpu_memory,
+        cpu_memory_needed=cpu_need,
+        cpu_bandwidth=cpu_bw,
+        kv_cache_dtype=kv_cache_dtype,
+        kv_bytes_per_token=kvt,
+        kv_cache_tokens=kv_tokens,
+        max_model_len=ctx,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        full_length_seqs=full,
+        gpu_bytes_per_token=gpu_tok,
+        cpu_bytes_per_token=cpu_tok,
+        decode_tokens_per_s=1 / t0,
+        decode_tokens_per_s_full_context=1 / t1,
+        fits=fits,
+        reasons=reasons,
+        suggestions=[],
+        notes=notes,
+        serve_args=args,
+    )
+    if not fits and suggest:
+        p.suggestions = _suggestions(config, p, gpu)
+    return p
+
+
+def _serve_args(model, g, ctx, seqs, kv_dtype, util) -> list[str]:
+    args = ["--model", model, "--max-model-len", str(ctx), "--max-num-seqs", str(seqs)]
+    if g:
+        args += ["--gpu-memory-utilization", str(util)]
+    if g > 1:
+        args += ["--tensor-parallel-size", str(g), "--enable-expert-parallel"]
+    if kv_dtype == "fp8":
+        args += ["--kv-cache-dtype", "fp8"]
+    return args
+
+
+def _suggestions(config: ModelConfig, p: Plan, gpu: GpuSpec | None) -> list[str]:
+    """What would fit, each found by re-planning with settings changed (and the longest context
+    that then fits, when the requested one still does not)."""
+    base = dict(
+        model=p.model,
+        gpu=gpu,
+        num_gpus=p.num_gpus,
+        cpu_memory=p.cpu_memory,
+        cpu_bandwidth=p.cpu_bandwidth,
+        max_model_len=p.max_model_len,
+        max_num_seqs=p.max_num_seqs,
+        max_num_batched_tokens=p.max_num_batched_tokens,
+        kv_cache_dtype=p.kv_cache_dtype,
+        gpu_memory_utilization=p.gpu_memory_utilization,
+        suggest=False,
+    )
+
+    def longest(**changes) -> int:
+        """Largest max_model_len <= the requested one that fits (0 if none); fit is monotone."""
+        lo, hi = 0, p.max_model_len
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            ok = plan(config, **{**base, **changes, "max_model_len": mid}).fits
+            lo, hi = (mid, hi) if ok else (lo, mid - 1)
+        return lo
+
+    def say(what: str, flags: str, **changes) -> int:
+        n = longest(**changes)
+        if n >= p.max_model_len:
+            out.append(f"{what}: {flags}")
+        elif n >= MIN_USEFUL_CONTEXT:
+            out.append(f"{what}, shorter context: " + f"{flags} --max-model-len {n}".strip())
+        return n
+
+    out: list[str] = []
+    say("this hardware", "")  # only ever the shorter-context line: the plan did not fit
+    if p.kv_cache_dtype != "fp8":
+        say(
+            "an fp8 KV cache (half the bytes per token)",
+            "--kv-cache-dtype fp8",
+            kv_cache_dtype="fp8",
+        )
+    if gpu and p.gpu_memory_utilization < 0.95:
+        say("larger memory share", "--gpu-memory-utilization 0.95", gpu_memory_utilization=0.95)
+    if gpu:  # the fewest GPUs that fit some useful context, then the requested one
+        for n in (n for n in range(p.num_gpus + 1, 65) if _valid_tp(config, n)):
+            if say("more GPUs", f"--gpus {n}x{gpu.name}", num_gpus=n) >= p.max_model_len:
+                break
+            if out and out[-1].startswith("more GPUs"):
+                more = [m for m in range(n + 1, 65) if _valid_tp(config, m)]
+                full = next((m for m in more if longest(num_gpus=m) >= p.max_model_len), None)
+                if full:
+                    out.append(f"more GPUs: --gpus {full}x{gpu.name}")
+                break
+    q = plan(config, **{**base, "cpu_memory": 2**60})
+    if q.fits and q.num_cpu_experts:
+        need = math.ceil(q.cpu_memory_needed / CPU_MEMORY_UTILIZATION / 2**30)
+        what = "routed experts in host RAM" if p.cpu_memory == 0 else "more host RAM"
+        out.append(f"{what}: --cpu-memory {need}GB or more")
+    if not out:
+        out.append("no nearby setting fits; use GPUs with more memory")
+    return out

@@ -1,0 +1,180 @@
+"""`k2serve plan`: print (or emit as JSON) what fits where, before anything is downloaded.
+
+Owns: the flags, resolving `--model NAME|DIR` to a `ModelConfig`, and the text rendering of a
+`k2serve.plan.Plan`. All arithmetic lives in `k2serve.plan`; nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from k2serve.config import KNOWN_MODELS, ConfigError, ModelConfig, known_model_config
+from k2serve.hardware import format_bytes, parse_bandwidth, parse_gpus, parse_size
+from k2serve.plan import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    Plan,
+    plan,
+)
+
+ROW_NAMES = {
+    "attention": "attention (MLA) + norms",
+    "dense_mlp": "dense MLP (layer 0)",
+    "shared_experts": "shared experts",
+    "router": "routers",
+    "routed_experts": "routed experts",
+    "embeddings_lm_head": "embeddings + lm_head",
+    "vision": "vision tower",
+    "activations": "activations",
+    "cuda_graphs": "CUDA graph pool",
+    "runtime": "CUDA context + NCCL",
+    "kv_cache": "KV cache",
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default="kimi-k2-thinking",
+        help=f"a built-in name ({', '.join(KNOWN_MODELS)}) or a checkpoint directory / config.json",
+    )
+    p.add_argument("--gpus", default="8xH200", help="COUNTxGPU, e.g. 8xH100, 1xH200, or none")
+    p.add_argument("--cpu-memory", default="0", help="host RAM for CPU experts, e.g. 1TB (0: none)")
+    p.add_argument(
+        "--cpu-bandwidth", default=None, help="usable DRAM bandwidth, e.g. 300GB/s (default 250)"
+    )
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's maximum")
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    p.add_argument("--kv-cache-dtype", choices=("auto", "bf16", "fp8"), default="bf16")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument(
+        "--num-gpu-experts", type=int, default=None, help="routed experts per layer on the GPUs"
+    )
+    p.add_argument("--model-dir", default=None, help="checkpoint path used in the serve command")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def resolve_model(name_or_dir: str) -> tuple[ModelConfig, str, str | None]:
+    """(config, display name, Hugging Face repo id or None)."""
+    if name_or_dir.lower() in KNOWN_MODELS:
+        key = name_or_dir.lower()
+        return ModelConfig.from_hf(known_model_config(key)), key, KNOWN_MODELS[key][1]
+    if os.path.exists(name_or_dir):
+        return ModelConfig.from_hf(name_or_dir), name_or_dir, None
+    raise ConfigError(
+        f"--model {name_or_dir!r} is neither a known model ({', '.join(KNOWN_MODELS)}) "
+        "nor an existing checkpoint directory"
+    )
+
+
+def make_plan(args: argparse.Namespace) -> tuple[Plan, dict]:
+    config, name, repo = resolve_model(args.model)
+    num_gpus, gpu = parse_gpus(args.gpus)
+    model_dir = args.model_dir
+    if model_dir is None:
+        model_dir = f"models/{repo.split('/')[-1]}" if repo else name
+    p = plan(
+        config,
+        model=model_dir,
+        gpu=gpu,
+        num_gpus=num_gpus,
+        cpu_memory=parse_size(args.cpu_memory),
+        cpu_bandwidth=parse_bandwidth(args.cpu_bandwidth) if args.cpu_bandwidth else None,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_dtype=args.kv_cache_dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_gpu_experts=args.num_gpu_experts,
+    )
+    return p, {"name": name, "hf_repo": repo, "model_dir": model_dir}
+
+
+def render(p: Plan, source: dict) -> str:
+    w, out = p.weights, []
+    gb = format_bytes
+    hw = (
+        "no GPU"
+        if not p.num_gpus
+        else (
+            f"{p.num_gpus}x {p.gpu['name']} ({gb(p.gpu['memory_bytes'])}, "
+            f"{p.gpu['bandwidth'] / 1e12:.2f} TB/s each)"
+        )
+    )
+    out.append(f"model    {source['name']} ({p.quantization})")
+    out.append(f"hardware {hw}; host RAM {gb(p.cpu_memory)}, {p.cpu_bandwidth / 1e9:.0f} GB/s")
+    n_exp = p.num_routed_experts * p.num_moe_layers
+    out.append(
+        f"weights  {gb(w['total'])}: routed experts {gb(w['routed_experts'])} "
+        f"({n_exp} x {gb(p.expert_bytes)}), everything else {gb(w['total'] - w['routed_experts'])}"
+    )
+    if p.devices:
+        d = p.devices[0]
+        same = all(x.rows == d.rows for x in p.devices)
+        head = f"per GPU (all {len(p.devices)} alike)" if same and len(p.devices) > 1 else d.device
+        out.append("")
+        out.append(head)
+        for key, val in d.rows.items():
+            if key == "vision" and not val:
+                continue
+            out.append(f"  {ROW_NAMES.get(key, key):<32}{gb(val):>12}")
+        out.append(
+            f"  {'total / usable':<32}{gb(d.used):>12} of {gb(d.capacity)} "
+            f"({p.gpu_memory_utilization:g} x {gb(p.gpu['memory_bytes'])})"
+        )
+    out.append("")
+    per_gpu = p.num_gpu_experts // max(p.num_gpus, 1)
+    if p.num_gpus:
+        out.append(
+            f"experts  {p.num_gpu_experts} of {p.num_routed_experts} per MoE layer on the GPUs "
+            f"(EP={p.expert_parallel_size}, {per_gpu} per GPU per layer)"
+        )
+    ram = f"RAM needed {gb(p.cpu_memory_needed)}"
+    if p.num_cpu_experts:
+        out.append(
+            f"         {p.num_cpu_experts} per layer in host RAM "
+            f"({p.num_cpu_experts * p.num_moe_layers} experts); {ram}"
+        )
+    elif not p.num_gpus:
+        out.append(f"CPU only: {ram}")
+    out.append(
+        f"KV cache {p.kv_bytes_per_token:,} bytes/token ({p.kv_cache_dtype} latent); "
+        f"{p.kv_cache_tokens:,} tokens = {p.full_length_seqs} x {p.max_model_len:,}-token "
+        f"sequences, or {p.max_num_seqs} sequences of "
+        f"{p.kv_cache_tokens // p.max_num_seqs:,} tokens on average"
+    )
+    out.append(
+        f"decode   roofline at batch 1: {p.decode_tokens_per_s:.0f} tok/s "
+        f"({p.decode_tokens_per_s_full_context:.0f} at {p.max_model_len:,} tokens of context); "
+        f"reads {gb(p.gpu_bytes_per_token)}/token per GPU + {gb(p.cpu_bytes_per_token)}/token "
+        "from RAM (an upper bound: it leaves out kernel launches and all-reduce latency)"
+    )
+    for note in p.notes:
+        out.append(f"note     {note}")
+    out.append("")
+    if p.fits:
+        if source.get("hf_repo"):
+            out.append(f"k2serve download {source['name']} --dir {source['model_dir']}")
+        out.append(p.command)
+    else:
+        out.append("DOES NOT FIT: " + "; ".join(p.reasons))
+        for s in p.suggestions:
+            out.append(f"  would fit: {s}")
+    return "\n".join(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        p, source = make_plan(args)
+    except ValueError as e:  # ConfigError is a ValueError
+        print(f"k2serve plan: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({**p.to_dict(), "source": source}, indent=2))
+    else:
+        print(render(p, source))
+    return 0 if p.fits else 1
