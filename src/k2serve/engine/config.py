@@ -1,0 +1,143 @@
+"""EngineConfig: the frozen engine settings, and the CLI flags derived from them (vLLM names).
+
+`EngineConfig.add_cli_args(parser)` adds one flag per field (`max_num_seqs` -> `--max-num-seqs`)
+and `EngineConfig.from_cli_args(args)` reads them back, so `serve`, `generate` and `chat` share
+flags and defaults. Invariant: a constructed EngineConfig has valid values (ValueError naming the
+field otherwise); values that depend on the model (max_model_len, number of pages) stay None
+until the engine resolves them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass, fields
+
+_HELP = {
+    "model": "checkpoint directory (default: the bundled demo checkpoint)",
+    "tokenizer": "tokenizer directory (default: the model directory)",
+    "dtype": "weights and activations: auto, bfloat16, float16, float32",
+    "device": "auto (cuda if available), cuda, cuda:N, cpu",
+    "load_format": "auto, safetensors, dummy (random weights)",
+    "max_model_len": "longest prompt + output in tokens (default: the model's maximum)",
+    "max_num_seqs": "most sequences in one step",
+    "max_num_batched_tokens": "token budget of one step (prefill chunks + decodes)",
+    "page_size": "tokens per KV cache page",
+    "enable_prefix_caching": "reuse the KV of shared prompt prefixes",
+    "enable_chunked_prefill": "split long prompts over steps, mixed with decodes",
+    "gpu_memory_utilization": "fraction of GPU memory for weights + KV cache (CUDA)",
+    "kv_cache_memory": "KV cache size in bytes or like '4GiB' (CPU default 1GiB; overrides the "
+    "GPU fraction)",
+    "num_kv_pages": "exact number of KV pages (overrides the memory budget)",
+    "kv_cache_dtype": "auto (= model dtype)",
+    "max_waiting": "most requests waiting before new ones get EngineQueueFull (None: no limit)",
+    "seed": "seed of unseeded sampling",
+}
+
+
+def parse_bytes(value: str | int | None) -> int | None:
+    """'4GiB' / '512MB' / '1e9' / 123 -> bytes."""
+    if value is None or isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?)(i?)B?\s*", str(value), flags=re.IGNORECASE)
+    if not m:
+        raise ValueError(f"kv_cache_memory={value!r} is not a size (examples: 4GiB, 512MB, 1e9)")
+    num, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
+    base = 1024 if binary else 1000
+    return int(num * base ** " KMGT".index(unit or " "))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    load_format: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    page_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None
+    num_kv_pages: int | None = None
+    kv_cache_dtype: str = "auto"
+    max_waiting: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.kv_cache_memory, str):
+            object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+
+        def positive(name: str, allow_none: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}={v!r} must be a positive integer")
+
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
+            positive(name)
+        for name in ("max_model_len", "kv_cache_memory", "num_kv_pages", "max_waiting"):
+            positive(name, allow_none=True)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
+            )
+        if self.dtype not in (
+            "auto",
+            "bfloat16",
+            "bf16",
+            "float16",
+            "fp16",
+            "half",
+            "float32",
+            "fp32",
+            "float",
+        ):
+            raise ValueError(f"dtype={self.dtype!r} is not one of auto, bfloat16, float16, float32")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format={self.load_format!r} is not auto, safetensors or dummy")
+        if self.kv_cache_dtype not in ("auto", "bfloat16", "bf16", "float32", "float16"):
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet")
+        if not self.enable_chunked_prefill and self.max_model_len is not None:
+            if self.max_num_batched_tokens < self.max_model_len:
+                raise ValueError(
+                    f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
+                    f"max_model_len={self.max_model_len}: without chunked prefill a long prompt "
+                    "could never be scheduled"
+                )
+
+    def replace(self, **changes) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+    # ---- CLI ---------------------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        defaults = EngineConfig()
+        for f in fields(EngineConfig):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            default = getattr(defaults, f.name)
+            help_ = _HELP.get(f.name, "")
+            if isinstance(default, bool):
+                parser.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=default, help=help_
+                )
+                continue
+            typ = {"max_model_len": int, "num_kv_pages": int, "max_waiting": int}.get(f.name)
+            if typ is None:
+                typ = type(default) if default is not None else str
+            parser.add_argument(flag, type=typ, default=default, help=help_)
+        if "page_size" not in skip:
+            parser.add_argument("--block-size", dest="page_size", type=int, help=argparse.SUPPRESS)
+
+    @staticmethod
+    def from_cli_args(args: argparse.Namespace, **overrides) -> EngineConfig:
+        kw = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
+        kw.update(overrides)
+        return EngineConfig(**kw)

@@ -1,0 +1,132 @@
+"""Model runner: turns a SchedulerOutput into one flat batch, runs the model, samples.
+
+The flat batch concatenates each scheduled sequence's new tokens (decodes first, as scheduled):
+`input_ids [T]`, `positions [T]`, and `AttentionMetadata` with `query_start_loc [B+1]`,
+`seq_lens [B]`, `context_lens [B]`, `block_table [B, max_pages]`, `slot_mapping [T]`.
+Logits are computed only for the last new token of the sequences that sample this step (those
+whose new tokens reach the end of their known tokens); a partial prefill chunk does not sample.
+
+Invariant: token j of sequence b sits at position context_lens[b] + j and is written to slot
+`block_table[b, pos // page_size] * page_size + pos % page_size`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from k2serve.cache.kv_cache_manager import KVCacheManager
+from k2serve.engine.request import Request
+from k2serve.engine.sampler import Sampler, SamplerOutput
+from k2serve.engine.scheduler import SchedulerOutput
+
+try:
+    from k2serve.attention.base import AttentionMetadata
+except ImportError:  # NOTE: until k2serve.attention lands; same fields as docs/interfaces.md
+
+    @dataclass
+    class AttentionMetadata:  # type: ignore[no-redef]
+        query_start_loc: torch.Tensor
+        seq_lens: torch.Tensor
+        context_lens: torch.Tensor
+        block_table: torch.Tensor
+        slot_mapping: torch.Tensor
+        max_query_len: int
+        max_seq_len: int
+        page_size: int
+        num_decodes: int
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] long, row in the flat batch of each sampling sequence
+    sample_reqs: list[Request]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model,
+        kv_caches: list[torch.Tensor],
+        page_size: int,
+        device: torch.device | str,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.sampler = Sampler(self.device, seed)
+
+    def prepare(self, sched: SchedulerOutput, kv: KVCacheManager) -> ModelInput:
+        ps = self.page_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        ctx_lens: list[int] = []
+        tables: list[list[int]] = []
+        logits_idx: list[int] = []
+        sample_reqs: list[Request] = []
+        for req, n in sched.scheduled:
+            start = req.num_computed_tokens
+            end = start + n
+            pages = kv.req_pages[req.request_id]
+            assert len(pages) * ps >= end, (req, len(pages))
+            input_ids.extend(req.all_token_ids[start:end])
+            pos = range(start, end)
+            positions.extend(pos)
+            slots.extend(pages[p // ps] * ps + p % ps for p in pos)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(end)
+            ctx_lens.append(start)
+            tables.append(pages[: -(-end // ps)])
+            if end == req.num_tokens:
+                logits_idx.append(qsl[-1] - 1)
+                sample_reqs.append(req)
+        max_pages = max(len(t) for t in tables)
+        table = torch.zeros(len(tables), max_pages, dtype=torch.int32)  # [B, max_pages]
+        for b, t in enumerate(tables):
+            table[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        dev = self.device
+
+        def t(x, dtype):
+            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
+
+        md = AttentionMetadata(
+            query_start_loc=t(qsl, torch.int32),
+            seq_lens=t(seq_lens, torch.int32),
+            context_lens=t(ctx_lens, torch.int32),
+            block_table=table.to(dev, non_blocking=True),
+            slot_mapping=t(slots, torch.int64),
+            max_query_len=max(n for _, n in sched.scheduled),
+            max_seq_len=max(seq_lens),
+            page_size=ps,
+            num_decodes=sched.num_decodes,
+        )
+        return ModelInput(
+            input_ids=t(input_ids, torch.long),
+            positions=t(positions, torch.long),
+            attn_metadata=md,
+            logits_indices=t(logits_idx, torch.long),
+            sample_reqs=sample_reqs,
+        )
+
+    @torch.inference_mode()
+    def execute(
+        self, sched: SchedulerOutput, kv: KVCacheManager
+    ) -> tuple[list[Request], SamplerOutput | None]:
+        """Run one step; returns the requests that sampled and their samples (same order)."""
+        inp = self.prepare(sched, kv)
+        hidden = self.model(
+            inp.input_ids, inp.positions, attn_metadata=inp.attn_metadata, kv_caches=self.kv_caches
+        )  # [T, hidden]
+        if not inp.sample_reqs:
+            return [], None
+        logits = self.model.compute_logits(hidden[inp.logits_indices])  # [S, vocab] float32
+        return inp.sample_reqs, self.sampler(logits, inp.sample_reqs)

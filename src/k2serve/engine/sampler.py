@@ -1,0 +1,145 @@
+"""Sampling one next token per sequence from its logits row, on the logits' device.
+
+Order of operations per row (as vLLM): logits processors -> min_tokens (EOS / stop tokens
+masked) -> repetition / frequency / presence penalties -> [logprobs taken here] -> greedy argmax,
+or temperature -> top_k -> top_p -> min_p -> sample.
+
+Logprobs are those of the processed logits before temperature (so a token forced by a logits
+processor has a finite logprob), as `Logprob(logprob, rank)` with rank 1 = most likely.
+
+Reproducibility: a seeded request draws its noise from its own `torch.Generator` (seed + sample
+index), one draw per generated token, so its tokens do not depend on which other requests share
+the batch. Unseeded requests share the sampler's generator (seeded by `EngineConfig.seed`).
+Sampling uses the exponential-race trick: argmax(p / q), q ~ Exp(1), which equals sampling
+from p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from k2serve.engine.request import Request
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float | None]  # logprob of the sampled token (None if not requested)
+    ranks: list[int | None]
+    top_logprobs: list[list[tuple[int, float]] | None]  # top tokens, most likely first
+
+
+class Sampler:
+    def __init__(self, device: torch.device | str = "cpu", seed: int = 0) -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+
+    def _generator(self, req: Request) -> torch.Generator:
+        if req.generator is None:
+            g = torch.Generator(device=self.device)
+            g.manual_seed(int(req.sampling_params.seed) + req.index)
+            req.generator = g
+        return req.generator
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+        # logits: [B, vocab] float32, row i belongs to reqs[i]
+        logits = logits.float().clone()
+        num_rows, vocab = logits.shape
+        assert num_rows == len(reqs)
+        params = [r.sampling_params for r in reqs]
+
+        for i, (r, p) in enumerate(zip(reqs, params, strict=True)):
+            for proc in p.logits_processors:
+                logits[i] = proc(list(r.output_token_ids), logits[i])
+            if r.num_output_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids)
+                if not p.ignore_eos:
+                    banned += list(r.eos_token_ids)
+                banned = [t for t in banned if t < vocab]
+                if banned:
+                    logits[i, banned] = float("-inf")
+
+        pen_rows = [i for i, p in enumerate(params) if p.needs_penalties]
+        if pen_rows:
+            self._apply_penalties(logits, [reqs[i] for i in pen_rows], pen_rows)
+
+        want_lp = [p.logprobs is not None for p in params]
+        logp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None  # [B, vocab]
+
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        tokens = logits.argmax(dim=-1)  # [B]
+        if not bool(greedy.all()):
+            sampled = self._sample(logits, reqs, params)
+            tokens = torch.where(greedy, tokens, sampled)
+
+        token_list = tokens.tolist()
+        out = SamplerOutput(token_list, [None] * num_rows, [None] * num_rows, [None] * num_rows)
+        if logp is not None:
+            chosen = logp.gather(1, tokens[:, None])  # [B, 1]
+            ranks = (logp > chosen).sum(dim=-1) + 1  # [B]
+            k = max(p.logprobs or 0 for p in params)
+            top_v, top_i = logp.topk(k, dim=-1) if k else (None, None)  # [B, k]
+            chosen_l, ranks_l = chosen[:, 0].tolist(), ranks.tolist()
+            top_vl = top_v.tolist() if k else None
+            top_il = top_i.tolist() if k else None
+            for i, p in enumerate(params):
+                if p.logprobs is None:
+                    continue
+                out.logprobs[i], out.ranks[i] = chosen_l[i], ranks_l[i]
+                n = p.logprobs
+                out.top_logprobs[i] = (
+                    list(zip(top_il[i][:n], top_vl[i][:n], strict=True)) if n else []
+                )
+        return out
+
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> None:
+        vocab = logits.shape[1]
+        dev = logits.device
+        for row, r in zip(rows, reqs, strict=True):
+            p = r.sampling_params
+            out_ids = torch.tensor(r.output_token_ids, dtype=torch.long, device=dev)
+            counts = torch.zeros(vocab, device=dev)  # [vocab]
+            if out_ids.numel():
+                counts.scatter_add_(0, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
+            x = logits[row]
+            if p.repetition_penalty != 1.0:
+                seen = counts > 0
+                prompt_ids = torch.tensor(r.prompt_token_ids, dtype=torch.long, device=dev)
+                seen[prompt_ids[prompt_ids < vocab]] = True
+                rp = p.repetition_penalty
+                x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
+            x = x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+            logits[row] = x
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], params) -> torch.Tensor:
+        dev = logits.device
+        temp = torch.tensor([max(p.temperature, 1e-5) for p in params], device=dev)
+        x = logits / temp[:, None]  # [B, vocab]
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        if any(top_k) or any(tp < 1 for tp in top_p):
+            vals, idx = x.sort(dim=-1, descending=True)  # [B, vocab]
+            mask = torch.zeros_like(vals, dtype=torch.bool)
+            if any(top_k):
+                k = torch.tensor([k or x.shape[1] for k in top_k], device=dev)
+                mask |= torch.arange(x.shape[1], device=dev)[None, :] >= k[:, None]
+            if any(tp < 1 for tp in top_p):
+                probs = torch.softmax(vals.masked_fill(mask, float("-inf")), dim=-1)
+                before = probs.cumsum(dim=-1) - probs  # mass strictly before each token
+                mask |= before > torch.tensor(top_p, device=dev)[:, None]
+            vals = vals.masked_fill(mask, float("-inf"))
+            x = torch.empty_like(x).scatter_(1, idx, vals)
+        probs = torch.softmax(x, dim=-1)  # [B, vocab]
+        if any(min_p):
+            thresh = torch.tensor(min_p, device=dev)[:, None] * probs.max(dim=-1, keepdim=True)[0]
+            probs = probs.masked_fill(probs < thresh, 0.0)
+        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, r in enumerate(reqs):
+            if r.sampling_params.seed is not None and not params[i].greedy:
+                q[i].exponential_(generator=self._generator(r))
+        return (probs / q).argmax(dim=-1)

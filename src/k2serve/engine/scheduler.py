@@ -1,0 +1,175 @@
+"""Continuous-batching scheduler with one token budget per step (the vLLM v1 rule).
+
+There is no prefill or decode phase. Each request has `num_computed_tokens` and `num_tokens`;
+each step hands out at most `max_num_batched_tokens` new tokens over at most `max_num_seqs`
+sequences: running requests first, in arrival order (a decode takes 1 token, an unfinished
+prefill the rest of its prompt or what is left of the budget), then waiting requests FCFS
+(after a prefix-cache lookup). In the flat batch the one-token sequences (decodes) come first.
+
+When pages run out for a running request, the most recently arrived running request is
+preempted by recompute: its pages are freed and it goes back to the front of the waiting queue.
+A step that preempted admits no waiting request.
+
+Invariants:
+- Every request that leaves (finished, aborted, preempted) returns all its pages.
+- A request is in exactly one of `waiting` / `running`, or in neither once finished.
+- Given the engine's admission check (each request fits the whole cache alone), the oldest
+  running request can always make progress, so scheduling never deadlocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from k2serve.cache.kv_cache_manager import KVCacheManager
+from k2serve.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    # (request, number of new tokens to compute), one-token sequences first
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    num_decodes: int = 0
+    num_batched_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ---- queue -------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
+        """Take a request out (finished or aborted, at any moment) and free its pages."""
+        assert status.finished
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.free(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            assert num_new > 0, req
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                scheduled.append((req, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # req itself was preempted; everything after it is gone too
+
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                hit_pages = self.kv.get_computed_pages(req) if req.num_computed_tokens == 0 else []
+                num_computed = req.num_computed_tokens + len(hit_pages) * self.kv.page_size
+                num_new = req.num_tokens - num_computed
+                if num_new > budget:
+                    if not self.enable_chunked_prefill and req.num_output_tokens == 0:
+                        break
+                    num_new = budget
+                if not self.kv.allocate_slots(req, num_new, hit_pages):
+                    break
+                self.waiting.popleft()
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_computed
+                    self.kv.prefix_query_tokens += req.num_tokens
+                    self.kv.prefix_hit_tokens += num_computed
+                if req.metrics.first_scheduled_time is None:
+                    req.metrics.first_scheduled_time = time.monotonic()
+                req.num_computed_tokens = num_computed
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                scheduled.append((req, num_new))
+                budget -= num_new
+
+        decodes = [s for s in scheduled if s[1] == 1]
+        out.scheduled = decodes + [s for s in scheduled if s[1] != 1]
+        out.num_decodes = len(decodes)
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance the scheduled requests by their computed tokens and append sampled tokens.
+
+        `sampled` maps request id -> new token for the requests that sampled. Returns the
+        requests that got a new token (finished ones already removed and their pages freed).
+        """
+        updated = []
+        for req, num_new in out.scheduled:
+            req.num_computed_tokens += num_new
+            self.kv.cache_computed_pages(req)
+            tok = sampled.get(req.request_id)
+            if tok is None:
+                continue
+            assert req.num_computed_tokens == req.num_tokens, req
+            req.append_output_token(tok)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = time.monotonic()
+            if req.check_stop_token():
+                status = req.status
+                req.status = RequestStatus.RUNNING
+                self.finish_request(req, status)
+            updated.append(req)
+        return updated
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
+        if len(ids) != len(set(ids)):
+            raise AssertionError("a request is queued twice")
+        for r in self.waiting:
+            if self.kv.num_pages_of(r):
+                raise AssertionError(f"waiting {r} holds pages")
+        held = set(self.kv.req_pages)
+        if not held <= {r.request_id for r in self.running}:
+            raise AssertionError(f"pages held by requests not running: {held}")

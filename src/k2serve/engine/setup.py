@@ -1,0 +1,154 @@
+"""Engine setup helpers: device / dtype resolution, tokenizer loading, the EOS set, and the KV
+cache size from the memory budget (through `k2serve.plan.kv_bytes_per_token`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import torch
+
+from k2serve.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on CUDA, float32 on CPU (bf16 matmuls are slow on most CPUs)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+def load_tokenizer(path: str):
+    """The checkpoint's KimiTokenizer, or None (with a warning) when it has no tokenizer files."""
+    try:
+        from k2serve.tokenizer import KimiTokenizer
+    except ImportError:
+        logger.warning("k2serve.tokenizer is not available: no text output")
+        return None
+    try:
+        return KimiTokenizer.from_dir(path)
+    except (FileNotFoundError, OSError, ValueError) as e:
+        logger.warning("no tokenizer in %s (%s): token ids only, no text", path, e)
+        return None
+
+
+def eos_token_ids(model_config, tokenizer, model_dir: str | None) -> frozenset[int]:
+    """config.json eos + generation_config.json eos_token_id + `<|im_end|>` (Kimi chat turns end
+    with it) + the tokenizer's eos."""
+    ids = set(model_config.eos_token_ids)
+    if model_dir:
+        gen = os.path.join(model_dir, "generation_config.json")
+        if os.path.exists(gen):
+            with open(gen) as f:
+                e = json.load(f).get("eos_token_id")
+            ids.update(e if isinstance(e, list) else [e] if e is not None else [])
+    if tokenizer is not None:
+        for getter in (lambda: tokenizer.token_to_id("<|im_end|>"), lambda: tokenizer.eos_token_id):
+            try:
+                t = getter()
+            except (KeyError, AttributeError, ValueError):
+                t = None
+            if isinstance(t, int):
+                ids.add(t)
+    return frozenset(int(i) for i in ids)
+
+
+def kv_bytes_per_token(model_config, dtype: torch.dtype) -> int:
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, "bf16")
+    try:
+        from k2serve.plan import kv_bytes_per_token as plan_kv_bytes
+
+        return int(plan_kv_bytes(model_config, name))
+    except (ImportError, ValueError, KeyError):
+        # NOTE: same formula as the planner's (layers * (kv_lora_rank + rope dim) * bytes)
+        elem = torch.empty(0, dtype=dtype).element_size()
+        return model_config.num_hidden_layers * model_config.kv_cache_dim * elem
+
+
+def num_kv_pages(
+    cfg: EngineConfig,
+    model_config,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+    may_shrink_max_model_len: bool,
+) -> tuple[int, int]:
+    """(number of pages, max_model_len) from the memory budget. Logs how many tokens fit."""
+    ps = cfg.page_size
+    per_token = kv_bytes_per_token(model_config, dtype)
+    per_page = per_token * ps
+    if cfg.num_kv_pages is not None:
+        pages = cfg.num_kv_pages
+        source = "num_kv_pages"
+    else:
+        if cfg.kv_cache_memory is not None:
+            budget, source = cfg.kv_cache_memory, "kv_cache_memory"
+        elif device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            budget = int(total * cfg.gpu_memory_utilization) - (total - free)
+            source = f"gpu_memory_utilization={cfg.gpu_memory_utilization}"
+        else:
+            budget, source = DEFAULT_CPU_KV_CACHE_MEMORY, "CPU default"
+        pages = max(0, budget) // per_page
+        # never more than every sequence at full length needs
+        pages = min(pages, cfg.max_num_seqs * cdiv(max_model_len, ps))
+    if pages < 1:
+        raise ValueError(
+            f"the KV cache budget ({source}) holds no page of {ps} tokens ({per_page} bytes); "
+            "raise --kv-cache-memory or --gpu-memory-utilization"
+        )
+    if pages * ps < max_model_len:
+        if not may_shrink_max_model_len:
+            raise ValueError(
+                f"max_model_len={max_model_len} does not fit the KV cache: {pages} pages x {ps} "
+                f"= {pages * ps} tokens ({source}); lower --max-model-len or give more memory"
+            )
+        logger.warning(
+            "max_model_len lowered from %d to %d: the KV cache holds %d tokens",
+            max_model_len,
+            pages * ps,
+            pages * ps,
+        )
+        max_model_len = pages * ps
+    logger.info(
+        "KV cache: %d pages x %d tokens = %d tokens (%.2f GiB, %d bytes/token, %s); %.1f "
+        "sequences of max_model_len=%d",
+        pages,
+        ps,
+        pages * ps,
+        pages * per_page / 2**30,
+        per_token,
+        source,
+        pages * ps / max_model_len,
+        max_model_len,
+    )
+    return pages, max_model_len
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
