@@ -1,0 +1,160 @@
+"""`k2serve deploy k8s|slurm|systemd --plan plan.json --out DIR`.
+
+Owns: turning a plan (the JSON of `k2serve plan --json`) into deployment files through the
+Jinja templates in `templates/`, and the sizes those files request (volume, RAM, /dev/shm).
+
+Invariants:
+- The serve command in every file is the plan's `serve_args` with only the model path (and
+  host/port) rewritten for the target; nothing about placement is re-decided here.
+- A plan that does not fit is refused (exit 1) unless `--force`.
+- Rendering is strict: a missing template value is an error, not an empty string.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import sys
+from pathlib import Path
+
+TEMPLATES = Path(__file__).parent / "templates"
+FILES = {
+    "k8s": [
+        ("k8s-pvc.yaml.j2", "pvc.yaml"),
+        ("k8s-download-job.yaml.j2", "download-job.yaml"),
+        ("k8s-deployment.yaml.j2", "deployment.yaml"),
+        ("k8s-service.yaml.j2", "service.yaml"),
+    ],
+    "slurm": [("slurm-serve.sbatch.j2", "serve.sbatch"), ("slurm-bench.sbatch.j2", "bench.sbatch")],
+    "systemd": [("k2serve.service.j2", "{name}.service")],
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("target", choices=sorted(FILES), help="what to write")
+    p.add_argument("--plan", required=True, help="JSON written by `k2serve plan --json`")
+    p.add_argument("--out", required=True, help="directory for the files")
+    p.add_argument("--name", default="k2serve", help="resource / job / unit name")
+    p.add_argument("--image", default="k2serve:0.1.0", help="container image (k8s)")
+    p.add_argument("--namespace", default="default", help="Kubernetes namespace")
+    p.add_argument("--storage-class", default=None, help="PVC storage class (cluster default)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--models-root", default=None, help="checkpoint parent dir (slurm, systemd)")
+    p.add_argument("--partition", default=None, help="SLURM partition")
+    p.add_argument("--account", default=None, help="SLURM account")
+    p.add_argument("--time", default="24:00:00", help="SLURM time limit")
+    p.add_argument("--user", default="k2serve", help="systemd User=")
+    p.add_argument("--k2serve-bin", default="/usr/local/bin/k2serve", help="systemd ExecStart")
+    p.add_argument("--force", action="store_true", help="write files for a plan that does not fit")
+
+
+def _serve_args(plan: dict, model_path: str, port: str) -> list[str]:
+    args = list(plan["serve_args"])
+    if "--model" in args:
+        args[args.index("--model") + 1] = model_path
+    return args + ["--host", "0.0.0.0", "--port", port]
+
+
+def context(plan: dict, a: argparse.Namespace, target: str = "k8s") -> dict:
+    """Template values from the plan and the flags."""
+    for key in ("serve_args", "num_gpus", "weights", "fits", "cpu_memory_needed"):
+        if key not in plan:
+            raise ValueError(
+                f"--plan: field {key!r} is missing; write it with `k2serve plan --json`"
+            )
+    src = plan.get("source") or {}
+    name_dir = os.path.basename(str(src.get("model_dir") or "model").rstrip("/")) or "model"
+    download_name = src.get("hf_repo") or src.get("name") or "MODEL"
+    model_gib = math.ceil(plan["weights"]["total"] / 2**30)
+    cpu_gib = math.ceil(plan["cpu_memory_needed"] / 2**30) if plan.get("num_cpu_experts") else 0
+    port = str(a.port)
+    k8s_dir = f"/models/{name_dir}"
+    local_dir = os.path.join(a.models_root, name_dir) if a.models_root else src.get("model_dir")
+    local_dir = local_dir or name_dir
+    if target == "systemd" and not os.path.isabs(local_dir):
+        local_dir = os.path.join("/var/lib/k2serve/models", name_dir)  # units need absolute paths
+    serve_k8s = ["k2serve", "serve", *_serve_args(plan, k8s_dir, port)]
+    serve_local = _serve_args(plan, "$MODEL_DIR", "$PORT")
+    quoted = " ".join(f'"{x}"' if x.startswith("$") else shlex.quote(x) for x in serve_local)
+    # RAM: CPU experts plus 10% and 32 GiB for the process; SLURM --mem=0 asks for the node's all
+    mem_gib = math.ceil(cpu_gib * 1.1) + 32 if cpu_gib else 0
+    return {
+        "name": a.name,
+        "namespace": a.namespace,
+        "image": a.image,
+        "storage_class": a.storage_class,
+        "port": a.port,
+        "hf_repo": download_name,
+        "hf_secret": f"{a.name}-hf-token",
+        "api_secret": f"{a.name}-api-key",
+        "source_name": src.get("name", download_name),
+        "download_name": download_name,
+        "download_command": ["k2serve", "download", download_name, "--dir", k8s_dir],
+        "serve_command": serve_k8s,
+        "serve_shell": f"k2serve serve {quoted}",
+        "serve_exec": f"{a.k2serve_bin} serve "
+        + " ".join(
+            "${MODEL_DIR}" if x == "$MODEL_DIR" else "${PORT}" if x == "$PORT" else x
+            for x in serve_local
+        ),  # fmt: skip
+        "num_gpus": int(plan["num_gpus"]),
+        "gpu_name": (plan.get("gpu") or {}).get("name", "CPU"),
+        "model_gib": model_gib,
+        "pvc_gib": math.ceil(model_gib * 1.1),
+        "cpu_gib": cpu_gib,
+        "memory_gib": mem_gib,
+        "slurm_mem": f"{mem_gib}G" if mem_gib else "0",
+        "shm_gib": 16 if int(plan["num_gpus"]) > 1 else 4,
+        # ~1 GiB/s from local NVMe: allow load time of the weights plus 10 minutes, in 10 s steps
+        "startup_failures": max(60, math.ceil((model_gib + 600) / 10)),
+        "cpus": max(8, 8 * int(plan["num_gpus"])) if not cpu_gib else 64,
+        "time_limit": a.time,
+        "partition": a.partition,
+        "account": a.account,
+        "model_dir": local_dir,
+        "user": a.user,
+        "bench_input_len": 1024,
+        "bench_output_len": 256,
+        "bench_num_prompts": 200,
+        "bench_concurrency": min(int(plan.get("max_num_seqs", 16)), 16),
+    }
+
+
+def render(target: str, plan: dict, a: argparse.Namespace) -> dict[str, str]:
+    """{file name: text} for `target`."""
+    import jinja2
+
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+    ctx = context(plan, a, target)
+    return {out.format(name=a.name): env.get_template(t).render(**ctx) for t, out in FILES[target]}
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        with open(args.plan) as f:
+            plan = json.load(f)
+        if not plan.get("fits") and not args.force:
+            why = "; ".join(plan.get("reasons") or [])
+            print(f"k2serve deploy: the plan does not fit ({why}); use --force", file=sys.stderr)
+            return 1
+        files = render(args.target, plan, args)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"k2serve deploy: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    for name, text in files.items():
+        path = os.path.join(args.out, name)
+        with open(path, "w") as f:
+            f.write(text)
+        if name.endswith(".sbatch"):
+            os.chmod(path, 0o755)
+        print(path)
+    return 0
