@@ -1,0 +1,261 @@
+"""The FastAPI app: `build_app(engine, ...)` wires routes, auth, limits, errors and metrics.
+
+Owns: the routes (/v1/chat/completions, /v1/completions, /v1/models, /health, /version,
+/metrics) and `GuardMiddleware` (API key, request body limit, per-status request counts, and
+the last-resort 500 that never leaks a traceback).
+
+Invariants:
+- The app holds no global state: everything lives in `app.state.k2` (a `ServerState`), so tests
+  can build many apps in one process.
+- `app.state.k2.draining = True` (set on SIGTERM) makes /health answer 503 and new /v1 requests
+  503, while requests already in flight run to completion.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from k2serve import __version__
+from k2serve.server.auth import check_authorization, needs_key
+from k2serve.server.chat import ChatHandler
+from k2serve.server.completions import CompletionHandler
+from k2serve.server.errors import APIError, install_error_handlers
+from k2serve.server.metrics import ServerMetrics
+from k2serve.server.protocol import ChatCompletionRequest, CompletionRequest
+from k2serve.server.serving import ServerState
+from k2serve.server.sse import ClientDisconnected
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+_ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/health",
+    "/version",
+    "/metrics",
+)
+
+
+class GuardMiddleware:
+    def __init__(self, app: ASGIApp, state: ServerState, api_key: str | None, max_body: int):
+        self.app = app
+        self.state = state
+        self.api_key = api_key
+        self.max_body = max_body
+
+    async def _reply(self, send: Send, err: APIError) -> None:
+        body = json.dumps(err.body()).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": err.status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        label = path if path in _ROUTES else "other"
+        status = {"code": 500, "started": False}
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                status["started"] = True
+            await send(message)
+
+        try:
+            err = self._precheck(scope, path)
+            if err is not None:
+                await self._reply(send_wrapper, err)
+                return
+            limited = await self._buffered(scope, receive)
+            if limited is None:
+                await self._reply(send_wrapper, self._too_large())
+                return
+            await self.app(scope, limited, send_wrapper)
+        except Exception:
+            logger.exception("unhandled error on %s %s", scope.get("method"), path)
+            if not status["started"]:
+                await self._reply(
+                    send_wrapper, APIError(500, "internal server error; see the server log")
+                )
+        finally:
+            self.state.metrics.http_requests.labels(path=label, status=str(status["code"])).inc()
+
+    def _too_large(self) -> APIError:
+        return APIError(
+            413,
+            f"request body is larger than the limit of {self.max_body} bytes",
+            code="request_too_large",
+        )
+
+    def _precheck(self, scope: Scope, path: str) -> APIError | None:
+        headers = dict(scope.get("headers") or [])
+        if self.api_key and needs_key(path):
+            raw = headers.get(b"authorization")
+            why = check_authorization(raw.decode("latin-1") if raw else None, self.api_key)
+            if why is not None:
+                return APIError(401, why, code="invalid_api_key")
+        if self.state.draining and needs_key(path):
+            return APIError(503, "the server is shutting down", code="shutting_down")
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                if int(length) > self.max_body:
+                    return self._too_large()
+            except ValueError:
+                return APIError(400, "invalid Content-Length header")
+        return None
+
+    async def _buffered(self, scope: Scope, receive: Receive) -> Receive | None:
+        """Without Content-Length (chunked upload): read the body up to the limit, then replay.
+
+        Returns None when the body is over the limit.
+        """
+        headers = dict(scope.get("headers") or [])
+        if b"content-length" in headers or scope.get("method") not in ("POST", "PUT", "PATCH"):
+            return receive
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                pending = [message]
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body:
+                return None
+            if not message.get("more_body", False):
+                pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+                break
+
+        async def replay() -> Message:
+            return pending.pop(0) if pending else await receive()
+
+        return replay
+
+
+def _max_model_len(engine) -> int:
+    for path in (
+        "max_model_len",
+        "engine_config.max_model_len",
+        "config.max_model_len",
+        "model_config.max_position_embeddings",
+    ):
+        obj = engine
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if isinstance(obj, int) and obj > 0:
+            return obj
+    raise ValueError("cannot tell the engine's max_model_len; pass max_model_len=")
+
+
+def _default_sampling_params_cls():
+    from k2serve.engine.sampling_params import SamplingParams
+
+    return SamplingParams
+
+
+def build_app(
+    engine,
+    *,
+    served_model_names: list[str] | None = None,
+    api_key: str | None = None,
+    max_model_len: int | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    default_thinking: bool = True,
+    enable_tool_parser: bool = True,
+    tokenizer=None,
+    sampling_params_cls=None,
+) -> FastAPI:
+    """An OpenAI-compatible app over an `AsyncLLMEngine`-like engine (see docs/interfaces.md)."""
+    names = list(served_model_names or ["k2serve"])
+    tok = tokenizer if tokenizer is not None else engine.tokenizer
+    state = ServerState(
+        engine=engine,
+        tokenizer=tok,
+        model_name=names[0],
+        served_names=names,
+        max_model_len=max_model_len or _max_model_len(engine),
+        metrics=ServerMetrics(engine, names[0]),
+        sampling_params_cls=sampling_params_cls or _default_sampling_params_cls(),
+        default_thinking=default_thinking,
+        enable_tool_parser=enable_tool_parser,
+    )
+    app = FastAPI(title="k2serve", version=__version__, docs_url=None, redoc_url=None)
+    app.state.k2 = state
+    install_error_handlers(app)
+    chat, completions = ChatHandler(state), CompletionHandler(state)
+    started = int(time.time())
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected):
+        return Response(status_code=499)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        out = await chat.create(body, request)
+        return out if isinstance(out, Response) else JSONResponse(out)
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request):
+        out = await completions.create(body, request)
+        return out if isinstance(out, Response) else JSONResponse(out)
+
+    @app.get("/v1/models")
+    async def models():
+        data = [
+            {
+                "id": n,
+                "object": "model",
+                "created": started,
+                "owned_by": "k2serve",
+                "root": names[0],
+                "max_model_len": state.max_model_len,
+            }
+            for n in names
+        ]
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health():
+        if state.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        check = getattr(engine, "check_health", None)
+        if check is not None:
+            try:
+                res = check()
+                if hasattr(res, "__await__"):
+                    await res
+            except Exception as e:
+                raise APIError(503, f"the engine is unhealthy: {e}", code="engine_dead") from None
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(
+            state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+    app.add_middleware(GuardMiddleware, state=state, api_key=api_key, max_body=max_body_bytes)
+    return app

@@ -1,0 +1,336 @@
+"""POST /v1/chat/completions: messages -> Kimi prompt -> engine -> OpenAI chat response or SSE.
+
+Owns: message normalisation for the chat template, tool_choice handling, reasoning / tool-call
+parsing of the output (whole and streaming), logprobs and usage in the chat format.
+
+Invariants:
+- Tool calls are parsed only when tools are given and tool_choice is not "none"; otherwise the
+  model is prevented from opening a tool-call section, so no raw markers reach `content`.
+- finish_reason is "tool_calls" when a choice ends normally having produced tool calls.
+- Every engine request started here is closed when the handler ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from starlette.requests import Request
+
+from k2serve.parsers import StreamingOutputParser, parse_output
+from k2serve.parsers.markers import SECTION_BEGIN
+from k2serve.server.errors import APIError, bad_request
+from k2serve.server.protocol import ChatCompletionRequest, ChatMessageParam, NamedToolChoice
+from k2serve.server.serving import (
+    EngineStream,
+    MergedStreams,
+    ServerState,
+    chat_logprobs,
+    new_request_id,
+)
+from k2serve.server.sse import SSE_DONE, SSEResponse, cancel_on_disconnect, sse_event
+from k2serve.server.tool_choice import BanTokens, ForceToolCallPrefix
+
+logger = logging.getLogger(__name__)
+
+
+def _content_text(msg: ChatMessageParam, i: int) -> str | None:
+    c = msg.content
+    if c is None or isinstance(c, str):
+        return c
+    parts = []
+    for j, part in enumerate(c):
+        if part.type not in ("text", "input_text"):
+            raise bad_request(
+                f"messages[{i}].content[{j}].type={part.type!r} is not supported (text only)",
+                param=f"messages.{i}.content.{j}.type",
+            )
+        parts.append(part.text or "")
+    return "".join(parts)
+
+
+def render_messages(req: ChatCompletionRequest) -> list[dict]:
+    """The messages as plain dicts for the chat template (reasoning under `reasoning_content`)."""
+    out = []
+    for i, m in enumerate(req.messages):
+        d: dict = {"role": "system" if m.role == "developer" else m.role}
+        d["content"] = _content_text(m, i) or ""
+        if m.name is not None:
+            d["name"] = m.name
+        if m.role == "assistant":
+            reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+            if reasoning is not None:
+                d["reasoning_content"] = reasoning
+            if m.tool_calls:
+                d["tool_calls"] = [
+                    {
+                        "id": tc.id or f"functions.{tc.function.name}:{k}",
+                        "type": "function",
+                        "function": {
+                            "name": tc.function.name,
+                            "arguments": tc.function.arguments
+                            if isinstance(tc.function.arguments, str)
+                            else json.dumps(tc.function.arguments, ensure_ascii=False),
+                        },
+                    }
+                    for k, tc in enumerate(m.tool_calls)
+                ]
+        if m.role == "tool":
+            if m.tool_call_id is None:
+                raise bad_request(
+                    f"messages[{i}] has role 'tool' but no tool_call_id",
+                    param=f"messages.{i}.tool_call_id",
+                )
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
+
+
+class ChatHandler:
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    # ---------------------------------------------------------------------------------------
+    def _prepare(self, req: ChatCompletionRequest):
+        st = self.state
+        st.check_model(req.model)
+        if req.response_format is not None and req.response_format.type != "text":
+            raise bad_request(
+                f"response_format.type={req.response_format.type!r} is not supported yet "
+                "(only 'text')",
+                param="response_format",
+            )
+        kwargs = dict(req.chat_template_kwargs or {})
+        thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", st.default_thinking)))
+        kwargs.setdefault("thinking", thinking)
+        tool_choice = req.tool_choice or ("auto" if req.tools else "none")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        use_tools = bool(tools) and tool_choice != "none" and st.enable_tool_parser
+        try:
+            text = st.tokenizer.apply_chat_template(
+                render_messages(req),
+                tools=tools,
+                add_generation_prompt=True,
+                chat_template_kwargs=kwargs,
+            )
+        except APIError:
+            raise
+        except Exception as e:  # template errors are the request's fault (bad message order...)
+            raise bad_request(
+                f"the messages cannot be rendered with the chat template: {e}", param="messages"
+            ) from None
+        prompt_ids = st.tokenizer.encode(text, allow_special=True)
+        max_tokens = st.resolve_max_tokens(len(prompt_ids), req.effective_max_tokens(), "messages")
+
+        procs = []
+        if use_tools and tool_choice == "required":
+            names = [t["function"]["name"] for t in tools]
+            procs.append(ForceToolCallPrefix(st.tokenizer, names, thinking))
+        elif use_tools and isinstance(tool_choice, NamedToolChoice):
+            procs.append(ForceToolCallPrefix(st.tokenizer, [tool_choice.function.name], thinking))
+        elif not use_tools:
+            section = st.tokenizer.token_to_id(SECTION_BEGIN)
+            if section is not None:
+                procs.append(BanTokens([section]))
+        logprobs = None
+        if req.logprobs:
+            logprobs = req.top_logprobs or 0
+        params = st.sampling_params(req, max_tokens, logprobs=logprobs, logits_processors=procs)
+        return prompt_ids, params, thinking, (tools if use_tools else None)
+
+    async def create(self, req: ChatCompletionRequest, raw: Request):
+        prompt_ids, params, thinking, tools = self._prepare(req)
+        stream = EngineStream(self.state, prompt_ids, params, new_request_id("chatcmpl"))
+        await cancel_on_disconnect(raw, stream.start())
+        if req.stream:
+            return SSEResponse(self._stream(req, stream, thinking, tools))
+        try:
+            return await cancel_on_disconnect(raw, self._full(req, stream, thinking, tools))
+        finally:
+            await stream.close()
+
+    # ---------------------------------------------------------------------------------------
+    async def _full(self, req, stream: EngineStream, thinking: bool, tools) -> dict:
+        n = req.n
+        texts = [""] * n
+        ids: list[list[int]] = [[] for _ in range(n)]
+        lps: list[list] = [[] for _ in range(n)]
+        finish: list = [None] * n
+        stop_reason: list = [None] * n
+        async for out in stream:
+            for c in out.outputs:
+                texts[c.index] += c.text
+                ids[c.index].extend(c.token_ids)
+                if c.logprobs:
+                    lps[c.index].extend(c.logprobs)
+                if c.finish_reason is not None:
+                    finish[c.index] = c.finish_reason
+                    stop_reason[c.index] = c.stop_reason
+        choices = []
+        for i in range(n):
+            parsed = parse_output(
+                texts[i], thinking=thinking, tools=tools, truncated=finish[i] == "length"
+            )
+            calls = list(parsed.tool_calls) if tools else []
+            if calls and not req.parallel_tool_calls:
+                calls = calls[:1]
+            reason = finish[i] or "abort"
+            if calls and reason == "stop":
+                reason = "tool_calls"
+            content = parsed.content
+            if content is None and not calls:
+                content = ""
+            choice = {
+                "index": i,
+                "message": {
+                    "role": "assistant",
+                    "content": content,
+                    "reasoning_content": parsed.reasoning_content,
+                    "reasoning": parsed.reasoning_content,
+                    "tool_calls": [
+                        {
+                            "id": c.id,
+                            "type": "function",
+                            "function": {"name": c.name, "arguments": c.arguments},
+                        }
+                        for c in calls
+                    ],
+                },
+                "logprobs": None,
+                "finish_reason": reason,
+                "stop_reason": stop_reason[i],
+            }
+            if req.logprobs:
+                choice["logprobs"] = {
+                    "content": chat_logprobs(
+                        self.state.tokenizer, ids[i], lps[i], req.top_logprobs or 0
+                    )
+                }
+            choices.append(choice)
+        completion = sum(len(x) for x in ids)
+        return {
+            "id": stream.request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.state.model_name,
+            "choices": choices,
+            "usage": _usage(len(stream.prompt_ids), completion, stream.num_cached_tokens),
+        }
+
+    # ---------------------------------------------------------------------------------------
+    async def _stream(self, req, stream: EngineStream, thinking: bool, tools):
+        st = self.state
+        n = req.n
+        created = int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        parsers = [StreamingOutputParser(thinking=thinking, tools=tools) for _ in range(n)]
+        num_calls = [0] * n
+        counts = [0] * n
+        merged = MergedStreams([stream])
+
+        def chunk(index: int, delta: dict, finish=None, logprobs=None, stop_reason=None) -> str:
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            if finish is not None:
+                choice["stop_reason"] = stop_reason
+            body = {
+                "id": stream.request_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": st.model_name,
+                "choices": [choice],
+            }
+            if include_usage:
+                body["usage"] = (
+                    _usage(len(stream.prompt_ids), sum(counts), stream.num_cached_tokens)
+                    if continuous
+                    else None
+                )
+            return sse_event(body)
+
+        def delta_dict(msg, i: int) -> dict:
+            d: dict = {}
+            if msg.reasoning_content:
+                d["reasoning_content"] = msg.reasoning_content
+                d["reasoning"] = msg.reasoning_content
+            if msg.content:
+                d["content"] = msg.content
+            calls = []
+            for tc in msg.tool_calls:
+                if tc.index > 0 and not req.parallel_tool_calls:
+                    continue
+                num_calls[i] += 1
+                calls.append(
+                    {
+                        "index": tc.index,
+                        "id": tc.id,
+                        "type": "function",
+                        "function": {"name": tc.name, "arguments": tc.arguments or ""},
+                    }
+                )
+            if calls:
+                d["tool_calls"] = calls
+            return d
+
+        try:
+            for i in range(n):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            async for _, out in merged:
+                for c in out.outputs:
+                    i = c.index
+                    counts[i] += len(c.token_ids)
+                    d = delta_dict(parsers[i].feed(c.text), i) if c.text else {}
+                    lp = None
+                    if req.logprobs and c.logprobs:
+                        lp = {
+                            "content": chat_logprobs(
+                                st.tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0
+                            )
+                        }
+                    if c.finish_reason is not None:
+                        tail = delta_dict(
+                            parsers[i].finish(truncated=c.finish_reason == "length"), i
+                        )
+                        for k, v in tail.items():
+                            d[k] = d[k] + v if k in d else v  # str or list
+                        reason = c.finish_reason
+                        if num_calls[i] and reason == "stop":
+                            reason = "tool_calls"
+                        yield chunk(i, d, reason, lp, c.stop_reason)
+                    elif d or lp:
+                        yield chunk(i, d, None, lp)
+            if include_usage:
+                yield sse_event(
+                    {
+                        "id": stream.request_id,
+                        "object": "chat.completion.chunk",
+                        "created": created,
+                        "model": st.model_name,
+                        "choices": [],
+                        "usage": _usage(
+                            len(stream.prompt_ids), sum(counts), stream.num_cached_tokens
+                        ),
+                    }
+                )
+            yield SSE_DONE
+        except Exception as e:
+            logger.exception("chat stream %s failed", stream.request_id)
+            err = (
+                e
+                if isinstance(e, APIError)
+                else APIError(500, f"internal error ({type(e).__name__})")
+            )
+            yield sse_event(err.body())
+            yield SSE_DONE
+        finally:
+            await merged.aclose()
+
+
+def _usage(prompt: int, completion: int, cached: int) -> dict:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }

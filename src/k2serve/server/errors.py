@@ -1,0 +1,128 @@
+"""OpenAI-style errors: one exception type, the JSON body, and the app's exception handlers.
+
+Owns: the mapping from every failure to `{"error": {"message", "type", "param", "code"}}` with
+the right HTTP status.
+
+Invariants:
+- No response ever carries a traceback: unexpected exceptions are logged here with their stack
+  and answered with a generic 500 that names the request id only.
+- Validation errors are 400 (as vLLM and OpenAI), with `param` naming the offending field.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from k2serve.server.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    """An error to send to the client as OpenAI error JSON."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPE_BY_STATUS.get(status, "invalid_request_error")
+
+    def body(self) -> dict:
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def is_queue_full(exc: BaseException) -> bool:
+    """The engine's `EngineQueueFull`, matched by name so the server needs no engine import."""
+    return any(cls.__name__ == "EngineQueueFull" for cls in type(exc).__mro__)
+
+
+def engine_error(exc: Exception) -> APIError:
+    """Translate what `AsyncLLMEngine.generate` / `SamplingParams` raise before queueing."""
+    if isinstance(exc, APIError):
+        return exc
+    if is_queue_full(exc):
+        return APIError(
+            429,
+            f"the server is at capacity ({exc}); retry later",
+            code="rate_limit_exceeded",
+        )
+    if isinstance(exc, ValueError):
+        return bad_request(str(exc))
+    raise exc
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errs = exc.errors()
+    if not errs:
+        return "invalid request", None
+    first = errs[0]
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    msg = str(first.get("msg", "invalid value"))
+    if first.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {msg}", None
+    parts = [f"{'.'.join(loc) or 'body'}: {msg}"]
+    if len(errs) > 1:
+        parts.append(f"(and {len(errs) - 1} more problem(s))")
+    return " ".join(parts), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        msg, param = _validation_message(exc)
+        return APIError(400, msg, param=param, code="invalid_value").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        msg = str(exc.detail) if exc.detail else "error"
+        if exc.status_code == 404:
+            msg = f"no route {request.method} {request.url.path}"
+        if exc.status_code == 405:
+            msg = f"method {request.method} is not allowed on {request.url.path}"
+        return APIError(exc.status_code, msg).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        logger.exception("internal error on %s %s", request.method, request.url.path)
+        return APIError(
+            500, f"internal server error ({type(exc).__name__}); see the server log"
+        ).response()

@@ -1,0 +1,229 @@
+"""Prometheus metrics of one server app, in a registry of its own (never the global one).
+
+Owns: the metric names (vLLM's, with the `k2serve:` prefix), the per-request timing
+(`RequestTimer`) and the scrape-time collector that reads `engine.get_stats()`.
+
+Invariants:
+- Two apps in one process never share a metric (tests build many apps).
+- Engine gauges (running, waiting, KV pages, prefix-cache hit rate) are read at scrape time, so
+  /metrics is exact even when no request is in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+logger = logging.getLogger(__name__)
+
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+
+
+def _stat(stats, *names, default=0.0) -> float:
+    """Read the first present attribute (or dict key) of an EngineStats-like object."""
+    for name in names:
+        val = stats.get(name) if isinstance(stats, dict) else getattr(stats, name, None)
+        if val is not None:
+            return float(val)
+    return float(default)
+
+
+class _EngineCollector:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        try:
+            s = self.engine.get_stats()
+        except Exception:  # a scrape must never fail because the engine is busy or gone
+            logger.exception("engine.get_stats() failed during a /metrics scrape")
+            return
+        used = _stat(s, "kv_pages_used", "num_used_pages", "used_pages", "kv_used_pages")
+        total = _stat(s, "kv_pages_total", "num_total_pages", "total_pages", "kv_total_pages")
+        values = [
+            (
+                "k2serve:num_requests_running",
+                "Requests in the running batch.",
+                _stat(s, "running", "num_running", "num_running_reqs"),
+            ),
+            (
+                "k2serve:num_requests_waiting",
+                "Requests waiting to be scheduled.",
+                _stat(s, "waiting", "num_waiting", "num_waiting_reqs"),
+            ),
+            ("k2serve:kv_cache_used_pages", "KV cache pages held by requests.", used),
+            ("k2serve:kv_cache_total_pages", "KV cache pages in the pool.", total),
+            (
+                "k2serve:kv_cache_usage_perc",
+                "Fraction of KV cache pages in use (0..1).",
+                _stat(s, "kv_cache_usage", "kv_usage", default=(used / total if total else 0.0)),
+            ),
+            (
+                "k2serve:prefix_cache_hit_rate",
+                "Prefix-cache hit rate over prompt tokens (0..1).",
+                _stat(s, "prefix_cache_hit_rate", "prefix_hit_rate"),
+            ),
+        ]
+        for name, doc, val in values:
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], val)
+            yield g
+
+
+class ServerMetrics:
+    def __init__(self, engine, model_name: str):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.model_name = model_name
+        self.http_requests = Counter(
+            "k2serve:http_requests",
+            "HTTP requests by path and status code.",
+            ["path", "status"],
+            registry=r,
+        )
+        self.request_success = Counter(
+            "k2serve:request_success",
+            "Finished generations by finish reason.",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "k2serve:prompt_tokens", "Prompt tokens processed.", registry=r
+        )
+        self.generation_tokens = Counter(
+            "k2serve:generation_tokens", "Tokens generated.", registry=r
+        )
+        self.ttft = Histogram(
+            "k2serve:time_to_first_token_seconds",
+            "Time to first token.",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "k2serve:inter_token_latency_seconds",
+            "Time between output tokens.",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "k2serve:e2e_request_latency_seconds",
+            "Request latency, arrival to last token.",
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        r.register(_EngineCollector(engine))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def timer(self, num_prompt_tokens: int) -> RequestTimer:
+        self.prompt_tokens.inc(num_prompt_tokens)
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """Times one engine request: call `tokens(k)` per delta with k new tokens, then `finish`."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.m = metrics
+        self.start = time.perf_counter()
+        self.last: float | None = None
+        self.done = False
+
+    def tokens(self, k: int) -> None:
+        if k <= 0:
+            return
+        t = time.perf_counter()
+        if self.last is None:
+            self.m.ttft.observe(t - self.start)
+        else:
+            # A delta with k tokens after dt: k tokens arrived at dt / k apart on average.
+            for _ in range(k):
+                self.m.itl.observe((t - self.last) / k)
+        self.last = t
+        self.m.generation_tokens.inc(k)
+
+    def finish(self, reason: str | None) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.m.e2e.observe(time.perf_counter() - self.start)
+        self.m.request_success.labels(finished_reason=reason or "abort").inc()
