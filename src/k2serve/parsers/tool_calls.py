@@ -9,8 +9,9 @@ streaming parser so both report identical calls:
   An id without `:` (`call00003`, `call_3`, `toolu_...`, or a bare `functions.x`) is resolved,
   in order: (1) the part after the last `.` if it is a declared tool; (2) with declared tools, the
   one tool whose schema accepts the argument object (required keys present, no unknown keys
-  when properties are declared) - a warning says it was inferred; (3) otherwise the part after
-  the last `.` itself. A well-delimited call is never dropped for its id.
+  when properties are declared), or the only declared tool - a warning says it was inferred
+  (the approach of sglang PR #25362 for `call00003`); (3) otherwise the part after the last `.`
+  itself, with a warning. A well-delimited call is never dropped for its id.
 - **arguments**: the JSON text as written (stripped). Empty arguments mean `{}`. Arguments given
   as a JSON *string* holding an object (`"{\\"a\\": 1}"`) are unwrapped to the inner JSON text.
   Arguments that are not a JSON object are **passed through unchanged** (as vLLM does, so the
