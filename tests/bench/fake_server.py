@@ -58,6 +58,10 @@ class FakeOpenAIServer:
             self.port = self._server.sockets[0].getsockname()[1]
             ready.set()
             self._loop.run_forever()
+            pending = asyncio.all_tasks(self._loop)  # e.g. a "hang" handler
+            for t in pending:
+                t.cancel()
+            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             self._server.close()
             self._loop.run_until_complete(self._server.wait_closed())
             self._loop.close()

@@ -118,9 +118,11 @@ def prefix_dataset(
     in_lens = _lengths(rng, suffix_len, range_ratio, num_prompts, "random-input-len")
     out_lens = _lengths(rng, output_len, range_ratio, num_prompts, "random-output-len")
     out = []
+    j = 0  # shared requests take the prefixes round robin
     for i in range(num_prompts):
         if shared[i]:
-            prefix = prefixes[i % num_prefixes]
+            prefix = prefixes[j % num_prefixes]
+            j += 1
         else:
             prefix = random_words(rng, prefix_len)
         n_in = max(1, int(in_lens[i]))
