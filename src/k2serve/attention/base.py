@@ -1,0 +1,62 @@
+"""The metadata an attention backend needs for one forward step over a paged latent KV cache.
+
+Invariants (see docs/interfaces.md):
+- Tensors live on the model's device. Decodes (exactly one new token) come first in the flat
+  batch; `num_decodes` counts them.
+- For sequence b, its new tokens are rows query_start_loc[b]:query_start_loc[b+1] of the flat
+  batch, they sit at positions context_lens[b] .. seq_lens[b]-1, and token i of them sees the
+  cache positions < context_lens[b] + i + 1.
+- slot_mapping[t] = page * page_size + offset of new token t (negative = padding, not stored).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # [B + 1] int32, cu_seqlens of the new tokens
+    seq_lens: torch.Tensor  # [B] int32, tokens in the sequence after this step
+    context_lens: torch.Tensor  # [B] int32, tokens already cached before this step
+    block_table: torch.Tensor  # [B, max_pages] int32, page ids padded with 0
+    slot_mapping: torch.Tensor  # [T] int64
+    max_query_len: int
+    max_seq_len: int
+    page_size: int
+    num_decodes: int = 0
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+class MLABackend:
+    """Interface of an absorbed-MLA attention backend over the paged latent cache."""
+
+    name = "base"
+
+    def store(
+        self,
+        kv_cache: torch.Tensor,  # [num_pages, page_size, L + R]
+        latent: torch.Tensor,  # [T, L] (normed)
+        k_pe: torch.Tensor,  # [T, R] (roped)
+        slot_mapping: torch.Tensor,  # [T] int64
+    ) -> None:
+        raise NotImplementedError
+
+    def forward(
+        self,
+        q_latent: torch.Tensor,  # [T, H, L]
+        q_pe: torch.Tensor,  # [T, H, R]
+        kv_cache: torch.Tensor,  # [num_pages, page_size, L + R]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, L]
+        raise NotImplementedError

@@ -1,0 +1,73 @@
+"""Torch reference backend for absorbed MLA over the paged latent cache (the test oracle).
+
+Invariants:
+- Cache layout per layer: [num_pages, page_size, L + R], latent first, roped key last.
+- Scores = (q_latent . latent + q_pe . k_pe) * scale, softmax in float32, output = p . latent.
+- Plain loops over sequences: slow, obvious, device-agnostic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k2serve.attention.base import AttentionMetadata, MLABackend
+
+
+class TorchMLABackend(MLABackend):
+    name = "torch"
+
+    def store(
+        self,
+        kv_cache: torch.Tensor,
+        latent: torch.Tensor,
+        k_pe: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        num_pages, page_size, dim = kv_cache.shape
+        L = latent.shape[-1]
+        if L + k_pe.shape[-1] != dim:
+            raise ValueError(f"kv_cache last dim {dim} != latent {L} + k_pe {k_pe.shape[-1]}")
+        flat = kv_cache.view(num_pages * page_size, dim)
+        slots = slot_mapping.to(torch.long)
+        keep = slots >= 0
+        if not bool(keep.all()):
+            slots, latent, k_pe = slots[keep], latent[keep], k_pe[keep]
+        flat[slots, :L] = latent.to(kv_cache.dtype)
+        flat[slots, L:] = k_pe.to(kv_cache.dtype)
+
+    def forward(
+        self,
+        q_latent: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        T, H, L = q_latent.shape
+        page_size = kv_cache.shape[1]
+        out = torch.zeros(T, H, L, dtype=q_latent.dtype, device=q_latent.device)
+        qsl = metadata.query_start_loc.tolist()
+        seq_lens = metadata.seq_lens.tolist()
+        ctx_lens = metadata.context_lens.tolist()
+        for b, (seq_len, ctx) in enumerate(zip(seq_lens, ctx_lens, strict=True)):
+            start, end = qsl[b], qsl[b + 1]
+            n_new = end - start
+            if n_new == 0:
+                continue
+            n_pages = -(-seq_len // page_size)
+            pages = metadata.block_table[b, :n_pages].to(torch.long)
+            kv = kv_cache[pages].reshape(n_pages * page_size, -1)[:seq_len]  # [S, L + R]
+            latent = kv[:, :L].to(torch.float32)  # [S, L]
+            k_pe = kv[:, L:].to(torch.float32)  # [S, R]
+            ql = q_latent[start:end].to(torch.float32)  # [n, H, L]
+            qp = q_pe[start:end].to(torch.float32)  # [n, H, R]
+            scores = (
+                torch.einsum("nhl,sl->nhs", ql, latent) + torch.einsum("nhr,sr->nhs", qp, k_pe)
+            ) * scale  # [n, H, S]
+            q_pos = ctx + torch.arange(n_new, device=scores.device)  # [n]
+            k_pos = torch.arange(seq_len, device=scores.device)  # [S]
+            mask = k_pos[None, :] > q_pos[:, None]  # [n, S]
+            scores.masked_fill_(mask[:, None, :], float("-inf"))
+            p = torch.softmax(scores, dim=-1)
+            out[start:end] = torch.einsum("nhs,sl->nhl", p, latent).to(out.dtype)
+        return out

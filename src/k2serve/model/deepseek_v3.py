@@ -1,0 +1,272 @@
+"""The DeepSeek-V3 / Kimi-K2 text model in PyTorch, with the checkpoint's module names.
+
+Owns: MLA attention (naive form without a cache; absorbed form over the paged latent cache),
+dense MLP, MoE block (router + routed experts via an ExpertBackend + shared experts), decoder
+layers, the model and the untied lm_head.
+
+Invariants:
+- Module names equal the Hugging Face checkpoint's (without the K2.5 `language_model.`
+  prefix), so `state_dict()` keys are checkpoint tensor names.
+- Activations are flat: [T, hidden]. With `attn_metadata=None` the T tokens are ONE sequence
+  with causal attention and no cache (naive MLA, as transformers computes it).
+- With `attn_metadata`, each layer stores the normed latent + roped k_pe of the new tokens in
+  its cache, folds kv_b_proj into the query (W_UK) and the output (W_UV), and calls the
+  attention backend (absorbed MLA).
+- q_a_layernorm / kv_a_layernorm use eps 1e-6 whatever rms_norm_eps is. NOTE: this is what
+  transformers and DeepSeek's reference code do (they build these norms without eps); vLLM
+  passes rms_norm_eps instead, which differs for K2.5 (1e-5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k2serve.attention.base import AttentionMetadata, MLABackend
+from k2serve.attention.torch_ref import TorchMLABackend
+from k2serve.config import ModelConfig
+from k2serve.model.layers import RMSNorm, YarnRotaryEmbedding
+from k2serve.model.router import TopkRouter
+from k2serve.moe import ExpertBackend, TorchExpertBackend
+from k2serve.quant import LinearBase, make_linear
+
+# name (as in the checkpoint, prefix included) -> scheme ("bf16", "fp8_block", "int4_group")
+SchemeFn = Callable[[str], str]
+
+
+class _Builder:
+    """Makes linears with the right scheme for their checkpoint name."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, scheme_fn: SchemeFn) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.scheme_fn = scheme_fn
+
+    def linear(self, name: str, in_features: int, out_features: int) -> LinearBase:
+        scheme = self.scheme_fn(self.config.weight_prefix + name)
+        return make_linear(in_features, out_features, scheme, self.dtype, self.config.quant)
+
+
+class MLP(nn.Module):
+    def __init__(self, b: _Builder, prefix: str, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = b.linear(f"{prefix}.gate_proj", hidden, inter)
+        self.up_proj = b.linear(f"{prefix}.up_proj", hidden, inter)
+        self.down_proj = b.linear(f"{prefix}.down_proj", inter, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    def __init__(self, b: _Builder, prefix: str) -> None:
+        super().__init__()
+        c = b.config
+        self.gate = TopkRouter(c, b.dtype)
+        self.experts = nn.ModuleList(
+            MLP(b, f"{prefix}.experts.{e}", c.hidden_size, c.moe_intermediate_size)
+            for e in range(c.n_routed_experts)
+        )
+        self.shared_experts = (
+            MLP(
+                b,
+                f"{prefix}.shared_experts",
+                c.hidden_size,
+                c.moe_intermediate_size * c.n_shared_experts,
+            )
+            if c.n_shared_experts
+            else None
+        )
+        self.expert_backend: ExpertBackend = TorchExpertBackend(self.experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        topk_weights, topk_ids = self.gate(x)  # [T, k] float32, [T, k] int64
+        out = self.expert_backend(x, topk_ids, topk_weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, b: _Builder, prefix: str, rope: YarnRotaryEmbedding) -> None:
+        super().__init__()
+        c = b.config
+        self.num_heads = H = c.num_attention_heads
+        self.q_lora_rank = c.q_lora_rank
+        self.kv_lora_rank = c.kv_lora_rank
+        self.qk_nope_head_dim = c.qk_nope_head_dim
+        self.qk_rope_head_dim = c.qk_rope_head_dim
+        self.qk_head_dim = c.qk_head_dim
+        self.v_head_dim = c.v_head_dim
+        self.scaling = c.softmax_scale
+        self.rope = rope
+        D = c.hidden_size
+        if c.q_lora_rank is None:
+            self.q_proj = b.linear(f"{prefix}.q_proj", D, H * c.qk_head_dim)
+        else:
+            self.q_a_proj = b.linear(f"{prefix}.q_a_proj", D, c.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, 1e-6, b.dtype)
+            self.q_b_proj = b.linear(f"{prefix}.q_b_proj", c.q_lora_rank, H * c.qk_head_dim)
+        self.kv_a_proj_with_mqa = b.linear(
+            f"{prefix}.kv_a_proj_with_mqa", D, c.kv_lora_rank + c.qk_rope_head_dim
+        )
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, 1e-6, b.dtype)
+        self.kv_b_proj = b.linear(
+            f"{prefix}.kv_b_proj", c.kv_lora_rank, H * (c.qk_nope_head_dim + c.v_head_dim)
+        )
+        self.o_proj = b.linear(f"{prefix}.o_proj", H * c.v_head_dim, D)
+        self.backend: MLABackend = TorchMLABackend()
+
+    def _qkv_latent(self, x: torch.Tensor, positions: torch.Tensor):
+        T = x.shape[0]
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(T, self.num_heads, self.qk_head_dim)  # [T, H, nope + rope]
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        ckv = self.kv_a_proj_with_mqa(x)  # [T, L + R]
+        latent, k_pe = ckv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)  # [T, L]
+        cos, sin = self.rope.cos_sin(positions)  # [T, R / 2]
+        q_pe = self.rope.apply(q_pe, cos, sin)  # [T, H, R]
+        k_pe = self.rope.apply(k_pe, cos, sin)  # [T, R]
+        return q_nope, q_pe, latent, k_pe
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        positions: torch.Tensor,  # [T]
+        attn_metadata: AttentionMetadata | None = None,
+        kv_cache: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        q_nope, q_pe, latent, k_pe = self._qkv_latent(x, positions)
+        if attn_metadata is None:
+            o = self._naive(q_nope, q_pe, latent, k_pe)
+        else:
+            o = self._absorbed(q_nope, q_pe, latent, k_pe, attn_metadata, kv_cache)
+        return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.v_head_dim))
+
+    def _naive(self, q_nope, q_pe, latent, k_pe) -> torch.Tensor:
+        """One causal sequence: expand the latent to per-head keys/values. -> [T, H, v]."""
+        T, H = q_nope.shape[0], self.num_heads
+        kv = self.kv_b_proj(latent).view(T, H, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)  # [H, T, qk]
+        k = torch.cat([k_nope, k_pe[:, None, :].expand(T, H, -1)], dim=-1).transpose(0, 1)
+        scores = torch.matmul(q, k.transpose(1, 2)) * self.scaling  # [H, T, T]
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(causal, float("-inf"))
+        p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(p, v.transpose(0, 1)).transpose(0, 1)  # [T, H, v]
+
+    def _absorbed(self, q_nope, q_pe, latent, k_pe, md, kv_cache) -> torch.Tensor:
+        """Paged latent cache: fold kv_b_proj into the query and the output. -> [T, H, v]."""
+        if kv_cache is None:
+            raise ValueError("attn_metadata is given but the layer has no kv_cache")
+        H, N, V = self.num_heads, self.qk_nope_head_dim, self.v_head_dim
+        w = self.kv_b_proj.dequantized_weight(q_nope.dtype).view(H, N + V, self.kv_lora_rank)
+        w_uk, w_uv = w[:, :N, :], w[:, N:, :]  # [H, N, L], [H, V, L]
+        self.backend.store(kv_cache, latent, k_pe, md.slot_mapping)
+        q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)  # [T, H, L]
+        o_latent = self.backend.forward(q_latent, q_pe, kv_cache, md, self.scaling)  # [T, H, L]
+        return torch.einsum("thl,hvl->thv", o_latent, w_uv)  # [T, H, V]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, b: _Builder, idx: int, rope: YarnRotaryEmbedding) -> None:
+        super().__init__()
+        c = b.config
+        prefix = f"model.layers.{idx}"
+        self.self_attn = MLAAttention(b, f"{prefix}.self_attn", rope)
+        if c.is_moe_layer(idx):
+            self.mlp: nn.Module = MoE(b, f"{prefix}.mlp")
+        else:
+            self.mlp = MLP(b, f"{prefix}.mlp", c.hidden_size, c.intermediate_size)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, b.dtype)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, b.dtype)
+
+    def forward(self, h, positions, attn_metadata=None, kv_cache=None) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, attn_metadata, kv_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, hidden, dtype=dtype), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, b: _Builder) -> None:
+        super().__init__()
+        c = b.config
+        rope = YarnRotaryEmbedding(
+            c.qk_rope_head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings
+        )
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, b.dtype)
+        self.layers = nn.ModuleList(DecoderLayer(b, i, rope) for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, b.dtype)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """The text model. `state_dict()` keys are the checkpoint names minus `weight_prefix`."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.bfloat16,
+        scheme_fn: SchemeFn | None = None,
+    ) -> None:
+        super().__init__()
+        if config.tie_word_embeddings:
+            raise ValueError("tie_word_embeddings=true is not supported (Kimi's lm_head is untied)")
+        from k2serve.quant import linear_scheme
+
+        self.config = config
+        self.dtype = dtype
+        fn = scheme_fn or (lambda name: linear_scheme(name, config.quant))
+        b = _Builder(config, dtype, fn)
+        self.model = DeepseekV3Model(b)
+        self.lm_head = b.linear("lm_head", config.hidden_size, config.vocab_size)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.norm.weight.device
+
+    def set_attn_backend(self, backend: MLABackend) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.backend = backend
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] long
+        positions: torch.Tensor,  # [T] long
+        attn_metadata: AttentionMetadata | None = None,
+        kv_caches: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # [T, hidden]
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} "
+                "must be the same 1-D shape [T]"
+            )
+        layers = self.model.layers
+        if attn_metadata is not None and (kv_caches is None or len(kv_caches) != len(layers)):
+            raise ValueError(
+                f"attn_metadata needs kv_caches with one tensor per layer ({len(layers)})"
+            )
+        h = self.model.embed_tokens(input_ids)  # [T, hidden]
+        for i, layer in enumerate(layers):
+            h = layer(h, positions, attn_metadata, kv_caches[i] if kv_caches else None)
+        return self.model.norm(h)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, vocab] float32
+        return self.lm_head(hidden).to(torch.float32)

@@ -1,0 +1,98 @@
+"""Linear layers for each weight format, with the checkpoint's parameter names.
+
+Invariants:
+- Parameter names and dtypes equal the checkpoint's: `weight` (model dtype) for bf16;
+  `weight` float8_e4m3fn + `weight_scale_inv` float32 for fp8_block; `weight_packed` int32 +
+  `weight_scale` bf16 + `weight_shape` int32 for int4_group. The loader casts each checkpoint
+  tensor to the dtype of the parameter it fills, so these dtypes are what stays in memory.
+- Quantized weights stay quantized; `forward` (the reference path) dequantizes per call into
+  the activation dtype. `dequantized_weight(dtype)` is the one place that does it.
+- No biases (Kimi / DeepSeek-V3 have none).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k2serve.quant.fp8 import dequantize_fp8_block
+from k2serve.quant.int4 import PACK_FACTOR, dequantize_int4
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+class LinearBase(nn.Module):
+    scheme = "none"
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:  # [out, in]
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized_weight(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, scheme={self.scheme}"
+
+
+class UnquantizedLinear(LinearBase):
+    scheme = "bf16"
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        super().__init__(in_features, out_features)
+        self.weight = _param(torch.empty(out_features, in_features, dtype=dtype))
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.weight.to(dtype)
+
+
+class Fp8BlockLinear(LinearBase):
+    scheme = "fp8_block"
+
+    def __init__(self, in_features: int, out_features: int, block: tuple[int, int]) -> None:
+        super().__init__(in_features, out_features)
+        self.block = tuple(block)
+        rb, cb = -(-out_features // block[0]), -(-in_features // block[1])
+        self.weight = _param(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn))
+        self.weight_scale_inv = _param(torch.empty(rb, cb, dtype=torch.float32))
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_fp8_block(self.weight, self.weight_scale_inv, self.block, dtype)
+
+
+class Int4GroupLinear(LinearBase):
+    scheme = "int4_group"
+
+    def __init__(self, in_features: int, out_features: int, group_size: int) -> None:
+        super().__init__(in_features, out_features)
+        self.group_size = group_size
+        words = -(-in_features // PACK_FACTOR)
+        groups = -(-in_features // group_size)
+        self.weight_packed = _param(torch.empty(out_features, words, dtype=torch.int32))
+        self.weight_scale = _param(torch.empty(out_features, groups, dtype=torch.bfloat16))
+        self.weight_shape = _param(torch.empty(2, dtype=torch.int32))
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_int4(
+            self.weight_packed, self.weight_scale, self.in_features, self.group_size, dtype
+        )
+
+
+def make_linear(
+    in_features: int, out_features: int, scheme: str, dtype: torch.dtype, quant=None
+) -> LinearBase:
+    """One linear layer in `scheme` ("bf16", "fp8_block", "int4_group")."""
+    if scheme == "bf16":
+        return UnquantizedLinear(in_features, out_features, dtype)
+    if scheme == "fp8_block":
+        return Fp8BlockLinear(in_features, out_features, quant.block_size)
+    if scheme == "int4_group":
+        return Int4GroupLinear(in_features, out_features, quant.group_size)
+    raise ValueError(f"unknown linear scheme {scheme!r}")

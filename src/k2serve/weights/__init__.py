@@ -1,0 +1,1 @@
+"""Checkpoints: the streaming loader, the writer, presets and `make-checkpoint`."""

@@ -1,0 +1,185 @@
+"""Streaming loader: checkpoint directory -> DeepseekV3ForCausalLM on a device.
+
+Invariants:
+- The model is built on the meta device (no allocation), then each parameter is filled from
+  its safetensors tensor, read through safe_open (mmap) one tensor at a time and moved to the
+  device at once, so host memory peaks near the model's own size on CPU (plus one tensor), not
+  twice it.
+- Each tensor is cast to the dtype of the parameter it fills (quantized tensors keep their
+  stored dtype, `e_score_correction_bias` stays float32, the rest becomes `dtype`).
+- Skipped: `*.rotary_emb.inv_freq`, MTP layers (index >= num_hidden_layers), and, for K2.5,
+  everything outside `language_model.` (vision tower, projector).
+- A missing, unexpected or misshapen tensor raises `CheckpointError` naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm.auto import tqdm
+
+from k2serve.config import ModelConfig
+from k2serve.model.deepseek_v3 import DeepseekV3ForCausalLM
+from k2serve.quant import linear_scheme
+from k2serve.weights.writer import INDEX_NAME
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class CheckpointError(ValueError):
+    """The checkpoint's tensors do not match the model; the message names the tensor."""
+
+
+def _weight_map(model_dir: str) -> dict[str, str]:
+    """tensor name -> shard file name (from the index, or the single model.safetensors)."""
+    index = os.path.join(model_dir, INDEX_NAME)
+    if os.path.exists(index):
+        with open(index) as f:
+            wm = json.load(f).get("weight_map")
+        if not isinstance(wm, dict) or not wm:
+            raise CheckpointError(f"{index} has no weight_map")
+        return wm
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.exists(single):
+        with safe_open(single, framework="pt") as f:
+            return {k: "model.safetensors" for k in f.keys()}
+    raise CheckpointError(f"no {INDEX_NAME} or model.safetensors in {model_dir}")
+
+
+def _model_name(ckpt_name: str, config: ModelConfig) -> str | None:
+    """The state_dict name for a checkpoint tensor, or None when it is skipped."""
+    prefix = config.weight_prefix
+    if prefix:
+        if not ckpt_name.startswith(prefix):
+            return None  # vision_tower.*, mm_projector.*
+        ckpt_name = ckpt_name[len(prefix) :]
+    if ckpt_name.endswith("rotary_emb.inv_freq"):
+        return None
+    m = _LAYER_RE.match(ckpt_name)
+    if m and int(m.group(1)) >= config.num_hidden_layers:
+        return None  # MTP / next-n layers
+    return ckpt_name
+
+
+def set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Replace parameter/buffer `name` of `model` (e.g. a meta one) with `tensor`."""
+    mod_name, _, attr = name.rpartition(".")
+    mod = model.get_submodule(mod_name) if mod_name else model
+    if attr in mod._parameters:
+        mod._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+    elif attr in mod._buffers:
+        mod._buffers[attr] = tensor
+    else:
+        raise CheckpointError(f"model has no tensor {name!r}")
+
+
+def _cast(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    if t.dtype == like.dtype:
+        return t
+    if not (like.dtype.is_floating_point and t.dtype.is_floating_point):
+        raise CheckpointError(f"dtype {t.dtype} cannot fill a {like.dtype} tensor")
+    return t.to(like.dtype)
+
+
+def build_meta_model(
+    config: ModelConfig, dtype: torch.dtype, tensor_names: frozenset[str] | None = None
+) -> DeepseekV3ForCausalLM:
+    with torch.device("meta"):
+        return DeepseekV3ForCausalLM(
+            config, dtype, lambda n: linear_scheme(n, config.quant, tensor_names)
+        )
+
+
+def load_model(
+    model_dir: str | os.PathLike | None,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    load_format: str = "auto",
+    config: ModelConfig | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> DeepseekV3ForCausalLM:
+    """Load (or, with load_format="dummy", randomly initialise) the model on `device`."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r}; choose from {', '.join(LOAD_FORMATS)}")
+    device = torch.device(device)
+    if config is None:
+        if model_dir is None:
+            raise ValueError("load_model needs model_dir or config")
+        config = ModelConfig.from_hf(model_dir)
+    if load_format == "dummy":
+        return _load_dummy(config, dtype, device, seed)
+    if model_dir is None:
+        raise ValueError(f"load_format={load_format!r} needs a model_dir")
+    model_dir = os.fspath(model_dir)
+    weight_map = _weight_map(model_dir)
+    model = build_meta_model(config, dtype, frozenset(weight_map))
+    expected = dict(model.state_dict(keep_vars=True))  # name -> meta tensor
+
+    by_shard: dict[str, list[tuple[str, str]]] = {}
+    for ckpt_name, shard in weight_map.items():
+        name = _model_name(ckpt_name, config)
+        if name is None:
+            continue
+        if name not in expected:
+            raise CheckpointError(
+                f"unexpected tensor {ckpt_name!r} in {shard}: the model (config.json) has no such "
+                "parameter"
+            )
+        by_shard.setdefault(shard, []).append((ckpt_name, name))
+    wanted = {n for items in by_shard.values() for _, n in items}
+    missing = [config.weight_prefix + n for n in expected if n not in wanted]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"missing tensor {missing[0]!r}{more} in {model_dir}")
+
+    total = sum(len(v) for v in by_shard.values())
+    bar = tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress)
+    for shard in sorted(by_shard):
+        path = os.path.join(model_dir, shard)
+        if not os.path.exists(path):
+            raise CheckpointError(f"shard {shard} named in {INDEX_NAME} does not exist")
+        with safe_open(path, framework="pt", device="cpu") as f:
+            present = set(f.keys())
+            for ckpt_name, name in by_shard[shard]:
+                if ckpt_name not in present:
+                    raise CheckpointError(
+                        f"tensor {ckpt_name!r} is not in {shard} as the index says"
+                    )
+                meta = expected[name]
+                t = f.get_slice(ckpt_name)
+                shape = tuple(t.get_shape())
+                if shape != tuple(meta.shape):
+                    raise CheckpointError(
+                        f"tensor {ckpt_name!r} has shape {list(shape)}, the model expects "
+                        f"{list(meta.shape)}"
+                    )
+                t = _cast(f.get_tensor(ckpt_name), meta).to(device)
+                set_tensor(model, name, t)
+                bar.update(1)
+    bar.close()
+    model.eval()
+    return model
+
+
+def _load_dummy(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int
+) -> DeepseekV3ForCausalLM:
+    from k2serve.weights.random_init import random_tensors
+
+    model = build_meta_model(config, dtype)
+    n = len(model.state_dict())
+    for name, t in tqdm(random_tensors(model, seed, device), total=n, desc="Random weights"):
+        set_tensor(model, name, t)
+    model.eval()
+    return model

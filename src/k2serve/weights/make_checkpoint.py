@@ -1,0 +1,111 @@
+"""`k2serve make-checkpoint`: write a random checkpoint in the exact real layout.
+
+Writes config.json (real keys + quantization_config), generation_config.json, sharded
+safetensors with the real tensor names and model.safetensors.index.json, and the tokenizer
+files when `k2serve.tokenizer.files.write_tokenizer_files` is available.
+
+Invariants: tensors are generated and written one at a time (peak memory ~ one shard); the
+result loads with `load_model` and with transformers (after dequantization).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from k2serve.config import ModelConfig
+from k2serve.weights.presets import FORMATS, PRESETS, preset_config
+
+logger = logging.getLogger(__name__)
+
+
+def make_checkpoint(
+    out_dir: str | os.PathLike,
+    config_dict: dict,
+    *,
+    seed: int = 0,
+    max_shard_bytes: int = 2 * 1024**3,
+    tokenizer: bool = True,
+    progress: bool = True,
+) -> ModelConfig:
+    """Write a random checkpoint of `config_dict` (a config.json dict) into `out_dir`."""
+    from k2serve.weights.loader import build_meta_model
+    from k2serve.weights.random_init import random_tensors
+    from k2serve.weights.writer import ShardedWriter
+
+    config = ModelConfig.from_hf(config_dict)
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    model = build_meta_model(config, torch.bfloat16)  # checkpoint dtypes: bf16 + quantized
+    writer = ShardedWriter(out_dir, max_shard_bytes)
+    n = len(model.state_dict())
+    for name, t in tqdm(
+        random_tensors(model, seed), total=n, desc="Writing weights", disable=not progress
+    ):
+        writer.add(config.weight_prefix + name, t)
+    files = writer.close()
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config_dict, f, indent=2)
+        f.write("\n")
+    gen = {
+        "_from_model_config": True,
+        "bos_token_id": config_dict.get("bos_token_id"),
+        "eos_token_id": config_dict.get("eos_token_id"),
+        "do_sample": True,
+        "temperature": 0.6,
+        "transformers_version": config_dict.get("transformers_version", "4.48.3"),
+    }
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump(gen, f, indent=2)
+        f.write("\n")
+    if tokenizer:
+        _write_tokenizer(out_dir, config.vocab_size)
+    logger.info("wrote %d shards to %s", len(files), out_dir)
+    return config
+
+
+def _write_tokenizer(out_dir: str, vocab_size: int) -> None:
+    try:
+        from k2serve.tokenizer.files import write_tokenizer_files
+    except ImportError:
+        logger.info("k2serve.tokenizer.files is not available: no tokenizer files written")
+        return
+    write_tokenizer_files(out_dir, vocab_size)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("out", help="output directory")
+    parser.add_argument("--preset", choices=PRESETS, default="tiny")
+    parser.add_argument("--format", choices=FORMATS, default="bf16", dest="fmt")
+    parser.add_argument("--layers", type=int, default=None, help="number of decoder layers")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-shard-size", type=float, default=2.0, help="shard size limit in GB (default 2)"
+    )
+    parser.add_argument("--no-tokenizer", action="store_true", help="skip the tokenizer files")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_shard_size <= 0:
+        raise SystemExit(f"--max-shard-size must be positive, got {args.max_shard_size}")
+    try:
+        cfg = preset_config(args.preset, args.fmt, args.layers)
+    except ValueError as e:
+        raise SystemExit(f"make-checkpoint: {e}") from None
+    t0 = time.perf_counter()
+    make_checkpoint(
+        args.out,
+        cfg,
+        seed=args.seed,
+        max_shard_bytes=int(args.max_shard_size * 1024**3),
+        tokenizer=not args.no_tokenizer,
+    )
+    dt = time.perf_counter() - t0
+    print(f"wrote {args.preset} ({args.fmt}) checkpoint to {args.out} in {dt:.1f}s")
+    return 0

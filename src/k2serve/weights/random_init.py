@@ -1,0 +1,90 @@
+"""Random weights for any model in any format, generated tensor by tensor.
+
+Used by `make-checkpoint` (CPU, written shard by shard) and by `load_format="dummy"` (straight
+on the target device). Quantized weights are generated directly in their stored form (random
+fp8 values / random int4 nibbles with scales), so a k2-slice is fast to make and never exists
+in full precision.
+
+Invariants:
+- Yields (name, tensor) with the dtype and shape of the model parameter it fills; names are
+  state_dict names (no `weight_prefix`).
+- Deterministic for a given seed and device: each tensor has its own generator seeded from
+  (seed, name), so the order of generation does not matter.
+- Dequantized weights have std ~ 0.02 (norm weights ~ 1, router bias ~ 0.1), so logits of a
+  random model are well spread and greedy decoding is stable.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from k2serve.model.layers import RMSNorm
+from k2serve.quant import Fp8BlockLinear, Int4GroupLinear
+
+WEIGHT_STD = 0.02
+_INT4_STD = 4.61  # std of a uniform integer in [-8, 7]
+
+
+def _gen(seed: int, name: str, device: torch.device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    return g
+
+
+def _randn(shape, g, device, std=1.0, dtype=torch.float32) -> torch.Tensor:
+    return (torch.randn(shape, generator=g, device=device, dtype=torch.float32) * std).to(dtype)
+
+
+def random_tensors(
+    model: nn.Module, seed: int = 0, device: str | torch.device = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random values for every parameter of `model` (which may live on the meta device)."""
+    device = torch.device(device)
+    for mod_name, mod in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        params = dict(mod.named_parameters(recurse=False))
+        if not params:
+            continue
+        if isinstance(mod, Int4GroupLinear):
+            g = _gen(seed, prefix + "weight_packed", device)
+            shape = mod.weight_packed.shape
+            packed = torch.randint(0, 2**32, tuple(shape), generator=g, device=device)
+            packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+            if mod.in_features % 8:  # padding nibbles hold q = 0 (value 8)
+                keep = mod.in_features % 8
+                mask = (1 << (4 * keep)) - 1
+                last = packed[:, -1].to(torch.int64) & mask
+                for i in range(keep, 8):
+                    last = last | (8 << (4 * i))
+                last = torch.where(last >= 2**31, last - 2**32, last)
+                packed[:, -1] = last.to(torch.int32)
+            yield prefix + "weight_packed", packed
+            scale = torch.full(tuple(mod.weight_scale.shape), WEIGHT_STD / _INT4_STD)
+            g = _gen(seed, prefix + "weight_scale", device)
+            scale = scale.to(device) * (1 + 0.1 * _randn(scale.shape, g, device))
+            yield prefix + "weight_scale", scale.to(mod.weight_scale.dtype)
+            shape_t = torch.tensor([mod.out_features, mod.in_features], dtype=torch.int32)
+            yield prefix + "weight_shape", shape_t.to(device)
+            continue
+        if isinstance(mod, Fp8BlockLinear):
+            g = _gen(seed, prefix + "weight", device)
+            w = _randn(mod.weight.shape, g, device, std=64.0).clamp_(-448, 448)
+            yield prefix + "weight", w.to(torch.float8_e4m3fn)
+            g = _gen(seed, prefix + "weight_scale_inv", device)
+            s = WEIGHT_STD / 64.0 * (1 + 0.1 * _randn(mod.weight_scale_inv.shape, g, device))
+            yield prefix + "weight_scale_inv", s.to(torch.float32)
+            continue
+        for pname, p in params.items():
+            name = prefix + pname
+            g = _gen(seed, name, device)
+            if isinstance(mod, RMSNorm):
+                t = 1.0 + _randn(p.shape, g, device, std=0.05)
+            elif pname == "e_score_correction_bias":
+                t = _randn(p.shape, g, device, std=0.1)
+            else:
+                t = _randn(p.shape, g, device, std=WEIGHT_STD)
+            yield name, t.to(p.dtype)
