@@ -1,0 +1,219 @@
+"""AsyncLLMEngine: the async shell around LLMEngine for the server.
+
+The step loop runs on its own thread (`k2serve-engine`), so the event loop never waits on the
+model. The event loop talks to it only through a command queue (add / abort) and gets outputs
+back through one asyncio.Queue per request (`loop.call_soon_threadsafe`).
+
+Invariants:
+- Only the engine thread touches the LLMEngine's mutable state; `validate()` (which reads only
+  fixed settings) runs on the caller's side so bad requests fail before anything is queued.
+- Every request that `generate()` started ends in the engine: finished, or aborted when the
+  caller leaves the iterator early (return, `aclose()`, cancellation, garbage collection).
+- If the step loop fails, every open stream gets `EngineDeadError` and new requests are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+
+from k2serve.engine.config import EngineConfig
+from k2serve.engine.engine import EngineStats, LLMEngine
+from k2serve.engine.errors import EngineDeadError, EngineQueueFull
+from k2serve.engine.outputs import RequestOutput
+from k2serve.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineQueueFull"]
+
+
+class AsyncLLMEngine:
+    def __init__(
+        self,
+        engine_config: EngineConfig | None = None,
+        *,
+        engine: LLMEngine | None = None,
+        **llm_engine_kwargs,
+    ) -> None:
+        """Build an LLMEngine from `engine_config` (or wrap a given `engine`) and start the loop."""
+        self.engine = (
+            engine if engine is not None else LLMEngine(engine_config, **llm_engine_kwargs)
+        )
+        self.max_waiting = self.engine.config.max_waiting
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()  # guards _streams and _pending_adds
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._pending_adds = 0
+        self._stats = self.engine.get_stats()
+        self._dead: BaseException | None = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="k2serve-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, engine_config: EngineConfig | None = None, **kwargs) -> AsyncLLMEngine:
+        return cls(engine_config, **kwargs)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self):
+        return self.engine.model_config
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None
+
+    # ---- API ---------------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        prompt: str | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield DELTA outputs (new token ids / text / logprobs per sample index) until finished.
+
+        Raises ValueError (bad params, prompt too long), EngineQueueFull or EngineDeadError before
+        queueing anything.
+        """
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine stopped: {self._dead!r}")
+        params = params if params is not None else SamplingParams()
+        prompt_token_ids = list(prompt_token_ids)
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        self.engine.validate(prompt_token_ids, params)
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            if self.max_waiting is not None:
+                waiting = self._stats.num_waiting + self._pending_adds
+                if waiting >= self.max_waiting:
+                    raise EngineQueueFull(
+                        f"{waiting} requests are waiting (max_waiting={self.max_waiting}); "
+                        "retry later"
+                    )
+            self._streams[request_id] = (loop, q)
+            self._pending_adds += 1
+        self._cmds.put(("add", request_id, prompt_token_ids, params, prompt, cache_salt))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                with self._lock:
+                    self._streams.pop(request_id, None)
+                self._submit_abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; its iterator gets a last output with finish_reason "abort"."""
+        self._submit_abort(request_id)
+
+    def get_stats(self) -> EngineStats:
+        """Snapshot taken by the engine thread after its latest step."""
+        return self._stats
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        self._fail_all(EngineDeadError("the engine was shut down"))
+
+    # ---- engine thread -----------------------------------------------------------------------
+    def _submit_abort(self, request_id: str) -> None:
+        self._cmds.put(("abort", request_id))
+        self._wake.set()
+
+    def _run(self) -> None:
+        eng = self.engine
+        try:
+            while not self._stop:
+                self._drain_commands()
+                if not eng.has_unfinished_requests():
+                    self._stats = eng.get_stats()
+                    self._wake.wait(timeout=1.0)
+                    self._wake.clear()
+                    continue
+                outputs = eng.step()
+                self._stats = eng.get_stats()
+                for out in outputs:
+                    self._dispatch(out.request_id, out, out.finished)
+        except BaseException as e:  # noqa: BLE001 - any failure ends the engine
+            logger.exception("engine step loop failed")
+            self._dead = e
+            err = EngineDeadError(f"the engine step loop failed: {e!r}")
+            err.__cause__ = e
+            self._fail_all(err)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, ids, params, prompt, salt = cmd
+                with self._lock:
+                    wanted = rid in self._streams
+                try:
+                    if wanted:  # else the caller left before the engine saw the request
+                        self.engine.add_request(rid, ids, params, prompt=prompt, cache_salt=salt)
+                except ValueError as e:
+                    self._dispatch(rid, e, True)
+                # NOTE: refresh the snapshot before un-counting the add, so that max_waiting
+                # never sees a request in neither count
+                self._stats = self.engine.get_stats()
+                with self._lock:
+                    self._pending_adds -= 1
+            else:
+                self.engine.abort_request(cmd[1])
+
+    def _dispatch(self, request_id: str, item, last: bool) -> None:
+        with self._lock:
+            target = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
+        if target is None:
+            return
+        loop, q = target
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening
+            if not last:
+                with self._lock:
+                    self._streams.pop(request_id, None)
+                self.engine.abort_request(request_id)
+
+    def _fail_all(self, err: BaseException) -> None:
+        with self._lock:
+            streams, self._streams = self._streams, {}
+        for loop, q in streams.values():
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, err)
+            except RuntimeError:
+                pass

@@ -1,0 +1,129 @@
+"""AsyncLLMEngine over the fake-model engine: streaming deltas, abort, early exit, queue limit."""
+
+import asyncio
+import time
+
+import pytest
+
+from k2serve.engine.async_engine import AsyncLLMEngine, EngineQueueFull
+from k2serve.engine.sampling_params import SamplingParams
+
+from .conftest import make_fake_engine
+from .fakes import FakeTokenizer, reference_greedy
+
+
+@pytest.fixture
+def aengine():
+    engines = []
+
+    def make(**kw):
+        a = AsyncLLMEngine(engine=make_fake_engine(**kw))
+        engines.append(a)
+        return a
+
+    yield make
+    for a in engines:
+        a.shutdown()
+        a.engine.check_integrity()
+
+
+async def wait_idle(a: AsyncLLMEngine, timeout=5.0):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        s = a.get_stats()
+        if s.num_running == 0 and s.num_waiting == 0 and s.kv_pages_used == 0:
+            return s
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"engine not idle: {a.get_stats()}")
+
+
+async def collect(a, prompt, params, rid):
+    deltas = [o async for o in a.generate(prompt, params, rid)]
+    return deltas
+
+
+def test_concurrent_streams_match_reference(aengine):
+    a = aengine()
+    prompts = [[(7 * i + j) % 60 + 1 for j in range(3 + 2 * i)] for i in range(10)]
+    params = SamplingParams(temperature=0, max_tokens=15, ignore_eos=True)
+
+    async def main():
+        return await asyncio.gather(
+            *(collect(a, p, params, f"r{i}") for i, p in enumerate(prompts))
+        )
+
+    results = asyncio.run(main())
+    tok = FakeTokenizer()
+    for p, deltas in zip(prompts, results, strict=True):
+        ids = [t for d in deltas for t in d.outputs[0].token_ids]
+        assert ids == reference_greedy(p, 15, eos=False)
+        assert "".join(d.outputs[0].text for d in deltas) == tok.decode(ids, True)
+        assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+        assert deltas[-1].outputs[0].finish_reason == "length"
+    s = a.get_stats()
+    assert s.generation_tokens == 150 and s.num_finished == 10
+
+
+def test_leaving_iterator_early_aborts_and_frees_pages(aengine):
+    a = aengine(max_model_len=4096, num_kv_pages=2048)
+
+    async def main():
+        params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+        gen = a.generate([1, 2, 3, 4, 5], params, "early")
+        got = 0
+        async for _ in gen:
+            got += 1
+            if got == 3:
+                break
+        await gen.aclose()
+        # a cancelled consumer task aborts too
+        task = asyncio.create_task(collect(a, [5, 6, 7], params, "cancelled"))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await wait_idle(a)
+
+    asyncio.run(main())
+
+
+def test_abort_ends_stream_with_abort_reason(aengine):
+    a = aengine(max_model_len=4096, num_kv_pages=2048)
+
+    async def main():
+        params = SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True)
+        deltas = []
+        async for d in a.generate([3, 4], params, "x"):
+            deltas.append(d)
+            if len(deltas) == 2:
+                a.abort("x")
+        assert deltas[-1].finished and deltas[-1].outputs[0].finish_reason == "abort"
+        await wait_idle(a)
+
+    asyncio.run(main())
+
+
+def test_errors_before_queueing_and_queue_full(aengine):
+    a = aengine(max_model_len=4096, num_kv_pages=2048, max_num_seqs=1, max_waiting=2)
+
+    async def main():
+        with pytest.raises(ValueError, match="max_tokens"):
+            await a.generate([1] * 10, SamplingParams(max_tokens=5000), "bad").__anext__()
+        long = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
+        gens = [a.generate([i + 1], long, f"g{i}") for i in range(3)]
+        firsts = [asyncio.ensure_future(gens[0].__anext__())]
+        await firsts[0]  # g0 is running
+        firsts += [asyncio.ensure_future(g.__anext__()) for g in gens[1:]]
+        await asyncio.sleep(0.1)
+        assert a.get_stats().num_waiting == 2
+        with pytest.raises(EngineQueueFull, match="max_waiting=2"):
+            await a.generate([9], long, "g3").__anext__()
+        with pytest.raises(ValueError, match="already in use"):
+            await a.generate([9], long, "g0").__anext__()
+        for f in firsts[1:]:  # cancelling a consumer aborts its request
+            f.cancel()
+        await asyncio.gather(*firsts[1:], return_exceptions=True)
+        await gens[0].aclose()
+        await wait_idle(a)
+
+    asyncio.run(main())
