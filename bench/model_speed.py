@@ -1,0 +1,567 @@
+# ruff: noqa: F821, E741, B023, B905, E501
+"""GPU speed of k2serve's kernels and of a k2-slice model against the card's own ceilings.
+
+Run (one H200, from the repo root):  PYTHONPATH=src python3 bench/model_speed.py [--parts ...]
+Parts: ceil (copy bandwidth, bf16 matmul rate), check (every Triton kernel vs its torch
+reference at real K2 sizes, fresh random inputs), kern (kernel timings), model (k2-slice INT4,
+8 layers, dummy weights: decode B=1/8/32/128 at context 1k through decode CUDA graphs, prefill
+1k/8k), peer (transformers DeepseekV3, grouped_mm experts, 3-layer bf16 slice with the same
+weights dequantized, against our model on the same 3 layers).
+Bytes counted for decode = every weight read once (attention, norms, router, shared expert, the
+distinct routed experts actually hit, dense MLP, lm_head) + the embedding rows + the KV read.
+Timings are medians of CUDA-event timed repeats after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+import types
+
+import torch
+import torch.nn.functional as F
+
+ROWS: list[tuple] = []  # (section, case, ms, GB/s, %bw, TFLOP/s, %mm, note)
+CEIL = {"bw": float("nan"), "mm": float("nan")}
+FAILS: list[str] = []
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def timed(fn, iters=20, warmup=3) -> float:
+    """Median milliseconds of `fn()` over `iters` CUDA-event timed calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return sorted(ts)[len(ts) // 2]
+
+
+def row(section, case, ms, nbytes=0.0, flops=0.0, note=""):
+    gbs = nbytes / ms / 1e6 if nbytes else float("nan")
+    tfs = flops / ms / 1e9 if flops else float("nan")
+    ROWS.append((section, case, ms, gbs, 100 * gbs / CEIL["bw"], tfs, 100 * tfs / CEIL["mm"], note))
+    log(f"  {section:8s} {case:34s} {ms:9.3f} ms  {gbs:8.0f} GB/s  {tfs:7.1f} TFLOP/s  {note}")
+
+
+def check(name, out, ref, tol=2e-2):
+    out, ref = out.float(), ref.float()
+    err = ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    ok = bool(torch.isfinite(out).all()) and err < tol
+    log(f"  check {name:44s} rel_err={err:.2e} {'ok' if ok else 'FAIL'}")
+    if not ok:
+        FAILS.append(name)
+
+
+# ------------------------------------------------------------------------------------ ceilings
+def part_ceil():
+    n = 1 << 30  # 4 GiB of float32 per buffer
+    a = torch.randn(n, device="cuda")
+    b = torch.empty_like(a)
+    ms = timed(lambda: b.copy_(a), iters=10)
+    CEIL["bw"] = 2 * a.numel() * 4 / ms / 1e6
+    del a, b
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms2 = timed(lambda: x @ y, iters=10)
+    CEIL["mm"] = 2 * 8192**3 / ms2 / 1e9
+    log(
+        f"ceilings: copy {CEIL['bw']:.0f} GB/s (read+write, 8 GiB), bf16 matmul {CEIL['mm']:.0f} TFLOP/s"
+    )
+
+
+# ------------------------------------------------------------------------------------ kernels
+def _rand_experts(quant, E, D, I, dev, g=32):
+    from k2serve.kernels.fused_moe import ExpertWeights
+
+    if quant == "int4":
+
+        def pk(n, k):  # fmt: skip
+            return torch.randint(-(2**31), 2**31 - 1, (E, n, k // 8), dtype=torch.int32, device=dev)
+
+        def sc(n, k):  # fmt: skip
+            return (torch.rand(E, n, k // g, device=dev) * 0.004 + 0.002).bfloat16()
+
+        return ExpertWeights("int4", pk(2 * I, D), pk(D, I), sc(2 * I, D), sc(D, I), g)
+    if quant == "fp8":
+        w = lambda n, k: torch.randn(E, n, k, device=dev).to(torch.float8_e4m3fn)  # noqa: E731
+        s = lambda n, k: torch.rand(E, n // 128, k // 128, device=dev) * 0.02  # noqa: E731
+        return ExpertWeights("fp8", w(2 * I, D), w(D, I), s(2 * I, D), s(D, I))
+    w = lambda n, k: (torch.randn(E, n, k, device=dev) * 0.02).bfloat16()  # noqa: E731
+    return ExpertWeights("bf16", w(2 * I, D), w(D, I))
+
+
+def _route(T, E, k, dev):
+    ids = torch.rand(T, E, device=dev).argsort(-1)[:, :k].int()
+    return torch.rand(T, k, device=dev), ids
+
+
+def _paged(B, ctx, qlens, H=64, L=512, R=64, ps=64, dev="cuda"):
+    seq = [c + q for c, q in zip(ctx, qlens)]
+    maxp = max(-(-s // ps) for s in seq)
+    P = B * maxp + 3
+    kv = torch.randn(P, ps, L + R, device=dev, dtype=torch.bfloat16)
+    bt = torch.randperm(P, device=dev)[: B * maxp].view(B, maxp).int()
+    qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    T = sum(qlens)
+    q = torch.randn(T, H, L, device=dev, dtype=torch.bfloat16)
+    qp = torch.randn(T, H, R, device=dev, dtype=torch.bfloat16)
+    return (
+        q,
+        qp,
+        kv,
+        qsl,
+        torch.tensor(ctx, dtype=torch.int32, device=dev),
+        bt,
+        max(qlens),
+        max(seq),
+    )
+
+
+def part_check():
+    from k2serve.kernels import fused_moe as fm
+    from k2serve.kernels import kv_store, mla_attention, moe_align, rmsnorm, router, sampling
+
+    dev = "cuda"
+    x = torch.randn(64, 7168, device=dev, dtype=torch.bfloat16)
+    res = torch.randn_like(x)
+    w = torch.rand(7168, device=dev) + 0.5
+    r1, r2 = res.clone(), res.clone()
+    check(
+        "rms_norm+residual", rmsnorm.rms_norm(x, w, 1e-6, r1), rmsnorm.rms_norm_ref(x, w, 1e-6, r2)
+    )
+    check("rms_norm residual out", r1, r2, 1e-3)
+    check("rms_norm", rmsnorm.rms_norm(x, w, 1e-6), rmsnorm.rms_norm_ref(x, w, 1e-6))
+    c1 = torch.randn(40, 64, 576, device=dev, dtype=torch.bfloat16)
+    c2 = c1.clone()
+    lat, pe = torch.randn(100, 512, device=dev), torch.randn(100, 64, device=dev)
+    slots = torch.randperm(40 * 64, device=dev)[:100]
+    slots[::7] = -1
+    kv_store.store_latent_kv(c1, lat, pe, slots)
+    kv_store.store_latent_kv_ref(c2, lat, pe, slots)
+    check("store_latent_kv", c1, c2, 1e-6)
+    for name, ctx, ql in [("decode B=8", [1024, 77, 3000, 1, 500, 64, 65, 2047], [1] * 8),
+                          ("decode B=1 ctx1k", [1024], [1]),
+                          ("prefill+prefix", [300, 0, 64], [200, 129, 1])]:  # fmt: skip
+        a = _paged(len(ctx), ctx, ql)
+        out = mla_attention.mla_attention(*a[:6], 0.1446, a[6], a[7])
+        check(f"mla {name}", out, mla_attention.mla_attention_ref(*a[:6], 0.1446))
+    ids = _route(128, 384, 8, dev)[1]
+    s, e, n = moe_align.moe_align_block_size(ids, 384, 16)
+    s2, e2, n2 = moe_align.moe_align_block_size_ref(ids, 384, 16)
+    used = s[: int(n)]
+    ok = (int(n) == int(n2)) and bool((e == e2).all())
+    ok &= sorted(used[used < ids.numel()].tolist()) == list(range(ids.numel()))
+    ok &= bool(
+        (
+            ids.view(-1)[used[used < ids.numel()].long()]
+            == e[(used < ids.numel()).nonzero()[:, 0] // 16]
+        ).all()
+    )
+    log(f"  check moe_align invariants                          {'ok' if ok else 'FAIL'}")
+    if not ok:
+        FAILS.append("moe_align")
+    lg = torch.randn(16, 384, device=dev)
+    bias = torch.randn(384, device=dev) * 0.1
+    wt, it = router.grouped_topk(lg, bias, 8, 8, 4, True, 2.827)
+    wr, ir = router.grouped_topk_ref(lg.cpu(), bias.cpu(), 8, 8, 4, True, 2.827)
+    ok = all(set(a) == set(b) for a, b in zip(it.cpu().tolist(), ir.tolist()))
+    log(f"  check router grouped top-k (8 groups)               {'ok' if ok else 'FAIL'}")
+    if not ok:
+        FAILS.append("router")
+    for quant, E, Ts in [("int4", 384, (1, 32, 512)), ("bf16", 16, (64,)), ("fp8", 16, (64,))]:
+        ew = _rand_experts(quant, E, 7168, 2048, dev)
+        for T in Ts:
+            tw, ti = _route(T, E, 8, dev)
+            xx = torch.randn(T, 7168, device=dev, dtype=torch.bfloat16)
+            check(f"fused_moe {quant} E={E} T={T}", fm.fused_moe(xx, ew, tw, ti),
+                  fm.fused_moe_ref(xx, ew, tw, ti))  # fmt: skip
+        del ew
+    V = 1000
+    lg = torch.randn(6, V, device=dev) * 3
+    temp = torch.tensor([0.0, 1.0, 0.7, 1.0, 1.3, 1.0], device=dev)
+    tk = torch.tensor([0, 0, 50, 5, 0, 1], device=dev)
+    tp = torch.tensor([1.0, 1.0, 0.9, 1.0, 0.5, 1.0], device=dev)
+    noise = torch.empty(6, V, device=dev).exponential_()
+    got = sampling.sample(lg, temp, tk, tp, noise).cpu()
+    want = sampling.sample_ref(lg.cpu(), temp.cpu(), tk.cpu(), tp.cpu(), noise.cpu())
+    ok = bool((got == want).all())
+    log(f"  check sampling (same noise as the reference)        {'ok' if ok else 'FAIL'}")
+    if not ok:
+        FAILS.append("sampling")
+
+
+def part_kern():
+    from k2serve.kernels import fused_moe as fm
+    from k2serve.kernels import mla_attention
+
+    dev = "cuda"
+    E, D, I, k = 384, 7168, 2048, 8
+    ew = _rand_experts("int4", E, D, I, dev)
+    per_expert = sum(
+        t[0].numel() * t.element_size() for t in (ew.w13, ew.w2, ew.w13_scale, ew.w2_scale)
+    )
+    for T in (1, 8, 32, 128, 1024, 8192):
+        tw, ti = _route(T, E, k, dev)
+        x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
+        hit = int(ti.unique().numel())
+        ms = timed(lambda: fm.fused_moe(x, ew, tw, ti), iters=10 if T > 1000 else 30)
+        row("kern", f"fused_moe int4 T={T} ({hit} experts)", ms, hit * per_expert + 2 * T * D * 2,
+            2 * 3 * D * I * T * k)  # fmt: skip
+    del ew
+    torch.cuda.empty_cache()
+    for B in (1, 8, 32, 128):
+        a = _paged(B, [1024] * B, [1] * B)
+        ms = timed(lambda: mla_attention.mla_attention(*a[:6], 0.14, a[6], a[7]), iters=30)
+        row("kern", f"mla decode B={B} ctx=1k", ms, B * 1025 * 576 * 2 + 2 * B * 64 * 576 * 2,
+            B * 64 * 1025 * 1088 * 2)  # fmt: skip
+    for T in (1024, 8192):
+        a = _paged(1, [0], [T])
+        ms = timed(lambda: mla_attention.mla_attention(*a[:6], 0.14, a[6], a[7]), iters=5)
+        row("kern", f"mla prefill T={T}", ms, 0, 64 * 1088 * 2 * T * (T + 1) / 2)
+
+
+# ------------------------------------------------------------------------------------ model
+def nbytes(mod) -> int:
+    return sum(p.numel() * p.element_size() for p in mod.parameters())
+
+
+def accelerate(model, fast_router=True):
+    """Swap in the GPU backends from the outside (until the model selects them on CUDA)."""
+    from k2serve.attention.triton_mla import TritonMLABackend
+    from k2serve.kernels.rmsnorm import rms_norm
+    from k2serve.kernels.router import grouped_topk
+    from k2serve.model.layers import RMSNorm
+    from k2serve.moe.fused_moe import FusedMoEBackend
+
+    model.set_attn_backend(TritonMLABackend())
+
+    def norm_fwd(self, x):
+        shp = x.shape
+        return rms_norm(x.reshape(-1, shp[-1]), self.weight, self.variance_epsilon).view(shp)
+
+    def router_fwd(self, x):  # bf16 GEMM, float32 sigmoid/top-k (vLLM's choice; spec s3.5)
+        return grouped_topk(F.linear(x, self.weight), self.e_score_correction_bias, self.top_k,
+                            self.n_group, self.topk_group, self.norm_topk_prob,
+                            self.routed_scaling_factor)  # fmt: skip
+
+    for m in model.modules():
+        if isinstance(m, RMSNorm) and m.weight.is_cuda:
+            m.weight.data = m.weight.data.to(model.dtype)
+            m.forward = types.MethodType(norm_fwd, m)
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        if hasattr(mlp, "expert_backend"):
+            mlp.expert_backend = FusedMoEBackend.from_experts(mlp.experts)
+            if fast_router:
+                mlp.gate.forward = types.MethodType(router_fwd, mlp.gate)
+        torch.cuda.empty_cache()
+
+
+def load_slice(layers, fmt="int4"):
+    from k2serve.config import ModelConfig
+    from k2serve.weights.loader import load_model
+    from k2serve.weights.presets import preset_config
+
+    cfg = ModelConfig.from_hf(preset_config("k2-slice", fmt, layers=layers))
+    t = time.time()
+    model = load_model(None, load_format="dummy", config=cfg, device="cuda", progress=False)
+    log(f"loaded k2-slice {fmt} {layers} layers in {time.time() - t:.0f}s, "
+        f"{nbytes(model) / 1e9:.1f} GB")  # fmt: skip
+    return model
+
+
+def decode_inputs(B, ctx, ps, dev="cuda"):
+    from k2serve.attention.base import AttentionMetadata
+
+    ppseq = -(-(ctx + 1) // ps)
+    bt = torch.arange(B * ppseq, device=dev, dtype=torch.int32).view(B, ppseq)
+    md = AttentionMetadata(
+        query_start_loc=torch.arange(B + 1, device=dev, dtype=torch.int32),
+        seq_lens=torch.full((B,), ctx + 1, device=dev, dtype=torch.int32),
+        context_lens=torch.full((B,), ctx, device=dev, dtype=torch.int32),
+        block_table=bt, slot_mapping=(bt[:, ctx // ps].long() * ps + ctx % ps),
+        max_query_len=1, max_seq_len=ctx + 1, page_size=ps, num_decodes=B,
+    )  # fmt: skip
+    ids = torch.randint(0, 2000, (B,), device=dev)
+    return ids, torch.full((B,), ctx, device=dev, dtype=torch.long), md
+
+
+def prefill_inputs(T, ps, dev="cuda"):
+    from k2serve.attention.base import AttentionMetadata
+
+    pages = -(-T // ps)
+    md = AttentionMetadata(
+        query_start_loc=torch.tensor([0, T], device=dev, dtype=torch.int32),
+        seq_lens=torch.tensor([T], device=dev, dtype=torch.int32),
+        context_lens=torch.zeros(1, device=dev, dtype=torch.int32),
+        block_table=torch.arange(pages, device=dev, dtype=torch.int32)[None],
+        slot_mapping=torch.arange(T, device=dev), max_query_len=T, max_seq_len=T, page_size=ps,
+    )  # fmt: skip
+    return torch.randint(0, 2000, (T,), device=dev), torch.arange(T, device=dev), md
+
+
+def experts_hit(model, ids, pos, md, kv):
+    """Distinct routed experts per MoE layer for this batch (one eager pass, recorded)."""
+    hits = {}
+    for i, layer in enumerate(model.model.layers):
+        be = getattr(layer.mlp, "expert_backend", None)
+        if be is None:
+            continue
+
+        def rec(h, tid, tw, _be=be, _i=i):
+            hits[_i] = int(tid.unique().numel())
+            return _be(h, tid, tw)
+
+        layer.mlp.expert_backend = rec
+    model(ids, pos, md, kv)
+    for layer in model.model.layers:
+        if hasattr(layer.mlp, "expert_backend") and not hasattr(
+            layer.mlp.expert_backend, "weights"
+        ):
+            layer.mlp.expert_backend = layer.mlp.expert_backend.__defaults__[0]
+    return hits
+
+
+def decode_bytes(model, B, ctx, hits) -> float:
+    c = model.config
+    total = nbytes(model.lm_head) + nbytes(model.model.norm) + B * c.hidden_size * 2
+    for i, layer in enumerate(model.model.layers):
+        total += nbytes(layer.self_attn) + nbytes(layer.input_layernorm)
+        total += nbytes(layer.post_attention_layernorm)
+        mlp = layer.mlp
+        if hasattr(mlp, "expert_backend"):
+            ew = mlp.expert_backend.weights
+            per = sum(t[0].numel() * t.element_size() for t in (ew.w13, ew.w2)
+                      if t is not None)  # fmt: skip
+            per += sum(t[0].numel() * t.element_size() for t in (ew.w13_scale, ew.w2_scale)
+                       if t is not None)  # fmt: skip
+            total += nbytes(mlp.gate) + nbytes(mlp.shared_experts) + hits[i] * per
+        else:
+            total += nbytes(mlp)
+        total += B * (ctx + 1) * c.kv_cache_dim * 2
+    return total
+
+
+def prefill_flops(model, T) -> float:
+    c = model.config
+    H, L, R, N, V = (c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim,
+                     c.qk_nope_head_dim, c.v_head_dim)  # fmt: skip
+    per_tok = 0
+    for layer in model.model.layers:
+        a = layer.self_attn
+        per_tok += sum(m.in_features * m.out_features for m in (a.q_a_proj, a.q_b_proj,
+                       a.kv_a_proj_with_mqa, a.o_proj))  # fmt: skip
+        per_tok += H * (N + V) * L  # W_UK and W_UV folded into query and output
+        per_tok += H * (L + R + L) * (T + 1) / 2  # absorbed attention, causal mean keys
+        if hasattr(layer.mlp, "expert_backend"):
+            per_tok += c.n_routed_experts * c.hidden_size  # router
+            per_tok += (
+                3
+                * c.hidden_size
+                * c.moe_intermediate_size
+                * (c.num_experts_per_tok + c.n_shared_experts)
+            )
+        else:
+            per_tok += 3 * c.hidden_size * c.intermediate_size
+    return 2 * per_tok * T + 2 * c.hidden_size * c.vocab_size
+
+
+def bench_model(model, tag, batches=(1, 8, 32, 128), prefills=(1024, 8192), ctx=1024):
+    from k2serve.attention import allocate_kv_caches
+    from k2serve.model.cuda_graph import DecodeGraphRunner
+
+    ps = 64
+    ppseq = -(-(ctx + 1) // ps)
+    pages = max(max(batches) * ppseq, -(-max(prefills) // ps)) + 1
+    kv = allocate_kv_caches(model.config, pages, ps, torch.bfloat16, "cuda")
+    for t in kv:
+        t.normal_()
+    res = {}
+    runner = DecodeGraphRunner(model, kv, ppseq, buckets=tuple(batches), with_logits=True)
+    t0 = time.time()
+    runner.capture()
+    log(f"  captured {len(batches)} decode graphs in {time.time() - t0:.1f}s")
+    for B in batches:
+        ids, pos, md = decode_inputs(B, ctx, ps)
+        with torch.inference_mode():
+            hits = experts_hit(model, ids, pos, md, kv)
+            ms = timed(lambda: runner.run(ids, pos, md), iters=30)
+            nb = decode_bytes(model, B, ctx, hits)
+            avg = sum(hits.values()) / max(1, len(hits))
+            row(tag, f"decode B={B} ctx={ctx} graph", ms, nb, 0, f"{B / ms * 1e3:.0f} tok/s, "
+                f"{avg:.0f} experts/layer")  # fmt: skip
+            res[f"decode{B}"] = (ms, nb)
+            if B == 1:
+                ms_e = timed(lambda: model.compute_logits(model(ids, pos, md, kv)), iters=10)
+                row(tag, f"decode B={B} ctx={ctx} eager", ms_e, nb, 0, "no graph")
+    del runner
+    torch.cuda.empty_cache()
+    for T in prefills:
+        ids, pos, md = prefill_inputs(T, ps)
+        with torch.inference_mode():
+            ms = timed(
+                lambda: model.compute_logits(model(ids, pos, md, kv)[-1:]), iters=5, warmup=2
+            )
+        fl = prefill_flops(model, T)
+        row(tag, f"prefill T={T}", ms, 0, fl, f"{T / ms * 1e3:.0f} tok/s")
+        res[f"prefill{T}"] = (ms, fl)
+    del kv
+    torch.cuda.empty_cache()
+    return res
+
+
+# ------------------------------------------------------------------------------------ peer
+def build_peer(ours):
+    """transformers DeepseekV3 (grouped_mm experts, sdpa) with our weights dequantized to bf16."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from k2serve.kernels.fused_moe import expert_dense
+
+    raw = ours.config.to_hf()
+    raw.pop("quantization_config", None)
+    raw.pop("auto_map", None)
+    hf_cfg = DeepseekV3Config(**{k: v for k, v in raw.items() if k not in ("architectures",)})
+    hf_cfg._experts_implementation = "grouped_mm"
+    hf_cfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        peer = DeepseekV3ForCausalLM(hf_cfg)
+    peer = peer.to_empty(device="cuda").to(torch.bfloat16).eval()
+    ours_sd = ours.state_dict()
+    with torch.no_grad():
+        for name, p in peer.named_parameters():
+            if ".experts.gate_up_proj" in name or ".experts.down_proj" in name:
+                continue
+            src = ours_sd.get(name)
+            if src is None:
+                base = name[: -len(".weight")]
+                mod = ours.get_submodule(base)
+                src = mod.dequantized_weight(torch.bfloat16)
+            p.copy_(src.to(p.dtype))
+        for i, layer in enumerate(peer.model.layers):
+            be = getattr(ours.model.layers[i].mlp, "expert_backend", None)
+            if be is None:
+                continue
+            ew = be.weights
+            for e in range(ew.num_experts):
+                w13, w2 = expert_dense(ew, e)
+                layer.mlp.experts.gate_up_proj[e].copy_(w13)
+                layer.mlp.experts.down_proj[e].copy_(w2)
+        for name, b in peer.named_buffers():
+            if "inv_freq" in name:
+                continue
+            src = ours_sd.get(name)
+            if src is not None:
+                b.copy_(src)
+    peer.model.rotary_emb.__init__(hf_cfg, device="cuda")
+    return peer
+
+
+def bench_peer(peer, ctx=1024, prefill=8192):
+    res = {}
+    with torch.inference_mode():
+        ids = torch.randint(0, 160000, (1, ctx), device="cuda")
+        out = peer(ids, use_cache=True)
+        cache = out.past_key_values
+        nxt = torch.randint(0, 160000, (1, 1), device="cuda")
+        crop = getattr(cache, "crop", None)
+
+        def step():
+            peer(nxt, past_key_values=cache, use_cache=True)
+            if crop is not None:
+                crop(ctx)
+
+        res["decode1"] = timed(step, iters=20)
+        ids = torch.randint(0, 160000, (1, prefill), device="cuda")
+        res[f"prefill{prefill}"] = timed(lambda: peer(ids, use_cache=False, logits_to_keep=1),
+                                         iters=3, warmup=1)  # fmt: skip
+    return res
+
+
+def part_model_and_peer(layers, do_peer):
+    model = load_slice(layers)
+    accelerate(model)
+    bench_model(model, "model")
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    if not do_peer:
+        return
+    model = load_slice(3)
+    accelerate(model)
+    ours = bench_model(model, "ours-3L", batches=(1,), prefills=(8192,))
+    peer = build_peer(model)
+    ids = torch.randint(0, 160000, (64,), device="cuda")
+    with torch.inference_mode():
+        a = model.compute_logits(model(ids, torch.arange(64, device="cuda")))
+        b = peer(ids[None]).logits[0].float()
+    check("peer vs ours logits (3 layers, 64 tokens)", a, b, 5e-2)
+    ms_ours_dec, nb = ours["decode1"]
+    ms_ours_pf, fl = ours["prefill8192"]
+    for name in [n for n, _ in model.named_parameters() if ".experts." in n]:
+        pass
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    p = bench_peer(peer)
+    row("peer", "HF decode B=1 ctx=1k (eager)", p["decode1"], nb, 0,
+        f"ours/peer tok/s = {p['decode1'] / ms_ours_dec:.2f}x")  # fmt: skip
+    row("peer", "HF prefill T=8192", p["prefill8192"], 0, fl,
+        f"ours/peer tok/s = {p['prefill8192'] / ms_ours_pf:.2f}x")  # fmt: skip
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="ceil,check,kern,model,peer")
+    ap.add_argument("--layers", type=int, default=8)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("model_speed.py needs a CUDA device")
+    parts = args.parts.split(",")
+    log(f"{torch.cuda.get_device_name()} torch {torch.__version__} "
+        f"triton {__import__('triton').__version__} date {time.strftime('%Y-%m-%d')}")  # fmt: skip
+    torch.manual_seed(int(os.environ.get("SEED", "0")))
+    part_ceil()
+    for name, fn in (("check", part_check), ("kern", part_kern)):
+        if name in parts:
+            log(f"== {name}")
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - report and go on to the next part
+                import traceback
+
+                traceback.print_exc()
+                FAILS.append(f"{name}: {e!r}"[:200])
+    if "model" in parts or "peer" in parts:
+        log("== model")
+        try:
+            part_model_and_peer(args.layers, "peer" in parts)
+        except Exception as e:  # noqa: BLE001
+            import traceback
+
+            traceback.print_exc()
+            FAILS.append(f"model: {e!r}"[:200])
+    log(f"\nceilings: copy {CEIL['bw']:.0f} GB/s, bf16 matmul {CEIL['mm']:.0f} TFLOP/s")
+    log("| part | case | ms | GB/s | % copy bw | TFLOP/s | % matmul | note |")
+    log("|---|---|---:|---:|---:|---:|---:|---|")
+    for r in ROWS:
+        log(
+            f"| {r[0]} | {r[1]} | {r[2]:.3f} | {r[3]:.0f} | {r[4]:.0f} | {r[5]:.1f} | {r[6]:.0f} | {r[7]} |"
+        )
+    log(f"checks failed: {FAILS or 'none'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Token/expert alignment for the fused MoE GEMM (vLLM `moe_align_block_size`).
+
+Owns: `moe_align_block_size(topk_ids, num_experts, block_m)` (Triton, two launches, no host
+sync) and `moe_align_block_size_ref` (torch).
+
+Contract: the M = T * top_k (token, slot) pairs, numbered i = t * top_k + j, are grouped by expert;
+each expert's group is padded to a multiple of `block_m` and only experts with pairs get blocks.
+- `sorted_ids [max_padded]` int32: pair ids grouped by expert; padding and unused tail = M;
+- `expert_ids [max_blocks]` int32: the expert of each block of `block_m` rows (E past the end);
+- `num_post_padded [1]` int32: rows in use (blocks in use * block_m).
+`max_padded = max_blocks * block_m`, `max_blocks = cdiv(M, block_m) + min(E, M)`: a bound known
+on the host, so the grid is fixed and CUDA-graph safe. Order inside one expert's group is not
+specified (atomics); every consumer treats rows independently.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import HAS_TRITON, cdiv, require_triton, tl, triton
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    return cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+
+
+def moe_align_block_size_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    flat = topk_ids.reshape(-1).long()
+    M = flat.numel()
+    nb = max_blocks(M, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    counts.index_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    cum = padded.cumsum(0)
+    start = cum - padded
+    order = torch.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    rank = torch.arange(M, device=flat.device) - (counts.cumsum(0) - counts)[sorted_e]
+    sorted_ids = torch.full((nb * block_m,), M, dtype=torch.int32, device=flat.device)
+    sorted_ids[start[sorted_e] + rank] = order.int()
+    blk = torch.arange(nb, device=flat.device) * block_m
+    expert_ids = torch.searchsorted(cum, blk, right=True).int()
+    return sorted_ids, expert_ids, cum[-1:].int()
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _align_count_kernel(
+        ids_ptr, sorted_ptr, eid_ptr, npost_ptr, cursor_ptr, M, NB,
+        E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+    ):  # fmt: skip
+        # one program: counts, padded offsets, block -> expert map, cursors; fills sentinels.
+        counts = tl.zeros([BLOCK_E], tl.int32)
+        for s in range(0, M, CHUNK):
+            o = s + tl.arange(0, CHUNK)
+            v = tl.load(ids_ptr + o, mask=o < M, other=BLOCK_E - 1).to(tl.int32)
+            counts += tl.histogram(v, BLOCK_E)
+        offs_e = tl.arange(0, BLOCK_E)
+        counts = tl.where(offs_e < E, counts, 0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        cum = tl.cumsum(padded, 0)
+        tl.store(cursor_ptr + offs_e, cum - padded)
+        tl.store(npost_ptr, tl.sum(padded, 0))
+        for s in range(0, NB, CHUNK):
+            b = s + tl.arange(0, CHUNK)
+            # expert of block b = number of experts whose padded range ends at or before b*BM
+            e = tl.sum((cum[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), 1)
+            e = tl.minimum(e, E)
+            tl.store(eid_ptr + b, e, mask=b < NB)
+        for s in range(0, NB * BLOCK_M, CHUNK):
+            o = s + tl.arange(0, CHUNK)
+            tl.store(sorted_ptr + o, tl.zeros([CHUNK], tl.int32) + M, mask=o < NB * BLOCK_M)
+
+    @triton.jit
+    def _align_scatter_kernel(ids_ptr, sorted_ptr, cursor_ptr, M, CHUNK: tl.constexpr):
+        o = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+        ok = o < M
+        e = tl.load(ids_ptr + o, mask=ok, other=0)
+        dest = tl.atomic_add(cursor_ptr + e, 1, mask=ok)
+        tl.store(sorted_ptr + dest, o, mask=ok)
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """See the module docstring. `topk_ids` [T, top_k] integer, values in [0, num_experts)."""
+    require_triton(topk_ids)
+    flat = topk_ids.reshape(-1)
+    if flat.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32 or int64, got {flat.dtype}")
+    M = flat.numel()
+    nb = max_blocks(M, num_experts, block_m)
+    dev = flat.device
+    sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(nb, dtype=torch.int32, device=dev)
+    num_post = torch.empty(1, dtype=torch.int32, device=dev)
+    block_e = triton.next_power_of_2(num_experts + 1)
+    cursor = torch.empty(block_e, dtype=torch.int32, device=dev)
+    if M == 0:
+        num_post.zero_()
+        return sorted_ids, expert_ids, num_post
+    _align_count_kernel[(1,)](
+        flat, sorted_ids, expert_ids, num_post, cursor, M, nb,
+        E=num_experts, BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=128, num_warps=4,
+    )  # fmt: skip
+    _align_scatter_kernel[(cdiv(M, 256),)](flat, sorted_ids, cursor, M, CHUNK=256, num_warps=4)
+    return sorted_ids, expert_ids, num_post
