@@ -179,14 +179,22 @@ def build_app(
     api_key: str | None = None,
     max_model_len: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    default_thinking: bool = True,
+    default_thinking: bool | None = None,
     enable_tool_parser: bool = True,
+    default_chat_template_kwargs: dict | None = None,
     tokenizer=None,
     sampling_params_cls=None,
 ) -> FastAPI:
-    """An OpenAI-compatible app over an `AsyncLLMEngine`-like engine (see docs/interfaces.md)."""
+    """An OpenAI-compatible app over an `AsyncLLMEngine`-like engine (see docs/interfaces.md).
+
+    `default_thinking=None`: on when the chat template knows `<think>` (or is the built-in
+    K2-Thinking one), off otherwise (K2-Instruct templates).
+    """
     names = list(served_model_names or ["k2serve"])
     tok = tokenizer if tokenizer is not None else engine.tokenizer
+    if default_thinking is None:
+        template = getattr(tok, "chat_template", None)
+        default_thinking = template is None or "<think>" in template
     state = ServerState(
         engine=engine,
         tokenizer=tok,
@@ -197,6 +205,7 @@ def build_app(
         sampling_params_cls=sampling_params_cls or _default_sampling_params_cls(),
         default_thinking=default_thinking,
         enable_tool_parser=enable_tool_parser,
+        default_chat_template_kwargs=dict(default_chat_template_kwargs or {}),
     )
     app = FastAPI(title="k2serve", version=__version__, docs_url=None, redoc_url=None)
     app.state.k2 = state
@@ -237,6 +246,8 @@ def build_app(
     async def health():
         if state.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
+        if getattr(engine, "errored", False):
+            raise APIError(503, "the engine has stopped; see the server log", code="engine_dead")
         check = getattr(engine, "check_health", None)
         if check is not None:
             try:

@@ -101,7 +101,7 @@ class ChatHandler:
                 "(only 'text')",
                 param="response_format",
             )
-        kwargs = dict(req.chat_template_kwargs or {})
+        kwargs = {**st.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
         thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", st.default_thinking)))
         kwargs.setdefault("thinking", thinking)
         tool_choice = req.tool_choice or ("auto" if req.tools else "none")

@@ -65,16 +65,18 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def is_queue_full(exc: BaseException) -> bool:
-    """The engine's `EngineQueueFull`, matched by name so the server needs no engine import."""
-    return any(cls.__name__ == "EngineQueueFull" for cls in type(exc).__mro__)
+def _is(exc: BaseException, name: str) -> bool:
+    """Match the engine's error classes by name, so the server needs no engine import."""
+    return any(cls.__name__ == name for cls in type(exc).__mro__)
 
 
 def engine_error(exc: Exception) -> APIError:
     """Translate what `AsyncLLMEngine.generate` / `SamplingParams` raise before queueing."""
     if isinstance(exc, APIError):
         return exc
-    if is_queue_full(exc):
+    if _is(exc, "EngineDeadError"):
+        return APIError(503, "the engine has stopped; see the server log", code="engine_dead")
+    if _is(exc, "EngineQueueFull"):
         return APIError(
             429,
             f"the server is at capacity ({exc}); retry later",

@@ -36,6 +36,7 @@ class ServerState:
     sampling_params_cls: Callable[..., Any]
     default_thinking: bool = True
     enable_tool_parser: bool = True
+    default_chat_template_kwargs: dict = field(default_factory=dict)
     draining: bool = False
     background: set = field(default_factory=set)
 

@@ -1,0 +1,222 @@
+"""`k2serve serve`: flags (vLLM names), engine start-up, the start-up log, uvicorn, SIGTERM drain.
+
+Invariants:
+- Engine flags come from `EngineConfig.add_cli_args`, so serve / generate / chat agree on names
+  and defaults; server flags are added here.
+- SIGTERM (or Ctrl-C): stop accepting connections, answer new /v1 requests with 503 and /health
+  with 503, let in-flight requests finish for up to --drain-timeout seconds (then abort them),
+  shut the engine down and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+
+logger = logging.getLogger("k2serve.server")
+
+_PARSERS = ("kimi_k2", "none")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from k2serve.engine.config import EngineConfig
+
+    EngineConfig.add_cli_args(parser)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="0.0.0.0", help="address to bind (default: all interfaces)")
+    g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model name(s) clients use; the first is reported in responses "
+        "(default: the model directory's name)",
+    )
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("K2SERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $K2SERVE_API_KEY)",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        choices=_PARSERS,
+        default="kimi_k2",
+        help="parse Kimi tool calls into tool_calls (default kimi_k2)",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        choices=_PARSERS,
+        default="kimi_k2",
+        help="split <think> reasoning into reasoning_content (default kimi_k2)",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        default=True,
+        help="accepted for vLLM compatibility; tool_choice=auto is always on",
+    )
+    g.add_argument(
+        "--default-chat-template-kwargs",
+        type=json.loads,
+        default=None,
+        help="JSON merged under each request's chat_template_kwargs, e.g. '{\"thinking\": false}'",
+    )
+    g.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=32 * 1024 * 1024,
+        help="larger request bodies get 413 (default 32 MiB)",
+    )
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may run after SIGTERM (default 30)",
+    )
+    g.add_argument(
+        "--uvicorn-log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
+
+
+def _describe_weights(engine) -> tuple[str, str]:
+    """(weight formats, where experts live) for the start-up log."""
+    import torch
+
+    inner = getattr(engine, "engine", engine)
+    model = getattr(inner, "model", None)
+    cfg = engine.model_config
+    by_dtype: dict[str, int] = {}
+    devices: set[str] = set()
+    expert_devices: set[str] = set()
+    if isinstance(model, torch.nn.Module):
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            key = str(t.dtype).replace("torch.", "")
+            by_dtype[key] = by_dtype.get(key, 0) + t.numel() * t.element_size()
+            devices.add(str(t.device))
+            if ".experts." in name:
+                expert_devices.add(str(t.device))
+    quant = cfg.quant.method if cfg.quant else "bf16 (unquantized)"
+    if cfg.quant and cfg.quant.method == "int4_group":
+        quant = f"int4_group (group {cfg.quant.group_size})"
+    elif cfg.quant and cfg.quant.method == "fp8_block":
+        quant = f"fp8_block {cfg.quant.block_size[0]}x{cfg.quant.block_size[1]}"
+    tensors = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(by_dtype.items()))
+    formats = f"{quant}; tensors: {tensors or 'unknown'}"
+    where = ", ".join(sorted(expert_devices or devices)) or "unknown"
+    experts = f"{cfg.n_routed_experts} routed x {len(cfg.moe_layers)} MoE layers on {where}"
+    return formats, experts
+
+
+class _DrainingServer:
+    """A uvicorn.Server whose signal handler drains instead of re-raising the signal."""
+
+    @staticmethod
+    def make(config, state):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):  # noqa: ARG002 - uvicorn's signature
+                if not state.draining:
+                    logger.info(
+                        "received %s: draining (no new connections)", signal.Signals(sig).name
+                    )
+                state.draining = True
+                if self.should_exit and sig == signal.SIGINT:
+                    self.force_exit = True
+                else:
+                    self.should_exit = True
+
+        return Server(config)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from k2serve.engine.async_engine import AsyncLLMEngine
+    from k2serve.engine.config import EngineConfig
+    from k2serve.server.app import build_app
+
+    try:
+        cfg = EngineConfig.from_cli_args(args)
+    except ValueError as e:
+        print(f"k2serve serve: {e}", file=sys.stderr)
+        return 2
+    model_dir = cfg.model
+    if model_dir is None:
+        from k2serve.demo import demo_path
+
+        try:
+            model_dir = os.fspath(demo_path())
+        except FileNotFoundError as e:
+            print(f"k2serve serve: {e}", file=sys.stderr)
+            return 2
+        cfg = cfg.replace(model=model_dir)
+    if not os.path.isdir(model_dir):
+        print(f"k2serve serve: --model {model_dir!r} is not a directory", file=sys.stderr)
+        return 2
+    names = args.served_model_name or [os.path.basename(os.path.normpath(model_dir))]
+
+    logger.info("loading %s", model_dir)
+    engine = AsyncLLMEngine(cfg)
+    try:
+        if engine.tokenizer is None:
+            print(f"k2serve serve: {model_dir} has no tokenizer files", file=sys.stderr)
+            return 2
+        thinking = None if args.reasoning_parser == "kimi_k2" else False
+        app = build_app(
+            engine,
+            served_model_names=names,
+            api_key=args.api_key,
+            max_body_bytes=args.max_request_body_bytes,
+            default_thinking=thinking,
+            enable_tool_parser=args.tool_call_parser == "kimi_k2",
+            default_chat_template_kwargs=args.default_chat_template_kwargs,
+        )
+        state = app.state.k2
+        ec = engine.config
+        formats, experts = _describe_weights(engine)
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+        logger.info(
+            "model: %s (served as %s), max_model_len %d",
+            model_dir,
+            ", ".join(names),
+            state.max_model_len,
+        )
+        logger.info("weights: %s", formats)
+        logger.info("experts: %s", experts)
+        logger.info(
+            "KV cache: %d pages x %d tokens = %d tokens, prefix caching %s",
+            ec.num_kv_pages,
+            ec.page_size,
+            ec.num_kv_pages * ec.page_size,
+            "on" if ec.enable_prefix_caching else "off",
+        )
+        logger.info(
+            "thinking by default: %s; api key: %s",
+            state.default_thinking,
+            "required" if args.api_key else "none",
+        )
+        config = uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            timeout_graceful_shutdown=args.drain_timeout,
+            access_log=False,
+        )
+        server = _DrainingServer.make(config, state)
+        logger.info("serving on http://%s:%d/v1 (OpenAI API; /health, /metrics)", host, args.port)
+        server.run()
+        if not server.started:
+            print(f"k2serve serve: could not start on {args.host}:{args.port}", file=sys.stderr)
+            return 1
+        logger.info("stopped")
+        return 0
+    finally:
+        engine.shutdown()
