@@ -194,3 +194,34 @@ class FakeOpenAIServer:
             )
         await self._chunk(writer, "data: [DONE]\n\n")
         await self._chunk(writer, "")  # terminating zero-length chunk
+
+
+def _main() -> None:
+    """`python tests/bench/fake_server.py --port 8100 --ttft-ms 200 --itl-ms 20` (Ctrl-C stops)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description="fake OpenAI server with injected delays")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--ttft-ms", type=float, default=200.0)
+    p.add_argument("--itl-ms", type=float, default=20.0)
+    p.add_argument("--tokens-per-chunk", type=int, default=1)
+    a = p.parse_args()
+    b = Behavior(
+        ttft_s=a.ttft_ms / 1000, itl_s=a.itl_ms / 1000, tokens_per_chunk=a.tokens_per_chunk
+    )
+
+    async def serve() -> None:
+        srv = FakeOpenAIServer(b)
+        server = await asyncio.start_server(srv._handle, "127.0.0.1", a.port)
+        print(f"fake OpenAI server on http://127.0.0.1:{a.port}", flush=True)
+        async with server:
+            await server.serve_forever()
+
+    try:
+        asyncio.run(serve())
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    _main()

@@ -271,6 +271,8 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     from k2serve.bench.client import RequestSpec
     from k2serve.bench.runner import LoadSpec, run
 
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # not one INFO line per request
     base, api = _base_url(args), _api(args)
     percentiles = metrics.parse_percentiles(args.metric_percentiles)
     slos = metrics.parse_goodput(args.goodput)
@@ -321,7 +323,6 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         args.request_timeout,
         _join(base, "/v1/models"),
     )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one INFO line per request
 
     result = run(spec, samples, load)
     res = metrics.summarize(result.outcomes, result.duration_s, percentiles, slos)
