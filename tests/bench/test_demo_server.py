@@ -1,6 +1,8 @@
 """`k2serve bench` against a real `k2serve serve` subprocess on the demo model.
 
 Skips (with the reason) while the serve command or the demo checkpoint does not exist yet.
+`K2SERVE_BENCH_SERVE_MODEL=<checkpoint dir>` serves that checkpoint instead of the demo (e.g. one
+written by `k2serve make-checkpoint --preset tiny`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from k2serve.bench.report import load_result
 from k2serve.cli import main
 
 STARTUP_TIMEOUT_S = 120.0
+MODEL_ENV = "K2SERVE_BENCH_SERVE_MODEL"
 
 
 def _missing() -> str | None:
@@ -29,6 +32,8 @@ def _missing() -> str | None:
                 return f"{mod} does not exist yet (`k2serve serve` is being built)"
         except ImportError as e:
             return f"{mod} is not importable: {e}"
+    if os.environ.get(MODEL_ENV):
+        return None if Path(os.environ[MODEL_ENV]).is_dir() else f"{MODEL_ENV} is not a directory"
     try:
         from k2serve.demo import demo_path
 
@@ -47,16 +52,17 @@ def _free_port() -> int:
 def _serve_cmd(port: int) -> list[str]:
     exe = Path(sys.executable).parent / "k2serve"
     base = [str(exe)] if exe.is_file() else [sys.executable, "-m", "k2serve.cli"]
-    return [*base, "serve", "--host", "127.0.0.1", "--port", str(port)]
+    model = ["--model", os.environ[MODEL_ENV]] if os.environ.get(MODEL_ENV) else []
+    return [*base, "serve", "--host", "127.0.0.1", "--port", str(port), *model]
 
 
-@pytest.fixture
-def demo_server(tmp_path):
+@pytest.fixture(scope="module")
+def demo_server(tmp_path_factory):
     reason = _missing()
     if reason:
         pytest.skip(reason)
     port = _free_port()
-    log = open(tmp_path / "serve.log", "w+")
+    log = open(tmp_path_factory.mktemp("serve") / "serve.log", "w+")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(_serve_cmd(port), stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
