@@ -4,8 +4,8 @@ It runs on its own event loop in a thread on a random 127.0.0.1 port. Per reques
 `ttft_s`, then sends the completion tokens `tokens_per_chunk` at a time, `itl_s` apart, then a
 usage chunk (unless `send_usage=False`) and `data: [DONE]`.
 
-Known truths for the tests: prompt_tokens = number of whitespace-separated words of the prompt
-(plus CHAT_OVERHEAD for chat), completion_tokens = max_tokens (or `default_tokens`).
+Known truths for the tests: prompt_tokens = tokens_per_word x the whitespace-separated words of
+the prompt (plus CHAT_OVERHEAD for chat), completion_tokens = max_tokens (or `default_tokens`).
 Faults by arrival index (0-based): "429", "500", "disconnect" (close the socket mid-stream),
 "hang" (never answer), "error_event" (an error object in the stream).
 """
@@ -31,6 +31,7 @@ class Behavior:
     faults: dict[int, str] = field(default_factory=dict)
     model: str = "fake-model"
     api_key: str | None = None
+    tokens_per_word: int = 1
 
 
 class FakeOpenAIServer:
@@ -149,9 +150,9 @@ class FakeOpenAIServer:
         chat = path.endswith("chat/completions")
         if chat:
             text = " ".join(str(m.get("content", "")) for m in req["messages"])
-            prompt_tokens = len(text.split()) + CHAT_OVERHEAD
+            prompt_tokens = len(text.split()) * b.tokens_per_word + CHAT_OVERHEAD
         else:
-            prompt_tokens = len(req["prompt"].split())
+            prompt_tokens = len(req["prompt"].split()) * b.tokens_per_word
         n = int(req.get("max_tokens") or b.default_tokens)
         writer.write(
             b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"

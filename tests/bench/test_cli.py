@@ -220,3 +220,19 @@ def test_all_requests_failing_exits_nonzero(fake_server, tmp_path, capsys):
     assert "Successful requests:                     0" in out
     doc = load_result(tmp_path / "f.json")
     assert doc["mean_ttft_ms"] is None  # no data -> null, still strict JSON
+
+
+def test_calibrated_prompts_hit_the_token_target(fake_server, tmp_path, capsys):
+    # The fake server counts 3 tokens per word plus a chat overhead: 100 words would be 303.
+    server = fake_server(ttft_s=0.0, itl_s=0.001, tokens_per_word=3)
+    rc, out, _ = _bench(
+        capsys, server.base_url, tmp_path, "cal.json", "--num-prompts", "3",
+        "--random-input-len", "100", "--random-output-len", "2", "--no-plot",
+        "--calibrate-input-len",
+    )  # fmt: skip
+    assert rc == 0
+    assert "calibration: 3.000 tokens/word" in out
+    doc = load_result(tmp_path / "cal.json")
+    assert doc["config"]["calibration"]["tokens_per_word"] == pytest.approx(3.0)
+    assert all(abs(r["prompt_tokens"] - 100) <= 2 for r in doc["requests"])
+    assert len(server.bodies) == 2 + 3  # two probes, then the measured requests

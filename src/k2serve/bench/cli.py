@@ -94,6 +94,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="lengths uniform in [L*(1-r), L*(1+r)], r in [0, 1)",
     )
     g.add_argument(
+        "--calibrate-input-len",
+        action="store_true",
+        help="random/prefix: ask the server (2 probes) how many tokens a word is, and size "
+        "prompts in the server's tokens instead of words",
+    )
+    g.add_argument(
         "--random-prefix-len",
         type=int,
         default=0,
@@ -296,7 +302,9 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         progress=not args.disable_tqdm,
     )
     load.validate()
-    samples = _samples(args)
+    if args.calibrate_input_len and DATASETS[args.dataset_name] not in ("random", "prefix"):
+        raise ValueError("--calibrate-input-len applies to --dataset-name random or prefix")
+    samples = _samples(args)  # validates the workload flags before any request is sent
     model = args.served_model_name or args.model
     if not model:
         model = _discover_model(base, args.api_key, args.request_timeout)
@@ -324,6 +332,22 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         _join(base, "/v1/models"),
     )
 
+    cal = None
+    if args.calibrate_input_len:
+        from k2serve.bench.calibrate import calibrate
+
+        cal = calibrate(spec, args.seed)
+        args = argparse.Namespace(**vars(args))
+        args.random_input_len = cal.words_for(args.random_input_len)
+        if args.random_prefix_len:
+            args.random_prefix_len = cal.words_for(args.random_prefix_len, with_overhead=False)
+        args.prefix_len = cal.words_for(args.prefix_len, with_overhead=False)
+        print(
+            f"calibration: {cal.tokens_per_word:.3f} tokens/word + {cal.overhead_tokens:.1f} "
+            f"per request -> {args.random_input_len} words per prompt"
+        )
+        samples = _samples(args)
+
     result = run(spec, samples, load)
     res = metrics.summarize(result.outcomes, result.duration_s, percentiles, slos)
     rate = "inf" if math.isinf(args.request_rate) else args.request_rate
@@ -349,6 +373,9 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         "ignore_eos": args.ignore_eos,
         "sampling": sampling,
         "k2serve_version": __version__,
+        "calibration": None
+        if cal is None
+        else {"tokens_per_word": cal.tokens_per_word, "overhead_tokens": cal.overhead_tokens},
     }
     # vLLM result-file keys, so tools reading those files read ours.
     res.update(
