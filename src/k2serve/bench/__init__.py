@@ -9,7 +9,10 @@ Modules, one concern each:
 - `metrics.py`:  TTFT / ITL / TPOT / E2EL statistics, throughput, goodput, errors by kind.
 - `report.py`:   terminal table, JSON result file, `compare` table.
 - `plot.py`:     PNG of latency distributions and throughput over time (matplotlib, Agg).
-- `cli.py`:      the `k2serve bench` flags (vLLM `bench serve` names) and subcommands.
+- `calibrate.py`: optional fit of the server's tokens per word (`--calibrate-input-len`).
+- `cli.py`:      the `k2serve bench` flags (vLLM `bench serve` names) and subcommands;
+  `compare_cli.py` is `k2serve bench compare`; the name `model` is reserved for a GPU model
+  benchmark in its own module.
 
 Invariant: token counts come from the server's `usage` (requested with
 `stream_options.include_usage`); when a server sends none, counts fall back to the number of
