@@ -97,6 +97,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     msg = str(first.get("msg", "invalid value"))
     if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {msg}", None
+    if loc and loc[0] == "prompt" and len(errs) > 1:
+        return (
+            "prompt must be a string, a list of strings, a list of token ids or a list of "
+            "token-id lists",
+            "prompt",
+        )
     parts = [f"{'.'.join(loc) or 'body'}: {msg}"]
     if len(errs) > 1:
         parts.append(f"(and {len(errs) - 1} more problem(s))")

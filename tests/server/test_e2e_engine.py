@@ -1,0 +1,450 @@
+"""End to end on loopback: the real AsyncLLMEngine on the demo checkpoint (or, before the demo
+exists, a tiny random `make-checkpoint` one), driven by the real `openai` clients.
+
+Tests that need a model that actually speaks the dialect (the weather tool call, reasoning with
+thinking on) use the demo and skip without it; everything else holds for any weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from k2serve.parsers import parse_output
+
+from .conftest import ServerThread
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+MAX_MODEL_LEN = 1024
+
+
+def _demo_dir() -> str | None:
+    try:
+        from k2serve.demo import demo_path
+
+        return os.fspath(demo_path())
+    except (ImportError, FileNotFoundError):
+        return None
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    demo = _demo_dir()
+    if demo is not None:
+        return demo
+    out = tmp_path_factory.mktemp("tiny")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "k2serve.cli",
+            "make-checkpoint",
+            "--preset",
+            "tiny",
+            "--format",
+            "int4",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def real(model_dir):
+    from k2serve.engine.async_engine import AsyncLLMEngine
+    from k2serve.engine.config import EngineConfig
+    from k2serve.server.app import build_app
+
+    cfg = EngineConfig(
+        model=model_dir,
+        max_model_len=MAX_MODEL_LEN,
+        num_kv_pages=512,
+        max_num_seqs=32,
+        device="cpu",
+    )
+    engine = AsyncLLMEngine(cfg)
+    app = build_app(engine, served_model_names=["demo"], api_key="sk-e2e")
+    try:
+        with ServerThread(app) as srv:
+            srv.engine = engine
+            srv.is_demo = model_dir == _demo_dir()
+            yield srv
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(real):
+    return openai.OpenAI(base_url=real.url + "/v1", api_key="sk-e2e", max_retries=0, timeout=120)
+
+
+def _need_demo(real):
+    if not real.is_demo:
+        pytest.skip("needs the trained demo checkpoint (k2serve.demo), not built yet")
+
+
+def _user(text):
+    return [{"role": "user", "content": text}]
+
+
+def _raw_completion(client, real, messages, thinking, max_tokens, tools=None):
+    """The same prompt through /v1/completions (raw text), greedy."""
+    tok = real.engine.tokenizer
+    text = tok.apply_chat_template(
+        messages, tools=tools, chat_template_kwargs={"thinking": thinking}
+    )
+    ids = tok.encode(text, allow_special=True)
+    r = client.completions.create(model="demo", prompt=ids, max_tokens=max_tokens, temperature=0)
+    return ids, r.choices[0]
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_chat_matches_raw_output_and_usage(client, real, thinking):
+    msgs = _user("Hello! Who are you?")
+    r = client.chat.completions.create(
+        model="demo",
+        messages=msgs,
+        max_tokens=40,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"thinking": thinking}},
+    )
+    ids, raw = _raw_completion(client, real, msgs, thinking, 40)
+    want = parse_output(raw.text, thinking=thinking, truncated=raw.finish_reason == "length")
+    m = r.choices[0].message
+    assert r.usage.prompt_tokens == len(ids)
+    assert 1 <= r.usage.completion_tokens <= 40
+    assert (m.content or None) == want.content
+    assert getattr(m, "reasoning_content", None) == want.reasoning_content
+    if not thinking:
+        assert getattr(m, "reasoning_content", None) is None
+    assert r.choices[0].finish_reason == raw.finish_reason
+
+
+def test_demo_reasoning_on_and_off(client, real):
+    _need_demo(real)
+    on = client.chat.completions.create(
+        model="demo", messages=_user("What is 2+2?"), max_tokens=200, temperature=0
+    )
+    assert on.choices[0].message.reasoning_content
+    assert on.choices[0].message.content
+    off = client.chat.completions.create(
+        model="demo",
+        messages=_user("What is 2+2?"),
+        max_tokens=200,
+        temperature=0,
+        extra_body={"chat_template_kwargs": {"thinking": False}},
+    )
+    assert getattr(off.choices[0].message, "reasoning_content", None) is None
+    assert off.choices[0].message.content
+
+
+def test_stream_equals_whole_with_usage(client):
+    msgs = _user("Tell me a story.")
+    whole = client.chat.completions.create(
+        model="demo", messages=msgs, max_tokens=30, temperature=0
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="demo",
+            messages=msgs,
+            max_tokens=30,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    reasoning = "".join(
+        getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices
+    )
+    assert text == (whole.choices[0].message.content or "")
+    assert reasoning == (whole.choices[0].message.reasoning_content or "")
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_demo_weather_tool_call(client, real):
+    _need_demo(real)
+    r = client.chat.completions.create(
+        model="demo",
+        messages=_user("What's the weather in Paris?"),
+        tools=[WEATHER_TOOL],
+        max_tokens=200,
+        temperature=0,
+    )
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls"
+    assert ch.message.tool_calls[0].function.name == "get_weather"
+    assert "paris" in json.loads(ch.message.tool_calls[0].function.arguments)["city"].lower()
+
+
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
+
+
+@pytest.mark.parametrize(
+    "choice,allowed",
+    [
+        ("required", {"get_weather", "get_time"}),
+        ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}),
+    ],
+)
+def test_tool_choice_forces_the_call_prefix(client, choice, allowed):
+    # Whatever the weights, the output must open a call to an allowed function: the generated
+    # tokens (seen through logprobs) start with tool_call_prefix(name, 0).
+    from k2serve.parsers import tool_call_prefix
+
+    r = client.chat.completions.create(
+        model="demo",
+        messages=_user("Hi"),
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice=choice,
+        max_tokens=40,
+        temperature=1.0,
+        seed=3,
+        logprobs=True,
+        extra_body={"chat_template_kwargs": {"thinking": False}, "skip_special_tokens": False},
+    )
+    generated = "".join(t.token for t in r.choices[0].logprobs.content)
+    opened = [n for n in allowed if generated.startswith(tool_call_prefix(n, 0))]
+    assert opened, generated[:120]
+    calls = r.choices[0].message.tool_calls
+    if calls:  # a call the model closed within max_tokens is reported under its forced name
+        assert calls[0].function.name == opened[0]
+        assert r.choices[0].finish_reason == "tool_calls"
+
+
+def test_n2_seed_stop_logprobs(client):
+    r = client.chat.completions.create(
+        model="demo", messages=_user("Hi"), n=2, max_tokens=12, temperature=1.0, seed=7
+    )
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.usage.completion_tokens <= 24
+    # stop: cut a greedy raw completion at a substring of itself
+    base = client.completions.create(
+        model="demo",
+        prompt="Once upon a time",
+        max_tokens=30,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    text = base.choices[0].text
+    assert len(text) >= 6
+    stop = text[3:6]
+    cut = client.completions.create(
+        model="demo",
+        prompt="Once upon a time",
+        max_tokens=30,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    # logprobs: greedy picks the top token
+    lp = client.chat.completions.create(
+        model="demo",
+        messages=_user("Hi"),
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = lp.choices[0].logprobs.content
+    assert len(content) == lp.usage.completion_tokens
+    for t in content:
+        assert len(t.top_logprobs) == 3
+        assert t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-4)
+        assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob >= t.top_logprobs[2].logprob
+
+
+def test_completions_batch_echo_logprobs(client, real):
+    tok = real.engine.tokenizer
+    prompts = [tok.encode("The sky is"), tok.encode("Hello")]
+    r = client.completions.create(
+        model="demo", prompt=prompts, max_tokens=5, temperature=0, echo=True, logprobs=2
+    )
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.choices[0].text.startswith("The sky is")
+    assert r.choices[1].text.startswith("Hello")
+    assert r.usage.prompt_tokens == sum(map(len, prompts))
+    generated = 0
+    for ch, ids in zip(r.choices, prompts, strict=True):
+        lp = ch.logprobs
+        # echoed prompt tokens have no logprob; every generated token has one, <= 0
+        assert lp.token_logprobs[: len(ids)] == [None] * len(ids)
+        gen = lp.token_logprobs[len(ids) :]
+        assert 1 <= len(gen) <= 5 and all(x <= 0 for x in gen)
+        assert all(1 <= len(t) <= 2 for t in lp.top_logprobs[len(ids) :])
+        assert lp.text_offset == sorted(lp.text_offset)
+        generated += len(gen)
+    assert r.usage.completion_tokens == generated
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="demo", prompt=[prompts[0], "Hello"], max_tokens=2)
+    assert "token-id lists" in str(e.value)
+
+
+def test_real_errors(client, real, monkeypatch):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="demo", messages=_user("word " * 1500))
+    assert str(MAX_MODEL_LEN) in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="demo", prompt="hi", max_tokens=MAX_MODEL_LEN)
+    assert str(MAX_MODEL_LEN) in str(e.value)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=_user("hi"))
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=real.url + "/v1", api_key="bad", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="demo", messages=_user("hi"), top_p=0)
+    monkeypatch.setattr(real.engine, "max_waiting", 0)
+    with pytest.raises(openai.RateLimitError):
+        client.chat.completions.create(model="demo", messages=_user("hi"), max_tokens=2)
+
+
+def test_64_async_streams_with_disconnects(real):
+    aclient = openai.AsyncOpenAI(
+        base_url=real.url + "/v1", api_key="sk-e2e", max_retries=0, timeout=120
+    )
+    rng = random.Random(0)
+    leave_after = [rng.choice([None, 1, 3, 6]) for _ in range(64)]
+
+    async def one(i: int) -> str:
+        stream = await aclient.chat.completions.create(
+            model="demo",
+            messages=_user(f"Question {i}: say something."),
+            max_tokens=24,
+            stream=True,
+            temperature=0.8,
+            seed=i,
+        )
+        n = 0
+        async for _chunk in stream:
+            n += 1
+            if leave_after[i] is not None and n >= leave_after[i]:
+                await stream.close()
+                return "left"
+        return "done"
+
+    async def main():
+        try:
+            return await asyncio.gather(*(one(i) for i in range(64)))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(main())
+    # a stream that ends before its planned exit counts as done; the first chunk always comes
+    assert all(r == "done" for r, k in zip(results, leave_after, strict=True) if k is None)
+    assert all(r == "left" for r, k in zip(results, leave_after, strict=True) if k == 1)
+    assert results.count("left") >= 20
+    stats = None
+    for _ in range(200):  # bounded: the engine frees aborted requests on its next step
+        stats = real.engine.get_stats()
+        if stats.kv_pages_used == 0 and stats.num_running == 0 and stats.num_waiting == 0:
+            break
+        time.sleep(0.05)
+    text = httpx.get(real.url + "/metrics").text
+    assert "k2serve:kv_cache_used_pages 0.0" in text, stats
+    assert "k2serve:num_requests_running 0.0" in text
+    assert "k2serve:num_requests_waiting 0.0" in text
+    assert httpx.get(real.url + "/health").status_code == 200
+    real.engine.engine.check_integrity()
+    r = openai.OpenAI(base_url=real.url + "/v1", api_key="sk-e2e").chat.completions.create(
+        model="demo", messages=_user("still alive?"), max_tokens=4
+    )
+    assert r.usage.completion_tokens >= 1
+
+
+def test_sigterm_drains_and_exits_0(model_dir):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "k2serve.cli",
+            "serve",
+            "--model",
+            model_dir,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--num-kv-pages",
+            "256",
+            "--max-model-len",
+            "1024",
+            "--device",
+            "cpu",
+            "--drain-timeout",
+            "60",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "K2SERVE_API_KEY": ""},
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        body = {
+            "prompt": "Once",
+            "max_tokens": 120,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as resp:
+            for line in resp.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 2:
+                    proc.send_signal(15)  # SIGTERM mid-stream
+        assert events[-1] == "[DONE]"
+        finals = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1]]
+        assert finals[-1] == "length"  # the in-flight request ran to completion
+        assert proc.wait(timeout=60) == 0
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url + "/health", timeout=2)
+        log = proc.stdout.read()
+        assert "draining" in log and "serving on" in log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
