@@ -3,7 +3,8 @@
 Invariants:
 - A signed value q in [-8, 7] is stored as q + 8 in a 4-bit nibble; 8 nibbles per int32 along
   the input dimension; column 8k+i lives in bits [4i, 4i+4) of packed[:, k] (lowest nibble =
-  lowest column). A partial last word is padded with the nibble of q = 0.
+  lowest column). A partial last word has zero bits in its unused nibbles (as compressed-tensors'
+  `pack_to_int32` leaves them).
 - Symmetric, no zero point: W[o, j] = q[o, j] * weight_scale[o, j // group_size].
 - `weight_shape` is int32 [out_features, in_features].
 """
@@ -27,7 +28,7 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     pad = words * PACK_FACTOR - cols
     u = qi + 8  # [out, in] in [0, 15]
     if pad:
-        u = torch.cat([u, torch.full((out, pad), 8, dtype=torch.int64, device=u.device)], dim=1)
+        u = torch.cat([u, torch.zeros((out, pad), dtype=torch.int64, device=u.device)], dim=1)
     u = u.view(out, words, PACK_FACTOR)
     shifts = torch.arange(0, 4 * PACK_FACTOR, 4, dtype=torch.int64, device=u.device)
     acc = (u << shifts).sum(dim=-1)  # [out, words] in [0, 2^32)

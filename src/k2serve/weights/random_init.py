@@ -54,14 +54,9 @@ def random_tensors(
             shape = mod.weight_packed.shape
             packed = torch.randint(0, 2**32, tuple(shape), generator=g, device=device)
             packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-            if mod.in_features % 8:  # padding nibbles hold q = 0 (value 8)
-                keep = mod.in_features % 8
-                mask = (1 << (4 * keep)) - 1
-                last = packed[:, -1].to(torch.int64) & mask
-                for i in range(keep, 8):
-                    last = last | (8 << (4 * i))
-                last = torch.where(last >= 2**31, last - 2**32, last)
-                packed[:, -1] = last.to(torch.int32)
+            if mod.in_features % 8:  # unused nibbles of the last word are zero bits
+                keep_mask = (1 << (4 * (mod.in_features % 8))) - 1
+                packed[:, -1] = packed[:, -1] & keep_mask
             yield prefix + "weight_packed", packed
             scale = torch.full(tuple(mod.weight_scale.shape), WEIGHT_STD / _INT4_STD)
             g = _gen(seed, prefix + "weight_scale", device)
