@@ -105,6 +105,12 @@ def default_script(prompt: str) -> str:
     """What the fake model 'wants' to say for a prompt (thinking on when it ends in <think>)."""
     thinking = prompt.endswith("<think>")
     head = "Let me think.</think>" if thinking else ""
+    if "Paris and Rome" in prompt and "tool_declare" in prompt:
+        return head + "".join(
+            f"<|tool_call_begin|>functions.get_weather:{i}<|tool_call_argument_begin|>"
+            f'{{"city": "{c}"}}<|tool_call_end|>'
+            for i, c in enumerate(["Paris", "Rome"])
+        ).join(["<|tool_calls_section_begin|>", "<|tool_calls_section_end|><|im_end|>"])
     if "weather" in prompt and "tool_declare" in prompt:
         return head + (
             "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"

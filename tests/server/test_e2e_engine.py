@@ -377,6 +377,25 @@ def test_64_async_streams_with_disconnects(real):
     assert r.usage.completion_tokens >= 1
 
 
+def _wait_idle(engine, rounds=200):
+    for _ in range(rounds):  # bounded: the engine frees aborted requests on its next step
+        st = engine.get_stats()
+        if st.kv_pages_used == 0 and st.num_running == 0 and st.num_waiting == 0:
+            return st
+        time.sleep(0.05)
+    return engine.get_stats()
+
+
+def test_nonstreaming_disconnect_frees_pages(real):
+    body = {"model": "demo", "prompt": "Once", "max_tokens": 900, "ignore_eos": True}
+    hdr = {"Authorization": "Bearer sk-e2e"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(real.url + "/v1/completions", json=body, headers=hdr, timeout=1.0)
+    st = _wait_idle(real.engine, rounds=60)  # 3 s; the 900 tokens would take ~10 s
+    assert st.kv_pages_used == 0 and st.num_running == 0, st
+    real.engine.engine.check_integrity()
+
+
 def test_sigterm_drains_and_exits_0(model_dir):
     import socket
 

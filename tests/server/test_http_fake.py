@@ -453,3 +453,118 @@ def test_64_streams_random_disconnects_free_everything(fake_server):
     assert "k2serve:kv_cache_used_pages 0.0" in text
     assert "k2serve:num_requests_running 0.0" in text
     assert httpx.get(fake_server.url + "/health").status_code == 200
+
+
+# ------------------------------------------------------------------------------------------
+# More protocol details
+
+
+def test_parallel_tool_calls(client):
+    msgs = _msgs("What's the weather in Paris and Rome?")
+    r = client.chat.completions.create(model="fake-k2", messages=msgs, tools=[WEATHER_TOOL])
+    cities = [json.loads(c.function.arguments)["city"] for c in r.choices[0].message.tool_calls]
+    assert cities == ["Paris", "Rome"]
+    r = client.chat.completions.create(
+        model="fake-k2", messages=msgs, tools=[WEATHER_TOOL], parallel_tool_calls=False
+    )
+    assert len(r.choices[0].message.tool_calls) == 1
+    chunks = list(
+        client.chat.completions.create(
+            model="fake-k2", messages=msgs, tools=[WEATHER_TOOL], stream=True
+        )
+    )
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [tc.index for tc in calls] == [0, 1]
+    assert [tc.id for tc in calls] == ["functions.get_weather:0", "functions.get_weather:1"]
+
+
+def test_stream_n2_each_choice_finishes(client):
+    chunks = list(
+        client.chat.completions.create(model="fake-k2", messages=_msgs(), n=2, stream=True)
+    )
+    for i in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant"
+        assert [c.finish_reason for c in mine if c.finish_reason] == ["stop"]
+        assert "".join(c.delta.content or "" for c in mine).startswith("Hello!")
+
+
+def test_more_400s(fake_server):
+    cases = [
+        ({"messages": _msgs(), "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id"),
+        ({"messages": _msgs(), "n": 0}, "n"),
+        ({"messages": _msgs(), "top_logprobs": 3}, None),
+        ({"messages": _msgs(), "response_format": {"type": "json_schema"}}, "response_format"),
+        (
+            {
+                "messages": _msgs(),
+                "tools": [WEATHER_TOOL],
+                "tool_choice": {"type": "function", "function": {"name": "nope"}},
+            },
+            None,
+        ),
+    ]
+    for body, param in cases:
+        e = _err(_post(fake_server, "/v1/chat/completions", body), 400)
+        if param is not None:
+            assert e["param"] == param, (body, e)
+    ok = _post(
+        fake_server,
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "developer", "content": "x"}, {"role": "user", "content": "y"}],
+            "presence_penalty": 0.5,
+            "frequency_penalty": 0.5,
+            "top_k": 5,
+            "seed": 1,
+            "user": "someone",
+            "unknown_future_field": 1,
+        },
+    )
+    assert ok.status_code == 200, ok.text
+
+
+def test_mid_stream_failure_sends_error_event(fake_server, monkeypatch):
+    real_run = fake_server.engine._run
+
+    async def failing(prompt_ids, params, request_id):
+        k = 0
+        async for out in real_run(prompt_ids, params, request_id):
+            yield out
+            k += 1
+            if k == 3:
+                raise RuntimeError("boom with secret")
+
+    monkeypatch.setattr(fake_server.engine, "_run", failing)
+    r = _post(fake_server, "/v1/chat/completions", {"messages": _msgs(), "stream": True})
+    assert r.status_code == 200
+    events = [x[6:] for x in r.text.splitlines() if x.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["type"] == "internal_server_error" and "secret" not in err["message"]
+    assert fake_server.engine.live == {}
+
+
+def test_engine_dead_is_503_and_health_follows(fake_server, monkeypatch):
+    class EngineDeadError(RuntimeError):
+        pass
+
+    async def dead(*a, **k):
+        raise EngineDeadError("loop died")
+        yield
+
+    monkeypatch.setattr(fake_server.engine, "generate", dead)
+    e = _err(_post(fake_server, "/v1/chat/completions", {"messages": _msgs()}), 503)
+    assert e["code"] == "engine_dead"
+    monkeypatch.setattr(fake_server.engine, "healthy", False)
+    _err(httpx.get(fake_server.url + "/health"), 503)
+
+
+def test_draining_refuses_new_work(fake_server, monkeypatch):
+    state = fake_server.app.state.k2
+    monkeypatch.setattr(state, "draining", True)
+    _err(httpx.get(fake_server.url + "/health"), 503)
+    _err(_post(fake_server, "/v1/chat/completions", {"messages": _msgs()}), 503)
+    assert httpx.get(fake_server.url + "/metrics").status_code == 200

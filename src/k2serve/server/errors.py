@@ -12,6 +12,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -95,6 +96,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     param = ".".join(loc) or None
     msg = str(first.get("msg", "invalid value"))
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+        # whole-request checks (model validators) start their message with the field name
+        m = re.match(r"([a-z_]+)\b", msg)
+        if param is None and m:
+            param = m.group(1)
     if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {msg}", None
     if loc and loc[0] == "prompt" and len(errs) > 1:
