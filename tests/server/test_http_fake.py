@@ -568,3 +568,37 @@ def test_draining_refuses_new_work(fake_server, monkeypatch):
     _err(httpx.get(fake_server.url + "/health"), 503)
     _err(_post(fake_server, "/v1/chat/completions", {"messages": _msgs()}), 503)
     assert httpx.get(fake_server.url + "/metrics").status_code == 200
+
+
+def test_bodies_match_the_protocol_models(fake_server):
+    """Every body validates against protocol.py's response models (extra fields forbidden)."""
+    from k2serve.server import protocol as P
+
+    def sse(r):
+        return [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+
+    chat = {"messages": _msgs("What's the weather in Paris?"), "tools": [WEATHER_TOOL]}
+    P.ChatCompletionResponse.model_validate(
+        _post(fake_server, "/v1/chat/completions", {**chat, "logprobs": True}).json()
+    )
+    P.ChatCompletionResponse.model_validate(
+        _post(fake_server, "/v1/chat/completions", {"messages": _msgs(), "n": 2}).json()
+    )
+    r = _post(
+        fake_server,
+        "/v1/chat/completions",
+        {**chat, "stream": True, "stream_options": {"include_usage": True}, "logprobs": True},
+    )
+    chunks = sse(r)
+    assert len(chunks) > 3
+    for c in chunks:
+        P.ChatCompletionChunk.model_validate(c)
+    body = {"prompt": ["count", "Hi"], "max_tokens": 3, "echo": True, "logprobs": 1}
+    P.CompletionResponse.model_validate(_post(fake_server, "/v1/completions", body).json())
+    for c in sse(_post(fake_server, "/v1/completions", {**body, "stream": True})):
+        P.CompletionResponse.model_validate({**c, "object": "text_completion"})
+    P.ModelList.model_validate(
+        httpx.get(
+            fake_server.url + "/v1/models", headers={"Authorization": "Bearer sk-test"}
+        ).json()
+    )
