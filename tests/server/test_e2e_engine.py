@@ -146,13 +146,13 @@ def test_chat_matches_raw_output_and_usage(client, real, thinking):
 def test_demo_reasoning_on_and_off(client, real):
     _need_demo(real)
     on = client.chat.completions.create(
-        model="demo", messages=_user("What is 2+2?"), max_tokens=200, temperature=0
+        model="demo", messages=_user("Hello!"), max_tokens=200, temperature=0
     )
     assert on.choices[0].message.reasoning_content
     assert on.choices[0].message.content
     off = client.chat.completions.create(
         model="demo",
-        messages=_user("What is 2+2?"),
+        messages=_user("Hello!"),
         max_tokens=200,
         temperature=0,
         extra_body={"chat_template_kwargs": {"thinking": False}},
@@ -188,17 +188,31 @@ def test_stream_equals_whole_with_usage(client):
 
 def test_demo_weather_tool_call(client, real):
     _need_demo(real)
+    msgs = _user("What's the weather in Paris?")
     r = client.chat.completions.create(
-        model="demo",
-        messages=_user("What's the weather in Paris?"),
-        tools=[WEATHER_TOOL],
-        max_tokens=200,
-        temperature=0,
+        model="demo", messages=msgs, tools=[WEATHER_TOOL], max_tokens=200, temperature=0
     )
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls"
-    assert ch.message.tool_calls[0].function.name == "get_weather"
-    assert "paris" in json.loads(ch.message.tool_calls[0].function.arguments)["city"].lower()
+    call = ch.message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert ch.message.reasoning_content  # thinking is on by default for the demo
+    # the result goes back as a tool message; the demo answers by quoting it
+    msgs += [
+        {
+            "role": "assistant",
+            "content": ch.message.content,
+            "tool_calls": [call.model_dump()],
+            "reasoning_content": ch.message.reasoning_content,
+        },
+        {"role": "tool", "tool_call_id": call.id, "name": "get_weather", "content": "Sunny, 21 C"},
+    ]
+    r2 = client.chat.completions.create(
+        model="demo", messages=msgs, tools=[WEATHER_TOOL], max_tokens=200, temperature=0
+    )
+    assert r2.choices[0].finish_reason == "stop"
+    assert "Sunny, 21 C" in r2.choices[0].message.content
 
 
 TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
