@@ -220,6 +220,33 @@ def part_kern():
         ms = timed(lambda: fm.fused_moe(x, ew, tw, ti), iters=10 if T > 1000 else 30)
         row("kern", f"fused_moe int4 T={T} ({hit} experts)", ms, hit * per_expert + 2 * T * D * 2,
             2 * 3 * D * I * T * k)  # fmt: skip
+    sweep = {
+        "dec": [
+            (16, 64, 256, 4, 4),
+            (16, 32, 512, 4, 3),
+            (16, 128, 256, 8, 3),
+            (16, 32, 256, 2, 4),
+        ],
+        "pre": [
+            (64, 128, 64, 8, 3),
+            (128, 128, 64, 8, 3),
+            (128, 256, 64, 8, 3),
+            (128, 128, 32, 4, 4),
+        ],
+    }
+    for T in (1, 32, 8192):
+        tw, ti = _route(T, E, k, dev)
+        x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
+        hit = int(ti.unique().numel())
+        for bm, bn, bk, nw, ns in sweep["dec" if T < 1000 else "pre"]:
+            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+            try:
+                ms = timed(lambda: fm.fused_moe(x, ew, tw, ti, cfg), iters=10)
+            except Exception as e:  # noqa: BLE001 - a config that does not fit is reported
+                log(f"  sweep T={T} {cfg}: {type(e).__name__}")
+                continue
+            row("sweep", f"moe T={T} {bm}x{bn}x{bk} w{nw} s{ns}", ms,
+                hit * per_expert + 2 * T * D * 2, 2 * 3 * D * I * T * k)  # fmt: skip
     del ew
     torch.cuda.empty_cache()
     for B in (1, 8, 32, 128):
@@ -436,9 +463,14 @@ def build_peer(ours):
     hf_cfg = DeepseekV3Config(**{k: v for k, v in raw.items() if k not in ("architectures",)})
     hf_cfg._experts_implementation = "grouped_mm"
     hf_cfg._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        peer = DeepseekV3ForCausalLM(hf_cfg)
-    peer = peer.to_empty(device="cuda").to(torch.bfloat16).eval()
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            peer = DeepseekV3ForCausalLM(hf_cfg)
+    finally:
+        torch.set_default_dtype(old)
+    peer = peer.to_empty(device="cuda").eval()
     ours_sd = ours.state_dict()
     with torch.no_grad():
         for name, p in peer.named_parameters():
@@ -465,7 +497,8 @@ def build_peer(ours):
             src = ours_sd.get(name)
             if src is not None:
                 b.copy_(src)
-    peer.model.rotary_emb.__init__(hf_cfg, device="cuda")
+    peer.model.rotary_emb.__init__(hf_cfg)
+    peer.model.rotary_emb.to("cuda")
     return peer
 
 
@@ -510,8 +543,6 @@ def part_model_and_peer(layers, do_peer):
     check("peer vs ours logits (3 layers, 64 tokens)", a, b, 5e-2)
     ms_ours_dec, nb = ours["decode1"]
     ms_ours_pf, fl = ours["prefill8192"]
-    for name in [n for n, _ in model.named_parameters() if ".experts." in n]:
-        pass
     del model
     gc.collect()
     torch.cuda.empty_cache()

@@ -238,12 +238,12 @@ if HAS_TRITON:
 
 
 def _config(num_pairs: int, num_experts: int, quant: str) -> dict:
-    """Block sizes: small-M (decode: weight streaming) or large-M (prefill: tensor cores)."""
+    """Block sizes: small-M (decode: weight streaming) or large-M (prefill: tensor cores).
+    Picked from the sweeps in bench/h200_run1.txt and h200_run2.txt (one H200)."""
     if num_pairs <= 4 * num_experts:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256 if quant == "int4" else 128,
                     num_warps=4, num_stages=4)  # fmt: skip
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64 if quant == "int4" else 128,
-                num_warps=8, num_stages=3)  # fmt: skip
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
 def _gemm(a, w, s, c, tw, sorted_ids, expert_ids, npost, N, K, num_pairs, a_div, quant, group,
@@ -275,7 +275,9 @@ def fused_moe(
     k = topk_ids.shape[1]
     I, E = ew.intermediate, ew.num_experts
     M = T * k
-    cfg = config or _config(M, E, ew.quant)
+    cfg = dict(config or _config(M, E, ew.quant))
+    while ew.quant == "int4" and D % cfg["BLOCK_K"] and cfg["BLOCK_K"] > 32:
+        cfg["BLOCK_K"] //= 2  # small test models: the largest block dividing the hidden size
     if ew.quant == "int4" and (cfg["BLOCK_K"] % ew.group_size or ew.group_size % 8):
         raise ValueError(f"int4 group_size={ew.group_size} must divide BLOCK_K={cfg['BLOCK_K']}")
     x = x.contiguous()

@@ -1,0 +1,152 @@
+"""Each Triton kernel against its torch reference on fresh random inputs (small shapes on CPU
+through the interpreter; the same code runs on CUDA). Real K2 sizes run in bench/model_speed.py."""
+
+import pytest
+import torch
+
+from k2serve.kernels import fused_moe as fm
+from k2serve.kernels import kv_store, mla_attention, moe_align, rmsnorm, router, sampling
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def paged(ctx, qlens, H=4, L=32, R=16, ps=16):
+    seq = [c + q for c, q in zip(ctx, qlens, strict=True)]
+    maxp = max(-(-s // ps) for s in seq)
+    P = len(ctx) * maxp + 2
+    kv = torch.randn(P, ps, L + R, dtype=torch.bfloat16, device=DEVICE)
+    bt = torch.randperm(P)[: len(ctx) * maxp].view(len(ctx), maxp).int().to(DEVICE)
+    qsl = torch.tensor(
+        [0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE
+    )
+    T = sum(qlens)
+    q = torch.randn(T, H, L, dtype=torch.bfloat16, device=DEVICE)
+    qp = torch.randn(T, H, R, dtype=torch.bfloat16, device=DEVICE)
+    c = torch.tensor(ctx, dtype=torch.int32, device=DEVICE)
+    return (q, qp, kv, qsl, c, bt), max(qlens), max(seq)
+
+
+@pytest.mark.parametrize(
+    "ctx,qlens,splits",
+    [([5, 40, 0], [1, 1, 1], None), ([33], [1], 4), ([0, 17], [20, 9], None), ([3], [2], 2)],
+)
+def test_mla_attention_matches_reference(ctx, qlens, splits):
+    args, mq, ms = paged(ctx, qlens)
+    out = torch.full_like(args[0], float("nan"))  # poisoned: every row must be written
+    mla_attention.mla_attention(*args, 0.3, mq, ms, out=out, num_splits=splits)
+    assert torch.isfinite(out).all()
+    assert rel(out, mla_attention.mla_attention_ref(*args, 0.3)) < 1e-2
+
+
+def test_mla_rejects_bad_cache_width():
+    args, mq, ms = paged([4], [1])
+    with pytest.raises(ValueError, match="kv_cache last dim"):
+        mla_attention.mla_attention(args[0], args[1], args[2][..., :40], *args[3:], 0.3, mq, ms)
+
+
+def test_store_latent_kv_matches_reference():
+    c1 = torch.randn(6, 16, 48, dtype=torch.bfloat16, device=DEVICE)
+    c2 = c1.clone()
+    lat = torch.randn(20, 32, device=DEVICE, dtype=torch.bfloat16)
+    pe = torch.randn(20, 16, device=DEVICE, dtype=torch.bfloat16)
+    slots = torch.randperm(96)[:20].to(DEVICE)
+    slots[::5] = -1
+    kv_store.store_latent_kv(c1, lat, pe, slots)
+    kv_store.store_latent_kv_ref(c2, lat, pe, slots)
+    assert torch.equal(c1, c2)
+
+
+@pytest.mark.parametrize("with_res", [False, True])
+def test_rms_norm_matches_reference(with_res):
+    x = torch.randn(5, 300, dtype=torch.bfloat16, device=DEVICE)
+    w = torch.rand(300, device=DEVICE) + 0.5
+    r1 = torch.randn_like(x) if with_res else None
+    r2 = r1.clone() if with_res else None
+    out = rmsnorm.rms_norm(x, w, 1e-6, r1)
+    assert rel(out, rmsnorm.rms_norm_ref(x, w, 1e-6, r2)) < 1e-2
+    if with_res:
+        assert rel(r1, r2) < 1e-2  # exact on GPU; the CPU interpreter rounds fp32->bf16 differently
+
+
+def test_moe_align_invariants():
+    E, BM = 10, 4
+    ids = torch.stack([torch.randperm(E)[:3] for _ in range(7)]).int().to(DEVICE)
+    s, e, n = moe_align.moe_align_block_size(ids, E, BM)
+    s2, e2, n2 = moe_align.moe_align_block_size_ref(ids, E, BM)
+    assert int(n) == int(n2) and torch.equal(e, e2)
+    M = ids.numel()
+    used = s[: int(n)]
+    assert sorted(used[used < M].tolist()) == list(range(M))  # each pair exactly once
+    for i, p in enumerate(used.tolist()):
+        if p < M:  # each pair sits in a block of its own expert
+            assert ids.view(-1)[p] == e[i // BM]
+
+
+def _experts(quant, E=6, D=512, I=256):  # noqa: E741
+    if quant == "int4":
+
+        def pk(n, k):  # noqa: E306
+            return torch.randint(-(2**31), 2**31 - 1, (E, n, k // 8), dtype=torch.int32)
+
+        def sc(n, k):  # noqa: E306
+            return (torch.rand(E, n, k // 32) * 0.05 + 0.01).bfloat16()
+
+        ew = fm.ExpertWeights("int4", pk(2 * I, D), pk(D, I), sc(2 * I, D), sc(D, I))
+    elif quant == "fp8":
+        w = lambda n, k: torch.randn(E, n, k).to(torch.float8_e4m3fn)  # noqa: E731
+        s = lambda n, k: torch.rand(E, n // 128, k // 128) * 0.05  # noqa: E731
+        ew = fm.ExpertWeights("fp8", w(2 * I, D), w(D, I), s(2 * I, D), s(D, I))
+    else:
+        w = lambda n, k: (torch.randn(E, n, k) * 0.05).bfloat16()  # noqa: E731
+        ew = fm.ExpertWeights("bf16", w(2 * I, D), w(D, I))
+    for f in ("w13", "w2", "w13_scale", "w2_scale"):
+        if getattr(ew, f) is not None:
+            setattr(ew, f, getattr(ew, f).to(DEVICE))
+    return ew
+
+
+@pytest.mark.parametrize("quant", ["int4", "bf16", "fp8"])
+@pytest.mark.parametrize("T", [1, 9])  # 9 tokens * 3 > 4 * 6 experts: the prefill config
+def test_fused_moe_matches_reference(quant, T):
+    ew = _experts(quant)
+    x = torch.randn(T, 512, dtype=torch.bfloat16, device=DEVICE)
+    ids = torch.stack([torch.randperm(6)[:3] for _ in range(T)]).int().to(DEVICE)
+    w = torch.rand(T, 3, device=DEVICE)
+    assert rel(fm.fused_moe(x, ew, w, ids), fm.fused_moe_ref(x, ew, w, ids)) < 2e-2
+
+
+def test_int4_dequant_ref_matches_packing():
+    from k2serve.quant.int4 import quantize_int4
+
+    w = torch.randn(16, 64)
+    packed, scale, _ = quantize_int4(w, 32)
+    deq = fm.dequant_int4_ref(packed, scale)
+    assert (deq - w).abs().max() <= scale.float().max() * 0.5 + 1e-6
+
+
+@pytest.mark.parametrize("n_group,topk_group", [(1, 1), (4, 2)])
+def test_grouped_topk_matches_spec_loop(n_group, topk_group):
+    lg, bias = torch.randn(12, 32), torch.randn(32) * 0.1
+    w, ids = router.grouped_topk(lg, bias, 4, n_group, topk_group, True, 2.5)
+    wr, ir = router.grouped_topk_ref(lg, bias, 4, n_group, topk_group, True, 2.5)
+    for a, b, wa, wb in zip(ids.tolist(), ir.tolist(), w, wr, strict=True):
+        assert set(a) == set(b)
+        order = [b.index(e) for e in a]
+        assert torch.allclose(wa.double(), wb[order], atol=1e-5)
+
+
+def test_sampling_matches_reference_with_same_noise():
+    V = 200
+    lg = torch.randn(6, V) * 3
+    temp = torch.tensor([0.0, 1.0, 0.7, 1.0, 1.3, 1.0])
+    tk = torch.tensor([0, 0, 20, 5, 0, 1])
+    tp = torch.tensor([1.0, 1.0, 0.9, 1.0, 0.5, 1.0])
+    noise = torch.empty(6, V).exponential_()
+    got = sampling.sample(lg, temp, tk, tp, noise)
+    assert torch.equal(got, sampling.sample_ref(lg, temp, tk, tp, noise))
+    assert got[0] == lg[0].argmax() and got[5] == lg[5].argmax()  # greedy and top_k=1
