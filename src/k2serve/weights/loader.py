@@ -2,9 +2,9 @@
 
 Invariants:
 - The model is built on the meta device (no allocation), then each parameter is filled from
-  its safetensors tensor, read through safe_open (mmap) one tensor at a time and moved to the
-  device at once, so host memory peaks near the model's own size on CPU (plus one tensor), not
-  twice it.
+  its safetensors tensor, read through safe_open (mmap) one tensor at a time and copied to the
+  device at once, so host memory peaks near the model's own size on CPU plus one shard (the
+  mapped pages of the open shard), and near one shard when the device is a GPU.
 - Each tensor is cast to the dtype of the parameter it fills (quantized tensors keep their
   stored dtype, `e_score_correction_bias` stays float32, the rest becomes `dtype`).
 - Skipped: `*.rotary_emb.inv_freq`, MTP layers (index >= num_hidden_layers), and, for K2.5,
@@ -164,7 +164,11 @@ def load_model(
                         f"tensor {ckpt_name!r} has shape {list(shape)}, the model expects "
                         f"{list(meta.shape)}"
                     )
-                t = _cast(f.get_tensor(ckpt_name), meta).to(device)
+                t = _cast(f.get_tensor(ckpt_name), meta)
+                # NOTE: get_tensor returns a view of the mmap; copy it into memory the model
+                # owns, so the shard's pages are released when the shard is closed (peak host
+                # memory = model + one shard, and the files may change after loading).
+                t = t.to(device, copy=True) if t.device == device else t.to(device)
                 set_tensor(model, name, t)
                 bar.update(1)
     bar.close()

@@ -35,8 +35,18 @@ def _gen(seed: int, name: str, device: torch.device) -> torch.Generator:
     return g
 
 
+_CHUNK = 1 << 24  # elements generated at a time (64 MB of float32)
+
+
 def _randn(shape, g, device, std=1.0, dtype=torch.float32) -> torch.Tensor:
-    return (torch.randn(shape, generator=g, device=device, dtype=torch.float32) * std).to(dtype)
+    """Normal(0, std) in `dtype`, generated in chunks so a [163840, 7168] embedding never
+    exists in float32."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    flat = out.view(-1)
+    for i in range(0, flat.numel(), _CHUNK):
+        n = min(_CHUNK, flat.numel() - i)
+        flat[i : i + n] = torch.randn(n, generator=g, device=device) * std
+    return out
 
 
 def random_tensors(
@@ -67,8 +77,8 @@ def random_tensors(
             continue
         if isinstance(mod, Fp8BlockLinear):
             g = _gen(seed, prefix + "weight", device)
-            w = _randn(mod.weight.shape, g, device, std=64.0).clamp_(-448, 448)
-            yield prefix + "weight", w.to(torch.float8_e4m3fn)
+            w = _randn(mod.weight.shape, g, device, std=64.0, dtype=torch.bfloat16)
+            yield prefix + "weight", w.clamp_(-448, 448).to(torch.float8_e4m3fn)
             g = _gen(seed, prefix + "weight_scale_inv", device)
             s = WEIGHT_STD / 64.0 * (1 + 0.1 * _randn(mod.weight_scale_inv.shape, g, device))
             yield prefix + "weight_scale_inv", s.to(torch.float32)
@@ -81,5 +91,5 @@ def random_tensors(
             elif pname == "e_score_correction_bias":
                 t = _randn(p.shape, g, device, std=0.1)
             else:
-                t = _randn(p.shape, g, device, std=WEIGHT_STD)
+                t = _randn(p.shape, g, device, std=WEIGHT_STD, dtype=p.dtype)
             yield name, t.to(p.dtype)
