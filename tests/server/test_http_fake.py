@@ -602,3 +602,43 @@ def test_bodies_match_the_protocol_models(fake_server):
             fake_server.url + "/v1/models", headers={"Authorization": "Bearer sk-test"}
         ).json()
     )
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        key, _, val = line.rpartition(" ")
+        if key == name:
+            return float(val)
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_metrics_count_what_happened():
+    """A fresh app (its own registry, next to the module's): the counters add up to the usage."""
+    from k2serve.server.app import build_app
+
+    from .conftest import ServerThread
+    from .fakes import FakeAsyncEngine
+
+    engine = FakeAsyncEngine()
+    with ServerThread(build_app(engine, served_model_names=["m"])) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        a = c.chat.completions.create(model="m", messages=_msgs())
+        b = c.completions.create(model="m", prompt="count", max_tokens=7)
+        with pytest.raises(openai.BadRequestError):
+            c.completions.create(model="m", prompt="count", temperature=9)
+        engine.max_waiting = 0
+        with pytest.raises(openai.RateLimitError):
+            c.completions.create(model="m", prompt="count")
+        text = httpx.get(srv.url + "/metrics").text
+    prompt = a.usage.prompt_tokens + b.usage.prompt_tokens
+    gen = a.usage.completion_tokens + b.usage.completion_tokens
+    assert _metric(text, "k2serve:prompt_tokens_total") == prompt
+    assert _metric(text, "k2serve:generation_tokens_total") == gen
+    assert _metric(text, "k2serve:time_to_first_token_seconds_count") == 2
+    assert _metric(text, "k2serve:e2e_request_latency_seconds_count") == 2
+    assert _metric(text, "k2serve:inter_token_latency_seconds_count") == gen - 2
+    assert 'k2serve:request_success_total{finished_reason="stop"} 1.0' in text
+    assert 'k2serve:request_success_total{finished_reason="length"} 1.0' in text
+    assert 'k2serve:http_requests_total{path="/v1/completions",status="400"} 1.0' in text
+    assert 'k2serve:http_requests_total{path="/v1/completions",status="429"} 1.0' in text
+    assert 'k2serve:http_requests_total{path="/v1/chat/completions",status="200"} 1.0' in text

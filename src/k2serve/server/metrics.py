@@ -194,8 +194,7 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def timer(self, num_prompt_tokens: int) -> RequestTimer:
-        self.prompt_tokens.inc(num_prompt_tokens)
+    def timer(self) -> RequestTimer:
         return RequestTimer(self)
 
 

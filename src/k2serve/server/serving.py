@@ -114,12 +114,11 @@ class EngineStream:
         self.state = state
         self.request_id = request_id
         self.prompt_ids = prompt_ids
-        self.timer = state.metrics.timer(len(prompt_ids))
+        self.timer = state.metrics.timer()
         self._it = state.engine.generate(prompt_ids, params, request_id)
         self._first = None
         self.finished = False
         self.num_cached_tokens = 0
-        self._open_indices = set(range(getattr(params, "n", 1)))
         self._reasons: list[str | None] = []
         self._closed = False
 
@@ -130,10 +129,12 @@ class EngineStream:
             self._first = None
             self.finished = True
         except BaseException as e:
+            self.timer.done = True  # rejected (or client gone while queued): not a generation
             await self.close()
             if isinstance(e, Exception):
                 raise engine_error(e) from None
             raise
+        self.state.metrics.prompt_tokens.inc(len(self.prompt_ids))
 
     def _account(self, out) -> None:
         self.num_cached_tokens = getattr(out, "num_cached_tokens", 0) or 0
