@@ -160,10 +160,16 @@ def run(args: argparse.Namespace) -> int:
     if not os.path.isdir(model_dir):
         print(f"k2serve serve: --model {model_dir!r} is not a directory", file=sys.stderr)
         return 2
-    names = args.served_model_name or [os.path.basename(os.path.normpath(model_dir))]
+    # vLLM reports the --model string; the directory's name is accepted too
+    base = os.path.basename(os.path.normpath(model_dir))
+    names = args.served_model_name or list(dict.fromkeys([args.model or base, base]))
 
     logger.info("loading %s", model_dir)
-    engine = AsyncLLMEngine(cfg)
+    try:
+        engine = AsyncLLMEngine(cfg)
+    except (ValueError, FileNotFoundError, OSError) as e:  # ConfigError is a ValueError
+        print(f"k2serve serve: cannot load {model_dir}: {e}", file=sys.stderr)
+        return 2
     try:
         if engine.tokenizer is None:
             print(f"k2serve serve: {model_dir} has no tokenizer files", file=sys.stderr)

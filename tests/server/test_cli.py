@@ -1,0 +1,77 @@
+"""`k2serve serve` flag parsing and start-up failures (no model is loaded here)."""
+
+from __future__ import annotations
+
+import json
+
+from k2serve.cli import main
+
+
+def test_bad_model_dirs_fail_cleanly(tmp_path, capsys):
+    assert main(["serve", "--model", str(tmp_path / "missing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert main(["serve", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "LlamaForCausalLM" in err and "Traceback" not in err
+
+
+def test_flags_parse_with_vllm_names(monkeypatch):
+    import argparse
+
+    from k2serve.server.cli import add_arguments
+
+    monkeypatch.setenv("K2SERVE_API_KEY", "from-env")
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    a = p.parse_args([])
+    assert (a.port, a.api_key, a.tool_call_parser, a.reasoning_parser) == (
+        8000,
+        "from-env",
+        "kimi_k2",
+        "kimi_k2",
+    )
+    a = p.parse_args(
+        [
+            "--model",
+            "/m",
+            "--port",
+            "9001",
+            "--served-model-name",
+            "a",
+            "b",
+            "--api-key",
+            "k",
+            "--max-model-len",
+            "4096",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "512",
+            "--gpu-memory-utilization",
+            "0.8",
+            "--kv-cache-memory",
+            "2GiB",
+            "--device",
+            "cpu",
+            "--dtype",
+            "bfloat16",
+            "--max-waiting",
+            "5",
+            "--no-enable-prefix-caching",
+            "--tool-call-parser",
+            "kimi_k2",
+            "--reasoning-parser",
+            "none",
+            "--drain-timeout",
+            "3",
+            "--uvicorn-log-level",
+            "info",
+            "--default-chat-template-kwargs",
+            '{"thinking": false}',
+        ]
+    )
+    assert a.served_model_name == ["a", "b"] and a.api_key == "k" and a.max_waiting == 5
+    assert a.enable_prefix_caching is False and a.default_chat_template_kwargs == {
+        "thinking": False
+    }
