@@ -1,0 +1,155 @@
+"""LLM: the offline API, shaped like vLLM's so users' scripts carry over.
+
+    from k2serve import LLM, SamplingParams
+    llm = LLM()                                  # the bundled demo checkpoint
+    outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=32))
+    print(outs[0].outputs[0].text)
+
+`generate` and `chat` return CUMULATIVE `RequestOutput`s in the order of the prompts. All
+prompts are validated before any is queued; an interrupted call aborts what it queued.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from k2serve.engine.config import EngineConfig
+from k2serve.engine.engine import LLMEngine
+from k2serve.engine.outputs import RequestOutput
+from k2serve.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        seed: int = 0,
+        **engine_args: Any,
+    ) -> None:
+        """`model`: checkpoint directory (None = the demo checkpoint). `engine_args`: any
+        EngineConfig field (max_model_len, max_num_seqs, kv_cache_memory, page_size, ...)."""
+        cfg = EngineConfig(
+            model=None if model is None else str(model),
+            tokenizer=tokenizer,
+            dtype=dtype,
+            device=device,
+            seed=seed,
+            **engine_args,
+        )
+        self.llm_engine = LLMEngine(cfg)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    # ------------------------------------------------------------------------------------------
+    def _to_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):  # vLLM's {"prompt": ...} / {"prompt_token_ids": [...]}
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            tok = self.llm_engine.tokenizer
+            if tok is None:
+                raise ValueError("this checkpoint has no tokenizer: give prompts as token ids")
+            return prompt, tok.encode(prompt, allow_special=True)
+        if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(
+            f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+        )
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt (str, token ids, or a list of either), in order."""
+        single = isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, Sequence) and bool(prompts) and isinstance(prompts[0], int)
+        )
+        plist = [prompts] if single else list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(plist)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(plist):
+                raise ValueError(
+                    f"{len(params)} sampling_params for {len(plist)} prompts: give one, or one "
+                    "per prompt"
+                )
+        encoded = [self._to_ids(p) for p in plist]
+        eng = self.llm_engine
+        for (_, ids), sp in zip(encoded, params, strict=True):
+            eng.validate(ids, sp)
+        rids = [f"llm-{next(self._ids)}" for _ in plist]
+        for rid, (text, ids), sp in zip(rids, encoded, params, strict=True):
+            eng.add_request(rid, ids, sp, prompt=text)
+        return self._run(rids, use_tqdm)
+
+    def _run(self, rids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        eng = self.llm_engine
+        results: dict[str, RequestOutput] = {}
+        pbar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            pbar = tqdm(total=len(rids), desc="Generating", unit="req")
+        try:
+            while eng.has_unfinished_requests():
+                for out in eng.step():
+                    prev = results.get(out.request_id)
+                    if prev is None:
+                        results[out.request_id] = out
+                    else:
+                        prev.merge(out)
+                    if out.finished and pbar is not None:
+                        pbar.update(1)
+        except BaseException:
+            eng.abort_request([r for r in rids if r not in results or not results[r].finished])
+            while eng.has_unfinished_requests():  # drain the abort outputs
+                eng.step()
+            raise
+        finally:
+            if pbar is not None:
+                pbar.close()
+        return [results[r] for r in rids]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the checkpoint's chat template and generate."""
+        tok = self.llm_engine.tokenizer
+        if tok is None:
+            raise ValueError("this checkpoint has no tokenizer, so no chat template")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            {
+                "prompt": (
+                    text := tok.apply_chat_template(
+                        c, tools=tools, chat_template_kwargs=chat_template_kwargs
+                    )
+                ),
+                "prompt_token_ids": tok.encode(text, allow_special=True),
+            }
+            for c in convs
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
