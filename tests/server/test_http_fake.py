@@ -642,3 +642,20 @@ def test_metrics_count_what_happened():
     assert 'k2serve:http_requests_total{path="/v1/completions",status="400"} 1.0' in text
     assert 'k2serve:http_requests_total{path="/v1/completions",status="429"} 1.0' in text
     assert 'k2serve:http_requests_total{path="/v1/chat/completions",status="200"} 1.0' in text
+
+
+def test_logit_bias(client, fake_server):
+    tok = FakeTokenizer()
+    x = tok.encode("x")[0]
+    r = client.completions.create(
+        model="fake-k2", prompt="Hi", max_tokens=4, logit_bias={str(x): 100}
+    )
+    assert r.choices[0].text == "xxxx"  # +100 beats the fake model's preferred token
+    h = tok.encode("H")[0]
+    r = client.completions.create(
+        model="fake-k2", prompt="Hi", max_tokens=4, logit_bias={str(h): -100}
+    )
+    assert not r.choices[0].text.startswith("H")  # the fake model's first choice is "H"
+    for bad in ({"abc": 1}, {str(10**7): 1}, {str(x): 101}):
+        e = _err(_post(fake_server, "/v1/completions", {"prompt": "Hi", "logit_bias": bad}), 400)
+        assert e["param"] == "logit_bias"

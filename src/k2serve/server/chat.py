@@ -21,6 +21,7 @@ from starlette.requests import Request
 from k2serve.parsers import StreamingOutputParser, parse_output
 from k2serve.parsers.markers import SECTION_BEGIN
 from k2serve.server.errors import APIError, bad_request
+from k2serve.server.logits_processors import BanTokens, ForceToolCallPrefix
 from k2serve.server.protocol import ChatCompletionRequest, ChatMessageParam, NamedToolChoice
 from k2serve.server.serving import (
     EngineStream,
@@ -30,7 +31,6 @@ from k2serve.server.serving import (
     new_request_id,
 )
 from k2serve.server.sse import SSE_DONE, SSEResponse, cancel_on_disconnect, sse_event
-from k2serve.server.tool_choice import BanTokens, ForceToolCallPrefix
 
 logger = logging.getLogger(__name__)
 

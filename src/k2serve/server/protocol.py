@@ -82,6 +82,7 @@ class _SamplingFields(_Request):
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from k2serve.server.errors import APIError, bad_request, engine_error
+from k2serve.server.logits_processors import LogitBias
 from k2serve.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -90,11 +91,32 @@ class ServerState:
             if val is not None:
                 kw[name] = val
         kw.update(extra)
+        if req.logit_bias:
+            kw["logits_processors"] = [*kw.get("logits_processors", []), self._logit_bias(req)]
         try:
             return self.sampling_params_cls(**kw)
         except ValueError as e:
             param = str(e).split("=", 1)[0] if "=" in str(e).split(" ", 1)[0] else None
             raise bad_request(str(e), param=param) from None
+
+    def _logit_bias(self, req) -> LogitBias:
+        vocab = self.tokenizer.vocab_size
+        bias: dict[int, float] = {}
+        for key, val in req.logit_bias.items():
+            try:
+                tid = int(key)
+            except ValueError:
+                raise bad_request(
+                    f"logit_bias key {key!r} is not a token id", "logit_bias"
+                ) from None
+            if not 0 <= tid < vocab:
+                raise bad_request(
+                    f"logit_bias token id {tid} is outside [0, {vocab})", "logit_bias"
+                )
+            if not -100 <= val <= 100:
+                raise bad_request(f"logit_bias value {val} is outside [-100, 100]", "logit_bias")
+            bias[tid] = float(val)
+        return LogitBias(bias)
 
     def spawn(self, coro) -> None:
         """Run a cleanup coroutine outside the current (possibly cancelled) task."""

@@ -1,7 +1,8 @@
-"""Forcing `tool_choice` "required" / named with a logits processor, and banning tool calls.
+"""The server's logits processors (vLLM-v0 style `(output_token_ids, logits_row) -> logits_row`).
 
-Owns: `ForceToolCallPrefix` (makes the output open a tool call for an allowed function) and
-`BanTokens` (tool_choice "none" or no tools: the model cannot open a tool-call section).
+Owns: `ForceToolCallPrefix` (tool_choice "required" / named: the output opens a tool call for an
+allowed function), `BanTokens` (tool_choice "none" or no tools: the model cannot open a tool-call
+section) and `LogitBias` (OpenAI `logit_bias`).
 
 Invariants:
 - The forced text is `tool_call_prefix(name, 0)` tokenized with the real tokenizer, one candidate
@@ -68,4 +69,15 @@ class BanTokens:
     def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
         # logits: [vocab] float32
         logits[self.token_ids] = float("-inf")
+        return logits
+
+
+class LogitBias:
+    def __init__(self, bias: dict[int, float]):
+        self.ids = torch.tensor(list(bias), dtype=torch.long)
+        self.values = torch.tensor(list(bias.values()), dtype=torch.float32)
+
+    def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        # logits: [vocab] float32
+        logits[self.ids.to(logits.device)] += self.values.to(logits.device, logits.dtype)
         return logits
