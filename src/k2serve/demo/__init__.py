@@ -1,0 +1,24 @@
+"""The bundled demo checkpoint: a tiny Kimi-shaped model (INT4 routed experts) that speaks the
+Kimi dialect (thinking, tool calls). Trained by `scripts/train_demo.py`; the default model of
+`k2serve serve`.
+
+Invariant: `demo_path()` is a directory in the real checkpoint layout (config.json,
+safetensors + index, tiktoken.model, tokenizer_config.json, chat_template.jinja,
+generation_config.json).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DEMO_DIRNAME = "kimi-k2-demo"
+
+
+def demo_path() -> Path:
+    """Directory of the bundled demo checkpoint."""
+    path = Path(__file__).resolve().parent / DEMO_DIRNAME
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"the demo checkpoint is missing from {path}; run `python scripts/train_demo.py`"
+        )
+    return path
