@@ -28,7 +28,9 @@ def run_one(engine, concurrency: int, num_prompts: int, input_len: int, output_l
     rng = random.Random(seed)
     vocab = engine.vocab_size
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    prompts = [[rng.randrange(10, vocab - 300) for _ in range(input_len)] for _ in range(num_prompts)]
+    prompts = [
+        [rng.randrange(10, vocab - 300) for _ in range(input_len)] for _ in range(num_prompts)
+    ]
     next_i = 0
     in_flight = 0
     out_tokens = steps = 0
@@ -95,14 +97,18 @@ def main(argv=None) -> int:
         )
     )
     run_one(engine, 1, 1, 8, 4)  # warm-up
-    print(f"model={model} dtype={args.dtype} threads={torch.get_num_threads()} "
-          f"input_len={args.input_len} output_len={args.output_len}")
+    print(
+        f"model={model} dtype={args.dtype} threads={torch.get_num_threads()} "
+        f"input_len={args.input_len} output_len={args.output_len}"
+    )
     print("| concurrency | requests | seconds | output tok/s | total tok/s | ms/step |")
     print("|---|---|---|---|---|---|")
     for c in levels:
         r = run_one(engine, c, args.num_prompts or 2 * c, args.input_len, args.output_len)
-        print(f"| {c} | {r['requests']} | {r['seconds']:.2f} | {r['output_tok_s']:.1f} | "
-              f"{r['total_tok_s']:.1f} | {r['ms_per_step']:.1f} |")
+        print(
+            f"| {c} | {r['requests']} | {r['seconds']:.2f} | {r['output_tok_s']:.1f} | "
+            f"{r['total_tok_s']:.1f} | {r['ms_per_step']:.1f} |"
+        )
     return 0
 
 
