@@ -410,39 +410,38 @@ def test_nonstreaming_disconnect_frees_pages(real):
     real.engine.engine.check_integrity()
 
 
+def _read_stream(url: str, max_tokens: int, out: list, started=None) -> None:
+    """Collect the SSE events of one streamed completion into `out` (ends with 'EOF' or the
+    error name when the server cut the stream)."""
+    body = {"prompt": "Once", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    out.append(line[6:])
+                    if started is not None and len(out) == 2:
+                        started.set()
+        out.append("EOF")
+    except httpx.HTTPError as e:
+        out.append(type(e).__name__)
+
+
 def test_sigterm_drains_and_exits_0(model_dir):
+    """SIGTERM with two streams in flight: the short one completes, the long one is cut at
+    --drain-timeout, new connections are refused, and the process exits 0."""
     import socket
+    import threading
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "k2serve.cli",
-            "serve",
-            "--model",
-            model_dir,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--num-kv-pages",
-            "256",
-            "--max-model-len",
-            "1024",
-            "--device",
-            "cpu",
-            "--drain-timeout",
-            "60",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "K2SERVE_API_KEY": ""},
-    )
+    cmd = [sys.executable, "-m", "k2serve.cli", "serve", "--model", model_dir, "--host",
+           "127.0.0.1", "--port", str(port), "--num-kv-pages", "256", "--max-model-len", "1024",
+           "--device", "cpu", "--drain-timeout", "5"]  # fmt: skip
+    env = {**os.environ, "K2SERVE_API_KEY": ""}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)  # fmt: skip
     try:
         deadline = time.monotonic() + 90
         while True:
@@ -454,29 +453,33 @@ def test_sigterm_drains_and_exits_0(model_dir):
                 pass
             assert time.monotonic() < deadline, "server did not come up"
             time.sleep(0.2)
-        body = {
-            "prompt": "Once",
-            "max_tokens": 120,
-            "stream": True,
-            "ignore_eos": True,
-            "temperature": 0,
-        }
-        events = []
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as resp:
-            for line in resp.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                events.append(line[6:])
-                if len(events) == 2:
-                    proc.send_signal(15)  # SIGTERM mid-stream
-        assert events[-1] == "[DONE]"
-        finals = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1]]
-        assert finals[-1] == "length"  # the in-flight request ran to completion
+        short, long_ = [], []
+        started = [threading.Event(), threading.Event()]
+        threads = [
+            threading.Thread(target=_read_stream, args=(url, 40, short, started[0])),
+            threading.Thread(target=_read_stream, args=(url, 1000, long_, started[1])),
+        ]
+        for t in threads:
+            t.start()
+        assert all(e.wait(30) for e in started)
+        t_sig = time.monotonic()
+        proc.send_signal(15)  # SIGTERM with both streams in flight
+        for t in threads:
+            t.join(60)
         assert proc.wait(timeout=60) == 0
+        took = time.monotonic() - t_sig
+        # the short request ran to completion
+        assert short[-2:] == ["[DONE]", "EOF"], short[-3:]
+        assert json.loads(short[-3])["choices"][0]["finish_reason"] == "length"
+        # the long one was ended when the drain timeout ran out, with an error event
+        assert long_[-2:] == ["[DONE]", "EOF"], long_[-3:]
+        assert json.loads(long_[-3])["error"]["code"] == "shutting_down"
+        assert len(long_) < 1000
+        assert 4 < took < 30
         with pytest.raises(httpx.ConnectError):
             httpx.get(url + "/health", timeout=2)
         log = proc.stdout.read()
-        assert "draining" in log and "serving on" in log
+        assert "draining" in log and "serving on" in log and "Traceback" not in log
     finally:
         if proc.poll() is None:
             proc.kill()

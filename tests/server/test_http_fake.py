@@ -659,3 +659,50 @@ def test_logit_bias(client, fake_server):
     for bad in ({"abc": 1}, {str(10**7): 1}, {str(x): 101}):
         e = _err(_post(fake_server, "/v1/completions", {"prompt": "Hi", "logit_bias": bad}), 400)
         assert e["param"] == "logit_bias"
+
+
+def test_drain_timeout_ends_inflight_requests_cleanly():
+    """When the drain timeout runs out (stop_event), a stream ends with an error event and
+    [DONE], a non-streaming request gets 503, and the engine requests are aborted."""
+    import threading
+
+    from k2serve.server.app import build_app
+
+    from .conftest import ServerThread
+    from .fakes import FakeAsyncEngine
+
+    engine = FakeAsyncEngine(delay=0.005)
+    app = build_app(engine)
+    state = app.state.k2
+    with ServerThread(app) as srv:
+        out: dict = {}
+
+        def stream():
+            body = {"prompt": "forever", "max_tokens": 400, "stream": True}
+            r = httpx.post(srv.url + "/v1/completions", json=body, timeout=30)
+            out["stream"] = [x[6:] for x in r.text.splitlines() if x.startswith("data: ")]
+
+        def whole():
+            body = {"prompt": "forever", "max_tokens": 400}
+            out["whole"] = httpx.post(srv.url + "/v1/completions", json=body, timeout=30)
+
+        threads = [threading.Thread(target=stream), threading.Thread(target=whole)]
+        for t in threads:
+            t.start()
+        for _ in range(200):
+            if engine.running == 2:
+                break
+            time.sleep(0.01)
+        assert engine.running == 2
+        state.loop.call_soon_threadsafe(state.stop_event.set)
+        for t in threads:
+            t.join(20)
+        events = out["stream"]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "shutting_down"
+        assert _err(out["whole"], 503)["code"] == "shutting_down"
+        for _ in range(100):
+            if not engine.live:
+                break
+            time.sleep(0.02)
+        assert engine.live == {} and len(engine.aborted) == 2

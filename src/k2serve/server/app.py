@@ -13,6 +13,8 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -29,7 +31,7 @@ from k2serve.server.errors import APIError, install_error_handlers
 from k2serve.server.metrics import ServerMetrics
 from k2serve.server.protocol import ChatCompletionRequest, CompletionRequest
 from k2serve.server.serving import ServerState
-from k2serve.server.sse import ClientDisconnected
+from k2serve.server.sse import ClientDisconnected, ServerStopping
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +209,15 @@ def build_app(
         enable_tool_parser=enable_tool_parser,
         default_chat_template_kwargs=dict(default_chat_template_kwargs or {}),
     )
-    app = FastAPI(title="k2serve", version=__version__, docs_url=None, redoc_url=None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.loop = asyncio.get_running_loop()
+        yield
+
+    app = FastAPI(
+        title="k2serve", version=__version__, docs_url=None, redoc_url=None, lifespan=lifespan
+    )
     app.state.k2 = state
     install_error_handlers(app)
     chat, completions = ChatHandler(state), CompletionHandler(state)
@@ -216,6 +226,11 @@ def build_app(
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, exc: ClientDisconnected):
         return Response(status_code=499)
+
+    @app.exception_handler(ServerStopping)
+    async def _stopping(request: Request, exc: ServerStopping):
+        msg = "the server is shutting down (drain timeout reached)"
+        return APIError(503, msg, code="shutting_down").response()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):

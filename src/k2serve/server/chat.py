@@ -142,11 +142,13 @@ class ChatHandler:
     async def create(self, req: ChatCompletionRequest, raw: Request):
         prompt_ids, params, thinking, tools = self._prepare(req)
         stream = EngineStream(self.state, prompt_ids, params, new_request_id("chatcmpl"))
-        await cancel_on_disconnect(raw, stream.start())
+        await cancel_on_disconnect(raw, stop=self.state.stop_event, work=stream.start())
         if req.stream:
-            return SSEResponse(self._stream(req, stream, thinking, tools))
+            return SSEResponse(self._stream(req, stream, thinking, tools), self.state.stop_event)
         try:
-            return await cancel_on_disconnect(raw, self._full(req, stream, thinking, tools))
+            return await cancel_on_disconnect(
+                raw, stop=self.state.stop_event, work=self._full(req, stream, thinking, tools)
+            )
         finally:
             await stream.close()
 

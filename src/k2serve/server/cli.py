@@ -117,15 +117,23 @@ class _DrainingServer:
     """A uvicorn.Server whose signal handler drains instead of re-raising the signal."""
 
     @staticmethod
-    def make(config, state):
+    def make(config, state, drain_timeout: float):
         import uvicorn
 
         class Server(uvicorn.Server):
             def handle_exit(self, sig, frame):  # noqa: ARG002 - uvicorn's signature
                 if not state.draining:
+                    name = signal.Signals(sig).name
                     logger.info(
-                        "received %s: draining (no new connections)", signal.Signals(sig).name
+                        "received %s: draining for up to %gs (no new connections)",
+                        name,
+                        drain_timeout,
                     )
+                    loop = state.loop
+                    if loop is not None:
+                        loop.call_soon_threadsafe(
+                            loop.call_later, drain_timeout, state.stop_event.set
+                        )
                 state.draining = True
                 if self.should_exit and sig == signal.SIGINT:
                     self.force_exit = True
@@ -213,10 +221,11 @@ def run(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             log_level=args.uvicorn_log_level,
-            timeout_graceful_shutdown=args.drain_timeout,
+            # backstop only: at --drain-timeout the app itself ends what is still running
+            timeout_graceful_shutdown=args.drain_timeout + 5,
             access_log=False,
         )
-        server = _DrainingServer.make(config, state)
+        server = _DrainingServer.make(config, state, args.drain_timeout)
         logger.info("serving on http://%s:%d/v1 (OpenAI API; /health, /metrics)", host, args.port)
         server.run()
         if not server.started:

@@ -71,14 +71,16 @@ class CompletionHandler:
         merged = MergedStreams(streams)
         try:
             for s in streams:
-                await cancel_on_disconnect(raw, s.start())
+                await cancel_on_disconnect(raw, stop=self.state.stop_event, work=s.start())
         except BaseException:
             await merged.aclose()
             raise
         if req.stream:
-            return SSEResponse(self._stream(req, prompts, merged, base))
+            return SSEResponse(self._stream(req, prompts, merged, base), self.state.stop_event)
         try:
-            return await cancel_on_disconnect(raw, self._full(req, prompts, merged, base))
+            return await cancel_on_disconnect(
+                raw, stop=self.state.stop_event, work=self._full(req, prompts, merged, base)
+            )
         finally:
             await merged.aclose()
 

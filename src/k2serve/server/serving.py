@@ -39,6 +39,9 @@ class ServerState:
     enable_tool_parser: bool = True
     default_chat_template_kwargs: dict = field(default_factory=dict)
     draining: bool = False
+    # set when the drain timeout runs out: in-flight requests end with a 503 / an error event
+    stop_event: asyncio.Event = field(default_factory=asyncio.Event)
+    loop: asyncio.AbstractEventLoop | None = None  # the server's event loop, once started
     background: set = field(default_factory=set)
 
     def check_model(self, model: str | None) -> None:

@@ -41,10 +41,19 @@ class ClientDisconnected(Exception):
 
 
 class SSEResponse(Response):
+    """Streams `events`; ends early on client disconnect or when `stop` is set (drain timeout),
+    in which case the client gets an error event and `[DONE]` instead of a cut connection."""
+
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str], headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        events: AsyncIterator[str],
+        stop: asyncio.Event | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         self.events = events
+        self.stop = stop
         self.status_code = 200
         self.background = None
         hdrs = {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -62,30 +71,57 @@ class SSEResponse(Response):
 
         pump_task = asyncio.ensure_future(pump())
         listen_task = asyncio.ensure_future(_wait_disconnect(receive))
+        tasks = [pump_task, listen_task]
+        if self.stop is not None:
+            tasks.append(asyncio.ensure_future(self.stop.wait()))
         try:
-            await asyncio.wait({pump_task, listen_task}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for t in (pump_task, listen_task):
+            stopped = len(tasks) == 3 and tasks[2].done() and not pump_task.done()
+            disconnected = listen_task.done()
+            for t in tasks:
                 t.cancel()
-            await asyncio.gather(pump_task, listen_task, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             await self.events.aclose()  # type: ignore[attr-defined]
+        if stopped and not disconnected:
+            err = {"error": {"message": "the server is shutting down (drain timeout reached)",
+                             "type": "service_unavailable_error", "param": None,
+                             "code": "shutting_down"}}  # fmt: skip
+            for chunk in (sse_event(err), SSE_DONE):
+                await send(
+                    {"type": "http.response.body", "body": chunk.encode(), "more_body": True}
+                )
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
         if not pump_task.cancelled() and pump_task.exception() is not None:
             exc = pump_task.exception()
             if not isinstance(exc, OSError):  # OSError = the client went away mid-send
                 raise exc
 
 
-async def cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
-    """Await `work`; if the client disconnects first, cancel it and raise ClientDisconnected."""
+class ServerStopping(Exception):
+    """The drain timeout ran out before the response was ready."""
+
+
+async def cancel_on_disconnect(
+    request: Request, work: Awaitable[Any], stop: asyncio.Event | None = None
+) -> Any:
+    """Await `work`; cancel it and raise ClientDisconnected if the client disconnects first, or
+    ServerStopping if `stop` is set first."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+    others = [asyncio.ensure_future(_wait_disconnect(request.receive))]
+    if stop is not None:
+        others.append(asyncio.ensure_future(stop.wait()))
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([task, *others], return_when=asyncio.FIRST_COMPLETED)
     finally:
         if not task.done():
             task.cancel()
-        watcher.cancel()
-        await asyncio.gather(task, watcher, return_exceptions=True)
+        for t in others:
+            t.cancel()
+        await asyncio.gather(task, *others, return_exceptions=True)
     if task.cancelled():
+        if stop is not None and stop.is_set():
+            raise ServerStopping()
         raise ClientDisconnected()
     return task.result()
