@@ -56,6 +56,7 @@ class ShardedWriter:
         for i, (tmp, names) in enumerate(self._shards):
             fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
             os.replace(tmp, os.path.join(self.out_dir, fname))
+            os.chmod(os.path.join(self.out_dir, fname), 0o644)  # save_file makes them 0600
             files.append(fname)
             weight_map.update({name: fname for name in names})
         index = {
