@@ -3,9 +3,10 @@
 Invariants:
 - Engine flags come from `EngineConfig.add_cli_args`, so serve / generate / chat agree on names
   and defaults; server flags are added here.
-- SIGTERM (or Ctrl-C): stop accepting connections, answer new /v1 requests with 503 and /health
-  with 503, let in-flight requests finish for up to --drain-timeout seconds (then abort them),
-  shut the engine down and exit 0.
+- SIGTERM (or Ctrl-C): stop accepting connections, answer new /v1 requests and /health with
+  503, let in-flight requests finish for up to --drain-timeout seconds; what still runs then is
+  aborted and ends cleanly (an error event + [DONE] for streams, a 503 otherwise); shut the
+  engine down and exit 0. A second Ctrl-C forces the exit.
 """
 
 from __future__ import annotations
