@@ -2,13 +2,14 @@
 
 There is no prefill or decode phase. Each request has `num_computed_tokens` and `num_tokens`;
 each step hands out at most `max_num_batched_tokens` new tokens over at most `max_num_seqs`
-sequences: running requests first, in arrival order (a decode takes 1 token, an unfinished
-prefill the rest of its prompt or what is left of the budget), then waiting requests FCFS
-(after a prefix-cache lookup). In the flat batch the one-token sequences (decodes) come first.
+sequences: running decodes first (1 token each), then running unfinished prefills (the rest of
+the prompt or what is left of the budget), then waiting requests FCFS (after a prefix-cache
+lookup). In the flat batch the one-token sequences (decodes) come first.
 
-When pages run out for a running request, the most recently arrived running request is
-preempted by recompute: its pages are freed and it goes back to the front of the waiting queue.
-A step that preempted admits no waiting request.
+When pages run out for a running request, the most recently admitted running request is
+preempted by recompute (un-scheduled if it was already given tokens this step): its pages are
+freed and it goes back to the front of the waiting queue. A step that preempted admits no
+waiting request.
 
 Invariants:
 - Every request that leaves (finished, aborted, preempted) returns all its pages.
@@ -79,25 +80,32 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        # decodes first (a decode never waits behind another request's long prefill chunk),
+        # then unfinished prefills, each in running order
+        queue = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        queue += [r for r in self.running if r.num_tokens - r.num_computed_tokens != 1]
+        chosen: dict[str, tuple[Request, int]] = {}
+        for req in queue:
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             assert num_new > 0, req
             while not self.kv.allocate_slots(req, num_new):
+                # preempt the most recently admitted request (un-scheduling it if needed)
                 victim = self.running.pop()
+                if victim.request_id in chosen:
+                    budget += chosen.pop(victim.request_id)[1]
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is req:
                     break
             else:
-                scheduled.append((req, num_new))
+                chosen[req.request_id] = (req, num_new)
                 budget -= num_new
-                i += 1
-                continue
-            break  # req itself was preempted; everything after it is gone too
+        scheduled: list[tuple[Request, int]] = list(chosen.values())
 
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
