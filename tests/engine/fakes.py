@@ -62,9 +62,12 @@ class FakeModel:
         self.config = FakeConfig()
         self.calls = 0
         self.batch_sizes: list[int] = []
+        self.fail_at_call: int | None = None  # raise on this call (engine failure tests)
 
     def __call__(self, input_ids, positions, attn_metadata=None, kv_caches=None):
         md = attn_metadata
+        if self.calls == self.fail_at_call:
+            raise RuntimeError("device fell over")
         self.calls += 1
         self.batch_sizes.append(int(md.seq_lens.numel()))
         cache = kv_caches[0].view(-1, 2)  # [num_pages * page_size, 2]

@@ -127,3 +127,21 @@ def test_errors_before_queueing_and_queue_full(aengine):
         await wait_idle(a)
 
     asyncio.run(main())
+
+
+def test_step_failure_fails_streams_and_refuses_new_requests(aengine):
+    from k2serve.engine.errors import EngineDeadError
+
+    a = aengine()
+    a.engine.model.fail_at_call = 3
+
+    async def main():
+        params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+        with pytest.raises(EngineDeadError, match="device fell over"):
+            async for _ in a.generate([1, 2, 3], params, "doomed"):
+                pass
+        with pytest.raises(EngineDeadError):
+            await a.generate([1], params, "after").__anext__()
+        assert a.errored
+
+    asyncio.run(main())
