@@ -333,3 +333,18 @@ def test_drain_timeout_ends_inflight_requests_cleanly():
                 break
             time.sleep(0.02)
         assert engine.live == {} and len(engine.aborted) == 2
+
+
+def test_cors_preflight_needs_no_key():
+    app = build_app(FakeAsyncEngine(), api_key="k", allowed_origins=["https://ui.example"])
+    with ServerThread(app) as srv:
+        r = httpx.options(
+            srv.url + "/v1/chat/completions",
+            headers={"Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization,content-type"},
+        )  # fmt: skip
+        assert r.status_code == 200
+        assert r.headers["access-control-allow-origin"] == "https://ui.example"
+        r = httpx.get(srv.url + "/v1/models", headers={"Origin": "https://ui.example"})
+        assert r.status_code == 401
+        assert r.headers["access-control-allow-origin"] == "https://ui.example"

@@ -20,6 +20,7 @@ import logging
 import time
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -184,6 +185,7 @@ def build_app(
     default_thinking: bool | None = None,
     enable_tool_parser: bool = True,
     default_chat_template_kwargs: dict | None = None,
+    allowed_origins: list[str] | None = None,
     tokenizer=None,
     sampling_params_cls=None,
 ) -> FastAPI:
@@ -284,4 +286,11 @@ def build_app(
         )
 
     app.add_middleware(GuardMiddleware, state=state, api_key=api_key, max_body=max_body_bytes)
+    if allowed_origins:  # outermost, so browser preflights (OPTIONS) never need the key
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
     return app

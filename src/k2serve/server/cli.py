@@ -192,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
             default_thinking=thinking,
             enable_tool_parser=args.tool_call_parser == "kimi_k2",
             default_chat_template_kwargs=args.default_chat_template_kwargs,
+            allowed_origins=args.allowed_origins,
         )
         state = app.state.k2
         ec = engine.config
