@@ -111,6 +111,11 @@ def default_script(prompt: str) -> str:
             f'{{"city": "{c}"}}<|tool_call_end|>'
             for i, c in enumerate(["Paris", "Rome"])
         ).join(["<|tool_calls_section_begin|>", "<|tool_calls_section_end|><|im_end|>"])
+    if "bare call" in prompt:  # a call without the section marker
+        return head + (
+            "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+            '{"city": "Oslo"}<|tool_call_end|><|im_end|>'
+        )
     if "weather" in prompt and "tool_declare" in prompt:
         return head + (
             "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"

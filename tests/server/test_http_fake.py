@@ -165,6 +165,15 @@ def test_tool_choice_none_blocks_the_section(client):
     m = r.choices[0].message
     assert not m.tool_calls
     assert "<|tool" not in (m.content or "")
+    for extra in ({"tools": [WEATHER_TOOL], "tool_choice": "none"}, {}):
+        r = client.chat.completions.create(
+            model="fake-k2", messages=_msgs("make a bare call"), max_tokens=30, **extra
+        )
+        assert not r.choices[0].message.tool_calls
+    r = client.chat.completions.create(
+        model="fake-k2", messages=_msgs("make a bare call"), max_tokens=100, tools=[WEATHER_TOOL]
+    )
+    assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
 
 
 def test_n_stop_max_tokens_logprobs(client):

@@ -19,7 +19,7 @@ import time
 from starlette.requests import Request
 
 from k2serve.parsers import StreamingOutputParser, parse_output
-from k2serve.parsers.markers import SECTION_BEGIN
+from k2serve.parsers.markers import CALL_BEGIN, SECTION_BEGIN
 from k2serve.server.errors import APIError, bad_request
 from k2serve.server.logits_processors import BanTokens, ForceToolCallPrefix
 from k2serve.server.protocol import ChatCompletionRequest, ChatMessageParam, NamedToolChoice
@@ -130,9 +130,10 @@ class ChatHandler:
         elif use_tools and isinstance(tool_choice, NamedToolChoice):
             procs.append(ForceToolCallPrefix(st.tokenizer, [tool_choice.function.name], thinking))
         elif not use_tools:
-            section = st.tokenizer.token_to_id(SECTION_BEGIN)
-            if section is not None:
-                procs.append(BanTokens([section]))
+            # the parser opens a call at either marker, so the model may emit neither
+            ban = [st.tokenizer.token_to_id(m) for m in (SECTION_BEGIN, CALL_BEGIN)]
+            if any(t is not None for t in ban):
+                procs.append(BanTokens([t for t in ban if t is not None]))
         logprobs = None
         if req.logprobs:
             logprobs = req.top_logprobs or 0
