@@ -101,8 +101,11 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r} is not one of auto, bfloat16, float16, float32")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format={self.load_format!r} is not auto, safetensors or dummy")
-        if self.kv_cache_dtype not in ("auto", "bfloat16", "bf16", "float32", "float16"):
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet (only 'auto': the "
+                "model dtype)"
+            )
         if not self.enable_chunked_prefill and self.max_model_len is not None:
             if self.max_num_batched_tokens < self.max_model_len:
                 raise ValueError(

@@ -21,8 +21,6 @@ import os
 import time
 from dataclasses import dataclass
 
-import torch
-
 from k2serve.cache.kv_cache_manager import KVCacheManager
 from k2serve.engine.config import EngineConfig
 from k2serve.engine.detokenizer import make_detokenizer
@@ -33,6 +31,7 @@ from k2serve.engine.runner import ModelRunner
 from k2serve.engine.sampling_params import SamplingParams
 from k2serve.engine.scheduler import Scheduler
 from k2serve.engine.setup import (
+    activation_dtype,
     eos_token_ids,
     load_tokenizer,
     num_kv_pages,
@@ -121,11 +120,7 @@ class LLMEngine:
         self.model_config = model.config
         self.tokenizer = tokenizer
         self.model_dir = model_dir
-        dtype = (
-            next(iter(model.parameters()), torch.empty(0)).dtype
-            if hasattr(model, "parameters")
-            else torch.float32
-        )
+        dtype = activation_dtype(model, cfg, self.device)  # = KV cache dtype
 
         max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
         pages, max_model_len = num_kv_pages(

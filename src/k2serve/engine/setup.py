@@ -43,6 +43,17 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def activation_dtype(model, cfg: EngineConfig, device: torch.device) -> torch.dtype:
+    """The model's compute dtype (and so the KV cache's): the configured one, else that of the
+    first bf16 / fp16 / fp32 parameter (quantized weights are int / fp8 and do not count)."""
+    if cfg.dtype != "auto":
+        return _DTYPES[cfg.dtype]
+    for p in getattr(model, "parameters", lambda: [])():
+        if p.dtype in (torch.bfloat16, torch.float16, torch.float32):
+            return p.dtype
+    return resolve_dtype("auto", device)
+
+
 def load_tokenizer(path: str):
     """The checkpoint's KimiTokenizer, or None (with a warning) when it has no tokenizer files."""
     try:
