@@ -170,6 +170,10 @@ def test_tool_choice_none_blocks_the_section(client):
             model="fake-k2", messages=_msgs("make a bare call"), max_tokens=30, **extra
         )
         assert not r.choices[0].message.tool_calls
+        chunks = client.chat.completions.create(
+            model="fake-k2", messages=_msgs("make a bare call"), stream=True, **extra
+        )
+        assert not [c for c in chunks if c.choices and c.choices[0].delta.tool_calls]
     r = client.chat.completions.create(
         model="fake-k2", messages=_msgs("make a bare call"), max_tokens=100, tools=[WEATHER_TOOL]
     )

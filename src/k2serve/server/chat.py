@@ -260,7 +260,7 @@ class ChatHandler:
             if msg.content:
                 d["content"] = msg.content
             calls = []
-            for tc in msg.tool_calls:
+            for tc in msg.tool_calls if tools else ():  # no tools: never report calls
                 if tc.index > 0 and not req.parallel_tool_calls:
                     continue
                 num_calls[i] += 1
