@@ -238,3 +238,23 @@ def test_logprobs(fake_engine):
     assert o.cumulative_logprob == pytest.approx(
         sum(e[t].logprob for t, e in zip(o.token_ids, o.logprobs, strict=True))
     )
+
+
+def test_preempted_seeded_requests_continue_their_random_stream(fake_engine):
+    ps = prompts(6, seed=15, lo=5, hi=15)
+    params = [
+        SamplingParams(temperature=1.0, top_k=20, seed=100 + i, max_tokens=25, ignore_eos=True)
+        for i in range(6)
+    ]
+
+    def run(**cfg):
+        eng = fake_engine(**cfg)
+        for i, (p, sp) in enumerate(zip(ps, params, strict=True)):
+            eng.add_request(str(i), p, sp)
+        out = run_to_completion(eng)
+        return [out[str(i)].outputs[0].token_ids for i in range(6)], eng.get_stats()
+
+    roomy, s1 = run()
+    tight, s2 = run(num_kv_pages=12, max_model_len=44)
+    assert s1.num_preemptions == 0 and s2.num_preemptions > 0
+    assert tight == roomy

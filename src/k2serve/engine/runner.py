@@ -90,9 +90,9 @@ class ModelRunner:
                 logits_idx.append(qsl[-1] - 1)
                 sample_reqs.append(req)
         max_pages = max(len(t) for t in tables)
-        table = torch.zeros(len(tables), max_pages, dtype=torch.int32)  # [B, max_pages]
-        for b, t in enumerate(tables):
-            table[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        table = torch.tensor(  # [B, max_pages], padded with page 0
+            [t + [0] * (max_pages - len(t)) for t in tables], dtype=torch.int32
+        )
         dev = self.device
 
         def t(x, dtype):
