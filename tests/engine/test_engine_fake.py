@@ -219,6 +219,11 @@ def test_prompt_too_long_error_gives_numbers(fake_engine):
         eng.add_request("c", [VOCAB + 5], SamplingParams())
     with pytest.raises(ValueError, match="empty"):
         eng.add_request("d", [], SamplingParams())
+    unchunked = fake_engine(
+        enable_chunked_prefill=False, max_num_batched_tokens=16, max_model_len=None
+    )
+    with pytest.raises(PromptTooLongError, match="max_num_batched_tokens=16"):
+        unchunked.add_request("f", [1] * 17, SamplingParams())
     eng.add_request("e", [1] * 40, SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))
     out = run_to_completion(eng)["e"].outputs[0]
     assert len(out.token_ids) == 10 and out.finish_reason == "length"

@@ -187,6 +187,12 @@ class LLMEngine:
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} tokens "
                 f"exceeds the KV cache ({cap} tokens)"
             )
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and n > budget:
+            raise PromptTooLongError(
+                f"the prompt has {n} tokens but max_num_batched_tokens={budget} and chunked "
+                "prefill is off, so it could never be scheduled"
+            )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none")
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
