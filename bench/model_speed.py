@@ -130,6 +130,34 @@ def _paged(B, ctx, qlens, H=64, L=512, R=64, ps=64, dev="cuda"):
     )
 
 
+NEW_CFGS = [
+    ("gemv r1 16x32 w4", dict(kind="gemv", ROWS=1, BLOCK_N=16, W=32, num_warps=4)),
+    ("gemv r2 16x32 w4", dict(kind="gemv", ROWS=2, BLOCK_N=16, W=32, num_warps=4)),
+    ("gemv r4 16x32 w4", dict(kind="gemv", ROWS=4, BLOCK_N=16, W=32, num_warps=4)),
+    ("mma 16x64 w4 s3", dict(kind="mma", BLOCK_M=16, BLOCK_N=64, W=32, num_warps=4, num_stages=3)),
+]
+SWEEP = {
+    1: [("gemv", 1, 16, 32, 4), ("gemv", 1, 8, 32, 2), ("gemv", 1, 32, 32, 4),
+        ("gemv", 1, 16, 64, 4), ("gemv", 1, 8, 64, 4), ("mma", 16, 64, 32, 4)],
+    8: [("gemv", 1, 16, 32, 4), ("gemv", 2, 16, 32, 4), ("gemv", 1, 16, 64, 4),
+        ("mma", 16, 64, 32, 4), ("mma", 16, 32, 32, 4)],
+    32: [("gemv", 2, 16, 32, 4), ("gemv", 4, 16, 32, 4), ("mma", 16, 64, 32, 4),
+         ("mma", 16, 128, 32, 4), ("mma", 16, 32, 32, 2)],
+    128: [("gemv", 4, 16, 32, 4), ("mma", 16, 64, 32, 4), ("mma", 16, 128, 32, 8),
+          ("mma", 32, 64, 32, 4), ("mma", 16, 64, 64, 4)],
+    1024: [("mma", 16, 128, 32, 4), ("mma", 32, 128, 32, 4), ("mma", 64, 128, 32, 4),
+           ("mma", 64, 64, 32, 4)],
+    8192: [("mma", 64, 128, 32, 4), ("mma", 64, 256, 32, 8), ("mma", 128, 128, 32, 8),
+           ("mma", 128, 256, 32, 8), ("mma", 64, 128, 16, 4)],
+}  # fmt: skip
+
+
+def _cfg(kind, m, bn, w, nw, ns=3):
+    if kind == "gemv":
+        return dict(kind="gemv", ROWS=m, BLOCK_N=bn, W=w, num_warps=nw)
+    return dict(kind="mma", BLOCK_M=m, BLOCK_N=bn, W=w, num_warps=nw, num_stages=ns)
+
+
 def part_check():
     from k2serve.kernels import fused_moe as fm
     from k2serve.kernels import kv_store, mla_attention, moe_align, rmsnorm, router, sampling
@@ -181,6 +209,25 @@ def part_check():
     log(f"  check router grouped top-k (8 groups)               {'ok' if ok else 'FAIL'}")
     if not ok:
         FAILS.append("router")
+    from k2serve.kernels import moe_int4 as mi
+
+    ew = _rand_experts("int4", 384, 7168, 2048, dev)
+    for T in (1, 8, 64, 512):
+        tw, ti = _route(T, 384, 8, dev)
+        xx = torch.randn(T, 7168, device=dev, dtype=torch.bfloat16)
+        ref = fm.fused_moe_ref(xx, ew, tw, ti)
+        for name, cfg in NEW_CFGS:
+            check(f"int4_moe {name} T={T}", mi.int4_moe(xx, ew, tw, ti, cfg), ref)
+        check(f"int4_moe default T={T}", mi.int4_moe(xx, ew, tw, ti), ref)
+        if T == 512:
+            check(f"int4_moe grouped_mm T={T}", mi.int4_moe_grouped_mm(xx, ew, tw, ti), ref)
+            os.environ["K2SERVE_INT4_ASM"] = "0"
+            check(f"int4_moe mma no-asm T={T}", mi.int4_moe(xx, ew, tw, ti, NEW_CFGS[-1][1]), ref)
+            os.environ["K2SERVE_INT4_ASM"] = "1"
+    w = mi.dequant_int4_planes(ew.w13[:2], ew.w13_scale[:2], 256)
+    check("dequant_int4_planes", w[1].float(),
+          mi.permute_planes(fm.dequant_int4_ref(ew.w13[1], ew.w13_scale[1]), 256), 1e-2)  # fmt: skip
+    del ew, w
     for quant, E, Ts in [("int4", 384, (1, 32, 512)), ("bf16", 16, (64,)), ("fp8", 16, (64,))]:
         ew = _rand_experts(quant, E, 7168, 2048, dev)
         for T in Ts:
@@ -213,40 +260,48 @@ def part_kern():
     per_expert = sum(
         t[0].numel() * t.element_size() for t in (ew.w13, ew.w2, ew.w13_scale, ew.w2_scale)
     )
+    from k2serve.kernels import moe_int4 as mi
+    from k2serve.kernels.fused_moe import _config
+
     for T in (1, 8, 32, 128, 1024, 8192):
         tw, ti = _route(T, E, k, dev)
         x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
         hit = int(ti.unique().numel())
-        ms = timed(lambda: fm.fused_moe(x, ew, tw, ti), iters=10 if T > 1000 else 30)
-        row("kern", f"fused_moe int4 T={T} ({hit} experts)", ms, hit * per_expert + 2 * T * D * 2,
-            2 * 3 * D * I * T * k)  # fmt: skip
-    sweep = {
-        "dec": [
-            (16, 64, 256, 4, 4),
-            (16, 32, 512, 4, 3),
-            (16, 128, 256, 8, 3),
-            (16, 32, 256, 2, 4),
-        ],
-        "pre": [
-            (64, 128, 64, 8, 3),
-            (128, 128, 64, 8, 3),
-            (128, 256, 64, 8, 3),
-            (128, 128, 32, 4, 4),
-        ],
-    }
-    for T in (1, 32, 8192):
+        nb, fl = hit * per_expert + 2 * T * D * 2, 2 * 3 * D * I * T * k
+        if T in (1, 128, 8192):  # the previous kernel, same run, for comparison
+            cfg0 = _config(T * k, E, "int4")
+            ms = timed(lambda: fm.fused_moe(x, ew, tw, ti, cfg0), iters=10 if T > 1000 else 30)
+            row("kern", f"OLD fused_moe int4 T={T} ({hit} experts)", ms, nb, fl)
+        ms = timed(lambda: mi.int4_moe(x, ew, tw, ti), iters=10 if T > 1000 else 30)
+        row("kern", f"int4_moe T={T} ({hit} experts)", ms, nb, fl, str(mi.default_config(T, k, E)))
+    from k2serve.kernels import moe_int4 as mi
+
+    for T, cfgs in SWEEP.items():
         tw, ti = _route(T, E, k, dev)
         x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
         hit = int(ti.unique().numel())
-        for bm, bn, bk, nw, ns in sweep["dec" if T < 1000 else "pre"]:
-            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+        nb, fl = hit * per_expert + 2 * T * D * 2, 2 * 3 * D * I * T * k
+        ref = mi.int4_moe(x, ew, tw, ti)
+        for c in cfgs:
+            cfg = _cfg(*c)
+            name = f"{c[0]} {c[1]}x{c[2]}x{8 * c[3]} w{c[4]}"
             try:
-                ms = timed(lambda: fm.fused_moe(x, ew, tw, ti, cfg), iters=10)
+                out = mi.int4_moe(x, ew, tw, ti, cfg)
+                ms = timed(lambda: mi.int4_moe(x, ew, tw, ti, cfg), iters=10 if T > 1000 else 30)
             except Exception as e:  # noqa: BLE001 - a config that does not fit is reported
-                log(f"  sweep T={T} {cfg}: {type(e).__name__}")
+                log(f"  sweep T={T} {name}: {type(e).__name__}: {str(e)[:200]}")
                 continue
-            row("sweep", f"moe T={T} {bm}x{bn}x{bk} w{nw} s{ns}", ms,
-                hit * per_expert + 2 * T * D * 2, 2 * 3 * D * I * T * k)  # fmt: skip
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            row("sweep", f"int4 T={T} {name}", ms, nb, fl, f"vs default {err:.1e}")
+        if T >= 1024:
+            for ch in (32, 64):
+                ms = timed(lambda: mi.int4_moe_grouped_mm(x, ew, tw, ti, chunk=ch), iters=5)
+                row("sweep", f"int4 T={T} dequant+grouped_mm chunk {ch}", ms, nb, fl)
+            os.environ["K2SERVE_INT4_ASM"] = "0"
+            cfg = mi.default_config(T, k, E)
+            ms = timed(lambda: mi.int4_moe(x, ew, tw, ti, cfg), iters=5)
+            row("sweep", f"int4 T={T} default, no inline-asm dequant", ms, nb, fl)
+            os.environ["K2SERVE_INT4_ASM"] = "1"
     del ew
     torch.cuda.empty_cache()
     for B in (1, 8, 32, 128):
@@ -265,15 +320,18 @@ def nbytes(mod) -> int:
     return sum(p.numel() * p.element_size() for p in mod.parameters())
 
 
-def accelerate(model, fast_router=True):
+def accelerate(model, fast_router=True, moe_kw=None, expand=False):
     """Swap in the GPU backends from the outside (until the model selects them on CUDA)."""
-    from k2serve.attention.triton_mla import TritonMLABackend
+    from k2serve.attention.triton_mla import TritonMLABackend, install_prefill_expand
     from k2serve.kernels.rmsnorm import rms_norm
     from k2serve.kernels.router import grouped_topk
     from k2serve.model.layers import RMSNorm
     from k2serve.moe.fused_moe import FusedMoEBackend
 
-    model.set_attn_backend(TritonMLABackend())
+    model.set_attn_backend(TritonMLABackend(prefill="expand" if expand else "absorbed"))
+    if not getattr(model, "_expand_installed", False):
+        install_prefill_expand(model)
+        model._expand_installed = True
 
     def norm_fwd(self, x):
         shp = x.shape
@@ -291,7 +349,10 @@ def accelerate(model, fast_router=True):
     for layer in model.model.layers:
         mlp = layer.mlp
         if hasattr(mlp, "expert_backend"):
-            mlp.expert_backend = FusedMoEBackend.from_experts(mlp.experts)
+            if isinstance(mlp.expert_backend, FusedMoEBackend):
+                mlp.expert_backend = FusedMoEBackend(mlp.expert_backend.weights, **(moe_kw or {}))
+            else:
+                mlp.expert_backend = FusedMoEBackend.from_experts(mlp.experts, **(moe_kw or {}))
             if fast_router:
                 mlp.gate.forward = types.MethodType(router_fwd, mlp.gate)
         torch.cuda.empty_cache()
@@ -382,7 +443,7 @@ def decode_bytes(model, B, ctx, hits) -> float:
     return total
 
 
-def prefill_flops(model, T) -> float:
+def prefill_flops(model, T, expanded=False) -> float:
     c = model.config
     H, L, R, N, V = (c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim,
                      c.qk_nope_head_dim, c.v_head_dim)  # fmt: skip
@@ -391,8 +452,11 @@ def prefill_flops(model, T) -> float:
         a = layer.self_attn
         per_tok += sum(m.in_features * m.out_features for m in (a.q_a_proj, a.q_b_proj,
                        a.kv_a_proj_with_mqa, a.o_proj))  # fmt: skip
-        per_tok += H * (N + V) * L  # W_UK and W_UV folded into query and output
-        per_tok += H * (L + R + L) * (T + 1) / 2  # absorbed attention, causal mean keys
+        per_tok += H * (N + V) * L  # W_UK/W_UV folded (absorbed) or kv_b_proj expansion
+        if expanded:  # per-head K (N + R) and V (V) against the causal mean number of keys
+            per_tok += H * (N + R + V) * (T + 1) / 2
+        else:
+            per_tok += H * (L + R + L) * (T + 1) / 2  # absorbed attention
         if hasattr(layer.mlp, "expert_backend"):
             per_tok += c.n_routed_experts * c.hidden_size  # router
             per_tok += (
@@ -406,13 +470,89 @@ def prefill_flops(model, T) -> float:
     return 2 * per_tok * T + 2 * c.hidden_size * c.vocab_size
 
 
-def bench_model(model, tag, batches=(1, 8, 32, 128), prefills=(1024, 8192), ctx=1024):
+def profile_step(model, kv, B, ctx, ps=64):
+    """torch.profiler kernel split of eager decode steps (graph replay runs the same kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids, pos, md = decode_inputs(B, ctx, ps)
+    with torch.inference_mode():
+        for _ in range(3):
+            model.compute_logits(model(ids, pos, md, kv))
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                model.compute_logits(model(ids, pos, md, kv))
+            torch.cuda.synchronize()
+    ka = prof.key_averages()
+    for key in ("device_time_total", "cuda_time_total"):
+        try:
+            log(f"== profile: eager decode B={B} ctx={ctx}, 5 steps, CUDA kernels")
+            log(ka.table(sort_by=key, row_limit=22, max_name_column_width=70))
+            break
+        except Exception as e:  # noqa: BLE001 - the attribute name moved between versions
+            log(f"  (sort by {key}: {e!r})")
+
+
+def bench_prefill(model, tag, prefills=(1024, 8192), expanded=False, ps=64):
+    from k2serve.attention import allocate_kv_caches
+
+    kv = allocate_kv_caches(model.config, -(-max(prefills) // ps) + 1, ps, torch.bfloat16, "cuda")
+    res = {}
+    for T in prefills:
+        ids, pos, md = prefill_inputs(T, ps)
+        with torch.inference_mode():
+            ms = timed(
+                lambda: model.compute_logits(model(ids, pos, md, kv)[-1:]), iters=5, warmup=2
+            )
+        fl = prefill_flops(model, T, expanded)
+        row(tag, f"prefill T={T}", ms, 0, fl, f"{T / ms * 1e3:.0f} tok/s")
+        res[f"prefill{T}"] = (ms, fl)
+    del kv
+    torch.cuda.empty_cache()
+    return res
+
+
+def check_expand(model):
+    """Layer 0 attention: expanded prefill (with a cached prefix) vs the absorbed Triton path."""
+    from k2serve.attention import allocate_kv_caches
+    from k2serve.attention.base import AttentionMetadata
+
+    attn = model.model.layers[0].self_attn
+    dev, ps = "cuda", 64
+    ctx, ql = [300, 0], [200, 129]
+    seq = [c + q for c, q in zip(ctx, ql)]
+    maxp = max(-(-s // ps) for s in seq)
+    bt = torch.arange(2 * maxp, device=dev, dtype=torch.int32).view(2, maxp)
+    slots = torch.cat([bt[b, (c + torch.arange(q, device=dev)) // ps].long() * ps
+                       + (c + torch.arange(q, device=dev)) % ps
+                       for b, (c, q) in enumerate(zip(ctx, ql))])  # fmt: skip
+    md = AttentionMetadata(
+        query_start_loc=torch.tensor([0, ql[0], sum(ql)], device=dev, dtype=torch.int32),
+        seq_lens=torch.tensor(seq, device=dev, dtype=torch.int32),
+        context_lens=torch.tensor(ctx, device=dev, dtype=torch.int32),
+        block_table=bt, slot_mapping=slots, max_query_len=max(ql), max_seq_len=max(seq),
+        page_size=ps,
+    )  # fmt: skip
+    x = torch.randn(sum(ql), model.config.hidden_size, device=dev, dtype=torch.bfloat16)
+    pos = torch.cat([c + torch.arange(q, device=dev) for c, q in zip(ctx, ql)])
+    outs = []
+    cache0 = allocate_kv_caches(model.config, 2 * maxp, ps, torch.bfloat16, dev)[0].normal_()
+    for mode in ("absorbed", "expand"):
+        attn.backend.prefill = mode
+        with torch.inference_mode():
+            outs.append(attn(x, pos, md, cache0.clone()))
+    attn.backend.prefill = "absorbed"
+    check("attention expanded vs absorbed (prefix 300+200, 0+129)", outs[1], outs[0], 2e-2)
+
+
+def bench_model(model, tag, batches=(1, 8, 32, 128), prefills=(1024, 8192), ctx=1024,
+                profile_batches=()):  # fmt: skip
     from k2serve.attention import allocate_kv_caches
     from k2serve.model.cuda_graph import DecodeGraphRunner
 
     ps = 64
     ppseq = -(-(ctx + 1) // ps)
-    pages = max(max(batches) * ppseq, -(-max(prefills) // ps)) + 1
+    pages = max(max(batches) * ppseq, -(-max(prefills, default=0) // ps)) + 1
     kv = allocate_kv_caches(model.config, pages, ps, torch.bfloat16, "cuda")
     for t in kv:
         t.normal_()
@@ -434,6 +574,8 @@ def bench_model(model, tag, batches=(1, 8, 32, 128), prefills=(1024, 8192), ctx=
             if B == 1:
                 ms_e = timed(lambda: model.compute_logits(model(ids, pos, md, kv)), iters=10)
                 row(tag, f"decode B={B} ctx={ctx} eager", ms_e, nb, 0, "no graph")
+    for B in profile_batches:
+        profile_step(model, kv, B, ctx)
     del runner
     torch.cuda.empty_cache()
     for T in prefills:
@@ -526,7 +668,14 @@ def bench_peer(peer, ctx=1024, prefill=8192):
 def part_model_and_peer(layers, do_peer):
     model = load_slice(layers)
     accelerate(model)
-    bench_model(model, "model")
+    check_expand(model)
+    bench_model(model, "model", profile_batches=(1, 32))
+    accelerate(model, expand=True)
+    bench_prefill(model, "model+expand", expanded=True)
+    accelerate(model, moe_kw=dict(prefill_impl="grouped_mm"), expand=True)
+    bench_prefill(model, "model+expand+gmm", expanded=True)
+    accelerate(model, moe_kw=dict(int4_impl="legacy"))
+    bench_model(model, "model-OLD", batches=(1, 32), prefills=())
     del model
     gc.collect()
     torch.cuda.empty_cache()

@@ -150,3 +150,60 @@ def test_sampling_matches_reference_with_same_noise():
     got = sampling.sample(lg, temp, tk, tp, noise)
     assert torch.equal(got, sampling.sample_ref(lg, temp, tk, tp, noise))
     assert got[0] == lg[0].argmax() and got[5] == lg[5].argmax()  # greedy and top_k=1
+
+
+def _int4_experts(E, D, I):
+    def pk(n, k):
+        return torch.randint(-(2**31), 2**31 - 1, (E, n, k // 8), dtype=torch.int32, device=DEVICE)
+
+    def sc(n, k):
+        return (torch.rand(E, n, k // 32, device=DEVICE) * 0.004 + 0.002).bfloat16()
+
+    return fm.ExpertWeights("int4", pk(2 * I, D), pk(D, I), sc(2 * I, D), sc(D, I), 32)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(kind="gemv", ROWS=2, BLOCK_N=16, W=16, num_warps=4),
+        dict(kind="mma", BLOCK_M=16, BLOCK_N=32, W=16, num_warps=4),
+    ],
+)
+def test_int4_plane_kernels_match_reference(cfg):
+    from k2serve.kernels import moe_int4
+
+    ew = _int4_experts(4, 256, 128)
+    T, k = 3, 2
+    x = torch.randn(T, 256, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.rand(T, k, device=DEVICE)
+    ids = torch.stack([torch.randperm(4)[:k] for _ in range(T)]).int().to(DEVICE)
+    ids[1] = ids[0]  # two tokens on the same experts: blocks with several rows
+    out = moe_int4.int4_moe(x, ew, w, ids, cfg)
+    assert rel(out, fm.fused_moe_ref(x, ew, w, ids)) < 2e-2
+
+
+def test_int4_planes_dequant_and_grouped_mm():
+    from k2serve.kernels import moe_int4
+
+    ew = _int4_experts(3, 256, 128)
+    d = moe_int4.dequant_int4_planes(ew.w2, ew.w2_scale, 128)  # [3, 256, 128] plane order
+    want = moe_int4.permute_planes(fm.dequant_int4_ref(ew.w2[2], ew.w2_scale[2]), 128)
+    assert rel(d[2], want) < 1e-2
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm is missing in this torch")
+    x = torch.randn(5, 256, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.rand(5, 2, device=DEVICE)
+    ids = torch.stack([torch.randperm(3)[:2] for _ in range(5)]).to(DEVICE)
+    out = moe_int4.int4_moe_grouped_mm(x, ew, w, ids, chunk=2)
+    assert rel(out, fm.fused_moe_ref(x, ew, w, ids)) < 2e-2
+
+
+def test_permute_planes_is_a_column_permutation():
+    from k2serve.kernels import moe_int4
+
+    x = torch.randn(2, 256)
+    y = moe_int4.permute_planes(x, 128)
+    assert y[0, 1 * 16 + 3].item() == x[0, 8 * 3 + 1].item()  # plane 1, word 3 = column 25
+    assert torch.equal(y.sort(1).values, x.sort(1).values)
+    with pytest.raises(ValueError, match="multiple of the plane block"):
+        moe_int4.permute_planes(torch.randn(2, 100), 128)

@@ -6,6 +6,11 @@ stacked tensors the kernel reads. NOTE: after stacking, each expert's parameters
 to views of the stacked tensors, so memory is not doubled and the torch reference path (and the
 state_dict) still see the same values.
 Supported schemes: bf16, int4_group (compressed-tensors, group 32), fp8_block (128x128).
+INT4 dispatch (`int4_impl`): "planes" (default when hidden and intermediate sizes are multiples
+of 256) runs kernels/moe_int4.py (GEMV for few rows per expert, tensor-core plane GEMM above);
+"legacy" runs the generic fused_moe kernel. `prefill_impl="grouped_mm"` sends steps of at least
+`prefill_min_tokens` tokens to chunk-wise dequant + torch._grouped_mm (one host sync; never
+inside a decode graph since decode steps are far below the threshold).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch
 from torch import nn
 
 from k2serve.kernels.fused_moe import ExpertWeights, fused_moe
+from k2serve.kernels.moe_int4 import int4_moe, int4_moe_grouped_mm
 from k2serve.moe.base import ExpertBackend
 
 # linear scheme -> (quant name, weight attr, scale attr)
@@ -59,12 +65,29 @@ def stack_experts(experts: nn.ModuleList) -> ExpertWeights:
 class FusedMoEBackend(ExpertBackend):
     name = "fused_moe"
 
-    def __init__(self, weights: ExpertWeights) -> None:
+    def __init__(
+        self,
+        weights: ExpertWeights,
+        int4_impl: str = "auto",
+        prefill_impl: str = "kernel",
+        prefill_min_tokens: int = 2048,
+    ) -> None:
+        if int4_impl not in ("auto", "planes", "legacy"):
+            raise ValueError(f"int4_impl={int4_impl!r}: use 'auto', 'planes' or 'legacy'")
+        if prefill_impl not in ("kernel", "grouped_mm"):
+            raise ValueError(f"prefill_impl={prefill_impl!r}: use 'kernel' or 'grouped_mm'")
         self.weights = weights
+        w = weights
+        planes_ok = w.quant == "int4" and w.hidden % 256 == 0 and w.intermediate % 256 == 0
+        if int4_impl == "planes" and not planes_ok:
+            raise ValueError("int4_impl='planes' needs int4 experts with sizes divisible by 256")
+        self.use_planes = planes_ok and int4_impl != "legacy"
+        self.prefill_impl = prefill_impl
+        self.prefill_min_tokens = prefill_min_tokens
 
     @classmethod
-    def from_experts(cls, experts: nn.ModuleList) -> FusedMoEBackend:
-        return cls(stack_experts(experts))
+    def from_experts(cls, experts: nn.ModuleList, **kw) -> FusedMoEBackend:
+        return cls(stack_experts(experts), **kw)
 
     def __call__(
         self,
@@ -72,4 +95,8 @@ class FusedMoEBackend(ExpertBackend):
         topk_ids: torch.Tensor,  # [T, k]
         topk_weights: torch.Tensor,  # [T, k] float32
     ) -> torch.Tensor:  # [T, hidden]
+        if self.use_planes:
+            if self.prefill_impl == "grouped_mm" and hidden.shape[0] >= self.prefill_min_tokens:
+                return int4_moe_grouped_mm(hidden, self.weights, topk_weights, topk_ids)
+            return int4_moe(hidden, self.weights, topk_weights, topk_ids)
         return fused_moe(hidden, self.weights, topk_weights, topk_ids)
