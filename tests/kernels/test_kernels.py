@@ -152,7 +152,7 @@ def test_sampling_matches_reference_with_same_noise():
     assert got[0] == lg[0].argmax() and got[5] == lg[5].argmax()  # greedy and top_k=1
 
 
-def _int4_experts(E, D, I):
+def _int4_experts(E, D, I):  # noqa: E741
     def pk(n, k):
         return torch.randint(-(2**31), 2**31 - 1, (E, n, k // 8), dtype=torch.int32, device=DEVICE)
 
