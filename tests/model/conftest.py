@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from k2serve.weights.presets import preset_config
 
@@ -68,3 +69,14 @@ def make_ckpt(tmp_path_factory):
         return cache[(kind, fmt)]
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The tensors here are tiny: intra-op threads only add sync overhead (and spin badly on a
+    busy 2-core CI machine). Restored after each test, so other packages' tests are unaffected."""
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

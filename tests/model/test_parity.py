@@ -6,6 +6,7 @@ import pytest
 import torch
 from tests.model.hf_ref import hf_model
 
+from k2serve.attention import AttentionMetadata, allocate_kv_caches
 from k2serve.weights.loader import load_model
 
 
@@ -22,13 +23,45 @@ def _hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
     return model(ids[None]).logits[0].float()
 
 
-def _greedy(step, prompt: torch.Tensor, n: int) -> list[int]:
-    ids = prompt.clone()
-    out = []
+def _greedy_hf(model, prompt: torch.Tensor, n: int) -> list[int]:
+    """transformers' greedy decoding with its own (naive MLA) KV cache."""
+    out, past, ids = [], None, prompt[None]
+    with torch.no_grad():
+        for _ in range(n):
+            res = model(ids, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            out.append(int(res.logits[0, -1].argmax()))
+            ids = torch.tensor([[out[-1]]])
+    return out
+
+
+def _greedy_k2_paged(model, prompt: torch.Tensor, n: int, page: int = 4) -> list[int]:
+    """k2serve greedy decoding: one prefill step, then one-token decode steps over the paged
+    latent cache (absorbed MLA), pages deliberately out of order."""
+    total = prompt.shape[0] + n
+    num_pages = -(-total // page)
+    pages = list(reversed(range(num_pages)))
+    caches = allocate_kv_caches(model.config, num_pages, page, model.dtype, "cpu")
+    out: list[int] = []
+    ids, start = prompt, 0
     for _ in range(n):
-        nxt = int(step(ids)[-1].argmax())
-        out.append(nxt)
-        ids = torch.cat([ids, torch.tensor([nxt])])
+        pos = torch.arange(start, start + ids.shape[0])
+        slots = torch.tensor([pages[p // page] * page + p % page for p in pos.tolist()])
+        md = AttentionMetadata(
+            query_start_loc=torch.tensor([0, ids.shape[0]], dtype=torch.int32),
+            seq_lens=torch.tensor([start + ids.shape[0]], dtype=torch.int32),
+            context_lens=torch.tensor([start], dtype=torch.int32),
+            block_table=torch.tensor([pages], dtype=torch.int32),
+            slot_mapping=slots,
+            max_query_len=ids.shape[0],
+            max_seq_len=start + ids.shape[0],
+            page_size=page,
+            num_decodes=int(ids.shape[0] == 1),
+        )
+        logits = model.compute_logits(model(ids, pos, md, caches))
+        out.append(int(logits[-1].argmax()))
+        start += ids.shape[0]
+        ids = torch.tensor([out[-1]])
     return out
 
 
@@ -42,8 +75,8 @@ def test_fp32_parity_with_transformers(make_ckpt, kind, fmt):
     ours = load_model(d, dtype=torch.float32, progress=False)
     ref = hf_model(d, torch.float32)
     assert _rel_err(_k2_logits(ours, PROMPT), _hf_logits(ref, PROMPT)) <= 1e-4
-    a = _greedy(lambda ids: _k2_logits(ours, ids), PROMPT, 32)
-    b = _greedy(lambda ids: _hf_logits(ref, ids), PROMPT, 32)
+    a = _greedy_k2_paged(ours, PROMPT, 32)
+    b = _greedy_hf(ref, PROMPT, 32)
     assert a == b
     assert len(set(a)) > 3  # a degenerate continuation would prove little
 

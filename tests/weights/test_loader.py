@@ -189,3 +189,14 @@ def test_make_checkpoint_cli(tmp_path, capsys):
     assert "model.layers.1.mlp.shared_experts.up_proj.weight" in index["weight_map"]
     m = load_model(str(out), progress=False)
     assert torch.isfinite(_logits(m)).all()
+
+
+def test_make_checkpoint_writes_matching_tokenizer(tmp_path):
+    tok = pytest.importorskip("k2serve.tokenizer")
+    cfg = _tiny()
+    cfg["num_hidden_layers"] = 1
+    make_checkpoint(tmp_path, cfg, tokenizer=True, progress=False)
+    t = tok.KimiTokenizer.from_dir(str(tmp_path))
+    assert t.vocab_size == cfg["vocab_size"]
+    assert (t.bos_token_id, t.eos_token_id) == (cfg["bos_token_id"], cfg["eos_token_id"])
+    assert (tmp_path / "chat_template.jinja").exists()

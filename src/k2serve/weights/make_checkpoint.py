@@ -2,7 +2,8 @@
 
 Writes config.json (real keys + quantization_config), generation_config.json, sharded
 safetensors with the real tensor names and model.safetensors.index.json, and the tokenizer
-files when `k2serve.tokenizer.files.write_tokenizer_files` is available.
+files (tiktoken.model, tokenizer_config.json, chat_template.jinja) when `k2serve.tokenizer` is
+available.
 
 Invariants: tensors are generated and written one at a time (peak memory ~ one shard); the
 result loads with `load_model` and with transformers (after dequantization).
@@ -77,6 +78,12 @@ def _write_tokenizer(out_dir: str, vocab_size: int) -> None:
         logger.info("k2serve.tokenizer.files is not available: no tokenizer files written")
         return
     write_tokenizer_files(out_dir, vocab_size)
+    try:
+        from k2serve.tokenizer.chat_template import builtin_chat_template
+    except ImportError:
+        return
+    with open(os.path.join(out_dir, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(builtin_chat_template())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
