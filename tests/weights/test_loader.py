@@ -93,6 +93,14 @@ def test_layout_is_sharded_with_index(ckpt):
             lambda t, c: t.update({"model.norm.weight": torch.zeros(7)}),
             ["model.norm.weight", "shape"],
         ),
+        (
+            lambda t, c: t.update({"model.norm.weight": torch.zeros(128, dtype=torch.int32)}),
+            ["model.norm.weight", "int32"],
+        ),
+        (
+            lambda t, c: t.update({"lm_head.weight": t["lm_head.weight"].to(torch.float8_e4m3fn)}),
+            ["lm_head.weight", "weight_scale_inv"],
+        ),
     ],
 )
 def test_bad_tensors_are_named(ckpt, tmp_path, edit, words):

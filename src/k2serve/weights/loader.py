@@ -82,11 +82,19 @@ def set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
         raise CheckpointError(f"model has no tensor {name!r}")
 
 
-def _cast(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _cast(t: torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
     if t.dtype == like.dtype:
         return t
+    if t.dtype in _FP8:
+        raise CheckpointError(
+            f"tensor {name!r} is {t.dtype} but has no weight_scale_inv next to it (or "
+            "quantization_config is not fp8)"
+        )
     if not (like.dtype.is_floating_point and t.dtype.is_floating_point):
-        raise CheckpointError(f"dtype {t.dtype} cannot fill a {like.dtype} tensor")
+        raise CheckpointError(f"tensor {name!r} is {t.dtype}; the model needs {like.dtype}")
     return t.to(like.dtype)
 
 
@@ -164,7 +172,7 @@ def load_model(
                         f"tensor {ckpt_name!r} has shape {list(shape)}, the model expects "
                         f"{list(meta.shape)}"
                     )
-                t = _cast(f.get_tensor(ckpt_name), meta)
+                t = _cast(f.get_tensor(ckpt_name), meta, ckpt_name)
                 # NOTE: get_tensor returns a view of the mmap; copy it into memory the model
                 # owns, so the shard's pages are released when the shard is closed (peak host
                 # memory = model + one shard, and the files may change after loading).
