@@ -28,7 +28,6 @@ def test_parse_bytes():
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
         ({"dtype": "int3"}, "dtype"),
         ({"max_model_len": 0}, "max_model_len"),
-        ({"enable_chunked_prefill": False, "max_model_len": 4096}, "max_num_batched_tokens"),
     ],
 )
 def test_invalid_config_names_field(kw, name):

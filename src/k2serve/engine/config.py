@@ -106,13 +106,6 @@ class EngineConfig:
                 f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet (only 'auto': the "
                 "model dtype)"
             )
-        if not self.enable_chunked_prefill and self.max_model_len is not None:
-            if self.max_num_batched_tokens < self.max_model_len:
-                raise ValueError(
-                    f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
-                    f"max_model_len={self.max_model_len}: without chunked prefill a long prompt "
-                    "could never be scheduled"
-                )
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)
