@@ -263,3 +263,19 @@ def test_preempted_seeded_requests_continue_their_random_stream(fake_engine):
     tight, s2 = run(num_kv_pages=12, max_model_len=44)
     assert s1.num_preemptions == 0 and s2.num_preemptions > 0
     assert tight == roomy
+
+
+def test_cache_salt_separates_prefix_caches(fake_engine):
+    p = prompts(1, seed=16, lo=21, hi=21)[0]
+    eng = fake_engine()
+
+    def cached(rid, salt):
+        eng.add_request(rid, p, greedy(3), cache_salt=salt)
+        out = run_to_completion(eng)[rid]
+        assert out.outputs[0].token_ids == reference_greedy(p, 3)
+        return out.num_cached_tokens
+
+    assert cached("a1", "tenant-a") == 0
+    assert cached("b1", "tenant-b") == 0  # same tokens, other salt: no hit
+    assert cached("a2", "tenant-a") == 20
+    assert cached("n1", None) == 0
