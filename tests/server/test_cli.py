@@ -62,7 +62,7 @@ def test_flags_parse_with_vllm_names(monkeypatch):
             "--tool-call-parser",
             "kimi_k2",
             "--reasoning-parser",
-            "none",
+            "kimi_k2",
             "--drain-timeout",
             "3",
             "--uvicorn-log-level",
@@ -71,6 +71,7 @@ def test_flags_parse_with_vllm_names(monkeypatch):
             '{"thinking": false}',
         ]
     )
+    assert a.allowed_origins == ["*"] and a.max_request_body_bytes == 32 * 1024 * 1024
     assert a.served_model_name == ["a", "b"] and a.api_key == "k" and a.max_waiting == 5
     assert a.enable_prefix_caching is False and a.default_chat_template_kwargs == {
         "thinking": False

@@ -304,10 +304,16 @@ def test_drain_timeout_ends_inflight_requests_cleanly():
     with ServerThread(app) as srv:
         out: dict = {}
 
+        streaming = threading.Event()
+
         def stream():
             body = {"prompt": "forever", "max_tokens": 400, "stream": True}
-            r = httpx.post(srv.url + "/v1/completions", json=body, timeout=30)
-            out["stream"] = [x[6:] for x in r.text.splitlines() if x.startswith("data: ")]
+            out["stream"] = []
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        out["stream"].append(line[6:])
+                        streaming.set()
 
         def whole():
             body = {"prompt": "forever", "max_tokens": 400}
@@ -316,6 +322,7 @@ def test_drain_timeout_ends_inflight_requests_cleanly():
         threads = [threading.Thread(target=stream), threading.Thread(target=whole)]
         for t in threads:
             t.start()
+        assert streaming.wait(10)
         for _ in range(200):
             if engine.running == 2:
                 break

@@ -183,7 +183,6 @@ def build_app(
     max_model_len: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     default_thinking: bool | None = None,
-    enable_tool_parser: bool = True,
     default_chat_template_kwargs: dict | None = None,
     allowed_origins: list[str] | None = None,
     tokenizer=None,
@@ -208,7 +207,6 @@ def build_app(
         metrics=ServerMetrics(engine, names[0]),
         sampling_params_cls=sampling_params_cls or _default_sampling_params_cls(),
         default_thinking=default_thinking,
-        enable_tool_parser=enable_tool_parser,
         default_chat_template_kwargs=dict(default_chat_template_kwargs or {}),
     )
 

@@ -106,7 +106,7 @@ class ChatHandler:
         kwargs.setdefault("thinking", thinking)
         tool_choice = req.tool_choice or ("auto" if req.tools else "none")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        use_tools = bool(tools) and tool_choice != "none" and st.enable_tool_parser
+        use_tools = bool(tools) and tool_choice != "none"
         try:
             text = st.tokenizer.apply_chat_template(
                 render_messages(req),

@@ -20,7 +20,7 @@ import sys
 
 logger = logging.getLogger("k2serve.server")
 
-_PARSERS = ("kimi_k2", "none")
+_PARSERS = ("kimi_k2",)  # the Kimi dialect is always parsed; flags kept for vLLM habits
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--reasoning-parser",
         choices=_PARSERS,
         default="kimi_k2",
-        help="split <think> reasoning into reasoning_content (default kimi_k2)",
+        help="split <think> reasoning into reasoning_content (default kimi_k2); thinking is on "
+        "by default when the chat template supports it, off with "
+        "--default-chat-template-kwargs '{\"thinking\": false}'",
     )
     g.add_argument(
         "--enable-auto-tool-choice",
@@ -65,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=json.loads,
         default=None,
         help="JSON merged under each request's chat_template_kwargs, e.g. '{\"thinking\": false}'",
+    )
+    g.add_argument(
+        "--allowed-origins",
+        type=json.loads,
+        default=["*"],
+        help='CORS origins as a JSON list (default ["*"], as vLLM); [] turns CORS off',
     )
     g.add_argument(
         "--max-request-body-bytes",
@@ -183,14 +191,11 @@ def run(args: argparse.Namespace) -> int:
         if engine.tokenizer is None:
             print(f"k2serve serve: {model_dir} has no tokenizer files", file=sys.stderr)
             return 2
-        thinking = None if args.reasoning_parser == "kimi_k2" else False
         app = build_app(
             engine,
             served_model_names=names,
             api_key=args.api_key,
             max_body_bytes=args.max_request_body_bytes,
-            default_thinking=thinking,
-            enable_tool_parser=args.tool_call_parser == "kimi_k2",
             default_chat_template_kwargs=args.default_chat_template_kwargs,
             allowed_origins=args.allowed_origins,
         )

@@ -36,7 +36,6 @@ class ServerState:
     metrics: ServerMetrics
     sampling_params_cls: Callable[..., Any]
     default_thinking: bool = True
-    enable_tool_parser: bool = True
     default_chat_template_kwargs: dict = field(default_factory=dict)
     draining: bool = False
     # set when the drain timeout runs out: in-flight requests end with a 503 / an error event
