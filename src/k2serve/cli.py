@@ -21,7 +21,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "deploy": ("k2serve.deploy.cli", "write Kubernetes / SLURM / systemd files from a plan"),
     "download": ("k2serve.download", "download a checkpoint from the Hugging Face hub"),
     "bench": ("k2serve.bench.cli", "benchmark an OpenAI-compatible server"),
-    "make-checkpoint": ("k2serve.weights.make_checkpoint", "write a small checkpoint in the real format"),
+    "make-checkpoint": (
+        "k2serve.weights.make_checkpoint",
+        "write a small checkpoint in the real format",
+    ),
 }
 
 
@@ -41,8 +44,9 @@ def _build_parser(chosen: str | None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    chosen = next((a for a in argv if not a.startswith("-")), None)
-    parser = _build_parser(chosen if chosen in COMMANDS else None)
+    # The subcommand is the first argument that names one ("--log-level WARNING serve" works).
+    chosen = next((a for a in argv if a in COMMANDS), None)
+    parser = _build_parser(chosen)
     args = parser.parse_args(argv)
     if not args.command:
         parser.print_help()
