@@ -136,25 +136,21 @@ NEW_CFGS = [
     ("gemv r4 16x32 w4", dict(kind="gemv", ROWS=4, BLOCK_N=16, W=32, num_warps=4)),
     ("mma 16x64 w4 s3", dict(kind="mma", BLOCK_M=16, BLOCK_N=64, W=32, num_warps=4, num_stages=3)),
 ]
-SWEEP = {
-    1: [("gemv", 1, 16, 32, 4), ("gemv", 1, 8, 32, 2), ("gemv", 1, 32, 32, 4),
-        ("gemv", 1, 16, 64, 4), ("gemv", 1, 8, 64, 4), ("mma", 16, 64, 32, 4)],
-    8: [("gemv", 1, 16, 32, 4), ("gemv", 2, 16, 32, 4), ("gemv", 1, 16, 64, 4),
-        ("mma", 16, 64, 32, 4), ("mma", 16, 32, 32, 4)],
-    32: [("gemv", 2, 16, 32, 4), ("gemv", 4, 16, 32, 4), ("mma", 16, 64, 32, 4),
-         ("mma", 16, 128, 32, 4), ("mma", 16, 32, 32, 2)],
-    128: [("gemv", 4, 16, 32, 4), ("mma", 16, 64, 32, 4), ("mma", 16, 128, 32, 8),
-          ("mma", 32, 64, 32, 4), ("mma", 16, 64, 64, 4)],
-    1024: [("mma", 16, 128, 32, 4), ("mma", 32, 128, 32, 4), ("mma", 64, 128, 32, 4),
-           ("mma", 64, 64, 32, 4)],
-    8192: [("mma", 64, 128, 32, 4), ("mma", 64, 256, 32, 8), ("mma", 128, 128, 32, 8),
-           ("mma", 128, 256, 32, 8), ("mma", 64, 128, 16, 4)],
+SWEEP = {  # (kind, rows, BLOCK_N, W, warps, prefetch)
+    1: [("gemv", 1, 16, 64, 4, 0), ("gemv", 1, 16, 64, 4, 1), ("gemv", 1, 8, 128, 4, 0),
+        ("gemv", 1, 8, 128, 4, 1), ("gemv", 1, 8, 64, 2, 1), ("gemv", 1, 16, 128, 8, 1),
+        ("gemv", 1, 32, 64, 8, 1)],
+    8: [("gemv", 1, 16, 64, 4, 0), ("gemv", 1, 16, 64, 4, 1), ("gemv", 1, 8, 128, 4, 1),
+        ("gemv", 1, 8, 64, 2, 1), ("gemv", 2, 16, 64, 4, 1)],
+    32: [("gemv", 2, 16, 64, 4, 0), ("gemv", 2, 16, 64, 4, 1), ("gemv", 2, 8, 128, 4, 1),
+         ("gemv", 1, 16, 64, 4, 1)],
+    64: [("gemv", 2, 16, 64, 4, 1), ("gemv", 2, 8, 128, 4, 1), ("gemv", 4, 16, 64, 4, 1)],
 }  # fmt: skip
 
 
-def _cfg(kind, m, bn, w, nw, ns=3):
+def _cfg(kind, m, bn, w, nw, pf=0, ns=3):
     if kind == "gemv":
-        return dict(kind="gemv", ROWS=m, BLOCK_N=bn, W=w, num_warps=nw)
+        return dict(kind="gemv", ROWS=m, BLOCK_N=bn, W=w, num_warps=nw, PREFETCH=pf)
     return dict(kind="mma", BLOCK_M=m, BLOCK_N=bn, W=w, num_warps=nw, num_stages=ns)
 
 
@@ -268,6 +264,11 @@ def part_kern():
         x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
         hit = int(ti.unique().numel())
         nb, fl = hit * per_expert + 2 * T * D * 2, 2 * 3 * D * I * T * k
+        if T > 64:
+            cfg0 = _config(T * k, E, "int4")
+            ms = timed(lambda: fm.fused_moe(x, ew, tw, ti, cfg0), iters=10 if T > 1000 else 30)
+            row("kern", f"OLD fused_moe int4 T={T} ({hit} experts)", ms, nb, fl)
+            continue
         if T in (1, 128, 8192):  # the previous kernel, same run, for comparison
             cfg0 = _config(T * k, E, "int4")
             ms = timed(lambda: fm.fused_moe(x, ew, tw, ti, cfg0), iters=10 if T > 1000 else 30)
@@ -276,6 +277,7 @@ def part_kern():
         row("kern", f"int4_moe T={T} ({hit} experts)", ms, nb, fl, str(mi.default_config(T, k, E)))
     from k2serve.kernels import moe_int4 as mi
 
+    best = {}
     for T, cfgs in SWEEP.items():
         tw, ti = _route(T, E, k, dev)
         x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
@@ -284,7 +286,7 @@ def part_kern():
         ref = mi.int4_moe(x, ew, tw, ti)
         for c in cfgs:
             cfg = _cfg(*c)
-            name = f"{c[0]} {c[1]}x{c[2]}x{8 * c[3]} w{c[4]}"
+            name = f"{c[0]} {c[1]}x{c[2]}x{8 * c[3]} w{c[4]}" + (" pf" if c[5:6] == (1,) else "")
             try:
                 out = mi.int4_moe(x, ew, tw, ti, cfg)
                 ms = timed(lambda: mi.int4_moe(x, ew, tw, ti, cfg), iters=10 if T > 1000 else 30)
@@ -293,6 +295,9 @@ def part_kern():
                 continue
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
             row("sweep", f"int4 T={T} {name}", ms, nb, fl, f"vs default {err:.1e}")
+            key = "r1" if T * k <= 64 else "r2"
+            if cfg["ROWS"] == (1 if key == "r1" else 2) and ms < best.get(key, (1e9,))[0]:
+                best[key] = (ms, cfg)
         if T >= 1024:
             for ch in (32, 64):
                 ms = timed(lambda: mi.int4_moe_grouped_mm(x, ew, tw, ti, chunk=ch), iters=5)
@@ -302,6 +307,19 @@ def part_kern():
             ms = timed(lambda: mi.int4_moe(x, ew, tw, ti, cfg), iters=5)
             row("sweep", f"int4 T={T} default, no inline-asm dequant", ms, nb, fl)
             os.environ["K2SERVE_INT4_ASM"] = "1"
+    for key, (ms, cfg) in best.items():
+        mi.TUNED[key] = cfg
+        log(f"  tuned {key}: {cfg} ({ms:.3f} ms)")
+    from k2serve.moe.fused_moe import FusedMoEBackend
+
+    be = FusedMoEBackend(ew)
+    for T in (1, 8, 32, 64, 128, 1024, 8192):
+        tw, ti = _route(T, E, k, dev)
+        x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
+        hit = int(ti.unique().numel())
+        nb, fl = hit * per_expert + 2 * T * D * 2, 2 * 3 * D * I * T * k
+        ms = timed(lambda: be(x, ti, tw), iters=10 if T > 1000 else 30)
+        row("kern", f"FusedMoEBackend int4 T={T} ({hit} experts)", ms, nb, fl, "tuned dispatch")
     del ew
     torch.cuda.empty_cache()
     for B in (1, 8, 32, 128):
@@ -546,7 +564,7 @@ def check_expand(model):
 
 
 def bench_model(model, tag, batches=(1, 8, 32, 128), prefills=(1024, 8192), ctx=1024,
-                profile_batches=()):  # fmt: skip
+                profile_batches=(), expanded=False):  # fmt: skip
     from k2serve.attention import allocate_kv_caches
     from k2serve.model.cuda_graph import DecodeGraphRunner
 
@@ -584,7 +602,7 @@ def bench_model(model, tag, batches=(1, 8, 32, 128), prefills=(1024, 8192), ctx=
             ms = timed(
                 lambda: model.compute_logits(model(ids, pos, md, kv)[-1:]), iters=5, warmup=2
             )
-        fl = prefill_flops(model, T)
+        fl = prefill_flops(model, T, expanded)
         row(tag, f"prefill T={T}", ms, 0, fl, f"{T / ms * 1e3:.0f} tok/s")
         res[f"prefill{T}"] = (ms, fl)
     del kv
@@ -667,23 +685,19 @@ def bench_peer(peer, ctx=1024, prefill=8192):
 
 def part_model_and_peer(layers, do_peer):
     model = load_slice(layers)
-    accelerate(model)
-    check_expand(model)
-    bench_model(model, "model", profile_batches=(1, 32))
     accelerate(model, expand=True)
-    bench_prefill(model, "model+expand", expanded=True)
-    accelerate(model, moe_kw=dict(prefill_impl="grouped_mm"), expand=True)
-    bench_prefill(model, "model+expand+gmm", expanded=True)
-    accelerate(model, moe_kw=dict(int4_impl="legacy"))
-    bench_model(model, "model-OLD", batches=(1, 32), prefills=())
+    check_expand(model)
+    bench_model(model, "model", profile_batches=(1, 8), expanded=True)
+    accelerate(model, moe_kw=dict(int4_impl="legacy", prefill_impl="kernel"))
+    bench_model(model, "model-OLD", batches=(1, 8), prefills=(8192,))
     del model
     gc.collect()
     torch.cuda.empty_cache()
     if not do_peer:
         return
     model = load_slice(3)
-    accelerate(model)
-    ours = bench_model(model, "ours-3L", batches=(1,), prefills=(8192,))
+    accelerate(model, expand=True)
+    ours = bench_model(model, "ours-3L", batches=(1,), prefills=(8192,), expanded=True)
     peer = build_peer(model)
     ids = torch.randint(0, 160000, (64,), device="cuda")
     with torch.inference_mode():

@@ -252,6 +252,7 @@ if HAS_TRITON:
         N, K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
         A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_W: tl.constexpr, PERM_OUT: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, W: tl.constexpr, WPG: tl.constexpr,
+        PREFETCH: tl.constexpr,
     ):  # fmt: skip
         """CUDA-core GEMV: ROWS (1, 2 or 4) rows of one expert, weights dequantized once."""
         pid = tl.program_id(0)
@@ -283,8 +284,24 @@ if HAS_TRITON:
         s_base = s_ptr + e * s_stride_e
         z = tl.zeros([BLOCK_N, W], tl.float32)
         g0, g1, g2, g3, u0, u1, u2, u3 = z, z, z, z, z, z, z, z
-        for kb in range(0, K // (8 * W)):
-            p, s = _load_ws(w_base, s_base, offs_n, n_ok, kb, w_stride_n, s_stride_n, W, WPG)
+        nk = K // (8 * W)
+        p, s = _load_ws(w_base, s_base, offs_n, n_ok, 0, w_stride_n, s_stride_n, W, WPG)
+        pu, su = p, s
+        if GATED:
+            pu, su = _load_ws(w_base, s_base, offs_n + N, n_ok, 0, w_stride_n, s_stride_n, W, WPG)
+        for kb in range(0, nk):
+            if PREFETCH:  # next K-block's words in flight while this one is computed
+                kn = (kb + 1) % nk
+                pn, sn = _load_ws(w_base, s_base, offs_n, n_ok, kn, w_stride_n, s_stride_n, W, WPG)
+                pun, sun = pn, sn
+                if GATED:
+                    pun, sun = _load_ws(w_base, s_base, offs_n + N, n_ok, kn, w_stride_n,
+                                        s_stride_n, W, WPG)  # fmt: skip
+            else:
+                p, s = _load_ws(w_base, s_base, offs_n, n_ok, kb, w_stride_n, s_stride_n, W, WPG)
+                if GATED:
+                    pu, su = _load_ws(w_base, s_base, offs_n + N, n_ok, kb, w_stride_n,
+                                      s_stride_n, W, WPG)  # fmt: skip
             q = p >> 16
             g0 = _gemv_rows(g0, a_ptr, (r0 // A_DIV).to(tl.int64), a_stride, ok0, kb, p, q, s, W)
             if ROWS >= 2:
@@ -299,8 +316,6 @@ if HAS_TRITON:
                     g3, a_ptr, (r3 // A_DIV).to(tl.int64), a_stride, ok3, kb, p, q, s, W
                 )
             if GATED:
-                pu, su = _load_ws(w_base, s_base, offs_n + N, n_ok, kb, w_stride_n, s_stride_n,
-                                  W, WPG)  # fmt: skip
                 qu = pu >> 16
                 u0 = _gemv_rows(
                     u0, a_ptr, (r0 // A_DIV).to(tl.int64), a_stride, ok0, kb, pu, qu, su, W
@@ -316,6 +331,8 @@ if HAS_TRITON:
                     u3 = _gemv_rows(
                         u3, a_ptr, (r3 // A_DIV).to(tl.int64), a_stride, ok3, kb, pu, qu, su, W
                     )
+            if PREFETCH:
+                p, s, pu, su = pn, sn, pun, sun
         _gemv_finish(c_ptr, c_stride, tw_ptr, r0, ok0, offs_n, n_ok, g0, u0, GATED, MUL_W, PERM_OUT)
         if ROWS >= 2:
             _gemv_finish(c_ptr, c_stride, tw_ptr, r1, ok1, offs_n, n_ok, g1, u1, GATED, MUL_W,
@@ -361,13 +378,21 @@ def use_asm() -> bool:
     return (not INTERPRET) and os.environ.get("K2SERVE_INT4_ASM", "1") == "1"
 
 
+# Tuned GEMV configs (bench/model_speed.py may replace them with its sweep's winners).
+TUNED = {
+    "r1": dict(kind="gemv", ROWS=1, BLOCK_N=16, W=64, num_warps=4, PREFETCH=0),
+    "r2": dict(kind="gemv", ROWS=2, BLOCK_N=16, W=64, num_warps=4, PREFETCH=0),
+}
+GEMV_MAX_PAIRS = 512  # T * top_k up to which the GEMV beats the tensor-core kernels (run 4)
+
+
 def default_config(T: int, k: int, E: int) -> dict:
     """Kernel choice by rows per expert (T * k pairs). Picked from bench/h200_run4.txt."""
     M = T * k
-    if M <= 16:
-        return dict(kind="gemv", ROWS=1, BLOCK_N=16, W=32, num_warps=4)
     if M <= 64:
-        return dict(kind="gemv", ROWS=2, BLOCK_N=16, W=32, num_warps=4)
+        return dict(TUNED["r1"])
+    if M <= GEMV_MAX_PAIRS:
+        return dict(TUNED["r2"])
     if M <= 4 * E:
         return dict(kind="mma", BLOCK_M=16, BLOCK_N=64, W=32, num_warps=4, num_stages=3)
     if M <= 16 * E:
@@ -385,6 +410,7 @@ def _launch(kind, a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, gated
             w.stride(0), w.stride(1), s.stride(0), s.stride(1))  # fmt: skip
     common = dict(A_DIV=a_div, GATED=gated, MUL_W=mul_w, PERM_OUT=perm_out, W=W, WPG=group // 8)
     if kind == "gemv":
+        cfg.setdefault("PREFETCH", 0)
         _int4_gemv_kernel[grid](*args, ROWS=bm, **common, **cfg)
     else:
         _int4_mma_kernel[grid](*args, **common, DOT_DT=dot_dtype(), USE_ASM=use_asm(), **cfg)
@@ -405,6 +431,9 @@ def int4_moe(
     cfg = dict(config or default_config(T, k, E))
     kind = cfg.pop("kind")
     W = cfg["W"]
+    while (D % (8 * W) or I % (8 * W)) and W > 16:  # smaller models: a plane block that fits
+        W //= 2
+    cfg["W"] = W
     pb = 8 * W
     if D % pb or I % pb or ew.group_size % 8 or W % (ew.group_size // 8):
         raise ValueError(f"int4_moe: D={D}, I={I} must be multiples of {pb} and group "
