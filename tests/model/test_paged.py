@@ -117,3 +117,20 @@ def test_backend_masks_by_position():
     # the first token sees only itself: its output is exactly its own latent
     torch.testing.assert_close(out[0], latent[0].expand(H, L))
     assert torch.equal(cache[1, :3, :L], latent) and torch.equal(cache[1, :3, L:], k_pe)
+
+
+def test_paged_bf16_close_to_naive_bf16():
+    """The default serving dtype: cache, absorbed weights and backend all in bf16."""
+    from k2serve.config import ModelConfig
+
+    cfg = ModelConfig.from_hf(tiny_config("kimi", "int4"))
+    model = load_model(
+        None, dtype=torch.bfloat16, load_format="dummy", config=cfg, seed=5, progress=False
+    )
+    ids = torch.randint(0, 512, (10,), generator=torch.Generator().manual_seed(2)).tolist()
+    naive = model(torch.tensor(ids), torch.arange(len(ids))).float()
+    caches = allocate_kv_caches(model.config, 4, PAGE, torch.bfloat16, "cpu")
+    seq = _Seq(ids, pages=[3, 1, 2])
+    parts = _step(model, caches, [seq], [6]) + _step(model, caches, [seq], [4])
+    assert caches[0].dtype == torch.bfloat16
+    assert _rel(torch.cat(parts).float(), naive) <= 3e-2

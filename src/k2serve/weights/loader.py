@@ -126,7 +126,7 @@ def load_model(
             raise ValueError("load_model needs model_dir or config")
         config = ModelConfig.from_hf(model_dir)
     if load_format == "dummy":
-        return _load_dummy(config, dtype, device, seed)
+        return _load_dummy(config, dtype, device, seed, progress)
     if model_dir is None:
         raise ValueError(f"load_format={load_format!r} needs a model_dir")
     model_dir = os.fspath(model_dir)
@@ -185,13 +185,14 @@ def load_model(
 
 
 def _load_dummy(
-    config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int, progress: bool
 ) -> DeepseekV3ForCausalLM:
     from k2serve.weights.random_init import random_tensors
 
     model = build_meta_model(config, dtype)
     n = len(model.state_dict())
-    for name, t in tqdm(random_tensors(model, seed, device), total=n, desc="Random weights"):
+    it = random_tensors(model, seed, device)
+    for name, t in tqdm(it, total=n, desc="Random weights", disable=not progress):
         set_tensor(model, name, t)
     model.eval()
     return model
