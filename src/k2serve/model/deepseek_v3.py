@@ -31,7 +31,7 @@ from k2serve.config import ModelConfig
 from k2serve.model.layers import RMSNorm, YarnRotaryEmbedding
 from k2serve.model.router import TopkRouter
 from k2serve.moe import ExpertBackend, TorchExpertBackend
-from k2serve.quant import LinearBase, make_linear
+from k2serve.quant import LinearBase, linear_scheme, make_linear
 
 # name (as in the checkpoint, prefix included) -> scheme ("bf16", "fp8_block", "int4_group")
 SchemeFn = Callable[[str], str]
@@ -227,8 +227,6 @@ class DeepseekV3ForCausalLM(nn.Module):
         super().__init__()
         if config.tie_word_embeddings:
             raise ValueError("tie_word_embeddings=true is not supported (Kimi's lm_head is untied)")
-        from k2serve.quant import linear_scheme
-
         self.config = config
         self.dtype = dtype
         fn = scheme_fn or (lambda name: linear_scheme(name, config.quant))

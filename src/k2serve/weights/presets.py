@@ -1,7 +1,7 @@
 """Checkpoint presets: config.json dicts of Kimi-shaped models of three sizes.
 
 - `tiny`: a few MB, for tests and the demo (hidden 256, 16 experts, vocab 2048).
-- `small`: ~0.5 GB in bf16, for CPU engine benchmarks (hidden 1024, 64 experts).
+- `small`: a few hundred MB, for CPU engine benchmarks (hidden 1024, 64 experts).
 - `k2-slice`: the real Kimi-K2 sizes (hidden 7168, 64 heads, 384 experts of width 2048, vocab
   163840) with few layers (default 4: one dense + three MoE), for GPU benchmarks.
 
