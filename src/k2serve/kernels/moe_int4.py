@@ -207,31 +207,52 @@ if HAS_TRITON:
         _store_out(c_ptr, c_stride, pair, pair_ok, offs_n, n_ok, acc, PERM_OUT)
 
     @triton.jit
-    def _gemv_rows(acc, a_ptr, a_row, a_stride, ok, kb, p, q, s, W: tl.constexpr):
-        """acc [BN, W] += scale * sum_j plane_j * a_row[plane j] (fp32 FMA)."""
-        base = a_ptr + a_row * a_stride + kb * 8 * W + tl.arange(0, W)
+    def _xplane(a_ptr, a_row, a_stride, ok, kb, J: tl.constexpr, W: tl.constexpr):
+        """Plane J of activation row a_row for K-block kb, fp32 [1, W]."""
+        offs = a_row * a_stride + kb * 8 * W + J * W + tl.arange(0, W)
         ok = (tl.zeros([W], tl.int32) + ok.to(tl.int32)) > 0  # tensor mask (interpreter quirk)
-        ws = _plane_f32(p, q, 0) * tl.load(base, mask=ok, other=0.0).to(tl.float32)[None, :]
-        ws += _plane_f32(p, q, 1) * tl.load(base + W, mask=ok, other=0.0).to(tl.float32)[None, :]
-        ws += (
-            _plane_f32(p, q, 2) * tl.load(base + 2 * W, mask=ok, other=0.0).to(tl.float32)[None, :]
-        )
-        ws += (
-            _plane_f32(p, q, 3) * tl.load(base + 3 * W, mask=ok, other=0.0).to(tl.float32)[None, :]
-        )
-        ws += (
-            _plane_f32(p, q, 4) * tl.load(base + 4 * W, mask=ok, other=0.0).to(tl.float32)[None, :]
-        )
-        ws += (
-            _plane_f32(p, q, 5) * tl.load(base + 5 * W, mask=ok, other=0.0).to(tl.float32)[None, :]
-        )
-        ws += (
-            _plane_f32(p, q, 6) * tl.load(base + 6 * W, mask=ok, other=0.0).to(tl.float32)[None, :]
-        )
-        ws += (
-            _plane_f32(p, q, 7) * tl.load(base + 7 * W, mask=ok, other=0.0).to(tl.float32)[None, :]
-        )
-        return acc + ws * s.to(tl.float32)
+        return tl.load(a_ptr + offs, mask=ok, other=0.0).to(tl.float32)[None, :]
+
+    @triton.jit
+    def _gemv_rows(acc, acc_u, a_ptr, a_row, a_stride, ok, kb, p, q, s, pu, qu, su,
+                   GATED: tl.constexpr, W: tl.constexpr):  # fmt: skip
+        """acc [BN, W] += scale * sum_j plane_j * x[plane j] (fp32 FMA); with GATED the same
+        activation planes also feed the up-projection words (pu, qu, su) into acc_u."""
+        x = _xplane(a_ptr, a_row, a_stride, ok, kb, 0, W)
+        ws = _plane_f32(p, q, 0) * x
+        if GATED:
+            wu = _plane_f32(pu, qu, 0) * x
+        x = _xplane(a_ptr, a_row, a_stride, ok, kb, 1, W)
+        ws += _plane_f32(p, q, 1) * x
+        if GATED:
+            wu += _plane_f32(pu, qu, 1) * x
+        x = _xplane(a_ptr, a_row, a_stride, ok, kb, 2, W)
+        ws += _plane_f32(p, q, 2) * x
+        if GATED:
+            wu += _plane_f32(pu, qu, 2) * x
+        x = _xplane(a_ptr, a_row, a_stride, ok, kb, 3, W)
+        ws += _plane_f32(p, q, 3) * x
+        if GATED:
+            wu += _plane_f32(pu, qu, 3) * x
+        x = _xplane(a_ptr, a_row, a_stride, ok, kb, 4, W)
+        ws += _plane_f32(p, q, 4) * x
+        if GATED:
+            wu += _plane_f32(pu, qu, 4) * x
+        x = _xplane(a_ptr, a_row, a_stride, ok, kb, 5, W)
+        ws += _plane_f32(p, q, 5) * x
+        if GATED:
+            wu += _plane_f32(pu, qu, 5) * x
+        x = _xplane(a_ptr, a_row, a_stride, ok, kb, 6, W)
+        ws += _plane_f32(p, q, 6) * x
+        if GATED:
+            wu += _plane_f32(pu, qu, 6) * x
+        x = _xplane(a_ptr, a_row, a_stride, ok, kb, 7, W)
+        ws += _plane_f32(p, q, 7) * x
+        acc += ws * s.to(tl.float32)
+        if GATED:
+            wu += _plane_f32(pu, qu, 7) * x
+            acc_u += wu * su.to(tl.float32)
+        return acc, acc_u
 
     @triton.jit
     def _gemv_finish(c_ptr, c_stride, tw_ptr, pair, ok, offs_n, n_ok, acc, acc_u,
@@ -303,34 +324,21 @@ if HAS_TRITON:
                     pu, su = _load_ws(w_base, s_base, offs_n + N, n_ok, kb, w_stride_n,
                                       s_stride_n, W, WPG)  # fmt: skip
             q = p >> 16
-            g0 = _gemv_rows(g0, a_ptr, (r0 // A_DIV).to(tl.int64), a_stride, ok0, kb, p, q, s, W)
+            qu = pu >> 16
+            r = (r0 // A_DIV).to(tl.int64)
+            g0, u0 = _gemv_rows(g0, u0, a_ptr, r, a_stride, ok0, kb, p, q, s, pu, qu, su,
+                                GATED, W)  # fmt: skip
             if ROWS >= 2:
-                g1 = _gemv_rows(
-                    g1, a_ptr, (r1 // A_DIV).to(tl.int64), a_stride, ok1, kb, p, q, s, W
-                )
+                r = (r1 // A_DIV).to(tl.int64)
+                g1, u1 = _gemv_rows(g1, u1, a_ptr, r, a_stride, ok1, kb, p, q, s, pu, qu, su,
+                                    GATED, W)  # fmt: skip
             if ROWS >= 4:
-                g2 = _gemv_rows(
-                    g2, a_ptr, (r2 // A_DIV).to(tl.int64), a_stride, ok2, kb, p, q, s, W
-                )
-                g3 = _gemv_rows(
-                    g3, a_ptr, (r3 // A_DIV).to(tl.int64), a_stride, ok3, kb, p, q, s, W
-                )
-            if GATED:
-                qu = pu >> 16
-                u0 = _gemv_rows(
-                    u0, a_ptr, (r0 // A_DIV).to(tl.int64), a_stride, ok0, kb, pu, qu, su, W
-                )
-                if ROWS >= 2:
-                    u1 = _gemv_rows(
-                        u1, a_ptr, (r1 // A_DIV).to(tl.int64), a_stride, ok1, kb, pu, qu, su, W
-                    )
-                if ROWS >= 4:
-                    u2 = _gemv_rows(
-                        u2, a_ptr, (r2 // A_DIV).to(tl.int64), a_stride, ok2, kb, pu, qu, su, W
-                    )
-                    u3 = _gemv_rows(
-                        u3, a_ptr, (r3 // A_DIV).to(tl.int64), a_stride, ok3, kb, pu, qu, su, W
-                    )
+                r = (r2 // A_DIV).to(tl.int64)
+                g2, u2 = _gemv_rows(g2, u2, a_ptr, r, a_stride, ok2, kb, p, q, s, pu, qu, su,
+                                    GATED, W)  # fmt: skip
+                r = (r3 // A_DIV).to(tl.int64)
+                g3, u3 = _gemv_rows(g3, u3, a_ptr, r, a_stride, ok3, kb, p, q, s, pu, qu, su,
+                                    GATED, W)  # fmt: skip
             if PREFETCH:
                 p, s, pu, su = pn, sn, pun, sun
         _gemv_finish(c_ptr, c_stride, tw_ptr, r0, ok0, offs_n, n_ok, g0, u0, GATED, MUL_W, PERM_OUT)
@@ -383,7 +391,8 @@ TUNED = {
     "r1": dict(kind="gemv", ROWS=1, BLOCK_N=16, W=64, num_warps=4, PREFETCH=0),
     "r2": dict(kind="gemv", ROWS=2, BLOCK_N=16, W=64, num_warps=4, PREFETCH=0),
 }
-GEMV_MAX_PAIRS = 512  # T * top_k up to which the GEMV beats the tensor-core kernels (run 4)
+GEMV_MAX_PAIRS = 64  # T * top_k up to which the GEMV is used (runs 4-5: above it, concentrated
+# routing gives several rows per expert and the GEMV re-dequantizes per row pair)
 
 
 def default_config(T: int, k: int, E: int) -> dict:
