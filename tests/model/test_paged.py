@@ -134,3 +134,16 @@ def test_paged_bf16_close_to_naive_bf16():
     parts = _step(model, caches, [seq], [6]) + _step(model, caches, [seq], [4])
     assert caches[0].dtype == torch.bfloat16
     assert _rel(torch.cat(parts).float(), naive) <= 3e-2
+
+
+def test_bad_inputs_are_clear_errors():
+    import pytest
+
+    model = _model("kimi")
+    with pytest.raises(ValueError, match="1-D"):
+        model(torch.tensor([[1, 2]]), torch.tensor([[0, 1]]))
+    seq = _Seq([1, 2, 3], pages=[0])
+    with pytest.raises(ValueError, match="kv_caches"):
+        _step(model, None, [seq], [3])
+    with pytest.raises(ValueError, match="num_pages"):
+        allocate_kv_caches(model.config, 0, PAGE, torch.float32, "cpu")
