@@ -4,6 +4,8 @@ import base64
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from k2serve.tokenizer import KimiTokenizer, write_tokenizer_files
 
@@ -85,3 +87,20 @@ def test_deterministic_and_learns_corpus(tmp_path):
 def test_too_small(tmp_path):
     with pytest.raises(ValueError, match="vocab_size must be"):
         write_tokenizer_files(tmp_path, 300)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    parts=st.lists(
+        st.one_of(
+            st.text(st.characters(blacklist_categories=("Cs",)), max_size=8),
+            st.sampled_from(["<|im_end|>", "<think>", " ", "\n", "'s", "1", "天"]),
+        ),
+        max_size=10,
+    )
+)
+def test_roundtrip_any_text(tok, parts):
+    text = "".join(parts)
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.decode(tok.encode(text, allow_special=False)) == text
+    assert all(i < tok.num_base_tokens for i in tok.encode(text, allow_special=False))
