@@ -276,10 +276,12 @@ if HAS_TRITON:
         PREFETCH: tl.constexpr,
     ):  # fmt: skip
         """CUDA-core GEMV: ROWS (1, 2 or 4) rows of one expert, weights dequantized once."""
+        # row blocks innermost: blocks of one expert (adjacent in sorted order) read the same
+        # weight tile at about the same time, so repeats come from L2, not DRAM
         pid = tl.program_id(0)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        pid_m = pid // num_pid_n
-        pid_n = pid % num_pid_n
+        num_m = tl.num_programs(0) // tl.cdiv(N, BLOCK_N)
+        pid_m = pid % num_m
+        pid_n = pid // num_m
         if pid_m * ROWS >= tl.load(npost_ptr):
             return
         e = tl.load(eid_ptr + pid_m).to(tl.int64)
@@ -388,7 +390,7 @@ def use_asm() -> bool:
 
 # Tuned GEMV configs (bench/model_speed.py may replace them with its sweep's winners).
 TUNED = {
-    "r1": dict(kind="gemv", ROWS=1, BLOCK_N=16, W=64, num_warps=4, PREFETCH=0),
+    "r1": dict(kind="gemv", ROWS=1, BLOCK_N=8, W=64, num_warps=4, PREFETCH=0),
     "r2": dict(kind="gemv", ROWS=2, BLOCK_N=16, W=64, num_warps=4, PREFETCH=0),
 }
 GEMV_MAX_PAIRS = 64  # T * top_k up to which the GEMV is used (runs 4-5: above it, concentrated
