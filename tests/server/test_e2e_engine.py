@@ -39,6 +39,9 @@ MAX_MODEL_LEN = 1024
 
 
 def _demo_dir() -> str | None:
+    """The demo checkpoint; K2SERVE_TEST_DEMO_DIR points these tests at a candidate one."""
+    if os.environ.get("K2SERVE_TEST_DEMO_DIR"):
+        return os.environ["K2SERVE_TEST_DEMO_DIR"]
     try:
         from k2serve.demo import demo_path
 
