@@ -1,0 +1,300 @@
+"""WorkerGroup: this process as rank 0 plus world_size - 1 spawned worker processes.
+
+Rank 0 calls `run(fn, *args)`: the call (a module-level function, pickled by reference, and its
+small arguments) is sent to every worker over its own pipe, then `fn(state, *args)` runs here
+too; each rank's `WorkerState` holds what earlier calls left on it (the model, the KV caches).
+Collectives inside `fn` go over torch.distributed (the default process group, set up here).
+
+Invariants:
+- Only one WorkerGroup per process (it owns the default process group); `shutdown()` (also run
+  at garbage collection and interpreter exit) stops the workers and destroys the group.
+- Workers wait for calls on a pipe with no timeout and exit when the parent process is gone.
+- A worker that raises sends its traceback and exits; a worker that dies or fails makes the next
+  (or current) `run` raise `WorkerError` naming its rank, and the group is then unusable.
+- Worker devices: `cuda:{rank}` on CUDA, cpu otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import traceback
+import weakref
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.5  # how often a waiting side checks that the other is alive
+
+
+def env_timeout_s(name: str, default: float) -> float:
+    """A positive number of seconds from environment variable `name`."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+    if v <= 0:
+        raise ValueError(f"{name}={raw!r} must be positive")
+    return v
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel worker died or failed; the message names its rank."""
+
+
+@dataclass
+class WorkerState:
+    rank: int
+    world_size: int
+    device: torch.device
+    data: dict = field(default_factory=dict)  # what calls leave behind (model, kv_caches)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(f"distributed_backend='nccl' needs a CUDA device, got {device}")
+    return backend
+
+
+def _worker_main(rank, world_size, backend, init_method, timeout_s, device_type, inbox, outbox):
+    parent = os.getppid()
+    try:
+        if device_type == "cuda":
+            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)
+        else:
+            device = torch.device("cpu")
+        outbox.send(("started", None))
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        state = WorkerState(rank, world_size, device)
+        outbox.send(("ok", None))
+    except BaseException:
+        outbox.send(("err", traceback.format_exc()))
+        os._exit(1)
+    while True:
+        if not inbox.poll(POLL_S):
+            if os.getppid() != parent:  # the engine is gone: nobody will send a call
+                os._exit(0)
+            continue
+        try:
+            msg = inbox.recv()
+        except EOFError:
+            break
+        if msg is None:
+            break
+        fn, args, reply = msg
+        try:
+            result = fn(state, *args)
+            if reply:
+                outbox.send(("ok", result))
+        except BaseException:
+            # NOTE: exit at once (no destroy_process_group): peers blocked in a collective
+            # with this rank then fail instead of waiting for it.
+            try:
+                outbox.send(("err", traceback.format_exc()))
+            finally:
+                os._exit(1)
+    state.data.clear()
+    dist.destroy_process_group()
+
+
+def _shutdown(procs, inboxes, outboxes, timeout_s: float) -> None:
+    for c in inboxes:
+        try:
+            c.send(None)
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            logger.warning("tensor-parallel worker pid %d did not stop; terminating it", p.pid)
+            p.terminate()
+            p.join(2.0)
+        if p.is_alive():
+            p.kill()
+            p.join(2.0)
+    for c in (*inboxes, *outboxes):
+        c.close()
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort while tearing down
+            logger.exception("destroy_process_group failed")
+
+
+class WorkerGroup:
+    def __init__(
+        self,
+        world_size: int,
+        device: torch.device | str,
+        backend: str = "auto",
+        timeout_s: float | None = None,
+        start_timeout_s: float | None = None,
+    ) -> None:
+        """Spawn ranks 1..world_size-1 and join them in the default process group as rank 0.
+
+        `timeout_s` (K2SERVE_DIST_TIMEOUT_S, default 600): the collectives' timeout.
+        `start_timeout_s` (K2SERVE_WORKER_START_TIMEOUT_S, default 300): for workers to start.
+        """
+        if world_size < 2:
+            raise ValueError(f"a WorkerGroup needs world_size >= 2, got {world_size}")
+        if dist.is_initialized():
+            raise WorkerError(
+                "torch.distributed is already initialised in this process: only one "
+                "tensor-parallel engine per process (shut the other one down first)"
+            )
+        device = torch.device(device)
+        backend = resolve_backend(backend, device)
+        if device.type == "cuda" and torch.cuda.device_count() < world_size:
+            raise ValueError(
+                f"tensor_parallel_size={world_size} needs {world_size} GPUs, "
+                f"{torch.cuda.device_count()} visible"
+            )
+        self.world_size = world_size
+        self.backend = backend
+        self.timeout_s = timeout_s or env_timeout_s("K2SERVE_DIST_TIMEOUT_S", 600.0)
+        start_timeout = start_timeout_s or env_timeout_s("K2SERVE_WORKER_START_TIMEOUT_S", 300.0)
+        self.state = WorkerState(0, world_size, device)
+        self._broken: str | None = None
+        ctx = mp.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self._procs, self._inboxes, self._outboxes = [], [], []
+        for rank in range(1, world_size):
+            in_r, in_w = ctx.Pipe(duplex=False)
+            out_r, out_w = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=_worker_main,
+                args=(rank, world_size, backend, init_method, self.timeout_s, device.type, in_r,
+                      out_w),
+                name=f"k2serve-tp-worker-{rank}",
+                daemon=False,
+            )  # fmt: skip
+            p.start()
+            in_r.close()
+            out_w.close()
+            self._procs.append(p)
+            self._inboxes.append(in_w)
+            self._outboxes.append(out_r)
+        self._finalizer = weakref.finalize(
+            self, _shutdown, self._procs, self._inboxes, self._outboxes, 10.0
+        )
+        try:
+            for i in range(world_size - 1):
+                self._recv(i, start_timeout, expect="started")
+            dist.init_process_group(
+                backend,
+                init_method=init_method,
+                rank=0,
+                world_size=world_size,
+                timeout=timedelta(seconds=self.timeout_s),
+            )
+            for i in range(world_size - 1):
+                self._recv(i, self.timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("tensor-parallel group: %d ranks over %s", world_size, backend)
+
+    # ---- calls ---------------------------------------------------------------------------------
+    def run(self, fn, *args, reply: bool = True, on_rank0: bool = True) -> list:
+        """fn(state, *args) on every rank. Returns [rank 0's result, worker results...]
+        (worker results only with `reply`; rank 0's is None when `on_rank0` is False)."""
+        self.check()
+        try:
+            for i, c in enumerate(self._inboxes):
+                try:
+                    c.send((fn, args, reply))
+                except (BrokenPipeError, ConnectionError, OSError) as e:
+                    self._fail(i, f"its pipe is closed ({e})")
+            r0 = fn(self.state, *args) if on_rank0 else None
+        except WorkerError:
+            raise
+        except Exception as e:
+            self._diagnose(e)
+            raise
+        results = [r0]
+        if reply:
+            results += [self._recv(i, self.timeout_s) for i in range(len(self._procs))]
+        return results
+
+    def check(self) -> None:
+        """Raise WorkerError if a worker has died or reported a failure."""
+        if self._broken:
+            raise WorkerError(self._broken)
+        for i, p in enumerate(self._procs):
+            if self._outboxes[i].poll():
+                self._recv(i, self.timeout_s)  # raises on an error report
+            if p.exitcode is not None:
+                self._fail(i, f"it exited with code {p.exitcode}")
+
+    def _diagnose(self, cause: BaseException) -> None:
+        """Rank 0 failed (e.g. a collective broke): blame a dead worker if there is one."""
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            try:
+                self.check()
+            except WorkerError as e:
+                raise e from cause
+            time.sleep(0.05)
+        self._broken = f"rank 0 failed: {cause!r}"
+
+    def _recv(self, i: int, timeout_s: float, expect: str = "ok"):
+        conn, proc = self._outboxes[i], self._procs[i]
+        deadline = time.monotonic() + timeout_s
+        while not conn.poll(POLL_S):
+            if proc.exitcode is not None and not conn.poll():
+                self._fail(i, f"it exited with code {proc.exitcode}")
+            if time.monotonic() > deadline:
+                self._fail(i, f"no answer in {timeout_s:g}s")
+        try:
+            kind, value = conn.recv()
+        except EOFError:
+            self._fail(i, f"its pipe closed (exit code {proc.exitcode})")
+        if kind == "err":
+            self._fail(i, f"it raised:\n{value}")
+        if kind != expect:
+            self._fail(i, f"protocol error: got {kind!r}, expected {expect!r}")
+        return value
+
+    def _fail(self, i: int, why: str):
+        pid = self._procs[i].pid
+        self._broken = f"tensor-parallel worker rank {i + 1} (pid {pid}) failed: {why}"
+        raise WorkerError(self._broken)
+
+    # ---- lifetime ------------------------------------------------------------------------------
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the workers (join, then terminate), destroy the process group. Idempotent."""
+        self.state.data.clear()
+        if self._finalizer.alive:
+            self._finalizer.detach()
+            _shutdown(self._procs, self._inboxes, self._outboxes, timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._broken is None and all(p.exitcode is None for p in self._procs)

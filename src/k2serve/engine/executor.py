@@ -1,0 +1,209 @@
+"""MultiprocExecutor: the ModelRunner contract (`execute(sched, kv)`) over tensor-parallel ranks.
+
+The engine process is rank 0: it holds its shard of the model (loaded with `load_model(...,
+tp_rank=0, tp_size=N)`) and its KV caches, and drives N - 1 worker processes
+(k2serve.distributed.workers.WorkerGroup) that load their own shards and allocate KV caches of
+the same page count. Each step:
+1. rank 0 builds the flat batch on the CPU (ModelRunner.prepare), packs it into ONE int64 array
+   (`pack_model_input`) and sends it to every worker;
+2. every rank copies the array to its device once, unpacks views (`unpack_model_input`) and
+   runs its shard of the model; the layers' all-reduces go over torch.distributed;
+3. rank 0 alone computes the logits of the sampling rows and samples.
+
+Invariants: every rank sees the same flat batch, so every rank writes the same latent KV into
+its own (replicated) cache; a worker that dies makes `execute` raise `WorkerError` naming its
+rank; `shutdown()` (also at garbage collection / exit) stops the workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+
+from k2serve.attention.base import AttentionMetadata
+from k2serve.cache.kv_cache_manager import KVCacheManager
+from k2serve.distributed.workers import WorkerGroup, WorkerState
+from k2serve.engine.request import Request
+from k2serve.engine.runner import ModelInput, ModelRunner
+from k2serve.engine.sampler import Sampler, SamplerOutput
+from k2serve.engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+# header of the packed batch: sizes, then AttentionMetadata's scalars
+_HEADER = ("T", "B", "P", "S", "max_query_len", "max_seq_len", "page_size", "num_decodes")
+
+
+def pack_model_input(inp: ModelInput) -> np.ndarray:
+    """ModelInput (CPU tensors) -> one int64 array:
+    [header (8)] [input_ids T] [positions T] [slot_mapping T] [query_start_loc B+1]
+    [seq_lens B] [context_lens B] [block_table B*P] [logits_indices S]."""
+    md = inp.attn_metadata
+    T, (B, P), S = inp.input_ids.shape[0], md.block_table.shape, inp.logits_indices.shape[0]
+    header = [T, B, P, S, md.max_query_len, md.max_seq_len, md.page_size, md.num_decodes]
+    parts = [
+        torch.tensor(header, dtype=torch.int64),
+        inp.input_ids,
+        inp.positions,
+        md.slot_mapping,
+        md.query_start_loc,
+        md.seq_lens,
+        md.context_lens,
+        md.block_table.reshape(-1),
+        inp.logits_indices,
+    ]
+    return torch.cat([p.to("cpu", torch.int64) for p in parts]).numpy()
+
+
+def unpack_model_input(
+    packed: np.ndarray, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    """-> input_ids [T], positions [T], AttentionMetadata, logits_indices [S] on `device`
+    (one host-to-device copy)."""
+    h = dict(zip(_HEADER, (int(v) for v in packed[: len(_HEADER)]), strict=True))
+    T, B, P, S = h["T"], h["B"], h["P"], h["S"]
+    buf = torch.from_numpy(packed[len(_HEADER) :]).to(device, non_blocking=True)
+    sizes = [T, T, T, B + 1, B, B, B * P, S]
+    if sum(sizes) != buf.numel():
+        raise ValueError(f"packed batch has {buf.numel()} values, the header says {sum(sizes)}")
+    ids, pos, slots, qsl, seq_lens, ctx_lens, table, logits_idx = buf.split(sizes)
+    i32 = torch.int32
+    md = AttentionMetadata(
+        query_start_loc=qsl.to(i32),
+        seq_lens=seq_lens.to(i32),
+        context_lens=ctx_lens.to(i32),
+        block_table=table.to(i32).view(B, P),
+        slot_mapping=slots,
+        max_query_len=h["max_query_len"],
+        max_seq_len=h["max_seq_len"],
+        page_size=h["page_size"],
+        num_decodes=h["num_decodes"],
+    )
+    return ids, pos, md, logits_idx
+
+
+def tp_load_kwargs(engine_config) -> dict:
+    """load_model keyword arguments for rank 0's shard ({} without tensor parallel)."""
+    if engine_config.tensor_parallel_size == 1:
+        return {}
+    return dict(
+        tp_rank=0,
+        tp_size=engine_config.tensor_parallel_size,
+        expert_parallel=engine_config.enable_expert_parallel,
+    )
+
+
+# ---- functions the ranks run (module level: workers import them by name) ----------------------
+def load_shard(state: WorkerState, spec: dict) -> int:
+    """A worker: load its shard of the model and allocate its KV caches. -> bytes of weights."""
+    from k2serve.attention import allocate_kv_caches
+    from k2serve.weights.loader import load_model
+
+    if state.device.type == "cpu" and spec.get("cpu_threads"):
+        torch.set_num_threads(spec["cpu_threads"])
+    model = load_model(
+        spec["model_dir"],
+        dtype=spec["dtype"],
+        device=state.device,
+        load_format=spec["load_format"],
+        seed=spec["seed"],
+        progress=False,
+        tp_rank=state.rank,
+        tp_size=state.world_size,
+        expert_parallel=spec["expert_parallel"],
+    )
+    kv = allocate_kv_caches(
+        model.config, spec["num_pages"], spec["page_size"], spec["kv_dtype"], state.device
+    )
+    state.data.update(model=model, kv_caches=kv)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@torch.inference_mode()
+def forward_step(state: WorkerState, packed: np.ndarray) -> torch.Tensor:
+    """Every rank: run its shard on the packed flat batch. -> hidden of the sampling rows."""
+    ids, pos, md, logits_idx = unpack_model_input(packed, state.device)
+    model = state.data["model"]
+    hidden = model(ids, pos, attn_metadata=md, kv_caches=state.data["kv_caches"])  # [T, hidden]
+    return hidden[logits_idx]  # [S, hidden]
+
+
+class MultiprocExecutor:
+    """Drop-in for ModelRunner when tensor_parallel_size > 1 (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine_config,
+        model,
+        kv_caches: list[torch.Tensor],
+        device: torch.device | str,
+        *,
+        model_dir: str | None,
+        load_dtype: torch.dtype,
+    ) -> None:
+        cfg = engine_config
+        W = cfg.tensor_parallel_size
+        plan = getattr(model, "tp_plan", None)
+        if plan is None or plan.world_size != W or plan.rank != 0:
+            raise ValueError(
+                f"tensor_parallel_size={W} needs rank 0's shard of the model, loaded by the "
+                "engine from engine_config.model (load_model(..., tp_rank=0, tp_size=N)); an "
+                "injected, unsharded model cannot be used"
+            )
+        if model_dir is None:
+            raise ValueError(f"tensor_parallel_size={W} needs a model directory for the workers")
+        self.model = model
+        self.kv_caches = kv_caches
+        self.page_size = cfg.page_size
+        self.device = torch.device(device)
+        # NOTE: the flat batch is built on the CPU (then packed); the sampler runs on rank 0.
+        self._prep = ModelRunner(None, [], cfg.page_size, "cpu", cfg.seed)
+        self.sampler = Sampler(self.device, cfg.seed)
+        self.group = WorkerGroup(W, self.device, cfg.distributed_backend)
+        self.group.state.data.update(model=model, kv_caches=kv_caches)
+        spec = dict(
+            model_dir=os.fspath(model_dir),
+            dtype=load_dtype,
+            load_format=cfg.load_format,
+            seed=0,  # load_model's default, as the engine's own load
+            expert_parallel=cfg.enable_expert_parallel,
+            num_pages=kv_caches[0].shape[0],
+            page_size=cfg.page_size,
+            kv_dtype=kv_caches[0].dtype,
+            cpu_threads=torch.get_num_threads(),
+        )
+        try:
+            sizes = self.group.run(load_shard, spec, on_rank0=False)[1:]
+        except BaseException:
+            self.group.shutdown()
+            raise
+        mine = sum(p.numel() * p.element_size() for p in model.parameters())
+        logger.info(
+            "tensor parallel: %d ranks (%s), expert parallel %s; weights per rank %s GiB",
+            W,
+            self.group.backend,
+            "on" if cfg.enable_expert_parallel else "off",
+            ", ".join(f"{b / 2**30:.2f}" for b in [mine, *sizes]),
+        )
+
+    def execute(
+        self, sched: SchedulerOutput, kv: KVCacheManager
+    ) -> tuple[list[Request], SamplerOutput | None]:
+        """Run one step on every rank; returns the requests that sampled and their samples."""
+        inp = self._prep.prepare(sched, kv)
+        packed = pack_model_input(inp)
+        hidden = self.group.run(forward_step, packed, reply=False)[0]  # [S, hidden]
+        if not inp.sample_reqs:
+            return [], None
+        logits = self.model.compute_logits(hidden)  # [S, vocab] float32
+        return inp.sample_reqs, self.sampler(logits, inp.sample_reqs)
+
+    def check_health(self) -> None:
+        """Raise WorkerError if a worker has died."""
+        self.group.check()
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
