@@ -207,46 +207,46 @@ if HAS_TRITON:
         _store_out(c_ptr, c_stride, pair, pair_ok, offs_n, n_ok, acc, PERM_OUT)
 
     @triton.jit
-    def _xplane(a_ptr, a_row, a_stride, ok, kb, J: tl.constexpr, W: tl.constexpr):
-        """Plane J of activation row a_row for K-block kb, fp32 [1, W]."""
+    def _xplane(a_ptr, a_row, a_stride, kb, J: tl.constexpr, W: tl.constexpr):
+        """Plane J of activation row a_row for K-block kb, fp32 [1, W] (row always valid:
+        padding rows are clamped to row 0 by the caller, their results are never stored)."""
         offs = a_row * a_stride + kb * 8 * W + J * W + tl.arange(0, W)
-        ok = (tl.zeros([W], tl.int32) + ok.to(tl.int32)) > 0  # tensor mask (interpreter quirk)
-        return tl.load(a_ptr + offs, mask=ok, other=0.0).to(tl.float32)[None, :]
+        return tl.load(a_ptr + offs).to(tl.float32)[None, :]
 
     @triton.jit
     def _gemv_rows(acc, acc_u, a_ptr, a_row, a_stride, ok, kb, p, q, s, pu, qu, su,
                    GATED: tl.constexpr, W: tl.constexpr):  # fmt: skip
         """acc [BN, W] += scale * sum_j plane_j * x[plane j] (fp32 FMA); with GATED the same
         activation planes also feed the up-projection words (pu, qu, su) into acc_u."""
-        x = _xplane(a_ptr, a_row, a_stride, ok, kb, 0, W)
+        x = _xplane(a_ptr, a_row, a_stride, kb, 0, W)
         ws = _plane_f32(p, q, 0) * x
         if GATED:
             wu = _plane_f32(pu, qu, 0) * x
-        x = _xplane(a_ptr, a_row, a_stride, ok, kb, 1, W)
+        x = _xplane(a_ptr, a_row, a_stride, kb, 1, W)
         ws += _plane_f32(p, q, 1) * x
         if GATED:
             wu += _plane_f32(pu, qu, 1) * x
-        x = _xplane(a_ptr, a_row, a_stride, ok, kb, 2, W)
+        x = _xplane(a_ptr, a_row, a_stride, kb, 2, W)
         ws += _plane_f32(p, q, 2) * x
         if GATED:
             wu += _plane_f32(pu, qu, 2) * x
-        x = _xplane(a_ptr, a_row, a_stride, ok, kb, 3, W)
+        x = _xplane(a_ptr, a_row, a_stride, kb, 3, W)
         ws += _plane_f32(p, q, 3) * x
         if GATED:
             wu += _plane_f32(pu, qu, 3) * x
-        x = _xplane(a_ptr, a_row, a_stride, ok, kb, 4, W)
+        x = _xplane(a_ptr, a_row, a_stride, kb, 4, W)
         ws += _plane_f32(p, q, 4) * x
         if GATED:
             wu += _plane_f32(pu, qu, 4) * x
-        x = _xplane(a_ptr, a_row, a_stride, ok, kb, 5, W)
+        x = _xplane(a_ptr, a_row, a_stride, kb, 5, W)
         ws += _plane_f32(p, q, 5) * x
         if GATED:
             wu += _plane_f32(pu, qu, 5) * x
-        x = _xplane(a_ptr, a_row, a_stride, ok, kb, 6, W)
+        x = _xplane(a_ptr, a_row, a_stride, kb, 6, W)
         ws += _plane_f32(p, q, 6) * x
         if GATED:
             wu += _plane_f32(pu, qu, 6) * x
-        x = _xplane(a_ptr, a_row, a_stride, ok, kb, 7, W)
+        x = _xplane(a_ptr, a_row, a_stride, kb, 7, W)
         ws += _plane_f32(p, q, 7) * x
         acc += ws * s.to(tl.float32)
         if GATED:
@@ -327,18 +327,18 @@ if HAS_TRITON:
                                       s_stride_n, W, WPG)  # fmt: skip
             q = p >> 16
             qu = pu >> 16
-            r = (r0 // A_DIV).to(tl.int64)
+            r = tl.where(ok0, r0 // A_DIV, 0).to(tl.int64)
             g0, u0 = _gemv_rows(g0, u0, a_ptr, r, a_stride, ok0, kb, p, q, s, pu, qu, su,
                                 GATED, W)  # fmt: skip
             if ROWS >= 2:
-                r = (r1 // A_DIV).to(tl.int64)
+                r = tl.where(ok1, r1 // A_DIV, 0).to(tl.int64)
                 g1, u1 = _gemv_rows(g1, u1, a_ptr, r, a_stride, ok1, kb, p, q, s, pu, qu, su,
                                     GATED, W)  # fmt: skip
             if ROWS >= 4:
-                r = (r2 // A_DIV).to(tl.int64)
+                r = tl.where(ok2, r2 // A_DIV, 0).to(tl.int64)
                 g2, u2 = _gemv_rows(g2, u2, a_ptr, r, a_stride, ok2, kb, p, q, s, pu, qu, su,
                                     GATED, W)  # fmt: skip
-                r = (r3 // A_DIV).to(tl.int64)
+                r = tl.where(ok3, r3 // A_DIV, 0).to(tl.int64)
                 g3, u3 = _gemv_rows(g3, u3, a_ptr, r, a_stride, ok3, kb, p, q, s, pu, qu, su,
                                     GATED, W)  # fmt: skip
             if PREFETCH:
