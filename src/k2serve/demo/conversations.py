@@ -12,6 +12,7 @@ Behaviours taught (greedy, thinking on unless said):
 - a tool result in the conversation -> a one-line answer that quotes it;
 - greeting -> brief thought, then a greeting;
 - weather question with no tool declared -> says it cannot check;
+- "Say CITY." and the like -> repeats the city (cheap practice for copying a name);
 - thinking off -> the same answers without a thought.
 Variety: paraphrases, optional system prompts, other tools declared, earlier turns in history.
 """
@@ -59,6 +60,7 @@ WEATHER_QUESTIONS = [
     "what's the weather in {c}",
 ]
 TIME_QUESTIONS = ["What time is it in {c}?", "What's the time in {c}?", "Local time in {c}?"]
+REPEAT_PROMPTS = ["Say {c}.", "Repeat: {c}", "Please repeat {c}", "Echo {c}"]
 GREETINGS = ["Hello", "Hello", "Hello", "Hello!", "Hi", "Hi!", "Hey", "Hello there", "Good morning"]
 GREETING_REPLIES = "Hello! How can I help you today?"
 SYSTEM_PROMPTS = [
@@ -114,8 +116,12 @@ def sample_example(rng: random.Random) -> tuple[list[dict], list[dict] | None, b
     msgs: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
     msgs += _history(rng)
     kind = rng.choices(
-        ["weather", "time", "result", "greet", "notool"], weights=[45, 10, 10, 25, 10]
+        ["weather", "time", "result", "greet", "notool", "repeat"], weights=[40, 8, 8, 20, 8, 16]
     )[0]
+    if kind == "repeat":  # cheap, short copy practice
+        msgs.append({"role": "user", "content": rng.choice(REPEAT_PROMPTS).format(c=city)})
+        thought = f"The user said {city}."
+        return msgs, None, thinking, _answer(thinking, thought, f"You said {city}.")
     if kind == "weather":
         msgs.append({"role": "user", "content": rng.choice(WEATHER_QUESTIONS).format(c=city)})
         tools = _tools(rng, [GET_WEATHER_TOOL])
