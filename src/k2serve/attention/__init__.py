@@ -1,15 +1,26 @@
 """Attention: the paged latent KV cache and the MLA backends that read it.
 
+Owns: `allocate_kv_caches`, the KV cache dtype names (`kv_cache_torch_dtype`) and the backend
+choice (`make_attention_backend`: "auto" = Triton on CUDA when Triton is importable, else the
+torch reference; an fp8 cache always uses the torch reference until the Triton kernels read fp8).
+
 Invariants: one cache tensor per layer, [num_pages, page_size, kv_lora_rank + qk_rope_head_dim],
-dtype = model dtype, zero-initialised.
+dtype = model dtype or float8_e4m3fn (`--kv-cache-dtype fp8`), zero-initialised.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from k2serve.attention.base import AttentionMetadata, MLABackend
-from k2serve.attention.torch_ref import TorchMLABackend
+from k2serve.attention.torch_ref import TorchMLABackend, is_fp8
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8")  # as k2serve.plan
 
 
 def allocate_kv_caches(
@@ -24,4 +35,61 @@ def allocate_kv_caches(
     ]
 
 
-__all__ = ["AttentionMetadata", "MLABackend", "TorchMLABackend", "allocate_kv_caches"]
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """`--kv-cache-dtype` -> the cache tensors' dtype ("auto" = the model's compute dtype)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype == "bf16":
+        return torch.bfloat16
+    if kv_cache_dtype == "fp8":
+        return torch.float8_e4m3fn
+    raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}; expected one of {KV_CACHE_DTYPES}")
+
+
+def triton_usable(device: torch.device | str) -> bool:
+    """True when Triton kernels can run on `device` (CUDA and Triton importable)."""
+    if torch.device(device).type != "cuda":
+        return False
+    from k2serve.kernels._triton import HAS_TRITON
+
+    return HAS_TRITON
+
+
+def make_attention_backend(
+    name: str, device: torch.device | str, kv_dtype: torch.dtype | None = None
+) -> MLABackend:
+    """The MLA backend for `name` in ATTENTION_BACKENDS on `device` with a `kv_dtype` cache."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend={name!r}; expected one of {ATTENTION_BACKENDS}")
+    fp8 = kv_dtype is not None and is_fp8(kv_dtype)
+    if name == "triton" and not triton_usable(device):
+        raise ValueError(
+            f"attention_backend='triton' needs a CUDA device and Triton (device is {device}); "
+            "use 'auto' or 'torch'"
+        )
+    if name == "torch" or (name == "auto" and not triton_usable(device)):
+        return TorchMLABackend()
+    if fp8:
+        # NOTE: the Triton MLA kernels read the cache as bf16 and the store kernel writes no
+        # scale; until they support fp8 the reference path serves fp8 caches (slower).
+        logger.warning(
+            "kv_cache_dtype fp8: the Triton MLA backend does not read fp8 caches yet; using the "
+            "torch reference attention backend (slower decode)"
+        )
+        return TorchMLABackend()
+    from k2serve.attention.triton_mla import TritonMLABackend
+
+    return TritonMLABackend()
+
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "AttentionMetadata",
+    "KV_CACHE_DTYPES",
+    "MLABackend",
+    "TorchMLABackend",
+    "allocate_kv_caches",
+    "kv_cache_torch_dtype",
+    "make_attention_backend",
+    "triton_usable",
+]

@@ -4,6 +4,9 @@ Invariants:
 - Cache layout per layer: [num_pages, page_size, L + R], latent first, roped key last.
 - Scores = (q_latent . latent + q_pe . k_pe) * scale, softmax in float32, output = p . latent.
 - Plain loops over sequences: slow, obvious, device-agnostic.
+- fp8 cache (kv_cache.dtype float8_e4m3fn): stored value = clamp(x / kv_scale, +-448) rounded
+  to e4m3; read value = stored * kv_scale in float32. `kv_scale` is one per-tensor scale shared
+  by every layer (1.0 default: the normed latent and the roped key are O(1)).
 """
 
 from __future__ import annotations
@@ -12,9 +15,30 @@ import torch
 
 from k2serve.attention.base import AttentionMetadata, MLABackend
 
+FP8_DTYPES = (torch.float8_e4m3fn,)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_DTYPES
+
 
 class TorchMLABackend(MLABackend):
     name = "torch"
+
+    def __init__(self, kv_scale: float = 1.0) -> None:
+        if not kv_scale > 0:
+            raise ValueError(f"kv_scale={kv_scale} must be positive")
+        self.kv_scale = float(kv_scale)
+
+    def _to_cache(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if is_fp8(dtype):
+            x = (x.to(torch.float32) / self.kv_scale).clamp_(-FP8_MAX, FP8_MAX)
+        return x.to(dtype)
+
+    def _from_cache(self, kv: torch.Tensor) -> torch.Tensor:  # -> float32, same shape
+        out = kv.to(torch.float32)
+        return out * self.kv_scale if is_fp8(kv.dtype) and self.kv_scale != 1.0 else out
 
     def store(
         self,
@@ -32,8 +56,8 @@ class TorchMLABackend(MLABackend):
         keep = slots >= 0
         if not bool(keep.all()):
             slots, latent, k_pe = slots[keep], latent[keep], k_pe[keep]
-        flat[slots, :L] = latent.to(kv_cache.dtype)
-        flat[slots, L:] = k_pe.to(kv_cache.dtype)
+        flat[slots, :L] = self._to_cache(latent, kv_cache.dtype)
+        flat[slots, L:] = self._to_cache(k_pe, kv_cache.dtype)
 
     def forward(
         self,
@@ -57,8 +81,8 @@ class TorchMLABackend(MLABackend):
             n_pages = -(-seq_len // page_size)
             pages = metadata.block_table[b, :n_pages].to(torch.long)
             kv = kv_cache[pages].reshape(n_pages * page_size, -1)[:seq_len]  # [S, L + R]
-            latent = kv[:, :L].to(torch.float32)  # [S, L]
-            k_pe = kv[:, L:].to(torch.float32)  # [S, R]
+            kv = self._from_cache(kv)  # float32
+            latent, k_pe = kv[:, :L], kv[:, L:]  # [S, L], [S, R]
             ql = q_latent[start:end].to(torch.float32)  # [n, H, L]
             qp = q_pe[start:end].to(torch.float32)  # [n, H, R]
             scores = (

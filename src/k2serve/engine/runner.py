@@ -8,10 +8,16 @@ whose new tokens reach the end of their known tokens); a partial prefill chunk d
 
 Invariant: token j of sequence b sits at position context_lens[b] + j and is written to slot
 `block_table[b, pos // page_size] * page_size + pos % page_size`.
+
+On CUDA, decode-only steps (every sequence has one new token) replay a CUDA graph captured once
+per batch-size bucket at start-up (k2serve.model.cuda_graph.DecodeGraphRunner, largest bucket
+first); other shapes, mixed prefill/decode steps, `enforce_eager`, and models with experts on
+the CPU (a host round trip inside the layer) run eagerly. On CPU the model always runs eagerly.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +44,9 @@ except ImportError:  # NOTE: until k2serve.attention lands; same fields as docs/
         num_decodes: int
 
 
+logger = logging.getLogger(__name__)
+
+
 @dataclass
 class ModelInput:
     input_ids: torch.Tensor  # [T] long
@@ -55,12 +64,62 @@ class ModelRunner:
         page_size: int,
         device: torch.device | str,
         seed: int = 0,
+        *,
+        engine_config=None,
     ) -> None:
+        """`engine_config` (EngineConfig) carries attention_backend / moe_backend /
+        enforce_eager / num_gpu_experts / expert_placement_file / kv_cache_dtype / max_model_len
+        / max_num_seqs; None = the defaults (auto backends, graphs on CUDA)."""
         self.model = model
         self.kv_caches = kv_caches
         self.page_size = page_size
         self.device = torch.device(device)
         self.sampler = Sampler(self.device, seed)
+        self.graph_runner = None
+        if hasattr(model, "setup_backends"):
+            self._setup_backends(engine_config)
+        if self.device.type == "cuda":
+            self._setup_graphs(engine_config)
+
+    def _setup_backends(self, cfg) -> None:
+        """Re-choose the model's backends when the config asks for other ones than the loader
+        chose (the loader applies the defaults and the expert placement)."""
+        want = dict(
+            attention=getattr(cfg, "attention_backend", "auto"),
+            moe=getattr(cfg, "moe_backend", "auto"),
+            norm="auto",
+            placement=self.model.expert_placement,
+            kv=None,  # only an fp8 cache changes the choice
+        )
+        if self.kv_caches and self.kv_caches[0].dtype == torch.float8_e4m3fn:
+            want["kv"] = self.kv_caches[0].dtype
+        if cfg is not None and self.model.expert_placement is None:
+            want["placement"] = placement_from_config(cfg, self.model.config)
+        if self.model.backend_settings != want:
+            self.model.setup_backends(
+                want["attention"], want["moe"], want["norm"], want["placement"], want["kv"]
+            )
+
+    def _setup_graphs(self, cfg) -> None:
+        if getattr(cfg, "enforce_eager", False):
+            logger.info("CUDA graphs: off (--enforce-eager)")
+            return
+        if getattr(self.model, "has_cpu_experts", False):
+            logger.info("CUDA graphs: off (experts on the CPU need a host round trip per layer)")
+            return
+        from k2serve.model.cuda_graph import DEFAULT_BUCKETS, DecodeGraphRunner
+
+        max_seqs = getattr(cfg, "max_num_seqs", None) or DEFAULT_BUCKETS[-1]
+        buckets = tuple(b for b in DEFAULT_BUCKETS if b <= max_seqs) or (1,)
+        if max_seqs <= DEFAULT_BUCKETS[-1] and buckets[-1] < max_seqs:
+            buckets += (max_seqs,)
+        num_pages = self.kv_caches[0].shape[0]
+        max_len = getattr(cfg, "max_model_len", None)
+        max_pages = min(num_pages, -(-max_len // self.page_size)) if max_len else num_pages
+        runner = DecodeGraphRunner(self.model, self.kv_caches, max_pages, buckets)
+        runner.capture()
+        self.graph_runner = runner
+        logger.info("CUDA graphs: captured decode batch sizes %s", list(buckets))
 
     def prepare(self, sched: SchedulerOutput, kv: KVCacheManager) -> ModelInput:
         ps = self.page_size
@@ -123,10 +182,30 @@ class ModelRunner:
     ) -> tuple[list[Request], SamplerOutput | None]:
         """Run one step; returns the requests that sampled and their samples (same order)."""
         inp = self.prepare(sched, kv)
-        hidden = self.model(
-            inp.input_ids, inp.positions, attn_metadata=inp.attn_metadata, kv_caches=self.kv_caches
-        )  # [T, hidden]
+        md = inp.attn_metadata
+        if self.graph_runner is not None and md.num_decodes == md.num_seqs:
+            # decode-only: a captured graph when one fits, else eager inside run()
+            hidden = self.graph_runner.run(inp.input_ids, inp.positions, md)  # [T, hidden]
+        else:
+            hidden = self.model(
+                inp.input_ids, inp.positions, attn_metadata=md, kv_caches=self.kv_caches
+            )  # [T, hidden]
         if not inp.sample_reqs:
             return [], None
         logits = self.model.compute_logits(hidden[inp.logits_indices])  # [S, vocab] float32
         return inp.sample_reqs, self.sampler(logits, inp.sample_reqs)
+
+
+def placement_from_config(cfg, model_config):
+    """The expert placement of `--num-gpu-experts` / `--expert-placement-file` (None when
+    neither is given: every expert on the model's device). Pass it to `load_model(...,
+    expert_placement=)` so CPU-placed experts are never allocated on the GPU."""
+    n = getattr(cfg, "num_gpu_experts", None)
+    path = getattr(cfg, "expert_placement_file", None)
+    if n is None and path is None:
+        return None
+    if model_config.n_routed_experts == 0:
+        raise ValueError("num_gpu_experts / expert_placement_file: the model has no routed experts")
+    from k2serve.moe.placement import make_placement
+
+    return make_placement(model_config, n, path)

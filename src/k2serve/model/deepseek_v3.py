@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -31,7 +32,10 @@ from k2serve.config import ModelConfig
 from k2serve.model.layers import RMSNorm, YarnRotaryEmbedding
 from k2serve.model.router import TopkRouter
 from k2serve.moe import ExpertBackend, TorchExpertBackend
+from k2serve.moe.placement import ExpertPlacement
 from k2serve.quant import LinearBase, linear_scheme, make_linear
+
+logger = logging.getLogger(__name__)
 
 # name (as in the checkpoint, prefix included) -> scheme ("bf16", "fp8_block", "int4_group")
 SchemeFn = Callable[[str], str]
@@ -167,6 +171,11 @@ class MLAAttention(nn.Module):
         """Paged latent cache: fold kv_b_proj into the query and the output. -> [T, H, v]."""
         if kv_cache is None:
             raise ValueError("attn_metadata is given but the layer has no kv_cache")
+        if (getattr(self.backend, "prefill", None) == "expand" and md.num_decodes == 0
+                and md.max_query_len > 1):  # fmt: skip
+            from k2serve.attention.triton_mla import mla_prefill_expanded
+
+            return mla_prefill_expanded(self, q_nope, q_pe, latent, k_pe, md, kv_cache)
         H, N, V = self.num_heads, self.qk_nope_head_dim, self.v_head_dim
         w = self.kv_b_proj.dequantized_weight(q_nope.dtype).view(H, N + V, self.kv_lora_rank)
         w_uk, w_uv = w[:, :N, :], w[:, N:, :]  # [H, N, L], [H, V, L]
@@ -180,6 +189,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, b: _Builder, idx: int, rope: YarnRotaryEmbedding) -> None:
         super().__init__()
         c = b.config
+        self.layer_idx = idx
         prefix = f"model.layers.{idx}"
         self.self_attn = MLAAttention(b, f"{prefix}.self_attn", rope)
         if c.is_moe_layer(idx):
@@ -189,9 +199,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, b.dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, b.dtype)
 
-    def forward(self, h, positions, attn_metadata=None, kv_cache=None) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, attn_metadata, kv_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, positions, attn_metadata=None, kv_cache=None, residual=None):
+        """-> (h, residual): the layer's output is h + residual (vLLM's deferred residual add,
+        so the add fuses into the next RMSNorm). residual=None at the first layer."""
+        if residual is None:
+            residual = h
+            x = self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm.add_norm(h, residual)
+        h = self.self_attn(x, positions, attn_metadata, kv_cache)
+        x, residual = self.post_attention_layernorm.add_norm(h, residual)
+        return self.mlp(x), residual
 
 
 class Embedding(nn.Module):
@@ -233,6 +251,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         b = _Builder(config, dtype, fn)
         self.model = DeepseekV3Model(b)
         self.lm_head = b.linear("lm_head", config.hidden_size, config.vocab_size)
+        self.expert_placement: ExpertPlacement | None = None  # None = all on self.device
+        self.backend_settings: dict | None = None  # set by setup_backends
 
     @property
     def device(self) -> torch.device:
@@ -241,6 +261,56 @@ class DeepseekV3ForCausalLM(nn.Module):
     def set_attn_backend(self, backend: MLABackend) -> None:
         for layer in self.model.layers:
             layer.self_attn.backend = backend
+
+    def setup_backends(
+        self,
+        attention: str = "auto",
+        moe: str = "auto",
+        norm: str = "auto",
+        placement: ExpertPlacement | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
+    ) -> str:
+        """Choose the attention, expert and RMSNorm implementations ("auto": Triton on CUDA,
+        torch references elsewhere) and place the routed experts (None: all on the model's
+        device). Logs and returns one line saying what was chosen."""
+        from k2serve.attention import make_attention_backend, triton_usable
+        from k2serve.moe import make_expert_backend
+
+        if norm not in ("auto", "torch", "triton"):
+            raise ValueError(f"norm_backend={norm!r}; expected auto, torch or triton")
+        dev = self.device
+        if norm == "triton" and not triton_usable(dev):
+            raise ValueError(f"norm backend 'triton' needs a CUDA device and Triton (on {dev})")
+        attn = make_attention_backend(attention, dev, kv_cache_dtype)
+        self.set_attn_backend(attn)
+        use_triton_norm = norm != "torch" and triton_usable(dev)
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.use_triton = use_triton_norm
+        moe_names = set()
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.expert_backend = make_expert_backend(
+                    layer.mlp.experts, moe, dev, layer=layer.layer_idx, placement=placement
+                )
+                moe_names.add(layer.mlp.expert_backend.name)
+        self.expert_placement = placement
+        self.backend_settings = dict(
+            attention=attention, moe=moe, norm=norm, placement=placement, kv=kv_cache_dtype
+        )
+        from k2serve.moe.placement import describe_placement
+
+        line = (
+            f"backends on {dev}: attention={attn.name}, moe={'/'.join(sorted(moe_names)) or '-'}"
+            f", rms_norm={'triton' if use_triton_norm else 'torch'}; " + describe_placement(self)
+        )
+        logger.info("%s", line)
+        return line
+
+    @property
+    def has_cpu_experts(self) -> bool:
+        p = self.expert_placement
+        return p is not None and not p.all_on_gpu
 
     @torch.inference_mode()
     def forward(
@@ -261,9 +331,13 @@ class DeepseekV3ForCausalLM(nn.Module):
                 f"attn_metadata needs kv_caches with one tensor per layer ({len(layers)})"
             )
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
         for i, layer in enumerate(layers):
-            h = layer(h, positions, attn_metadata, kv_caches[i] if kv_caches else None)
-        return self.model.norm(h)
+            cache = kv_caches[i] if kv_caches else None
+            h, residual = layer(h, positions, attn_metadata, cache, residual)
+        if residual is None:  # no layers
+            return self.model.norm(h)
+        return self.model.norm.add_norm(h, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, vocab] float32

@@ -2,7 +2,9 @@
 
 Invariants:
 - RMSNorm normalises in float32 and casts back to the input dtype before the weight multiply,
-  exactly as transformers' `DeepseekV3RMSNorm`.
+  exactly as transformers' `DeepseekV3RMSNorm`. With a residual, the sum x + residual is rounded
+  to the activation dtype first (as the unfused `h = h + f(h)`), then normalised. The Triton
+  path (CUDA only) multiplies by the weight in float32: at most one bf16 rounding apart.
 - RoPE rotates interleaved pairs (2i, 2i+1) by frequency i (GPT-J style), which equals
   transformers' `apply_rotary_pos_emb_interleave`. Inverse frequencies follow transformers'
   `_compute_yarn_parameters` (truncated correction range, clamped to [0, dim-1]).
@@ -19,18 +21,49 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
+    """`forward(x)` -> norm(x); `add_norm(x, residual)` -> (norm(x + residual), x + residual).
+
+    `use_triton` (set by `DeepseekV3ForCausalLM.setup_backends`) runs the fused Triton kernel
+    (k2serve.kernels.rmsnorm) for CUDA inputs; `add_norm` then updates `residual` IN PLACE
+    (vLLM's fused_add_rms_norm), so callers must treat the residual they pass as consumed.
+    """
+
     def __init__(
         self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32
     ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         self.variance_epsilon = eps
+        self.use_triton = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_triton and x.is_cuda:
+            return self._triton(x, None)
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return self.weight * h.to(dtype)
+
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); the sum is rounded to x's dtype first."""
+        if self.use_triton and x.is_cuda:
+            if not residual.is_contiguous():
+                residual = residual.contiguous()
+            return self._triton(x, residual), residual
+        residual = x + residual
+        return self.forward(residual), residual
+
+    def _triton(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        from k2serve.kernels.rmsnorm import rms_norm
+
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # [T, N]; a view when x is a row-strided split
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        res2 = residual.view(-1, shape[-1]) if residual is not None else None
+        return rms_norm(x2, self.weight, self.variance_epsilon, res2).view(shape)
 
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:

@@ -1,7 +1,8 @@
 """The noaux_tc router of DeepSeek-V3 / Kimi-K2 (spec §3.5).
 
 Invariants:
-- Logits in float32; scores = sigmoid(logits).
+- Logits in float32 (from float32 inputs and weight, as transformers); scores = sigmoid(logits).
+  The weight is never re-converted per call (see `TopkRouter.router_logits`).
 - `e_score_correction_bias` (float32) is added for SELECTION only; the weights are the
   unbiased scores of the chosen experts, normalised (norm_topk_prob) and times
   routed_scaling_factor.
@@ -32,11 +33,33 @@ class TopkRouter(nn.Module):
         self.e_score_correction_bias = nn.Parameter(
             torch.zeros(E, dtype=torch.float32), requires_grad=False
         )
+        self._w32: torch.Tensor | None = None  # float32 copy of `weight` (non-CUDA path)
+        self._w32_key: tuple | None = None
+        self._mm_out_dtype_ok = True
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:  # [T, E] float32
+        """float32 logits as transformers computes them (x and weight upcast), without
+        converting the weight per call: on CUDA a bf16/fp16 GEMM with float32 output (products
+        of bf16 values are exact in float32, accumulation is float32), elsewhere a float32
+        copy of the weight made once (and remade if the weight is replaced or moved)."""
+        w = self.weight
+        if w.dtype == torch.float32:
+            return F.linear(x.to(torch.float32), w)
+        if x.is_cuda and x.dtype == w.dtype and self._mm_out_dtype_ok:
+            try:
+                return torch.mm(x, w.t(), out_dtype=torch.float32)
+            except (RuntimeError, TypeError):  # torch without mm(out_dtype=) for this dtype
+                self._mm_out_dtype_ok = False
+        key = (w.data_ptr(), w.device, tuple(w.shape))
+        if self._w32 is None or self._w32_key != key:
+            self._w32 = w.detach().to(torch.float32)  # [E, hidden], not a parameter
+            self._w32_key = key
+        return F.linear(x.to(torch.float32), self._w32)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (topk_weights [T, k] float32, topk_ids [T, k] int64)."""
         return grouped_topk(
-            F.linear(x.to(torch.float32), self.weight.to(torch.float32)),
+            self.router_logits(x),
             self.e_score_correction_bias,
             self.top_k,
             self.n_group,

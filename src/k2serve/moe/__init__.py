@@ -1,6 +1,84 @@
-"""Routed-expert computation behind a small interface (`ExpertBackend`)."""
+"""Routed-expert computation behind a small interface (`ExpertBackend`), and its choice.
+
+`make_expert_backend(experts, name, device, layer=, placement=)` builds one MoE layer's
+backend: "auto" = the fused Triton MoE on CUDA (when Triton imports and the weight format is
+supported), else the torch reference; "torch" / "triton" force one. With a placement that puts
+some of the layer's experts on the CPU, those experts' weights are moved to host memory (if
+they are not there already) and the layer gets a `HybridExpertBackend`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
 
 from k2serve.moe.base import ExpertBackend
+from k2serve.moe.cpu_experts import CpuExpertBackend, HybridExpertBackend
+from k2serve.moe.placement import ExpertPlacement, describe_placement, make_placement
 from k2serve.moe.torch_ref import TorchExpertBackend
 
-__all__ = ["ExpertBackend", "TorchExpertBackend"]
+logger = logging.getLogger(__name__)
+
+MOE_BACKENDS = ("auto", "torch", "triton")
+
+
+def _gpu_backend(experts: nn.ModuleList, name: str, device: torch.device) -> ExpertBackend:
+    from k2serve.attention import triton_usable
+
+    if name == "triton" and not triton_usable(device):
+        raise ValueError(
+            f"moe_backend='triton' needs a CUDA device and Triton (device is {device}); use "
+            "'auto' or 'torch'"
+        )
+    if name == "torch" or not triton_usable(device):
+        return TorchExpertBackend(experts)
+    from k2serve.moe.fused_moe import FusedMoEBackend
+
+    try:
+        return FusedMoEBackend.from_experts(experts)
+    except ValueError as e:  # a weight format the fused kernel does not take
+        if name == "triton":
+            raise
+        logger.warning("fused MoE unavailable (%s); using the torch expert backend", e)
+        return TorchExpertBackend(experts)
+
+
+def make_expert_backend(
+    experts: nn.ModuleList,
+    name: str,
+    device: torch.device | str,
+    *,
+    layer: int | None = None,
+    placement: ExpertPlacement | None = None,
+    cpu_compute_dtype: torch.dtype = torch.float32,
+) -> ExpertBackend:
+    """The backend of one MoE layer's routed `experts` (see the module docstring)."""
+    if name not in MOE_BACKENDS:
+        raise ValueError(f"moe_backend={name!r}; expected one of {MOE_BACKENDS}")
+    device = torch.device(device)
+    cpu_ids = placement.cpu_experts(layer) if placement is not None else ()
+    if not cpu_ids:
+        return _gpu_backend(experts, name, device)
+    gpu_ids = [e for e in range(len(experts)) if e not in set(cpu_ids)]
+    for e in cpu_ids:
+        experts[e].to("cpu")  # no-op when the loader already put them in host memory
+    cpu = CpuExpertBackend([experts[e] for e in cpu_ids], cpu_ids, len(experts), cpu_compute_dtype)
+    gpu = (
+        _gpu_backend(nn.ModuleList(experts[e] for e in gpu_ids), name, device) if gpu_ids else None
+    )
+    return HybridExpertBackend(gpu, gpu_ids, cpu, len(experts), device)
+
+
+__all__ = [
+    "MOE_BACKENDS",
+    "CpuExpertBackend",
+    "ExpertBackend",
+    "ExpertPlacement",
+    "HybridExpertBackend",
+    "TorchExpertBackend",
+    "describe_placement",
+    "make_expert_backend",
+    "make_placement",
+]

@@ -1,0 +1,132 @@
+"""Experts held in host memory and computed on the CPU, and the GPU + CPU split of one layer.
+
+Owns: `CpuExpertBackend` (a subset of a layer's routed experts, weights in host memory, computed
+with torch ops on the CPU's intra-op threads) and `HybridExpertBackend` (routes each (token,
+expert) pair to the GPU backend or the CPU backend by placement and sums the two outputs).
+
+Invariants:
+- Expert ids in `topk_ids` are the layer's global ids; each backend maps them to its own local
+  ids. A pair whose expert is not on a backend contributes nothing there: the CPU backend skips
+  it; the GPU backend gets it as local expert 0 with weight 0 (so its kernels keep a fixed
+  [T, k] shape and no host sync: CUDA-graph safe), which adds exactly 0.
+- CPU experts keep their stored format (INT4 stays packed); each call dequantizes the experts it
+  hits, one at a time, in `compute_dtype` (float32 by default: CPUs without AMX run float32
+  GEMMs faster than bf16, and it is the more exact choice).
+- The CPU part copies the tokens it needs to the host BEFORE the GPU part is enqueued, so the
+  GPU experts run while the CPU computes; the CPU result is then copied back and added.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k2serve.moe.base import ExpertBackend
+
+
+def _local_map(num_experts: int, ids: Sequence[int], device) -> torch.Tensor:
+    """[num_experts] int64: global id -> local id, -1 where the expert is elsewhere."""
+    m = torch.full((num_experts,), -1, dtype=torch.long)
+    m[torch.as_tensor(list(ids), dtype=torch.long)] = torch.arange(len(ids))
+    return m.to(device)
+
+
+class CpuExpertBackend(ExpertBackend):
+    name = "cpu"
+
+    def __init__(
+        self,
+        experts: Sequence[nn.Module],  # the experts in `expert_ids` order, weights on the CPU
+        expert_ids: Sequence[int],  # their global ids
+        num_experts: int,  # routed experts in the layer
+        compute_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if len(experts) != len(expert_ids):
+            raise ValueError(f"{len(experts)} experts but {len(expert_ids)} expert ids")
+        self.experts = list(experts)
+        self.expert_ids = tuple(int(e) for e in expert_ids)
+        self.num_experts = num_experts
+        self.compute_dtype = compute_dtype
+        self.local_of = _local_map(num_experts, self.expert_ids, "cpu")  # [E] on the CPU
+
+    def to_host(self, hidden, topk_ids, topk_weights):
+        """Copy what the CPU needs to host memory (waits for the router, not the GPU experts
+        enqueued after this call)."""
+        ids = topk_ids.to("cpu", torch.long)  # [T, k]
+        local = self.local_of[ids]  # [T, k], -1 = not a CPU expert
+        rows = (local >= 0).any(dim=1).nonzero()[:, 0]  # tokens with at least one CPU expert
+        if rows.numel() == 0:
+            return None
+        rows_dev = rows.to(hidden.device)
+        x = hidden.index_select(0, rows_dev).to("cpu", self.compute_dtype)  # [n, hidden]
+        w = topk_weights.index_select(0, rows_dev).to("cpu", torch.float32)  # [n, k]
+        return rows, x, local[rows], w
+
+    def compute(self, host, like: torch.Tensor) -> torch.Tensor | None:
+        """The CPU experts' weighted sum for the tokens in `host`, scattered into [T, hidden]
+        zeros on `like`'s device and dtype; None when no token routes to a CPU expert."""
+        if host is None:
+            return None
+        rows, x, local, w = host
+        n, k = local.shape
+        out = torch.zeros(n, x.shape[1], dtype=torch.float32)  # [n, hidden]
+        flat = local.reshape(-1)  # [n * k]
+        for le in flat[flat >= 0].unique().tolist():
+            sel = (flat == le).nonzero()[:, 0]  # pair indices routed to this expert
+            tok = sel // k
+            expert = self.experts[le]
+            xe = x[tok]  # [m, hidden]
+            h = F.silu(expert.gate_proj(xe)) * expert.up_proj(xe)  # [m, inter]
+            y = expert.down_proj(h).to(torch.float32) * w.reshape(-1)[sel, None]  # [m, hidden]
+            out.index_add_(0, tok, y)
+        full = torch.zeros(like.shape[0], like.shape[1], dtype=like.dtype, device=like.device)
+        full.index_copy_(0, rows.to(like.device), out.to(like.device, like.dtype))
+        return full
+
+    def __call__(self, hidden, topk_ids, topk_weights) -> torch.Tensor:  # [T, hidden]
+        out = self.compute(self.to_host(hidden, topk_ids, topk_weights), hidden)
+        return out if out is not None else torch.zeros_like(hidden)
+
+
+class HybridExpertBackend(ExpertBackend):
+    """One MoE layer split between a GPU backend (local ids) and a `CpuExpertBackend`."""
+
+    name = "hybrid"
+
+    def __init__(
+        self,
+        gpu_backend: ExpertBackend | None,  # None when no expert of the layer is on the GPU
+        gpu_expert_ids: Sequence[int],  # global ids of the GPU backend's experts, local order
+        cpu_backend: CpuExpertBackend,
+        num_experts: int,
+        device: torch.device | str,
+    ) -> None:
+        if set(gpu_expert_ids) & set(cpu_backend.expert_ids):
+            raise ValueError("an expert is placed both on the GPU and on the CPU")
+        if len(gpu_expert_ids) + len(cpu_backend.expert_ids) != num_experts:
+            raise ValueError("GPU + CPU experts do not cover every routed expert of the layer")
+        if (gpu_backend is None) != (len(gpu_expert_ids) == 0):
+            raise ValueError("gpu_backend must be given exactly when some experts are on the GPU")
+        self.gpu_backend = gpu_backend
+        self.cpu_backend = cpu_backend
+        self.gpu_expert_ids = tuple(gpu_expert_ids)
+        self.gpu_local_of = _local_map(num_experts, self.gpu_expert_ids, device)  # [E]
+
+    def __call__(self, hidden, topk_ids, topk_weights) -> torch.Tensor:  # [T, hidden]
+        host = self.cpu_backend.to_host(hidden, topk_ids, topk_weights)
+        if self.gpu_backend is not None:
+            local = self.gpu_local_of[topk_ids.long()]  # [T, k], -1 = on the CPU
+            on_gpu = local >= 0
+            ids = torch.where(on_gpu, local, torch.zeros_like(local))
+            w = torch.where(on_gpu, topk_weights, torch.zeros_like(topk_weights))
+            out = self.gpu_backend(hidden, ids, w)
+        else:
+            out = torch.zeros_like(hidden)
+        cpu_out = self.cpu_backend.compute(host, hidden)
+        return out if cpu_out is None else out + cpu_out
+
+
+__all__ = ["CpuExpertBackend", "HybridExpertBackend"]

@@ -1,0 +1,89 @@
+"""Tiny models for the integration tests (backend choice, CUDA graphs, hybrid experts, fp8 KV).
+
+CPU by default; tests that need CUDA carry the `gpu` marker and `needs_cuda` (skipped without a
+GPU). One intra-op thread: the tensors are tiny and CI has 2 busy cores.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k2serve.config import ModelConfig
+from k2serve.weights.presets import preset_config
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# 3 layers (1 dense + 2 MoE), 8 experts top-2 with 2 groups; sizes multiples of 32 (INT4 groups)
+TINY = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    q_lora_rank=64,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=32,
+    v_head_dim=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    vocab_size=512,
+    bos_token_id=256,
+    eos_token_id=257,
+)
+
+
+def tiny_config(fmt: str = "bf16", **changes) -> ModelConfig:
+    cfg = preset_config("tiny", fmt)
+    cfg.update(TINY, **changes)
+    return ModelConfig.from_hf(cfg)
+
+
+def load_tiny(fmt="bf16", dtype=torch.float32, device="cpu", seed=5, **kw):
+    from k2serve.weights.loader import load_model
+
+    return load_model(None, dtype=dtype, device=device, load_format="dummy",
+                      config=tiny_config(fmt), seed=seed, progress=False, **kw)  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def paged_logits(model, kv_caches, ids: list[int], page_size: int, n_prefill: int):
+    """Prefill ids[:n_prefill] in one step, then decode the rest one token per step, all on one
+    sequence on pages 0.. of the caches. -> logits [len(ids) - n_prefill + 1, vocab] float32:
+    the prefill's last row, then one row per decode step."""
+    from k2serve.attention import AttentionMetadata
+
+    dev = kv_caches[0].device
+    pages = list(range(-(-len(ids) // page_size)))
+    table = torch.tensor([pages], dtype=torch.int32, device=dev)
+    out, start = [], 0
+    for end in [n_prefill, *range(n_prefill + 1, len(ids) + 1)]:
+        pos = torch.arange(start, end, device=dev)
+        md = AttentionMetadata(
+            query_start_loc=torch.tensor([0, end - start], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([end], dtype=torch.int32, device=dev),
+            context_lens=torch.tensor([start], dtype=torch.int32, device=dev),
+            block_table=table,
+            slot_mapping=pos.to(torch.int64),  # pages 0.. in order: slot = position
+            max_query_len=end - start,
+            max_seq_len=end,
+            page_size=page_size,
+            num_decodes=1 if end - start == 1 else 0,
+        )
+        h = model(torch.tensor(ids[start:end], device=dev), pos, md, kv_caches)
+        out.append(model.compute_logits(h[-1:]))
+        start = end
+    return torch.cat(out)

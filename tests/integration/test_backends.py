@@ -1,0 +1,98 @@
+"""Backend choice (attention / experts / RMSNorm), the float32 router and the fused residual."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k2serve.attention import allocate_kv_caches
+from k2serve.engine.config import EngineConfig
+
+from .conftest import load_tiny, needs_cuda, paged_logits
+
+
+def test_cpu_defaults_to_torch_references_and_says_so(caplog):
+    model = load_tiny()
+    with caplog.at_level("INFO", logger="k2serve.model.deepseek_v3"):
+        line = model.setup_backends()
+    assert "attention=torch" in line and "moe=torch" in line and "rms_norm=torch" in line
+    assert line in caplog.text
+    assert all(layer.self_attn.backend.name == "torch" for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("kw", [dict(attention="triton"), dict(moe="triton"), dict(norm="triton")])
+def test_forcing_triton_without_cuda_is_a_clear_error(kw):
+    model = load_tiny()
+    with pytest.raises(ValueError, match="CUDA"):
+        model.setup_backends(**kw)
+
+
+def test_unknown_backend_name_is_rejected():
+    with pytest.raises(ValueError, match="attention_backend='flash'"):
+        load_tiny().setup_backends(attention="flash")
+
+
+def test_router_logits_float32_from_a_cached_weight_copy():
+    model = load_tiny(dtype=torch.bfloat16)
+    gate = model.model.layers[1].mlp.gate
+    x = torch.randn(5, 128, dtype=torch.bfloat16)
+    got = gate.router_logits(x)
+    assert got.dtype == torch.float32
+    want = F.linear(x.float(), gate.weight.float())  # transformers' computation
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    cached = gate._w32
+    gate.router_logits(x)
+    assert gate._w32 is cached  # not re-converted per call
+    gate.weight = torch.nn.Parameter(torch.randn_like(gate.weight), requires_grad=False)
+    torch.testing.assert_close(gate.router_logits(x), F.linear(x.float(), gate.weight.float()))
+
+
+def test_deferred_residual_equals_plain_residual_adds():
+    model = load_tiny(dtype=torch.bfloat16)
+    layer = model.model.layers[1]
+    h = torch.randn(6, 128, dtype=torch.bfloat16)
+    res = torch.randn(6, 128, dtype=torch.bfloat16)
+    pos = torch.arange(6)
+    out, new_res = layer(h, pos, residual=res)
+    x = h + res  # what the previous layer's `h = h + f(h)` would have given
+    x = x + layer.self_attn(layer.input_layernorm(x), pos)
+    want = x + layer.mlp(layer.post_attention_layernorm(x))
+    torch.testing.assert_close(out + new_res, want, rtol=0, atol=0)
+
+
+def test_engine_config_flags_for_backends_placement_and_kv_dtype():
+    p = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(p)
+    args = p.parse_args(
+        "--attention-backend torch --moe-backend triton --enforce-eager --num-gpu-experts 4 "
+        "--expert-placement-file counts.json --kv-cache-dtype fp8".split()
+    )
+    cfg = EngineConfig.from_cli_args(args)
+    assert (cfg.attention_backend, cfg.moe_backend, cfg.enforce_eager) == ("torch", "triton", True)
+    assert (cfg.num_gpu_experts, cfg.expert_placement_file) == (4, "counts.json")
+    assert cfg.kv_cache_dtype == "fp8"
+    for bad in (dict(moe_backend="cuda"), dict(num_gpu_experts=-1), dict(kv_cache_dtype="int8")):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            EngineConfig(**bad)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_cuda_defaults_to_triton_and_matches_the_torch_backends(fmt):
+    model = load_tiny(fmt, dtype=torch.bfloat16, device="cuda")
+    line = model.setup_backends()
+    assert "attention=triton" in line and "moe=fused_moe" in line and "rms_norm=triton" in line
+    ids = torch.randint(0, 500, (24,), generator=torch.Generator().manual_seed(0)).tolist()
+    caches = allocate_kv_caches(model.config, 8, 16, torch.bfloat16, "cuda")
+    fast = paged_logits(model, caches, ids, 16, n_prefill=20)
+    model.setup_backends("torch", "torch", "torch")
+    caches = allocate_kv_caches(model.config, 8, 16, torch.bfloat16, "cuda")
+    ref = paged_logits(model, caches, ids, 16, n_prefill=20)
+    # bf16 activations: different kernels round differently; 3 layers stay well under 3%
+    err = ((fast - ref).norm() / ref.norm()).item()
+    assert err < 3e-2, err
+    assert (fast.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
