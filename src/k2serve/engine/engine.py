@@ -102,6 +102,7 @@ class LLMEngine:
         self.device = resolve_device(cfg.device)
         model_dir = cfg.model
         if model is None:
+            from k2serve.engine.executor import tp_load_kwargs
             from k2serve.weights.loader import load_model
 
             if model_dir is None:
@@ -111,7 +112,11 @@ class LLMEngine:
             dtype = resolve_dtype(cfg.dtype, self.device)
             t0 = time.monotonic()
             model = load_model(
-                model_dir, dtype=dtype, device=self.device, load_format=cfg.load_format
+                model_dir,
+                dtype=dtype,
+                device=self.device,
+                load_format=cfg.load_format,
+                **tp_load_kwargs(cfg),  # tensor parallel: rank 0's shard only
             )
             logger.info("loaded %s in %.1fs", model_dir, time.monotonic() - t0)
             if tokenizer is None:
@@ -142,7 +147,19 @@ class LLMEngine:
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             enable_chunked_prefill=cfg.enable_chunked_prefill,
         )
-        self.runner = ModelRunner(model, kv_caches, cfg.page_size, self.device, cfg.seed)
+        if cfg.tensor_parallel_size > 1:
+            from k2serve.engine.executor import MultiprocExecutor
+
+            self.runner = MultiprocExecutor(
+                cfg,
+                model,
+                kv_caches,
+                self.device,
+                model_dir=model_dir,
+                load_dtype=resolve_dtype(cfg.dtype, self.device),
+            )
+        else:
+            self.runner = ModelRunner(model, kv_caches, cfg.page_size, self.device, cfg.seed)
         self.eos_token_ids = eos_token_ids(self.model_config, tokenizer, model_dir)
         self.vocab_size = self.model_config.vocab_size
         self._requests: dict[str, Request] = {}  # child id -> request (unfinished)
