@@ -1,0 +1,72 @@
+"""The runner: backends from the engine config, decode CUDA graphs vs eager (GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k2serve.attention import allocate_kv_caches
+from k2serve.engine.config import EngineConfig
+from k2serve.engine.runner import ModelRunner, placement_from_config
+
+from .conftest import load_tiny, needs_cuda
+
+
+def test_cpu_runner_is_eager_and_applies_the_configured_placement():
+    model = load_tiny("int4")
+    caches = allocate_kv_caches(model.config, 8, 4, torch.float32, "cpu")
+    cfg = EngineConfig(device="cpu", num_gpu_experts=3, moe_backend="torch")
+    runner = ModelRunner(model, caches, 4, "cpu", engine_config=cfg)
+    assert runner.graph_runner is None
+    assert model.has_cpu_experts
+    for i in model.config.moe_layers:
+        be = model.model.layers[i].mlp.expert_backend
+        assert be.name == "hybrid" and be.gpu_expert_ids == (0, 1, 2)
+    assert placement_from_config(EngineConfig(), model.config) is None
+
+
+def _greedy_tokens(engine, prompts, max_tokens=10):
+    from k2serve.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    toks = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            toks[out.request_id].extend(out.outputs[0].token_ids)
+    engine.check_integrity()
+    return toks
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_decode_graphs_give_the_eager_tokens_and_are_replayed():
+    from k2serve.engine.engine import LLMEngine
+
+    model = load_tiny("int4", dtype=torch.bfloat16, device="cuda")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (3, 17, 9, 30, 1)]
+    cfg = EngineConfig(device="cuda", num_kv_pages=64, page_size=16, max_model_len=256,
+                       max_num_seqs=8)  # fmt: skip
+    eng = LLMEngine(cfg, model=model)
+    gr = eng.runner.graph_runner
+    assert gr is not None and 8 in gr.graphs and 1 in gr.graphs
+    replays = []
+    run = gr.run
+    gr.run = lambda ids, pos, md: (replays.append(gr.bucket_for(md)), run(ids, pos, md))[1]
+    graphed = _greedy_tokens(eng, prompts)
+    assert any(b is not None for b in replays)  # decode steps went through a graph
+    eager_eng = LLMEngine(cfg, model=model)
+    eager_eng.runner.graph_runner = None
+    eager = _greedy_tokens(eager_eng, prompts)
+    assert graphed == eager
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_enforce_eager_captures_nothing():
+    model = load_tiny(dtype=torch.bfloat16, device="cuda")
+    caches = allocate_kv_caches(model.config, 8, 16, torch.bfloat16, "cuda")
+    cfg = EngineConfig(device="cuda", enforce_eager=True)
+    assert ModelRunner(model, caches, 16, "cuda", engine_config=cfg).graph_runner is None
