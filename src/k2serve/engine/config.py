@@ -30,7 +30,15 @@ _HELP = {
     "kv_cache_memory": "KV cache size in bytes or like '4GiB' (CPU default 1GiB; overrides the "
     "GPU fraction)",
     "num_kv_pages": "exact number of KV pages (overrides the memory budget)",
-    "kv_cache_dtype": "auto (= model dtype)",
+    "kv_cache_dtype": "auto (= model dtype), bf16, fp8 (float8_e4m3fn latent cache: twice the "
+    "tokens; on CUDA served by the torch attention backend until the Triton one reads fp8)",
+    "attention_backend": "auto (Triton on CUDA, torch on CPU), torch, triton",
+    "moe_backend": "auto (fused Triton MoE on CUDA, torch on CPU), torch, triton",
+    "enforce_eager": "never capture CUDA graphs (decode steps run eagerly), as vLLM",
+    "num_gpu_experts": "routed experts per MoE layer kept on the GPU, the rest in host memory "
+    "computed on the CPU (default: all on the GPU; `k2serve plan` prints a value)",
+    "expert_placement_file": 'JSON of per-layer routing counts {"layers": {"3": [count per '
+    "expert]}}: the most-routed experts go on the GPU",
     "max_waiting": "most requests waiting before new ones get EngineQueueFull (None: no limit)",
     "seed": "seed of unseeded sampling",
     "tensor_parallel_size": "number of GPUs (processes) the model is sharded over (-tp)",
@@ -69,6 +77,11 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     num_kv_pages: int | None = None
     kv_cache_dtype: str = "auto"
+    attention_backend: str = "auto"
+    moe_backend: str = "auto"
+    enforce_eager: bool = False
+    num_gpu_experts: int | None = None
+    expert_placement_file: str | None = None
     max_waiting: int | None = None
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -112,11 +125,14 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r} is not one of auto, bfloat16, float16, float32")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format={self.load_format!r} is not auto, safetensors or dummy")
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet (only 'auto': the "
-                "model dtype)"
-            )
+        if self.kv_cache_dtype not in ("auto", "bf16", "fp8"):
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not auto, bf16 or fp8")
+        for name in ("attention_backend", "moe_backend"):
+            if getattr(self, name) not in ("auto", "torch", "triton"):
+                raise ValueError(f"{name}={getattr(self, name)!r} is not auto, torch or triton")
+        n = self.num_gpu_experts
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+            raise ValueError(f"num_gpu_experts={n!r} must be a non-negative integer")
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)
@@ -136,7 +152,8 @@ class EngineConfig:
                     flag, action=argparse.BooleanOptionalAction, default=default, help=help_
                 )
                 continue
-            typ = {"max_model_len": int, "num_kv_pages": int, "max_waiting": int}.get(f.name)
+            typ = {"max_model_len": int, "num_kv_pages": int, "max_waiting": int,
+                   "num_gpu_experts": int}.get(f.name)  # fmt: skip
             if typ is None:
                 typ = type(default) if default is not None else str
             parser.add_argument(flag, type=typ, default=default, help=help_)

@@ -10,6 +10,11 @@ Invariants:
 - Skipped: `*.rotary_emb.inv_freq`, MTP layers (index >= num_hidden_layers), and, for K2.5,
   everything outside `language_model.` (vision tower, projector).
 - A missing, unexpected or misshapen tensor raises `CheckpointError` naming it.
+- `expert_placement` (k2serve.moe.placement) puts the CPU-placed experts' tensors in host
+  memory as they are read (never on the GPU); `tensor_device(name)` is the general per-tensor
+  device map (None = `device`). Dummy weights are generated on `device` one tensor at a time and
+  then moved (at most one tensor transiently). The loaded model gets its backends chosen by
+  `model.setup_backends(placement=expert_placement)` (Triton on CUDA, torch elsewhere).
 """
 
 from __future__ import annotations
@@ -116,6 +121,9 @@ def load_model(
     config: ModelConfig | None = None,
     seed: int = 0,
     progress: bool = True,
+    expert_placement=None,
+    tensor_device=None,
+    setup_backends: bool = True,
     tp_rank: int = 0,
     tp_size: int = 1,
     expert_parallel: bool = False,
@@ -125,6 +133,28 @@ def load_model(
     With `tp_size > 1`: only tensor-parallel rank `tp_rank`'s shard (k2serve.distributed), each
     tensor's slice read on its own so the full model is never in memory; the model gets
     `.tp_plan` and runs only together with the other ranks in a torch.distributed group."""
+    model = _load(model_dir, dtype, device, load_format, config, seed, progress,
+                  _device_map(device, expert_placement, tensor_device),
+                  (tp_rank, tp_size, expert_parallel))  # fmt: skip
+    if setup_backends:
+        model.setup_backends(placement=expert_placement)
+    return model
+
+
+def _device_map(device, placement, tensor_device):
+    """name -> device of that tensor."""
+    device = torch.device(device)
+
+    def dev(name: str) -> torch.device:
+        if placement is not None and placement.tensor_on_cpu(name):
+            return torch.device("cpu")
+        d = tensor_device(name) if tensor_device is not None else None
+        return torch.device(d) if d is not None else device
+
+    return dev
+
+
+def _load(model_dir, dtype, device, load_format, config, seed, progress, device_of, tp):
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r}; choose from {', '.join(LOAD_FORMATS)}")
     device = torch.device(device)
@@ -133,15 +163,13 @@ def load_model(
             raise ValueError("load_model needs model_dir or config")
         config = ModelConfig.from_hf(model_dir)
     if load_format == "dummy":
-        return _load_dummy(
-            config, dtype, device, seed, progress, tp=(tp_rank, tp_size, expert_parallel)
-        )
+        return _load_dummy(config, dtype, device, seed, progress, device_of, tp)
     if model_dir is None:
         raise ValueError(f"load_format={load_format!r} needs a model_dir")
     model_dir = os.fspath(model_dir)
     weight_map = _weight_map(model_dir)
     model = build_meta_model(config, dtype, frozenset(weight_map))
-    plan = _shard(model, tp_rank, tp_size, expert_parallel)  # None without tensor parallel
+    plan = _shard(model, *tp)  # None without tensor parallel
     expected = dict(model.state_dict(keep_vars=True))  # name -> meta tensor (this rank's shape)
 
     by_shard: dict[str, list[tuple[str, str]]] = {}
@@ -185,6 +213,7 @@ def load_model(
                     )
                 t = plan.read(name, t) if plan else f.get_tensor(ckpt_name)  # this rank's part
                 t = _cast(t, meta, ckpt_name)
+                device = device_of(name)
                 # NOTE: get_tensor returns a view of the mmap; copy it into memory the model
                 # owns, so the shard's pages are released when the shard is closed (peak host
                 # memory = model + one shard, and the files may change after loading).
@@ -212,6 +241,7 @@ def _load_dummy(
     device: torch.device,
     seed: int,
     progress: bool,
+    device_of=None,
     tp: tuple[int, int, bool] = (0, 1, False),
 ) -> DeepseekV3ForCausalLM:
     from k2serve.weights.random_init import random_tensors
@@ -227,6 +257,6 @@ def _load_dummy(
             if plan.skips(name):
                 continue
             t = plan.shard(name, t)
-        set_tensor(model, name, t)
+        set_tensor(model, name, t.to(device_of(name)) if device_of is not None else t)
     model.eval()
     return model
