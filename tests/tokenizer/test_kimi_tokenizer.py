@@ -121,3 +121,12 @@ def test_chat_template_from_config(tmp_path):
     assert KimiTokenizer.from_dir(tmp_path).chat_template == "{{ messages[0]['content'] }}!"
     (tmp_path / "chat_template.jinja").write_text("file wins")
     assert KimiTokenizer.from_dir(tmp_path).chat_template == "file wins"
+
+
+def test_encode_cuts_every_400k_chars(small):
+    # Words of 12 a's + a space never reach 25k-long runs, but 400000 = 30769 * 13 + 3 cuts
+    # word 30770 after 3 a's: "aaa" -> [aa, a] and the other 9 -> [aa]*4 + [a]. Every other
+    # word is 6 x "aa", so exactly two lone "a" tokens appear.
+    ids = small.encode(("a" * 12 + " ") * 31000)
+    assert ids.count(ord("a")) == 2
+    assert small.decode(ids) == ("a" * 12 + " ") * 31000
