@@ -78,8 +78,8 @@ class ExpertPlacement:
         n = str(per[0]) if len(per) == 1 else f"{per[0]}-{per[-1]}"
         cpu = self.num_cpu_experts_total
         return (
-            f"experts: {n} of {self.num_experts} per MoE layer on {gpu_name}, {cpu} in host "
-            f"memory computed on the CPU ({layers} MoE layers; {self.source})"
+            f"experts: {n} of {self.num_experts} per MoE layer on {gpu_name}, the rest ({cpu} "
+            f"over {layers} MoE layers) in host memory computed on the CPU ({self.source})"
         )
 
 
