@@ -93,6 +93,12 @@ class ModelRunner:
         )
         if self.kv_caches and self.kv_caches[0].dtype == torch.float8_e4m3fn:
             want["kv"] = self.kv_caches[0].dtype
+        elif getattr(cfg, "kv_cache_dtype", "auto") == "fp8" and self.kv_caches:
+            logger.warning(
+                "kv_cache_dtype fp8 was asked for but the KV cache was allocated as %s "
+                "(allocate it with k2serve.attention.kv_cache_torch_dtype)",
+                self.kv_caches[0].dtype,
+            )
         if cfg is not None and self.model.expert_placement is None:
             want["placement"] = placement_from_config(cfg, self.model.config)
         if self.model.backend_settings != want:
