@@ -115,3 +115,23 @@ def test_loader_puts_cpu_experts_in_host_memory(tmp_path):
         assert t.device.type == want, name
     assert sum(p.tensor_on_cpu(n) for n in model.state_dict()) == 2 * 3 * 3 * 3  # layers,
     # experts 5..7, projections, tensors per INT4 linear
+
+
+def test_recorded_routing_counts_drive_the_placement(tmp_path):
+    from k2serve.moe.placement import RoutingRecorder
+
+    model = load_tiny("int4")
+    ids = _ids(25, seed=2)
+    with RoutingRecorder(model) as rec:
+        model(ids, torch.arange(len(ids)))
+    model(ids, torch.arange(len(ids)))  # after remove(): not counted
+    k = model.config.num_experts_per_tok
+    assert sorted(rec.counts) == [1, 2]
+    assert all(int(c.sum()) == len(ids) * k for c in rec.counts.values())
+    f = tmp_path / "counts.json"
+    rec.save(f)
+    p = make_placement(model.config, 3, f)
+    for layer, c in rec.counts.items():
+        hottest = sorted(range(E), key=lambda e: (-int(c[e]), e))[:3]
+        assert p.gpu_experts[layer] == tuple(sorted(hottest))
+        assert set(p.cpu_experts(layer)).isdisjoint(hottest)

@@ -2,7 +2,8 @@
 
 Owns: `ExpertPlacement` (per MoE layer, the ids of the experts kept on the GPU), how it is made
 from the flags (`make_placement(config, num_gpu_experts, placement_file)`), the routing-count
-file format, and `describe_placement(model)` for start-up logs.
+file format and `RoutingRecorder` (which writes it), and `describe_placement(model)` for
+start-up logs.
 
 Invariants:
 - Placement is device-agnostic: "gpu" means "the model's device", "cpu" means host memory with
@@ -23,6 +24,8 @@ import json
 import os
 import re
 from dataclasses import dataclass
+
+import torch
 
 _EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
 
@@ -149,6 +152,47 @@ def make_placement(
     return ExpertPlacement(E, gpu, source)
 
 
+class RoutingRecorder:
+    """Counts, per MoE layer, how many (token, expert) pairs the router sends to each expert,
+    to write a counts file for `--expert-placement-file`. Counts accumulate on the model's
+    device with no host sync; steps replayed from CUDA graphs are not seen (record with
+    --enforce-eager). Use as a context manager, or call `remove()`."""
+
+    def __init__(self, model) -> None:
+        self.counts: dict[int, torch.Tensor] = {}  # layer -> [E] int64
+        self._handles = []
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is None:
+                continue
+            c = torch.zeros(gate.num_experts, dtype=torch.long, device=gate.weight.device)
+            self.counts[layer.layer_idx] = c
+
+            def hook(mod, args, out, _c=c):
+                ids = out[1].reshape(-1).to(_c.device, torch.long)  # [T * k]
+                _c.index_add_(0, ids, torch.ones_like(ids))
+
+            self._handles.append(gate.register_forward_hook(hook))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __enter__(self) -> RoutingRecorder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def to_dict(self) -> dict:
+        return {"layers": {str(k): v.tolist() for k, v in sorted(self.counts.items())}}
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f)
+
+
 def describe_placement(model) -> str:
     """One line for start-up logs: where the model's routed experts live."""
     p = getattr(model, "expert_placement", None)
@@ -162,6 +206,7 @@ def describe_placement(model) -> str:
 __all__ = [
     "ExpertPlacement",
     "PlacementError",
+    "RoutingRecorder",
     "describe_placement",
     "load_routing_counts",
     "make_placement",
