@@ -207,3 +207,49 @@ def test_permute_planes_is_a_column_permutation():
     assert torch.equal(y.sort(1).values, x.sort(1).values)
     with pytest.raises(ValueError, match="multiple of the plane block"):
         moe_int4.permute_planes(torch.randn(2, 100), 128)
+
+
+def test_expanded_prefill_matches_absorbed_with_cached_prefix(monkeypatch):
+    """install_prefill_expand: a prefill step over a cached prefix in the non-absorbed form
+    (kv_b_proj + SDPA) equals the absorbed torch-reference path and the cache-free model."""
+    from k2serve.attention import TorchMLABackend, allocate_kv_caches, triton_mla
+    from k2serve.attention.base import AttentionMetadata
+    from k2serve.attention.triton_mla import install_prefill_expand
+    from k2serve.config import ModelConfig
+    from k2serve.weights.loader import load_model
+    from k2serve.weights.presets import preset_config
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_hf(preset_config("tiny", "bf16", layers=2))
+    model = load_model(None, load_format="dummy", config=cfg, device="cpu", dtype=torch.float32)
+    assert install_prefill_expand(model) == 2
+    ps, n0, n1 = 8, 13, 7
+    ids = torch.randint(0, cfg.vocab_size, (n0 + n1,))
+
+    def md(ctx, q):
+        pages = torch.arange(4, dtype=torch.int32)[None]
+        slots = torch.arange(ctx, ctx + q)
+        return AttentionMetadata(
+            query_start_loc=torch.tensor([0, q], dtype=torch.int32),
+            seq_lens=torch.tensor([ctx + q], dtype=torch.int32),
+            context_lens=torch.tensor([ctx], dtype=torch.int32),
+            block_table=pages, slot_mapping=slots, max_query_len=q, max_seq_len=ctx + q,
+            page_size=ps,
+        )  # fmt: skip
+
+    calls = []
+    orig = triton_mla.mla_prefill_expanded
+    monkeypatch.setattr(triton_mla, "mla_prefill_expanded",
+                        lambda *a: calls.append(1) or orig(*a))  # fmt: skip
+    outs = {}
+    for mode in ("absorbed", "expand"):
+        be = TorchMLABackend()
+        be.prefill = mode
+        model.set_attn_backend(be)
+        kv = allocate_kv_caches(cfg, 4, ps, torch.float32, "cpu")
+        model(ids[:n0], torch.arange(n0), md(0, n0), kv)
+        outs[mode] = model(ids[n0:], torch.arange(n0, n0 + n1), md(n0, n1), kv)
+    assert len(calls) == 4  # 2 layers x 2 steps took the expanded path, only in "expand" mode
+    full = model(ids, torch.arange(n0 + n1))[n0:]  # naive MLA, no cache
+    assert rel(outs["expand"], outs["absorbed"]) < 1e-4
+    assert rel(outs["expand"], full) < 1e-4
