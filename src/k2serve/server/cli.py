@@ -233,7 +233,10 @@ def run(args: argparse.Namespace) -> int:
             access_log=False,
         )
         server = _DrainingServer.make(config, state, args.drain_timeout)
-        logger.info("serving on http://%s:%d/v1 (OpenAI API; /health, /metrics)", host, args.port)
+        bound = "" if host == args.host else f", bound to {args.host}"
+        logger.info(
+            "serving on http://%s:%d/v1 (OpenAI API; /health, /metrics%s)", host, args.port, bound
+        )
         server.run()
         if not server.started:
             print(f"k2serve serve: could not start on {args.host}:{args.port}", file=sys.stderr)
