@@ -72,3 +72,14 @@ def fail_on_worker(state, message: str) -> int:
 
 def echo_rank(state) -> int:
     return state.rank
+
+
+def backend_settings(state) -> dict:
+    """This rank's model backends and KV cache dtype (as strings: they travel back by pipe)."""
+    s = state.data["model"].backend_settings
+    return dict(
+        attention=s["attention"],
+        moe=s["moe"],
+        kv=str(s["kv"]),
+        cache=str(state.data["kv_caches"][0].dtype),
+    )

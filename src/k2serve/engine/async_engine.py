@@ -140,11 +140,17 @@ class AsyncLLMEngine:
         return self._stats
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the step loop, fail the open streams, then stop the engine's runner (TP workers).
+        Idempotent."""
         self._stop = True
         self._wake.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
         self._fail_all(EngineDeadError("the engine was shut down"))
+        if self._thread.is_alive():  # a step still running: its workers must not vanish under it
+            logger.warning("engine thread still running after %.1fs; runner left up", timeout)
+            return
+        self.engine.shutdown()
 
     # ---- engine thread -----------------------------------------------------------------------
     def _submit_abort(self, request_id: str) -> None:

@@ -21,13 +21,15 @@ import os
 import time
 from dataclasses import dataclass
 
+from k2serve.attention import kv_cache_torch_dtype
 from k2serve.cache.kv_cache_manager import KVCacheManager
+from k2serve.config import ModelConfig
 from k2serve.engine.config import EngineConfig
 from k2serve.engine.detokenizer import make_detokenizer
 from k2serve.engine.errors import PromptTooLongError
 from k2serve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from k2serve.engine.request import Request, RequestStatus
-from k2serve.engine.runner import ModelRunner
+from k2serve.engine.runner import ModelRunner, placement_from_config
 from k2serve.engine.sampling_params import SamplingParams
 from k2serve.engine.scheduler import Scheduler
 from k2serve.engine.setup import (
@@ -110,12 +112,15 @@ class LLMEngine:
 
                 model_dir = os.fspath(demo_path())
             dtype = resolve_dtype(cfg.dtype, self.device)
+            # --num-gpu-experts / --expert-placement-file: CPU experts never touch the GPU
+            placement = placement_from_config(cfg, ModelConfig.from_hf(model_dir))
             t0 = time.monotonic()
             model = load_model(
                 model_dir,
                 dtype=dtype,
                 device=self.device,
                 load_format=cfg.load_format,
+                expert_placement=placement,
                 **tp_load_kwargs(cfg),  # tensor parallel: rank 0's shard only
             )
             logger.info("loaded %s in %.1fs", model_dir, time.monotonic() - t0)
@@ -125,11 +130,12 @@ class LLMEngine:
         self.model_config = model.config
         self.tokenizer = tokenizer
         self.model_dir = model_dir
-        dtype = activation_dtype(model, cfg, self.device)  # = KV cache dtype
+        dtype = activation_dtype(model, cfg, self.device)
+        kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, dtype)  # fp8: float8_e4m3fn
 
         max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
         pages, max_model_len = num_kv_pages(
-            cfg, self.model_config, dtype, self.device, max_model_len, cfg.max_model_len is None
+            cfg, self.model_config, kv_dtype, self.device, max_model_len, cfg.max_model_len is None
         )
         self.config = cfg.replace(max_model_len=max_model_len, num_kv_pages=pages)
         self.max_model_len = max_model_len
@@ -139,7 +145,7 @@ class LLMEngine:
             def kv_cache_factory(n, ps, dt, dev):
                 return allocate_kv_caches(self.model_config, n, ps, dt, dev)
 
-        kv_caches = kv_cache_factory(pages, cfg.page_size, dtype, self.device)
+        kv_caches = kv_cache_factory(pages, cfg.page_size, kv_dtype, self.device)
         self.kv = KVCacheManager(pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv,
@@ -159,7 +165,9 @@ class LLMEngine:
                 load_dtype=resolve_dtype(cfg.dtype, self.device),
             )
         else:
-            self.runner = ModelRunner(model, kv_caches, cfg.page_size, self.device, cfg.seed)
+            self.runner = ModelRunner(
+                model, kv_caches, cfg.page_size, self.device, cfg.seed, engine_config=cfg
+            )
         self.eos_token_ids = eos_token_ids(self.model_config, tokenizer, model_dir)
         self.vocab_size = self.model_config.vocab_size
         self._requests: dict[str, Request] = {}  # child id -> request (unfinished)
@@ -393,6 +401,14 @@ class LLMEngine:
             for r in parent.children:
                 self._states.pop(r.request_id, None)
         return out
+
+    # ---- lifetime ----------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop what the runner started (tensor-parallel worker processes); idempotent. The
+        engine cannot step afterwards."""
+        stop = getattr(getattr(self, "runner", None), "shutdown", None)
+        if stop is not None:
+            stop()
 
     # ---- introspection -----------------------------------------------------------------------
     def get_stats(self) -> EngineStats:

@@ -3,7 +3,8 @@
 The engine process is rank 0: it holds its shard of the model (loaded with `load_model(...,
 tp_rank=0, tp_size=N)`) and its KV caches, and drives N - 1 worker processes
 (k2serve.distributed.workers.WorkerGroup) that load their own shards and allocate KV caches of
-the same page count. Each step:
+the same page count; every rank applies the engine config's backends and expert placement with
+`k2serve.engine.runner.apply_engine_backends`, as the single-process ModelRunner does. Each step:
 1. rank 0 builds the flat batch on the CPU (ModelRunner.prepare), packs it into ONE int64 array
    (`pack_model_input`) and sends it to every worker;
 2. every rank copies the array to its device once, unpacks views (`unpack_model_input`) and
@@ -27,7 +28,12 @@ from k2serve.attention.base import AttentionMetadata
 from k2serve.cache.kv_cache_manager import KVCacheManager
 from k2serve.distributed.workers import WorkerGroup, WorkerState
 from k2serve.engine.request import Request
-from k2serve.engine.runner import ModelInput, ModelRunner
+from k2serve.engine.runner import (
+    ModelInput,
+    ModelRunner,
+    apply_engine_backends,
+    placement_from_config,
+)
 from k2serve.engine.sampler import Sampler, SamplerOutput
 from k2serve.engine.scheduler import SchedulerOutput
 
@@ -100,10 +106,13 @@ def tp_load_kwargs(engine_config) -> dict:
 def load_shard(state: WorkerState, spec: dict) -> int:
     """A worker: load its shard of the model and allocate its KV caches. -> bytes of weights."""
     from k2serve.attention import allocate_kv_caches
+    from k2serve.config import ModelConfig
     from k2serve.weights.loader import load_model
 
     if state.device.type == "cpu" and spec.get("cpu_threads"):
         torch.set_num_threads(spec["cpu_threads"])
+    cfg = spec["engine_config"]
+    placement = placement_from_config(cfg, ModelConfig.from_hf(spec["model_dir"]))
     model = load_model(
         spec["model_dir"],
         dtype=spec["dtype"],
@@ -114,10 +123,12 @@ def load_shard(state: WorkerState, spec: dict) -> int:
         tp_rank=state.rank,
         tp_size=state.world_size,
         expert_parallel=spec["expert_parallel"],
+        expert_placement=placement,
     )
     kv = allocate_kv_caches(
         model.config, spec["num_pages"], spec["page_size"], spec["kv_dtype"], state.device
     )
+    apply_engine_backends(model, cfg, spec["kv_dtype"])  # as rank 0's ModelRunner does
     state.data.update(model=model, kv_caches=kv)
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -162,9 +173,11 @@ class MultiprocExecutor:
         # NOTE: the flat batch is built on the CPU (then packed); the sampler runs on rank 0.
         self._prep = ModelRunner(None, [], cfg.page_size, "cpu", cfg.seed)
         self.sampler = Sampler(self.device, cfg.seed)
+        apply_engine_backends(model, cfg, kv_caches[0].dtype)  # the workers do the same
         self.group = WorkerGroup(W, self.device, cfg.distributed_backend)
         self.group.state.data.update(model=model, kv_caches=kv_caches)
         spec = dict(
+            engine_config=cfg,
             model_dir=os.fspath(model_dir),
             dtype=load_dtype,
             load_format=cfg.load_format,
@@ -206,4 +219,5 @@ class MultiprocExecutor:
         self.group.check()
 
     def shutdown(self) -> None:
+        """Stop the workers and destroy the process group (idempotent)."""
         self.group.shutdown()

@@ -7,6 +7,7 @@
 
 `generate` and `chat` return CUMULATIVE `RequestOutput`s in the order of the prompts. All
 prompts are validated before any is queued; an interrupted call aborts what it queued.
+`close()` (also `with LLM(...) as llm:` and garbage collection) stops tensor-parallel workers.
 """
 
 from __future__ import annotations
@@ -46,6 +47,27 @@ class LLM:
         )
         self.llm_engine = LLMEngine(cfg)
         self._ids = itertools.count()
+
+    # ---- lifetime: `with LLM(...) as llm:` / `llm.close()` stop tensor-parallel workers -------
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor parallel); idempotent."""
+        eng = getattr(self, "llm_engine", None)  # None when __init__ failed
+        if eng is not None:
+            eng.shutdown()
+
+    shutdown = close
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer (interpreter exit)
+            pass
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

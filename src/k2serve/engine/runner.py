@@ -77,34 +77,10 @@ class ModelRunner:
         self.sampler = Sampler(self.device, seed)
         self.graph_runner = None
         if hasattr(model, "setup_backends"):
-            self._setup_backends(engine_config)
+            kv_dtype = kv_caches[0].dtype if kv_caches else None
+            apply_engine_backends(model, engine_config, kv_dtype)
         if self.device.type == "cuda":
             self._setup_graphs(engine_config)
-
-    def _setup_backends(self, cfg) -> None:
-        """Re-choose the model's backends when the config asks for other ones than the loader
-        chose (the loader applies the defaults and the expert placement)."""
-        want = dict(
-            attention=getattr(cfg, "attention_backend", "auto"),
-            moe=getattr(cfg, "moe_backend", "auto"),
-            norm="auto",
-            placement=self.model.expert_placement,
-            kv=None,  # only an fp8 cache changes the choice
-        )
-        if self.kv_caches and self.kv_caches[0].dtype == torch.float8_e4m3fn:
-            want["kv"] = self.kv_caches[0].dtype
-        elif getattr(cfg, "kv_cache_dtype", "auto") == "fp8" and self.kv_caches:
-            logger.warning(
-                "kv_cache_dtype fp8 was asked for but the KV cache was allocated as %s "
-                "(allocate it with k2serve.attention.kv_cache_torch_dtype)",
-                self.kv_caches[0].dtype,
-            )
-        if cfg is not None and self.model.expert_placement is None:
-            want["placement"] = placement_from_config(cfg, self.model.config)
-        if self.model.backend_settings != want:
-            self.model.setup_backends(
-                want["attention"], want["moe"], want["norm"], want["placement"], want["kv"]
-            )
 
     def _setup_graphs(self, cfg) -> None:
         if getattr(cfg, "enforce_eager", False):
@@ -215,3 +191,32 @@ def placement_from_config(cfg, model_config):
     from k2serve.moe.placement import make_placement
 
     return make_placement(model_config, n, path)
+
+
+def apply_engine_backends(model, cfg, kv_cache_dtype: torch.dtype | None = None) -> None:
+    """Re-choose `model`'s backends when the engine config (attention_backend, moe_backend,
+    num_gpu_experts / expert_placement_file) or an fp8 KV cache ask for other ones than the
+    loader chose. The single-process runner and every tensor-parallel rank call this, so all
+    ranks run the same backends. `cfg` None = the defaults; `kv_cache_dtype` = the dtype the KV
+    cache tensors were allocated with (None: no cache yet)."""
+    want = dict(
+        attention=getattr(cfg, "attention_backend", "auto"),
+        moe=getattr(cfg, "moe_backend", "auto"),
+        norm="auto",
+        placement=model.expert_placement,
+        kv=None,  # only an fp8 cache changes the choice
+    )
+    if kv_cache_dtype == torch.float8_e4m3fn:
+        want["kv"] = kv_cache_dtype
+    elif getattr(cfg, "kv_cache_dtype", "auto") == "fp8" and kv_cache_dtype is not None:
+        logger.warning(
+            "kv_cache_dtype fp8 was asked for but the KV cache was allocated as %s "
+            "(allocate it with k2serve.attention.kv_cache_torch_dtype)",
+            kv_cache_dtype,
+        )
+    if cfg is not None and model.expert_placement is None:
+        want["placement"] = placement_from_config(cfg, model.config)
+    if model.backend_settings != want:
+        model.setup_backends(
+            want["attention"], want["moe"], want["norm"], want["placement"], want["kv"]
+        )

@@ -64,7 +64,8 @@ def load_tokenizer(path: str):
     try:
         return KimiTokenizer.from_dir(path)
     except (FileNotFoundError, OSError, ValueError) as e:
-        logger.warning("no tokenizer in %s (%s): token ids only, no text", path, e)
+        # str(e): a record holding the exception would keep its frames (and the engine) alive
+        logger.warning("no tokenizer in %s (%s): token ids only, no text", path, str(e))
         return None
 
 
@@ -89,29 +90,30 @@ def eos_token_ids(model_config, tokenizer, model_dir: str | None) -> frozenset[i
     return frozenset(int(i) for i in ids)
 
 
-def kv_bytes_per_token(model_config, dtype: torch.dtype) -> int:
-    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, "bf16")
-    try:
-        from k2serve.plan import kv_bytes_per_token as plan_kv_bytes
+def kv_bytes_per_token(model_config, cache_dtype: torch.dtype) -> int:
+    """Bytes one token takes in a KV cache of `cache_dtype` (float8_e4m3fn / bfloat16 /
+    float16 / float32), from the planner's formula (`k2serve.plan.kv_bytes_per_token`), so the
+    engine and `k2serve plan` never disagree. The planner names only the cache dtypes a
+    checkpoint is served with (bf16, fp8); its fp8 figure is one byte per cached value, so the
+    values per token times the element size sizes any cache (fp32 / fp16 ones on the CPU too)."""
+    from k2serve.plan import kv_bytes_per_token as plan_kv_bytes
 
-        return int(plan_kv_bytes(model_config, name))
-    except (ImportError, ValueError, KeyError):
-        # NOTE: same formula as the planner's (layers * (kv_lora_rank + rope dim) * bytes)
-        elem = torch.empty(0, dtype=dtype).element_size()
-        return model_config.num_hidden_layers * model_config.kv_cache_dim * elem
+    values_per_token = int(plan_kv_bytes(model_config, "fp8"))  # 1 byte per value
+    return values_per_token * torch.empty(0, dtype=cache_dtype).element_size()
 
 
 def num_kv_pages(
     cfg: EngineConfig,
     model_config,
-    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
     device: torch.device,
     max_model_len: int,
     may_shrink_max_model_len: bool,
 ) -> tuple[int, int]:
-    """(number of pages, max_model_len) from the memory budget. Logs how many tokens fit."""
+    """(number of pages, max_model_len) from the memory budget for a cache of `cache_dtype`
+    (`kv_cache_torch_dtype(cfg.kv_cache_dtype, model dtype)`). Logs how many tokens fit."""
     ps = cfg.page_size
-    per_token = kv_bytes_per_token(model_config, dtype)
+    per_token = kv_bytes_per_token(model_config, cache_dtype)
     per_page = per_token * ps
     if cfg.num_kv_pages is not None:
         pages = cfg.num_kv_pages
@@ -147,12 +149,13 @@ def num_kv_pages(
         )
         max_model_len = pages * ps
     logger.info(
-        "KV cache: %d pages x %d tokens = %d tokens (%.2f GiB, %d bytes/token, %s); %.1f "
+        "KV cache: %d pages x %d tokens = %d tokens (%.2f GiB, %s, %d bytes/token, %s); %.1f "
         "sequences of max_model_len=%d",
         pages,
         ps,
         pages * ps,
         pages * per_page / 2**30,
+        str(cache_dtype).removeprefix("torch."),
         per_token,
         source,
         pages * ps / max_model_len,
