@@ -52,9 +52,20 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        else:
+            raise ValueError(
+                f"stop={self.stop!r} is invalid: must be a string or a list of strings"
+            )
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        else:
+            raise ValueError(
+                f"stop_token_ids={self.stop_token_ids!r} is invalid: must be a list of integers"
+            )
         self.logits_processors = list(self.logits_processors or [])
         if self.top_k == -1:
             self.top_k = 0
