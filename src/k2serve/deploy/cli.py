@@ -141,6 +141,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         with open(args.plan) as f:
             plan = json.load(f)
+        if not isinstance(plan, dict) or "fits" not in plan:
+            raise ValueError(
+                f"--plan {args.plan!r} is not a plan (no 'fits' field); "
+                "write one with `k2serve plan --json`"
+            )
         if not plan.get("fits") and not args.force:
             why = "; ".join(plan.get("reasons") or [])
             print(f"k2serve deploy: the plan does not fit ({why}); use --force", file=sys.stderr)

@@ -77,7 +77,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         prompts = args.prompt or [sys.stdin.read()]
     kw = {k: v for k, v in vars(cfg).items() if k not in ("model", "tokenizer", "dtype", "device")}
-    llm = LLM(cfg.model, tokenizer=cfg.tokenizer, dtype=cfg.dtype, device=cfg.device, **kw)
+    try:
+        llm = LLM(cfg.model, tokenizer=cfg.tokenizer, dtype=cfg.dtype, device=cfg.device, **kw)
+    except (ValueError, OSError) as e:
+        print(f"k2serve generate: {e}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     try:
         if args.chat:
