@@ -86,8 +86,11 @@ class SamplingParams:
             raise bad("top_k", "must be -1 or 0 (disabled) or an integer >= 1")
         if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
             raise bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and not _is_int(self.seed):
-            raise bad("seed", "must be an integer or None")
+        if self.seed is not None and (
+            not _is_int(self.seed) or not -(2**63) <= self.seed <= 2**63 - 1
+        ):
+            # torch.Generator.manual_seed takes [-2**63, 2**64); the sampler adds the sample index
+            raise bad("seed", "must be an integer in [-2**63, 2**63 - 1] (int64) or None")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1 or None")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:

@@ -1,0 +1,59 @@
+"""Black-box HTTP checks against a real `k2serve serve` on the shipped demo model.
+
+One server per module (conftest `server`: --api-key, --max-model-len 512, --max-waiting 1)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from k2serve import SamplingParams
+
+CHAT = "/v1/chat/completions"
+CMPL = "/v1/completions"
+HELLO = [{"role": "user", "content": "Hello"}]
+
+
+def post(server, auth, path, body, timeout=60):
+    return httpx.post(server.url + path, json=body, headers=auth, timeout=timeout)
+
+
+def assert_openai_error(r, status, param=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert "Traceback" not in err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+
+
+@pytest.mark.parametrize("seed", [2**70, -(2**70), 2**64])
+def test_out_of_range_seed_is_a_400_and_the_server_lives_on(server, auth, seed):
+    for path, body in [
+        (CMPL, {"prompt": "Hi", "max_tokens": 2, "seed": seed}),
+        (CHAT, {"messages": HELLO, "max_tokens": 2, "seed": seed}),
+    ]:
+        assert_openai_error(post(server, auth, path, body), 400, "seed")
+    ok = post(server, auth, CMPL, {"prompt": "Hi", "max_tokens": 2, "seed": -5})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["choices"][0]["finish_reason"] in ("length", "stop")
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, 2**70])
+def test_sampling_params_rejects_seeds_torch_cannot_take(seed):
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=seed)
+
+
+def test_int64_seeds_sample(server, auth):
+    for seed in (2**63 - 1, -(2**63)):
+        r = post(
+            server,
+            auth,
+            CMPL,
+            {"prompt": "Hi", "max_tokens": 2, "n": 2, "seed": seed, "temperature": 1.0},
+        )
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == 2
