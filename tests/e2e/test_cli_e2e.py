@@ -68,3 +68,17 @@ def test_k8s_api_key_secret_reaches_the_server(tmp_path):
         assert json.loads(ok.text)["object"] == "list"
     finally:
         srv.stop()
+
+
+def test_chat_shows_the_answer_without_raw_thinking_markers():
+    r = subprocess.run(
+        [K2SERVE, "chat", "--temperature", "0"],
+        input="Hello\nHello\n/exit\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "</think>" not in r.stdout and "<think>" not in r.stdout, r.stdout
+    # the demo greets back on both turns: the answer reaches the terminal
+    assert r.stdout.count("How can I help") == 2, r.stdout

@@ -13,6 +13,7 @@ import sys
 
 from k2serve.engine.config import EngineConfig
 from k2serve.engine.generate_cli import add_sampling_arguments, sampling_params_from_args
+from k2serve.parsers import StreamingOutputParser, parse_output
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,17 +24,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def stream_reply(engine, prompt_ids: list[int], params, out=sys.stdout) -> str:
-    """Generate one reply with the synchronous engine, writing text as it comes."""
+    """Generate one reply with the synchronous engine, writing text as it comes.
+
+    The raw text is returned; the terminal gets it through the Kimi parsers: the thought after a
+    `(thinking)` label, then the answer on its own line, tool calls as `[tool call NAME ARGS]`,
+    and never a `<think>` / tool-call marker."""
     rid = f"chat-{id(prompt_ids)}"
     engine.add_request(rid, prompt_ids, params)
     text = []
+    parser = StreamingOutputParser(thinking=True)
+    shown = {"reasoning": False, "content": False}
+
+    def show(d) -> None:
+        if d.reasoning_content:
+            if not shown["reasoning"]:
+                out.write("(thinking) ")
+                shown["reasoning"] = True
+            out.write(d.reasoning_content)
+        if d.content:
+            if shown["reasoning"] and not shown["content"]:
+                out.write("\n")
+            shown["content"] = True
+            out.write(d.content)
+        out.flush()
+
     try:
         while engine.has_unfinished_requests():
             for o in engine.step():
                 delta = o.outputs[0].text if o.outputs else ""
                 text.append(delta)
-                out.write(delta)
-                out.flush()
+                show(parser.feed(delta))
+        show(parser.finish())
+        for call in parser.tool_calls:
+            out.write(f"\n[tool call {call.name} {call.arguments}]")
     except KeyboardInterrupt:
         engine.abort_request(rid)
         while engine.has_unfinished_requests():
@@ -80,5 +103,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"[{e}] - /reset to start over", file=sys.stderr)
             messages.pop()
             continue
-        reply = stream_reply(engine, ids, params)
-        messages.append({"role": "assistant", "content": reply})
+        reply = parse_output(stream_reply(engine, ids, params))
+        messages.append(
+            {
+                "role": "assistant",
+                "content": reply.content or "",
+                "reasoning_content": reply.reasoning_content,
+            }
+        )
