@@ -82,3 +82,13 @@ def test_chat_shows_the_answer_without_raw_thinking_markers():
     assert "</think>" not in r.stdout and "<think>" not in r.stdout, r.stdout
     # the demo greets back on both turns: the answer reaches the terminal
     assert r.stdout.count("How can I help") == 2, r.stdout
+
+
+def test_make_checkpoint_onto_a_file_is_a_clear_error(tmp_path):
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    r = k2("make-checkpoint", str(f), "--preset", "tiny")
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr, r.stderr
+    assert str(f) in r.stderr
+    assert f.read_text() == "x"

@@ -105,14 +105,19 @@ def run(args: argparse.Namespace) -> int:
         cfg = preset_config(args.preset, args.fmt, args.layers)
     except ValueError as e:
         raise SystemExit(f"make-checkpoint: {e}") from None
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise SystemExit(f"make-checkpoint: {args.out!r} exists and is not a directory")
     t0 = time.perf_counter()
-    make_checkpoint(
-        args.out,
-        cfg,
-        seed=args.seed,
-        max_shard_bytes=int(args.max_shard_size * 1024**3),
-        tokenizer=not args.no_tokenizer,
-    )
+    try:
+        make_checkpoint(
+            args.out,
+            cfg,
+            seed=args.seed,
+            max_shard_bytes=int(args.max_shard_size * 1024**3),
+            tokenizer=not args.no_tokenizer,
+        )
+    except OSError as e:
+        raise SystemExit(f"make-checkpoint: cannot write {args.out!r}: {e}") from None
     dt = time.perf_counter() - t0
     print(f"wrote {args.preset} ({args.fmt}) checkpoint to {args.out} in {dt:.1f}s")
     return 0
