@@ -71,7 +71,8 @@ class QuantConfig:
             act = qc.get("activation_scheme", "dynamic")
             if act != "dynamic":
                 raise ConfigError(
-                    f"quantization_config.activation_scheme={act!r} is not supported (only 'dynamic')"
+                    f"quantization_config.activation_scheme={act!r} is not supported "
+                    "(only 'dynamic')"
                 )
             return QuantConfig(method="fp8_block", block_size=(int(bs[0]), int(bs[1])), raw=qc)
         if qm == "compressed-tensors":
@@ -83,9 +84,10 @@ class QuantConfig:
             groups = qc.get("config_groups") or {}
             if len(groups) != 1:
                 raise ConfigError(
-                    f"quantization_config.config_groups has {len(groups)} groups; k2serve supports one"
+                    f"quantization_config.config_groups has {len(groups)} groups; "
+                    "k2serve supports one"
                 )
-            (gname, group), = groups.items()
+            ((gname, group),) = groups.items()
             w = group.get("weights") or {}
             p = f"quantization_config.config_groups.{gname}.weights"
             checks = {
@@ -96,7 +98,9 @@ class QuantConfig:
             }
             for key, (got, want) in checks.items():
                 if got != want:
-                    raise ConfigError(f"{p}.{key}={got!r} is not supported (k2serve needs {want!r})")
+                    raise ConfigError(
+                        f"{p}.{key}={got!r} is not supported (k2serve needs {want!r})"
+                    )
             if w.get("actorder") not in (None, False):
                 raise ConfigError(f"{p}.actorder={w.get('actorder')!r} is not supported")
             if w.get("dynamic"):
@@ -290,7 +294,8 @@ def _from_dict(cfg: dict) -> ModelConfig:
         has_vision = "vision_config" in cfg
         if has_vision:
             logger.warning(
-                "K2.5 vision tower found in config.json: it is skipped; images are not supported yet"
+                "K2.5 vision tower found in config.json: it is skipped; "
+                "images are not supported yet"
             )
 
     def need(key: str) -> Any:
@@ -320,7 +325,9 @@ def _from_dict(cfg: dict) -> ModelConfig:
     topk_group = int(tc.get("topk_group") or 1)
     if n_routed:
         if not 0 < topk <= n_routed:
-            raise ConfigError(f"num_experts_per_tok={topk} must be in 1..n_routed_experts={n_routed}")
+            raise ConfigError(
+                f"num_experts_per_tok={topk} must be in 1..n_routed_experts={n_routed}"
+            )
         if n_routed % n_group:
             raise ConfigError(f"n_group={n_group} does not divide n_routed_experts={n_routed}")
         if not 0 < topk_group <= n_group:
@@ -358,7 +365,9 @@ def _from_dict(cfg: dict) -> ModelConfig:
         rope_theta=_rope_theta(tc),
         rope_scaling=_rope_scaling(tc),
         max_position_embeddings=int(need("max_position_embeddings")),
-        tie_word_embeddings=bool(tc.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
+        tie_word_embeddings=bool(
+            tc.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+        ),
         bos_token_id=tc.get("bos_token_id", cfg.get("bos_token_id")),
         eos_token_ids=eos_ids,
         pad_token_id=tc.get("pad_token_id", cfg.get("pad_token_id")),
