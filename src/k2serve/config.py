@@ -234,7 +234,12 @@ class ModelConfig:
             if not os.path.exists(p):
                 raise ConfigError(f"no config.json at {p}")
             with open(p) as f:
-                cfg = json.load(f)
+                try:
+                    cfg = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"{p} is not valid JSON: {e}") from None
+            if not isinstance(cfg, dict):
+                raise ConfigError(f"{p} must hold a JSON object")
         return _from_dict(cfg)
 
     def to_hf(self) -> dict:
@@ -275,6 +280,33 @@ def _rope_theta(tc: dict) -> float:
     return 10000.0
 
 
+# config.json fields read as integers / numbers: a value of another type is an error naming it
+_INT_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "n_routed_experts",
+    "n_shared_experts",
+    "num_experts_per_tok",
+    "n_group",
+    "topk_group",
+    "first_k_dense_replace",
+    "moe_layer_freq",
+    "max_position_embeddings",
+    "num_nextn_predict_layers",
+)
+_FLOAT_FIELDS = ("routed_scaling_factor", "rms_norm_eps", "rope_theta")
+
+
 def _from_dict(cfg: dict) -> ModelConfig:
     archs = cfg.get("architectures") or ["DeepseekV3ForCausalLM"]
     arch = archs[0]
@@ -302,6 +334,15 @@ def _from_dict(cfg: dict) -> ModelConfig:
         if key not in tc:
             raise ConfigError(f"config.json field {key!r} is missing")
         return tc[key]
+
+    for key in _INT_FIELDS:
+        v = tc.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise ConfigError(f"config.json field {key}={v!r} must be an integer")
+    for key in _FLOAT_FIELDS:
+        v = tc.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ConfigError(f"config.json field {key}={v!r} must be a number")
 
     act = tc.get("hidden_act", "silu")
     if act != "silu":
