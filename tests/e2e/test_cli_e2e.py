@@ -92,3 +92,15 @@ def test_make_checkpoint_onto_a_file_is_a_clear_error(tmp_path):
     assert "Traceback" not in r.stderr, r.stderr
     assert str(f) in r.stderr
     assert f.read_text() == "x"
+
+
+def test_engine_seed_out_of_int64_is_named():
+    big = str(2**70)
+    for args in (
+        ["serve", "--port", "1", "--seed", big],
+        ["generate", "--prompt", "Hi", "--seed", big],
+    ):
+        r = k2(*args)
+        assert r.returncode != 0
+        assert "Traceback" not in r.stderr, r.stderr
+        assert "seed" in r.stderr, r.stderr

@@ -107,6 +107,9 @@ class EngineConfig:
             )
         for name in ("max_model_len", "kv_cache_memory", "num_kv_pages", "max_waiting"):
             positive(name, allow_none=True)
+        seed = self.seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**63:
+            raise ValueError(f"seed={seed!r} must be an integer in [-2**63, 2**63 - 1] (int64)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
