@@ -57,3 +57,43 @@ def test_int64_seeds_sample(server, auth):
         )
         assert r.status_code == 200, r.text
         assert len(r.json()["choices"]) == 2
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"tools": TOOLS, "tool_choice": "bogus"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice"),
+        ({"stop": 5}, "stop"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ],
+)
+def test_union_typed_fields_report_the_field_as_param(server, auth, extra, param):
+    """`param` is the request field (as OpenAI), not pydantic's union branch tags."""
+    r = post(server, auth, CHAT, {"messages": HELLO, "max_tokens": 2, **extra})
+    assert_openai_error(r, 400, param)
+    assert "literal[" not in r.json()["error"]["message"]
+
+
+def test_429_when_the_waiting_queue_is_full_reads_cleanly(server, auth):
+    import asyncio
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=60, headers=auth) as c:
+            body = {"prompt": "Hello", "max_tokens": 8, "ignore_eos": True}
+            return await asyncio.gather(*[c.post(server.url + CMPL, json=body) for _ in range(12)])
+
+    rs = asyncio.run(burst())
+    codes = sorted(r.status_code for r in rs)
+    assert set(codes) <= {200, 429} and 200 in codes and 429 in codes, codes
+    for r in rs:
+        if r.status_code == 429:
+            assert_openai_error(r, 429)
+            err = r.json()["error"]
+            assert err["type"] == "rate_limit_error"
+            msg = err["message"]
+            assert msg.count("retry later") <= 1, msg
+            assert "max_waiting=1" in msg, msg

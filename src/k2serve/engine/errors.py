@@ -2,7 +2,7 @@
 
 
 class EngineQueueFull(RuntimeError):
-    """`max_waiting` requests are already waiting; try again later (HTTP 503)."""
+    """`max_waiting` requests are already waiting; try again later (HTTP 429)."""
 
 
 class PromptTooLongError(ValueError):

@@ -80,7 +80,7 @@ def engine_error(exc: Exception) -> APIError:
     if _is(exc, "EngineQueueFull"):
         return APIError(
             429,
-            f"the server is at capacity ({exc}); retry later",
+            f"the server is at capacity: {exc}",
             code="rate_limit_exceeded",
         )
     if isinstance(exc, ValueError):
@@ -88,31 +88,64 @@ def engine_error(exc: Exception) -> APIError:
     raise exc
 
 
+_FIELD = re.compile(r"[a-z_][a-z0-9_]*")
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "tuple", "set"}
+
+
+def _split_loc(loc: tuple) -> tuple[list[str], list[str]]:
+    """(path to the field, path inside one union branch), without "body" or pydantic's union tags.
+
+    Pydantic names a failed union branch by its type ("str", "list[str]", "literal['a','b']",
+    "NamedToolChoice") in the error's location; the client only knows the field names.
+    """
+    parts = [x for x in loc if x != "body"]
+    for i, x in enumerate(parts):
+        if isinstance(x, str) and (not _FIELD.fullmatch(x) or x in _TYPE_TAGS):
+            inner = [
+                str(y) for y in parts[i + 1 :] if not isinstance(y, str) or _FIELD.fullmatch(y)
+            ]
+            return [str(y) for y in parts[:i]], [y for y in inner if y not in _TYPE_TAGS]
+    return [str(y) for y in parts], []
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errs = exc.errors()
     if not errs:
         return "invalid request", None
     first = errs[0]
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    param = ".".join(loc) or None
-    msg = str(first.get("msg", "invalid value"))
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, ") :]
-        # whole-request checks (model validators) start their message with the field name
-        m = re.match(r"([a-z_]+)\b", msg)
-        if param is None and m:
-            param = m.group(1)
     if first.get("type") == "json_invalid":
-        return f"request body is not valid JSON: {msg}", None
+        return f"request body is not valid JSON: {first.get('msg', '')}", None
+    loc, _ = _split_loc(tuple(first.get("loc", ())))
+    param = ".".join(loc) or None
     if loc and loc[0] == "prompt" and len(errs) > 1:
         return (
             "prompt must be a string, a list of strings, a list of token ids or a list of "
             "token-id lists",
             "prompt",
         )
-    parts = [f"{'.'.join(loc) or 'body'}: {msg}"]
-    if len(errs) > 1:
-        parts.append(f"(and {len(errs) - 1} more problem(s))")
+    # The errors of one field: one per union branch when the field is a union.
+    same = [e for e in errs if _split_loc(tuple(e.get("loc", ())))[0] == loc]
+    reasons = []
+    for e in same:
+        msg = str(e.get("msg", "invalid value"))
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+            # whole-request checks (model validators) start their message with the field name
+            m = re.match(r"([a-z_]+)\b", msg)
+            if param is None and m:
+                param = m.group(1)
+        inner = _split_loc(tuple(e.get("loc", ())))[1]
+        reason = f"{'.'.join(inner)}: {msg}" if inner else msg
+        if reason not in reasons:
+            reasons.append(reason)
+    text = (
+        reasons[0]
+        if len(reasons) == 1
+        else "no accepted form matched (" + "; or ".join(reasons) + ")"
+    )
+    parts = [f"{'.'.join(loc) or 'body'}: {text}"]
+    if len(errs) > len(same):
+        parts.append(f"(and {len(errs) - len(same)} more problem(s))")
     return " ".join(parts), param
 
 
