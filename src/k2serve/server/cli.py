@@ -23,13 +23,43 @@ logger = logging.getLogger("k2serve.server")
 _PARSERS = ("kimi_k2",)  # the Kimi dialect is always parsed; flags kept for vLLM habits
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"port must be a whole number, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
+    return port
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def _json_list(text: str) -> list:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from k2serve.engine.config import EngineConfig
 
     EngineConfig.add_cli_args(parser)
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0", help="address to bind (default: all interfaces)")
-    g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    g.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
     g.add_argument(
         "--served-model-name",
         nargs="+",
@@ -64,13 +94,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--default-chat-template-kwargs",
-        type=json.loads,
+        type=_json_object,
         default=None,
         help="JSON merged under each request's chat_template_kwargs, e.g. '{\"thinking\": false}'",
     )
     g.add_argument(
         "--allowed-origins",
-        type=json.loads,
+        type=_json_list,
         default=["*"],
         help='CORS origins as a JSON list (default ["*"], as vLLM); [] turns CORS off',
     )
