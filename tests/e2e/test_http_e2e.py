@@ -97,3 +97,42 @@ def test_429_when_the_waiting_queue_is_full_reads_cleanly(server, auth):
             msg = err["message"]
             assert msg.count("retry later") <= 1, msg
             assert "max_waiting=1" in msg, msg
+
+
+def test_retrieve_a_served_model_and_404_for_another(server, auth):
+    listed = httpx.get(server.url + "/v1/models", headers=auth).json()["data"]
+    for card in listed:
+        r = httpx.get(server.url + f"/v1/models/{card['id']}", headers=auth)
+        assert r.status_code == 200, r.text
+        assert r.json() == card
+    assert_openai_error(httpx.get(server.url + "/v1/models/nope", headers=auth), 404, "model")
+    assert httpx.get(server.url + f"/v1/models/{listed[0]['id']}").status_code == 401
+
+
+def test_tokenize_matches_the_usage_the_server_reports(server, auth):
+    chat = post(server, auth, CHAT, {"messages": HELLO, "max_tokens": 1}).json()
+    tok = post(server, auth, "/tokenize", {"messages": HELLO}).json()
+    assert tok["count"] == len(tok["tokens"]) == chat["usage"]["prompt_tokens"]
+    assert tok["max_model_len"] == 512
+
+    cmpl = post(server, auth, CMPL, {"prompt": "Hello world", "max_tokens": 1}).json()
+    tok = post(server, auth, "/tokenize", {"prompt": "Hello world"}).json()
+    assert tok["count"] == cmpl["usage"]["prompt_tokens"]
+    back = post(server, auth, "/detokenize", {"tokens": tok["tokens"]}).json()
+    assert back == {"prompt": "Hello world"}
+
+
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "a", "messages": HELLO}, "prompt"),
+        ("/tokenize", {"prompt": "a", "model": "nope"}, "model"),
+        ("/detokenize", {"tokens": [-1]}, "tokens"),
+        ("/detokenize", {"tokens": [10**9]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ],
+)
+def test_tokenizer_endpoints_reject_bad_input(server, auth, path, body, param):
+    r = post(server, auth, path, body)
+    assert_openai_error(r, 404 if param == "model" else 400, param)

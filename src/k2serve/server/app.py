@@ -26,11 +26,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from k2serve import __version__
 from k2serve.server.auth import check_authorization, needs_key
-from k2serve.server.chat import ChatHandler
+from k2serve.server.chat import ChatHandler, render_prompt
 from k2serve.server.completions import CompletionHandler
-from k2serve.server.errors import APIError, install_error_handlers
+from k2serve.server.errors import APIError, bad_request, install_error_handlers
 from k2serve.server.metrics import ServerMetrics
-from k2serve.server.protocol import ChatCompletionRequest, CompletionRequest
+from k2serve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from k2serve.server.serving import ServerState
 from k2serve.server.sse import ClientDisconnected, ServerStopping
 
@@ -256,6 +263,34 @@ def build_app(
             for n in names
         ]
         return {"object": "list", "data": data}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        state.check_model(model_id)
+        return (await models())["data"][names.index(model_id)]
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        state.check_model(body.model)
+        text = (
+            body.prompt
+            if body.messages is None
+            else render_prompt(state, body, body.add_generation_prompt)[0]
+        )
+        ids = state.tokenizer.encode(text, allow_special=True)
+        out = TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids)
+        return out.model_dump()
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        state.check_model(body.model)
+        vocab = state.tokenizer.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(
+                f"tokens has ids outside the vocabulary [0, {vocab}): {bad[:8]}", param="tokens"
+            )
+        return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens)).model_dump()
 
     @app.get("/health")
     async def health():

@@ -87,6 +87,28 @@ def render_messages(req: ChatCompletionRequest) -> list[dict]:
     return out
 
 
+def render_prompt(st: ServerState, req, add_generation_prompt: bool = True) -> tuple[str, bool]:
+    """(prompt text, thinking) for a request with `messages`, `tools`, `chat_template_kwargs`."""
+    kwargs = {**st.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
+    thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", st.default_thinking)))
+    kwargs.setdefault("thinking", thinking)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    try:
+        text = st.tokenizer.apply_chat_template(
+            render_messages(req),
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=kwargs,
+        )
+    except APIError:
+        raise
+    except Exception as e:  # template errors are the request's fault (bad message order...)
+        raise bad_request(
+            f"the messages cannot be rendered with the chat template: {e}", param="messages"
+        ) from None
+    return text, thinking
+
+
 class ChatHandler:
     def __init__(self, state: ServerState):
         self.state = state
@@ -101,25 +123,10 @@ class ChatHandler:
                 "(only 'text')",
                 param="response_format",
             )
-        kwargs = {**st.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
-        thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", st.default_thinking)))
-        kwargs.setdefault("thinking", thinking)
         tool_choice = req.tool_choice or ("auto" if req.tools else "none")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         use_tools = bool(tools) and tool_choice != "none"
-        try:
-            text = st.tokenizer.apply_chat_template(
-                render_messages(req),
-                tools=tools,
-                add_generation_prompt=True,
-                chat_template_kwargs=kwargs,
-            )
-        except APIError:
-            raise
-        except Exception as e:  # template errors are the request's fault (bad message order...)
-            raise bad_request(
-                f"the messages cannot be rendered with the chat template: {e}", param="messages"
-            ) from None
+        text, thinking = render_prompt(st, req)
         prompt_ids = st.tokenizer.encode(text, allow_special=True)
         max_tokens = st.resolve_max_tokens(len(prompt_ids), req.effective_max_tokens(), "messages")
 

@@ -358,3 +358,40 @@ class ModelCard(_Out):
 class ModelList(_Out):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer endpoints (vLLM's /tokenize and /detokenize)
+
+
+class TokenizeRequest(_Request):
+    """Either `prompt` (text, tokenized as is) or `messages` (rendered by the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageParam] | None = Field(default=None, min_length=1)
+    tools: list[ChatTool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True  # accepted as vLLM; Kimi's tokenizer adds none
+
+    @model_validator(mode="after")
+    def _check(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt or messages: give exactly one of them")
+        return self
+
+
+class TokenizeResponse(_Out):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Out):
+    prompt: str
