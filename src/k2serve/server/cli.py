@@ -56,8 +56,26 @@ def _json_list(text: str) -> list:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from k2serve.engine.config import EngineConfig
 
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="checkpoint directory, as `vllm serve MODEL` (same as --model)",
+    )
     EngineConfig.add_cli_args(parser)
     g = parser.add_argument_group("server")
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template, as a file path or the template itself "
+        "(default: the checkpoint's own, else a built-in K2-Thinking one)",
+    )
+    g.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted for vLLM compatibility; k2serve runs no code from the checkpoint",
+    )
     g.add_argument("--host", default="0.0.0.0", help="address to bind (default: all interfaces)")
     g.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
     g.add_argument(
@@ -182,6 +200,25 @@ class _DrainingServer:
         return Server(config)
 
 
+def _read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's contents, or the template text itself (as vLLM); checked here."""
+    if value is None:
+        return None
+    text = value
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+    elif not any(c in value for c in "{%"):
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    from k2serve.tokenizer.chat_template import ChatTemplateError, compile_template
+
+    try:
+        compile_template(text)
+    except ChatTemplateError as e:
+        raise ValueError(f"--chat-template is not a valid Jinja template: {e}") from None
+    return text
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -189,8 +226,18 @@ def run(args: argparse.Namespace) -> int:
     from k2serve.engine.config import EngineConfig
     from k2serve.server.app import build_app
 
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            print(
+                f"k2serve serve: MODEL {args.model_tag!r} and --model {args.model!r} differ; "
+                "give one",
+                file=sys.stderr,
+            )
+            return 2
+        args.model = args.model_tag
     try:
         cfg = EngineConfig.from_cli_args(args)
+        chat_template = _read_chat_template(args.chat_template)
     except ValueError as e:
         print(f"k2serve serve: {e}", file=sys.stderr)
         return 2
@@ -221,6 +268,8 @@ def run(args: argparse.Namespace) -> int:
         if engine.tokenizer is None:
             print(f"k2serve serve: {model_dir} has no tokenizer files", file=sys.stderr)
             return 2
+        if chat_template is not None:
+            engine.tokenizer.chat_template = chat_template
         app = build_app(
             engine,
             served_model_names=names,

@@ -58,7 +58,7 @@ def _strftime_now(fmt: str) -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def _compile(template: str) -> jinja2.Template:
+def compile_template(template: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
     )
@@ -147,7 +147,7 @@ def render_chat_template(
     reserved = {"messages", "tools", "add_generation_prompt"} & kwargs.keys()
     if reserved:
         raise ChatTemplateError(f"chat_template_kwargs may not set {sorted(reserved)}")
-    tpl = _compile(template if template is not None else builtin_chat_template())
+    tpl = compile_template(template if template is not None else builtin_chat_template())
     context = {
         "bos_token": "[BOS]",
         "eos_token": "[EOS]",
