@@ -33,24 +33,25 @@ def _port(text: str) -> int:
     return port
 
 
-def _json_object(text: str) -> dict:
+def _json_flag(text: str, ok, what: str):
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
     return value
+
+
+def _json_object(text: str) -> dict:
+    return _json_flag(text, lambda v: isinstance(v, dict), "a JSON object")
 
 
 def _json_list(text: str) -> list:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
-    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
-        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {text!r}")
-    return value
+    def ok(v) -> bool:
+        return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+    return _json_flag(text, ok, "a JSON list of strings")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
