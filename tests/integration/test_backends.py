@@ -96,3 +96,28 @@ def test_cuda_defaults_to_triton_and_matches_the_torch_backends(fmt):
     err = ((fast - ref).norm() / ref.norm()).item()
     assert err < 3e-2, err
     assert (fast.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
+
+
+def test_fused_projections_give_the_same_logits_and_state_dict():
+    """One GEMM for q_a_proj + kv_a_proj_with_mqa and for each dense/shared MLP's gate + up (the
+    CUDA default, forced here on the CPU): same logits, same state_dict, no extra copies; a
+    replaced linear (as tensor-parallel sharding does) turns the fused GEMM off."""
+    from k2serve.model.deepseek_v3 import MLAAttention
+
+    model = load_tiny()
+    ids = torch.randint(0, 500, (12,), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(12)
+    ref = model.compute_logits(model(ids, pos))
+    sd0 = {k: v.clone() for k, v in model.state_dict().items()}
+    assert model.set_fused_kernels(rope=True, router=True, projections=True) == "6 gemm pairs"
+    sd1 = model.state_dict()
+    assert sd1.keys() == sd0.keys() and all(torch.equal(sd0[k], sd1[k]) for k in sd0)
+    attn: MLAAttention = model.model.layers[1].self_attn
+    assert attn.q_a_proj.weight.data_ptr() == attn.qkv_a_weight.data_ptr()  # a view, no copy
+    out = model.compute_logits(model(ids, pos))
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4)
+    mlp = model.model.layers[0].mlp
+    mlp.up_proj.weight = torch.nn.Parameter(mlp.up_proj.weight.detach() * 2, requires_grad=False)
+    x = torch.randn(3, model.config.hidden_size)
+    want = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    assert torch.allclose(mlp(x), want, atol=1e-5)  # the stale fused weight is not used

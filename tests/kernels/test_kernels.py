@@ -166,6 +166,15 @@ def _int4_experts(E, D, I):  # noqa: E741
     "cfg",
     [
         dict(kind="gemv", ROWS=2, BLOCK_N=16, W=16, num_warps=4),
+        dict(
+            kind="gemv",
+            ROWS=1,
+            BLOCK_N=8,
+            W=16,
+            num_warps=4,
+            UNROLL=2,
+            w2=dict(BLOCK_N=16, W=8, num_warps=2),
+        ),  # fmt: skip
         dict(kind="mma", BLOCK_M=16, BLOCK_N=32, W=16, num_warps=4),
     ],
 )
@@ -253,3 +262,45 @@ def test_expanded_prefill_matches_absorbed_with_cached_prefix(monkeypatch):
     full = model(ids, torch.arange(n0 + n1))[n0:]  # naive MLA, no cache
     assert rel(outs["expand"], outs["absorbed"]) < 1e-4
     assert rel(outs["expand"], full) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_qk_matches_model_rope(dtype):
+    """The fused RoPE kernel writes out the torch code's roundings: both stay within that
+    chain's error bound of the exact rotation (the CPU interpreter truncates instead of
+    rounding: twice the bound). Inputs are strided views into wider rows, as in the model."""
+    from k2serve.kernels import rope
+    from k2serve.model.layers import YarnRotaryEmbedding
+
+    T, H, N, R, L = 5, 3, 8, 16, 12
+    emb = YarnRotaryEmbedding(R, 10000.0, {"type": "yarn", "factor": 4.0,
+                              "original_max_position_embeddings": 64}, 256)  # fmt: skip
+    pos = torch.tensor([0, 3, 70, 200, 255], device=DEVICE)
+    cos, sin = emb.cos_sin(pos)
+    q = torch.randn(T, H, N + R, device=DEVICE).to(dtype)
+    ckv = torch.randn(T, L + R, device=DEVICE).to(dtype)
+    q_pe, k_pe = q[..., N:], ckv[:, L:]
+    qo, ko = rope.rope_qk(q_pe, k_pe, cos, sin)
+    qr, kr = rope.rope_qk_ref(q_pe, k_pe, cos, sin)
+    assert qo.shape == (T, H, R) and ko.shape == (T, R) and qo.is_contiguous()
+    bound = 3.3 if DEVICE == "cuda" else 6.6
+    assert rope.rope_error_ratio(qr, q_pe, cos, sin) <= bound  # the bound holds for torch
+    assert rope.rope_error_ratio(qo, q_pe, cos, sin) <= bound
+    assert rope.rope_error_ratio(ko, k_pe, cos, sin) <= bound
+    tol = 1e-2 if DEVICE == "cuda" else 3e-2  # truncation biases the interpreter's results
+    assert rel(qo, qr) < tol and rel(ko, kr) < tol
+
+
+@pytest.mark.parametrize("n_group,topk_group,E,k", [(1, 1, 48, 6), (4, 2, 32, 4), (8, 4, 64, 8)])
+def test_fused_grouped_topk_matches_torch_and_spec(n_group, topk_group, E, k):
+    lg = torch.randn(9, E, device=DEVICE)
+    bias = torch.randn(E, device=DEVICE) * 0.1
+    w, ids = router.fused_grouped_topk(lg, bias, k, n_group, topk_group, True, 2.5, torch.int64)
+    assert ids.dtype == torch.int64 and w.dtype == torch.float32
+    wt, it = router.grouped_topk_torch(lg, bias, k, n_group, topk_group, True, 2.5)
+    wr, ir = router.grouped_topk_ref(lg.cpu(), bias.cpu(), k, n_group, topk_group, True, 2.5)
+    for a, b, c, wa, wb in zip(ids.tolist(), it.tolist(), ir.tolist(), w.cpu(), wr,
+                               strict=True):  # fmt: skip
+        assert set(a) == set(b) == set(c)
+        order = [c.index(e) for e in a]
+        assert torch.allclose(wa.double(), wb[order], atol=1e-5)

@@ -273,9 +273,11 @@ if HAS_TRITON:
         N, K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
         A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_W: tl.constexpr, PERM_OUT: tl.constexpr,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr, W: tl.constexpr, WPG: tl.constexpr,
-        PREFETCH: tl.constexpr,
+        PREFETCH: tl.constexpr, UNROLL: tl.constexpr,
     ):  # fmt: skip
-        """CUDA-core GEMV: ROWS (1, 2 or 4) rows of one expert, weights dequantized once."""
+        """CUDA-core GEMV: ROWS (1, 2 or 4) rows of one expert, weights dequantized once.
+        UNROLL=2 issues the loads of two K-blocks before computing either (more bytes in
+        flight per program; needs an even number of K-blocks)."""
         # row blocks innermost: blocks of one expert (adjacent in sorted order) read the same
         # weight tile at about the same time, so repeats come from L2, not DRAM
         pid = tl.program_id(0)
@@ -312,37 +314,76 @@ if HAS_TRITON:
         pu, su = p, s
         if GATED:
             pu, su = _load_ws(w_base, s_base, offs_n + N, n_ok, 0, w_stride_n, s_stride_n, W, WPG)
-        for kb in range(0, nk):
-            if PREFETCH:  # next K-block's words in flight while this one is computed
-                kn = (kb + 1) % nk
-                pn, sn = _load_ws(w_base, s_base, offs_n, n_ok, kn, w_stride_n, s_stride_n, W, WPG)
-                pun, sun = pn, sn
+        if UNROLL == 2:
+            for kb2 in range(0, nk, 2):
+                p, s = _load_ws(w_base, s_base, offs_n, n_ok, kb2, w_stride_n, s_stride_n, W,
+                                WPG)  # fmt: skip
+                pb, sb = _load_ws(w_base, s_base, offs_n, n_ok, kb2 + 1, w_stride_n, s_stride_n,
+                                  W, WPG)  # fmt: skip
+                pu, su, pub, sub = p, s, pb, sb
                 if GATED:
-                    pun, sun = _load_ws(w_base, s_base, offs_n + N, n_ok, kn, w_stride_n,
-                                        s_stride_n, W, WPG)  # fmt: skip
-            else:
-                p, s = _load_ws(w_base, s_base, offs_n, n_ok, kb, w_stride_n, s_stride_n, W, WPG)
-                if GATED:
-                    pu, su = _load_ws(w_base, s_base, offs_n + N, n_ok, kb, w_stride_n,
+                    pu, su = _load_ws(w_base, s_base, offs_n + N, n_ok, kb2, w_stride_n,
                                       s_stride_n, W, WPG)  # fmt: skip
-            q = p >> 16
-            qu = pu >> 16
-            r = tl.where(ok0, r0 // A_DIV, 0).to(tl.int64)
-            g0, u0 = _gemv_rows(g0, u0, a_ptr, r, a_stride, ok0, kb, p, q, s, pu, qu, su,
-                                GATED, W)  # fmt: skip
-            if ROWS >= 2:
-                r = tl.where(ok1, r1 // A_DIV, 0).to(tl.int64)
-                g1, u1 = _gemv_rows(g1, u1, a_ptr, r, a_stride, ok1, kb, p, q, s, pu, qu, su,
+                    pub, sub = _load_ws(w_base, s_base, offs_n + N, n_ok, kb2 + 1, w_stride_n,
+                                        s_stride_n, W, WPG)  # fmt: skip
+                r = tl.where(ok0, r0 // A_DIV, 0).to(tl.int64)
+                g0, u0 = _gemv_rows(g0, u0, a_ptr, r, a_stride, ok0, kb2, p, p >> 16, s, pu,
+                                    pu >> 16, su, GATED, W)  # fmt: skip
+                g0, u0 = _gemv_rows(g0, u0, a_ptr, r, a_stride, ok0, kb2 + 1, pb, pb >> 16, sb,
+                                    pub, pub >> 16, sub, GATED, W)  # fmt: skip
+                if ROWS >= 2:
+                    r = tl.where(ok1, r1 // A_DIV, 0).to(tl.int64)
+                    g1, u1 = _gemv_rows(g1, u1, a_ptr, r, a_stride, ok1, kb2, p, p >> 16, s,
+                                        pu, pu >> 16, su, GATED, W)  # fmt: skip
+                    g1, u1 = _gemv_rows(g1, u1, a_ptr, r, a_stride, ok1, kb2 + 1, pb, pb >> 16,
+                                        sb, pub, pub >> 16, sub, GATED, W)  # fmt: skip
+                if ROWS >= 4:
+                    r = tl.where(ok2, r2 // A_DIV, 0).to(tl.int64)
+                    g2, u2 = _gemv_rows(g2, u2, a_ptr, r, a_stride, ok2, kb2, p, p >> 16, s,
+                                        pu, pu >> 16, su, GATED, W)  # fmt: skip
+                    g2, u2 = _gemv_rows(g2, u2, a_ptr, r, a_stride, ok2, kb2 + 1, pb, pb >> 16,
+                                        sb, pub, pub >> 16, sub, GATED, W)  # fmt: skip
+                    r = tl.where(ok3, r3 // A_DIV, 0).to(tl.int64)
+                    g3, u3 = _gemv_rows(g3, u3, a_ptr, r, a_stride, ok3, kb2, p, p >> 16, s,
+                                        pu, pu >> 16, su, GATED, W)  # fmt: skip
+                    g3, u3 = _gemv_rows(g3, u3, a_ptr, r, a_stride, ok3, kb2 + 1, pb, pb >> 16,
+                                        sb, pub, pub >> 16, sub, GATED, W)  # fmt: skip
+        if UNROLL == 1:
+            for kb in range(0, nk):
+                if PREFETCH:  # next K-block's words in flight while this one is computed
+                    kn = (kb + 1) % nk
+                    pn, sn = _load_ws(
+                        w_base, s_base, offs_n, n_ok, kn, w_stride_n, s_stride_n, W, WPG
+                    )
+                    pun, sun = pn, sn
+                    if GATED:
+                        pun, sun = _load_ws(w_base, s_base, offs_n + N, n_ok, kn, w_stride_n,
+                                            s_stride_n, W, WPG)  # fmt: skip
+                else:
+                    p, s = _load_ws(
+                        w_base, s_base, offs_n, n_ok, kb, w_stride_n, s_stride_n, W, WPG
+                    )
+                    if GATED:
+                        pu, su = _load_ws(w_base, s_base, offs_n + N, n_ok, kb, w_stride_n,
+                                          s_stride_n, W, WPG)  # fmt: skip
+                q = p >> 16
+                qu = pu >> 16
+                r = tl.where(ok0, r0 // A_DIV, 0).to(tl.int64)
+                g0, u0 = _gemv_rows(g0, u0, a_ptr, r, a_stride, ok0, kb, p, q, s, pu, qu, su,
                                     GATED, W)  # fmt: skip
-            if ROWS >= 4:
-                r = tl.where(ok2, r2 // A_DIV, 0).to(tl.int64)
-                g2, u2 = _gemv_rows(g2, u2, a_ptr, r, a_stride, ok2, kb, p, q, s, pu, qu, su,
-                                    GATED, W)  # fmt: skip
-                r = tl.where(ok3, r3 // A_DIV, 0).to(tl.int64)
-                g3, u3 = _gemv_rows(g3, u3, a_ptr, r, a_stride, ok3, kb, p, q, s, pu, qu, su,
-                                    GATED, W)  # fmt: skip
-            if PREFETCH:
-                p, s, pu, su = pn, sn, pun, sun
+                if ROWS >= 2:
+                    r = tl.where(ok1, r1 // A_DIV, 0).to(tl.int64)
+                    g1, u1 = _gemv_rows(g1, u1, a_ptr, r, a_stride, ok1, kb, p, q, s, pu, qu, su,
+                                        GATED, W)  # fmt: skip
+                if ROWS >= 4:
+                    r = tl.where(ok2, r2 // A_DIV, 0).to(tl.int64)
+                    g2, u2 = _gemv_rows(g2, u2, a_ptr, r, a_stride, ok2, kb, p, q, s, pu, qu, su,
+                                        GATED, W)  # fmt: skip
+                    r = tl.where(ok3, r3 // A_DIV, 0).to(tl.int64)
+                    g3, u3 = _gemv_rows(g3, u3, a_ptr, r, a_stride, ok3, kb, p, q, s, pu, qu, su,
+                                        GATED, W)  # fmt: skip
+                if PREFETCH:
+                    p, s, pu, su = pn, sn, pun, sun
         _gemv_finish(c_ptr, c_stride, tw_ptr, r0, ok0, offs_n, n_ok, g0, u0, GATED, MUL_W, PERM_OUT)
         if ROWS >= 2:
             _gemv_finish(c_ptr, c_stride, tw_ptr, r1, ok1, offs_n, n_ok, g1, u1, GATED, MUL_W,
@@ -388,7 +429,8 @@ def use_asm() -> bool:
     return (not INTERPRET) and os.environ.get("K2SERVE_INT4_ASM", "1") == "1"
 
 
-# Tuned GEMV configs (bench/model_speed.py may replace them with its sweep's winners).
+# Tuned GEMV configs (bench/model_speed.py may replace them with its sweep's winners). A config
+# may hold "w2": {...}, overrides for the down-projection launch (BLOCK_N, W, num_warps, ...).
 TUNED = {
     "r1": dict(kind="gemv", ROWS=1, BLOCK_N=8, W=64, num_warps=4, PREFETCH=0),
     "r2": dict(kind="gemv", ROWS=2, BLOCK_N=16, W=64, num_warps=4, PREFETCH=0),
@@ -414,6 +456,7 @@ def default_config(T: int, k: int, E: int) -> dict:
 def _launch(kind, a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, gated, mul_w,
             perm_out, cfg, group):  # fmt: skip
     cfg = dict(cfg)
+    cfg.pop("w2", None)
     W = cfg.pop("W")
     bm = cfg.pop("ROWS") if kind == "gemv" else cfg["BLOCK_M"]
     grid = (eids.shape[0] * cdiv(N, cfg["BLOCK_N"]),)
@@ -422,7 +465,10 @@ def _launch(kind, a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, gated
     common = dict(A_DIV=a_div, GATED=gated, MUL_W=mul_w, PERM_OUT=perm_out, W=W, WPG=group // 8)
     if kind == "gemv":
         cfg.setdefault("PREFETCH", 0)
-        _int4_gemv_kernel[grid](*args, ROWS=bm, **common, **cfg)
+        unroll = cfg.pop("UNROLL", 1)
+        if (K // (8 * W)) % 2 or cfg["PREFETCH"]:
+            unroll = 1
+        _int4_gemv_kernel[grid](*args, ROWS=bm, UNROLL=unroll, **common, **cfg)
     else:
         _int4_mma_kernel[grid](*args, **common, DOT_DT=dot_dtype(), USE_ASM=use_asm(), **cfg)
 
@@ -441,26 +487,31 @@ def int4_moe(
     I, E = ew.intermediate, ew.num_experts
     cfg = dict(config or default_config(T, k, E))
     kind = cfg.pop("kind")
-    W = cfg["W"]
-    while (D % (8 * W) or I % (8 * W)) and W > 16:  # smaller models: a plane block that fits
-        W //= 2
-    cfg["W"] = W
-    pb = 8 * W
-    if D % pb or I % pb or ew.group_size % 8 or W % (ew.group_size // 8):
-        raise ValueError(f"int4_moe: D={D}, I={I} must be multiples of {pb} and group "
-                         f"{ew.group_size} must divide it")  # fmt: skip
+    cfg2 = {**cfg, **cfg.pop("w2", {})}  # the down projection's launch
+    for c in (cfg, cfg2):
+        W = c["W"]
+        while (D % (8 * W) or I % (8 * W)) and W > 16:  # smaller models: a block that fits
+            W //= 2
+        c["W"] = W
+        pb = 8 * W
+        if D % pb or I % pb or ew.group_size % 8 or W % (ew.group_size // 8):
+            raise ValueError(f"int4_moe: D={D}, I={I} must be multiples of {pb} and group "
+                             f"{ew.group_size} must divide it")  # fmt: skip
+    pb, pb2 = 8 * cfg["W"], 8 * cfg2["W"]
     M = T * k
     bm = cfg["ROWS"] if kind == "gemv" else cfg["BLOCK_M"]
+    if (cfg2["ROWS"] if kind == "gemv" else cfg2["BLOCK_M"]) != bm:
+        raise ValueError("int4_moe: the w2 overrides must keep ROWS / BLOCK_M")
     sorted_ids, eids, npost = moe_align_block_size(topk_ids, E, bm)
     tw = topk_weights.reshape(-1).float().contiguous()
     act_dt = torch.float32 if kind == "gemv" else x.dtype
     xp = permute_planes(x, pb, act_dt).contiguous()
     inter = torch.empty(M, I, dtype=act_dt, device=x.device)
     _launch(kind, xp, ew.w13, ew.w13_scale, inter, tw, sorted_ids, eids, npost, I, D, M, k,
-            True, False, pb, cfg, ew.group_size)  # fmt: skip
+            True, False, pb2, cfg, ew.group_size)  # fmt: skip
     out = torch.empty(M, D, dtype=x.dtype, device=x.device)
     _launch(kind, inter, ew.w2, ew.w2_scale, out, tw, sorted_ids, eids, npost, D, I, M, 1,
-            False, True, 0, cfg, ew.group_size)  # fmt: skip
+            False, True, 0, cfg2, ew.group_size)  # fmt: skip
     return out.view(T, k, D).sum(1)
 
 

@@ -54,15 +54,58 @@ class _Builder:
         return make_linear(in_features, out_features, scheme, self.dtype, self.config.quant)
 
 
+def _fuse_rows(*linears: LinearBase) -> torch.Tensor | None:
+    """One [sum(out), in] weight for bf16/fp16/fp32 linears that read the same input; each
+    linear's `weight` is re-pointed to its rows (a view: no extra memory, state_dict unchanged).
+    None when any linear is quantized or they differ in dtype/device."""
+    from k2serve.quant.linear import UnquantizedLinear
+
+    if not all(type(m) is UnquantizedLinear for m in linears):
+        return None
+    ws = [m.weight for m in linears]
+    if len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1:
+        return None
+    fused = torch.cat([w.detach() for w in ws], 0)
+    r0 = 0
+    for m, w in zip(linears, ws, strict=True):
+        m.weight = nn.Parameter(fused[r0 : r0 + w.shape[0]], requires_grad=False)
+        r0 += w.shape[0]
+    return fused
+
+
+def _still_fused(fused: torch.Tensor | None, *linears: LinearBase) -> bool:
+    """True while each linear's weight is still its rows of `fused` (not after a module or a
+    parameter was replaced, e.g. by tensor-parallel sharding)."""
+    if fused is None:
+        return False
+    ptr, step = fused.data_ptr(), fused.element_size() * fused.shape[1]
+    for m in linears:
+        w = getattr(m, "weight", None)
+        if not isinstance(w, torch.Tensor) or w.data_ptr() != ptr:
+            return False
+        ptr += step * w.shape[0]
+    return True
+
+
 class MLP(nn.Module):
     def __init__(self, b: _Builder, prefix: str, hidden: int, inter: int) -> None:
         super().__init__()
         self.gate_proj = b.linear(f"{prefix}.gate_proj", hidden, inter)
         self.up_proj = b.linear(f"{prefix}.up_proj", hidden, inter)
         self.down_proj = b.linear(f"{prefix}.down_proj", inter, hidden)
+        self.inter = inter
+        self.gate_up_weight: torch.Tensor | None = None  # set by fuse_projections (one GEMM)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _still_fused(self.gate_up_weight, self.gate_proj, self.up_proj):
+            g, u = F.linear(x, self.gate_up_weight).split([self.inter, self.inter], dim=-1)
+            return self.down_proj(F.silu(g) * u)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def fuse_projections(self) -> bool:
+        if not _still_fused(self.gate_up_weight, self.gate_proj, self.up_proj):
+            self.gate_up_weight = _fuse_rows(self.gate_proj, self.up_proj)
+        return self.gate_up_weight is not None
 
 
 class MoE(nn.Module):
@@ -123,21 +166,45 @@ class MLAAttention(nn.Module):
         )
         self.o_proj = b.linear(f"{prefix}.o_proj", H * c.v_head_dim, D)
         self.backend: MLABackend = TorchMLABackend()
+        self.fused_rope = False  # set by setup_backends: one Triton launch for q_pe and k_pe
+        self.qkv_a_weight: torch.Tensor | None = None  # set by fuse_projections (one GEMM)
+
+    def fuse_projections(self) -> bool:
+        """q_a_proj and kv_a_proj_with_mqa read the same input: one GEMM (bf16 weights)."""
+        if self.q_lora_rank is not None and not self._qkv_a_fused():
+            self.qkv_a_weight = _fuse_rows(self.q_a_proj, self.kv_a_proj_with_mqa)
+        return self.qkv_a_weight is not None
+
+    def _qkv_a_fused(self) -> bool:
+        return self.q_lora_rank is not None and _still_fused(
+            self.qkv_a_weight, self.q_a_proj, self.kv_a_proj_with_mqa
+        )
 
     def _qkv_latent(self, x: torch.Tensor, positions: torch.Tensor):
         T = x.shape[0]
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
+        if self._qkv_a_fused():
+            q_a, ckv = F.linear(x, self.qkv_a_weight).split(
+                [self.q_lora_rank, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1
+            )
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            if self.q_lora_rank is None:
+                q = self.q_proj(x)
+            else:
+                q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            ckv = self.kv_a_proj_with_mqa(x)  # [T, L + R]
         q = q.view(T, self.num_heads, self.qk_head_dim)  # [T, H, nope + rope]
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        ckv = self.kv_a_proj_with_mqa(x)  # [T, L + R]
         latent, k_pe = ckv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [T, L]
         cos, sin = self.rope.cos_sin(positions)  # [T, R / 2]
-        q_pe = self.rope.apply(q_pe, cos, sin)  # [T, H, R]
-        k_pe = self.rope.apply(k_pe, cos, sin)  # [T, R]
+        if self.fused_rope and q_pe.is_cuda:
+            from k2serve.kernels.rope import rope_qk
+
+            q_pe, k_pe = rope_qk(q_pe, k_pe, cos, sin)  # same roundings as the torch code
+        else:
+            q_pe = self.rope.apply(q_pe, cos, sin)  # [T, H, R]
+            k_pe = self.rope.apply(k_pe, cos, sin)  # [T, R]
         return q_nope, q_pe, latent, k_pe
 
     def forward(
@@ -231,6 +298,7 @@ class DeepseekV3Model(nn.Module):
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size, b.dtype)
         self.layers = nn.ModuleList(DecoderLayer(b, i, rope) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, b.dtype)
+        self.rope = rope  # shared by every layer (not a module: no state)
 
 
 class DeepseekV3ForCausalLM(nn.Module):
@@ -287,6 +355,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.use_triton = use_triton_norm
+        fast = self.set_fused_kernels(
+            rope=attn.name == "triton", router=moe != "torch" and triton_usable(dev),
+            projections=dev.type == "cuda",
+        )  # fmt: skip
         moe_names = set()
         for layer in self.model.layers:
             if isinstance(layer.mlp, MoE):
@@ -302,10 +374,44 @@ class DeepseekV3ForCausalLM(nn.Module):
 
         line = (
             f"backends on {dev}: attention={attn.name}, moe={'/'.join(sorted(moe_names)) or '-'}"
-            f", rms_norm={'triton' if use_triton_norm else 'torch'}; " + describe_placement(self)
+            f", rms_norm={'triton' if use_triton_norm else 'torch'}"
+            + (f", fused: {fast}" if fast else "")
+            + "; "
+            + describe_placement(self)
         )
         logger.info("%s", line)
         return line
+
+    def set_fused_kernels(self, rope: bool, router: bool, projections: bool) -> str:
+        """Decode-step fusions (CUDA only; each is a no-op elsewhere): the Triton RoPE kernel for
+        q_pe + k_pe, the Triton router top-k, and one GEMM for q_a_proj + kv_a_proj_with_mqa and
+        for each dense/shared MLP's gate + up (bf16 weights; re-pointed as views of the fused
+        weight, so memory and state_dict are unchanged; not undone by projections=False).
+        Returns a short description of what is on."""
+        from k2serve.attention import triton_usable
+
+        ok = triton_usable(self.device)
+        fused_proj = 0
+        for layer in self.model.layers:
+            layer.self_attn.fused_rope = rope and ok
+            mlp = layer.mlp
+            if isinstance(mlp, MoE):
+                mlp.gate.use_triton = router and ok
+            if projections:
+                fused_proj += int(layer.self_attn.fuse_projections())
+                m = mlp.shared_experts if isinstance(mlp, MoE) else mlp
+                if m is not None:
+                    fused_proj += int(m.fuse_projections())
+        on = [n for n, v in (("rope", rope and ok), ("router", router and ok)) if v]
+        if fused_proj:
+            on.append(f"{fused_proj} gemm pairs")
+        return "+".join(on)
+
+    @property
+    def decode_graph_safe(self) -> bool:
+        """True when every layer's attention backend can be captured in a CUDA graph (the torch
+        reference backend, used for fp8 KV caches, cannot: it syncs with the host)."""
+        return all(layer.self_attn.backend.graph_safe for layer in self.model.layers)
 
     @property
     def has_cpu_experts(self) -> bool:
@@ -332,9 +438,13 @@ class DeepseekV3ForCausalLM(nn.Module):
             )
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
         residual = None
-        for i, layer in enumerate(layers):
-            cache = kv_caches[i] if kv_caches else None
-            h, residual = layer(h, positions, attn_metadata, cache, residual)
+        self.model.rope.step_cache(True)  # cos/sin once per step, not once per layer
+        try:
+            for i, layer in enumerate(layers):
+                cache = kv_caches[i] if kv_caches else None
+                h, residual = layer(h, positions, attn_metadata, cache, residual)
+        finally:
+            self.model.rope.step_cache(False)
         if residual is None:  # no layers
             return self.model.norm(h)
         return self.model.norm.add_norm(h, residual)[0]

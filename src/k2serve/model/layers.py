@@ -127,9 +127,28 @@ class YarnRotaryEmbedding:
             rotary_dim, base, rope_scaling, max_position_embeddings
         )  # [rotary_dim // 2] float32 on CPU
         self._per_device: dict[torch.device, torch.Tensor] = {}
+        # (positions, cos, sin) of the current forward step: every layer rotates with the same
+        # positions tensor, so the tables are computed once per step (set by `step_cache`)
+        self._caching = False
+        self._cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def step_cache(self, on: bool) -> None:
+        """Start (True) or end (False) one forward step: within it, `cos_sin` of the same
+        positions tensor object is computed once."""
+        self._caching = on
+        self._cache = None
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, rotary_dim // 2] float32."""
+        c = self._cache
+        if c is not None and c[0] is positions:
+            return c[1], c[2]
+        cos, sin = self._cos_sin(positions)
+        if self._caching:
+            self._cache = (positions, cos, sin)
+        return cos, sin
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         inv = self._per_device.get(positions.device)
         if inv is None:
             inv = self._per_device[positions.device] = self.inv_freq.to(positions.device)

@@ -36,6 +36,7 @@ class TopkRouter(nn.Module):
         self._w32: torch.Tensor | None = None  # float32 copy of `weight` (non-CUDA path)
         self._w32_key: tuple | None = None
         self._mm_out_dtype_ok = True
+        self.use_triton = False  # set by setup_backends: fused top-k kernel on CUDA
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:  # [T, E] float32
         """float32 logits as transformers computes them (x and weight upcast), without
@@ -58,8 +59,16 @@ class TopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (topk_weights [T, k] float32, topk_ids [T, k] int64)."""
+        logits = self.router_logits(x)
+        if self.use_triton and logits.is_cuda:
+            from k2serve.kernels.router import fused_grouped_topk
+
+            return fused_grouped_topk(
+                logits, self.e_score_correction_bias, self.top_k, self.n_group,
+                self.topk_group, self.norm_topk_prob, self.routed_scaling_factor, torch.int64,
+            )  # fmt: skip
         return grouped_topk(
-            self.router_logits(x),
+            logits,
             self.e_score_correction_bias,
             self.top_k,
             self.n_group,
