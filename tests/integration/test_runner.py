@@ -70,3 +70,30 @@ def test_enforce_eager_captures_nothing():
     caches = allocate_kv_caches(model.config, 8, 16, torch.bfloat16, "cuda")
     cfg = EngineConfig(device="cuda", enforce_eager=True)
     assert ModelRunner(model, caches, 16, "cuda", engine_config=cfg).graph_runner is None
+
+
+def test_decode_graph_safe_follows_the_attention_backend():
+    from k2serve.attention import TorchMLABackend
+    from k2serve.attention.triton_mla import TritonMLABackend
+
+    model = load_tiny()
+    model.set_attn_backend(TorchMLABackend())
+    assert not model.decode_graph_safe  # host syncs: the runner must not capture it
+    model.set_attn_backend(TritonMLABackend())
+    assert model.decode_graph_safe
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_fp8_kv_cache_engine_runs_eagerly():
+    """An fp8 cache uses the torch attention backend, which syncs with the host: the runner
+    must not try to capture decode graphs (it crashed at start-up: gpu_smoke, run 9)."""
+    from k2serve.engine.engine import LLMEngine
+
+    model = load_tiny(dtype=torch.bfloat16, device="cuda")
+    cfg = EngineConfig(device="cuda", kv_cache_dtype="fp8", num_kv_pages=64, page_size=16,
+                       max_model_len=256, max_num_seqs=8)  # fmt: skip
+    eng = LLMEngine(cfg, model=model)
+    assert eng.runner.graph_runner is None
+    toks = _greedy_tokens(eng, [[5, 6, 7], [9] * 20], max_tokens=6)
+    assert all(len(t) == 6 for t in toks.values())

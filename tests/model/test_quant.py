@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
-from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,7 +20,10 @@ def test_int4_pack_unpack_roundtrip_bit_exact(rows, cols, seed):
     packed = pack_int4(q)
     assert packed.dtype == torch.int32 and packed.shape == (rows, -(-cols // 8))
     assert torch.equal(unpack_int4(packed, cols), q.to(torch.int8))
-    # the same bits as the compressed-tensors package, both ways
+    # the same bits as the compressed-tensors package, both ways (absent on the GPU machine:
+    # skipped there, after the checks above)
+    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    pack_to_int32, unpack_from_int32 = helpers.pack_to_int32, helpers.unpack_from_int32
     assert torch.equal(packed, pack_to_int32(q.to(torch.int8), 4))
     assert torch.equal(unpack_from_int32(packed, 4, torch.Size([rows, cols])), q.to(torch.int8))
 

@@ -41,6 +41,9 @@ class MLABackend:
     """Interface of an absorbed-MLA attention backend over the paged latent cache."""
 
     name = "base"
+    # True when store + forward never synchronise with the host and their launches do not
+    # depend on the sequence lengths, so a decode step can be captured in a CUDA graph
+    graph_safe = False
 
     def store(
         self,

@@ -25,6 +25,7 @@ def is_fp8(dtype: torch.dtype) -> bool:
 
 class TorchMLABackend(MLABackend):
     name = "torch"
+    graph_safe = False  # per-sequence loops over host copies of the lengths
 
     def __init__(self, kv_scale: float = 1.0) -> None:
         if not kv_scale > 0:

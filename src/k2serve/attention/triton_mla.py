@@ -26,6 +26,7 @@ from k2serve.kernels.mla_attention import mla_attention
 
 class TritonMLABackend(MLABackend):
     name = "triton"
+    graph_safe = True
 
     def __init__(self, prefill: str = "absorbed") -> None:
         if prefill not in ("absorbed", "expand"):

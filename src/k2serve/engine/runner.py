@@ -89,6 +89,9 @@ class ModelRunner:
         if getattr(self.model, "has_cpu_experts", False):
             logger.info("CUDA graphs: off (experts on the CPU need a host round trip per layer)")
             return
+        if not getattr(self.model, "decode_graph_safe", True):
+            logger.info("CUDA graphs: off (the attention backend syncs with the host)")
+            return
         from k2serve.model.cuda_graph import DEFAULT_BUCKETS, DecodeGraphRunner
 
         max_seqs = getattr(cfg, "max_num_seqs", None) or DEFAULT_BUCKETS[-1]
