@@ -845,12 +845,16 @@ def part_model_and_peer(layers, do_peer):
 
     model = load_slice(layers)
     check_fused(model)
+    from k2serve.kernels import mla_attention
+
     tuned = mi.TUNED["r1"]
-    mi.TUNED["r1"] = dict(RUN8_R1)  # run 8's path: no fusions, run 8's GEMV config
+    mi.TUNED["r1"] = dict(RUN8_R1)  # run 8's path: no fusions, run 8's GEMV config and
+    mla_attention.ROUND_UP_SMALL_BATCH = False  # run 8's split-KV rule
     accelerate(model, expand=True, fused=False)
     check_expand(model)
     bench_model(model, "model-base", batches=(1, 8), prefills=())
     mi.TUNED["r1"] = tuned
+    mla_attention.ROUND_UP_SMALL_BATCH = True
     accelerate(model, expand=True, fused=True)
     bench_model(model, "model", profile_batches=(1, 8), expanded=True)
     del model

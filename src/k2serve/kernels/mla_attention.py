@@ -175,17 +175,30 @@ if HAS_TRITON:
         m = tl.where(m == float("-inf"), 0.0, m)
         w = tl.exp2(lse - m)  # 0 for empty splits
         w = w / tl.maximum(tl.sum(w, 0), 1e-30)
-        part = tl.load(part_ptr + (row * SPLITS + offs_s[:, None]) * L + offs_l[None, :])
+        used = (lse > float("-inf"))[:, None]  # empty splits: no need to read their zeros
+        part = tl.load(part_ptr + (row * SPLITS + offs_s[:, None]) * L + offs_l[None, :],
+                       mask=used, other=0.0)  # fmt: skip
         o = tl.sum(part * w[:, None], 0)
         tl.store(out_ptr + row * L + offs_l, o.to(out_ptr.dtype.element_ty))
 
 
+ROUND_UP_SMALL_BATCH = True  # False = the rule before run 10 (bench/model_speed.py's base)
+
+
 def _pick_splits(num_seqs: int, row_blocks: int, max_seq_len: int, block_n: int) -> int:
-    """Enough programs to cover the GPU (~2 waves of 132 SMs), at least 2 key tiles per split."""
-    want = max(1, 264 // max(1, num_seqs * row_blocks))
-    most = max(1, max_seq_len // (2 * block_n))
-    n = min(want, most, 64)
-    return 1 << (n.bit_length() - 1)  # power of two for tl.arange
+    """Enough programs to cover the GPU (~2 waves of 132 SMs). A split covers a whole number of
+    key tiles (chunk = cdiv(cdiv(keys, splits), block_n) tiles), so at one or two sequences the
+    count is rounded UP to a power of two (tl.arange): 1025 keys in 64-key tiles are 17 tiles,
+    i.e. 9 working splits of 2 tiles at 16 splits but 17 of 1 at 32 (run 9: 16 us per layer at
+    batch 1 with 6 working splits of 3 tiles). Larger batches round down, as before."""
+    programs = max(1, num_seqs * row_blocks)
+    want = max(1, 264 // programs)
+    tiles = max(1, -(-max_seq_len // block_n))
+    if num_seqs <= 2 and ROUND_UP_SMALL_BATCH:
+        n = min(want, tiles, 64)
+        return min(64, 1 << (n - 1).bit_length())
+    n = min(want, max(1, tiles // 2), 64)
+    return 1 << (n.bit_length() - 1)
 
 
 def mla_attention(
