@@ -176,8 +176,6 @@ def _int4_experts(E, D, I):  # noqa: E741
             UNROLL=2,
             w2=dict(BLOCK_N=16, W=8, num_warps=2),
         ),  # fmt: skip
-        dict(kind="gemv2", BLOCK_N=8, W=16, num_warps=4),
-        dict(kind="gemv2", BLOCK_N=16, W=16, num_warps=4, w2=dict(BLOCK_N=8, W=8)),
         dict(kind="mma", BLOCK_M=16, BLOCK_N=32, W=16, num_warps=4),
     ],
 )

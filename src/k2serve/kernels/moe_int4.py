@@ -394,112 +394,6 @@ if HAS_TRITON:
             _gemv_finish(c_ptr, c_stride, tw_ptr, r3, ok3, offs_n, n_ok, g3, u3, GATED, MUL_W,
                          PERM_OUT)  # fmt: skip
 
-    # ---- "gemv2": the dequant subtraction folded into a per-word activation correction ----
-    # Nibbles 2m and 2m+1 of a word are shifted to bits 12-15 and 16-19 (shift 12 - 8m), where
-    # `(r & 0xF000) | 0x45000000` reads as float32 2048 + n and `(r & 0xF0000) | 0x43000000` as
-    # 128 + n (exact). So sum_j (n_j - 8) x_j = sum_j v_j x_j - C, C = sum_j B_j x_j with
-    # B_j = 2056 (j even) or 136 (j odd): C depends on the activation only and is computed once
-    # per token and word (`cx`), and each word's FMA chain starts at -C. Per word: 4 shifts,
-    # 8 LOP3, 8 FFMA and the scale FMA (the "gemv" kernel: 1 shift, 8 LOP3, 8 FADD, 8 FMA/FFMA
-    # and the scale FMA). The large 2048 terms cost ~11 bits of float32 inside one word's
-    # 8-term chain: ~1e-4 relative per word, far below the bf16 output rounding.
-
-    @triton.jit
-    def _v2(r, HI: tl.constexpr):
-        if HI:
-            bits = (r & 0xF0000) | 0x43000000
-        else:
-            bits = (r & 0xF000) | 0x45000000
-        return bits.to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _word_dot2(p, x0, x1, x2, x3, x4, x5, x6, x7, negc):
-        r = p << 12
-        ws = _v2(r, False) * x0 + negc
-        ws += _v2(r, True) * x1
-        r = p << 4
-        ws += _v2(r, False) * x2
-        ws += _v2(r, True) * x3
-        r = p >> 4
-        ws += _v2(r, False) * x4
-        ws += _v2(r, True) * x5
-        r = p >> 12
-        ws += _v2(r, False) * x6
-        ws += _v2(r, True) * x7
-        return ws
-
-    @triton.jit
-    def _int4_gemv2_kernel(
-        a_ptr, cxa_ptr, w_ptr, s_ptr, c_ptr, cxo_ptr, tw_ptr, sorted_ptr, eid_ptr, npost_ptr,
-        N, K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
-        A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_W: tl.constexpr, PERM_OUT: tl.constexpr,
-        CX_OUT: tl.constexpr, BLOCK_N: tl.constexpr, W: tl.constexpr, WPG: tl.constexpr,
-    ):  # fmt: skip
-        """One (token, expert) pair per program row block; see the comment above. cxa: the
-        activation's corrections [rows, K/8]; CX_OUT: also write the corrections of this
-        launch's (plane-permuted) output rows to cxo [pairs, N/8] (BLOCK_N % 8 == 0)."""
-        pid = tl.program_id(0)
-        num_m = tl.num_programs(0) // tl.cdiv(N, BLOCK_N)
-        pid_m = pid % num_m
-        pid_n = pid // num_m
-        if pid_m >= tl.load(npost_ptr):
-            return
-        e = tl.load(eid_ptr + pid_m).to(tl.int64)
-        r0 = tl.load(sorted_ptr + pid_m)
-        ok0 = r0 < num_pairs
-        arow = tl.where(ok0, r0 // A_DIV, 0).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        w_base = w_ptr + e * w_stride_e
-        s_base = s_ptr + e * s_stride_e
-        acc = tl.zeros([BLOCK_N, W], tl.float32)
-        acc_u = tl.zeros([BLOCK_N, W], tl.float32)
-        for kb in range(0, K // (8 * W)):
-            p, s = _load_ws(w_base, s_base, offs_n, n_ok, kb, w_stride_n, s_stride_n, W, WPG)
-            if GATED:
-                pu, su = _load_ws(w_base, s_base, offs_n + N, n_ok, kb, w_stride_n, s_stride_n,
-                                  W, WPG)  # fmt: skip
-            negc = -tl.load(cxa_ptr + arow * (K // 8) + kb * W + tl.arange(0, W))[None, :]
-            x0 = _xplane(a_ptr, arow, a_stride, kb, 0, W)
-            x1 = _xplane(a_ptr, arow, a_stride, kb, 1, W)
-            x2 = _xplane(a_ptr, arow, a_stride, kb, 2, W)
-            x3 = _xplane(a_ptr, arow, a_stride, kb, 3, W)
-            x4 = _xplane(a_ptr, arow, a_stride, kb, 4, W)
-            x5 = _xplane(a_ptr, arow, a_stride, kb, 5, W)
-            x6 = _xplane(a_ptr, arow, a_stride, kb, 6, W)
-            x7 = _xplane(a_ptr, arow, a_stride, kb, 7, W)
-            acc += _word_dot2(p, x0, x1, x2, x3, x4, x5, x6, x7, negc) * s.to(tl.float32)
-            if GATED:
-                acc_u += _word_dot2(pu, x0, x1, x2, x3, x4, x5, x6, x7, negc) * su.to(tl.float32)
-        y = tl.sum(acc, 1)
-        if GATED:
-            u = tl.sum(acc_u, 1)
-            y = y / (1.0 + tl.exp(-y)) * u
-        if MUL_W:
-            y = y * tl.load(tw_ptr + r0, mask=ok0, other=0.0)
-        pr = tl.zeros([1], tl.int32) + r0
-        okr = tl.zeros([1], tl.int1) | ok0
-        _store_out(c_ptr, c_stride, pr, okr, offs_n, n_ok, y[None, :], PERM_OUT)
-        if CX_OUT:  # columns 8i..8i+7 (natural order) are the 8 planes of word i
-            yr = y.to(tl.bfloat16).to(tl.float32)  # the values stored above
-            bj = tl.where(tl.arange(0, BLOCK_N) % 2 == 0, 2056.0, 136.0)
-            cw = tl.sum(tl.reshape(yr * bj, [BLOCK_N // 8, 8]), 1)
-            offs_w = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
-            w_ok = (tl.zeros([BLOCK_N // 8], tl.int1) | ok0) & (offs_w < N // 8)
-            tl.store(cxo_ptr + r0.to(tl.int64) * (N // 8) + offs_w, cw, mask=w_ok)
-
-    @triton.jit
-    def _permute_cx_kernel(x_ptr, xp_ptr, cx_ptr, K, x_stride, W: tl.constexpr):
-        """x [T, K] -> plane-permuted float32 xp [T, K] and corrections cx [T, K/8] (gemv2)."""
-        t = tl.program_id(0).to(tl.int64)
-        kb = tl.program_id(1)
-        i = tl.arange(0, W)[:, None]
-        j = tl.arange(0, 8)[None, :]
-        v = tl.load(x_ptr + t * x_stride + kb * 8 * W + 8 * i + j).to(tl.float32)  # [W, 8]
-        tl.store(xp_ptr + t * K + kb * 8 * W + j * W + i, v)
-        bj = tl.where(j % 2 == 0, 2056.0, 136.0)
-        tl.store(cx_ptr + t * (K // 8) + kb * W + tl.arange(0, W), tl.sum(v * bj, 1))
-
     @triton.jit
     def _dequant_planes_kernel(w_ptr, s_ptr, o_ptr, n_rows, KW, W: tl.constexpr,
                                WPG: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
@@ -605,8 +499,6 @@ def int4_moe(
                              f"{ew.group_size} must divide it")  # fmt: skip
     pb, pb2 = 8 * cfg["W"], 8 * cfg2["W"]
     M = T * k
-    if kind == "gemv2":
-        return _int4_moe_gemv2(x, ew, topk_weights, topk_ids, cfg, cfg2)
     bm = cfg["ROWS"] if kind == "gemv" else cfg["BLOCK_M"]
     if (cfg2["ROWS"] if kind == "gemv" else cfg2["BLOCK_M"]) != bm:
         raise ValueError("int4_moe: the w2 overrides must keep ROWS / BLOCK_M")
@@ -620,40 +512,6 @@ def int4_moe(
     out = torch.empty(M, D, dtype=x.dtype, device=x.device)
     _launch(kind, inter, ew.w2, ew.w2_scale, out, tw, sorted_ids, eids, npost, D, I, M, 1,
             False, True, 0, cfg2, ew.group_size)  # fmt: skip
-    return out.view(T, k, D).sum(1)
-
-
-def _int4_moe_gemv2(x, ew, topk_weights, topk_ids, cfg, cfg2) -> torch.Tensor:
-    """int4_moe with the "gemv2" kernels (one row per program; see _int4_gemv2_kernel)."""
-    T, D = x.shape
-    k = topk_ids.shape[1]
-    I, E, M = ew.intermediate, ew.num_experts, T * k
-    if cfg["BLOCK_N"] % 8:
-        raise ValueError("int4_moe gemv2: BLOCK_N of the w13 launch must be a multiple of 8")
-    sorted_ids, eids, npost = moe_align_block_size(topk_ids, E, 1)
-    tw = topk_weights.reshape(-1).float().contiguous()
-    dev = x.device
-    xp = torch.empty(T, D, dtype=torch.float32, device=dev)
-    cx = torch.empty(T, D // 8, dtype=torch.float32, device=dev)
-    W1, W2 = cfg["W"], cfg2["W"]
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    _permute_cx_kernel[(T, D // (8 * W1))](x, xp, cx, D, x.stride(0), W=W1, num_warps=4)
-    inter = torch.empty(M, I, dtype=torch.float32, device=dev)
-    cxi = torch.empty(M, I // 8, dtype=torch.float32, device=dev)
-    out = torch.empty(M, D, dtype=x.dtype, device=dev)
-    for a, cxa, w, s, c, cxo, N, K, a_div, gated, c_cfg in (
-        (xp, cx, ew.w13, ew.w13_scale, inter, cxi, I, D, k, True, cfg),
-        (inter, cxi, ew.w2, ew.w2_scale, out, cxi, D, I, 1, False, cfg2),
-    ):
-        grid = (eids.shape[0] * cdiv(N, c_cfg["BLOCK_N"]),)
-        _int4_gemv2_kernel[grid](
-            a, cxa, w, s, c, cxo, tw, sorted_ids, eids, npost, N, K, M, a.stride(0),
-            c.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1),
-            A_DIV=a_div, GATED=gated, MUL_W=not gated, PERM_OUT=8 * W2 if gated else 0,
-            CX_OUT=gated, BLOCK_N=c_cfg["BLOCK_N"], W=c_cfg["W"], WPG=ew.group_size // 8,
-            num_warps=c_cfg.get("num_warps", 4),
-        )  # fmt: skip
     return out.view(T, k, D).sum(1)
 
 
