@@ -33,8 +33,14 @@ def paged(ctx, qlens, H=4, L=32, R=16, ps=16):
 
 @pytest.mark.parametrize(
     "ctx,qlens,splits",
-    [([5, 40, 0], [1, 1, 1], None), ([33], [1], 4), ([0, 17], [20, 9], None), ([3], [2], 2),
-     ([300], [1], None), ([70], [1], 16)],  # fmt: skip
+    [
+        ([5, 40, 0], [1, 1, 1], None),
+        ([33], [1], 4),
+        ([0, 17], [20, 9], None),
+        ([3], [2], 2),
+        ([300], [1], None),
+        ([70], [1], 16),
+    ],  # fmt: skip
 )
 def test_mla_attention_matches_reference(ctx, qlens, splits):
     args, mq, ms = paged(ctx, qlens)
