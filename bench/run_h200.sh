@@ -14,6 +14,8 @@ if [ "${VERIFY:-1}" = 1 ]; then
   echo "== pytest -q -m gpu tests/kernels tests/integration tests/engine tests/model -x"
   timeout 150 python3 -m pytest -q -m gpu tests/kernels tests/integration tests/engine \
     tests/model -x -p no:cacheprovider 2>&1 | tail -30
+  echo "== pytest -q tests/kernels (every kernel test on CUDA)"
+  timeout 120 python3 -m pytest -q tests/kernels -x -p no:cacheprovider 2>&1 | tail -8
   echo "(pytest done at ${SECONDS} s)"
   echo "== bench/gpu_smoke.py"
   timeout 200 python3 bench/gpu_smoke.py 2>&1 | grep -v "Loading weights"
@@ -25,8 +27,14 @@ timeout "$(left 40)" python3 bench/model_speed.py --parts "${PARTS:-ceil,check,g
 echo "bench rc=$? at ${SECONDS} s"
 grep -E "^ceilings|FAIL|Traceback|Error|tuned|^\| (gemv|model)|checks failed" "$OUT/bench.txt" \
   | tail -70
+if [ "${SASS:-1}" = 1 ]; then  # the GEMV kernels' machine code, for instruction counts
+  find ~/.triton/cache -name '_int4_gemv*.cubin' | head -6 | while read -r f; do
+    cuobjdump --dump-sass "$f" > "$OUT/sass_$(basename "$f" .cubin)_$(basename "$(dirname "$f")" | cut -c1-6).txt"
+  done
+  ls "$OUT"
+fi
 if [ "${PROBE:-1}" = 1 ] && [ "$(left)" -gt 45 ]; then
-  timeout "$(left 5)" ncu --clock-control none -k regex:_int4_gemv -c 2 \
+  timeout "$(left 5)" ncu --clock-control none -k regex:_int4_gemv -c 4 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     python3 bench/model_speed.py --parts probe > "$OUT/ncu.txt" 2>&1
   grep -E "_int4_gemv|Duration|DRAM Throughput|Registers Per|Achieved Occ|Theoretical Occ|Block Limit Reg|Warp Cycles Per Issued|Grid Size|Waves Per SM" \

@@ -183,6 +183,7 @@ def _int4_experts(E, D, I):  # noqa: E741
             w2=dict(BLOCK_N=16, W=8, num_warps=2),
         ),  # fmt: skip
         dict(kind="mma", BLOCK_M=16, BLOCK_N=32, W=16, num_warps=4),
+        dict(kind="h2", BLOCK_N=8, W=16, num_warps=4, w2=dict(BLOCK_N=4, W=8, num_warps=2)),
     ],
 )
 def test_int4_plane_kernels_match_reference(cfg):
@@ -196,6 +197,30 @@ def test_int4_plane_kernels_match_reference(cfg):
     ids[1] = ids[0]  # two tokens on the same experts: blocks with several rows
     out = moe_int4.int4_moe(x, ew, w, ids, cfg)
     assert rel(out, fm.fused_moe_ref(x, ew, w, ids)) < 2e-2
+    if cfg["kind"] == "h2":  # rows far from unit scale (the kernel scales each row)
+        for mag in (1e-5, 1e3):
+            out = moe_int4.int4_moe(x * mag, ew, w, ids, cfg)
+            assert rel(out, fm.fused_moe_ref(x * mag, ew, w, ids)) < 2e-2
+
+
+def test_pack_h2_layout_and_scale():
+    """pack_h2: f16x2 pairs (x[8w+j], x[8w+j+4]) in planes of W words, row scale 2^e with
+    max |x| / 2^e in [256, 512)."""
+    from k2serve.kernels import moe_int4
+
+    W = 4
+    x = torch.randn(3, 64, device=DEVICE) * torch.tensor([[1e-3], [1.0], [700.0]], device=DEVICE)
+    x[1, 5] = 3.0  # row 1's largest magnitude: 2^e = 2^(1 - 8)
+    a, rs = moe_int4.pack_h2(x, W)
+    assert a.shape == (3, 32) and a.dtype == torch.int32
+    assert rs[1].item() == 2.0**-7
+    amax = x.abs().amax(1)
+    assert bool(((amax / rs >= 256) & (amax / rs < 512)).all())
+    halves = a.view(torch.int16).view(torch.float16).float().view(3, 2, 4, W, 2)  # [r, b, j, w, h]
+    for b, j, w, h in ((0, 0, 0, 0), (1, 3, 2, 1), (0, 2, 3, 1), (1, 1, 0, 0)):
+        col = b * 8 * W + 8 * w + j + 4 * h
+        want = (x[:, col] / rs).half().float()
+        assert torch.equal(halves[:, b, j, w, h], want), (b, j, w, h)
 
 
 def test_int4_planes_dequant_and_grouped_mm():

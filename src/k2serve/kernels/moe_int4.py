@@ -419,6 +419,147 @@ if HAS_TRITON:
         tl.store(base + 7 * W, (_plane_f32(p, q, 7) * s).to(tl.bfloat16), mask=m)
 
 
+if HAS_TRITON:
+
+    @triton.jit
+    def _word_dot_h2(p, a0, a1, a2, a3, USE_ASM: tl.constexpr):
+        """sum_j (n_j - 8) * x_j over the 8 nibbles of each word p, as float32. a_j holds the
+        activation pair (x_j, x_j+4) as f16x2: the nibbles that one lop3 leaves in the low and
+        high half of a register (j = 0..3, see `pack_h2`)."""
+        if USE_ASM:
+            # lop3 0xEA = (a & b) | c. 0x6400 is fp16 1024: low nibble n -> 1024 + n, the next
+            # nibble -> 1024 + 16n. Subtract 1032 (0x6408), or times 1/16 (0x2C00) minus 72
+            # (0xD480): n - 8 exactly, two weights per instruction. The 8 products are summed
+            # in fp16 (the activation is scaled so that the sum cannot overflow) and the two
+            # halves added in fp32: 16 instructions per 8 weights.
+            return tl.inline_asm_elementwise(
+                asm="""
+                {
+                .reg .b32 t0, t1, t2, t3, q, acc, k1032, k16, k72;
+                .reg .f16 lo, hi;
+                .reg .f32 flo, fhi;
+                mov.b32 k1032, 0x64086408;
+                mov.b32 k16, 0x2C002C00;
+                mov.b32 k72, 0xD480D480;
+                lop3.b32 t0, $1, 0x000F000F, 0x64006400, 0xEA;
+                lop3.b32 t1, $1, 0x00F000F0, 0x64006400, 0xEA;
+                shr.u32 q, $1, 8;
+                lop3.b32 t2, q, 0x000F000F, 0x64006400, 0xEA;
+                lop3.b32 t3, q, 0x00F000F0, 0x64006400, 0xEA;
+                sub.f16x2 t0, t0, k1032;
+                fma.rn.f16x2 t1, t1, k16, k72;
+                sub.f16x2 t2, t2, k1032;
+                fma.rn.f16x2 t3, t3, k16, k72;
+                mul.f16x2 acc, t0, $2;
+                fma.rn.f16x2 acc, t1, $3, acc;
+                fma.rn.f16x2 acc, t2, $4, acc;
+                fma.rn.f16x2 acc, t3, $5, acc;
+                mov.b32 {lo, hi}, acc;
+                cvt.f32.f16 flo, lo;
+                cvt.f32.f16 fhi, hi;
+                add.f32 $0, flo, fhi;
+                }
+                """,
+                constraints="=r,r,r,r,r,r",
+                args=[p, a0, a1, a2, a3],
+                dtype=tl.float32,
+                is_pure=True,
+                pack=1,
+            )
+        else:  # the interpreter: the same sum in float32
+            acc = _h2_term(p, a0, 0)
+            acc += _h2_term(p, a1, 1)
+            acc += _h2_term(p, a2, 2)
+            acc += _h2_term(p, a3, 3)
+            return acc
+
+    @triton.jit
+    def _h2_term(p, a, J: tl.constexpr):
+        """(n_J - 8) * x_J + (n_J+4 - 8) * x_J+4 in float32 (plain Triton)."""
+        x_lo = (a & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        x_hi = ((a >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        n_lo = ((p >> (4 * J)) & 0xF).to(tl.float32) - 8.0
+        n_hi = ((p >> (4 * J + 16)) & 0xF).to(tl.float32) - 8.0
+        return n_lo * x_lo + n_hi * x_hi
+
+    @triton.jit
+    def _pack_h2_kernel(x_ptr, a_ptr, rs_ptr, K, x_stride, a_stride, W: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr):  # fmt: skip
+        """One row: x [K] -> a [K/2] int32 f16x2 pairs, x scaled by 2^-e so that its largest
+        magnitude lies in [256, 512); rs = 2^e. Layout: in each block of W words (8W columns),
+        4 planes of W: a[b*4W + j*W + w] = (x[b*8W + 8w + j], x[b*8W + 8w + j + 4])."""
+        r = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_K)
+        xr = tl.load(x_ptr + r * x_stride + offs, mask=offs < K, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(xr), 0)
+        e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 8  # floor(log2 amax) - 8
+        e = tl.where(amax > 0, tl.minimum(tl.maximum(e, -100), 100), 0)
+        down = ((127 - e) << 23).to(tl.float32, bitcast=True)
+        tl.store(rs_ptr + r, ((127 + e) << 23).to(tl.float32, bitcast=True))
+        ow = tl.arange(0, BLOCK_W)
+        ok = ow < K // 8
+        src = x_ptr + r * x_stride + 8 * ow
+        dst = a_ptr + r * a_stride + (ow // W) * (4 * W) + ow % W
+        for j in tl.static_range(4):
+            lo = (tl.load(src + j, mask=ok, other=0.0).to(tl.float32) * down).to(tl.float16)
+            hi = (tl.load(src + j + 4, mask=ok, other=0.0).to(tl.float32) * down).to(tl.float16)
+            lo_b = lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            hi_b = hi.to(tl.int16, bitcast=True).to(tl.int32) << 16
+            tl.store(dst + j * W, lo_b | hi_b, mask=ok)
+
+    @triton.jit
+    def _int4_gemv_h2_kernel(
+        a_ptr, rs_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, ids_ptr,
+        N, K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
+        A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_W: tl.constexpr,
+        BLOCK_N: tl.constexpr, W: tl.constexpr, WPG: tl.constexpr, USE_ASM: tl.constexpr,
+    ):  # fmt: skip
+        """GEMV of one (token, expert) pair per program over BLOCK_N output rows, activations
+        as f16x2 pairs (`pack_h2`), two weights per dequant / FMA instruction (`_word_dot_h2`).
+        Pairs come straight from the flat top-k ids: no alignment pass. Pairs are innermost in
+        the grid, so the pairs that share an expert read each weight tile at about the same
+        time and the repeats come from L2."""
+        pid = tl.program_id(0)
+        pair = pid % num_pairs
+        pid_n = pid // num_pairs
+        ok = pair < num_pairs
+        e = tl.load(ids_ptr + pair).to(tl.int64)
+        row = (pair // A_DIV).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        w_base = w_ptr + e * w_stride_e
+        s_base = s_ptr + e * s_stride_e
+        a_row = a_ptr + row * a_stride + tl.arange(0, W)
+        acc = tl.zeros([BLOCK_N, W], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, W], tl.float32)
+        for kb in range(0, K // (8 * W)):
+            p, s = _load_ws(w_base, s_base, offs_n, n_ok, kb, w_stride_n, s_stride_n, W, WPG)
+            a0 = tl.broadcast_to(tl.load(a_row + kb * 4 * W)[None, :], [BLOCK_N, W])
+            a1 = tl.broadcast_to(tl.load(a_row + kb * 4 * W + W)[None, :], [BLOCK_N, W])
+            a2 = tl.broadcast_to(tl.load(a_row + kb * 4 * W + 2 * W)[None, :], [BLOCK_N, W])
+            a3 = tl.broadcast_to(tl.load(a_row + kb * 4 * W + 3 * W)[None, :], [BLOCK_N, W])
+            acc += _word_dot_h2(p, a0, a1, a2, a3, USE_ASM) * s.to(tl.float32)
+            if GATED:
+                pu, su = _load_ws(w_base, s_base, offs_n + N, n_ok, kb, w_stride_n, s_stride_n,
+                                  W, WPG)  # fmt: skip
+                acc_u += _word_dot_h2(pu, a0, a1, a2, a3, USE_ASM) * su.to(tl.float32)
+        rs = tl.load(rs_ptr + row)
+        _gemv_finish(c_ptr, c_stride, tw_ptr, pair, ok, offs_n, n_ok, acc * rs, acc_u * rs,
+                     GATED, MUL_W, 0)  # fmt: skip
+
+
+def pack_h2(x: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (f16x2 pairs [M, K/2] int32 in the layout `_int4_gemv_h2_kernel` reads, the
+    per-row scale [M] float32 that undoes the activation's power-of-two scaling)."""
+    M, K = x.shape
+    a = torch.empty(M, K // 2, dtype=torch.int32, device=x.device)
+    rs = torch.empty(M, dtype=torch.float32, device=x.device)
+    bk = triton.next_power_of_2(K)
+    _pack_h2_kernel[(M,)](x, a, rs, K, x.stride(0), a.stride(0), W=W, BLOCK_K=bk,
+                          BLOCK_W=max(bk // 8, 1), num_warps=8 if K >= 4096 else 4)  # fmt: skip
+    return a, rs
+
+
 _ASM_OK: dict[str, bool] = {}
 
 
@@ -473,6 +614,17 @@ def _launch(kind, a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, gated
         _int4_mma_kernel[grid](*args, **common, DOT_DT=dot_dtype(), USE_ASM=use_asm(), **cfg)
 
 
+def _launch_h2(x, w, s, c, tw, ids, N, K, M, a_div, gated, mul_w, cfg, group):
+    a, rs = pack_h2(x, cfg["W"])
+    grid = (M * cdiv(N, cfg["BLOCK_N"]),)
+    _int4_gemv_h2_kernel[grid](
+        a, rs, w, s, c, tw, ids, N, K, M, a.stride(0), c.stride(0), w.stride(0), w.stride(1),
+        s.stride(0), s.stride(1), A_DIV=a_div, GATED=gated, MUL_W=mul_w,
+        BLOCK_N=cfg["BLOCK_N"], W=cfg["W"], WPG=group // 8, USE_ASM=use_asm(),
+        num_warps=cfg["num_warps"],
+    )  # fmt: skip
+
+
 def int4_moe(
     x: torch.Tensor,  # [T, D] bf16
     ew,  # ExpertWeights, quant "int4"
@@ -499,11 +651,20 @@ def int4_moe(
                              f"{ew.group_size} must divide it")  # fmt: skip
     pb, pb2 = 8 * cfg["W"], 8 * cfg2["W"]
     M = T * k
+    tw = topk_weights.reshape(-1).float().contiguous()
+    if kind == "h2":
+        ids = topk_ids.reshape(-1).contiguous()
+        inter = torch.empty(M, I, dtype=torch.float32, device=x.device)
+        _launch_h2(x, ew.w13, ew.w13_scale, inter, tw, ids, I, D, M, k, True, False, cfg,
+                   ew.group_size)  # fmt: skip
+        out = torch.empty(M, D, dtype=x.dtype, device=x.device)
+        _launch_h2(inter, ew.w2, ew.w2_scale, out, tw, ids, D, I, M, 1, False, True, cfg2,
+                   ew.group_size)  # fmt: skip
+        return out.view(T, k, D).sum(1)
     bm = cfg["ROWS"] if kind == "gemv" else cfg["BLOCK_M"]
     if (cfg2["ROWS"] if kind == "gemv" else cfg2["BLOCK_M"]) != bm:
         raise ValueError("int4_moe: the w2 overrides must keep ROWS / BLOCK_M")
     sorted_ids, eids, npost = moe_align_block_size(topk_ids, E, bm)
-    tw = topk_weights.reshape(-1).float().contiguous()
     act_dt = torch.float32 if kind == "gemv" else x.dtype
     xp = permute_planes(x, pb, act_dt).contiguous()
     inter = torch.empty(M, I, dtype=act_dt, device=x.device)
