@@ -138,6 +138,7 @@ NEW_CFGS = [
     ("gemv r4 16x32 w4", dict(kind="gemv", ROWS=4, BLOCK_N=16, W=32, num_warps=4)),
     ("mma 16x64 w4 s3", dict(kind="mma", BLOCK_M=16, BLOCK_N=64, W=32, num_warps=4, num_stages=3)),
     ("h2 8x64 w4", dict(kind="h2", BLOCK_N=8, W=64, num_warps=4)),
+    ("h2 8x64 w4 pf0", dict(kind="h2", BLOCK_N=8, W=64, num_warps=4, PREFETCH=0)),
 ]
 SWEEP = {  # (kind, rows, BLOCK_N, W, warps, prefetch)
     1: [("gemv", 1, 16, 64, 4, 0), ("gemv", 1, 16, 64, 4, 1), ("gemv", 1, 8, 64, 4, 0),
@@ -218,7 +219,7 @@ def part_check():
             for mag in (1e-4, 300.0):
                 x2 = xx * mag
                 check(f"int4_moe h2 x*{mag:g} T={T}",
-                      mi.int4_moe(x2, ew, tw, ti, dict(NEW_CFGS[-1][1])),
+                      mi.int4_moe(x2, ew, tw, ti, dict(NEW_CFGS[-2][1])),
                       fm.fused_moe_ref(x2, ew, tw, ti))  # fmt: skip
         if T == 512:
             check(f"int4_moe grouped_mm T={T}", mi.int4_moe_grouped_mm(xx, ew, tw, ti), ref)
@@ -464,15 +465,15 @@ def part_gemv():
     torch.cuda.empty_cache()
 
 
-# (BLOCK_N, W, num_warps) of the f16x2 GEMV
-H2_CANDS = [(8, 64, 4), (4, 64, 2), (8, 32, 4), (16, 64, 4), (16, 32, 4), (8, 128, 8),
-            (4, 128, 4), (16, 64, 8)]  # fmt: skip
+# (BLOCK_N, W, num_warps, PREFETCH) of the f16x2 GEMV
+H2_CANDS = [(8, 64, 4, 1), (8, 64, 4, 0), (4, 64, 2, 1), (8, 32, 4, 1), (16, 64, 4, 1),
+            (8, 128, 8, 1), (4, 128, 4, 1), (16, 32, 4, 1), (4, 64, 4, 1)]  # fmt: skip
 
 
 def part_h2():
     """The f16x2 GEMV (kind h2) against the current r1 GEMV, both launches at one config,
     graph-timed over 4 routings at T=1 and T=8; the fastest h2 config becomes TUNED["r1"] when
-    it beats r1 on T=1 + T=8 and agrees with it to 3e-3."""
+    it beats r1 on T=1 + T=8 and agrees with it to 4e-3."""
     from k2serve.kernels import moe_int4 as mi
 
     dev = "cuda"
@@ -488,7 +489,8 @@ def part_h2():
         nb = sum(int(ti.unique().numel()) for _, ti in routes) / 4 * per_expert
         refs = [mi.int4_moe(x, ew, tw, ti, base) for tw, ti in routes]
         for c in [None] + H2_CANDS:
-            cfg = base if c is None else dict(kind="h2", BLOCK_N=c[0], W=c[1], num_warps=c[2])
+            cfg = base if c is None else dict(kind="h2", BLOCK_N=c[0], W=c[1], num_warps=c[2],
+                                              PREFETCH=c[3])  # fmt: skip
             try:
                 outs = [mi.int4_moe(x, ew, tw, ti, cfg) for tw, ti in routes]
                 err = max(((o.float() - r.float()).norm() / r.float().norm()).item()
@@ -498,9 +500,9 @@ def part_h2():
             except Exception as e:  # noqa: BLE001 - a config that does not fit is reported
                 log(f"  h2 T={T} {c}: {type(e).__name__}: {str(e)[:300]}")
                 continue
-            name = "r1 (current)" if c is None else f"h2 bn{c[0]} W{c[1]} w{c[2]}"
+            name = "r1 (current)" if c is None else f"h2 bn{c[0]} W{c[1]} w{c[2]} pf{c[3]}"
             row("gemv", f"T={T} {name}", ms, nb, 0, f"vs r1 {err:.1e}")
-            if err > 3e-3:
+            if err > 4e-3:  # fp16 word sums: ~2e-3 from r1 (both ~3e-3 from the reference)
                 FAILS.append(f"h2 T={T} {c} err {err:.1e}")
                 continue
             t0, _ = tot.get(c, (0.0, cfg))
@@ -955,7 +957,7 @@ def main(argv=None):
         ew = _rand_experts("int4", 384, 7168, 2048, "cuda")
         tw, ti = _route(1, 384, 8, "cuda")
         x = torch.randn(1, 7168, device="cuda", dtype=torch.bfloat16)
-        mi.int4_moe(x, ew, tw, ti, dict(kind="h2", BLOCK_N=8, W=64, num_warps=4))
+        mi.int4_moe(x, ew, tw, ti, dict(kind="h2", BLOCK_N=8, W=64, num_warps=4, PREFETCH=1))
         mi.int4_moe(x, ew, tw, ti, dict(RUN8_R1))
         torch.cuda.synchronize()
         return

@@ -184,6 +184,7 @@ def _int4_experts(E, D, I):  # noqa: E741
         ),  # fmt: skip
         dict(kind="mma", BLOCK_M=16, BLOCK_N=32, W=16, num_warps=4),
         dict(kind="h2", BLOCK_N=8, W=16, num_warps=4, w2=dict(BLOCK_N=4, W=8, num_warps=2)),
+        dict(kind="h2", BLOCK_N=4, W=8, num_warps=2, PREFETCH=0),
     ],
 )
 def test_int4_plane_kernels_match_reference(cfg):

@@ -508,44 +508,95 @@ if HAS_TRITON:
             tl.store(dst + j * W, lo_b | hi_b, mask=ok)
 
     @triton.jit
-    def _int4_gemv_h2_kernel(
-        a_ptr, rs_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, ids_ptr,
-        N, K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
-        A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_W: tl.constexpr,
-        BLOCK_N: tl.constexpr, W: tl.constexpr, WPG: tl.constexpr, USE_ASM: tl.constexpr,
-    ):  # fmt: skip
-        """GEMV of one (token, expert) pair per program over BLOCK_N output rows, activations
-        as f16x2 pairs (`pack_h2`), two weights per dequant / FMA instruction (`_word_dot_h2`).
-        Pairs come straight from the flat top-k ids: no alignment pass. Pairs are innermost in
-        the grid, so the pairs that share an expert read each weight tile at about the same
-        time and the repeats come from L2."""
-        pid = tl.program_id(0)
-        pair = pid % num_pairs
-        pid_n = pid // num_pairs
-        ok = pair < num_pairs
+    def _h2_fetch(it, r, nk, a_ptr, rs_ptr, w_ptr, s_ptr, tw_ptr, ids_ptr, offs_n, n_ok, N,
+                  a_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n, A_DIV: tl.constexpr,
+                  GATED: tl.constexpr, TOPK: tl.constexpr, W: tl.constexpr,
+                  WPG: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+        """Loads of iteration `it` (masked off past the end): words and scales of the expert's
+        K-block, the 4 activation planes, and the factor c that this iteration's products get
+        (TOPK > 0: the pair's top-k weight times its activation scale; else 1)."""
+        n_it = nk * tl.maximum(TOPK, 1)
+        m = n_ok & ((offs_n * 0 + it) < n_it)  # past the end: no weight bytes read
+        it = tl.minimum(it, n_it - 1)  # and the small loads stay in bounds
+        if TOPK > 0:
+            pair = r * TOPK + it // nk
+            kb = it % nk
+            a_row = pair
+            c = tl.load(rs_ptr + pair) * tl.load(tw_ptr + pair)
+        else:
+            pair = r
+            kb = it
+            a_row = r // A_DIV
+            c = 1.0
         e = tl.load(ids_ptr + pair).to(tl.int64)
-        row = (pair // A_DIV).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
         w_base = w_ptr + e * w_stride_e
         s_base = s_ptr + e * s_stride_e
-        a_row = a_ptr + row * a_stride + tl.arange(0, W)
+        p, s = _load_ws(w_base, s_base, offs_n, m, kb, w_stride_n, s_stride_n, W, WPG)
+        pu, su = p, s
+        if GATED:
+            pu, su = _load_ws(w_base, s_base, offs_n + N, m, kb, w_stride_n, s_stride_n, W, WPG)
+        ab = a_ptr + a_row.to(tl.int64) * a_stride + kb * 4 * W + tl.arange(0, W)
+        a0 = tl.broadcast_to(tl.load(ab)[None, :], [BLOCK_N, W])
+        a1 = tl.broadcast_to(tl.load(ab + W)[None, :], [BLOCK_N, W])
+        a2 = tl.broadcast_to(tl.load(ab + 2 * W)[None, :], [BLOCK_N, W])
+        a3 = tl.broadcast_to(tl.load(ab + 3 * W)[None, :], [BLOCK_N, W])
+        return p, s.to(tl.float32) * c, pu, su.to(tl.float32), a0, a1, a2, a3
+
+    @triton.jit
+    def _int4_gemv_h2_kernel(
+        a_ptr, rs_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, ids_ptr,
+        N, K, num_rows, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
+        A_DIV: tl.constexpr, GATED: tl.constexpr, TOPK: tl.constexpr,
+        BLOCK_N: tl.constexpr, W: tl.constexpr, WPG: tl.constexpr, USE_ASM: tl.constexpr,
+        PREFETCH: tl.constexpr,
+    ):  # fmt: skip
+        """Decode GEMV over BLOCK_N output rows with activations as f16x2 pairs (`pack_h2`),
+        two weights per dequant / FMA instruction (`_word_dot_h2`). Experts come straight from
+        the flat top-k ids (no alignment pass).
+        TOPK == 0: a program per (pair, N-block): c[pair] = W_e a[pair // A_DIV], with GATED
+        silu(gate) * up, in float32.
+        TOPK > 0: a program per (token, N-block): c[t] = sum_j tw[t, j] W_e(t,j) a[t*TOPK + j],
+        the top-k weighted sum done in the kernel.
+        Rows are innermost in the grid, so the programs that share an expert read each weight
+        tile at about the same time and the repeats come from L2. PREFETCH: the next
+        iteration's loads are issued before this one's arithmetic."""
+        pid = tl.program_id(0)
+        r = pid % num_rows
+        pid_n = pid // num_rows
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        nk = K // (8 * W)
         acc = tl.zeros([BLOCK_N, W], tl.float32)
         acc_u = tl.zeros([BLOCK_N, W], tl.float32)
-        for kb in range(0, K // (8 * W)):
-            p, s = _load_ws(w_base, s_base, offs_n, n_ok, kb, w_stride_n, s_stride_n, W, WPG)
-            a0 = tl.broadcast_to(tl.load(a_row + kb * 4 * W)[None, :], [BLOCK_N, W])
-            a1 = tl.broadcast_to(tl.load(a_row + kb * 4 * W + W)[None, :], [BLOCK_N, W])
-            a2 = tl.broadcast_to(tl.load(a_row + kb * 4 * W + 2 * W)[None, :], [BLOCK_N, W])
-            a3 = tl.broadcast_to(tl.load(a_row + kb * 4 * W + 3 * W)[None, :], [BLOCK_N, W])
-            acc += _word_dot_h2(p, a0, a1, a2, a3, USE_ASM) * s.to(tl.float32)
+        p, s, pu, su, a0, a1, a2, a3 = _h2_fetch(
+            0, r, nk, a_ptr, rs_ptr, w_ptr, s_ptr, tw_ptr, ids_ptr, offs_n, n_ok, N, a_stride,
+            w_stride_e, w_stride_n, s_stride_e, s_stride_n, A_DIV, GATED, TOPK, W, WPG,
+            BLOCK_N)  # fmt: skip
+        for it in range(0, nk * tl.maximum(TOPK, 1)):
+            if PREFETCH:
+                pn, sn, pun, sun, b0, b1, b2, b3 = _h2_fetch(
+                    it + 1, r, nk, a_ptr, rs_ptr, w_ptr, s_ptr, tw_ptr, ids_ptr, offs_n, n_ok,
+                    N, a_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n, A_DIV, GATED,
+                    TOPK, W, WPG, BLOCK_N)  # fmt: skip
+            else:
+                p, s, pu, su, a0, a1, a2, a3 = _h2_fetch(
+                    it, r, nk, a_ptr, rs_ptr, w_ptr, s_ptr, tw_ptr, ids_ptr, offs_n, n_ok, N,
+                    a_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n, A_DIV, GATED,
+                    TOPK, W, WPG, BLOCK_N)  # fmt: skip
+            acc += _word_dot_h2(p, a0, a1, a2, a3, USE_ASM) * s
             if GATED:
-                pu, su = _load_ws(w_base, s_base, offs_n + N, n_ok, kb, w_stride_n, s_stride_n,
-                                  W, WPG)  # fmt: skip
-                acc_u += _word_dot_h2(pu, a0, a1, a2, a3, USE_ASM) * su.to(tl.float32)
-        rs = tl.load(rs_ptr + row)
-        _gemv_finish(c_ptr, c_stride, tw_ptr, pair, ok, offs_n, n_ok, acc * rs, acc_u * rs,
-                     GATED, MUL_W, 0)  # fmt: skip
+                acc_u += _word_dot_h2(pu, a0, a1, a2, a3, USE_ASM) * su
+            if PREFETCH:
+                p, s, pu, su, a0, a1, a2, a3 = pn, sn, pun, sun, b0, b1, b2, b3
+        y = tl.sum(acc, 1)
+        if TOPK == 0:
+            rs = tl.load(rs_ptr + r // A_DIV)
+            y = y * rs
+            if GATED:
+                u = tl.sum(acc_u, 1) * rs
+                y = y / (1.0 + tl.exp(-y)) * u
+        rr = tl.zeros([1], tl.int32) + r
+        _store_out(c_ptr, c_stride, rr, rr >= 0, offs_n, n_ok, y[None, :], 0)
 
 
 def pack_h2(x: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -614,14 +665,14 @@ def _launch(kind, a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, gated
         _int4_mma_kernel[grid](*args, **common, DOT_DT=dot_dtype(), USE_ASM=use_asm(), **cfg)
 
 
-def _launch_h2(x, w, s, c, tw, ids, N, K, M, a_div, gated, mul_w, cfg, group):
+def _launch_h2(x, w, s, c, tw, ids, N, K, rows, a_div, gated, topk, cfg, group):
     a, rs = pack_h2(x, cfg["W"])
-    grid = (M * cdiv(N, cfg["BLOCK_N"]),)
+    grid = (rows * cdiv(N, cfg["BLOCK_N"]),)
     _int4_gemv_h2_kernel[grid](
-        a, rs, w, s, c, tw, ids, N, K, M, a.stride(0), c.stride(0), w.stride(0), w.stride(1),
-        s.stride(0), s.stride(1), A_DIV=a_div, GATED=gated, MUL_W=mul_w,
+        a, rs, w, s, c, tw, ids, N, K, rows, a.stride(0), c.stride(0), w.stride(0),
+        w.stride(1), s.stride(0), s.stride(1), A_DIV=a_div, GATED=gated, TOPK=topk,
         BLOCK_N=cfg["BLOCK_N"], W=cfg["W"], WPG=group // 8, USE_ASM=use_asm(),
-        num_warps=cfg["num_warps"],
+        PREFETCH=cfg.get("PREFETCH", 1), num_warps=cfg["num_warps"],
     )  # fmt: skip
 
 
@@ -655,12 +706,12 @@ def int4_moe(
     if kind == "h2":
         ids = topk_ids.reshape(-1).contiguous()
         inter = torch.empty(M, I, dtype=torch.float32, device=x.device)
-        _launch_h2(x, ew.w13, ew.w13_scale, inter, tw, ids, I, D, M, k, True, False, cfg,
+        _launch_h2(x, ew.w13, ew.w13_scale, inter, tw, ids, I, D, M, k, True, 0, cfg,
                    ew.group_size)  # fmt: skip
-        out = torch.empty(M, D, dtype=x.dtype, device=x.device)
-        _launch_h2(inter, ew.w2, ew.w2_scale, out, tw, ids, D, I, M, 1, False, True, cfg2,
+        out = torch.empty(T, D, dtype=x.dtype, device=x.device)
+        _launch_h2(inter, ew.w2, ew.w2_scale, out, tw, ids, D, I, T, 1, False, k, cfg2,
                    ew.group_size)  # fmt: skip
-        return out.view(T, k, D).sum(1)
+        return out
     bm = cfg["ROWS"] if kind == "gemv" else cfg["BLOCK_M"]
     if (cfg2["ROWS"] if kind == "gemv" else cfg2["BLOCK_M"]) != bm:
         raise ValueError("int4_moe: the w2 overrides must keep ROWS / BLOCK_M")
