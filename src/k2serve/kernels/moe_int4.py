@@ -548,7 +548,7 @@ if HAS_TRITON:
         N, K, num_rows, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
         A_DIV: tl.constexpr, GATED: tl.constexpr, TOPK: tl.constexpr,
         BLOCK_N: tl.constexpr, W: tl.constexpr, WPG: tl.constexpr, USE_ASM: tl.constexpr,
-        PREFETCH: tl.constexpr,
+        PREFETCH: tl.constexpr, STAGES: tl.constexpr,
     ):  # fmt: skip
         """Decode GEMV over BLOCK_N output rows with activations as f16x2 pairs (`pack_h2`),
         two weights per dequant / FMA instruction (`_word_dot_h2`). Experts come straight from
@@ -559,7 +559,8 @@ if HAS_TRITON:
         the top-k weighted sum done in the kernel.
         Rows are innermost in the grid, so the programs that share an expert read each weight
         tile at about the same time and the repeats come from L2. PREFETCH: the next
-        iteration's loads are issued before this one's arithmetic."""
+        iteration's loads are issued before this one's arithmetic; STAGES: Triton's software
+        pipelining of the loop (1: none)."""
         pid = tl.program_id(0)
         r = pid % num_rows
         pid_n = pid // num_rows
@@ -572,7 +573,7 @@ if HAS_TRITON:
             0, r, nk, a_ptr, rs_ptr, w_ptr, s_ptr, tw_ptr, ids_ptr, offs_n, n_ok, N, a_stride,
             w_stride_e, w_stride_n, s_stride_e, s_stride_n, A_DIV, GATED, TOPK, W, WPG,
             BLOCK_N)  # fmt: skip
-        for it in range(0, nk * tl.maximum(TOPK, 1)):
+        for it in tl.range(0, nk * tl.maximum(TOPK, 1), num_stages=STAGES):
             if PREFETCH:
                 pn, sn, pun, sun, b0, b1, b2, b3 = _h2_fetch(
                     it + 1, r, nk, a_ptr, rs_ptr, w_ptr, s_ptr, tw_ptr, ids_ptr, offs_n, n_ok,
@@ -624,7 +625,10 @@ def use_asm() -> bool:
 # Tuned GEMV configs (bench/model_speed.py may replace them with its sweep's winners). A config
 # may hold "w2": {...}, overrides for the down-projection launch (BLOCK_N, W, num_warps, ...).
 TUNED = {
-    "r1": dict(kind="gemv", ROWS=1, BLOCK_N=8, W=64, num_warps=4, PREFETCH=0),
+    # the f16x2 GEMV (bench/h200_run13.txt: T=1 0.091 ms, T=8 0.615 ms for both launches of a
+    # K2 MoE layer, against 0.132 / 0.817 for run 8's plane GEMV, kind="gemv", ROWS=1,
+    # BLOCK_N=8, W=64, num_warps=4)
+    "r1": dict(kind="h2", BLOCK_N=8, W=64, num_warps=4, PREFETCH=0),
     "r2": dict(kind="gemv", ROWS=2, BLOCK_N=16, W=64, num_warps=4, PREFETCH=0),
 }
 GEMV_MAX_PAIRS = 64  # T * top_k up to which the GEMV is used (runs 4-5: above it, concentrated
@@ -672,7 +676,8 @@ def _launch_h2(x, w, s, c, tw, ids, N, K, rows, a_div, gated, topk, cfg, group):
         a, rs, w, s, c, tw, ids, N, K, rows, a.stride(0), c.stride(0), w.stride(0),
         w.stride(1), s.stride(0), s.stride(1), A_DIV=a_div, GATED=gated, TOPK=topk,
         BLOCK_N=cfg["BLOCK_N"], W=cfg["W"], WPG=group // 8, USE_ASM=use_asm(),
-        PREFETCH=cfg.get("PREFETCH", 1), num_warps=cfg["num_warps"],
+        PREFETCH=cfg.get("PREFETCH", 0), STAGES=cfg.get("STAGES", 1),
+        num_warps=cfg["num_warps"],
     )  # fmt: skip
 
 
