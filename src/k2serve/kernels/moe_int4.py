@@ -629,19 +629,22 @@ TUNED = {
     # K2 MoE layer, against 0.132 / 0.817 for run 8's plane GEMV, kind="gemv", ROWS=1,
     # BLOCK_N=8, W=64, num_warps=4)
     "r1": dict(kind="h2", BLOCK_N=8, W=64, num_warps=4, PREFETCH=0),
-    "r2": dict(kind="gemv", ROWS=2, BLOCK_N=16, W=64, num_warps=4, PREFETCH=0),
 }
-GEMV_MAX_PAIRS = 64  # T * top_k up to which the GEMV is used (runs 4-5: above it, concentrated
-# routing gives several rows per expert and the GEMV re-dequantizes per row pair)
+# T * top_k up to which the decode GEMV is used. The h2 GEMV dequantizes per (token, expert)
+# pair, so its cost grows with the pairs, the grouped kernel's with the distinct experts. Run 15
+# (bench/h200_run15.txt): uniform routing, h2 / generic fused_moe = 1.17 / 4.78 ms at T=16,
+# 2.31 / 8.16 at T=32, 4.60 / 12.0 at T=64, 8.97 / 15.0 at T=128; in the k2-slice model with
+# concentrated routing (dummy weights), B=32 18.4 ms (h2) vs 19.7 (generic), but B=128 65.8 vs
+# 38.8. 256 (T <= 32 at top-8) wins under both.
+GEMV_MAX_PAIRS = 256
 
 
 def default_config(T: int, k: int, E: int) -> dict:
-    """Kernel choice by rows per expert (T * k pairs). Picked from bench/h200_run4.txt."""
+    """Kernel choice by rows per expert (T * k pairs): the h2 GEMV up to GEMV_MAX_PAIRS, then
+    the plane tensor-core kernel by rows per expert (bench/h200_run4.txt)."""
     M = T * k
-    if M <= 64:
-        return dict(TUNED["r1"])
     if M <= GEMV_MAX_PAIRS:
-        return dict(TUNED["r2"])
+        return dict(TUNED["r1"])
     if M <= 4 * E:
         return dict(kind="mma", BLOCK_M=16, BLOCK_N=64, W=32, num_warps=4, num_stages=3)
     if M <= 16 * E:

@@ -7,8 +7,9 @@ to views of the stacked tensors, so memory is not doubled and the torch referenc
 state_dict) still see the same values.
 Supported schemes: bf16, int4_group (compressed-tensors, group 32), fp8_block (128x128).
 INT4 dispatch (`int4_impl`): "planes" (default when hidden and intermediate sizes are multiples
-of 256) runs kernels/moe_int4.py's GEMV up to GEMV_MAX_PAIRS (token, expert) pairs and the generic
-fused_moe kernel above (it measured faster than the plane tensor-core kernel, run 4);
+of 256) runs kernels/moe_int4.py's decode GEMV (the f16x2 "h2" kernel) up to GEMV_MAX_PAIRS
+(token, expert) pairs and the generic fused_moe kernel above (it measured faster than the plane
+tensor-core kernel, run 4);
 "legacy" runs the generic fused_moe kernel always. `prefill_impl="grouped_mm"` (default) sends
 steps of at least `prefill_min_tokens` tokens to chunk-wise dequant + torch._grouped_mm (one
 host sync; never inside a decode graph since decode steps are far below the threshold).
@@ -19,8 +20,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from k2serve.kernels import moe_int4
 from k2serve.kernels.fused_moe import ExpertWeights, fused_moe
-from k2serve.kernels.moe_int4 import GEMV_MAX_PAIRS, int4_moe, int4_moe_grouped_mm
+from k2serve.kernels.moe_int4 import int4_moe, int4_moe_grouped_mm
 from k2serve.moe.base import ExpertBackend
 
 # linear scheme -> (quant name, weight attr, scale attr)
@@ -100,6 +102,6 @@ class FusedMoEBackend(ExpertBackend):
             T = hidden.shape[0]
             if self.prefill_impl == "grouped_mm" and T >= self.prefill_min_tokens:
                 return int4_moe_grouped_mm(hidden, self.weights, topk_weights, topk_ids)
-            if T * topk_ids.shape[1] <= GEMV_MAX_PAIRS:
+            if T * topk_ids.shape[1] <= moe_int4.GEMV_MAX_PAIRS:
                 return int4_moe(hidden, self.weights, topk_weights, topk_ids)
         return fused_moe(hidden, self.weights, topk_weights, topk_ids)
