@@ -14,6 +14,7 @@ run always ends, after at most duration + timeout.
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
 import time
 from collections.abc import Iterator
@@ -162,4 +163,12 @@ async def run_load(spec: RequestSpec, samples: list[SampleRequest], load: LoadSp
 
 
 def run(spec: RequestSpec, samples: list[SampleRequest], load: LoadSpec) -> RunResult:
-    return asyncio.run(run_load(spec, samples, load))
+    # NOTE: a full garbage collection during the run stalls every stream being timed (in a
+    # process that has imported torch it can take over 100 ms): collect once now and freeze
+    # what is alive, so that the collections during the run only look at new objects.
+    gc.collect()
+    gc.freeze()
+    try:
+        return asyncio.run(run_load(spec, samples, load))
+    finally:
+        gc.unfreeze()
