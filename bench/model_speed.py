@@ -464,17 +464,17 @@ def part_gemv():
     torch.cuda.empty_cache()
 
 
-# (BLOCK_N, W, num_warps, PREFETCH, STAGES) of the f16x2 GEMV, per launch
-H2_W13 = [(8, 64, 4, 0, 1), (8, 64, 4, 1, 1), (8, 64, 2, 0, 1), (16, 64, 4, 0, 1),
-          (8, 128, 4, 0, 1), (4, 128, 2, 0, 1), (8, 32, 2, 0, 1), (8, 64, 4, 0, 2),
-          (8, 64, 4, 0, 3), (16, 64, 8, 0, 3)]  # fmt: skip
-H2_W2 = [(8, 64, 4, 0, 1), (8, 64, 4, 1, 1), (4, 64, 4, 0, 1), (4, 64, 2, 0, 1), (2, 64, 2, 0, 1),
-         (4, 32, 2, 0, 1), (4, 128, 4, 0, 1), (4, 64, 4, 0, 3), (2, 128, 2, 0, 1),
-         (8, 64, 4, 0, 3)]  # fmt: skip
+# (BLOCK_N, W, num_warps, PREFETCH, STAGES, GS) of the f16x2 GEMV, per launch (runs 14-15:
+# STAGES 2-3, PREFETCH and 16x64 with 8 warps were slower)
+H2_W13 = [(8, 64, 4, 0, 1, 0), (8, 64, 4, 0, 1, 1), (8, 32, 2, 0, 1, 0), (8, 32, 2, 0, 1, 1),
+          (16, 64, 4, 0, 1, 1), (8, 128, 4, 0, 1, 1), (4, 128, 2, 0, 1, 1),
+          (16, 128, 4, 0, 1, 1)]  # fmt: skip
+H2_W2 = [(8, 64, 4, 0, 1, 0), (8, 64, 4, 0, 1, 1), (4, 128, 4, 0, 1, 0), (4, 128, 4, 0, 1, 1),
+         (8, 128, 4, 0, 1, 1), (4, 64, 2, 0, 1, 1)]  # fmt: skip
 
 
 def _h2(c):
-    return dict(zip(("BLOCK_N", "W", "num_warps", "PREFETCH", "STAGES"), c))
+    return dict(zip(("BLOCK_N", "W", "num_warps", "PREFETCH", "STAGES", "GS"), c))
 
 
 def part_h2():

@@ -508,10 +508,34 @@ if HAS_TRITON:
             tl.store(dst + j * W, lo_b | hi_b, mask=ok)
 
     @triton.jit
+    def _load_wg(w_base, s_base, offs_n, n_ok, kb, w_stride_n, s_stride_n,
+                 W: tl.constexpr, WPG: tl.constexpr):  # fmt: skip
+        """Words [BN, W] of K-block kb and the scales of their groups [BN, W // WPG]."""
+        offs_w = kb * W + tl.arange(0, W)
+        p = tl.load(w_base + offs_n[:, None] * w_stride_n + offs_w[None, :],
+                    mask=n_ok[:, None], other=0)  # fmt: skip
+        offs_g = kb * (W // WPG) + tl.arange(0, W // WPG)
+        s = tl.load(s_base + offs_n[:, None] * s_stride_n + offs_g[None, :],
+                    mask=n_ok[:, None], other=0.0)  # fmt: skip
+        return p, s
+
+    @triton.jit
+    def _h2_sum(acc, p, a0, a1, a2, a3, s, GS: tl.constexpr, WPG: tl.constexpr,
+                USE_ASM: tl.constexpr):  # fmt: skip
+        """acc += scale * word sums; GS: the WPG words of a group are summed before the scale
+        (acc [BN, W // WPG]), else each word is scaled (acc [BN, W])."""
+        ws = _word_dot_h2(p, a0, a1, a2, a3, USE_ASM)
+        if GS:
+            BN: tl.constexpr = ws.shape[0]
+            W: tl.constexpr = ws.shape[1]
+            ws = tl.sum(tl.reshape(ws, [BN, W // WPG, WPG]), 2)
+        return acc + ws * s
+
+    @triton.jit
     def _h2_fetch(it, r, nk, a_ptr, rs_ptr, w_ptr, s_ptr, tw_ptr, ids_ptr, offs_n, n_ok, N,
                   a_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n, A_DIV: tl.constexpr,
                   GATED: tl.constexpr, TOPK: tl.constexpr, W: tl.constexpr,
-                  WPG: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+                  WPG: tl.constexpr, BLOCK_N: tl.constexpr, GS: tl.constexpr):  # fmt: skip
         """Loads of iteration `it` (masked off past the end): words and scales of the expert's
         K-block, the 4 activation planes, and the factor c that this iteration's products get
         (TOPK > 0: the pair's top-k weight times its activation scale; else 1)."""
@@ -531,10 +555,18 @@ if HAS_TRITON:
         e = tl.load(ids_ptr + pair).to(tl.int64)
         w_base = w_ptr + e * w_stride_e
         s_base = s_ptr + e * s_stride_e
-        p, s = _load_ws(w_base, s_base, offs_n, m, kb, w_stride_n, s_stride_n, W, WPG)
-        pu, su = p, s
-        if GATED:
-            pu, su = _load_ws(w_base, s_base, offs_n + N, m, kb, w_stride_n, s_stride_n, W, WPG)
+        if GS:  # one scale per group of WPG words: [BLOCK_N, W // WPG]
+            p, s = _load_wg(w_base, s_base, offs_n, m, kb, w_stride_n, s_stride_n, W, WPG)
+            pu, su = p, s
+            if GATED:
+                pu, su = _load_wg(w_base, s_base, offs_n + N, m, kb, w_stride_n, s_stride_n, W,
+                                  WPG)  # fmt: skip
+        else:  # the scale of each word: [BLOCK_N, W]
+            p, s = _load_ws(w_base, s_base, offs_n, m, kb, w_stride_n, s_stride_n, W, WPG)
+            pu, su = p, s
+            if GATED:
+                pu, su = _load_ws(w_base, s_base, offs_n + N, m, kb, w_stride_n, s_stride_n, W,
+                                  WPG)  # fmt: skip
         ab = a_ptr + a_row.to(tl.int64) * a_stride + kb * 4 * W + tl.arange(0, W)
         a0 = tl.broadcast_to(tl.load(ab)[None, :], [BLOCK_N, W])
         a1 = tl.broadcast_to(tl.load(ab + W)[None, :], [BLOCK_N, W])
@@ -548,7 +580,7 @@ if HAS_TRITON:
         N, K, num_rows, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
         A_DIV: tl.constexpr, GATED: tl.constexpr, TOPK: tl.constexpr,
         BLOCK_N: tl.constexpr, W: tl.constexpr, WPG: tl.constexpr, USE_ASM: tl.constexpr,
-        PREFETCH: tl.constexpr, STAGES: tl.constexpr,
+        PREFETCH: tl.constexpr, STAGES: tl.constexpr, GS: tl.constexpr,
     ):  # fmt: skip
         """Decode GEMV over BLOCK_N output rows with activations as f16x2 pairs (`pack_h2`),
         two weights per dequant / FMA instruction (`_word_dot_h2`). Experts come straight from
@@ -560,33 +592,34 @@ if HAS_TRITON:
         Rows are innermost in the grid, so the programs that share an expert read each weight
         tile at about the same time and the repeats come from L2. PREFETCH: the next
         iteration's loads are issued before this one's arithmetic; STAGES: Triton's software
-        pipelining of the loop (1: none)."""
+        pipelining of the loop (1: none); GS: one scale load and multiply per group of words."""
         pid = tl.program_id(0)
         r = pid % num_rows
         pid_n = pid // num_rows
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         nk = K // (8 * W)
-        acc = tl.zeros([BLOCK_N, W], tl.float32)
-        acc_u = tl.zeros([BLOCK_N, W], tl.float32)
+        AW: tl.constexpr = W // WPG if GS else W
+        acc = tl.zeros([BLOCK_N, AW], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, AW], tl.float32)
         p, s, pu, su, a0, a1, a2, a3 = _h2_fetch(
             0, r, nk, a_ptr, rs_ptr, w_ptr, s_ptr, tw_ptr, ids_ptr, offs_n, n_ok, N, a_stride,
             w_stride_e, w_stride_n, s_stride_e, s_stride_n, A_DIV, GATED, TOPK, W, WPG,
-            BLOCK_N)  # fmt: skip
+            BLOCK_N, GS)  # fmt: skip
         for it in tl.range(0, nk * tl.maximum(TOPK, 1), num_stages=STAGES):
             if PREFETCH:
                 pn, sn, pun, sun, b0, b1, b2, b3 = _h2_fetch(
                     it + 1, r, nk, a_ptr, rs_ptr, w_ptr, s_ptr, tw_ptr, ids_ptr, offs_n, n_ok,
                     N, a_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n, A_DIV, GATED,
-                    TOPK, W, WPG, BLOCK_N)  # fmt: skip
+                    TOPK, W, WPG, BLOCK_N, GS)  # fmt: skip
             else:
                 p, s, pu, su, a0, a1, a2, a3 = _h2_fetch(
                     it, r, nk, a_ptr, rs_ptr, w_ptr, s_ptr, tw_ptr, ids_ptr, offs_n, n_ok, N,
                     a_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n, A_DIV, GATED,
-                    TOPK, W, WPG, BLOCK_N)  # fmt: skip
-            acc += _word_dot_h2(p, a0, a1, a2, a3, USE_ASM) * s
+                    TOPK, W, WPG, BLOCK_N, GS)  # fmt: skip
+            acc = _h2_sum(acc, p, a0, a1, a2, a3, s, GS, WPG, USE_ASM)
             if GATED:
-                acc_u += _word_dot_h2(pu, a0, a1, a2, a3, USE_ASM) * su
+                acc_u = _h2_sum(acc_u, pu, a0, a1, a2, a3, su, GS, WPG, USE_ASM)
             if PREFETCH:
                 p, s, pu, su, a0, a1, a2, a3 = pn, sn, pun, sun, b0, b1, b2, b3
         y = tl.sum(acc, 1)
@@ -679,7 +712,7 @@ def _launch_h2(x, w, s, c, tw, ids, N, K, rows, a_div, gated, topk, cfg, group):
         a, rs, w, s, c, tw, ids, N, K, rows, a.stride(0), c.stride(0), w.stride(0),
         w.stride(1), s.stride(0), s.stride(1), A_DIV=a_div, GATED=gated, TOPK=topk,
         BLOCK_N=cfg["BLOCK_N"], W=cfg["W"], WPG=group // 8, USE_ASM=use_asm(),
-        PREFETCH=cfg.get("PREFETCH", 0), STAGES=cfg.get("STAGES", 1),
+        PREFETCH=cfg.get("PREFETCH", 0), STAGES=cfg.get("STAGES", 1), GS=cfg.get("GS", 0),
         num_warps=cfg["num_warps"],
     )  # fmt: skip
 
