@@ -989,7 +989,7 @@ def main(argv=None):
         ew = _rand_experts("int4", 384, 7168, 2048, "cuda")
         tw, ti = _route(1, 384, 8, "cuda")
         x = torch.randn(1, 7168, device="cuda", dtype=torch.bfloat16)
-        mi.int4_moe(x, ew, tw, ti, dict(kind="h2", BLOCK_N=8, W=64, num_warps=4, PREFETCH=1))
+        mi.int4_moe(x, ew, tw, ti, dict(mi.TUNED["r1"]))
         mi.int4_moe(x, ew, tw, ti, dict(RUN8_R1))
         torch.cuda.synchronize()
         return
