@@ -661,8 +661,9 @@ TUNED = {
     # the f16x2 GEMV with group scales (bench/h200_run16.txt: T=1 0.072 ms, T=8 0.415 ms for
     # both launches of a K2 MoE layer, against 0.133 / 0.816 for run 8's plane GEMV, kind="gemv",
     # ROWS=1, BLOCK_N=8, W=64, num_warps=4)
-    "r1": dict(kind="h2", BLOCK_N=8, W=64, num_warps=4, GS=1,
-               w2=dict(BLOCK_N=8, W=128, num_warps=4, GS=1)),  # fmt: skip
+    "r1": dict(
+        kind="h2", BLOCK_N=8, W=64, num_warps=4, GS=1, w2=dict(BLOCK_N=8, W=128, num_warps=4, GS=1)
+    ),  # fmt: skip
 }
 # T * top_k up to which the decode GEMV is used. The h2 GEMV dequantizes per (token, expert)
 # pair, so its cost grows with the pairs, the grouped kernel's with the distinct experts. Run 15
