@@ -5,7 +5,8 @@ Run (one H200, from the repo root):  PYTHONPATH=src python3 bench/model_speed.py
 Parts: ceil (copy bandwidth, bf16 matmul rate), check (every Triton kernel vs its torch
 reference at real K2 sizes, fresh random inputs), gemv (decode INT4 GEMV configs per launch,
 graph-timed; the winner becomes the r1 config), h2 (the f16x2 decode GEMV against r1; the
-winner becomes the r1 config), kern (kernel timings), model (k2-slice INT4,
+winner becomes the r1 config), gemv16 (the one-row bf16 GEMV against cuBLAS per K2 projection;
+the faster goes into kernels.gemv.TUNED), kern (kernel timings), model (k2-slice INT4,
 8 layers, dummy weights: decode B=1/8/32/128 at context 1k through decode CUDA graphs, prefill
 1k/8k), peer (transformers DeepseekV3, grouped_mm experts, 3-layer bf16 slice with the same
 weights dequantized, against our model on the same 3 layers).
@@ -548,6 +549,48 @@ def part_h2():
     torch.cuda.empty_cache()
 
 
+# (N, K) of K2's bf16 projections at batch 1: q_a+kv_a, q_b, o_proj, shared gate+up, shared
+# down, dense gate+up, dense down, router, lm_head
+GEMV_SHAPES = [(2112, 7168), (12288, 1536), (7168, 8192), (4096, 7168), (7168, 2048),
+               (36864, 7168), (7168, 18432), (384, 7168), (163840, 7168)]  # fmt: skip
+GEMV_BF16_CANDS = [(2, 1024, 4), (4, 1024, 4), (8, 1024, 4), (4, 512, 2), (8, 512, 4),
+                   (16, 512, 8), (2, 512, 2), (1, 1024, 4)]  # fmt: skip
+
+
+def part_gemv_bf16():
+    """The one-row bf16 GEMV against cuBLAS (F.linear) per K2 shape, graph-timed over enough
+    weight copies to defeat L2; the faster of the two (and the best config) goes into
+    kernels.gemv.TUNED for the model part."""
+    from k2serve.kernels import gemv as gv
+
+    dev = "cuda"
+    for N, K in GEMV_SHAPES:
+        nb = N * K * 2
+        copies = max(2, -(-256 * 2**20 // nb))
+        ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) for _ in range(copies)]
+        x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
+        ref = F.linear(x.float(), ws[0].float())
+        ms_cu = graph_ms([lambda w=w: F.linear(x, w) for w in ws])
+        row("gemv16", f"{N}x{K} cuBLAS", ms_cu, nb)
+        best = (ms_cu, None)
+        for bn, bk, nw in GEMV_BF16_CANDS:
+            if K % bk:
+                continue
+            gv.TUNED[(N, K)] = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw)
+            err = ((gv.gemv(x, ws[0]).float() - ref).norm() / ref.norm()).item()
+            ms = graph_ms([lambda w=w: gv.gemv(x, w) for w in ws])
+            row("gemv16", f"{N}x{K} bn{bn} bk{bk} w{nw}", ms, nb, 0, f"err {err:.1e}")
+            if err > 1e-2:
+                FAILS.append(f"gemv16 {N}x{K} {bn}/{bk}/{nw} err {err:.1e}")
+            elif ms < best[0]:
+                best = (ms, dict(gv.TUNED[(N, K)]))
+        gv.TUNED[(N, K)] = best[1]
+        log(f"  gemv16 {N}x{K}: {best[1] or 'cuBLAS'} {best[0]:.4f} ms (cuBLAS {ms_cu:.4f})")
+        del ws
+    log(f"  gemv TUNED = {gv.TUNED}")
+    torch.cuda.empty_cache()
+
+
 # ------------------------------------------------------------------------------------ model
 def nbytes(mod) -> int:
     return sum(p.numel() * p.element_size() for p in mod.parameters())
@@ -561,7 +604,7 @@ def accelerate(model, fast_router=True, moe_kw=None, expand=False, fused=True):
     from k2serve.kernels.rmsnorm import rms_norm
     from k2serve.kernels.router import grouped_topk, grouped_topk_torch
 
-    model.set_fused_kernels(rope=fused, router=fused, projections=fused)
+    model.set_fused_kernels(rope=fused, router=fused, projections=fused, gemv=fused)
     if not fused:
         for layer in model.model.layers:
             layer.self_attn.qkv_a_weight = None
@@ -581,8 +624,10 @@ def accelerate(model, fast_router=True, moe_kw=None, expand=False, fused=True):
         shp = x.shape
         return rms_norm(x.reshape(-1, shp[-1]), self.weight, self.variance_epsilon).view(shp)
 
-    def router_fwd(self, x):  # bf16 GEMM, float32 sigmoid/top-k (vLLM's choice; spec s3.5)
-        return topk(F.linear(x, self.weight), self.e_score_correction_bias, self.top_k,
+    def router_fwd(self, x):  # bf16 GEMM, float32 sigmoid/top-k (vLLM's choice; spec s3.5);
+        # fused: the engine's own logits (the one-row GEMV at batch 1, else cuBLAS, fp32 out)
+        logits = self.router_logits(x) if fused else F.linear(x, self.weight)
+        return topk(logits, self.e_score_correction_bias, self.top_k,
                             self.n_group, self.topk_group, self.norm_topk_prob,
                             self.routed_scaling_factor)  # fmt: skip
 
@@ -998,7 +1043,7 @@ def main(argv=None):
     torch.manual_seed(int(os.environ.get("SEED", "0")))
     part_ceil()
     for name, fn in (("check", part_check), ("gemv", part_gemv), ("h2", part_h2),
-                     ("kern", part_kern)):  # fmt: skip
+                     ("gemv16", part_gemv_bf16), ("kern", part_kern)):  # fmt: skip
         if name in parts:
             log(f"== {name}")
             try:

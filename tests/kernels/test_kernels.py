@@ -344,3 +344,21 @@ def test_fused_grouped_topk_matches_torch_and_spec(n_group, topk_group, E, k):
         assert set(a) == set(b) == set(c)
         order = [c.index(e) for e in a]
         assert torch.allclose(wa.double(), wb[order], atol=1e-5)
+
+
+def test_gemv_matches_linear():
+    """The one-row GEMV against F.linear in float32 (odd N: a masked last block)."""
+    import torch.nn.functional as F
+
+    from k2serve.kernels import gemv
+
+    for N, K in ((10, 512), (33, 768)):
+        w = torch.randn(N, K, device=DEVICE, dtype=torch.bfloat16)
+        x = torch.randn(1, K, device=DEVICE, dtype=torch.bfloat16)
+        ref = F.linear(x.float(), w.float())
+        y = gemv.gemv(x, w)
+        assert y.shape == (1, N) and y.dtype == torch.bfloat16
+        assert rel(y, ref) < 1e-2
+        assert rel(gemv.gemv(x, w, torch.float32), ref) < 1e-5
+    with pytest.raises(ValueError, match="one row"):
+        gemv.gemv(torch.randn(2, 512, device=DEVICE, dtype=torch.bfloat16), w[:, :512])

@@ -34,6 +34,7 @@ from k2serve.model.router import TopkRouter
 from k2serve.moe import ExpertBackend, TorchExpertBackend
 from k2serve.moe.placement import ExpertPlacement
 from k2serve.quant import LinearBase, linear_scheme, make_linear
+from k2serve.quant.linear import linear
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _still_fused(self.gate_up_weight, self.gate_proj, self.up_proj):
-            g, u = F.linear(x, self.gate_up_weight).split([self.inter, self.inter], dim=-1)
+            g, u = linear(x, self.gate_up_weight, self.gate_proj.decode_gemv).split(
+                [self.inter, self.inter], dim=-1
+            )
             return self.down_proj(F.silu(g) * u)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -183,7 +186,7 @@ class MLAAttention(nn.Module):
     def _qkv_latent(self, x: torch.Tensor, positions: torch.Tensor):
         T = x.shape[0]
         if self._qkv_a_fused():
-            q_a, ckv = F.linear(x, self.qkv_a_weight).split(
+            q_a, ckv = linear(x, self.qkv_a_weight, self.q_a_proj.decode_gemv).split(
                 [self.q_lora_rank, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1
             )
             q = self.q_b_proj(self.q_a_layernorm(q_a))
@@ -357,7 +360,7 @@ class DeepseekV3ForCausalLM(nn.Module):
                 m.use_triton = use_triton_norm
         fast = self.set_fused_kernels(
             rope=attn.name == "triton", router=moe != "torch" and triton_usable(dev),
-            projections=dev.type == "cuda",
+            projections=dev.type == "cuda", gemv=dev.type == "cuda",
         )  # fmt: skip
         moe_names = set()
         for layer in self.model.layers:
@@ -382,15 +385,21 @@ class DeepseekV3ForCausalLM(nn.Module):
         logger.info("%s", line)
         return line
 
-    def set_fused_kernels(self, rope: bool, router: bool, projections: bool) -> str:
+    def set_fused_kernels(
+        self, rope: bool, router: bool, projections: bool, gemv: bool = False
+    ) -> str:
         """Decode-step fusions (CUDA only; each is a no-op elsewhere): the Triton RoPE kernel for
-        q_pe + k_pe, the Triton router top-k, and one GEMM for q_a_proj + kv_a_proj_with_mqa and
+        q_pe + k_pe, the Triton router top-k, one GEMM for q_a_proj + kv_a_proj_with_mqa and
         for each dense/shared MLP's gate + up (bf16 weights; re-pointed as views of the fused
-        weight, so memory and state_dict are unchanged; not undone by projections=False).
+        weight, so memory and state_dict are unchanged; not undone by projections=False), and
+        the one-row GEMV kernel for the bf16 projections and the router at batch 1.
         Returns a short description of what is on."""
         from k2serve.attention import triton_usable
 
         ok = triton_usable(self.device)
+        for m in self.modules():
+            if isinstance(m, (LinearBase, TopkRouter)):
+                m.decode_gemv = gemv and ok
         fused_proj = 0
         for layer in self.model.layers:
             layer.self_attn.fused_rope = rope and ok
@@ -402,7 +411,8 @@ class DeepseekV3ForCausalLM(nn.Module):
                 m = mlp.shared_experts if isinstance(mlp, MoE) else mlp
                 if m is not None:
                     fused_proj += int(m.fuse_projections())
-        on = [n for n, v in (("rope", rope and ok), ("router", router and ok)) if v]
+        on = [n for n, v in (("rope", rope and ok), ("router", router and ok),
+                             ("gemv", gemv and ok)) if v]  # fmt: skip
         if fused_proj:
             on.append(f"{fused_proj} gemm pairs")
         return "+".join(on)

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k2serve.kernels.gemv import gemv, use_gemv
+
 
 class TopkRouter(nn.Module):
     """Checkpoint names: `mlp.gate.weight` [E, hidden], `mlp.gate.e_score_correction_bias` [E]."""
@@ -37,6 +39,7 @@ class TopkRouter(nn.Module):
         self._w32_key: tuple | None = None
         self._mm_out_dtype_ok = True
         self.use_triton = False  # set by setup_backends: fused top-k kernel on CUDA
+        self.decode_gemv = False  # set by set_fused_kernels: one-row GEMV kernel at batch 1
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:  # [T, E] float32
         """float32 logits as transformers computes them (x and weight upcast), without
@@ -46,6 +49,8 @@ class TopkRouter(nn.Module):
         w = self.weight
         if w.dtype == torch.float32:
             return F.linear(x.to(torch.float32), w)
+        if self.decode_gemv and use_gemv(x, w):
+            return gemv(x, w, torch.float32)
         if x.is_cuda and x.dtype == w.dtype and self._mm_out_dtype_ok:
             try:
                 return torch.mm(x, w.t(), out_dtype=torch.float32)

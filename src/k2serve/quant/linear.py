@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k2serve.kernels.gemv import gemv, use_gemv
 from k2serve.quant.fp8 import dequantize_fp8_block
 from k2serve.quant.int4 import PACK_FACTOR, dequantize_int4
 
@@ -24,8 +25,17 @@ def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, decode_gemv: bool = False) -> torch.Tensor:
+    """F.linear, or the one-row GEMV kernel (kernels/gemv.py) for a single row on CUDA when
+    `decode_gemv` is on (set by DeepseekV3ForCausalLM.set_fused_kernels)."""
+    if decode_gemv and use_gemv(x, w):
+        return gemv(x, w)
+    return F.linear(x, w)
+
+
 class LinearBase(nn.Module):
     scheme = "none"
+    decode_gemv = False  # bf16 weights: the one-row GEMV kernel at batch 1 on CUDA
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
@@ -51,6 +61,9 @@ class UnquantizedLinear(LinearBase):
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         return self.weight.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight.to(x.dtype), self.decode_gemv)
 
 
 class Fp8BlockLinear(LinearBase):

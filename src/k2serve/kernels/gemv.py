@@ -1,0 +1,78 @@
+"""One-row bf16 GEMV for decode at batch 1: y[1, N] = x[1, K] @ w[N, K]^T.
+
+Owns: `gemv(x, w, out_dtype)` and `use_gemv(x, w)` (whether it applies). cuBLAS runs these
+skinny products as split-K GEMMs plus a reduce kernel (two launches, 70-85% of the copy
+bandwidth on K2's projections, bench/h200_run16.txt); this kernel reads each weight row once
+with 16-byte loads, accumulates in float32, and needs no second pass.
+
+Invariants: w is contiguous [N, K] in x's dtype, K % BLOCK_K == 0 (BLOCK_K from `config`);
+no host synchronisation (CUDA-graph safe). `TUNED` maps (N, K) to a launch config found by
+bench/model_speed.py, or to None where cuBLAS was faster; other shapes use `config`'s rule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import HAS_TRITON, INTERPRET, cdiv, require_triton, tl, triton
+
+TUNED: dict[tuple[int, int], dict | None] = {}
+
+
+def config(N: int, K: int) -> dict | None:
+    """Launch config for an [N, K] weight: enough programs to fill the GPU, or None when K has
+    no block that divides it."""
+    if (N, K) in TUNED:  # None: cuBLAS measured faster for this shape
+        return None if TUNED[(N, K)] is None else dict(TUNED[(N, K)])
+    bk = next((b for b in (1024, 512, 256) if K % b == 0), None)
+    if bk is None:
+        return None
+    bn = 8 if N >= 8192 else 4 if N >= 2048 else 2
+    return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+
+
+def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """True for one row on CUDA with a weight this kernel reads (plain bf16/fp16 [N, K])."""
+    return (
+        HAS_TRITON
+        and not INTERPRET
+        and x.is_cuda
+        and x.numel() == x.shape[-1]
+        and w.dim() == 2
+        and w.dtype == x.dtype
+        and w.dtype in (torch.bfloat16, torch.float16)
+        and w.is_contiguous()
+        and x.shape[-1] == w.shape[1]
+        and config(*w.shape) is not None
+    )
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        rows = w_ptr + offs_n.to(tl.int64)[:, None] * K
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
+            x = tl.load(x_ptr + offs_k)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        y = tl.sum(acc, 1)
+        tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., K] holding one row, w [N, K] -> [..., N] in out_dtype (default x.dtype)."""
+    require_triton(x)
+    N, K = w.shape
+    cfg = config(N, K)
+    if cfg is None or x.numel() != K:
+        raise ValueError(f"gemv: one row of K={K} and K a multiple of 256 needed, got x "
+                         f"{tuple(x.shape)}, w {tuple(w.shape)}")  # fmt: skip
+    y = torch.empty(*x.shape[:-1], N, dtype=out_dtype or x.dtype, device=x.device)
+    bn = cfg.pop("BLOCK_N")
+    _gemv_kernel[(cdiv(N, bn),)](x.contiguous(), w, y, N, K, BLOCK_N=bn, **cfg)
+    return y
