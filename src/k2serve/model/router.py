@@ -16,8 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k2serve.kernels.gemv import gemv, use_gemv
-
 
 class TopkRouter(nn.Module):
     """Checkpoint names: `mlp.gate.weight` [E, hidden], `mlp.gate.e_score_correction_bias` [E]."""
@@ -49,8 +47,11 @@ class TopkRouter(nn.Module):
         w = self.weight
         if w.dtype == torch.float32:
             return F.linear(x.to(torch.float32), w)
-        if self.decode_gemv and use_gemv(x, w):
-            return gemv(x, w, torch.float32)
+        if self.decode_gemv:
+            from k2serve.kernels.gemv import gemv, use_gemv
+
+            if use_gemv(x, w):
+                return gemv(x, w, torch.float32)
         if x.is_cuda and x.dtype == w.dtype and self._mm_out_dtype_ok:
             try:
                 return torch.mm(x, w.t(), out_dtype=torch.float32)

@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k2serve.kernels.gemv import gemv, use_gemv
 from k2serve.quant.fp8 import dequantize_fp8_block
 from k2serve.quant.int4 import PACK_FACTOR, dequantize_int4
 
@@ -28,8 +27,11 @@ def _param(t: torch.Tensor) -> nn.Parameter:
 def linear(x: torch.Tensor, w: torch.Tensor, decode_gemv: bool = False) -> torch.Tensor:
     """F.linear, or the one-row GEMV kernel (kernels/gemv.py) for a single row on CUDA when
     `decode_gemv` is on (set by DeepseekV3ForCausalLM.set_fused_kernels)."""
-    if decode_gemv and use_gemv(x, w):
-        return gemv(x, w)
+    if decode_gemv:  # NOTE: imported here, so that importing k2serve never imports Triton
+        from k2serve.kernels.gemv import gemv, use_gemv
+
+        if use_gemv(x, w):
+            return gemv(x, w)
     return F.linear(x, w)
 
 
