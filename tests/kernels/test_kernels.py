@@ -214,12 +214,12 @@ def test_int4_plane_kernels_match_reference(cfg):
 def test_pack_h2_layout_and_scale():
     """pack_h2: f16x2 pairs (x[8w+j], x[8w+j+4]) in planes of W words, row scale 2^e with
     max |x| / 2^e in [256, 512)."""
-    from k2serve.kernels import moe_int4
+    from k2serve.kernels import int4_gemv
 
     W = 4
     x = torch.randn(3, 64, device=DEVICE) * torch.tensor([[1e-3], [1.0], [700.0]], device=DEVICE)
     x[1, 5] = 3.0  # row 1's largest magnitude: 2^e = 2^(1 - 8)
-    a, rs = moe_int4.pack_h2(x, W)
+    a, rs = int4_gemv.pack_h2(x, W)
     assert a.shape == (3, 32) and a.dtype == torch.int32
     assert rs[1].item() == 2.0**-7
     amax = x.abs().amax(1)

@@ -1,9 +1,11 @@
 # ruff: noqa: E741
 """INT4 W4A16 fused-MoE kernels that dequantize with bit tricks instead of int->float converts.
 
-Owns: `permute_planes` (the activation layout these kernels read), `int4_moe` (decode GEMV for
-few rows per expert, and tensor-core grouped GEMM for many), `dequant_int4_planes` and
-`int4_moe_grouped_mm` (prefill: chunk-wise dequant to bf16 + torch._grouped_mm).
+Owns: `int4_moe` (the entry point: by config kind, int4_gemv.py's f16x2 decode GEMV "h2", the
+default up to GEMV_MAX_PAIRS pairs; the plane GEMV "gemv"; the plane tensor-core grouped GEMM
+"mma"), `TUNED` / `default_config`, `permute_planes` (the activation layout of the plane
+kernels), `dequant_int4_planes` and `int4_moe_grouped_mm` (prefill: chunk-wise dequant to bf16 +
+torch._grouped_mm).
 
 Weights are compressed-tensors pack-quantized (see fused_moe.py): w int32 [E, N, K/8], 8 nibbles
 per word (lowest nibble = lowest column, value + 8), scale bf16 [E, N, K/group].
@@ -419,240 +421,16 @@ if HAS_TRITON:
         tl.store(base + 7 * W, (_plane_f32(p, q, 7) * s).to(tl.bfloat16), mask=m)
 
 
-if HAS_TRITON:
-
-    @triton.jit
-    def _word_dot_h2(p, a0, a1, a2, a3, USE_ASM: tl.constexpr):
-        """sum_j (n_j - 8) * x_j over the 8 nibbles of each word p, as float32. a_j holds the
-        activation pair (x_j, x_j+4) as f16x2: the nibbles that one lop3 leaves in the low and
-        high half of a register (j = 0..3, see `pack_h2`)."""
-        if USE_ASM:
-            # lop3 0xEA = (a & b) | c. 0x6400 is fp16 1024: low nibble n -> 1024 + n, the next
-            # nibble -> 1024 + 16n. Subtract 1032 (0x6408), or times 1/16 (0x2C00) minus 72
-            # (0xD480): n - 8 exactly, two weights per instruction. The 8 products are summed
-            # in fp16 (the activation is scaled so that the sum cannot overflow) and the two
-            # halves added in fp32: 16 instructions per 8 weights.
-            return tl.inline_asm_elementwise(
-                asm="""
-                {
-                .reg .b32 t0, t1, t2, t3, q, acc, k1032, k16, k72;
-                .reg .f16 lo, hi;
-                .reg .f32 flo, fhi;
-                mov.b32 k1032, 0x64086408;
-                mov.b32 k16, 0x2C002C00;
-                mov.b32 k72, 0xD480D480;
-                lop3.b32 t0, $1, 0x000F000F, 0x64006400, 0xEA;
-                lop3.b32 t1, $1, 0x00F000F0, 0x64006400, 0xEA;
-                shr.u32 q, $1, 8;
-                lop3.b32 t2, q, 0x000F000F, 0x64006400, 0xEA;
-                lop3.b32 t3, q, 0x00F000F0, 0x64006400, 0xEA;
-                sub.f16x2 t0, t0, k1032;
-                fma.rn.f16x2 t1, t1, k16, k72;
-                sub.f16x2 t2, t2, k1032;
-                fma.rn.f16x2 t3, t3, k16, k72;
-                mul.f16x2 acc, t0, $2;
-                fma.rn.f16x2 acc, t1, $3, acc;
-                fma.rn.f16x2 acc, t2, $4, acc;
-                fma.rn.f16x2 acc, t3, $5, acc;
-                mov.b32 {lo, hi}, acc;
-                cvt.f32.f16 flo, lo;
-                cvt.f32.f16 fhi, hi;
-                add.f32 $0, flo, fhi;
-                }
-                """,
-                constraints="=r,r,r,r,r,r",
-                args=[p, a0, a1, a2, a3],
-                dtype=tl.float32,
-                is_pure=True,
-                pack=1,
-            )
-        else:  # the interpreter: the same sum in float32
-            acc = _h2_term(p, a0, 0)
-            acc += _h2_term(p, a1, 1)
-            acc += _h2_term(p, a2, 2)
-            acc += _h2_term(p, a3, 3)
-            return acc
-
-    @triton.jit
-    def _h2_term(p, a, J: tl.constexpr):
-        """(n_J - 8) * x_J + (n_J+4 - 8) * x_J+4 in float32 (plain Triton)."""
-        x_lo = (a & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        x_hi = ((a >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        n_lo = ((p >> (4 * J)) & 0xF).to(tl.float32) - 8.0
-        n_hi = ((p >> (4 * J + 16)) & 0xF).to(tl.float32) - 8.0
-        return n_lo * x_lo + n_hi * x_hi
-
-    @triton.jit
-    def _pack_h2_kernel(x_ptr, a_ptr, rs_ptr, K, x_stride, a_stride, W: tl.constexpr,
-                        BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr):  # fmt: skip
-        """One row: x [K] -> a [K/2] int32 f16x2 pairs, x scaled by 2^-e so that its largest
-        magnitude lies in [256, 512); rs = 2^e. Layout: in each block of W words (8W columns),
-        4 planes of W: a[b*4W + j*W + w] = (x[b*8W + 8w + j], x[b*8W + 8w + j + 4])."""
-        r = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK_K)
-        xr = tl.load(x_ptr + r * x_stride + offs, mask=offs < K, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(xr), 0)
-        e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 8  # floor(log2 amax) - 8
-        e = tl.where(amax > 0, tl.minimum(tl.maximum(e, -100), 100), 0)
-        down = ((127 - e) << 23).to(tl.float32, bitcast=True)
-        tl.store(rs_ptr + r, ((127 + e) << 23).to(tl.float32, bitcast=True))
-        ow = tl.arange(0, BLOCK_W)
-        ok = ow < K // 8
-        src = x_ptr + r * x_stride + 8 * ow
-        dst = a_ptr + r * a_stride + (ow // W) * (4 * W) + ow % W
-        for j in tl.static_range(4):
-            lo = (tl.load(src + j, mask=ok, other=0.0).to(tl.float32) * down).to(tl.float16)
-            hi = (tl.load(src + j + 4, mask=ok, other=0.0).to(tl.float32) * down).to(tl.float16)
-            lo_b = lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            hi_b = hi.to(tl.int16, bitcast=True).to(tl.int32) << 16
-            tl.store(dst + j * W, lo_b | hi_b, mask=ok)
-
-    @triton.jit
-    def _load_wg(w_base, s_base, offs_n, n_ok, kb, w_stride_n, s_stride_n,
-                 W: tl.constexpr, WPG: tl.constexpr):  # fmt: skip
-        """Words [BN, W] of K-block kb and the scales of their groups [BN, W // WPG]."""
-        offs_w = kb * W + tl.arange(0, W)
-        p = tl.load(w_base + offs_n[:, None] * w_stride_n + offs_w[None, :],
-                    mask=n_ok[:, None], other=0)  # fmt: skip
-        offs_g = kb * (W // WPG) + tl.arange(0, W // WPG)
-        s = tl.load(s_base + offs_n[:, None] * s_stride_n + offs_g[None, :],
-                    mask=n_ok[:, None], other=0.0)  # fmt: skip
-        return p, s
-
-    @triton.jit
-    def _h2_sum(acc, p, a0, a1, a2, a3, s, GS: tl.constexpr, WPG: tl.constexpr,
-                USE_ASM: tl.constexpr):  # fmt: skip
-        """acc += scale * word sums; GS: the WPG words of a group are summed before the scale
-        (acc [BN, W // WPG]), else each word is scaled (acc [BN, W])."""
-        ws = _word_dot_h2(p, a0, a1, a2, a3, USE_ASM)
-        if GS:
-            BN: tl.constexpr = ws.shape[0]
-            W: tl.constexpr = ws.shape[1]
-            ws = tl.sum(tl.reshape(ws, [BN, W // WPG, WPG]), 2)
-        return acc + ws * s
-
-    @triton.jit
-    def _h2_fetch(it, r, nk, a_ptr, rs_ptr, w_ptr, s_ptr, tw_ptr, ids_ptr, offs_n, n_ok, N,
-                  a_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n, A_DIV: tl.constexpr,
-                  GATED: tl.constexpr, TOPK: tl.constexpr, W: tl.constexpr,
-                  WPG: tl.constexpr, BLOCK_N: tl.constexpr, GS: tl.constexpr):  # fmt: skip
-        """Loads of iteration `it` (masked off past the end): words and scales of the expert's
-        K-block, the 4 activation planes, and the factor c that this iteration's products get
-        (TOPK > 0: the pair's top-k weight times its activation scale; else 1)."""
-        n_it = nk * tl.maximum(TOPK, 1)
-        m = n_ok & ((offs_n * 0 + it) < n_it)  # past the end: no weight bytes read
-        it = tl.minimum(it, n_it - 1)  # and the small loads stay in bounds
-        if TOPK > 0:
-            pair = r * TOPK + it // nk
-            kb = it % nk
-            a_row = pair
-            c = tl.load(rs_ptr + pair) * tl.load(tw_ptr + pair)
-        else:
-            pair = r
-            kb = it
-            a_row = r // A_DIV
-            c = 1.0
-        e = tl.load(ids_ptr + pair).to(tl.int64)
-        w_base = w_ptr + e * w_stride_e
-        s_base = s_ptr + e * s_stride_e
-        if GS:  # one scale per group of WPG words: [BLOCK_N, W // WPG]
-            p, s = _load_wg(w_base, s_base, offs_n, m, kb, w_stride_n, s_stride_n, W, WPG)
-            pu, su = p, s
-            if GATED:
-                pu, su = _load_wg(w_base, s_base, offs_n + N, m, kb, w_stride_n, s_stride_n, W,
-                                  WPG)  # fmt: skip
-        else:  # the scale of each word: [BLOCK_N, W]
-            p, s = _load_ws(w_base, s_base, offs_n, m, kb, w_stride_n, s_stride_n, W, WPG)
-            pu, su = p, s
-            if GATED:
-                pu, su = _load_ws(w_base, s_base, offs_n + N, m, kb, w_stride_n, s_stride_n, W,
-                                  WPG)  # fmt: skip
-        ab = a_ptr + a_row.to(tl.int64) * a_stride + kb * 4 * W + tl.arange(0, W)
-        a0 = tl.broadcast_to(tl.load(ab)[None, :], [BLOCK_N, W])
-        a1 = tl.broadcast_to(tl.load(ab + W)[None, :], [BLOCK_N, W])
-        a2 = tl.broadcast_to(tl.load(ab + 2 * W)[None, :], [BLOCK_N, W])
-        a3 = tl.broadcast_to(tl.load(ab + 3 * W)[None, :], [BLOCK_N, W])
-        return p, s.to(tl.float32) * c, pu, su.to(tl.float32), a0, a1, a2, a3
-
-    @triton.jit
-    def _int4_gemv_h2_kernel(
-        a_ptr, rs_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, ids_ptr,
-        N, K, num_rows, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
-        A_DIV: tl.constexpr, GATED: tl.constexpr, TOPK: tl.constexpr,
-        BLOCK_N: tl.constexpr, W: tl.constexpr, WPG: tl.constexpr, USE_ASM: tl.constexpr,
-        PREFETCH: tl.constexpr, STAGES: tl.constexpr, GS: tl.constexpr,
-    ):  # fmt: skip
-        """Decode GEMV over BLOCK_N output rows with activations as f16x2 pairs (`pack_h2`),
-        two weights per dequant / FMA instruction (`_word_dot_h2`). Experts come straight from
-        the flat top-k ids (no alignment pass).
-        TOPK == 0: a program per (pair, N-block): c[pair] = W_e a[pair // A_DIV], with GATED
-        silu(gate) * up, in float32.
-        TOPK > 0: a program per (token, N-block): c[t] = sum_j tw[t, j] W_e(t,j) a[t*TOPK + j],
-        the top-k weighted sum done in the kernel.
-        Rows are innermost in the grid, so the programs that share an expert read each weight
-        tile at about the same time and the repeats come from L2. PREFETCH: the next
-        iteration's loads are issued before this one's arithmetic; STAGES: Triton's software
-        pipelining of the loop (1: none); GS: one scale load and multiply per group of words."""
-        pid = tl.program_id(0)
-        r = pid % num_rows
-        pid_n = pid // num_rows
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        nk = K // (8 * W)
-        AW: tl.constexpr = W // WPG if GS else W
-        acc = tl.zeros([BLOCK_N, AW], tl.float32)
-        acc_u = tl.zeros([BLOCK_N, AW], tl.float32)
-        p, s, pu, su, a0, a1, a2, a3 = _h2_fetch(
-            0, r, nk, a_ptr, rs_ptr, w_ptr, s_ptr, tw_ptr, ids_ptr, offs_n, n_ok, N, a_stride,
-            w_stride_e, w_stride_n, s_stride_e, s_stride_n, A_DIV, GATED, TOPK, W, WPG,
-            BLOCK_N, GS)  # fmt: skip
-        for it in tl.range(0, nk * tl.maximum(TOPK, 1), num_stages=STAGES):
-            if PREFETCH:
-                pn, sn, pun, sun, b0, b1, b2, b3 = _h2_fetch(
-                    it + 1, r, nk, a_ptr, rs_ptr, w_ptr, s_ptr, tw_ptr, ids_ptr, offs_n, n_ok,
-                    N, a_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n, A_DIV, GATED,
-                    TOPK, W, WPG, BLOCK_N, GS)  # fmt: skip
-            else:
-                p, s, pu, su, a0, a1, a2, a3 = _h2_fetch(
-                    it, r, nk, a_ptr, rs_ptr, w_ptr, s_ptr, tw_ptr, ids_ptr, offs_n, n_ok, N,
-                    a_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n, A_DIV, GATED,
-                    TOPK, W, WPG, BLOCK_N, GS)  # fmt: skip
-            acc = _h2_sum(acc, p, a0, a1, a2, a3, s, GS, WPG, USE_ASM)
-            if GATED:
-                acc_u = _h2_sum(acc_u, pu, a0, a1, a2, a3, su, GS, WPG, USE_ASM)
-            if PREFETCH:
-                p, s, pu, su, a0, a1, a2, a3 = pn, sn, pun, sun, b0, b1, b2, b3
-        y = tl.sum(acc, 1)
-        if TOPK == 0:
-            rs = tl.load(rs_ptr + r // A_DIV)
-            y = y * rs
-            if GATED:
-                u = tl.sum(acc_u, 1) * rs
-                y = y / (1.0 + tl.exp(-y)) * u
-        rr = tl.zeros([1], tl.int32) + r
-        _store_out(c_ptr, c_stride, rr, rr >= 0, offs_n, n_ok, y[None, :], 0)
-
-
-def pack_h2(x: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] -> (f16x2 pairs [M, K/2] int32 in the layout `_int4_gemv_h2_kernel` reads, the
-    per-row scale [M] float32 that undoes the activation's power-of-two scaling)."""
-    M, K = x.shape
-    a = torch.empty(M, K // 2, dtype=torch.int32, device=x.device)
-    rs = torch.empty(M, dtype=torch.float32, device=x.device)
-    bk = triton.next_power_of_2(K)
-    _pack_h2_kernel[(M,)](x, a, rs, K, x.stride(0), a.stride(0), W=W, BLOCK_K=bk,
-                          BLOCK_W=max(bk // 8, 1), num_warps=8 if K >= 4096 else 4)  # fmt: skip
-    return a, rs
-
-
-_ASM_OK: dict[str, bool] = {}
-
-
 def use_asm() -> bool:
-    """Inline-PTX dequant on a GPU (disable with K2SERVE_INT4_ASM=0); never in the interpreter."""
+    """Inline-PTX dequant on an NVIDIA GPU (disable with K2SERVE_INT4_ASM=0); never in the
+    interpreter or on ROCm (PTX does not compile there: the plain-Triton paths run instead)."""
     import os
 
-    return (not INTERPRET) and os.environ.get("K2SERVE_INT4_ASM", "1") == "1"
+    return (
+        not INTERPRET
+        and torch.version.hip is None
+        and os.environ.get("K2SERVE_INT4_ASM", "1") == "1"
+    )
 
 
 # Tuned GEMV configs (bench/model_speed.py may replace them with its sweep's winners). A config
@@ -708,18 +486,6 @@ def _launch(kind, a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, gated
         _int4_mma_kernel[grid](*args, **common, DOT_DT=dot_dtype(), USE_ASM=use_asm(), **cfg)
 
 
-def _launch_h2(x, w, s, c, tw, ids, N, K, rows, a_div, gated, topk, cfg, group):
-    a, rs = pack_h2(x, cfg["W"])
-    grid = (rows * cdiv(N, cfg["BLOCK_N"]),)
-    _int4_gemv_h2_kernel[grid](
-        a, rs, w, s, c, tw, ids, N, K, rows, a.stride(0), c.stride(0), w.stride(0),
-        w.stride(1), s.stride(0), s.stride(1), A_DIV=a_div, GATED=gated, TOPK=topk,
-        BLOCK_N=cfg["BLOCK_N"], W=cfg["W"], WPG=group // 8, USE_ASM=use_asm(),
-        PREFETCH=cfg.get("PREFETCH", 0), STAGES=cfg.get("STAGES", 1), GS=cfg.get("GS", 0),
-        num_warps=cfg["num_warps"],
-    )  # fmt: skip
-
-
 def int4_moe(
     x: torch.Tensor,  # [T, D] bf16
     ew,  # ExpertWeights, quant "int4"
@@ -727,7 +493,8 @@ def int4_moe(
     topk_ids: torch.Tensor,  # [T, k] int
     config: dict | None = None,
 ) -> torch.Tensor:  # [T, D]
-    """Routed-expert output with the plane kernels; no host synchronisation."""
+    """Routed-expert output with the plane kernels, or (kind "h2") int4_gemv's f16x2 GEMV; no
+    host synchronisation."""
     require_triton(x)
     T, D = x.shape
     k = topk_ids.shape[1]
@@ -748,14 +515,9 @@ def int4_moe(
     M = T * k
     tw = topk_weights.reshape(-1).float().contiguous()
     if kind == "h2":
-        ids = topk_ids.reshape(-1).contiguous()
-        inter = torch.empty(M, I, dtype=torch.float32, device=x.device)
-        _launch_h2(x, ew.w13, ew.w13_scale, inter, tw, ids, I, D, M, k, True, 0, cfg,
-                   ew.group_size)  # fmt: skip
-        out = torch.empty(T, D, dtype=x.dtype, device=x.device)
-        _launch_h2(inter, ew.w2, ew.w2_scale, out, tw, ids, D, I, T, 1, False, k, cfg2,
-                   ew.group_size)  # fmt: skip
-        return out
+        from .int4_gemv import int4_moe_h2  # NOTE: here: int4_gemv imports this module
+
+        return int4_moe_h2(x, ew, tw, topk_ids, cfg, cfg2)
     bm = cfg["ROWS"] if kind == "gemv" else cfg["BLOCK_M"]
     if (cfg2["ROWS"] if kind == "gemv" else cfg2["BLOCK_M"]) != bm:
         raise ValueError("int4_moe: the w2 overrides must keep ROWS / BLOCK_M")
