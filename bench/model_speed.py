@@ -139,8 +139,7 @@ NEW_CFGS = [
     ("gemv r4 16x32 w4", dict(kind="gemv", ROWS=4, BLOCK_N=16, W=32, num_warps=4)),
     ("mma 16x64 w4 s3", dict(kind="mma", BLOCK_M=16, BLOCK_N=64, W=32, num_warps=4, num_stages=3)),
     ("h2 8x64 w4", dict(kind="h2", BLOCK_N=8, W=64, num_warps=4)),
-    ("h2 GS split2", dict(kind="h2", BLOCK_N=8, W=64, num_warps=4, GS=1,
-                          w2=dict(BLOCK_N=8, W=128, num_warps=4, GS=1, SPLIT=2))),  # fmt: skip
+    ("h2 GS", dict(kind="h2", BLOCK_N=8, W=64, num_warps=4, GS=1)),
 ]
 SWEEP = {  # (kind, rows, BLOCK_N, W, warps, prefetch)
     1: [("gemv", 1, 16, 64, 4, 0), ("gemv", 1, 16, 64, 4, 1), ("gemv", 1, 8, 64, 4, 0),
@@ -466,15 +465,15 @@ def part_gemv():
     torch.cuda.empty_cache()
 
 
-# (BLOCK_N, W, num_warps, GS, SPLIT) of the f16x2 GEMV, per launch (runs 12-16: next-iteration
-# loads in registers, Triton loop pipelining, 8-warp 16-row tiles and per-word scales were slower)
-H2_W13 = [(8, 64, 4, 1, 1), (16, 64, 4, 1, 1), (4, 128, 2, 1, 1), (16, 128, 4, 1, 1)]
-H2_W2 = [(8, 128, 4, 1, 1), (8, 128, 4, 1, 2), (8, 128, 4, 1, 4), (8, 64, 4, 1, 2),
-         (4, 128, 4, 1, 2), (16, 128, 4, 1, 2), (8, 64, 4, 1, 1), (16, 128, 8, 1, 2)]  # fmt: skip
+# (BLOCK_N, W, num_warps, GS) of the f16x2 GEMV, per launch (runs 12-16 and 20: next-iteration
+# loads in registers, Triton loop pipelining, 8-warp 16-row tiles, per-word scales and splitting
+# the down launch's top-k over 2-4 programs were slower or no faster)
+H2_W13 = [(8, 64, 4, 1), (16, 64, 4, 1), (4, 128, 2, 1), (16, 128, 4, 1)]
+H2_W2 = [(8, 128, 4, 1), (8, 64, 4, 1), (16, 128, 4, 1), (4, 128, 4, 1)]
 
 
 def _h2(c):
-    return dict(zip(("BLOCK_N", "W", "num_warps", "GS", "SPLIT"), c))
+    return dict(zip(("BLOCK_N", "W", "num_warps", "GS"), c))
 
 
 def part_h2():

@@ -191,7 +191,7 @@ def _int4_experts(E, D, I):  # noqa: E741
             GS=1,
             w2=dict(BLOCK_N=4, W=8, num_warps=2, GS=0),
         ),  # fmt: skip
-        dict(kind="h2", BLOCK_N=4, W=8, num_warps=2, w2=dict(BLOCK_N=4, W=8, num_warps=2, SPLIT=2)),
+        dict(kind="h2", BLOCK_N=4, W=8, num_warps=2),
     ],
 )
 def test_int4_plane_kernels_match_reference(cfg):

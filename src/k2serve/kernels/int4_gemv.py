@@ -140,15 +140,15 @@ if HAS_TRITON:
         return acc + ws * s
 
     @triton.jit
-    def _h2_fetch(it, n_it, r, j0, nk, a_ptr, rs_ptr, w_ptr, s_ptr, tw_ptr, ids_ptr, offs_n,
+    def _h2_fetch(it, r, nk, a_ptr, rs_ptr, w_ptr, s_ptr, tw_ptr, ids_ptr, offs_n,
                   n_ok, N, a_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
                   A_DIV: tl.constexpr, GATED: tl.constexpr, TOPK: tl.constexpr,
                   W: tl.constexpr, WPG: tl.constexpr, GS: tl.constexpr):  # fmt: skip
-        """Loads of iteration `it` of n_it: words and scales of the expert's K-block, the 4
+        """Loads of iteration `it`: words and scales of the expert's K-block, the 4
         activation planes, and the factor c that this iteration's products get (TOPK > 0: the
         pair's top-k weight times its activation scale; else 1)."""
         if TOPK > 0:
-            pair = r * TOPK + j0 + it // nk
+            pair = r * TOPK + it // nk
             kb = it % nk
             a_row = pair
             c = tl.load(rs_ptr + pair) * tl.load(tw_ptr + pair)
@@ -184,7 +184,7 @@ if HAS_TRITON:
     def _int4_gemv_h2_kernel(
         a_ptr, rs_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, ids_ptr,
         N, K, num_rows, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
-        A_DIV: tl.constexpr, GATED: tl.constexpr, TOPK: tl.constexpr, SPLIT: tl.constexpr,
+        A_DIV: tl.constexpr, GATED: tl.constexpr, TOPK: tl.constexpr,
         BLOCK_N: tl.constexpr, W: tl.constexpr, WPG: tl.constexpr, USE_ASM: tl.constexpr,
         GS: tl.constexpr,
     ):  # fmt: skip
@@ -193,28 +193,25 @@ if HAS_TRITON:
         the flat top-k ids (no alignment pass).
         TOPK == 0: a program per (pair, N-block): c[pair] = W_e a[pair // A_DIV], with GATED
         silu(gate) * up, in float32.
-        TOPK > 0: a program per (token, N-block, split): c[s*T + t] = sum over the split's
-        TOPK / SPLIT experts j of tw[t, j] W_e(t,j) a[t*TOPK + j]: the top-k weighted sum done
-        in the kernel (SPLIT > 1: partial sums, more programs in flight).
+        TOPK > 0: a program per (token, N-block): c[t] = sum_j tw[t, j] W_e(t,j) a[t*TOPK + j],
+        the top-k weighted sum done in the kernel (splitting the experts over 2-4 programs for
+        more programs in flight measured no faster at T=1, run 20).
         Rows are innermost in the grid, so the programs that share an expert read each weight
         tile at about the same time and the repeats come from L2. GS: one scale load and
         multiply per group of words."""
         pid = tl.program_id(0)
-        per_split = num_rows * tl.cdiv(N, BLOCK_N)
-        split = pid // per_split
         r = pid % num_rows
-        pid_n = (pid % per_split) // num_rows
+        pid_n = pid // num_rows
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         nk = K // (8 * W)
-        KS: tl.constexpr = TOPK // SPLIT if TOPK > 0 else 1  # experts per program
-        n_it = nk * KS
+        n_it = nk * tl.maximum(TOPK, 1)
         AW: tl.constexpr = W // WPG if GS else W
         acc = tl.zeros([BLOCK_N, AW], tl.float32)
         acc_u = tl.zeros([BLOCK_N, AW], tl.float32)
         for it in range(0, n_it):
             p, s, pu, su, a0, a1, a2, a3 = _h2_fetch(
-                it, n_it, r, split * KS, nk, a_ptr, rs_ptr, w_ptr, s_ptr, tw_ptr, ids_ptr,
+                it, r, nk, a_ptr, rs_ptr, w_ptr, s_ptr, tw_ptr, ids_ptr,
                 offs_n, n_ok, N, a_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
                 A_DIV, GATED, TOPK, W, WPG, GS)  # fmt: skip
             acc = _h2_sum(acc, p, a0, a1, a2, a3, s, GS, WPG, USE_ASM)
@@ -227,7 +224,7 @@ if HAS_TRITON:
             if GATED:
                 u = tl.sum(acc_u, 1) * rs
                 y = y / (1.0 + tl.exp(-y)) * u
-        rr = tl.zeros([1], tl.int32) + split * num_rows + r
+        rr = tl.zeros([1], tl.int32) + r
         _store_out(c_ptr, c_stride, rr, rr >= 0, offs_n, n_ok, y[None, :], 0)
 
 
@@ -243,21 +240,20 @@ def pack_h2(x: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
     return a, rs
 
 
-def _launch_h2(x, w, s, c, tw, ids, N, K, rows, a_div, gated, topk, cfg, group, split=1):
+def _launch_h2(x, w, s, c, tw, ids, N, K, rows, a_div, gated, topk, cfg, group):
     a, rs = pack_h2(x, cfg["W"])
-    grid = (split * rows * cdiv(N, cfg["BLOCK_N"]),)
+    grid = (rows * cdiv(N, cfg["BLOCK_N"]),)
     _int4_gemv_h2_kernel[grid](
         a, rs, w, s, c, tw, ids, N, K, rows, a.stride(0), c.stride(0), w.stride(0),
         w.stride(1), s.stride(0), s.stride(1), A_DIV=a_div, GATED=gated, TOPK=topk,
-        SPLIT=split, BLOCK_N=cfg["BLOCK_N"], W=cfg["W"], WPG=group // 8, USE_ASM=use_asm(),
+        BLOCK_N=cfg["BLOCK_N"], W=cfg["W"], WPG=group // 8, USE_ASM=use_asm(),
         GS=cfg.get("GS", 0), num_warps=cfg["num_warps"],
     )  # fmt: skip
 
 
 def int4_moe_h2(x, ew, tw, topk_ids, cfg: dict, cfg2: dict) -> torch.Tensor:
     """x [T, D] -> routed-expert output [T, D] (x's dtype). tw: the flat top-k weights [T*k]
-    float32; cfg / cfg2: the gate+up / down launches (BLOCK_N, W, num_warps, GS; SPLIT for the
-    down launch: partial sums over SPLIT groups of experts, added after)."""
+    float32; cfg / cfg2: the gate+up / down launches (BLOCK_N, W, num_warps, GS)."""
     T, D = x.shape
     k = topk_ids.shape[1]
     n_inter, M = ew.intermediate, T * k
@@ -265,10 +261,7 @@ def int4_moe_h2(x, ew, tw, topk_ids, cfg: dict, cfg2: dict) -> torch.Tensor:
     inter = torch.empty(M, n_inter, dtype=torch.float32, device=x.device)
     _launch_h2(x, ew.w13, ew.w13_scale, inter, tw, ids, n_inter, D, M, k, True, 0, cfg,
                ew.group_size)  # fmt: skip
-    split = cfg2.get("SPLIT", 1)
-    if k % split:
-        raise ValueError(f"int4_moe_h2: SPLIT={split} must divide top-k {k}")
-    out = torch.empty(split * T, D, dtype=x.dtype, device=x.device)
+    out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     _launch_h2(inter, ew.w2, ew.w2_scale, out, tw, ids, D, n_inter, T, 1, False, k, cfg2,
-               ew.group_size, split)  # fmt: skip
-    return out if split == 1 else out.view(split, T, D).sum(0)
+               ew.group_size)  # fmt: skip
+    return out
