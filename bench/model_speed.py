@@ -387,6 +387,18 @@ def graph_ms(fns, reps=20) -> float:
     return timed(g.replay, iters=reps) / len(fns)
 
 
+def _time_moe(ew, x, routes, refs, cfg):
+    """(graph-timed ms per int4_moe call over the routings, largest relative difference from
+    refs): the common step of the GEMV sweeps."""
+    from k2serve.kernels import moe_int4 as mi
+
+    outs = [mi.int4_moe(x, ew, tw, ti, cfg) for tw, ti in routes]
+    err = max(((o.float() - r.float()).norm() / r.float().norm()).item()
+              for o, r in zip(outs, refs))  # fmt: skip
+    ms = graph_ms([lambda tw=tw, ti=ti: mi.int4_moe(x, ew, tw, ti, cfg) for tw, ti in routes])
+    return ms, err
+
+
 # (BLOCK_N, W, num_warps, UNROLL); the first is run 8's TUNED["r1"]
 GEMV_CANDS = [(8, 64, 4, 1), (8, 64, 4, 2), (4, 64, 2, 1), (4, 64, 2, 2), (8, 128, 8, 1),
               (16, 64, 8, 1), (16, 64, 8, 2), (4, 128, 4, 1)]  # fmt: skip
@@ -421,11 +433,7 @@ def part_gemv():
             for c in GEMV_CANDS:
                 cfg = cfg_of(which, c)
                 try:
-                    outs = [mi.int4_moe(x, ew, tw, ti, cfg) for tw, ti in routes]
-                    err = max(((o.float() - r.float()).norm() / r.float().norm()).item()
-                              for o, r in zip(outs, refs))  # fmt: skip
-                    ms = graph_ms([lambda tw=tw, ti=ti: mi.int4_moe(x, ew, tw, ti, cfg)
-                                   for tw, ti in routes])  # fmt: skip
+                    ms, err = _time_moe(ew, x, routes, refs, cfg)
                 except Exception as e:  # noqa: BLE001 - a config that does not fit is reported
                     log(f"  gemv T={T} {which} {c}: {type(e).__name__}: {str(e)[:160]}")
                     continue
@@ -439,10 +447,7 @@ def part_gemv():
         b2 = min((v, c) for (w, c), v in res.items() if w == "w2")[1]
         cfg = {**base, **dict(zip(("BLOCK_N", "W", "num_warps", "UNROLL"), b13))}
         cfg["w2"] = dict(zip(("BLOCK_N", "W", "num_warps", "UNROLL"), b2))
-        outs = [mi.int4_moe(x, ew, tw, ti, cfg) for tw, ti in routes]
-        err = max(((o.float() - r.float()).norm() / r.float().norm()).item()
-                  for o, r in zip(outs, refs))  # fmt: skip
-        ms = graph_ms([lambda tw=tw, ti=ti: mi.int4_moe(x, ew, tw, ti, cfg) for tw, ti in routes])
+        ms, err = _time_moe(ew, x, routes, refs, cfg)
         ms0 = graph_ms([lambda tw=tw, ti=ti: mi.int4_moe(x, ew, tw, ti, base) for tw, ti in routes])
         row("gemv", f"T={T} run-8 cfg (both launches)", ms0, nb, 0, str(base))
         row("gemv", f"T={T} best w13 + best w2", ms, nb, 0, f"{cfg} err {err:.1e}")
@@ -501,11 +506,7 @@ def part_h2():
         tot = 0.0
         for T, (routes, x, nb, refs) in cases.items():
             try:
-                outs = [mi.int4_moe(x, ew, tw, ti, cfg) for tw, ti in routes]
-                err = max(((o.float() - r.float()).norm() / r.float().norm()).item()
-                          for o, r in zip(outs, refs))  # fmt: skip
-                ms = graph_ms([lambda tw=tw, ti=ti: mi.int4_moe(x, ew, tw, ti, cfg)
-                               for tw, ti in routes])  # fmt: skip
+                ms, err = _time_moe(ew, x, routes, refs, cfg)
             except Exception as e:  # noqa: BLE001 - a config that does not fit is reported
                 log(f"  h2 T={T} {name}: {type(e).__name__}: {str(e)[:300]}")
                 return float("inf")

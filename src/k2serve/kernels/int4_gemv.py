@@ -27,7 +27,7 @@ from ._triton import HAS_TRITON, cdiv, tl, triton
 from .moe_int4 import use_asm
 
 if HAS_TRITON:
-    from .moe_int4 import _load_ws, _store_out
+    from .moe_int4 import _store_out
 
     @triton.jit
     def _word_dot_h2(p, a0, a1, a2, a3, USE_ASM: tl.constexpr):
@@ -116,14 +116,18 @@ if HAS_TRITON:
             tl.store(dst + j * W, lo_b | hi_b, mask=ok)
 
     @triton.jit
-    def _load_wg(w_base, s_base, offs_n, n_ok, kb, w_stride_n, s_stride_n,
-                 W: tl.constexpr, WPG: tl.constexpr):  # fmt: skip
-        """Words [BN, W] of K-block kb and the scales of their groups [BN, W // WPG]."""
+    def _load_words(w_base, s_base, offs_n, n_ok, kb, w_stride_n, s_stride_n,
+                    W: tl.constexpr, WPG: tl.constexpr, GS: tl.constexpr):  # fmt: skip
+        """Words [BN, W] of K-block kb and their scales: one per group of WPG words
+        [BN, W // WPG] with GS, else each word's group scale [BN, W]."""
         offs_w = kb * W + tl.arange(0, W)
         p = tl.load(w_base + offs_n[:, None] * w_stride_n + offs_w[None, :],
                     mask=n_ok[:, None], other=0)  # fmt: skip
-        offs_g = kb * (W // WPG) + tl.arange(0, W // WPG)
-        s = tl.load(s_base + offs_n[:, None] * s_stride_n + offs_g[None, :],
+        if GS:
+            offs_s = kb * (W // WPG) + tl.arange(0, W // WPG)
+        else:
+            offs_s = offs_w // WPG
+        s = tl.load(s_base + offs_n[:, None] * s_stride_n + offs_s[None, :],
                     mask=n_ok[:, None], other=0.0)  # fmt: skip
         return p, s
 
@@ -160,18 +164,11 @@ if HAS_TRITON:
         e = tl.load(ids_ptr + pair).to(tl.int64)
         w_base = w_ptr + e * w_stride_e
         s_base = s_ptr + e * s_stride_e
-        if GS:  # one scale per group of WPG words: [BLOCK_N, W // WPG]
-            p, s = _load_wg(w_base, s_base, offs_n, n_ok, kb, w_stride_n, s_stride_n, W, WPG)
-            pu, su = p, s
-            if GATED:
-                pu, su = _load_wg(w_base, s_base, offs_n + N, n_ok, kb, w_stride_n, s_stride_n,
-                                  W, WPG)  # fmt: skip
-        else:  # the scale of each word: [BLOCK_N, W]
-            p, s = _load_ws(w_base, s_base, offs_n, n_ok, kb, w_stride_n, s_stride_n, W, WPG)
-            pu, su = p, s
-            if GATED:
-                pu, su = _load_ws(w_base, s_base, offs_n + N, n_ok, kb, w_stride_n, s_stride_n,
-                                  W, WPG)  # fmt: skip
+        p, s = _load_words(w_base, s_base, offs_n, n_ok, kb, w_stride_n, s_stride_n, W, WPG, GS)
+        pu, su = p, s
+        if GATED:
+            pu, su = _load_words(w_base, s_base, offs_n + N, n_ok, kb, w_stride_n, s_stride_n,
+                                 W, WPG, GS)  # fmt: skip
         ab = a_ptr + a_row.to(tl.int64) * a_stride + kb * 4 * W + tl.arange(0, W)
         BN: tl.constexpr = offs_n.shape[0]
         a0 = tl.broadcast_to(tl.load(ab)[None, :], [BN, W])
