@@ -131,3 +131,19 @@ def test_llm_refuses_a_shape_that_does_not_split(tmp_path):
     with pytest.raises(ShardingError, match="moe_intermediate_size"):
         LLM(str(tmp_path), load_format="dummy", device="cpu", tensor_parallel_size=2,
             num_kv_pages=8)  # fmt: skip
+
+
+def test_fused_gate_up_of_a_shard_splits_at_the_shard_width():
+    """fuse_projections after sharding (what every rank does on CUDA): the fused dense-MLP
+    forward of a rank's shard equals the unfused one, so the split width is the shard's
+    (run on 2 H200s found it split at the full intermediate_size)."""
+    cfg = ModelConfig.from_hf(small_config("bf16"))
+    m = load_model(None, config=cfg, load_format="dummy", dtype=torch.float32, progress=False,
+                   tp_rank=1, tp_size=2)  # fmt: skip
+    mlp = m.model.layers[0].mlp
+    assert mlp.gate_proj.out_features == cfg.intermediate_size // 2
+    mlp.down_proj = torch.nn.Identity()
+    x = torch.randn(3, cfg.hidden_size)
+    want = mlp.forward(x)  # silu(gate) * up of this rank's half, unfused (.forward: no all-reduce)
+    assert mlp.fuse_projections()
+    torch.testing.assert_close(mlp.forward(x), want)

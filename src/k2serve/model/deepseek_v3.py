@@ -94,14 +94,13 @@ class MLP(nn.Module):
         self.gate_proj = b.linear(f"{prefix}.gate_proj", hidden, inter)
         self.up_proj = b.linear(f"{prefix}.up_proj", hidden, inter)
         self.down_proj = b.linear(f"{prefix}.down_proj", inter, hidden)
-        self.inter = inter
         self.gate_up_weight: torch.Tensor | None = None  # set by fuse_projections (one GEMM)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _still_fused(self.gate_up_weight, self.gate_proj, self.up_proj):
-            g, u = linear(x, self.gate_up_weight, self.gate_proj.decode_gemv).split(
-                [self.inter, self.inter], dim=-1
-            )
+            # NOTE: the width comes from the linears, not the config: TP shards them
+            n = self.gate_proj.out_features
+            g, u = linear(x, self.gate_up_weight, self.gate_proj.decode_gemv).split([n, n], dim=-1)
             return self.down_proj(F.silu(g) * u)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
