@@ -53,9 +53,17 @@ def load(cfg: dict, device, rank: int = 0, world: int = 1, ep: bool = False):
     from k2serve.weights.loader import load_model
 
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    return load_model(None, config=ModelConfig.from_hf(cfg), load_format="dummy", dtype=dtype,
-                      device=device, progress=False, tp_rank=rank, tp_size=world,
-                      expert_parallel=ep)  # fmt: skip
+    model = load_model(None, config=ModelConfig.from_hf(cfg), load_format="dummy", dtype=dtype,
+                       device=device, progress=False, tp_rank=rank, tp_size=world,
+                       expert_parallel=ep)  # fmt: skip
+    if os.environ.get("TP_CHECK_UNFUSED") == "1":  # the decode fusions off (as on the CPU)
+        model.set_fused_kernels(rope=False, router=False, projections=False, gemv=False)
+        for layer in model.model.layers:
+            layer.self_attn.qkv_a_weight = None
+            m = getattr(layer.mlp, "shared_experts", layer.mlp)
+            if m is not None:
+                m.gate_up_weight = None
+    return model
 
 
 def _metadata(starts: list[int], n: int, device):
