@@ -56,9 +56,13 @@ def load(cfg: dict, device, rank: int = 0, world: int = 1, ep: bool = False):
     model = load_model(None, config=ModelConfig.from_hf(cfg), load_format="dummy", dtype=dtype,
                        device=device, progress=False, tp_rank=rank, tp_size=world,
                        expert_parallel=ep)  # fmt: skip
-    if os.environ.get("TP_CHECK_UNFUSED") == "1":  # the decode fusions off (as on the CPU)
-        model.set_fused_kernels(rope=False, router=False, projections=False, gemv=False)
-        for layer in model.model.layers:
+    off = os.environ.get("TP_CHECK_UNFUSED", "")  # decode fusions to turn off: rope,router,
+    if off:  # proj,gemv or 1 (all, as on the CPU), to tell a fusion's TP error from the rest
+        off = {"rope", "router", "proj", "gemv"} if off == "1" else set(off.split(","))
+        on = model.backend_settings is not None and model.device.type == "cuda"
+        model.set_fused_kernels(rope=on and "rope" not in off, router=on and "router" not in off,
+                                projections=False, gemv=on and "gemv" not in off)  # fmt: skip
+        for layer in model.model.layers if "proj" in off else ():
             layer.self_attn.qkv_a_weight = None
             m = getattr(layer.mlp, "shared_experts", layer.mlp)
             if m is not None:
