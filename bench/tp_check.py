@@ -165,9 +165,11 @@ def model_checks(args, device, group) -> list[dict]:
 
     rows = []
     for preset, fmt, layers in CASES:
-        if args.quick and preset != "tiny":
+        if (args.quick and preset != "tiny") or (args.k2_only and preset != "k2-slice"):
             continue
         cfg = preset_config(preset, fmt, layers)
+        if preset == "k2-slice" and args.k2_experts:  # K2's sizes with fewer experts / tokens
+            cfg.update(n_routed_experts=args.k2_experts, vocab_size=args.k2_vocab)  # (CPU runs)
         name = f"{preset}/{fmt}" + (f"/{layers}L" if layers else "")
         try:
             ref_model = load(cfg, device)
@@ -257,6 +259,11 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="tiny models only")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--no-engine", action="store_true", help="skip the engine-level check")
+    ap.add_argument("--k2-only", action="store_true", help="k2-slice models only")
+    ap.add_argument("--k2-experts", type=int, default=0,
+                    help="k2-slice with this many routed experts (0: the real 384)")
+    ap.add_argument("--k2-vocab", type=int, default=4096,
+                    help="k2-slice vocabulary with --k2-experts")  # fmt: skip
     args = ap.parse_args()
     from k2serve.distributed.workers import WorkerGroup
 
