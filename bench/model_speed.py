@@ -3,8 +3,8 @@
 
 Run (one H200, from the repo root):  PYTHONPATH=src python3 bench/model_speed.py [--parts ...]
 Parts: ceil (copy bandwidth, bf16 matmul rate), check (every Triton kernel vs its torch
-reference at real K2 sizes, fresh random inputs), gemv (decode INT4 GEMV configs per launch,
-graph-timed; the winner becomes the r1 config), h2 (the f16x2 decode GEMV against r1; the
+reference at real K2 sizes, fresh random inputs), gemv (run 8's plane GEMV configs per launch,
+graph-timed; reported only), h2 (the f16x2 decode GEMV against r1; the
 winner becomes the r1 config), gemv16 (the one-row bf16 GEMV against cuBLAS per K2 projection;
 the faster goes into kernels.gemv.TUNED), kern (kernel timings), model (k2-slice INT4,
 8 layers, dummy weights: decode B=1/8/32/128 at context 1k through decode CUDA graphs, prefill
@@ -463,9 +463,8 @@ def part_gemv():
             t += graph_ms([lambda tw=tw, ti=ti: mi.int4_moe(x, ew, tw, ti, cfg)
                            for tw, ti in routes])  # fmt: skip
         tot[name] = (t, cfg)
-    pick = min(tot.values(), key=lambda v: v[0])[1]
-    mi.TUNED["r1"] = pick
-    log(f"  tuned r1 (T*k <= 64) -> {pick}")
+    pick = min(tot.values(), key=lambda v: v[0])[1]  # reported only: the default is h2
+    log(f"  best plane GEMV (kind gemv) -> {pick}")
     del ew
     torch.cuda.empty_cache()
 
@@ -528,7 +527,7 @@ def part_h2():
     best = dict(kind="h2", **_h2(b13), w2=_h2(b2))
     if t2[b2] < t_base:
         mi.TUNED["r1"] = best
-    log(f"  tuned r1 (T*k <= 64) -> {mi.TUNED['r1']} (T=1 + T=8 ms: r1 {t_base:.4f}, "
+    log(f"  tuned r1 (T*k <= {mi.GEMV_MAX_PAIRS}) -> {mi.TUNED['r1']} (T=1 + T=8 ms: r1 {t_base:.4f}, "
         f"best h2 {t2[b2]:.4f})")  # fmt: skip
     # h2 against the generic fused_moe kernel (what the backend runs above GEMV_MAX_PAIRS) on
     # uniform random routing, which favours h2: its cost grows with the pairs, the grouped
