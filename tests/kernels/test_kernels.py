@@ -229,6 +229,8 @@ def test_pack_h2_layout_and_scale():
         col = b * 8 * W + 8 * w + j + 4 * h
         want = (x[:, col] / rs).half().float()
         assert torch.equal(halves[:, b, j, w, h], want), (b, j, w, h)
+    a2, rs2 = int4_gemv.pack_h2(x.t().contiguous().t(), W)  # column-major: same packing
+    assert torch.equal(a2, a) and torch.equal(rs2, rs)
 
 
 def test_int4_planes_dequant_and_grouped_mm():

@@ -228,6 +228,8 @@ if HAS_TRITON:
 def pack_h2(x: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[M, K] -> (f16x2 pairs [M, K/2] int32 in the layout `_int4_gemv_h2_kernel` reads, the
     per-row scale [M] float32 that undoes the activation's power-of-two scaling)."""
+    if x.stride(-1) != 1:  # the kernel steps along a row one element at a time
+        x = x.contiguous()
     M, K = x.shape
     a = torch.empty(M, K // 2, dtype=torch.int32, device=x.device)
     rs = torch.empty(M, dtype=torch.float32, device=x.device)
