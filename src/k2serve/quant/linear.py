@@ -65,7 +65,7 @@ class UnquantizedLinear(LinearBase):
         return self.weight.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight.to(x.dtype), self.decode_gemv)
+        return linear(x, self.dequantized_weight(x.dtype), self.decode_gemv)
 
 
 class Fp8BlockLinear(LinearBase):
