@@ -603,12 +603,6 @@ def accelerate(model, fast_router=True, moe_kw=None, expand=False, fused=True):
     from k2serve.kernels.router import grouped_topk, grouped_topk_torch
 
     model.set_fused_kernels(rope=fused, router=fused, projections=fused, gemv=fused)
-    if not fused:
-        for layer in model.model.layers:
-            layer.self_attn.qkv_a_weight = None
-            m = getattr(layer.mlp, "shared_experts", layer.mlp)
-            if m is not None:
-                m.gate_up_weight = None
     topk = grouped_topk if fused else grouped_topk_torch
     from k2serve.model.layers import RMSNorm
     from k2serve.moe.fused_moe import FusedMoEBackend

@@ -61,12 +61,8 @@ def load(cfg: dict, device, rank: int = 0, world: int = 1, ep: bool = False):
         off = {"rope", "router", "proj", "gemv"} if off == "1" else set(off.split(","))
         on = model.backend_settings is not None and model.device.type == "cuda"
         model.set_fused_kernels(rope=on and "rope" not in off, router=on and "router" not in off,
-                                projections=False, gemv=on and "gemv" not in off)  # fmt: skip
-        for layer in model.model.layers if "proj" in off else ():
-            layer.self_attn.qkv_a_weight = None
-            m = getattr(layer.mlp, "shared_experts", layer.mlp)
-            if m is not None:
-                m.gate_up_weight = None
+                                projections=on and "proj" not in off,
+                                gemv=on and "gemv" not in off)  # fmt: skip
     return model
 
 

@@ -116,6 +116,10 @@ def test_fused_projections_give_the_same_logits_and_state_dict():
     assert attn.q_a_proj.weight.data_ptr() == attn.qkv_a_weight.data_ptr()  # a view, no copy
     out = model.compute_logits(model(ids, pos))
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4)
+    assert model.set_fused_kernels(rope=True, router=True, projections=False) == ""  # CPU
+    assert attn.qkv_a_weight is None and model.model.layers[0].mlp.gate_up_weight is None
+    assert torch.allclose(model.compute_logits(model(ids, pos)), ref, atol=1e-5, rtol=1e-4)
+    assert model.set_fused_kernels(rope=True, router=True, projections=True) == "6 gemm pairs"
     mlp = model.model.layers[0].mlp
     mlp.up_proj.weight = torch.nn.Parameter(mlp.up_proj.weight.detach() * 2, requires_grad=False)
     x = torch.randn(3, model.config.hidden_size)

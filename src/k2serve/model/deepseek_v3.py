@@ -396,7 +396,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         """Decode-step fusions (CUDA only; each is a no-op elsewhere): the Triton RoPE kernel for
         q_pe + k_pe, the Triton router top-k, one GEMM for q_a_proj + kv_a_proj_with_mqa and
         for each dense/shared MLP's gate + up (bf16 weights; re-pointed as views of the fused
-        weight, so memory and state_dict are unchanged; not undone by projections=False), and
+        weight, so memory and state_dict are unchanged; projections=False goes back to one GEMM
+        each), and
         the one-row GEMV kernel for the bf16 projections and the router at batch 1.
         Returns a short description of what is on."""
         from k2serve.attention import triton_usable
@@ -411,11 +412,15 @@ class DeepseekV3ForCausalLM(nn.Module):
             mlp = layer.mlp
             if isinstance(mlp, MoE):
                 mlp.gate.use_triton = router and ok
+            m = mlp.shared_experts if isinstance(mlp, MoE) else mlp
             if projections:
                 fused_proj += int(layer.self_attn.fuse_projections())
-                m = mlp.shared_experts if isinstance(mlp, MoE) else mlp
                 if m is not None:
                     fused_proj += int(m.fuse_projections())
+            else:  # separate GEMMs again (the linears keep their weights: views, same values)
+                layer.self_attn.qkv_a_weight = None
+                if m is not None:
+                    m.gate_up_weight = None
         on = [n for n, v in (("rope", rope and ok), ("router", router and ok),
                              ("gemv", gemv and ok)) if v]  # fmt: skip
         if fused_proj:
