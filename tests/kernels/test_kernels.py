@@ -364,3 +364,26 @@ def test_gemv_matches_linear():
         assert rel(gemv.gemv(x, w, torch.float32), ref) < 1e-5
     with pytest.raises(ValueError, match="one row"):
         gemv.gemv(torch.randn(2, 512, device=DEVICE, dtype=torch.bfloat16), w[:, :512])
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(MODE=0, BLOCK_M=16, BLOCK_N=32, W=8, num_warps=4),
+        dict(MODE=1, BLOCK_M=16, BLOCK_N=32, W=16, num_warps=4),
+        dict(MODE=2, BLOCK_M=16, BLOCK_N=32, W=8, num_warps=4),
+    ],
+)
+def test_int4_prefill_gemm_matches_reference(cfg):
+    """The prefill grouped GEMM (weights dequantized in registers, natural column order) on
+    blocks with several rows of one expert, padding rows, and an expert with no rows."""
+    from k2serve.kernels import int4_gemm
+
+    ew = _int4_experts(4, 256, 128)
+    T, k = 9, 2
+    x = torch.randn(T, 256, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.rand(T, k, device=DEVICE)
+    ids = torch.stack([torch.randperm(3)[:k] for _ in range(T)]).int().to(DEVICE)  # expert 3: none
+    out = int4_gemm.int4_moe_gemm(x, ew, w, ids, cfg)
+    assert out.shape == (T, 256) and out.dtype == torch.bfloat16
+    assert rel(out, fm.fused_moe_ref(x, ew, w, ids)) < 2e-2

@@ -10,9 +10,11 @@ INT4 dispatch (`int4_impl`): "planes" (default when hidden and intermediate size
 of 256) runs kernels/moe_int4.py's decode GEMV (the f16x2 "h2" kernel) up to GEMV_MAX_PAIRS
 (token, expert) pairs and the generic fused_moe kernel above (it measured faster than the plane
 tensor-core kernel, run 4);
-"legacy" runs the generic fused_moe kernel always. `prefill_impl="grouped_mm"` (default) sends
-steps of at least `prefill_min_tokens` tokens to chunk-wise dequant + torch._grouped_mm (one
-host sync; never inside a decode graph since decode steps are far below the threshold).
+"legacy" runs the generic fused_moe kernel always. Above the GEMV range, `prefill_impl`:
+"gemm" (default) runs kernels/int4_gemm.py's grouped GEMM (INT4 tiles dequantized in registers,
+no host sync); "grouped_mm" sends steps of at least `prefill_min_tokens` tokens to chunk-wise
+dequant + torch._grouped_mm (one host sync; never inside a decode graph since decode steps are
+far below the threshold); "kernel" keeps the generic fused_moe kernel.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import nn
 
 from k2serve.kernels import moe_int4
 from k2serve.kernels.fused_moe import ExpertWeights, fused_moe
+from k2serve.kernels.int4_gemm import int4_moe_gemm
 from k2serve.kernels.moe_int4 import int4_moe, int4_moe_grouped_mm
 from k2serve.moe.base import ExpertBackend
 
@@ -72,13 +75,13 @@ class FusedMoEBackend(ExpertBackend):
         self,
         weights: ExpertWeights,
         int4_impl: str = "auto",
-        prefill_impl: str = "grouped_mm",
+        prefill_impl: str = "gemm",
         prefill_min_tokens: int = 2048,
     ) -> None:
         if int4_impl not in ("auto", "planes", "legacy"):
             raise ValueError(f"int4_impl={int4_impl!r}: use 'auto', 'planes' or 'legacy'")
-        if prefill_impl not in ("kernel", "grouped_mm"):
-            raise ValueError(f"prefill_impl={prefill_impl!r}: use 'kernel' or 'grouped_mm'")
+        if prefill_impl not in ("gemm", "kernel", "grouped_mm"):
+            raise ValueError(f"prefill_impl={prefill_impl!r}: use 'gemm', 'kernel' or 'grouped_mm'")
         self.weights = weights
         w = weights
         planes_ok = w.quant == "int4" and w.hidden % 256 == 0 and w.intermediate % 256 == 0
@@ -104,4 +107,6 @@ class FusedMoEBackend(ExpertBackend):
                 return int4_moe_grouped_mm(hidden, self.weights, topk_weights, topk_ids)
             if T * topk_ids.shape[1] <= moe_int4.GEMV_MAX_PAIRS:
                 return int4_moe(hidden, self.weights, topk_weights, topk_ids)
+            if self.prefill_impl == "gemm":
+                return int4_moe_gemm(hidden, self.weights, topk_weights, topk_ids)
         return fused_moe(hidden, self.weights, topk_weights, topk_ids)
