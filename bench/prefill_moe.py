@@ -99,6 +99,12 @@ def part_sweep(ew, per_expert):
         ms.row("gemm", f"{tag} default {int4_gemm.prefill_config(T, K, E)}", t, nb, fl)
     for key, (t, c) in best.items():
         ms.log(f"  best {key}: {name_of(c)} {t:.3f} ms")
+    # the model part runs with this run's winners (pairs per expert: 2.7, 21, 43, 171)
+    lim = {128: 4, 1024: 32, 2048: 64, 8192: 1 << 30}
+    tuned = [(lim[T], cfg_of(c)) for (T, skew), (t, c) in sorted(best.items()) if not skew]
+    if len(tuned) == len(lim):
+        int4_gemm.PREFILL_TUNED[:] = tuned
+        ms.log(f"  PREFILL_TUNED for the model part: {tuned}")
     return best
 
 
