@@ -372,6 +372,7 @@ def test_gemv_matches_linear():
         dict(MODE=0, BLOCK_M=16, BLOCK_N=32, W=8, num_warps=4),
         dict(MODE=1, BLOCK_M=16, BLOCK_N=32, W=16, num_warps=4),
         dict(MODE=2, BLOCK_M=16, BLOCK_N=32, W=8, num_warps=4),
+        dict(MODE=3, BLOCK_M=16, BLOCK_N=32, W=8, num_warps=4),
     ],
 )
 def test_int4_prefill_gemm_matches_reference(cfg):

@@ -51,6 +51,14 @@ if HAS_TRITON:
         return tl.dot(w.to(DOT_DT), tl.trans(a.to(DOT_DT)), acc)
 
     @triton.jit
+    def _dot_pair(acc, wa, wb, a_ptrs, J: tl.constexpr, W: tl.constexpr, DOT_DT: tl.constexpr):
+        """Planes J and J + 4 (one bf16x2 register of the PTX) as one [BN, 2W] operand, column
+        2i + h = plane J + 4h of word i, against the pair-permuted activations."""
+        a = tl.load(a_ptrs + J * 2 * W)  # [BM, 2W]
+        w = tl.reshape(tl.join(wa, wb), [wa.shape[0], 2 * W])
+        return tl.dot(w.to(DOT_DT), tl.trans(a.to(DOT_DT)), acc)
+
+    @triton.jit
     def _int4_gemm_kernel(
         a_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, eid_ptr, npost_ptr,
         N, K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
@@ -63,7 +71,8 @@ if HAS_TRITON:
         acc[n, pair] (weights = the MMA's left operand). MODE 0: the 8 nibble planes
         interleaved back to natural order; 1: one MMA per plane against plane-permuted
         activations (block 8W); 2: each weight element shifted out of its word (redundant
-        word loads, natural order)."""
+        word loads, natural order); 3: one MMA per plane pair (J, J + 4) against pair-permuted
+        activations (`permute_pairs`)."""
         # the N tiles of one row block are adjacent in launch order: the block's activation
         # rows stay in L2 while every tile reads them; the row blocks of one expert follow
         pid = tl.program_id(0)
@@ -83,6 +92,8 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         if MODE == 1:
             a_ptrs = a_ptr + rows[:, None] * a_stride + tl.arange(0, W)[None, :]
+        elif MODE == 3:
+            a_ptrs = a_ptr + rows[:, None] * a_stride + tl.arange(0, 2 * W)[None, :]
         else:
             a_ptrs = a_ptr + rows[:, None] * a_stride + tl.arange(0, 8 * W)[None, :]
         if MODE == 2:
@@ -111,6 +122,12 @@ if HAS_TRITON:
                 acc = _dot_plane(acc, w5, a_ptrs, 5, W, DOT_DT)
                 acc = _dot_plane(acc, w6, a_ptrs, 6, W, DOT_DT)
                 acc = _dot_plane(acc, w7, a_ptrs, 7, W, DOT_DT)
+            elif MODE == 3:
+                w0, w1, w2, w3, w4, w5, w6, w7 = _planes_bf16(p, s, USE_ASM)
+                acc = _dot_pair(acc, w0, w4, a_ptrs, 0, W, DOT_DT)
+                acc = _dot_pair(acc, w1, w5, a_ptrs, 1, W, DOT_DT)
+                acc = _dot_pair(acc, w2, w6, a_ptrs, 2, W, DOT_DT)
+                acc = _dot_pair(acc, w3, w7, a_ptrs, 3, W, DOT_DT)
             else:
                 a = tl.load(a_ptrs)
                 bits = ((p >> shift) & 0xF) | 0x4B000000  # fp32 2^23 + n
@@ -124,6 +141,13 @@ if HAS_TRITON:
             acc = acc * tl.load(tw_ptr + pair, mask=pair_ok, other=0.0)[:, None]
         tl.store(c_ptr + pair.to(tl.int64)[:, None] * c_stride + offs_n[None, :],
                  acc.to(c_ptr.dtype.element_ty), mask=pair_ok[:, None] & n_ok[None, :])  # fmt: skip
+
+
+def permute_pairs(x: torch.Tensor, W: int) -> torch.Tensor:
+    """[M, K] -> [M, K]: inside each block of 8W columns, column 8i + 4h + j goes to
+    j * 2W + 2i + h (MODE 3's operand order)."""
+    M, K = x.shape
+    return x.reshape(M, K // (8 * W), W, 2, 4).permute(0, 1, 4, 2, 3).reshape(M, K)
 
 
 # Prefill configs by pairs per expert (T * k / E), the smallest threshold first; keys are
@@ -151,7 +175,13 @@ def _gemm(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, cfg, g
     if K % (8 * W) or W % (group // 8):
         raise ValueError(f"int4_moe_gemm: K={K} is not a multiple of 8*W={8 * W} or group "
                          f"{group} does not divide it")  # fmt: skip
-    a = permute_planes(a, 8 * W) if cfg["MODE"] == 1 else a.contiguous()
+    mode = cfg["MODE"]
+    if mode == 1:
+        a = permute_planes(a, 8 * W)
+    elif mode == 3:
+        a = permute_pairs(a, W)
+    else:
+        a = a.contiguous()
     grid = (eids.shape[0] * cdiv(N, cfg["BLOCK_N"]),)
     _int4_gemm_kernel[grid](
         a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a.stride(0), c.stride(0),
