@@ -22,22 +22,21 @@ import model_speed as ms  # noqa: E402  (timers, table, ceilings, k2-slice helpe
 
 E, D, I, K = 384, 7168, 2048, 8
 
-# (MODE, BLOCK_M tokens, BLOCK_N, W (K block = 8W), num_warps, num_stages); MODE: 0 planes
-# interleaved to natural order, 1 one MMA per plane (plane-permuted activations), 2 shift per element,
-# 3 one MMA per plane pair (pair-permuted activations); runs 23-24 dropped modes 1 and 2 (slower)
+# (BLOCK_M tokens, BLOCK_N, W (K block = 8W), num_warps, num_stages). Runs 23-24 also swept
+# three other dequant forms (one MMA per nibble plane, per plane pair, a shift per element):
+# all slower, dropped (kernels/int4_gemm.py).
 CONFIGS = [
-    (3, 64, 128, 8, 4, 3), (3, 128, 128, 8, 8, 3), (3, 32, 128, 8, 4, 3), (3, 64, 128, 16, 4, 3),
-    (3, 128, 128, 16, 8, 3), (3, 128, 256, 8, 8, 3), (3, 16, 128, 8, 4, 4),
-    (0, 64, 128, 8, 4, 3), (0, 128, 128, 8, 8, 3), (0, 32, 128, 8, 4, 3),
+    (64, 128, 8, 4, 3), (128, 128, 8, 8, 3), (32, 128, 8, 4, 3), (128, 256, 8, 8, 3),
+    (64, 128, 16, 4, 3), (16, 128, 8, 4, 4),
 ]
 
 
 def cfg_of(c):
-    return dict(MODE=c[0], BLOCK_M=c[1], BLOCK_N=c[2], W=c[3], num_warps=c[4], num_stages=c[5])
+    return dict(BLOCK_M=c[0], BLOCK_N=c[1], W=c[2], num_warps=c[3], num_stages=c[4])
 
 
 def name_of(c):
-    return f"{('interleave', 'planes', 'shift', 'pairs')[c[0]]} {c[1]}x{c[2]}x{8 * c[3]} w{c[4]} s{c[5]}"
+    return f"{c[0]}x{c[1]}x{8 * c[2]} w{c[3]} s{c[4]}"
 
 
 def route(T, skew, dev="cuda"):
@@ -57,7 +56,7 @@ def part_check(ew):
         tw, ti = route(T, skew)
         x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
         ref = mi.int4_moe_grouped_mm(x, ew, tw, ti)
-        for c in (CONFIGS[0], CONFIGS[3], CONFIGS[6], CONFIGS[7]):
+        for c in (CONFIGS[0], CONFIGS[2], CONFIGS[4], CONFIGS[5]):
             ms.check(f"int4_moe_gemm T={T} {name_of(c)}", int4_gemm.int4_moe_gemm(x, ew, tw, ti, cfg_of(c)), ref, 1e-2)
         ms.check(f"int4_moe_gemm T={T} default", int4_gemm.int4_moe_gemm(x, ew, tw, ti), ref, 1e-2)
 
@@ -81,7 +80,7 @@ def part_sweep(ew, per_expert):
         c0 = _config(T * K, E, "int4")
         ms.row("base", f"{tag} generic fused_moe", ms.timed(lambda: fm.fused_moe(x, ew, tw, ti, c0), iters=it), nb, fl)
         for c in CONFIGS:
-            if c[1] > 4 * max(16, T * K // E):  # token tiles far larger than an expert's rows
+            if c[0] > 4 * max(16, T * K // E):  # token tiles far larger than an expert's rows
                 continue
             cfg = cfg_of(c)
             try:
@@ -95,15 +94,9 @@ def part_sweep(ew, per_expert):
             if err < 1e-2 and t < best.get((T, skew), (1e9,))[0]:
                 best[(T, skew)] = (t, c)
         t = ms.timed(lambda: int4_gemm.int4_moe_gemm(x, ew, tw, ti), iters=it)
-        ms.row("gemm", f"{tag} default {int4_gemm.prefill_config(T, K, E)}", t, nb, fl)
+        ms.row("gemm", f"{tag} default", t, nb, fl)
     for key, (t, c) in best.items():
         ms.log(f"  best {key}: {name_of(c)} {t:.3f} ms")
-    # the model part runs with this run's winners (pairs per expert: 2.7, 21, 43, 171)
-    lim = {128: 4, 1024: 32, 2048: 64, 8192: 1 << 30}
-    tuned = [(lim[T], cfg_of(c)) for (T, skew), (t, c) in sorted(best.items()) if not skew]
-    if len(tuned) == len(lim):
-        int4_gemm.PREFILL_TUNED[:] = tuned
-        ms.log(f"  PREFILL_TUNED for the model part: {tuned}")
     return best
 
 
@@ -112,7 +105,7 @@ def part_model(layers, profile):
 
     model = ms.load_slice(layers)
     res = {}
-    for impl in ("grouped_mm", "gemm"):
+    for impl in ("grouped_mm", "gemm", "auto"):  # previous default, always the GEMM, default
         ms.accelerate(model, expand=True, moe_kw=dict(prefill_impl=impl))
         res[impl] = ms.bench_model(model, f"model-{impl}", batches=(128,), prefills=(1024, 8192), expanded=True)
     if profile:

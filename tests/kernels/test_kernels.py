@@ -369,10 +369,8 @@ def test_gemv_matches_linear():
 @pytest.mark.parametrize(
     "cfg",
     [
-        dict(MODE=0, BLOCK_M=16, BLOCK_N=32, W=8, num_warps=4),
-        dict(MODE=1, BLOCK_M=16, BLOCK_N=32, W=16, num_warps=4),
-        dict(MODE=2, BLOCK_M=16, BLOCK_N=32, W=8, num_warps=4),
-        dict(MODE=3, BLOCK_M=16, BLOCK_N=32, W=8, num_warps=4),
+        dict(BLOCK_M=16, BLOCK_N=32, W=8, num_warps=4),
+        dict(BLOCK_M=32, BLOCK_N=64, W=16, num_warps=4),
     ],
 )
 def test_int4_prefill_gemm_matches_reference(cfg):
@@ -388,3 +386,30 @@ def test_int4_prefill_gemm_matches_reference(cfg):
     out = int4_gemm.int4_moe_gemm(x, ew, w, ids, cfg)
     assert out.shape == (T, 256) and out.dtype == torch.bfloat16
     assert rel(out, fm.fused_moe_ref(x, ew, w, ids)) < 2e-2
+
+
+@pytest.mark.parametrize(
+    "impl, min_tokens",
+    [("auto", 4096), ("auto", 64), ("gemm", 64), ("grouped_mm", 4096), ("kernel", 64)],
+)
+def test_fused_moe_backend_prefill_paths_agree(impl, min_tokens):
+    """Every INT4 path above the decode GEMV range (pairs > GEMV_MAX_PAIRS) gives the reference
+    result: the grouped GEMM, dequant + grouped_mm from min_tokens, the generic kernel."""
+    from k2serve.kernels import moe_int4
+    from k2serve.moe.fused_moe import FusedMoEBackend
+
+    ew = _int4_experts(4, 256, 256)
+    T, k = 80, 4
+    assert T * k > moe_int4.GEMV_MAX_PAIRS
+    x = torch.randn(T, 256, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.rand(T, k, device=DEVICE)
+    ids = torch.stack([torch.randperm(4)[:k] for _ in range(T)]).int().to(DEVICE)
+    be = FusedMoEBackend(ew, prefill_impl=impl, prefill_min_tokens=min_tokens)
+    assert rel(be(x, ids, w), fm.fused_moe_ref(x, ew, w, ids)) < 2e-2
+
+
+def test_fused_moe_backend_rejects_unknown_prefill_impl():
+    from k2serve.moe.fused_moe import FusedMoEBackend
+
+    with pytest.raises(ValueError, match="prefill_impl"):
+        FusedMoEBackend(_int4_experts(2, 256, 256), prefill_impl="fast")

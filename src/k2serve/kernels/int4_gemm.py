@@ -2,7 +2,7 @@
 """INT4 W4A16 grouped GEMM for prefill: tensor cores, weights dequantized in registers.
 
 Owns: `int4_moe_gemm` (routed-expert output of a prefill step: two grouped GEMM launches, the
-SiLU-and-mul between them in torch, the weighted top-k sum), `PREFILL_TUNED` / `prefill_config`.
+SiLU-and-mul between them in torch, the weighted top-k sum) and `PREFILL_CONFIG`.
 
 Why: the previous prefill path (moe_int4.int4_moe_grouped_mm) dequantizes every hit expert to
 bf16 in memory and runs torch._grouped_mm on it, i.e. writes and re-reads 4x the INT4 bytes
@@ -15,9 +15,14 @@ Layout: compressed-tensors words w int32 [E, N, K/8] (nibble j of word i = colum
 bf16x2; three levels of `tl.interleave` put the 8 planes back in natural column order, so the
 activations are used as they are (no plane permutation).
 
-SWAP=1 computes the transposed tile (weights as the MMA's left operand, tokens as its N): on
-Hopper the left operand of a wgmma may come straight from registers, so the dequantized tile
-needs no trip through shared memory, and few tokens per expert waste less of a tile.
+The kernel computes the transposed tile (weights as the MMA's left operand, tokens as its N):
+Hopper's wgmma may take its left operand from registers, and few tokens per expert waste less
+of a tile. Triton 3.6 still converts the interleaved tile through shared memory (see
+PREFILL_CONFIG); the weights-as-right-operand form does not compile (TritonGPUOptimizeDotOperands
+fails on the interleave, run 23). Also measured and dropped (runs 23-24): one MMA per nibble
+plane against plane-permuted activations (8-25% slower), one per plane pair (J, J + 4) (5-15%
+slower, same shared-memory round trip), and shifting each element out of a redundantly loaded
+word (10x slower).
 
 Invariants: K % (8W) == 0, W % (group / 8) == 0. Rows are the (token, slot) pairs aligned per
 expert by moe_align_block_size (padding rows read row 0 and are never stored). No host sync
@@ -31,7 +36,7 @@ import torch.nn.functional as F
 
 from ._triton import HAS_TRITON, cdiv, dot_dtype, require_triton, tl, triton
 from .moe_align import max_blocks, moe_align_block_size
-from .moe_int4 import permute_planes, use_asm
+from .moe_int4 import use_asm
 
 if HAS_TRITON:
     from .moe_int4 import _planes_bf16
@@ -46,33 +51,16 @@ if HAS_TRITON:
         return tl.interleave(even, odd)
 
     @triton.jit
-    def _dot_plane(acc, w, a_ptrs, J: tl.constexpr, W: tl.constexpr, DOT_DT: tl.constexpr):
-        a = tl.load(a_ptrs + J * W)  # [BM, W]: plane J of the plane-permuted activations
-        return tl.dot(w.to(DOT_DT), tl.trans(a.to(DOT_DT)), acc)
-
-    @triton.jit
-    def _dot_pair(acc, wa, wb, a_ptrs, J: tl.constexpr, W: tl.constexpr, DOT_DT: tl.constexpr):
-        """Planes J and J + 4 (one bf16x2 register of the PTX) as one [BN, 2W] operand, column
-        2i + h = plane J + 4h of word i, against the pair-permuted activations."""
-        a = tl.load(a_ptrs + J * 2 * W)  # [BM, 2W]
-        w = tl.reshape(tl.join(wa, wb), [wa.shape[0], 2 * W])
-        return tl.dot(w.to(DOT_DT), tl.trans(a.to(DOT_DT)), acc)
-
-    @triton.jit
     def _int4_gemm_kernel(
         a_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, eid_ptr, npost_ptr,
         N, K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
-        A_DIV: tl.constexpr, MUL_W: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr,
+        A_DIV: tl.constexpr, MUL_W: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, W: tl.constexpr, WPG: tl.constexpr, DOT_DT: tl.constexpr,
         USE_ASM: tl.constexpr,
     ):  # fmt: skip
         """c[pair, n] = sum_k a[pair // A_DIV, k] * dequant(w[e, n, k]) (* tw[pair]) for one
         aligned block of BLOCK_M pairs of expert e and BLOCK_N outputs, as the transposed tile
-        acc[n, pair] (weights = the MMA's left operand). MODE 0: the 8 nibble planes
-        interleaved back to natural order; 1: one MMA per plane against plane-permuted
-        activations (block 8W); 2: each weight element shifted out of its word (redundant
-        word loads, natural order); 3: one MMA per plane pair (J, J + 4) against pair-permuted
-        activations (`permute_pairs`)."""
+        acc[n, pair] (weights = the MMA's left operand)."""
         # the N tiles of one row block are adjacent in launch order: the block's activation
         # rows stay in L2 while every tile reads them; the row blocks of one expert follow
         pid = tl.program_id(0)
@@ -90,49 +78,16 @@ if HAS_TRITON:
         w_base = w_ptr + e * w_stride_e + offs_n[:, None] * w_stride_n
         s_base = s_ptr + e * s_stride_e + offs_n[:, None] * s_stride_n
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        if MODE == 1:
-            a_ptrs = a_ptr + rows[:, None] * a_stride + tl.arange(0, W)[None, :]
-        elif MODE == 3:
-            a_ptrs = a_ptr + rows[:, None] * a_stride + tl.arange(0, 2 * W)[None, :]
-        else:
-            a_ptrs = a_ptr + rows[:, None] * a_stride + tl.arange(0, 8 * W)[None, :]
-        if MODE == 2:
-            offs_k = tl.arange(0, 8 * W)
-            w_ptrs = w_base + (offs_k // 8)[None, :]
-            s_ptrs = s_base + (offs_k // (8 * WPG))[None, :]
-            shift = ((offs_k % 8) * 4)[None, :]
-        else:
-            offs_w = tl.arange(0, W)
-            w_ptrs = w_base + offs_w[None, :]
-            s_ptrs = s_base + (offs_w // WPG)[None, :]
+        a_ptrs = a_ptr + rows[:, None] * a_stride + tl.arange(0, 8 * W)[None, :]
+        offs_w = tl.arange(0, W)
+        w_ptrs = w_base + offs_w[None, :]
+        s_ptrs = s_base + (offs_w // WPG)[None, :]
         for _ in range(0, K // (8 * W)):
             p = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
             s = tl.load(s_ptrs, mask=n_ok[:, None], other=0.0)
-            if MODE == 0:
-                a = tl.load(a_ptrs)
-                w = _tile_bf16(p, s, USE_ASM)
-                acc = tl.dot(w.to(DOT_DT), tl.trans(a.to(DOT_DT)), acc)
-            elif MODE == 1:
-                w0, w1, w2, w3, w4, w5, w6, w7 = _planes_bf16(p, s, USE_ASM)
-                acc = _dot_plane(acc, w0, a_ptrs, 0, W, DOT_DT)
-                acc = _dot_plane(acc, w1, a_ptrs, 1, W, DOT_DT)
-                acc = _dot_plane(acc, w2, a_ptrs, 2, W, DOT_DT)
-                acc = _dot_plane(acc, w3, a_ptrs, 3, W, DOT_DT)
-                acc = _dot_plane(acc, w4, a_ptrs, 4, W, DOT_DT)
-                acc = _dot_plane(acc, w5, a_ptrs, 5, W, DOT_DT)
-                acc = _dot_plane(acc, w6, a_ptrs, 6, W, DOT_DT)
-                acc = _dot_plane(acc, w7, a_ptrs, 7, W, DOT_DT)
-            elif MODE == 3:
-                w0, w1, w2, w3, w4, w5, w6, w7 = _planes_bf16(p, s, USE_ASM)
-                acc = _dot_pair(acc, w0, w4, a_ptrs, 0, W, DOT_DT)
-                acc = _dot_pair(acc, w1, w5, a_ptrs, 1, W, DOT_DT)
-                acc = _dot_pair(acc, w2, w6, a_ptrs, 2, W, DOT_DT)
-                acc = _dot_pair(acc, w3, w7, a_ptrs, 3, W, DOT_DT)
-            else:
-                a = tl.load(a_ptrs)
-                bits = ((p >> shift) & 0xF) | 0x4B000000  # fp32 2^23 + n
-                wf = (bits.to(tl.float32, bitcast=True) - 8388616.0) * s.to(tl.float32)
-                acc = tl.dot(wf.to(DOT_DT), tl.trans(a.to(DOT_DT)), acc)
+            a = tl.load(a_ptrs)
+            w = _tile_bf16(p, s, USE_ASM)
+            acc = tl.dot(w.to(DOT_DT), tl.trans(a.to(DOT_DT)), acc)
             a_ptrs += 8 * W
             w_ptrs += W
             s_ptrs += W // WPG
@@ -143,31 +98,18 @@ if HAS_TRITON:
                  acc.to(c_ptr.dtype.element_ty), mask=pair_ok[:, None] & n_ok[None, :])  # fmt: skip
 
 
-def permute_pairs(x: torch.Tensor, W: int) -> torch.Tensor:
-    """[M, K] -> [M, K]: inside each block of 8W columns, column 8i + 4h + j goes to
-    j * 2W + 2i + h (MODE 3's operand order)."""
-    M, K = x.shape
-    return x.reshape(M, K // (8 * W), W, 2, 4).permute(0, 1, 4, 2, 3).reshape(M, K)
-
-
-# Prefill configs by pairs per expert (T * k / E), the smallest threshold first; keys are
-# kernel meta-parameters. Chosen by bench/prefill_moe.py on one H200 (bench/RESULTS.md).
-PREFILL_TUNED = [
-    (32, dict(MODE=0, BLOCK_M=32, BLOCK_N=128, W=8, num_warps=4, num_stages=3)),
-    (1 << 30, dict(MODE=0, BLOCK_M=64, BLOCK_N=128, W=8, num_warps=4, num_stages=3)),
-]
-
-
-def prefill_config(T: int, k: int, E: int) -> dict:
-    per_expert = T * k / E
-    for limit, cfg in PREFILL_TUNED:
-        if per_expert <= limit:
-            return dict(cfg)
-    return dict(PREFILL_TUNED[-1][1])
+# One config for every size (bench/h200_run24.txt, one H200, a K2 layer with uniform routing,
+# ms per layer: 12.5 at T=128, 14.2 at 1024, 14.4 at 2048, 43.7 at 8192). A 32-row block was
+# 0.5 ms faster at T <= 1024 under uniform routing but 26 ms slower in the k2-slice's 1k
+# prefill, whose routing puts ~80 rows on an expert; a 128-row block with 8 warps was 1 ms
+# faster at 8192. The kernel is bound by shared memory (ncu, run 23: L1/TEX 88% busy, DRAM 17%):
+# Triton stores the dequantized tile to shared memory and reads it back in the wgmma operand
+# layout on every K step.
+PREFILL_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, W=8, num_warps=4, num_stages=3)
 
 
 def _gemm(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, cfg, group):
-    """One launch (MODE 1 reads a plane-permuted copy of a)."""
+    """One launch."""
     cfg = dict(cfg)
     W = cfg.pop("W")
     while K % (8 * W) and W > group // 8:  # small test models: a K block that fits
@@ -175,13 +117,7 @@ def _gemm(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, cfg, g
     if K % (8 * W) or W % (group // 8):
         raise ValueError(f"int4_moe_gemm: K={K} is not a multiple of 8*W={8 * W} or group "
                          f"{group} does not divide it")  # fmt: skip
-    mode = cfg["MODE"]
-    if mode == 1:
-        a = permute_planes(a, 8 * W)
-    elif mode == 3:
-        a = permute_pairs(a, W)
-    else:
-        a = a.contiguous()
+    a = a.contiguous()
     grid = (eids.shape[0] * cdiv(N, cfg["BLOCK_N"]),)
     _int4_gemm_kernel[grid](
         a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a.stride(0), c.stride(0),
@@ -203,7 +139,7 @@ def int4_moe_gemm(
     T, D = x.shape
     k = topk_ids.shape[1]
     I, E = ew.intermediate, ew.num_experts
-    cfg = config or prefill_config(T, k, E)
+    cfg = config or PREFILL_CONFIG
     M = T * k
     sorted_ids, eids, npost = moe_align_block_size(topk_ids, E, cfg["BLOCK_M"])
     assert eids.shape[0] == max_blocks(M, E, cfg["BLOCK_M"])

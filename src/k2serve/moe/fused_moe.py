@@ -11,10 +11,13 @@ of 256) runs kernels/moe_int4.py's decode GEMV (the f16x2 "h2" kernel) up to GEM
 (token, expert) pairs and the generic fused_moe kernel above (it measured faster than the plane
 tensor-core kernel, run 4);
 "legacy" runs the generic fused_moe kernel always. Above the GEMV range, `prefill_impl`:
-"gemm" (default) runs kernels/int4_gemm.py's grouped GEMM (INT4 tiles dequantized in registers,
-no host sync); "grouped_mm" sends steps of at least `prefill_min_tokens` tokens to chunk-wise
-dequant + torch._grouped_mm (one host sync; never inside a decode graph since decode steps are
-far below the threshold); "kernel" keeps the generic fused_moe kernel.
+"auto" (default) runs kernels/int4_gemm.py's grouped GEMM (INT4 tiles dequantized on chip, no
+host sync) below `prefill_min_tokens` tokens and chunk-wise dequant + torch._grouped_mm (one
+host sync; never inside a decode graph since decode steps are far below the threshold) from
+there; "gemm" the grouped GEMM always; "grouped_mm" the generic fused_moe kernel below the
+threshold (the previous default); "kernel" the generic kernel always. One K2 layer on an H200
+(bench/h200_run24.txt, ms): T=128 grouped GEMM 12.5 / generic 15.3 / grouped_mm 25.3; T=2048
+14.4 / 22.6 / 27.0; T=8192 42.9 / 44.7 / 33.7: the crossing is near 5k tokens.
 """
 
 from __future__ import annotations
@@ -75,13 +78,15 @@ class FusedMoEBackend(ExpertBackend):
         self,
         weights: ExpertWeights,
         int4_impl: str = "auto",
-        prefill_impl: str = "gemm",
-        prefill_min_tokens: int = 2048,
+        prefill_impl: str = "auto",
+        prefill_min_tokens: int = 4096,
     ) -> None:
         if int4_impl not in ("auto", "planes", "legacy"):
             raise ValueError(f"int4_impl={int4_impl!r}: use 'auto', 'planes' or 'legacy'")
-        if prefill_impl not in ("gemm", "kernel", "grouped_mm"):
-            raise ValueError(f"prefill_impl={prefill_impl!r}: use 'gemm', 'kernel' or 'grouped_mm'")
+        if prefill_impl not in ("auto", "gemm", "kernel", "grouped_mm"):
+            raise ValueError(
+                f"prefill_impl={prefill_impl!r}: use 'auto', 'gemm', 'kernel' or 'grouped_mm'"
+            )
         self.weights = weights
         w = weights
         planes_ok = w.quant == "int4" and w.hidden % 256 == 0 and w.intermediate % 256 == 0
@@ -103,10 +108,11 @@ class FusedMoEBackend(ExpertBackend):
     ) -> torch.Tensor:  # [T, hidden]
         if self.use_planes:
             T = hidden.shape[0]
-            if self.prefill_impl == "grouped_mm" and T >= self.prefill_min_tokens:
+            impl = self.prefill_impl
+            if impl in ("auto", "grouped_mm") and T >= self.prefill_min_tokens:
                 return int4_moe_grouped_mm(hidden, self.weights, topk_weights, topk_ids)
             if T * topk_ids.shape[1] <= moe_int4.GEMV_MAX_PAIRS:
                 return int4_moe(hidden, self.weights, topk_weights, topk_ids)
-            if self.prefill_impl == "gemm":
+            if impl in ("auto", "gemm"):
                 return int4_moe_gemm(hidden, self.weights, topk_weights, topk_ids)
         return fused_moe(hidden, self.weights, topk_weights, topk_ids)
