@@ -22,7 +22,7 @@ import model_speed as ms  # noqa: E402  (timers, table, ceilings, k2-slice helpe
 
 E, D, I, K = 384, 7168, 2048, 8
 
-# (BLOCK_M tokens, BLOCK_N, W (K block = 8W), num_warps, num_stages). Runs 23-24 also swept
+# (BLOCK_M tokens, BLOCK_N, W (K block = 8W), num_warps, num_stages). Runs 24 and 26 also swept
 # three other dequant forms (one MMA per nibble plane, per plane pair, a shift per element):
 # all slower, dropped (kernels/int4_gemm.py).
 CONFIGS = [
