@@ -24,66 +24,50 @@ from __future__ import annotations
 import torch
 
 from ._triton import HAS_TRITON, cdiv, tl, triton
-from .moe_align import moe_align_block_size
 from .moe_int4 import use_asm
-
-
-def _h2_asm(rows: int) -> str:
-    """PTX for one word $rows of 8 nibbles against `rows` activation rows ($rows+1+4i+j: the
-    f16x2 pair j of row i); output $i = row i's sum in float32. The dequant is shared.
-    lop3 0xEA = (a & b) | c. 0x6400 is fp16 1024: low nibble n -> 1024 + n, the next nibble ->
-    1024 + 16n. Subtract 1032 (0x6408), or times 1/16 (0x2C00) minus 72 (0xD480): n - 8
-    exactly, two weights per instruction. Per row the 8 products are summed in fp16 (the
-    activation is scaled so that the sum cannot overflow) and the two halves added in fp32:
-    8 + 8 * rows instructions per word."""
-    p = f"${rows}"
-    lines = [
-        ".reg .b32 t0, t1, t2, t3, q, acc, k1032, k16, k72;",
-        ".reg .f16 lo, hi;",
-        ".reg .f32 flo, fhi;",
-        "mov.b32 k1032, 0x64086408;",
-        "mov.b32 k16, 0x2C002C00;",
-        "mov.b32 k72, 0xD480D480;",
-        f"lop3.b32 t0, {p}, 0x000F000F, 0x64006400, 0xEA;",
-        f"lop3.b32 t1, {p}, 0x00F000F0, 0x64006400, 0xEA;",
-        f"shr.u32 q, {p}, 8;",
-        "lop3.b32 t2, q, 0x000F000F, 0x64006400, 0xEA;",
-        "lop3.b32 t3, q, 0x00F000F0, 0x64006400, 0xEA;",
-        "sub.f16x2 t0, t0, k1032;",
-        "fma.rn.f16x2 t1, t1, k16, k72;",
-        "sub.f16x2 t2, t2, k1032;",
-        "fma.rn.f16x2 t3, t3, k16, k72;",
-    ]
-    for i in range(rows):
-        a = [f"${rows + 1 + 4 * i + j}" for j in range(4)]
-        lines += [
-            f"mul.f16x2 acc, t0, {a[0]};",
-            f"fma.rn.f16x2 acc, t1, {a[1]}, acc;",
-            f"fma.rn.f16x2 acc, t2, {a[2]}, acc;",
-            f"fma.rn.f16x2 acc, t3, {a[3]}, acc;",
-            "mov.b32 {lo, hi}, acc;",
-            "cvt.f32.f16 flo, lo;",
-            "cvt.f32.f16 fhi, hi;",
-            f"add.f32 ${i}, flo, fhi;",
-        ]
-    return "{\n" + "\n".join(lines) + "\n}"
-
 
 if HAS_TRITON:
     from .moe_int4 import _store_out
-
-    _H2_ASM_1 = tl.constexpr(_h2_asm(1))
-    _H2_ASM_2 = tl.constexpr(_h2_asm(2))
-    _H2_ASM_4 = tl.constexpr(_h2_asm(4))
 
     @triton.jit
     def _word_dot_h2(p, a0, a1, a2, a3, USE_ASM: tl.constexpr):
         """sum_j (n_j - 8) * x_j over the 8 nibbles of each word p, as float32. a_j holds the
         activation pair (x_j, x_j+4) as f16x2: the nibbles that one lop3 leaves in the low and
         high half of a register (j = 0..3, see `pack_h2`)."""
-        if USE_ASM:  # 16 instructions per 8 weights (`_h2_asm`)
+        if USE_ASM:
+            # lop3 0xEA = (a & b) | c. 0x6400 is fp16 1024: low nibble n -> 1024 + n, the next
+            # nibble -> 1024 + 16n. Subtract 1032 (0x6408), or times 1/16 (0x2C00) minus 72
+            # (0xD480): n - 8 exactly, two weights per instruction. The 8 products are summed
+            # in fp16 (the activation is scaled so that the sum cannot overflow) and the two
+            # halves added in fp32: 16 instructions per 8 weights.
             return tl.inline_asm_elementwise(
-                asm=_H2_ASM_1,
+                asm="""
+                {
+                .reg .b32 t0, t1, t2, t3, q, acc, k1032, k16, k72;
+                .reg .f16 lo, hi;
+                .reg .f32 flo, fhi;
+                mov.b32 k1032, 0x64086408;
+                mov.b32 k16, 0x2C002C00;
+                mov.b32 k72, 0xD480D480;
+                lop3.b32 t0, $1, 0x000F000F, 0x64006400, 0xEA;
+                lop3.b32 t1, $1, 0x00F000F0, 0x64006400, 0xEA;
+                shr.u32 q, $1, 8;
+                lop3.b32 t2, q, 0x000F000F, 0x64006400, 0xEA;
+                lop3.b32 t3, q, 0x00F000F0, 0x64006400, 0xEA;
+                sub.f16x2 t0, t0, k1032;
+                fma.rn.f16x2 t1, t1, k16, k72;
+                sub.f16x2 t2, t2, k1032;
+                fma.rn.f16x2 t3, t3, k16, k72;
+                mul.f16x2 acc, t0, $2;
+                fma.rn.f16x2 acc, t1, $3, acc;
+                fma.rn.f16x2 acc, t2, $4, acc;
+                fma.rn.f16x2 acc, t3, $5, acc;
+                mov.b32 {lo, hi}, acc;
+                cvt.f32.f16 flo, lo;
+                cvt.f32.f16 fhi, hi;
+                add.f32 $0, flo, fhi;
+                }
+                """,
                 constraints="=r,r,r,r,r,r",
                 args=[p, a0, a1, a2, a3],
                 dtype=tl.float32,
@@ -241,170 +225,6 @@ if HAS_TRITON:
         _store_out(c_ptr, c_stride, rr, rr >= 0, offs_n, n_ok, y[None, :], 0)
 
 
-if HAS_TRITON:
-
-    @triton.jit
-    def _word_dot_rows(p, a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23,
-                       a30, a31, a32, a33, NR: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
-        """`_word_dot_h2` of word p against NR (1, 2 or 4) rows, one dequant for all; rows past
-        NR return row 0's sum (never used)."""
-        if USE_ASM and NR == 4:
-            y0, y1, y2, y3 = tl.inline_asm_elementwise(
-                asm=_H2_ASM_4, constraints="=r,=r,=r,=r" + ",r" * 17,
-                args=[p, a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31,
-                      a32, a33],
-                dtype=(tl.float32,) * 4, is_pure=True, pack=1,
-            )  # fmt: skip
-        elif USE_ASM and NR == 2:
-            y0, y1 = tl.inline_asm_elementwise(
-                asm=_H2_ASM_2, constraints="=r,=r" + ",r" * 9,
-                args=[p, a00, a01, a02, a03, a10, a11, a12, a13],
-                dtype=(tl.float32,) * 2, is_pure=True, pack=1,
-            )  # fmt: skip
-            y2 = y0
-            y3 = y0
-        else:
-            y0 = _word_dot_h2(p, a00, a01, a02, a03, USE_ASM)
-            y1 = y0
-            y2 = y0
-            y3 = y0
-            if NR >= 2:
-                y1 = _word_dot_h2(p, a10, a11, a12, a13, USE_ASM)
-            if NR >= 4:
-                y2 = _word_dot_h2(p, a20, a21, a22, a23, USE_ASM)
-                y3 = _word_dot_h2(p, a30, a31, a32, a33, USE_ASM)
-        return y0, y1, y2, y3
-
-    @triton.jit
-    def _row_planes(a_ptr, row, a_stride, kb, BN: tl.constexpr, W: tl.constexpr):
-        """The 4 f16x2 planes of activation row `row` for K-block kb, broadcast to [BN, W]."""
-        ab = a_ptr + row * a_stride + kb * 4 * W + tl.arange(0, W)
-        a0 = tl.broadcast_to(tl.load(ab)[None, :], [BN, W])
-        a1 = tl.broadcast_to(tl.load(ab + W)[None, :], [BN, W])
-        a2 = tl.broadcast_to(tl.load(ab + 2 * W)[None, :], [BN, W])
-        a3 = tl.broadcast_to(tl.load(ab + 3 * W)[None, :], [BN, W])
-        return a0, a1, a2, a3
-
-    @triton.jit
-    def _rows_acc(acc0, acc1, acc2, acc3, p, s, a00, a01, a02, a03, a10, a11, a12, a13,
-                  a20, a21, a22, a23, a30, a31, a32, a33, nv, R: tl.constexpr,
-                  WPG: tl.constexpr, USE_ASM: tl.constexpr):  # fmt: skip
-        """acc_i += group scale * group sums of row i's word dots, for the nv valid rows (the
-        dequant is shared by 1, 2 or 4 rows: a branch on nv, uniform over the program)."""
-        BN: tl.constexpr = p.shape[0]
-        W: tl.constexpr = p.shape[1]
-        G: tl.constexpr = W // WPG
-        if R >= 4 and nv > 2:
-            y0, y1, y2, y3 = _word_dot_rows(p, a00, a01, a02, a03, a10, a11, a12, a13, a20,
-                                            a21, a22, a23, a30, a31, a32, a33, 4,
-                                            USE_ASM)  # fmt: skip
-            acc0 += tl.sum(tl.reshape(y0, [BN, G, WPG]), 2) * s
-            acc1 += tl.sum(tl.reshape(y1, [BN, G, WPG]), 2) * s
-            acc2 += tl.sum(tl.reshape(y2, [BN, G, WPG]), 2) * s
-            acc3 += tl.sum(tl.reshape(y3, [BN, G, WPG]), 2) * s
-        elif R >= 2 and nv > 1:
-            y0, y1, y2, y3 = _word_dot_rows(p, a00, a01, a02, a03, a10, a11, a12, a13, a20,
-                                            a21, a22, a23, a30, a31, a32, a33, 2,
-                                            USE_ASM)  # fmt: skip
-            acc0 += tl.sum(tl.reshape(y0, [BN, G, WPG]), 2) * s
-            acc1 += tl.sum(tl.reshape(y1, [BN, G, WPG]), 2) * s
-        else:
-            y0 = _word_dot_h2(p, a00, a01, a02, a03, USE_ASM)
-            acc0 += tl.sum(tl.reshape(y0, [BN, G, WPG]), 2) * s
-        return acc0, acc1, acc2, acc3
-
-    @triton.jit
-    def _h2_row_out(c_ptr, c_stride, rs_ptr, tw_ptr, q, ok, A_DIV: tl.constexpr, offs_n, n_ok,
-                    acc, acc_u, GATED: tl.constexpr, MUL_W: tl.constexpr):  # fmt: skip
-        """Store row q of the block (pair id q; skipped unless ok): the activation scale
-        undone, silu(gate) * up with GATED, times the top-k weight with MUL_W."""
-        if ok:
-            rs = tl.load(rs_ptr + q // A_DIV)
-            y = tl.sum(acc, 1) * rs
-            if GATED:
-                u = tl.sum(acc_u, 1) * rs
-                y = y / (1.0 + tl.exp(-y)) * u
-            if MUL_W:
-                y = y * tl.load(tw_ptr + q)
-            qq = tl.zeros([1], tl.int32) + q
-            _store_out(c_ptr, c_stride, qq, qq >= 0, offs_n, n_ok, y[None, :], 0)
-
-    @triton.jit
-    def _int4_gemv_h2_rows_kernel(
-        a_ptr, rs_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, eid_ptr, npost_ptr,
-        N, K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
-        A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_W: tl.constexpr, R: tl.constexpr,
-        BLOCK_N: tl.constexpr, W: tl.constexpr, WPG: tl.constexpr, USE_ASM: tl.constexpr,
-    ):  # fmt: skip
-        """The h2 GEMV over expert-aligned blocks of R (2 or 4) pairs (moe_align_block_size):
-        each weight tile is loaded and dequantized once for all the block's pairs, where the
-        one-row kernel reads and dequantizes it once per pair. c[pair] = W_e a[pair // A_DIV]
-        (GATED: silu(gate) * up; MUL_W: times the pair's top-k weight), float32 rows by pair
-        id. Group scales as GS=1 of the one-row kernel."""
-        pid = tl.program_id(0)
-        num_m = tl.num_programs(0) // tl.cdiv(N, BLOCK_N)
-        pid_m = pid % num_m  # blocks innermost: blocks of one expert share its tiles in L2
-        pid_n = pid // num_m
-        if pid_m * R >= tl.load(npost_ptr):
-            return
-        e = tl.load(eid_ptr + pid_m).to(tl.int64)
-        q0 = tl.load(sorted_ptr + pid_m * R)
-        q1 = q0
-        q2 = q0
-        q3 = q0
-        if R >= 2:
-            q1 = tl.load(sorted_ptr + pid_m * R + 1)
-        if R >= 4:
-            q2 = tl.load(sorted_ptr + pid_m * R + 2)
-            q3 = tl.load(sorted_ptr + pid_m * R + 3)
-        # an expert's pairs fill its blocks from the start: the valid rows come first
-        nv = (q0 < num_pairs).to(tl.int32) + (q1 < num_pairs).to(tl.int32)
-        if R >= 4:
-            nv += (q2 < num_pairs).to(tl.int32) + (q3 < num_pairs).to(tl.int32)
-        r0 = (q0 // A_DIV).to(tl.int64)
-        r1 = tl.where(q1 < num_pairs, q1 // A_DIV, q0 // A_DIV).to(tl.int64)
-        r2 = tl.where(q2 < num_pairs, q2 // A_DIV, q0 // A_DIV).to(tl.int64)
-        r3 = tl.where(q3 < num_pairs, q3 // A_DIV, q0 // A_DIV).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        w_base = w_ptr + e * w_stride_e
-        s_base = s_ptr + e * s_stride_e
-        z = tl.zeros([BLOCK_N, W // WPG], tl.float32)
-        g0, g1, g2, g3, u0, u1, u2, u3 = z, z, z, z, z, z, z, z
-        for kb in range(0, K // (8 * W)):
-            p, s = _load_words(w_base, s_base, offs_n, n_ok, kb, w_stride_n, s_stride_n, W,
-                               WPG, 1)  # fmt: skip
-            s = s.to(tl.float32)
-            a00, a01, a02, a03 = _row_planes(a_ptr, r0, a_stride, kb, BLOCK_N, W)
-            a10, a11, a12, a13 = a00, a01, a02, a03
-            a20, a21, a22, a23 = a00, a01, a02, a03
-            a30, a31, a32, a33 = a00, a01, a02, a03
-            if R >= 2:
-                a10, a11, a12, a13 = _row_planes(a_ptr, r1, a_stride, kb, BLOCK_N, W)
-            if R >= 4:
-                a20, a21, a22, a23 = _row_planes(a_ptr, r2, a_stride, kb, BLOCK_N, W)
-                a30, a31, a32, a33 = _row_planes(a_ptr, r3, a_stride, kb, BLOCK_N, W)
-            g0, g1, g2, g3 = _rows_acc(g0, g1, g2, g3, p, s, a00, a01, a02, a03, a10, a11, a12,
-                                       a13, a20, a21, a22, a23, a30, a31, a32, a33, nv, R, WPG,
-                                       USE_ASM)  # fmt: skip
-            if GATED:
-                pu, su = _load_words(w_base, s_base, offs_n + N, n_ok, kb, w_stride_n,
-                                     s_stride_n, W, WPG, 1)  # fmt: skip
-                u0, u1, u2, u3 = _rows_acc(u0, u1, u2, u3, pu, su.to(tl.float32), a00, a01,
-                                           a02, a03, a10, a11, a12, a13, a20, a21, a22, a23,
-                                           a30, a31, a32, a33, nv, R, WPG, USE_ASM)  # fmt: skip
-        _h2_row_out(c_ptr, c_stride, rs_ptr, tw_ptr, q0, q0 < num_pairs, A_DIV, offs_n, n_ok,
-                    g0, u0, GATED, MUL_W)  # fmt: skip
-        if R >= 2:
-            _h2_row_out(c_ptr, c_stride, rs_ptr, tw_ptr, q1, q1 < num_pairs, A_DIV, offs_n,
-                        n_ok, g1, u1, GATED, MUL_W)  # fmt: skip
-        if R >= 4:
-            _h2_row_out(c_ptr, c_stride, rs_ptr, tw_ptr, q2, q2 < num_pairs, A_DIV, offs_n,
-                        n_ok, g2, u2, GATED, MUL_W)  # fmt: skip
-            _h2_row_out(c_ptr, c_stride, rs_ptr, tw_ptr, q3, q3 < num_pairs, A_DIV, offs_n,
-                        n_ok, g3, u3, GATED, MUL_W)  # fmt: skip
-
-
 def pack_h2(x: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[M, K] -> (f16x2 pairs [M, K/2] int32 in the layout `_int4_gemv_h2_kernel` reads, the
     per-row scale [M] float32 that undoes the activation's power-of-two scaling)."""
@@ -428,37 +248,6 @@ def _launch_h2(x, w, s, c, tw, ids, N, K, rows, a_div, gated, topk, cfg, group):
         BLOCK_N=cfg["BLOCK_N"], W=cfg["W"], WPG=group // 8, USE_ASM=use_asm(),
         GS=cfg.get("GS", 0), num_warps=cfg["num_warps"],
     )  # fmt: skip
-
-
-def _launch_h2_rows(x, w, s, c, tw, align, N, K, M, a_div, gated, mul_w, cfg, group):
-    sorted_ids, eids, npost = align
-    a, rs = pack_h2(x, cfg["W"])
-    grid = (eids.shape[0] * cdiv(N, cfg["BLOCK_N"]),)
-    _int4_gemv_h2_rows_kernel[grid](
-        a, rs, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a.stride(0), c.stride(0),
-        w.stride(0), w.stride(1), s.stride(0), s.stride(1), A_DIV=a_div, GATED=gated,
-        MUL_W=mul_w, R=cfg["ROWS"], BLOCK_N=cfg["BLOCK_N"], W=cfg["W"], WPG=group // 8,
-        USE_ASM=use_asm(), num_warps=cfg["num_warps"],
-    )  # fmt: skip
-
-
-def int4_moe_h2_rows(x, ew, tw, topk_ids, cfg: dict, cfg2: dict) -> torch.Tensor:
-    """`int4_moe_h2` over expert-aligned blocks of cfg["ROWS"] pairs: one weight read and
-    dequant per block instead of per pair (several tokens on one expert). The down launch
-    writes one float32 row per pair, summed over the top-k in torch."""
-    T, D = x.shape
-    k = topk_ids.shape[1]
-    n_inter, M = ew.intermediate, T * k
-    if cfg["ROWS"] not in (2, 4) or cfg2.get("ROWS", cfg["ROWS"]) != cfg["ROWS"]:
-        raise ValueError("int4_moe_h2_rows: ROWS must be 2 or 4, the same for both launches")
-    align = moe_align_block_size(topk_ids, ew.num_experts, cfg["ROWS"])
-    inter = torch.empty(M, n_inter, dtype=torch.float32, device=x.device)
-    _launch_h2_rows(x, ew.w13, ew.w13_scale, inter, tw, align, n_inter, D, M, k, True, False,
-                    cfg, ew.group_size)  # fmt: skip
-    out = torch.empty(M, D, dtype=torch.float32, device=x.device)
-    _launch_h2_rows(inter, ew.w2, ew.w2_scale, out, tw, align, D, n_inter, M, 1, False, True,
-                    {**cfg2, "ROWS": cfg["ROWS"]}, ew.group_size)  # fmt: skip
-    return out.view(T, k, D).sum(1).to(x.dtype)
 
 
 def int4_moe_h2(x, ew, tw, topk_ids, cfg: dict, cfg2: dict) -> torch.Tensor:

@@ -451,20 +451,12 @@ TUNED = {
 # but B=128 65.8 vs 38.8. 256 (T <= 32 at top-8) wins under both. Run 16 (group scales): 0.80 /
 # 4.86 at T=16 ... 6.08 / 14.9 at T=128; model B=32 12.4 ms.
 GEMV_MAX_PAIRS = 256
-# Above this many pairs (and up to GEMV_MAX_PAIRS) the multi-row h2 GEMV (TUNED["rows"]) runs:
-# it reads and dequantizes each weight tile once per block of ROWS pairs of one expert.
-ROWS_MIN_PAIRS = 1 << 30
-TUNED["rows"] = dict(
-    kind="h2r", ROWS=4, BLOCK_N=8, W=64, num_warps=4, w2=dict(BLOCK_N=8, W=128, num_warps=4)
-)
 
 
 def default_config(T: int, k: int, E: int) -> dict:
     """Kernel choice by rows per expert (T * k pairs): the h2 GEMV up to GEMV_MAX_PAIRS, then
     the plane tensor-core kernel by rows per expert (bench/h200_run4.txt)."""
     M = T * k
-    if ROWS_MIN_PAIRS < M <= GEMV_MAX_PAIRS:
-        return dict(TUNED["rows"])
     if M <= GEMV_MAX_PAIRS:
         return dict(TUNED["r1"])
     if M <= 4 * E:
@@ -522,11 +514,10 @@ def int4_moe(
     pb, pb2 = 8 * cfg["W"], 8 * cfg2["W"]
     M = T * k
     tw = topk_weights.reshape(-1).float().contiguous()
-    if kind in ("h2", "h2r"):
-        from .int4_gemv import int4_moe_h2, int4_moe_h2_rows  # here: int4_gemv imports us
+    if kind == "h2":
+        from .int4_gemv import int4_moe_h2  # NOTE: here: int4_gemv imports this module
 
-        run = int4_moe_h2 if kind == "h2" else int4_moe_h2_rows
-        return run(x, ew, tw, topk_ids, cfg, cfg2)
+        return int4_moe_h2(x, ew, tw, topk_ids, cfg, cfg2)
     bm = cfg["ROWS"] if kind == "gemv" else cfg["BLOCK_M"]
     if (cfg2["ROWS"] if kind == "gemv" else cfg2["BLOCK_M"]) != bm:
         raise ValueError("int4_moe: the w2 overrides must keep ROWS / BLOCK_M")
