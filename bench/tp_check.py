@@ -63,7 +63,56 @@ def load(cfg: dict, device, rank: int = 0, world: int = 1, ep: bool = False):
         model.set_fused_kernels(rope=on and "rope" not in off, router=on and "router" not in off,
                                 projections=on and "proj" not in off,
                                 gemv=on and "gemv" not in off)  # fmt: skip
+    if os.environ.get("TP_CHECK_ROPE_PROBE"):  # fused RoPE on even on shards, each call checked
+        _probe_rope(model, rank, os.environ["TP_CHECK_ROPE_PROBE"])
     return model
+
+
+def _probe_rope(model, rank: int, mode: str) -> None:
+    """Turn the fused RoPE kernel on (also on TP shards) and check every call against the torch
+    code in place: prints the call's shapes/strides when the kernel's error exceeds 4 rounding
+    units (the torch code's own bound is 3). mode "sync": synchronize around the kernel (a
+    race shows up as a difference that goes away with it); "ref": launch the kernel but return
+    the torch code's result (a side effect of the launch shows up as a difference that stays)."""
+    from k2serve.kernels import rope
+
+    if model.device.type != "cuda":
+        return
+    for layer in model.model.layers:
+        layer.self_attn.fused_rope = True
+    kernel = getattr(rope, "_probe_orig", rope.rope_qk)
+    rope._probe_orig = kernel
+    seen = {"calls": 0, "bad": 0}
+    sync = mode == "sync"
+
+    def checked(q_pe, k_pe, cos, sin):
+        if sync:
+            torch.cuda.synchronize()
+        qo, ko = kernel(q_pe, k_pe, cos, sin)
+        if sync:
+            torch.cuda.synchronize()
+        seen["calls"] += 1
+        eq = rope.rope_error_ratio(qo, q_pe, cos, sin)
+        ek = rope.rope_error_ratio(ko, k_pe, cos, sin)
+        if max(eq, ek) > 4 and seen["bad"] < 5:
+            seen["bad"] += 1
+            print(f"[rope probe rank {rank}] call {seen['calls']}: q err {eq:.1f} k err {ek:.1f} "
+                  f"q {tuple(q_pe.shape)} {q_pe.stride()} k {tuple(k_pe.shape)} {k_pe.stride()} "
+                  f"dev {q_pe.device} cur {torch.cuda.current_device()}", flush=True)  # fmt: skip
+        rq, rk = rope.rope_qk_ref(q_pe, k_pe, cos, sin)
+        if mode == "diff" and seen["calls"] <= 6:
+            dq, dk = (qo.float() - rq.float()).abs(), (ko.float() - rk.float()).abs()
+            print(f"[rope probe rank {rank}] call {seen['calls']} q {tuple(q_pe.shape)} "
+                  f"{q_pe.stride()}: kernel != torch in {int((dq > 0).sum())}/{dq.numel()} q "
+                  f"(max {dq.max().item():.3g}, |q| max {rq.abs().max().item():.3g}), "
+                  f"{int((dk > 0).sum())}/{dk.numel()} k (max {dk.max().item():.3g}); "
+                  f"finite {bool(torch.isfinite(qo).all() and torch.isfinite(ko).all())}",
+                  flush=True)  # fmt: skip
+        if mode == "ref":
+            return rq, rk
+        return qo, ko
+
+    rope.rope_qk = checked
 
 
 def _metadata(starts: list[int], n: int, device):
