@@ -413,3 +413,24 @@ def test_fused_moe_backend_rejects_unknown_prefill_impl():
 
     with pytest.raises(ValueError, match="prefill_impl"):
         FusedMoEBackend(_int4_experts(2, 256, 256), prefill_impl="fast")
+
+
+@pytest.mark.parametrize("M, N, K", [(1, 576, 384), (5, 256, 200), (33, 160, 256)])
+def test_fp8_block_matmul_matches_dequantized_reference(M, N, K):
+    """The FP8 block GEMM (one scale per weight tile, partial edge blocks in N and K) and the
+    one-pass dequant against quant.fp8's reference dequant + matmul."""
+    from k2serve.kernels import fp8_linear
+    from k2serve.quant.fp8 import dequantize_fp8_block, quantize_fp8_block
+
+    w, s = quantize_fp8_block(torch.randn(N, K, device=DEVICE) * 0.05)
+    x = torch.randn(M, K, device=DEVICE, dtype=torch.bfloat16)
+    ref = x.float() @ dequantize_fp8_block(w, s, (128, 128), torch.float32).T
+    y = fp8_linear.fp8_block_matmul(x, w, s)
+    assert y.shape == (M, N) and y.dtype == torch.bfloat16
+    assert rel(y, ref) < 1e-2
+    dq = fp8_linear.dequant_fp8_block(w, s, torch.bfloat16)
+    want = dequantize_fp8_block(w, s, (128, 128), torch.bfloat16)
+    if DEVICE == "cuda":  # the same float32 product, rounded to nearest: bit-equal
+        assert torch.equal(dq, want)
+    else:  # Triton's interpreter rounds float32 -> bf16 toward zero
+        assert rel(dq, want) < 1e-2

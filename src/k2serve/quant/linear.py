@@ -79,7 +79,25 @@ class Fp8BlockLinear(LinearBase):
         self.weight_scale_inv = _param(torch.empty(rb, cb, dtype=torch.float32))
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.weight.is_cuda and tuple(self.block) == (128, 128):  # one Triton pass, same
+            from k2serve.kernels.fp8_linear import HAS_TRITON, dequant_fp8_block  # values
+
+            if HAS_TRITON:
+                return dequant_fp8_block(self.weight, self.weight_scale_inv, dtype)
         return dequantize_fp8_block(self.weight, self.weight_scale_inv, self.block, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """On CUDA up to fp8_linear.MAX_KERNEL_ROWS rows: the FP8 block GEMM kernel, which
+        reads the weight once as fp8 (decode); otherwise dequantize, then F.linear."""
+        if x.is_cuda:  # NOTE: imported here, so that importing k2serve never imports Triton
+            from k2serve.kernels import fp8_linear
+
+            rows = x.numel() // max(1, x.shape[-1])
+            if rows <= fp8_linear.MAX_KERNEL_ROWS and fp8_linear.use_fp8_kernel(
+                x, self.weight, self.block
+            ):
+                return fp8_linear.fp8_block_matmul(x, self.weight, self.weight_scale_inv)
+        return F.linear(x, self.dequantized_weight(x.dtype))
 
 
 class Int4GroupLinear(LinearBase):

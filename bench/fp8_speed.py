@@ -1,0 +1,114 @@
+# ruff: noqa: E501, B023
+"""FP8 block linears (Kimi-K2-Instruct's format) on one GPU: kernels/fp8_linear.py against the
+reference path (float32 dequant per call + F.linear), per K2 projection and batch, then a
+k2-slice FP8 model's decode and prefill with each.
+
+Run (repo root): PYTHONPATH=src python3 bench/fp8_speed.py [--parts proj,sweep,model] [--layers 4]
+Bytes per projection call = fp8 weight + float32 scales + activations in and out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+import model_speed as ms  # noqa: E402
+
+# Kimi-K2-Instruct's FP8 linears (out, in)
+SHAPES = {"q_a": (1536, 7168), "kv_a": (576, 7168), "q_b": (12288, 1536), "kv_b": (16384, 512),
+          "o_proj": (7168, 8192), "shared gate/up": (2048, 7168), "shared down": (7168, 2048),
+          "dense gate/up": (18432, 7168), "dense down": (7168, 18432)}
+
+
+def reference(x, w, s):
+    from k2serve.quant.fp8 import dequantize_fp8_block
+
+    return F.linear(x, dequantize_fp8_block(w, s, (128, 128), x.dtype))
+
+
+def part_proj(sweep):
+    from k2serve.kernels import fp8_linear as fl
+    from k2serve.quant.fp8 import quantize_fp8_block
+
+    for name, (N, K) in SHAPES.items():
+        w, s = quantize_fp8_block(torch.randn(N, K, device="cuda") * 0.02)
+        for M in (1, 8, 32, 64, 256, 2048):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            nb = N * K + s.numel() * 4 + M * (K + N) * 2
+            fl_ = 2 * M * N * K
+            ref = reference(x, w, s)
+            t_ref = ms.timed(lambda: reference(x, w, s), iters=20)
+            if M <= fl.MAX_KERNEL_ROWS:
+                new = lambda: fl.fp8_block_matmul(x, w, s)  # noqa: E731
+                what = "kernel"
+            else:
+                new = lambda: F.linear(x, fl.dequant_fp8_block(w, s, x.dtype))  # noqa: E731
+                what = "dequant pass + cuBLAS"
+            ms.check(f"fp8 {name} M={M} {what}", new(), ref, 1e-2)
+            t_new = ms.timed(new, iters=20)
+            ms.row("fp8", f"{name} {N}x{K} M={M} reference", t_ref, nb, fl_)
+            ms.row("fp8", f"{name} {N}x{K} M={M} {what}", t_new, nb, fl_, f"{t_ref / t_new:.1f}x")
+            if sweep and M in (1, 8, 64):
+                for bn in (32, 64, 128):
+                    for st in (3, 4, 6):
+                        cfg = dict(BLOCK_M=16 if M <= 16 else 64, BLOCK_N=bn, num_warps=4, num_stages=st)
+                        try:
+                            t = ms.timed(lambda: fl.fp8_block_matmul(x, w, s, cfg), iters=20)
+                        except Exception as e:  # noqa: BLE001 - a config that does not fit
+                            ms.log(f"  {name} M={M} {cfg}: {type(e).__name__}")
+                            continue
+                        ms.row("sweep", f"{name} M={M} bn{bn} st{st}", t, nb, fl_)
+
+
+def part_model(layers):
+    from k2serve.quant.fp8 import dequantize_fp8_block
+    from k2serve.quant.linear import Fp8BlockLinear, LinearBase
+
+    model = ms.load_slice(layers, "fp8")
+    ms.accelerate(model, expand=True)
+    new_fwd, new_dq = Fp8BlockLinear.forward, Fp8BlockLinear.dequantized_weight
+    Fp8BlockLinear.forward = LinearBase.forward  # the reference path: dequant per call
+    Fp8BlockLinear.dequantized_weight = lambda self, dt: dequantize_fp8_block(
+        self.weight, self.weight_scale_inv, self.block, dt)
+    ms.bench_model(model, "fp8-reference", batches=(1, 8), prefills=(1024,), expanded=True)
+    Fp8BlockLinear.forward, Fp8BlockLinear.dequantized_weight = new_fwd, new_dq
+    ms.bench_model(model, "fp8-kernel", batches=(1, 8, 32), prefills=(1024, 8192), expanded=True,
+                   profile_batches=(1,))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="proj,model")
+    ap.add_argument("--layers", type=int, default=4)
+    args = ap.parse_args()
+    ms.log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton "
+           f"{__import__('triton').__version__} date {time.strftime('%Y-%m-%d')}")
+    torch.manual_seed(0)
+    ms.part_ceil()
+    for name, fn in (("proj", lambda: part_proj("sweep" in args.parts)),
+                     ("model", lambda: part_model(args.layers))):
+        if name in args.parts:
+            ms.log(f"== {name}")
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - report and go on
+                import traceback
+
+                traceback.print_exc()
+                ms.FAILS.append(f"{name}: {e!r}"[:200])
+    ms.log(f"\nceilings: copy {ms.CEIL['bw']:.0f} GB/s, bf16 matmul {ms.CEIL['mm']:.0f} TFLOP/s")
+    ms.log("| part | case | ms | GB/s | % copy bw | TFLOP/s | % matmul | note |")
+    ms.log("|---|---|---:|---:|---:|---:|---:|---|")
+    for r in ms.ROWS:
+        ms.log(f"| {r[0]} | {r[1]} | {r[2]:.3f} | {r[3]:.0f} | {r[4]:.0f} | {r[5]:.1f} | {r[6]:.0f} | {r[7]} |")
+    ms.log(f"checks failed: {ms.FAILS or 'none'}")
+
+
+if __name__ == "__main__":
+    main()
