@@ -27,10 +27,14 @@ BLOCK = 128  # the checkpoint's scale block (both dimensions)
 MAX_KERNEL_ROWS = 64
 
 
-def _config(M: int, N: int) -> dict:
+def _config(M: int, N: int, K: int) -> dict:
+    """Tiles by rows; K split over SPLIT_K programs (float32 atomics) when the output tiles
+    alone would leave the GPU's SMs idle (e.g. kv_a_proj: 576 outputs = 18 tiles)."""
     bm = 16 if M <= 16 else 32 if M <= 32 else 64
-    bn = 32 if N <= 4096 or M > 16 else 64
-    return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=4)
+    bn = 32
+    tiles = cdiv(M, bm) * cdiv(N, bn)
+    split = max(1, min(256 // tiles, cdiv(K, BLOCK) // 4, 16))
+    return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, num_warps=4, num_stages=4)
 
 
 def use_fp8_kernel(x: torch.Tensor, w: torch.Tensor, block) -> bool:
@@ -49,23 +53,27 @@ if HAS_TRITON:
 
     @triton.jit
     def _fp8_block_mm_kernel(
-        x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, x_stride, y_stride, s_stride,
+        x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, x_stride, y_stride, s_stride, kb_per_split,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, DOT_DT: tl.constexpr,
+        SPLIT_K: tl.constexpr,
     ):  # fmt: skip
         """y[m, n] = sum_k x[m, k] w[n, k] s[n // SB, k // SB]; one [BLOCK_M, BLOCK_N] tile,
-        K in steps of SB (one scale per weight tile: BLOCK_N divides SB)."""
+        K in steps of SB (one scale per weight tile: BLOCK_N divides SB). SPLIT_K > 1: this
+        program's kb_per_split K-blocks, added into a float32 y with atomics."""
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
+        kb0 = tl.program_id(2) * kb_per_split
+        kb1 = tl.minimum(kb0 + kb_per_split, tl.cdiv(K, SB))
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, SB)
         m_ok = offs_m < M
         n_ok = offs_n < N
-        x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * x_stride + offs_k[None, :]
-        w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
+        x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * x_stride + kb0 * SB + offs_k[None, :]
+        w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * K + kb0 * SB + offs_k[None, :]
         s_row = s_ptr + ((pid_n * BLOCK_N) // SB) * s_stride
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for kb in range(0, tl.cdiv(K, SB)):
+        for kb in range(kb0, kb1):
             k_ok = offs_k < K - kb * SB
             x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
@@ -74,7 +82,10 @@ if HAS_TRITON:
             x_ptrs += SB
             w_ptrs += SB
         out = y_ptr + offs_m.to(tl.int64)[:, None] * y_stride + offs_n[None, :]
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        if SPLIT_K > 1:
+            tl.atomic_add(out, acc, mask=m_ok[:, None] & n_ok[None, :], sem="relaxed")
+        else:
+            tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
     def _dequant_kernel(w_ptr, s_ptr, o_ptr, N, K, s_stride, SB: tl.constexpr,
@@ -103,17 +114,24 @@ def fp8_block_matmul(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if M:
-        cfg = dict(config or _config(M, N))
-        bm, bn = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
-        if BLOCK % bn:
-            raise ValueError(f"fp8_block_matmul: BLOCK_N={bn} must divide {BLOCK}")
-        _fp8_block_mm_kernel[(cdiv(N, bn), cdiv(M, bm))](
-            x2, w.contiguous(), scale_inv.contiguous(), y, M, N, K, x2.stride(0), y.stride(0),
-            scale_inv.stride(0), BLOCK_M=bm, BLOCK_N=bn, SB=BLOCK, DOT_DT=dot_dtype(), **cfg,
-        )  # fmt: skip
-    return y.view(*x.shape[:-1], N)
+    if M == 0:
+        return torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    cfg = dict(config or _config(M, N, K))
+    bm, bn, split = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("SPLIT_K", 1)
+    if BLOCK % bn:
+        raise ValueError(f"fp8_block_matmul: BLOCK_N={bn} must divide {BLOCK}")
+    per = cdiv(cdiv(K, BLOCK), split)
+    split = cdiv(cdiv(K, BLOCK), per)  # no empty splits
+    if split > 1:
+        y = torch.zeros(M, N, dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    _fp8_block_mm_kernel[(cdiv(N, bn), cdiv(M, bm), split)](
+        x2, w.contiguous(), scale_inv.contiguous(), y, M, N, K, x2.stride(0), y.stride(0),
+        scale_inv.stride(0), per, BLOCK_M=bm, BLOCK_N=bn, SB=BLOCK, DOT_DT=dot_dtype(),
+        SPLIT_K=split, **cfg,
+    )  # fmt: skip
+    return y.to(x.dtype).view(*x.shape[:-1], N)
 
 
 def dequant_fp8_block(w: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype):
