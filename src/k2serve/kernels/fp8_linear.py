@@ -27,9 +27,34 @@ BLOCK = 128  # the checkpoint's scale block (both dimensions)
 MAX_KERNEL_ROWS = 64
 
 
+# Per-shape configs for Kimi-K2-Instruct's FP8 linears (N, K): (up to 16 rows, 17-64 rows),
+# the fastest of a sweep graph-timed on one H200 (bench/h200_run30.txt: BLOCK_N 32/64, SPLIT_K
+# 1-16, 3-4 stages). At one row: 0.006 ms (kv_a, kv_b) to 0.050 ms (dense gate+up / down),
+# 15-63% of the copy bandwidth (the small ones are latency-bound).
+_B16, _B64 = (
+    dict(BLOCK_M=16, num_warps=4, num_stages=3),
+    dict(BLOCK_M=64, num_warps=4, num_stages=3),
+)
+TUNED: dict[tuple[int, int], tuple[dict, dict]] = {
+    (1536, 7168): (dict(_B16, BLOCK_N=32, SPLIT_K=8), dict(_B64, BLOCK_N=32, SPLIT_K=8)),  # q_a
+    (576, 7168): (dict(_B16, BLOCK_N=32, SPLIT_K=16), dict(_B64, BLOCK_N=32, SPLIT_K=16)),  # kv_a
+    (12288, 1536): (dict(_B16, BLOCK_N=32, SPLIT_K=1), dict(_B64, BLOCK_N=32, SPLIT_K=1)),  # q_b
+    (16384, 512): (dict(_B16, BLOCK_N=32, SPLIT_K=1), dict(_B64, BLOCK_N=64, SPLIT_K=1)),  # kv_b
+    (7168, 8192): (dict(_B16, BLOCK_N=64, SPLIT_K=16), dict(_B64, BLOCK_N=64, SPLIT_K=2)),  # o
+    (2048, 7168): (dict(_B16, BLOCK_N=64, SPLIT_K=8), dict(_B64, BLOCK_N=64, SPLIT_K=8)),  # gate
+    (7168, 2048): (dict(_B16, BLOCK_N=32, SPLIT_K=1), dict(_B64, BLOCK_N=32, SPLIT_K=1)),  # down
+    (18432, 7168): (dict(_B16, BLOCK_N=64, SPLIT_K=8), dict(_B64, BLOCK_N=64, SPLIT_K=4)),
+    (7168, 18432): (dict(_B16, BLOCK_N=64, SPLIT_K=16), dict(_B64, BLOCK_N=64, SPLIT_K=2)),
+}
+
+
 def _config(M: int, N: int, K: int) -> dict:
-    """Tiles by rows; K split over SPLIT_K programs (float32 atomics) when the output tiles
-    alone would leave the GPU's SMs idle (e.g. kv_a_proj: 576 outputs = 18 tiles)."""
+    """TUNED for K2's shapes, else tiles by rows with K split over SPLIT_K programs when the
+    output tiles alone would leave the GPU's SMs idle."""
+    if (N, K) in TUNED and M <= 64:
+        return dict(
+            TUNED[(N, K)][0 if M <= 16 else 1], BLOCK_M=16 if M <= 16 else 32 if M <= 32 else 64
+        )
     bm = 16 if M <= 16 else 32 if M <= 32 else 64
     bn = 32
     tiles = cdiv(M, bm) * cdiv(N, bn)
@@ -59,7 +84,8 @@ if HAS_TRITON:
     ):  # fmt: skip
         """y[m, n] = sum_k x[m, k] w[n, k] s[n // SB, k // SB]; one [BLOCK_M, BLOCK_N] tile,
         K in steps of SB (one scale per weight tile: BLOCK_N divides SB). SPLIT_K > 1: this
-        program's kb_per_split K-blocks, added into a float32 y with atomics."""
+        program's kb_per_split K-blocks into its own float32 slice y[split] (summed after, in
+        a fixed order: the result does not depend on scheduling)."""
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         kb0 = tl.program_id(2) * kb_per_split
@@ -81,11 +107,9 @@ if HAS_TRITON:
             acc += part * tl.load(s_row + kb)
             x_ptrs += SB
             w_ptrs += SB
+        y_ptr += tl.program_id(2).to(tl.int64) * M * y_stride  # SPLIT_K > 1: this split's slice
         out = y_ptr + offs_m.to(tl.int64)[:, None] * y_stride + offs_n[None, :]
-        if SPLIT_K > 1:
-            tl.atomic_add(out, acc, mask=m_ok[:, None] & n_ok[None, :], sem="relaxed")
-        else:
-            tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
     def _dequant_kernel(w_ptr, s_ptr, o_ptr, N, K, s_stride, SB: tl.constexpr,
@@ -122,16 +146,14 @@ def fp8_block_matmul(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
         raise ValueError(f"fp8_block_matmul: BLOCK_N={bn} must divide {BLOCK}")
     per = cdiv(cdiv(K, BLOCK), split)
     split = cdiv(cdiv(K, BLOCK), per)  # no empty splits
-    if split > 1:
-        y = torch.zeros(M, N, dtype=torch.float32, device=x.device)
-    else:
-        y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    y = torch.empty(split, M, N, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
     _fp8_block_mm_kernel[(cdiv(N, bn), cdiv(M, bm), split)](
-        x2, w.contiguous(), scale_inv.contiguous(), y, M, N, K, x2.stride(0), y.stride(0),
+        x2, w.contiguous(), scale_inv.contiguous(), y, M, N, K, x2.stride(0), y.stride(1),
         scale_inv.stride(0), per, BLOCK_M=bm, BLOCK_N=bn, SB=BLOCK, DOT_DT=dot_dtype(),
         SPLIT_K=split, **cfg,
     )  # fmt: skip
-    return y.to(x.dtype).view(*x.shape[:-1], N)
+    y = y[0] if split == 1 else y.sum(0).to(x.dtype)
+    return y.view(*x.shape[:-1], N)
 
 
 def dequant_fp8_block(w: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype):
