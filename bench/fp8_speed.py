@@ -109,20 +109,8 @@ def main():
     for name, fn in (("proj", lambda: part_proj("sweep" in args.parts)),
                      ("model", lambda: part_model(args.layers))):
         if name in args.parts:
-            ms.log(f"== {name}")
-            try:
-                fn()
-            except Exception as e:  # noqa: BLE001 - report and go on
-                import traceback
-
-                traceback.print_exc()
-                ms.FAILS.append(f"{name}: {e!r}"[:200])
-    ms.log(f"\nceilings: copy {ms.CEIL['bw']:.0f} GB/s, bf16 matmul {ms.CEIL['mm']:.0f} TFLOP/s")
-    ms.log("| part | case | ms | GB/s | % copy bw | TFLOP/s | % matmul | note |")
-    ms.log("|---|---|---:|---:|---:|---:|---:|---|")
-    for r in ms.ROWS:
-        ms.log(f"| {r[0]} | {r[1]} | {r[2]:.3f} | {r[3]:.0f} | {r[4]:.0f} | {r[5]:.1f} | {r[6]:.0f} | {r[7]} |")
-    ms.log(f"checks failed: {ms.FAILS or 'none'}")
+            ms.run_part(name, fn)
+    ms.print_table()
 
 
 if __name__ == "__main__":

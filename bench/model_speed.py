@@ -1037,23 +1037,27 @@ def main(argv=None):
     for name, fn in (("check", part_check), ("gemv", part_gemv), ("h2", part_h2),
                      ("gemv16", part_gemv_bf16), ("kern", part_kern)):  # fmt: skip
         if name in parts:
-            log(f"== {name}")
-            try:
-                fn()
-            except Exception as e:  # noqa: BLE001 - report and go on to the next part
-                import traceback
-
-                traceback.print_exc()
-                FAILS.append(f"{name}: {e!r}"[:200])
+            run_part(name, fn)
     if "model" in parts or "peer" in parts:
-        log("== model")
-        try:
-            part_model_and_peer(args.layers, "peer" in parts)
-        except Exception as e:  # noqa: BLE001
-            import traceback
+        run_part("model", lambda: part_model_and_peer(args.layers, "peer" in parts))
+    print_table()
 
-            traceback.print_exc()
-            FAILS.append(f"model: {e!r}"[:200])
+
+def run_part(name, fn):
+    """Run one bench part under a header; an exception is printed and recorded, not raised, so
+    the parts after it still run."""
+    log(f"== {name}")
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - report and go on to the next part
+        import traceback
+
+        traceback.print_exc()
+        FAILS.append(f"{name}: {e!r}"[:200])
+
+
+def print_table():
+    """The ceilings, every row as a markdown table, and the failed checks (all bench scripts)."""
     log(f"\nceilings: copy {CEIL['bw']:.0f} GB/s, bf16 matmul {CEIL['mm']:.0f} TFLOP/s")
     log("| part | case | ms | GB/s | % copy bw | TFLOP/s | % matmul | note |")
     log("|---|---|---:|---:|---:|---:|---:|---|")

@@ -151,31 +151,12 @@ def main():
         per_expert = sum(t[0].numel() * t.element_size() for t in (ew.w13, ew.w2, ew.w13_scale, ew.w2_scale))
         for name, fn in (("check", lambda: part_check(ew)), ("sweep", lambda: part_sweep(ew, per_expert))):
             if name in parts:
-                ms.log(f"== {name}")
-                try:
-                    fn()
-                except Exception as e:  # noqa: BLE001 - report and go on
-                    import traceback
-
-                    traceback.print_exc()
-                    ms.FAILS.append(f"{name}: {e!r}"[:200])
+                ms.run_part(name, fn)
         del ew
         torch.cuda.empty_cache()
     if "model" in parts:
-        ms.log("== model")
-        try:
-            part_model(args.layers, "profile" in parts)
-        except Exception as e:  # noqa: BLE001
-            import traceback
-
-            traceback.print_exc()
-            ms.FAILS.append(f"model: {e!r}"[:200])
-    ms.log(f"\nceilings: copy {ms.CEIL['bw']:.0f} GB/s, bf16 matmul {ms.CEIL['mm']:.0f} TFLOP/s")
-    ms.log("| part | case | ms | GB/s | % copy bw | TFLOP/s | % matmul | note |")
-    ms.log("|---|---|---:|---:|---:|---:|---:|---|")
-    for r in ms.ROWS:
-        ms.log(f"| {r[0]} | {r[1]} | {r[2]:.3f} | {r[3]:.0f} | {r[4]:.0f} | {r[5]:.1f} | {r[6]:.0f} | {r[7]} |")
-    ms.log(f"checks failed: {ms.FAILS or 'none'}")
+        ms.run_part("model", lambda: part_model(args.layers, "profile" in parts))
+    ms.print_table()
 
 
 if __name__ == "__main__":
