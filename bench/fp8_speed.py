@@ -1,4 +1,4 @@
-# ruff: noqa: E501, B023
+# ruff: noqa: E501, B023, E741
 """FP8 block linears (Kimi-K2-Instruct's format) on one GPU: kernels/fp8_linear.py against the
 reference path (float32 dequant per call + F.linear), per K2 projection and batch, then a
 k2-slice FP8 model's decode and prefill with each.
@@ -81,6 +81,39 @@ def part_proj(sweep):
                 ms.row("best", f"{name} {N}x{K} M={M}", t, nb, 0, str(cfg))
 
 
+def part_moe():
+    """FP8 routed experts at decode sizes: the generic fused_moe kernel's small-M configs,
+    graph-timed over 4 routings (uniform), one K2 MoE layer (E=384, D=7168, I=2048)."""
+    from k2serve.kernels import fused_moe as fm
+
+    E, D, I, K = 384, 7168, 2048, 8
+    ew = ms._rand_experts("fp8", E, D, I, "cuda")
+    per = sum(t[0].numel() * t.element_size() for t in (ew.w13, ew.w2, ew.w13_scale, ew.w2_scale))
+    cands = [(bn, bk, st, nw) for bn in (32, 64, 128) for bk in (128, 256) for st in (3, 4, 6)
+             for nw in (4, 8) if not (bn == 128 and bk == 256 and st == 6)]
+    for T in (1, 8, 32):
+        routes = [ms._route(T, E, K, "cuda") for _ in range(4)]
+        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+        hit = sum(int(ti.unique().numel()) for _, ti in routes) / 4
+        nb = hit * per + 2 * T * D * 2
+        refs = [fm.fused_moe(x, ew, tw, ti) for tw, ti in routes]
+        t0 = ms.graph_ms([lambda tw=tw, ti=ti: fm.fused_moe(x, ew, tw, ti) for tw, ti in routes])
+        ms.row("moe", f"fp8 experts T={T} default {fm._config(T * K, E, 'fp8')}", t0, nb)
+        best = (t0, None)
+        for bn, bk, st, nw in cands:
+            cfg = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=st)
+            try:
+                outs = [fm.fused_moe(x, ew, tw, ti, cfg) for tw, ti in routes]
+                t = ms.graph_ms([lambda tw=tw, ti=ti: fm.fused_moe(x, ew, tw, ti, cfg) for tw, ti in routes])
+            except Exception as e:  # noqa: BLE001 - a config that does not fit
+                ms.log(f"  T={T} {cfg}: {type(e).__name__}")
+                continue
+            err = max(((o.float() - r.float()).norm() / r.float().norm()).item() for o, r in zip(outs, refs, strict=True))
+            if err < 1e-2 and t < best[0]:
+                best = (t, cfg)
+        ms.row("moe", f"fp8 experts T={T} best {best[1]}", best[0], nb, 0, f"{t0 / best[0]:.2f}x")
+
+
 def part_model(layers):
     from k2serve.quant.fp8 import dequantize_fp8_block
     from k2serve.quant.linear import Fp8BlockLinear, LinearBase
@@ -106,7 +139,7 @@ def main():
            f"{__import__('triton').__version__} date {time.strftime('%Y-%m-%d')}")
     torch.manual_seed(0)
     ms.part_ceil()
-    for name, fn in (("proj", lambda: part_proj("sweep" in args.parts)),
+    for name, fn in (("proj", lambda: part_proj("sweep" in args.parts)), ("moe", part_moe),
                      ("model", lambda: part_model(args.layers))):
         if name in args.parts:
             ms.run_part(name, fn)
