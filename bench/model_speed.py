@@ -594,6 +594,9 @@ def nbytes(mod) -> int:
     return sum(p.numel() * p.element_size() for p in mod.parameters())
 
 
+OVERLAP_SHARED = True  # the shared expert on a second stream (set_fused_kernels)
+
+
 def accelerate(model, fast_router=True, moe_kw=None, expand=False, fused=True):
     """Swap in the GPU backends from the outside (until the model selects them on CUDA).
     fused: the decode fusions (Triton RoPE, Triton router top-k, q_a+kv_a and gate+up GEMMs);
@@ -602,7 +605,8 @@ def accelerate(model, fast_router=True, moe_kw=None, expand=False, fused=True):
     from k2serve.kernels.rmsnorm import rms_norm
     from k2serve.kernels.router import grouped_topk, grouped_topk_torch
 
-    model.set_fused_kernels(rope=fused, router=fused, projections=fused, gemv=fused)
+    model.set_fused_kernels(rope=fused, router=fused, projections=fused, gemv=fused,
+                            overlap_shared=fused and OVERLAP_SHARED)
     topk = grouped_topk if fused else grouped_topk_torch
     from k2serve.model.layers import RMSNorm
     from k2serve.moe.fused_moe import FusedMoEBackend

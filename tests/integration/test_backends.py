@@ -125,3 +125,45 @@ def test_fused_projections_give_the_same_logits_and_state_dict():
     x = torch.randn(3, model.config.hidden_size)
     want = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
     assert torch.allclose(mlp(x), want, atol=1e-5)  # the stale fused weight is not used
+
+
+def test_shared_expert_stream_is_cuda_only():
+    """On the CPU, overlap_shared is a no-op: no side stream, the same description."""
+    from k2serve.model.deepseek_v3 import MoE
+
+    model = load_tiny()
+    assert (
+        model.set_fused_kernels(rope=True, router=True, projections=False, overlap_shared=True)
+        == ""
+    )
+    assert all(m.side_stream is None for m in model.modules() if isinstance(m, MoE))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_shared_expert_on_a_side_stream_gives_the_same_logits_eager_and_in_a_graph():
+    """The shared expert on a second stream (the CUDA default): bit-identical logits to the
+    in-order path, in eager mode and replayed from a CUDA graph."""
+    from k2serve.model.deepseek_v3 import MoE
+
+    model = load_tiny("int4", dtype=torch.bfloat16, device="cuda")
+    assert "shared-expert stream" in model.setup_backends()
+    assert any(m.side_stream is not None for m in model.modules() if isinstance(m, MoE))
+    ids = torch.randint(
+        0, 500, (6,), device="cuda", generator=torch.Generator("cuda").manual_seed(3)
+    )
+    pos = torch.arange(6, device="cuda")
+    with torch.inference_mode():
+        on = model.compute_logits(model(ids, pos))
+        g = torch.cuda.CUDAGraph()
+        model(ids, pos)  # warm-up before the capture
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g):
+            graphed = model.compute_logits(model(ids, pos))
+        g.replay()
+        torch.cuda.synchronize()
+        model.set_fused_kernels(rope=True, router=True, projections=True, gemv=True)  # in order
+        assert all(m.side_stream is None for m in model.modules() if isinstance(m, MoE))
+        off = model.compute_logits(model(ids, pos))
+    assert torch.equal(on, off)
+    assert torch.equal(graphed, off)

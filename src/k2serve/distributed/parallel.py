@@ -167,16 +167,16 @@ class ParallelMoE(MoE):
             self.experts = moe.experts
             self.expert_backend = moe.expert_backend
         self.shared_experts = moe.shared_experts
+        self.side_stream = moe.side_stream
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        return self.ctx.all_reduce(self.routed_plus_shared(x, self.routed))
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)  # [T, k] float32, [T, k] int64
         if self.expert_parallel:
-            out = self._local_routed(x, topk_ids, topk_weights)
-        else:
-            out = self.expert_backend(x, topk_ids, topk_weights)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return self.ctx.all_reduce(out)
+            return self._local_routed(x, topk_ids, topk_weights)
+        return self.expert_backend(x, topk_ids, topk_weights)
 
     def _local_routed(self, x, topk_ids, topk_weights) -> torch.Tensor:
         k = topk_ids.shape[1]

@@ -130,13 +130,35 @@ class MoE(nn.Module):
             else None
         )
         self.expert_backend: ExpertBackend = TorchExpertBackend(self.experts)
+        # CUDA: a second stream on which the shared expert runs while the router and the
+        # routed experts run on the current one (set by set_fused_kernels; None: in order)
+        self.side_stream: torch.cuda.Stream | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        return self.routed_plus_shared(x, self.routed)
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)  # [T, k] float32, [T, k] int64
-        out = self.expert_backend(x, topk_ids, topk_weights)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        return self.expert_backend(x, topk_ids, topk_weights)
+
+    def routed_plus_shared(self, x: torch.Tensor, routed) -> torch.Tensor:
+        """routed(x) + shared_experts(x). With a side stream (CUDA) the shared expert is
+        enqueued there first and joined before the sum: the two are independent, and the
+        routed GEMVs leave DRAM bandwidth and SMs idle at small batch. Safe in CUDA graphs
+        (fork/join by stream waits); tensors cross streams only before the fork (x, made on
+        the current stream) or after the join (the shared output)."""
+        if self.shared_experts is None:
+            return routed(x)
+        side = self.side_stream
+        if side is None or not x.is_cuda:
+            return routed(x) + self.shared_experts(x)
+        main = torch.cuda.current_stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            shared = self.shared_experts(x)
+        out = routed(x)
+        main.wait_stream(side)
+        return out + shared
 
 
 class MLAAttention(nn.Module):
@@ -366,6 +388,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             rope=attn.name == "triton" and not sharded,
             router=moe != "torch" and triton_usable(dev),
             projections=dev.type == "cuda", gemv=dev.type == "cuda",
+            overlap_shared=dev.type == "cuda",
         )  # fmt: skip
         moe_names = set()
         for layer in self.model.layers:
@@ -391,18 +414,29 @@ class DeepseekV3ForCausalLM(nn.Module):
         return line
 
     def set_fused_kernels(
-        self, rope: bool, router: bool, projections: bool, gemv: bool = False
+        self,
+        rope: bool,
+        router: bool,
+        projections: bool,
+        gemv: bool = False,
+        overlap_shared: bool = False,
     ) -> str:
         """Decode-step fusions (CUDA only; each is a no-op elsewhere): the Triton RoPE kernel for
         q_pe + k_pe, the Triton router top-k, one GEMM for q_a_proj + kv_a_proj_with_mqa and
         for each dense/shared MLP's gate + up (bf16 weights; re-pointed as views of the fused
         weight, so memory and state_dict are unchanged; projections=False goes back to one GEMM
-        each), and
-        the one-row GEMV kernel for the bf16 projections and the router at batch 1.
+        each), the one-row GEMV kernel for the bf16 projections and the router at batch 1, and
+        (overlap_shared) the shared expert on a second stream, concurrent with the routed ones.
         Returns a short description of what is on."""
         from k2serve.attention import triton_usable
 
         ok = triton_usable(self.device)
+        side = None
+        if overlap_shared and self.device.type == "cuda":
+            side = torch.cuda.Stream(device=self.device)  # made here: never during a capture
+        for m in self.modules():
+            if isinstance(m, MoE):
+                m.side_stream = side
         for m in self.modules():
             if isinstance(m, (LinearBase, TopkRouter)):
                 m.decode_gemv = gemv and ok
@@ -422,7 +456,8 @@ class DeepseekV3ForCausalLM(nn.Module):
                 if m is not None:
                     m.gate_up_weight = None
         on = [n for n, v in (("rope", rope and ok), ("router", router and ok),
-                             ("gemv", gemv and ok)) if v]  # fmt: skip
+                             ("gemv", gemv and ok), ("shared-expert stream", side is not None))
+              if v]  # fmt: skip
         if fused_proj:
             on.append(f"{fused_proj} gemm pairs")
         return "+".join(on)
