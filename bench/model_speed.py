@@ -1016,6 +1016,17 @@ def part_model_and_peer(layers, do_peer):
         f"ours/peer tok/s = {p['prefill8192'] / ms_ours_pf:.2f}x")  # fmt: skip
 
 
+def part_overlap(layers):
+    """The k2-slice with the shared expert in order vs on a second stream (same run)."""
+    global OVERLAP_SHARED
+    model = load_slice(layers)
+    for on in (False, True):
+        OVERLAP_SHARED = on
+        accelerate(model, expand=True)
+        bench_model(model, f"shared-{'stream' if on else 'inline'}", prefills=(1024, 8192),
+                    expanded=True, profile_batches=(1,) if on else ())  # fmt: skip
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="ceil,check,gemv,model,peer")
@@ -1044,6 +1055,8 @@ def main(argv=None):
             run_part(name, fn)
     if "model" in parts or "peer" in parts:
         run_part("model", lambda: part_model_and_peer(args.layers, "peer" in parts))
+    if "overlap" in parts:
+        run_part("overlap", lambda: part_overlap(args.layers))
     print_table()
 
 
