@@ -366,6 +366,24 @@ def test_gemv_matches_linear():
         gemv.gemv(torch.randn(2, 512, device=DEVICE, dtype=torch.bfloat16), w[:, :512])
 
 
+def test_gemv_silu_mul_matches_the_unfused_mlp_half():
+    """silu(gate) * up from a fused [gate; up] weight in one launch (odd half: masked rows)
+    against the model's unfused path (GEMM, rounding to bf16, SiLU, product)."""
+    import torch.nn.functional as F
+
+    from k2serve.kernels import gemv
+
+    for ni, K in ((5, 512), (48, 768)):
+        w = torch.randn(2 * ni, K, device=DEVICE, dtype=torch.bfloat16) * 0.05
+        x = torch.randn(1, K, device=DEVICE, dtype=torch.bfloat16)
+        g, u = F.linear(x.float(), w.float()).to(torch.bfloat16).split([ni, ni], dim=-1)
+        ref = F.silu(g.float()) * u.float()
+        y = gemv.gemv_silu_mul(x, w)
+        assert y.shape == (1, ni) and y.dtype == torch.bfloat16
+        # three bf16 roundings, which Triton's CPU interpreter does toward zero
+        assert rel(y, ref) < (1e-2 if DEVICE == "cuda" else 3e-2)
+
+
 @pytest.mark.parametrize(
     "cfg",
     [

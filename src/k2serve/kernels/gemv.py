@@ -1,7 +1,8 @@
 """One-row bf16 GEMV for decode at batch 1: y[1, N] = x[1, K] @ w[N, K]^T.
 
-Owns: `gemv(x, w, out_dtype)` and `use_gemv(x, w)` (whether it applies). cuBLAS runs these
-skinny products as split-K GEMMs plus a reduce kernel (two launches, 70-85% of the copy
+Owns: `gemv(x, w, out_dtype)`, `gemv_silu_mul(x, w)` (silu(gate) * up from a fused [gate; up]
+weight, for the dense and shared MLPs) and `use_gemv(x, w)` (whether either applies). cuBLAS
+runs these skinny products as split-K GEMMs plus a reduce kernel (two launches, 70-85% of the copy
 bandwidth on K2's projections, bench/h200_run16.txt); this kernel reads each weight row once
 with 16-byte loads, accumulates in float32, and needs no second pass.
 
@@ -74,6 +75,53 @@ if HAS_TRITON:
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         y = tl.sum(acc, 1)
         tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _gemv_silu_mul_kernel(x_ptr, w_ptr, y_ptr, NI, K, UP_OFF, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr):  # fmt: skip
+        """y[n] = silu(w[n] . x) * (w[NI + n] . x) for a fused [gate; up] weight [2 NI, K]
+        (UP_OFF = NI * K, the up rows' element offset)."""
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < NI
+        g_rows = w_ptr + offs_n.to(tl.int64)[:, None] * K
+        u_rows = g_rows + UP_OFF
+        acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + offs_k).to(tl.float32)[None, :]
+            wg = tl.load(g_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
+            wu = tl.load(u_rows + offs_k[None, :], mask=n_ok[:, None], other=0.0)
+            acc_g += wg.to(tl.float32) * x
+            acc_u += wu.to(tl.float32) * x
+        # the unfused path rounds the GEMM outputs to the activation dtype before SiLU
+        dt = y_ptr.dtype.element_ty
+        g = tl.sum(acc_g, 1).to(dt).to(tl.float32)
+        u = tl.sum(acc_u, 1).to(dt).to(tl.float32)
+        y = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u
+        tl.store(y_ptr + offs_n, y.to(dt), mask=n_ok)
+
+
+def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] holding one row, w [2I, K] (gate rows, then up rows) -> silu(gate) * up
+    [..., I] in x's dtype: the dense / shared MLP's first half in one launch (the GEMV reads
+    the same bytes as `gemv` on the fused weight; no [2I] intermediate, no elementwise kernels)."""
+    require_triton(x)
+    N2, K = w.shape
+    cfg = config(N2, K)
+    if cfg is None or x.numel() != K or N2 % 2:
+        raise ValueError(f"gemv_silu_mul: one row of K={K}, an even number of rows and K a "
+                         f"multiple of 256 needed, got x {tuple(x.shape)}, "
+                         f"w {tuple(w.shape)}")  # fmt: skip
+    ni = N2 // 2
+    y = torch.empty(*x.shape[:-1], ni, dtype=x.dtype, device=x.device)
+    bn = max(1, cfg.pop("BLOCK_N") // 2)  # two rows (gate, up) per output: the same bytes
+    _gemv_silu_mul_kernel[(cdiv(ni, bn),)](x.contiguous(), w, y, ni, K, ni * K, BLOCK_N=bn,
+                                            **cfg)  # fmt: skip
+    return y
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -98,6 +98,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _still_fused(self.gate_up_weight, self.gate_proj, self.up_proj):
+            if self.gate_proj.decode_gemv:  # one row on CUDA: the GEMV with SiLU * up fused
+                from k2serve.kernels.gemv import gemv_silu_mul, use_gemv
+
+                if use_gemv(x, self.gate_up_weight):
+                    return self.down_proj(gemv_silu_mul(x, self.gate_up_weight))
             # NOTE: the width comes from the linears, not the config: TP shards them
             n = self.gate_proj.out_features
             g, u = linear(x, self.gate_up_weight, self.gate_proj.decode_gemv).split([n, n], dim=-1)
