@@ -454,3 +454,22 @@ def test_fp8_block_matmul_matches_dequantized_reference(M, N, K):
         assert torch.equal(dq, want)
     else:  # Triton's interpreter rounds float32 -> bf16 toward zero
         assert rel(dq, want) < 1e-2
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_mla_absorb_products_match_einsum(T):
+    """The absorbed MLA's W_UK / W_UV products (kv_b_proj's weight viewed [H, N + V, L]) for a
+    few tokens, q_nope a strided view as in the model, against the einsums."""
+    from k2serve.kernels import mla_absorb
+
+    H, N, V, L = 3, 32, 16, 64
+    w = torch.randn(H * (N + V), L, device=DEVICE, dtype=torch.bfloat16).view(H, N + V, L)
+    q = torch.randn(T, H, N + 16, device=DEVICE, dtype=torch.bfloat16)[..., :N]  # a view
+    assert mla_absorb.usable(q, w)
+    ref_q = torch.einsum("thn,hnl->thl", q.float(), w[:, :N].float())
+    assert rel(mla_absorb.absorb_q(q, w), ref_q) < 1e-2
+    o = torch.randn(T, H, L, device=DEVICE, dtype=torch.bfloat16)
+    ref_o = torch.einsum("thl,hvl->thv", o.float(), w[:, N:].float())
+    out = mla_absorb.absorb_o(o, w, N)
+    assert out.shape == (T, H, V) and rel(out, ref_o) < 1e-2
+    assert not mla_absorb.usable(torch.randn(17, H, N, device=DEVICE), w)  # too many tokens

@@ -115,6 +115,12 @@ class MLP(nn.Module):
         return self.gate_up_weight is not None
 
 
+# Steps of up to this many tokens run the shared expert on the side stream (decode: B=1 2.291
+# -> 2.235 ms, B=128 25.59 -> 25.06 ms on the k2-slice, bench/h200_run33.txt); a 1k-token
+# prefill measured 64.4 -> 67.9 ms with it (two compute-bound GEMMs contend), so not there.
+SIDE_STREAM_MAX_TOKENS = 256
+
+
 class MoE(nn.Module):
     def __init__(self, b: _Builder, prefix: str) -> None:
         super().__init__()
@@ -155,7 +161,7 @@ class MoE(nn.Module):
         if self.shared_experts is None:
             return routed(x)
         side = self.side_stream
-        if side is None or not x.is_cuda:
+        if side is None or not x.is_cuda or x.shape[0] > SIDE_STREAM_MAX_TOKENS:
             return routed(x) + self.shared_experts(x)
         main = torch.cuda.current_stream(x.device)
         side.wait_stream(main)
@@ -196,6 +202,7 @@ class MLAAttention(nn.Module):
         self.o_proj = b.linear(f"{prefix}.o_proj", H * c.v_head_dim, D)
         self.backend: MLABackend = TorchMLABackend()
         self.fused_rope = False  # set by setup_backends: one Triton launch for q_pe and k_pe
+        self.fused_absorb = False  # set_fused_kernels(gemv=): Triton W_UK / W_UV products
         self.qkv_a_weight: torch.Tensor | None = None  # set by fuse_projections (one GEMM)
 
     def fuse_projections(self) -> bool:
@@ -276,8 +283,18 @@ class MLAAttention(nn.Module):
         w = self.kv_b_proj.dequantized_weight(q_nope.dtype).view(H, N + V, self.kv_lora_rank)
         w_uk, w_uv = w[:, :N, :], w[:, N:, :]  # [H, N, L], [H, V, L]
         self.backend.store(kv_cache, latent, k_pe, md.slot_mapping)
-        q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)  # [T, H, L]
+        fused = False
+        if self.fused_absorb and q_nope.is_cuda:  # few tokens: one Triton launch per product
+            from k2serve.kernels import mla_absorb
+
+            fused = mla_absorb.usable(q_nope, w)
+        if fused:
+            q_latent = mla_absorb.absorb_q(q_nope, w)
+        else:
+            q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)  # [T, H, L]
         o_latent = self.backend.forward(q_latent, q_pe, kv_cache, md, self.scaling)  # [T, H, L]
+        if fused and o_latent.stride(-1) == 1:
+            return mla_absorb.absorb_o(o_latent, w, N)
         return torch.einsum("thl,hvl->thv", o_latent, w_uv)  # [T, H, V]
 
 
@@ -448,6 +465,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         fused_proj = 0
         for layer in self.model.layers:
             layer.self_attn.fused_rope = rope and ok
+            layer.self_attn.fused_absorb = gemv and ok
             mlp = layer.mlp
             if isinstance(mlp, MoE):
                 mlp.gate.use_triton = router and ok
