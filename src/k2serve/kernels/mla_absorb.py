@@ -26,12 +26,15 @@ def _pow2(n: int) -> bool:
 
 
 def usable(q_nope: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether the kernels apply: CUDA (or the interpreter), few tokens, K2-like sizes."""
+    """Whether the kernels apply: CUDA (or the interpreter), 16-bit activations, few tokens,
+    K2-like sizes."""
     H, NV, L = w.shape
     N = q_nope.shape[-1]
     return (
         HAS_TRITON
         and (q_nope.is_cuda or INTERPRET)
+        and q_nope.dtype in (torch.bfloat16, torch.float16)  # float32 models: the einsum's
+        and w.dtype == q_nope.dtype  # precision (tl.dot here rounds its operands to bf16)
         and q_nope.shape[0] <= MAX_TOKENS
         and w.stride(-1) == 1
         and q_nope.stride(-1) == 1

@@ -20,6 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -410,7 +411,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             rope=attn.name == "triton" and not sharded,
             router=moe != "torch" and triton_usable(dev),
             projections=dev.type == "cuda", gemv=dev.type == "cuda",
-            overlap_shared=dev.type == "cuda",
+            overlap_shared=dev.type == "cuda" and os.environ.get("K2SERVE_SHARED_STREAM") != "0",
         )  # fmt: skip
         moe_names = set()
         for layer in self.model.layers:
