@@ -39,6 +39,7 @@ from .moe_align import max_blocks, moe_align_block_size
 from .moe_int4 import use_asm
 
 if HAS_TRITON:
+    from .moe_align import aligned_block
     from .moe_int4 import _planes_bf16
 
     @triton.jit
@@ -69,10 +70,8 @@ if HAS_TRITON:
         pid_n = pid % num_n
         if pid_m * BLOCK_M >= tl.load(npost_ptr):
             return
-        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        pair_ok = pair < num_pairs
-        rows = tl.where(pair_ok, pair // A_DIV, 0).to(tl.int64)
-        e = tl.load(eid_ptr + pid_m).to(tl.int64)
+        pair, pair_ok, rows, e = aligned_block(sorted_ptr, eid_ptr, pid_m, num_pairs, A_DIV,
+                                               BLOCK_M)  # fmt: skip
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         w_base = w_ptr + e * w_stride_e + offs_n[:, None] * w_stride_n

@@ -73,6 +73,18 @@ if HAS_TRITON:
             tl.store(sorted_ptr + o, tl.zeros([CHUNK], tl.int32) + M, mask=o < NB * BLOCK_M)
 
     @triton.jit
+    def aligned_block(sorted_ptr, eid_ptr, pid_m, num_pairs, A_DIV: tl.constexpr,
+                      BLOCK_M: tl.constexpr):  # fmt: skip
+        """Block pid_m of the alignment, for the grouped GEMMs: its pair ids [BLOCK_M], which
+        of them are real (padding = num_pairs), each pair's activation row (pair // A_DIV;
+        padding reads row 0) and the block's expert (int64)."""
+        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        ok = pair < num_pairs
+        rows = tl.where(ok, pair // A_DIV, 0).to(tl.int64)
+        e = tl.load(eid_ptr + pid_m).to(tl.int64)
+        return pair, ok, rows, e
+
+    @triton.jit
     def _align_scatter_kernel(ids_ptr, sorted_ptr, cursor_ptr, M, CHUNK: tl.constexpr):
         o = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
         ok = o < M

@@ -55,6 +55,7 @@ def permute_planes(x: torch.Tensor, pb: int, dtype: torch.dtype | None = None) -
 
 
 if HAS_TRITON:
+    from .moe_align import aligned_block
 
     @triton.jit
     def _plane_f32(p, q, J: tl.constexpr):
@@ -183,10 +184,8 @@ if HAS_TRITON:
         pid_n = pid % num_pid_n
         if pid_m * BLOCK_M >= tl.load(npost_ptr):
             return
-        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        pair_ok = pair < num_pairs
-        a_rows = (pair // A_DIV).to(tl.int64)
-        e = tl.load(eid_ptr + pid_m).to(tl.int64)
+        pair, pair_ok, a_rows, e = aligned_block(sorted_ptr, eid_ptr, pid_m, num_pairs, A_DIV,
+                                                 BLOCK_M)  # fmt: skip
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         w_base = w_ptr + e * w_stride_e
