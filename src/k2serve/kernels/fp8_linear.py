@@ -51,11 +51,9 @@ TUNED: dict[tuple[int, int], tuple[dict, dict]] = {
 def _config(M: int, N: int, K: int) -> dict:
     """TUNED for K2's shapes, else tiles by rows with K split over SPLIT_K programs when the
     output tiles alone would leave the GPU's SMs idle."""
-    if (N, K) in TUNED and M <= 64:
-        return dict(
-            TUNED[(N, K)][0 if M <= 16 else 1], BLOCK_M=16 if M <= 16 else 32 if M <= 32 else 64
-        )
     bm = 16 if M <= 16 else 32 if M <= 32 else 64
+    if (N, K) in TUNED and M <= 64:
+        return dict(TUNED[(N, K)][0 if M <= 16 else 1], BLOCK_M=bm)
     bn = 32
     tiles = cdiv(M, bm) * cdiv(N, bn)
     split = max(1, min(256 // tiles, cdiv(K, BLOCK) // 4, 16))

@@ -104,9 +104,10 @@ class MLP(nn.Module):
 
                 if use_gemv(x, self.gate_up_weight):
                     return self.down_proj(gemv_silu_mul(x, self.gate_up_weight))
-            # NOTE: the width comes from the linears, not the config: TP shards them
+            # NOTE: the width comes from the linears, not the config: TP shards them (the
+            # one-row GEMV case is handled above, so this is always the GEMM)
             n = self.gate_proj.out_features
-            g, u = linear(x, self.gate_up_weight, self.gate_proj.decode_gemv).split([n, n], dim=-1)
+            g, u = F.linear(x, self.gate_up_weight).split([n, n], dim=-1)
             return self.down_proj(F.silu(g) * u)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
