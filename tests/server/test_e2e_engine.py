@@ -461,7 +461,7 @@ def test_sigterm_drains_and_exits_0(model_dir):
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "k2serve.cli", "serve", "--model", model_dir, "--host",
            "127.0.0.1", "--port", str(port), "--num-kv-pages", "256", "--max-model-len", "1024",
-           "--device", "cpu", "--drain-timeout", "5"]  # fmt: skip
+           "--device", "cpu", "--drain-timeout", "2"]  # fmt: skip
     env = {**os.environ, "K2SERVE_API_KEY": ""}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)  # fmt: skip
@@ -498,7 +498,7 @@ def test_sigterm_drains_and_exits_0(model_dir):
         assert long_[-2:] == ["[DONE]", "EOF"], long_[-3:]
         assert json.loads(long_[-3])["error"]["code"] == "shutting_down"
         assert len(long_) < 1000
-        assert 4 < took < 30
+        assert 1.5 < took < 30
         with pytest.raises(httpx.ConnectError):
             httpx.get(url + "/health", timeout=2)
         log = proc.stdout.read()
