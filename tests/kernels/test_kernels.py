@@ -127,6 +127,42 @@ def test_fused_moe_matches_reference(quant, T):
     assert rel(fm.fused_moe(x, ew, w, ids), fm.fused_moe_ref(x, ew, w, ids)) < 2e-2
 
 
+@pytest.mark.parametrize("T", [1, 9])
+def test_fused_moe_fp8_with_partial_scale_blocks(T):
+    """moe_intermediate not a multiple of 128 (the tiny test models: 64): gate and up each have
+    their own 128-row scale block, so up's scales start at row cdiv(I, 128) of the stacked
+    w13_scale, not at row I // 128 (which is gate's block again)."""
+    from k2serve.quant.fp8 import quantize_fp8_block
+
+    E, D, I = 4, 256, 64  # noqa: E741
+
+    def proj(n, k):
+        pairs = [quantize_fp8_block(torch.randn(n, k) * 0.05) for _ in range(E)]
+        return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+    (g, gs), (u, us), (d, ds) = proj(I, D), proj(I, D), proj(D, I)
+    ew = fm.ExpertWeights("fp8", torch.cat([g, u], 1).to(DEVICE), d.to(DEVICE),
+                          torch.cat([gs, us], 1).to(DEVICE), ds.to(DEVICE))  # fmt: skip
+    x = torch.randn(T, D, dtype=torch.bfloat16, device=DEVICE)
+    ids = torch.stack([torch.randperm(E)[:2] for _ in range(T)]).int().to(DEVICE)
+    w = torch.rand(T, 2, device=DEVICE)
+    # the reference from the per-projection dequantized weights, independent of the stacking
+    from k2serve.quant.fp8 import dequantize_fp8_block
+
+    def deq(q, s, e):
+        return dequantize_fp8_block(q[e], s[e], (128, 128), torch.float32)
+
+    want = torch.zeros(T, D)
+    for t in range(T):
+        for j in range(2):
+            e = int(ids[t, j])
+            xt = x[t].float().cpu()
+            h = torch.nn.functional.silu(deq(g, gs, e) @ xt) * (deq(u, us, e) @ xt)
+            want[t] += float(w[t, j]) * (deq(d, ds, e) @ h.bfloat16().float())
+    assert rel(fm.fused_moe(x, ew, w, ids).float().cpu(), want) < 2e-2
+    assert rel(fm.fused_moe_ref(x, ew, w, ids).float().cpu(), want) < 2e-2
+
+
 def test_int4_dequant_ref_matches_packing():
     from k2serve.quant.int4 import quantize_int4
 

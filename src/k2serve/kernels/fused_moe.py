@@ -10,7 +10,8 @@ Weight layouts (stacked over experts E; I = moe_intermediate_size, D = hidden_si
 - "int4":  compressed-tensors pack-quantized: w13 int32 [E, 2I, D/8] (8 nibbles per int32,
            value + 8, lowest nibble = lowest column), w13_scale bf16 [E, 2I, D/group];
            w2 int32 [E, D, I/8], w2_scale bf16 [E, D, I/group]. W = (nibble - 8) * scale.
-- "fp8":   float8_e4m3fn w13 [E, 2I, D], w13_scale fp32 [E, 2I/128, D/128] (multiplied);
+- "fp8":   float8_e4m3fn w13 [E, 2I, D], w13_scale fp32 [E, 2 cdiv(I,128), cdiv(D,128)]
+           (gate's block rows, then up's; multiplied);
            w2 [E, D, I], w2_scale [E, D/128, I/128].
 Math: y[t] = sum_j w[t, j] * W2[e_tj] (silu(Wg[e_tj] x[t]) * Wu[e_tj] x[t]).
 Activations stay bf16 (W4A16 / W8A16); accumulation is float32.
@@ -86,7 +87,13 @@ def expert_dense(ew: ExpertWeights, e: int) -> tuple[torch.Tensor, torch.Tensor]
         return dequant_int4_ref(ew.w13[e], ew.w13_scale[e]), dequant_int4_ref(
             ew.w2[e], ew.w2_scale[e]
         )
-    return dequant_fp8_ref(ew.w13[e], ew.w13_scale[e]), dequant_fp8_ref(ew.w2[e], ew.w2_scale[e])
+    # fp8: gate and up have their own 128-row scale blocks (cdiv(I, 128) rows each)
+    I, nb = ew.intermediate, -(-ew.intermediate // 128)  # noqa: E741
+    w13, s13 = ew.w13[e], ew.w13_scale[e]
+    gate_up = torch.cat(
+        [dequant_fp8_ref(w13[:I], s13[:nb]), dequant_fp8_ref(w13[I:], s13[nb:])], dim=0
+    )
+    return gate_up, dequant_fp8_ref(ew.w2[e], ew.w2_scale[e])
 
 
 def fused_moe_ref(x, ew: ExpertWeights, topk_weights, topk_ids) -> torch.Tensor:
@@ -220,8 +227,12 @@ if HAS_TRITON:
                 )
                 part_u = tl.dot(a, tl.trans(wu))
                 if QUANT == 2:
+                    # up's scale rows follow gate's cdiv(N, 128) rows (equal to offs_u // 128
+                    # only when N is a multiple of 128)
                     sc_u = tl.load(
-                        s_base + (offs_u // 128) * s_stride_n + k0 // 128, mask=n_ok, other=0.0
+                        s_base + (offs_n // 128 + (N + 127) // 128) * s_stride_n + k0 // 128,
+                        mask=n_ok,
+                        other=0.0,
                     )
                     part_u = part_u * sc_u[None, :]
                 acc_u += part_u

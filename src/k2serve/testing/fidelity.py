@@ -314,7 +314,10 @@ def _null():
 def upcast_copy(model: nn.Module) -> nn.Module:
     """The same model with every bf16 / fp16 parameter and buffer in float32 (exact: the values
     are those of the original). Quantized weights (int32 packed, fp8) keep their stored form."""
-    gold = copy.deepcopy(model)
+    # CUDA streams (the shared expert's side stream) do not copy; the copy gets none
+    memo = {id(v): None for m in model.modules() for v in vars(m).values()
+            if isinstance(v, torch.Stream) or type(v).__name__ == "Stream"}  # fmt: skip
+    gold = copy.deepcopy(model, memo)
     with torch.no_grad():
         for t in list(gold.parameters()) + list(gold.buffers()):
             if t.dtype in (torch.bfloat16, torch.float16):
