@@ -55,6 +55,28 @@ def router_checks(device) -> list[str]:
     return fails
 
 
+def parallel_checks(args, device: str, batches) -> list[str]:
+    from k2serve.distributed.workers import WorkerGroup
+    from k2serve.testing.fidelity import check_parallel
+    from k2serve.weights.presets import preset_config
+
+    fails = []
+    group = WorkerGroup(args.tp, device)
+    try:
+        for fmt in args.formats.split(","):
+            cfg = preset_config("tiny" if args.tiny else "k2-slice", fmt, layers=args.layers)
+            if not args.tiny:
+                cfg.update(n_routed_experts=args.experts, n_group=1, topk_group=1)
+            for ep in (False, True):
+                print(f"{fmt}: TP={args.tp}{' + EP' if ep else ''} vs TP=1, routing pinned")
+                res = check_parallel(group, cfg, torch.bfloat16, batches, device=device,
+                                     expert_parallel=ep)  # fmt: skip
+                fails += [f"{fmt}: {r.name}" for r in res if not r.ok]
+    finally:
+        group.shutdown()
+    return fails
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--formats", default="bf16,fp8,int4")
@@ -63,6 +85,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8,128")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--tiny", action="store_true", help="the tiny preset (fast smoke run)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="also TP=N and TP=N + EP against TP=1, layer by layer (N GPUs; over "
+                         "gloo on the CPU with --cpu)")  # fmt: skip
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU even with CUDA")
     args = ap.parse_args(argv)
     from k2serve.testing.fidelity import (
         check_model,
@@ -72,7 +98,7 @@ def main(argv=None) -> int:
         reference_setup,
     )
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     print(f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, "
           f"torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}")  # fmt: skip
     fails = router_checks(device)
@@ -90,6 +116,8 @@ def main(argv=None) -> int:
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
+    if args.tp > 1:
+        fails += parallel_checks(args, device, batches)
     print(f"fidelity checks failed: {fails or 'none'}")
     return 1 if fails else 0
 

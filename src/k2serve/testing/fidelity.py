@@ -436,6 +436,72 @@ def gpu_variants(model: nn.Module, cpu_experts: int | None = None) -> list[Varia
 
 
 # ---------------------------------------------------------------------------------------------
+# tensor / expert parallel: every rank replays the gold routing (functions run on each rank of a
+# k2serve.distributed.workers.WorkerGroup: module level, so spawned workers import them)
+
+
+def load_dummy(cfg: dict, dtype: torch.dtype, device, rank: int = 0, world: int = 1,
+               expert_parallel: bool = False) -> nn.Module:  # fmt: skip
+    from k2serve.config import ModelConfig
+    from k2serve.weights.loader import load_model
+
+    return load_model(None, config=ModelConfig.from_hf(cfg), load_format="dummy", dtype=dtype,
+                      device=device, progress=False, tp_rank=rank, tp_size=world,
+                      expert_parallel=expert_parallel)  # fmt: skip
+
+
+def rank_load(state, cfg: dict, dtype: torch.dtype, expert_parallel: bool) -> None:
+    state.data.clear()
+    state.data["model"] = load_dummy(cfg, dtype, state.device, state.rank, state.world_size,
+                                     expert_parallel)  # fmt: skip
+
+
+def rank_pass(state, batch: Batch, kv: list[torch.Tensor], recorded: dict,
+              pinned: bool = True) -> tuple[PassResult, float]:  # fmt: skip
+    """This rank's pass with the gold routing replayed: (result, unpinned flip rate or -1)."""
+    model = state.data["model"]
+    pin = RoutingPin(model)
+    pin.recorded = recorded
+    kv = [t.to(model.device) for t in kv]
+    res = run_pass(model, batch, kv, pin, pinned=pinned)
+    return res, (pin.flip_rate() if not pinned else -1.0)
+
+
+def check_parallel(group, cfg: dict, dtype: torch.dtype, batches: Iterable[Batch], *,
+                   device, expert_parallel: bool = False,
+                   log: Callable[[str], None] = print) -> list[Comparison]:  # fmt: skip
+    """TP (or TP + EP) over `group`'s ranks against gold, with TP=1 in `dtype` (same routing) as
+    the rounding budget: per layer, so the layer where a difference enters is named."""
+    full = load_dummy(cfg, dtype, device)
+    gold_model = upcast_copy(full)
+    reference_setup(gold_model)
+    mode = f"TP={group.world_size}" + (" + EP" if expert_parallel else "")
+    group.run(rank_load, cfg, dtype, expert_parallel)
+    out = []
+    for batch in batches:
+        kv = random_kv_caches(full.config, batch.num_pages, batch.page_size, dtype, "cpu",
+                              seed=batch.seed)  # fmt: skip
+        pin = RoutingPin(gold_model)
+        gold = run_pass(gold_model, batch, [t.float().to(device) for t in kv], pin, record=True)
+        recorded = {i: [(w.cpu(), ids.cpu()) for w, ids in c] for i, c in pin.recorded.items()}
+        ref_pin = RoutingPin(full)
+        ref_pin.recorded = recorded
+        ref = run_pass(full, batch, [t.to(device) for t in kv], ref_pin)
+        res, _ = group.run(rank_pass, batch, kv, recorded)[0]
+        _, flips = group.run(rank_pass, batch, kv, recorded, False)[0]
+        floor = UNIT_ROUNDOFF.get(dtype, 2.0**-8) / 8
+        c = compare(f"{mode} | {batch.name}", res, gold, ref, floor, flips)
+        log("  " + c.line())
+        out.append(c)
+    group.run(_rank_free)
+    return out
+
+
+def _rank_free(state) -> None:
+    state.data.clear()
+
+
+# ---------------------------------------------------------------------------------------------
 # the router on its own
 
 
@@ -501,6 +567,7 @@ __all__ = [
     "RoutingPin",
     "Variant",
     "check_model",
+    "check_parallel",
     "check_router_topk",
     "decode_batch",
     "experts_home",
