@@ -205,13 +205,14 @@ def build_app(
     if default_thinking is None:
         template = getattr(tok, "chat_template", None)
         default_thinking = template is None or "<think>" in template
+    max_len = max_model_len or _max_model_len(engine)
     state = ServerState(
         engine=engine,
         tokenizer=tok,
         model_name=names[0],
         served_names=names,
-        max_model_len=max_model_len or _max_model_len(engine),
-        metrics=ServerMetrics(engine, names[0]),
+        max_model_len=max_len,
+        metrics=ServerMetrics(engine, names[0], max_len),
         sampling_params_cls=sampling_params_cls or _default_sampling_params_cls(),
         default_thinking=default_thinking,
         default_chat_template_kwargs=dict(default_chat_template_kwargs or {}),

@@ -1,7 +1,8 @@
 """Prometheus metrics of one server app, in a registry of its own (never the global one).
 
 Owns: the metric names (vLLM's, with the `k2serve:` prefix), the per-request timing
-(`RequestTimer`) and the scrape-time collector that reads `engine.get_stats()`.
+(`RequestTimer`) and the scrape-time collector that reads `engine.get_stats()`. The same
+registry also holds the vLLM-compatible `vllm:*` series (`vllm_metrics.VllmMetrics`).
 
 Invariants:
 - Two apps in one process never share a metric (tests build many apps).
@@ -16,6 +17,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+
+from k2serve.server.vllm_metrics import VllmMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +152,7 @@ class _EngineCollector:
 
 
 class ServerMetrics:
-    def __init__(self, engine, model_name: str):
+    def __init__(self, engine, model_name: str, max_model_len: int = 131072):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.model_name = model_name
@@ -190,6 +193,7 @@ class ServerMetrics:
             registry=r,
         )
         r.register(_EngineCollector(engine))
+        self.vllm = VllmMetrics(r, engine, model_name, max_model_len)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -205,24 +209,43 @@ class RequestTimer:
         self.m = metrics
         self.start = time.perf_counter()
         self.last: float | None = None
+        self.first: float | None = None  # time to first token
+        self.generated = 0
         self.done = False
+
+    def admitted(self, prompt_tokens: int, max_tokens: int | None = None) -> None:
+        """The engine accepted the request (its prompt counts as processed)."""
+        self.m.prompt_tokens.inc(prompt_tokens)
+        self.m.vllm.observe_start(prompt_tokens, 0, max_tokens)
+
+    def cached(self, tokens: int) -> None:
+        """Prompt tokens served from the prefix cache (reported once, with the first output)."""
+        self.m.vllm.fallback_hits += tokens
 
     def tokens(self, k: int) -> None:
         if k <= 0:
             return
         t = time.perf_counter()
+        gap = None
         if self.last is None:
-            self.m.ttft.observe(t - self.start)
+            self.first = t - self.start
+            self.m.ttft.observe(self.first)
+            self.m.vllm.observe_first_token(self.first)
         else:
             # A delta with k tokens after dt: k tokens arrived at dt / k apart on average.
+            gap = t - self.last
             for _ in range(k):
-                self.m.itl.observe((t - self.last) / k)
+                self.m.itl.observe(gap / k)
         self.last = t
+        self.generated += k
         self.m.generation_tokens.inc(k)
+        self.m.vllm.observe_tokens(k, gap)
 
     def finish(self, reason: str | None) -> None:
         if self.done:
             return
         self.done = True
-        self.m.e2e.observe(time.perf_counter() - self.start)
+        e2e = time.perf_counter() - self.start
+        self.m.e2e.observe(e2e)
         self.m.request_success.labels(finished_reason=reason or "abort").inc()
+        self.m.vllm.observe_finish(reason or "abort", e2e, self.first, self.generated)

@@ -139,6 +139,7 @@ class EngineStream:
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.timer = state.metrics.timer()
+        self._params = params
         self._it = state.engine.generate(prompt_ids, params, request_id)
         self._first = None
         self.finished = False
@@ -158,10 +159,13 @@ class EngineStream:
             if isinstance(e, Exception):
                 raise engine_error(e) from None
             raise
-        self.state.metrics.prompt_tokens.inc(len(self.prompt_ids))
+        self.timer.admitted(len(self.prompt_ids), getattr(self._params, "max_tokens", None))
 
     def _account(self, out) -> None:
-        self.num_cached_tokens = getattr(out, "num_cached_tokens", 0) or 0
+        cached = getattr(out, "num_cached_tokens", 0) or 0
+        if cached and not self.num_cached_tokens:
+            self.timer.cached(cached)
+        self.num_cached_tokens = cached
         self.timer.tokens(sum(len(c.token_ids) for c in out.outputs))
         for c in out.outputs:
             if c.finish_reason is not None:
