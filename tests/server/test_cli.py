@@ -76,3 +76,30 @@ def test_flags_parse_with_vllm_names(monkeypatch):
     assert a.enable_prefix_caching is False and a.default_chat_template_kwargs == {
         "thinking": False
     }
+
+
+def test_serve_hub_id_says_how_to_download(capsys):
+    assert main(["serve", "moonshotai/Kimi-K2-Instruct"]) == 2
+    err = capsys.readouterr().err
+    assert "k2serve download moonshotai/Kimi-K2-Instruct --dir ./Kimi-K2-Instruct" in err
+    assert "k2serve serve ./Kimi-K2-Instruct" in err
+    assert main(["serve", "--model", "kimi-k2-thinking"]) == 2
+    assert "k2serve download kimi-k2-thinking --dir ./Kimi-K2-Thinking" in capsys.readouterr().err
+
+
+def test_generation_config_flag(tmp_path, capsys):
+    import argparse
+
+    from k2serve.server.cli import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args([]).generation_config == "auto"
+    assert p.parse_args(["--generation-config", "vllm"]).generation_config == "vllm"
+    # a directory without generation_config.json is refused before anything loads
+    (tmp_path / "m").mkdir()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code = main(["serve", "--model", str(tmp_path / "m"), "--generation-config", str(empty)])
+    assert code == 2
+    assert "generation_config.json" in capsys.readouterr().err

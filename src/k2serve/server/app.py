@@ -82,11 +82,14 @@ class GuardMiddleware:
         path = scope.get("path", "")
         label = path if path in _ROUTES else "other"
         status = {"code": 500, "started": False}
+        error_body: list[bytes] = []  # an error response's body, for the log line
 
         async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
                 status["started"] = True
+            elif message["type"] == "http.response.body" and status["code"] >= 400:
+                error_body.append(message.get("body", b"")[:4096])
             await send(message)
 
         try:
@@ -107,6 +110,8 @@ class GuardMiddleware:
                 )
         finally:
             self.state.metrics.http_requests.labels(path=label, status=str(status["code"])).inc()
+            if 400 <= status["code"] < 500:
+                log_rejected(scope.get("method", ""), path, status["code"], b"".join(error_body))
 
     def _too_large(self) -> APIError:
         return APIError(
@@ -161,6 +166,15 @@ class GuardMiddleware:
         return replay
 
 
+def log_rejected(method: str, path: str, status: int, body: bytes) -> None:
+    """One INFO line per rejected (4xx) request: method, path, status and the error message."""
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = body.decode("utf-8", "replace").strip() or "-"
+    logger.info("rejected %s %s: %d %s", method, path, status, message)
+
+
 def _max_model_len(engine) -> int:
     for path in (
         "max_model_len",
@@ -194,11 +208,14 @@ def build_app(
     allowed_origins: list[str] | None = None,
     tokenizer=None,
     sampling_params_cls=None,
+    default_sampling_params: dict | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app over an `AsyncLLMEngine`-like engine (see docs/interfaces.md).
 
     `default_thinking=None`: on when the chat template knows `<think>` (or is the built-in
     K2-Thinking one), off otherwise (K2-Instruct templates).
+    `default_sampling_params`: defaults for the sampling fields a request leaves unset
+    (`generation_config.load_generation_defaults`).
     """
     names = list(served_model_names or ["k2serve"])
     tok = tokenizer if tokenizer is not None else engine.tokenizer
@@ -216,6 +233,7 @@ def build_app(
         sampling_params_cls=sampling_params_cls or _default_sampling_params_cls(),
         default_thinking=default_thinking,
         default_chat_template_kwargs=dict(default_chat_template_kwargs or {}),
+        default_sampling=dict(default_sampling_params or {}),
     )
 
     @contextlib.asynccontextmanager

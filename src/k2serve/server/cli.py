@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import sys
 
@@ -118,6 +119,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="JSON merged under each request's chat_template_kwargs, e.g. '{\"thinking\": false}'",
     )
     g.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults for what a request leaves unset: 'auto' (the checkpoint's "
+        "generation_config.json, default), 'vllm' (none: temperature 1.0...) or a directory "
+        "holding a generation_config.json",
+    )
+    g.add_argument(
         "--allowed-origins",
         type=_json_list,
         default=["*"],
@@ -201,6 +209,24 @@ class _DrainingServer:
         return Server(config)
 
 
+def missing_model_message(model: str) -> str:
+    """Why MODEL cannot be served, and, for a hub id or a known name, how to fetch it."""
+    from k2serve.config import KNOWN_MODELS
+
+    if os.path.exists(model):
+        return f"--model {model!r} is not a directory"
+    key = model.lower()
+    hub = re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", model) is not None
+    if not hub and key not in KNOWN_MODELS:
+        return f"--model {model!r} is not a directory (no such path)"
+    target = "./" + (model.rsplit("/", 1)[-1] if hub else KNOWN_MODELS[key][1].split("/")[-1])
+    return (
+        f"--model {model!r} is not a local directory; k2serve serves checkpoints from disk. "
+        f"Fetch it first:\n    k2serve download {model} --dir {target}\n"
+        f"then run:\n    k2serve serve {target}"
+    )
+
+
 def _read_chat_template(value: str | None) -> str | None:
     """--chat-template: a file's contents, or the template text itself (as vLLM); checked here."""
     if value is None:
@@ -253,7 +279,14 @@ def run(args: argparse.Namespace) -> int:
             return 2
         cfg = cfg.replace(model=model_dir)
     if not os.path.isdir(model_dir):
-        print(f"k2serve serve: --model {model_dir!r} is not a directory", file=sys.stderr)
+        print(f"k2serve serve: {missing_model_message(model_dir)}", file=sys.stderr)
+        return 2
+    from k2serve.server.generation_config import load_generation_defaults
+
+    try:
+        sampling_defaults = load_generation_defaults(args.generation_config, model_dir)
+    except ValueError as e:
+        print(f"k2serve serve: {e}", file=sys.stderr)
         return 2
     # vLLM reports the --model string; the directory's name is accepted too
     base = os.path.basename(os.path.normpath(model_dir))
@@ -278,6 +311,7 @@ def run(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_request_body_bytes,
             default_chat_template_kwargs=args.default_chat_template_kwargs,
             allowed_origins=args.allowed_origins,
+            default_sampling_params=sampling_defaults,
         )
         state = app.state.k2
         ec = engine.config

@@ -37,6 +37,8 @@ class ServerState:
     sampling_params_cls: Callable[..., Any]
     default_thinking: bool = True
     default_chat_template_kwargs: dict = field(default_factory=dict)
+    # sampling defaults for fields a request leaves unset (generation_config.json)
+    default_sampling: dict = field(default_factory=dict)
     draining: bool = False
     # set when the drain timeout runs out: in-flight requests end with a 503 / an error event
     stop_event: asyncio.Event = field(default_factory=asyncio.Event)
@@ -63,7 +65,8 @@ class ServerState:
                 code="context_length_exceeded",
             )
         if max_tokens is None:
-            return limit - prompt_len
+            default = self.default_sampling.get("max_tokens")
+            return min(default, limit - prompt_len) if default else limit - prompt_len
         if prompt_len + max_tokens > limit:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -90,6 +93,8 @@ class ServerState:
         )
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             val = getattr(req, name)
+            if val is None:
+                val = self.default_sampling.get(name)
             if val is not None:
                 kw[name] = val
         kw.update(extra)
