@@ -23,6 +23,7 @@ from k2serve.parsers.markers import CALL_BEGIN, SECTION_BEGIN
 from k2serve.server.errors import APIError, bad_request
 from k2serve.server.logits_processors import BanTokens, ForceToolCallPrefix
 from k2serve.server.protocol import ChatCompletionRequest, ChatMessageParam, NamedToolChoice
+from k2serve.server.reasoning_budget import ThinkingBudget
 from k2serve.server.serving import (
     EngineStream,
     MergedStreams,
@@ -141,6 +142,9 @@ class ChatHandler:
             ban = [st.tokenizer.token_to_id(m) for m in (SECTION_BEGIN, CALL_BEGIN)]
             if any(t is not None for t in ban):
                 procs.append(BanTokens([t for t in ban if t is not None]))
+        budget = getattr(req, "thinking_token_budget", None)
+        if thinking and budget is not None:
+            procs.insert(0, ThinkingBudget(st.tokenizer, budget))
         logprobs = None
         if req.logprobs:
             logprobs = req.top_logprobs or 0

@@ -163,6 +163,8 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
+    # vLLM extra: at most this many reasoning tokens, then `</think>` (0 = no reasoning)
+    thinking_token_budget: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
     def _check(self):
