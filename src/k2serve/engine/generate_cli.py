@@ -12,6 +12,7 @@ import sys
 import time
 
 from k2serve.engine.config import EngineConfig
+from k2serve.parsers import parse_output
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int = 64) -> None:
@@ -49,11 +50,35 @@ def sampling_params_from_args(args: argparse.Namespace):
     )
 
 
+def _template_thinks(tok) -> bool:
+    """Thinking is on when the chat template knows `<think>` (or is the built-in K2-Thinking
+    one), as the server decides it."""
+    template = getattr(tok, "chat_template", None)
+    return template is None or "<think>" in template
+
+
+def format_reply(parsed) -> str:
+    """A parsed reply as `k2serve chat` prints it: `(thinking) THOUGHT`, then the answer on its
+    own line, then one `[tool call NAME ARGS]` line per call; never a raw marker."""
+    lines = []
+    if parsed.reasoning_content:
+        lines.append(f"(thinking) {parsed.reasoning_content}")
+    if parsed.content:
+        lines.append(parsed.content)
+    lines += [f"[tool call {c.name} {c.arguments}]" for c in parsed.tool_calls]
+    return "\n".join(lines)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = parser.add_mutually_exclusive_group()
     p.add_argument("--prompt", action="append", help="prompt text (repeatable); default: stdin")
     p.add_argument("--prompt-ids", help="one prompt as comma-separated token ids")
-    parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user message")
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap each prompt as a user message; the reply is shown as `k2serve chat` shows it "
+        "(the thought after '(thinking)', then the answer, tool calls as [tool call NAME ARGS])",
+    )
     parser.add_argument("--json", action="store_true", help="print outputs as JSON lines")
     add_sampling_arguments(parser)
     EngineConfig.add_cli_args(parser)
@@ -93,22 +118,35 @@ def run(args: argparse.Namespace) -> int:
         return 2
     dt = time.perf_counter() - t0
     ntok = sum(len(o.token_ids) for r in outs for o in r.outputs)
+    tok = llm.get_tokenizer()
+    thinking = args.chat and _template_thinks(tok)
     for r in outs:
         for o in r.outputs:
-            if args.json:
-                print(
-                    json.dumps(
-                        {
-                            "prompt": r.prompt,
-                            "index": o.index,
-                            "text": o.text,
-                            "token_ids": o.token_ids,
-                            "finish_reason": o.finish_reason,
-                            "stop_reason": o.stop_reason,
-                        }
-                    )
+            parsed = None
+            if args.chat and tok is not None:
+                parsed = parse_output(
+                    o.text, thinking=thinking, truncated=o.finish_reason == "length"
                 )
+            if args.json:
+                rec = {
+                    "prompt": r.prompt,
+                    "index": o.index,
+                    "text": o.text,
+                    "token_ids": o.token_ids,
+                    "finish_reason": o.finish_reason,
+                    "stop_reason": o.stop_reason,
+                }
+                if parsed is not None:
+                    rec["reasoning_content"] = parsed.reasoning_content
+                    rec["content"] = parsed.content
+                    rec["tool_calls"] = [
+                        {"id": c.id, "name": c.name, "arguments": c.arguments}
+                        for c in parsed.tool_calls
+                    ]
+                print(json.dumps(rec))
+            elif parsed is not None:
+                print(format_reply(parsed))
             else:
-                print(o.text if llm.get_tokenizer() is not None else o.token_ids)
+                print(o.text if tok is not None else o.token_ids)
     print(f"[{ntok} tokens in {dt:.2f}s, {ntok / max(dt, 1e-9):.1f} tokens/s]", file=sys.stderr)
     return 0
