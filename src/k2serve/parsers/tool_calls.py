@@ -6,12 +6,18 @@ streaming parser so both report identical calls:
 - **id**: returned as the model wrote it (stripped), e.g. `functions.get_weather:0`; an empty id
   becomes `functions.{name}:{index}`.
 - **name**: the part before the first `:`, after the last `.` (`functions.x:0` and `x:0` -> `x`).
-  An id without `:` (`call00003`, `call_3`, `toolu_...`, or a bare `functions.x`) is resolved,
-  in order: (1) the part after the last `.` if it is a declared tool; (2) with declared tools, the
-  one tool whose schema accepts the argument object (required keys present, no unknown keys
-  when properties are declared), or the only declared tool - a warning says it was inferred
-  (the approach of sglang PR #25362 for `call00003`); (3) otherwise the part after the last `.`
-  itself, with a warning. A well-delimited call is never dropped for its id.
+  An id without `:` (`call00003`, `call_3`, `0`, `toolu_...`, or a bare `functions.x`) is
+  resolved, in order: (1) the part after the last `.` if it is a declared tool; (2) with declared
+  tools, the ONE tool whose parameter schema accepts the argument object, or the only declared
+  tool - a warning says it was inferred (as sglang's Kimi-K2 detector does for client-style ids);
+  (3) otherwise the part after the last `.` itself, with a warning (and `declared=False`). A
+  well-delimited call is never dropped for its id: the client gets it, flagged, and can answer
+  "unknown tool" (sglang drops it; a silent drop ends an agent turn with no call and no text).
+  "Accepts" is full JSON Schema validation (the `jsonschema` library: required, types, enum,
+  const, anyOf/oneOf/allOf, $ref/$defs, additionalProperties, boolean schemas...) plus one rule
+  for inference only: every argument key must be a declared property, so a tool that declares
+  no properties matches only `{}` (a permissive schema must not swallow every call). Ambiguity
+  (two tools accept) resolves to no inference, never to the first tool listed.
 - **arguments**: the JSON text as written (stripped). Empty arguments mean `{}`. Arguments given
   as a JSON *string* holding an object (`"{\\"a\\": 1}"`) are unwrapped to the inner JSON text.
   Arguments that are not a JSON object are **passed through unchanged** (as vLLM does, so the
@@ -69,8 +75,10 @@ class DeltaMessage:
 @dataclass(frozen=True)
 class ToolSpec:
     name: str
-    properties: frozenset[str] | None  # None: schema unknown or declares no properties
+    properties: frozenset[str] | None  # None: schema unknown (a bare name was given)
     required: frozenset[str]
+    schema: Any = None  # the parameters JSON Schema (dict or bool); None: unknown
+    validator: Any = field(default=None, compare=False, repr=False)
 
 
 def normalize_tools(tools: Iterable[Any] | None) -> dict[str, ToolSpec] | None:
@@ -84,6 +92,9 @@ def normalize_tools(tools: Iterable[Any] | None) -> dict[str, ToolSpec] | None:
         if isinstance(tool, str):
             specs[tool] = ToolSpec(tool, None, frozenset())
             continue
+        if isinstance(tool, ToolSpec):
+            specs[tool.name] = tool
+            continue
         if hasattr(tool, "model_dump"):
             tool = tool.model_dump()
         if not isinstance(tool, dict):
@@ -92,16 +103,37 @@ def normalize_tools(tools: Iterable[Any] | None) -> dict[str, ToolSpec] | None:
         name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(name, str) or not name:
             raise ValueError(f"tools: tool without a function name: {tool!r:.200}")
-        params = fn.get("parameters") or {}
+        params = fn.get("parameters")
+        if params is None:
+            params = {"type": "object", "properties": {}}
         props = params.get("properties") if isinstance(params, dict) else None
         req = params.get("required") if isinstance(params, dict) else None
         req = req if isinstance(req, list) else []
         specs[name] = ToolSpec(
             name,
-            frozenset(props) if isinstance(props, dict) and props else None,
+            frozenset(props) if isinstance(props, dict) else frozenset(),
             frozenset(r for r in req if isinstance(r, str)),
+            params,
+            _validator(params),
         )
     return specs
+
+
+def _validator(schema: Any):
+    """A jsonschema validator for a tool's parameters, or None when the schema is unusable
+    (the tool then matches by keys only; a bad schema is the client's problem, not a crash)."""
+    if not isinstance(schema, (dict, bool)):
+        return None
+    try:
+        import jsonschema
+    except ImportError:  # pragma: no cover - a declared dependency
+        return None
+    try:
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        cls.check_schema(schema)
+        return cls(schema)
+    except Exception:  # SchemaError, unknown $schema...: no validation, keys only
+        return None
 
 
 def normalize_arguments(raw: str) -> tuple[str, Any, str | None]:
@@ -127,13 +159,23 @@ def normalize_arguments(raw: str) -> tuple[str, Any, str | None]:
     return text, obj, None
 
 
-def _accepts(spec: ToolSpec, args: Any) -> bool:
+def schema_accepts(spec: ToolSpec, args: Any) -> bool:
+    """Whether `args` is a valid argument object for `spec` (JSON Schema validation)."""
     if not isinstance(args, dict):
         return False
-    keys = set(args)
-    if not spec.required <= keys:
+    if spec.validator is not None:
+        try:
+            return spec.validator.is_valid(args)
+        except Exception:  # an unresolvable $ref and the like: fall back to the keys
+            pass
+    return spec.required <= set(args)
+
+
+def _accepts(spec: ToolSpec, args: Any) -> bool:
+    """Inference: the schema accepts AND every key is a declared property (see the docstring)."""
+    if not isinstance(args, dict) or spec.properties is None:
         return False
-    return spec.properties is None or keys <= spec.properties
+    return set(args) <= spec.properties and schema_accepts(spec, args)
 
 
 def resolve_name(
@@ -147,7 +189,7 @@ def resolve_name(
         return bare, None
     if tools:
         fits = [s.name for s in tools.values() if _accepts(s, args)]
-        if len(fits) != 1 and len(tools) == 1:
+        if len(tools) == 1:
             fits = list(tools)
         if len(fits) == 1:
             return fits[0], f"id {raw_id!r} names no function; inferred {fits[0]!r} from the tools"

@@ -20,8 +20,11 @@ tests check that the two agree for every chunking):
    DROPPED, its text too (a half call is neither a call nor useful content), and
    `dropped_partial_call` is set. Complete calls before it are kept. An unfinished marker at the
    very end is dropped when truncated or when it starts with `<|` (`markers.drop_partial_marker`).
-5. Content is all remaining text: before, between and after calls and sections. Reasoning and
-   content are each stripped of leading and trailing whitespace; empty -> None.
+5. Content is the remaining text outside tool-call sections: before and after sections, and
+   around calls written without a section. Text between a section's markers but outside its
+   calls (`<|tool_calls_section_begin|> noise <|tool_call_begin|>...`) is dropped: it is never
+   content. A section left open runs to the end of the output. Reasoning and content are each
+   stripped of leading and trailing whitespace; empty -> None.
 """
 
 from __future__ import annotations
@@ -51,6 +54,20 @@ def _literal(tokens: list[Token]) -> str:
     return "".join(s for is_marker, s in tokens if not is_marker)
 
 
+def _content(tokens: list[Token], in_section: bool, parts: list[str]) -> bool:
+    """Append the text of `tokens` that lies outside sections; return whether a section is open
+    at the end."""
+    for is_marker, s in tokens:
+        if is_marker:
+            if s == SECTION_BEGIN:
+                in_section = True
+            elif s == SECTION_END:
+                in_section = False
+        elif not in_section:
+            parts.append(s)
+    return in_section
+
+
 def parse_output(
     text: str, thinking: bool = True, tools: Iterable[Any] | None = None, truncated: bool = False
 ) -> ParsedOutput:
@@ -72,10 +89,10 @@ def parse_output(
             is_marker, s = tokens[i]
             if not is_marker:
                 reasoning_parts.append(s)
-            elif s in (THINK_END, SECTION_BEGIN):
+            elif s == THINK_END:
                 i += 1
                 break
-            elif s == CALL_BEGIN:
+            elif s in (SECTION_BEGIN, CALL_BEGIN):  # the section marker opens the section below
                 break
             i += 1
 
@@ -87,7 +104,8 @@ def parse_output(
         else:
             segments[-1].append(tok)
 
-    content_parts = [_literal(segments[0])]
+    content_parts: list[str] = []
+    in_section = _content(segments[0], False, content_parts)
     calls: list[ToolCall] = []
     dropped = False
     for k, seg in enumerate(segments[1:], start=1):
@@ -108,7 +126,10 @@ def parse_output(
         if call is not None:
             calls.append(call)
         if end is not None:
-            content_parts.append(_literal(seg[end + 1 :]))
+            # after <|tool_call_end|> the section (if any) goes on; a section marker that ended
+            # the call acts as usual
+            tail = seg[end + 1 :] if seg[end] == (True, CALL_END) else seg[end:]
+            in_section = _content(tail, in_section, content_parts)
 
     reasoning = "".join(reasoning_parts).strip()
     content = "".join(content_parts).strip()
