@@ -34,9 +34,9 @@ WEATHER_TOOLS = [
 ]
 
 
-def stream_chunks(chunks, thinking=True, tools=None, truncated=False):
+def stream_chunks(chunks, thinking=True, tools=None, truncated=False, **kw):
     """Feed `chunks` (str) to a streaming parser; return (parser, all deltas)."""
-    parser = StreamingOutputParser(thinking=thinking, tools=tools)
+    parser = StreamingOutputParser(thinking=thinking, tools=tools, **kw)
     deltas = [parser.feed(c) for c in chunks]
     deltas.append(parser.finish(truncated=truncated))
     return parser, deltas
