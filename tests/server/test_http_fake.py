@@ -117,7 +117,11 @@ def test_tool_call_stream(client):
         )
     )
     calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert [tc.function.name for tc in calls] == ["get_weather"]
+    # vLLM's deltas: id, type and name first, then the arguments fragment by fragment
+    assert [tc.function.name for tc in calls if tc.function.name] == ["get_weather"]
+    assert calls[0].id == "functions.get_weather:0" and calls[0].type == "function"
+    assert all(tc.id is None and tc.function.name is None for tc in calls[1:])
+    assert len(calls) > 3 and {tc.index for tc in calls} == {0}
     assert json.loads("".join(tc.function.arguments for tc in calls)) == {"city": "Paris"}
     assert [
         c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
@@ -283,8 +287,12 @@ def test_parallel_tool_calls(client):
         )
     )
     calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert [tc.index for tc in calls] == [0, 1]
-    assert [tc.id for tc in calls] == ["functions.get_weather:0", "functions.get_weather:1"]
+    firsts = [tc for tc in calls if tc.id]
+    assert [tc.index for tc in firsts] == [0, 1]
+    assert [tc.id for tc in firsts] == ["functions.get_weather:0", "functions.get_weather:1"]
+    for i, city in enumerate(["Paris", "Rome"]):
+        args = "".join(tc.function.arguments or "" for tc in calls if tc.index == i)
+        assert json.loads(args) == {"city": city}
 
 
 def test_stream_n2_each_choice_finishes(client):
@@ -347,3 +355,30 @@ def test_logit_bias(client, fake_server):
     for bad in ({"abc": 1}, {str(10**7): 1}, {str(x): 101}):
         e = _err(_post(fake_server, "/v1/completions", {"prompt": "Hi", "logit_bias": bad}), 400)
         assert e["param"] == "logit_bias"
+
+
+def test_tool_call_near_max_tokens_is_held_back_whole(client):
+    # with few tokens left when the call opens, the call is sent whole once complete...
+    chunks = list(
+        client.chat.completions.create(
+            model="fake-k2",
+            messages=_msgs("What's the weather in Paris?"),
+            tools=[WEATHER_TOOL],
+            stream=True,
+            max_tokens=200,
+        )
+    )
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and json.loads(calls[0].function.arguments) == {"city": "Paris"}
+    # ...and a call that max_tokens cuts is never shown
+    chunks = list(
+        client.chat.completions.create(
+            model="fake-k2",
+            messages=_msgs("What's the weather in Paris?"),
+            tools=[WEATHER_TOOL],
+            stream=True,
+            max_tokens=50,  # the fake writes the call from token 16 to 57
+        )
+    )
+    assert not [c for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"

@@ -239,7 +239,11 @@ class ChatHandler:
         created = int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-        parsers = [StreamingOutputParser(thinking=thinking, tools=tools) for _ in range(n)]
+        parsers = [
+            StreamingOutputParser(thinking=thinking, tools=tools, stream_arguments=True)
+            for _ in range(n)
+        ]
+        max_tokens = getattr(stream.params, "max_tokens", None)
         num_calls = [0] * n
         counts = [0] * n
         merged = MergedStreams([stream])
@@ -270,19 +274,12 @@ class ChatHandler:
                 d["reasoning"] = msg.reasoning_content
             if msg.content:
                 d["content"] = msg.content
-            calls = []
-            for tc in msg.tool_calls if tools else ():  # no tools: never report calls
-                if tc.index > 0 and not req.parallel_tool_calls:
-                    continue
-                num_calls[i] += 1
-                calls.append(
-                    {
-                        "index": tc.index,
-                        "id": tc.id,
-                        "type": "function",
-                        "function": {"name": tc.name, "arguments": tc.arguments or ""},
-                    }
-                )
+            calls = [
+                tool_call_delta(tc)
+                for tc in (msg.tool_calls if tools else ())  # no tools: never report calls
+                if tc.index == 0 or req.parallel_tool_calls
+            ]
+            num_calls[i] += sum(1 for c in calls if "id" in c)
             if calls:
                 d["tool_calls"] = calls
             return d
@@ -294,6 +291,7 @@ class ChatHandler:
                 for c in out.outputs:
                     i = c.index
                     counts[i] += len(c.token_ids)
+                    parsers[i].stream_arguments = may_stream_arguments(max_tokens, counts[i])
                     d = delta_dict(parsers[i].feed(c.text), i) if c.text else {}
                     lp = None
                     if req.logprobs and c.logprobs:
@@ -339,6 +337,33 @@ class ChatHandler:
             yield SSE_DONE
         finally:
             await merged.aclose()
+
+
+# A tool call's arguments stream fragment by fragment only while at least this many tokens are
+# left before max_tokens when the call opens; nearer the limit a call is held back and sent
+# whole once complete, so a call that max_tokens cuts is not shown. NOTE: a call that opens with
+# more tokens left but is longer than them is still cut mid-stream: its fragments were sent and
+# the choice ends with finish_reason "length" (as vLLM). Full hold-back is the parser's
+# stream_arguments=False.
+ARGUMENT_STREAM_RESERVE = 256
+
+
+def may_stream_arguments(max_tokens: int | None, generated: int) -> bool:
+    return max_tokens is None or max_tokens - generated >= ARGUMENT_STREAM_RESERVE
+
+
+def tool_call_delta(tc) -> dict:
+    """A parser ToolCallDelta in the chat chunk format (vLLM's: id, type and name first)."""
+    fn: dict = {}
+    if tc.name is not None:
+        fn["name"] = tc.name
+    fn["arguments"] = tc.arguments or ""
+    d: dict = {"index": tc.index}
+    if tc.id is not None:
+        d["id"] = tc.id
+        d["type"] = "function"
+    d["function"] = fn
+    return d
 
 
 def _usage(prompt: int, completion: int, cached: int) -> dict:

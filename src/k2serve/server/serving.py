@@ -144,7 +144,7 @@ class EngineStream:
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.timer = state.metrics.timer()
-        self._params = params
+        self.params = params
         self._it = state.engine.generate(prompt_ids, params, request_id)
         self._first = None
         self.finished = False
@@ -164,7 +164,7 @@ class EngineStream:
             if isinstance(e, Exception):
                 raise engine_error(e) from None
             raise
-        self.timer.admitted(len(self.prompt_ids), getattr(self._params, "max_tokens", None))
+        self.timer.admitted(len(self.prompt_ids), getattr(self.params, "max_tokens", None))
 
     def _account(self, out) -> None:
         cached = getattr(out, "num_cached_tokens", 0) or 0
