@@ -1,8 +1,8 @@
 """The FastAPI app: `build_app(engine, ...)` wires routes, auth, limits, errors and metrics.
 
-Owns: the routes (/v1/chat/completions, /v1/completions, /v1/models, /health, /version,
-/metrics) and `GuardMiddleware` (API key, request body limit, per-status request counts, and
-the last-resort 500 that never leaks a traceback).
+Owns: the routes (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health,
+/version, /metrics) and `GuardMiddleware` (API key, request body limit, per-status request
+counts, and the last-resort 500 that never leaks a traceback).
 
 Invariants:
 - The app holds no global state: everything lives in `app.state.k2` (a `ServerState`), so tests
@@ -38,6 +38,8 @@ from k2serve.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from k2serve.server.responses import ResponsesHandler
+from k2serve.server.responses_input import ResponsesRequest
 from k2serve.server.serving import ServerState
 from k2serve.server.sse import ClientDisconnected, ServerStopping
 
@@ -47,6 +49,7 @@ DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 _ROUTES = (
     "/v1/chat/completions",
     "/v1/completions",
+    "/v1/responses",
     "/v1/models",
     "/health",
     "/version",
@@ -247,6 +250,7 @@ def build_app(
     app.state.k2 = state
     install_error_handlers(app)
     chat, completions = ChatHandler(state), CompletionHandler(state)
+    responses = ResponsesHandler(state, chat)
     started = int(time.time())
 
     @app.exception_handler(ClientDisconnected)
@@ -267,6 +271,19 @@ def build_app(
     async def create_completion(body: CompletionRequest, request: Request):
         out = await completions.create(body, request)
         return out if isinstance(out, Response) else JSONResponse(out)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request):
+        out = await responses.create(body, request)
+        return out if isinstance(out, Response) else JSONResponse(out)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return responses.get(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return responses.delete(response_id)
 
     @app.get("/v1/models")
     async def models():
