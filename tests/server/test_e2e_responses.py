@@ -119,3 +119,34 @@ def test_thinking_token_budget_on_the_demo(client, real):  # noqa: F811
         reasoning = c.choices[0].message.reasoning_content
         assert (reasoning is None) == (budget == 0)
         assert c.choices[0].message.content
+
+
+def test_litellm_responses_on_the_demo(real):  # noqa: F811
+    _need_demo(real)
+    import os
+
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    litellm = pytest.importorskip("litellm")
+    kw = dict(model="openai/demo", api_base=real.url + "/v1", api_key="sk-e2e", temperature=0)
+    r = litellm.responses(input="What's the weather in Paris?", tools=[W], **kw)
+    calls = [it for it in r.output if getattr(it, "type", None) == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    r2 = litellm.responses(
+        input=[
+            {"role": "user", "content": "What's the weather in Paris?"},
+            {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather",
+             "arguments": calls[0].arguments},
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Snow, -3°C"},
+        ],
+        tools=[W],
+        **kw,
+    )  # fmt: skip
+    text = "".join(
+        part.text
+        for it in r2.output
+        if getattr(it, "type", None) == "message"
+        for part in it.content
+    )
+    assert "Snow, -3°C" in text
