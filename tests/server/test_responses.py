@@ -273,3 +273,16 @@ def test_text_format_goes_to_the_chat_path(fake_server):
         assert _err(r, 400)["param"] == "response_format"
     else:
         assert r.status_code == 200
+
+
+def test_openai_stream_helper_accumulates(client):
+    # client.responses.stream() rebuilds the response from the events and checks their order
+    with client.responses.stream(
+        model="fake-k2", input="What's the weather in Paris?", tools=[W]
+    ) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_response()
+    assert kinds[-1] == "response.completed"
+    assert [o.type for o in final.output] == ["reasoning", "function_call"]
+    assert final.output[0].content[0].text == "Let me think."
+    assert json.loads(final.output[1].arguments) == {"city": "Paris"}
