@@ -126,6 +126,23 @@ CASES = [
     ("vllm_noise_after_call_inside_section",
      "Hi " + S + call("functions.get_weather:0", '{"city": "Paris"}') + " leaked " + E + " bye",
      None, "Hi  bye", [("get_weather", {"city": "Paris"}, None)]),
+    ("vllm_reentry_after_section", S + E + " More reasoning", None, "More reasoning", []),
+    ("vllm_empty_section", "Reasoning " + S + E, None, "Reasoning", []),
+    ("vllm_same_chunk_begin_noise_end", "Reasoning " + S + "   " + E + " Done", None,
+     "Reasoning  Done", []),
+    ("vllm_section_begin_noise_call_begin_same_chunk",
+     "Reasoning " + S + " noise text " + call("functions.f:0", "{}") + E, None, "Reasoning",
+     [("f", {}, None)]),
+    ("vllm_call_end_and_section_end_same_chunk",
+     "Let me help. " + S + B + "get_weather:0 " + A + ' {"city": "Paris"} ' + X + E + " Done",
+     None, "Let me help.  Done", [("get_weather", {"city": "Paris"}, None)]),
+    ("vllm_stream_ends_inside_section", S + " partial content", None, None, []),
+    # POLICY: vLLM force-exits a section after 8192 characters and returns them as content;
+    # k2serve's rule is positional (text inside a section is never content)
+    ("vllm_unclosed_section_text_is_not_content", S + "x" * 10000, None, None, []),
+    ("vllm_singular_section_markers",
+     "Reasoning <|tool_call_section_begin|>" + call("functions.f:0", '{"a": 1}')
+     + "<|tool_call_section_end|> after", None, "Reasoning  after", [("f", {"a": 1}, None)]),
     # ---- sglang ----
     ("sgl_single", sec(call("functions.ReadFile:0", '{"path": "/test.py"}')), SG, None,
      [("ReadFile", {"path": "/test.py"}, True)]),
