@@ -150,3 +150,32 @@ def test_litellm_responses_on_the_demo(real):  # noqa: F811
         for part in it.content
     )
     assert "Snow, -3°C" in text
+
+
+def test_vllm_metrics_from_the_real_engine(client, real):  # noqa: F811
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+    )
+    fams = {
+        f.name: f for f in text_string_to_metric_families(httpx.get(real.url + "/metrics").text)
+    }
+
+    def value(name, sample):
+        return next(s.value for s in fams[name].samples if s.name == sample)
+
+    # the engine's own counters (EngineStats) feed the prefix-cache series
+    stats = real.engine.get_stats()
+    q = value("vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total")
+    assert q == stats.prefix_cache_queries > 0
+    assert (
+        value("vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total") == stats.prefix_cache_hits
+    )
+    assert value("vllm:num_requests_running", "vllm:num_requests_running") == 0
+    assert value("vllm:generation_tokens", "vllm:generation_tokens_total") >= 4
+    assert all(
+        s.labels["model_name"] == "demo" for f in fams.values() if f.name.startswith("vllm:")
+        for s in f.samples
+    )  # fmt: skip
