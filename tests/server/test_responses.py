@@ -243,6 +243,8 @@ def test_tool_choice_required_and_named_and_parallel(client):
         ({"input": "x", "previous_response_id": "resp_nope"}, 404, "previous_response_id"),
         ({"input": "x", "model": "nope"}, 404, "model"),
         ({"input": "x", "background": True}, 400, "background"),
+        ({"input": "x", "max_output_tokens": 10**6}, 400, "max_output_tokens"),
+        ({"input": "x" * 5000}, 400, "input"),
     ],
 )  # fmt: skip
 def test_errors(fake_server, body, status, param):
@@ -270,7 +272,7 @@ def test_text_format_goes_to_the_chat_path(fake_server):
     r = _post(fake_server, "/v1/responses", body)
     # the chat path decides (a 400 naming response_format until constrained decoding is there)
     if r.status_code == 400:
-        assert _err(r, 400)["param"] == "response_format"
+        assert _err(r, 400)["param"] == "text.format"
     else:
         assert r.status_code == 200
 

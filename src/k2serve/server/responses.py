@@ -43,6 +43,15 @@ from k2serve.server.sse import SSEResponse, cancel_on_disconnect
 logger = logging.getLogger(__name__)
 
 
+# chat request fields -> the Responses fields they came from (for error messages)
+_PARAMS = {
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+}
+
+
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
@@ -113,7 +122,12 @@ class ResponsesHandler:
                 raise not_found(req.previous_response_id, param="previous_response_id")
             history = got[1]
         chat_req, conversation = to_chat_request(req, history)
-        prompt_ids, params, thinking, tools = self.chat._prepare(chat_req)
+        try:
+            prompt_ids, params, thinking, tools = self.chat._prepare(chat_req)
+        except APIError as e:  # name the Responses field, not the chat one
+            e.param = _PARAMS.get(e.param or "", e.param)
+            e.message = e.message.replace("the messages", "the input")
+            raise
         rid = _id("resp")
         stream = EngineStream(st, prompt_ids, params, rid)
         await cancel_on_disconnect(raw, stop=st.stop_event, work=stream.start())
