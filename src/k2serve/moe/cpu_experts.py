@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -89,6 +90,36 @@ class CpuExpertBackend(ExpertBackend):
     def __call__(self, hidden, topk_ids, topk_weights) -> torch.Tensor:  # [T, hidden]
         out = self.compute(self.to_host(hidden, topk_ids, topk_weights), hidden)
         return out if out is not None else torch.zeros_like(hidden)
+
+    # ---- asynchronous use (KT-Kernel's submit_forward / sync_forward) --------------------
+    def submit(self, hidden, topk_ids, topk_weights) -> None:
+        """Start this backend's part for host tensors `hidden [T, hidden]`, `topk_ids [T, k]`,
+        `topk_weights [T, k]` on a worker thread (torch ops release the GIL) and return at
+        once; `wait()` returns the result. One job in flight at a time."""
+        if getattr(self, "_job", None) is not None:
+            raise RuntimeError("CpuExpertBackend.submit: the previous job was not waited for")
+        box: dict = {}
+
+        def work():
+            try:
+                box["out"] = self(hidden, topk_ids, topk_weights)
+            except BaseException as e:  # re-raised by wait() on the caller's thread
+                box["err"] = e
+
+        t = threading.Thread(target=work, name="k2serve-cpu-experts", daemon=True)
+        self._job = (t, box)
+        t.start()
+
+    def wait(self) -> torch.Tensor:  # [T, hidden] on the CPU, dtype of the submitted hidden
+        """The result of the job `submit` started (blocks until it is done)."""
+        job, self._job = getattr(self, "_job", None), None
+        if job is None:
+            raise RuntimeError("CpuExpertBackend.wait: nothing was submitted")
+        t, box = job
+        t.join()
+        if "err" in box:
+            raise box["err"]
+        return box["out"]
 
 
 class HybridExpertBackend(ExpertBackend):
