@@ -33,6 +33,7 @@ from k2serve.config import ModelConfig
 from k2serve.model.layers import RMSNorm, YarnRotaryEmbedding
 from k2serve.model.router import TopkRouter
 from k2serve.moe import ExpertBackend, TorchExpertBackend
+from k2serve.moe.cpu_experts import drive
 from k2serve.moe.placement import ExpertPlacement
 from k2serve.quant import LinearBase, linear_scheme, make_linear
 from k2serve.quant.linear import linear
@@ -146,12 +147,45 @@ class MoE(nn.Module):
         # CUDA: a second stream on which the shared expert runs while the router and the
         # routed experts run on the current one (set by set_fused_kernels; None: in order)
         self.side_stream: torch.cuda.Stream | None = None
+        # routing counts [E] int64 on the device and the valid-row mask [max_tokens] int64
+        # (graph padding rows 0), set by moe.placement.RoutingRecorder; None: not recording
+        self.routing_counts: torch.Tensor | None = None
+        self.routing_valid: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        return self.routed_plus_shared(x, self.routed)
+        return drive(self.pieces(x))
+
+    def pieces(self, x: torch.Tensor):
+        """Generator of the block's output. With a hybrid backend the CPU experts' host round
+        trip is yielded as host actions around the GPU part (GPU experts + shared expert, so
+        both run while the CPU computes; see moe.cpu_experts.HostJob); otherwise no yield."""
+        be = self.expert_backend
+        if getattr(be, "pieces", None) is None:
+            return self.routed_plus_shared(x, self.routed)
+        topk_weights, topk_ids = self.gate(x)  # [T, k] float32, [T, k] int64
+        self._record_routing(topk_ids)
+
+        def gpu(y):
+            return self.routed_plus_shared(y, lambda z: be.gpu_part(z, topk_ids, topk_weights))
+
+        return (yield from be.pieces(x, topk_ids, topk_weights, gpu=gpu))
+
+    def _record_routing(self, topk_ids: torch.Tensor) -> None:
+        """Add this step's (token, expert) pairs to `routing_counts` (set by
+        moe.placement.RoutingRecorder) on the device, no host sync: inside CUDA graphs too.
+        Rows past `routing_rows` (a graph's padding) are not counted."""
+        counts = self.routing_counts
+        if counts is None:
+            return
+        T, k = topk_ids.shape
+        valid = self.routing_valid
+        ones = (valid[:T, None].expand(T, k) if valid is not None and valid.shape[0] >= T
+                else torch.ones_like(topk_ids))  # fmt: skip
+        counts.index_add_(0, topk_ids.reshape(-1), ones.reshape(-1))
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)  # [T, k] float32, [T, k] int64
+        self._record_routing(topk_ids)
         return self.expert_backend(x, topk_ids, topk_weights)
 
     def routed_plus_shared(self, x: torch.Tensor, routed) -> torch.Tensor:
@@ -317,6 +351,10 @@ class DecoderLayer(nn.Module):
     def forward(self, h, positions, attn_metadata=None, kv_cache=None, residual=None):
         """-> (h, residual): the layer's output is h + residual (vLLM's deferred residual add,
         so the add fuses into the next RMSNorm). residual=None at the first layer."""
+        return drive(self.pieces(h, positions, attn_metadata, kv_cache, residual))
+
+    def pieces(self, h, positions, attn_metadata=None, kv_cache=None, residual=None):
+        """Generator form of forward: yields the MoE block's host actions (see MoE.pieces)."""
         if residual is None:
             residual = h
             x = self.input_layernorm(h)
@@ -324,7 +362,9 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm.add_norm(h, residual)
         h = self.self_attn(x, positions, attn_metadata, kv_cache)
         x, residual = self.post_attention_layernorm.add_norm(h, residual)
-        return self.mlp(x), residual
+        mlp_pieces = getattr(self.mlp, "pieces", None)
+        out = (yield from mlp_pieces(x)) if mlp_pieces is not None else self.mlp(x)
+        return out, residual
 
 
 class Embedding(nn.Module):
@@ -506,6 +546,13 @@ class DeepseekV3ForCausalLM(nn.Module):
         attn_metadata: AttentionMetadata | None = None,
         kv_caches: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [T, hidden]
+        return drive(self.pieces(input_ids, positions, attn_metadata, kv_caches))
+
+    def pieces(self, input_ids, positions, attn_metadata=None, kv_caches=None):
+        """Generator form of forward: the GPU work between two yields is one piece, each
+        yielded host action (a hybrid layer's CPU round trip) runs between pieces; without CPU
+        experts nothing is yielded. model.cuda_graph.PiecewiseGraphRunner captures the pieces
+        as CUDA graphs; `forward` runs them eagerly."""
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(
                 f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} "
@@ -522,7 +569,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         try:
             for i, layer in enumerate(layers):
                 cache = kv_caches[i] if kv_caches else None
-                h, residual = layer(h, positions, attn_metadata, cache, residual)
+                h, residual = yield from layer.pieces(h, positions, attn_metadata, cache, residual)
         finally:
             self.model.rope.step_cache(False)
         if residual is None:  # no layers

@@ -12,8 +12,11 @@ Invariants:
 - CPU experts keep their stored format (INT4 stays packed); each call dequantizes the experts it
   hits, one at a time, in `compute_dtype` (float32 by default: CPUs without AMX run float32
   GEMMs faster than bf16, and it is the more exact choice).
-- The CPU part copies the tokens it needs to the host BEFORE the GPU part is enqueued, so the
-  GPU experts run while the CPU computes; the CPU result is then copied back and added.
+- Overlap (`HybridExpertBackend.pieces`, `HostJob`): the layer's tokens, ids and weights are
+  copied to the host BEFORE the GPU part (GPU experts + shared expert) is enqueued; the CPU
+  computes while the GPU part runs; the CPU result is then copied back and added. The host
+  actions are yielded between GPU pieces, so the runner can replay those pieces as CUDA
+  graphs and run only the host round trip eagerly (k2serve.model.cuda_graph).
 """
 
 from __future__ import annotations
@@ -122,6 +125,45 @@ class CpuExpertBackend(ExpertBackend):
         return box["out"]
 
 
+class HostJob:
+    """One step's CPU part of one hybrid layer (KT-Kernel's submit_forward / sync_forward).
+
+    The model runs: `job = backend.stage(...)` (GPU: the layer's tokens, ids and weights copied
+    to pinned host buffers, non_blocking), host action `job.start`, the GPU part (GPU experts +
+    shared expert), host action `job.finish`, then `job.result()` (GPU: the CPU output copied
+    back, non_blocking). Between the GPU pieces the driver runs the host actions eagerly, so the
+    GPU pieces can be CUDA graphs (k2serve.model.cuda_graph): with static buffers a job is
+    re-run by calling `start` / `finish` again after the captured pieces are replayed.
+    On a CUDA device `start` records an event and `finish` waits for it, runs the CPU experts
+    (submit + wait) while the already-launched GPU part runs, and writes the pinned output
+    buffer; on a CPU device `start` submits (the worker thread overlaps the main thread's
+    experts) and `finish` waits."""
+
+    def __init__(self, backend, x, ids, w, out, cuda: bool) -> None:
+        self.backend = backend
+        self.x, self.ids, self.w, self.out = x, ids, w, out  # host tensors ([T, ...])
+        self.cuda = cuda
+        self.event = torch.cuda.Event() if cuda else None
+
+    def start(self) -> None:
+        if self.cuda:
+            self.event.record()
+        else:
+            self.backend.cpu_backend.submit(self.x, self.ids, self.w)
+
+    def finish(self) -> None:
+        cpu = self.backend.cpu_backend
+        if self.cuda:
+            self.event.synchronize()  # the staged inputs are in host memory
+            cpu.submit(self.x, self.ids, self.w)
+            self.out.copy_(cpu.wait())
+        else:
+            self.out = cpu.wait()
+
+    def result(self, like: torch.Tensor) -> torch.Tensor:  # [T, hidden] on like's device
+        return self.out.to(like.device, like.dtype, non_blocking=True)
+
+
 class HybridExpertBackend(ExpertBackend):
     """One MoE layer split between a GPU backend (local ids) and a `CpuExpertBackend`."""
 
@@ -143,21 +185,84 @@ class HybridExpertBackend(ExpertBackend):
             raise ValueError("gpu_backend must be given exactly when some experts are on the GPU")
         self.gpu_backend = gpu_backend
         self.cpu_backend = cpu_backend
+        self.num_experts = num_experts
+        self.device = torch.device(device)
         self.gpu_expert_ids = tuple(gpu_expert_ids)
         self.gpu_local_of = _local_map(num_experts, self.gpu_expert_ids, device)  # [E]
+        self._buffers: dict | None = None  # static pinned staging buffers (reserve())
+
+    def reserve(self, max_tokens: int, hidden_size: int, k: int, dtype: torch.dtype) -> None:
+        """Allocate static pinned host buffers for steps of up to `max_tokens` tokens (before
+        capturing CUDA graphs: captured copies read and write these addresses). No-op on a
+        CPU device, where the CPU part reads the layer's tensors directly."""
+        if self.device.type != "cuda":
+            return
+        b = self._buffers
+        if b is not None and b["x"].shape[0] >= max_tokens and b["x"].dtype == dtype:
+            return
+        pin = dict(pin_memory=True)
+        self._buffers = dict(
+            x=torch.empty(max_tokens, hidden_size, dtype=dtype, **pin),
+            ids=torch.empty(max_tokens, k, dtype=torch.long, **pin),
+            w=torch.empty(max_tokens, k, dtype=torch.float32, **pin),
+            out=torch.empty(max_tokens, hidden_size, dtype=dtype, **pin),
+        )
+
+    def stage(self, hidden, topk_ids, topk_weights) -> HostJob:
+        """Start the CPU part's input copies (see HostJob); no host sync."""
+        if self.device.type != "cuda" or not hidden.is_cuda:
+            return HostJob(self, hidden, topk_ids, topk_weights, None, cuda=False)
+        T, D = hidden.shape
+        k = topk_ids.shape[1]
+        b = self._buffers
+        if b is not None and T <= b["x"].shape[0] and b["x"].dtype == hidden.dtype:
+            x, ids, w, out = b["x"][:T], b["ids"][:T, :k], b["w"][:T, :k], b["out"][:T]
+        else:  # outside the reserved size (long prefills, eager): fresh pinned buffers
+            pin = dict(pin_memory=True)
+            x = torch.empty(T, D, dtype=hidden.dtype, **pin)
+            ids = torch.empty(T, k, dtype=torch.long, **pin)
+            w = torch.empty(T, k, dtype=torch.float32, **pin)
+            out = torch.empty(T, D, dtype=hidden.dtype, **pin)
+        x.copy_(hidden, non_blocking=True)
+        ids.copy_(topk_ids, non_blocking=True)
+        w.copy_(topk_weights, non_blocking=True)
+        return HostJob(self, x, ids, w, out, cuda=True)
+
+    def gpu_part(self, hidden, topk_ids, topk_weights) -> torch.Tensor:  # [T, hidden]
+        """The GPU experts' weighted sum (pairs on CPU experts get weight 0); no host sync."""
+        if self.gpu_backend is None:
+            return torch.zeros_like(hidden)
+        local = self.gpu_local_of[topk_ids.long()]  # [T, k], -1 = on the CPU
+        on_gpu = local >= 0
+        ids = torch.where(on_gpu, local, torch.zeros_like(local))
+        w = torch.where(on_gpu, topk_weights, torch.zeros_like(topk_weights))
+        return self.gpu_backend(hidden, ids, w)
+
+    def pieces(self, hidden, topk_ids, topk_weights, gpu=None):
+        """Generator: the layer's routed output with the host actions yielded (see HostJob).
+        `gpu(hidden)` computes the GPU part (default `gpu_part`; the MoE block adds the shared
+        expert there, so it runs while the CPU works)."""
+        job = self.stage(hidden, topk_ids, topk_weights)
+        yield job.start
+        if gpu is None:
+            out = self.gpu_part(hidden, topk_ids, topk_weights)
+        else:
+            out = gpu(hidden)
+        yield job.finish
+        return out + job.result(out)
 
     def __call__(self, hidden, topk_ids, topk_weights) -> torch.Tensor:  # [T, hidden]
-        host = self.cpu_backend.to_host(hidden, topk_ids, topk_weights)
-        if self.gpu_backend is not None:
-            local = self.gpu_local_of[topk_ids.long()]  # [T, k], -1 = on the CPU
-            on_gpu = local >= 0
-            ids = torch.where(on_gpu, local, torch.zeros_like(local))
-            w = torch.where(on_gpu, topk_weights, torch.zeros_like(topk_weights))
-            out = self.gpu_backend(hidden, ids, w)
-        else:
-            out = torch.zeros_like(hidden)
-        cpu_out = self.cpu_backend.compute(host, hidden)
-        return out if cpu_out is None else out + cpu_out
+        return drive(self.pieces(hidden, topk_ids, topk_weights))
 
 
-__all__ = ["CpuExpertBackend", "HybridExpertBackend"]
+def drive(gen):
+    """Run a pieces generator eagerly: each yielded host action is called where it was
+    yielded; returns the generator's return value."""
+    try:
+        while True:
+            next(gen)()
+    except StopIteration as stop:
+        return stop.value
+
+
+__all__ = ["CpuExpertBackend", "HostJob", "HybridExpertBackend", "drive"]
