@@ -11,8 +11,8 @@ Invariant: token j of sequence b sits at position context_lens[b] + j and is wri
 
 On CUDA, decode-only steps (every sequence has one new token) replay a CUDA graph captured once
 per batch-size bucket at start-up (k2serve.model.cuda_graph.DecodeGraphRunner, largest bucket
-first); other shapes, mixed prefill/decode steps, `enforce_eager`, and models with experts on
-the CPU (a host round trip inside the layer) run eagerly. On CPU the model always runs eagerly.
+first; piecewise around the host round trip of experts on the CPU); other shapes, mixed
+prefill/decode steps and `enforce_eager` run eagerly. On CPU the model always runs eagerly.
 """
 
 from __future__ import annotations
@@ -86,9 +86,6 @@ class ModelRunner:
         if getattr(cfg, "enforce_eager", False):
             logger.info("CUDA graphs: off (--enforce-eager)")
             return
-        if getattr(self.model, "has_cpu_experts", False):
-            logger.info("CUDA graphs: off (experts on the CPU need a host round trip per layer)")
-            return
         if not getattr(self.model, "decode_graph_safe", True):
             logger.info("CUDA graphs: off (the attention backend syncs with the host)")
             return
@@ -104,7 +101,9 @@ class ModelRunner:
         runner = DecodeGraphRunner(self.model, self.kv_caches, max_pages, buckets)
         runner.capture()
         self.graph_runner = runner
-        logger.info("CUDA graphs: captured decode batch sizes %s", list(buckets))
+        pieces = max(runner.num_pieces.values())
+        logger.info("CUDA graphs: captured decode batch sizes %s%s", list(buckets),
+                    f" ({pieces} pieces per step around the CPU experts)" if pieces > 1 else "")
 
     def prepare(self, sched: SchedulerOutput, kv: KVCacheManager) -> ModelInput:
         ps = self.page_size

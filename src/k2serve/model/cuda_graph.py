@@ -1,5 +1,14 @@
-"""Decode CUDA graphs: one graph per batch-size bucket, captured once, largest first, sharing one
-memory pool (the nano-vllm scheme); eager fallback for anything outside the buckets.
+"""Decode CUDA graphs: per batch-size bucket, captured once, largest first, sharing one memory
+pool (the nano-vllm scheme); eager fallback for anything outside the buckets.
+
+Piecewise around the host round trip: the model's forward is a generator (`model.pieces`) that
+yields a host action wherever a hybrid MoE layer needs the CPU (moe.cpu_experts.HostJob). Each
+stretch of GPU work between two yields is captured as its own graph, so a bucket is a list of
+graphs [g0, g1, ..., gn] and host actions [a0, ..., a(n-1)], and a step replays
+g0, a0, g1, a1, ..., gn. Without CPU experts nothing is yielded: one graph per bucket. The host
+actions read and write static (pinned) buffers that the captured copies use, so they are
+re-run as they are at every replay. Graphs come from a `graph_factory` (default
+`CudaGraphFactory`); tests pass a fake that records and replays torch ops on the CPU.
 
 Owns: `DecodeGraphRunner`. A decode step = B sequences with one new token each
 (`max_query_len == 1`). The runner owns static input buffers sized for the largest bucket; a
@@ -10,7 +19,8 @@ eagerly through the model.
 
 Invariants: graphs are captured only from `capture()`; the attention backend must not sync with
 the host nor change its launch grid with sequence lengths (TritonMLABackend keeps both); the
-output returned by `run` is a view into a graph-owned buffer, valid until the next `run`.
+output returned by `run` is a view into a graph-owned buffer, valid until the next `run`; the
+pieces of one bucket are replayed in capture order (they share the pool).
 """
 
 from __future__ import annotations
@@ -18,8 +28,54 @@ from __future__ import annotations
 import torch
 
 from k2serve.attention.base import AttentionMetadata
+from k2serve.moe.cpu_experts import drive
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+
+
+class CudaGraphFactory:
+    """Captures torch.cuda.CUDAGraph objects into one shared memory pool."""
+
+    def __init__(self) -> None:
+        self.pool = None
+
+    def capture(self, fn):
+        """-> (graph, fn()), the CUDA work fn() enqueues captured in the graph."""
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            result = fn()
+        if self.pool is None:
+            self.pool = g.pool()
+        return g, result
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+
+def capture_pieces(gen, factory) -> tuple[list, list, object]:
+    """Capture a pieces generator: -> (graphs, host actions, the generator's return value);
+    len(graphs) == len(host actions) + 1. Host actions are not run while capturing."""
+    graphs, actions = [], []
+
+    def step():
+        try:
+            return False, next(gen)
+        except StopIteration as stop:
+            return True, stop.value
+
+    while True:
+        g, (done, value) = factory.capture(step)
+        graphs.append(g)
+        if done:
+            return graphs, actions, value
+        actions.append(value)
+
+
+def replay_pieces(graphs, actions) -> None:
+    for g, act in zip(graphs, actions, strict=False):
+        g.replay()
+        act()
+    graphs[-1].replay()
 
 
 class DecodeGraphRunner:
@@ -30,6 +86,7 @@ class DecodeGraphRunner:
         max_pages_per_seq: int,
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
         with_logits: bool = False,
+        graph_factory=None,
     ) -> None:
         if not buckets or min(buckets) < 1:
             raise ValueError(f"buckets must be positive batch sizes, got {buckets}")
@@ -48,9 +105,10 @@ class DecodeGraphRunner:
         self.context_lens = torch.zeros(n, **i32)
         self.block_table = torch.zeros(n, max_pages_per_seq, **i32)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.factory = graph_factory if graph_factory is not None else CudaGraphFactory()
+        self.graphs: dict[int, list] = {}  # bucket -> its pieces' graphs, in replay order
+        self.actions: dict[int, list] = {}  # bucket -> host actions between the pieces
         self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = None
 
     def _metadata(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -65,25 +123,38 @@ class DecodeGraphRunner:
             num_decodes=bs,
         )
 
-    def _forward(self, bs: int) -> torch.Tensor:
-        h = self.model(self.input_ids[:bs], self.positions[:bs], self._metadata(bs), self.kv_caches)
+    def _pieces(self, bs: int):
+        md = self._metadata(bs)
+        h = yield from self.model.pieces(self.input_ids[:bs], self.positions[:bs], md,
+                                         self.kv_caches)  # fmt: skip
         return self.model.compute_logits(h) if self.with_logits else h
+
+    @property
+    def num_pieces(self) -> dict[int, int]:
+        """bucket -> graphs per step (1 without CPU experts; 2 more per hybrid MoE layer)."""
+        return {bs: len(g) for bs, g in self.graphs.items()}
+
+    def _reserve_host_buffers(self) -> None:
+        """Static pinned buffers of the hybrid MoE layers, sized for the largest bucket."""
+        cfg = self.model.config
+        for layer in self.model.model.layers:
+            reserve = getattr(getattr(layer.mlp, "expert_backend", None), "reserve", None)
+            if reserve is not None:
+                reserve(self.buckets[-1], cfg.hidden_size, cfg.num_experts_per_tok,
+                        self.model.dtype)  # fmt: skip
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first, into one memory pool."""
         if self.graphs:
             raise RuntimeError("DecodeGraphRunner.capture() was already called")
+        self._reserve_host_buffers()
         for bs in reversed(self.buckets):
-            self._forward(bs)  # warm-up: compiles kernels, sizes the caching allocator
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                self.outputs[bs] = self._forward(bs)
-            if self.pool is None:
-                self.pool = g.pool()
-            self.graphs[bs] = g
-        torch.cuda.synchronize()
+            drive(self._pieces(bs))  # warm-up: compiles kernels, sizes the caching allocator
+            self.factory.synchronize()
+            graphs, actions, out = capture_pieces(self._pieces(bs), self.factory)
+            self.graphs[bs], self.actions[bs], self.outputs[bs] = graphs, actions, out
+        self.factory.synchronize()
 
     def bucket_for(self, md: AttentionMetadata) -> int | None:
         """The graph bucket for this step, or None if it must run eagerly."""
@@ -115,8 +186,14 @@ class DecodeGraphRunner:
             self.slot_mapping[bs:bucket].fill_(-1)
             self.input_ids[bs:bucket].zero_()
             self.positions[bs:bucket].zero_()
-        self.graphs[bucket].replay()
+        replay_pieces(self.graphs[bucket], self.actions[bucket])
         return self.outputs[bucket][:bs]
 
 
-__all__ = ["DecodeGraphRunner", "DEFAULT_BUCKETS"]
+__all__ = [
+    "CudaGraphFactory",
+    "DEFAULT_BUCKETS",
+    "DecodeGraphRunner",
+    "capture_pieces",
+    "replay_pieces",
+]

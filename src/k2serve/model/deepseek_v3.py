@@ -551,7 +551,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     def pieces(self, input_ids, positions, attn_metadata=None, kv_caches=None):
         """Generator form of forward: the GPU work between two yields is one piece, each
         yielded host action (a hybrid layer's CPU round trip) runs between pieces; without CPU
-        experts nothing is yielded. model.cuda_graph.PiecewiseGraphRunner captures the pieces
+        experts nothing is yielded. model.cuda_graph.DecodeGraphRunner captures the pieces
         as CUDA graphs; `forward` runs them eagerly."""
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(

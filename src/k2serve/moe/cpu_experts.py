@@ -156,9 +156,7 @@ class HostJob:
         if self.cuda:
             self.event.synchronize()  # the staged inputs are in host memory
             cpu.submit(self.x, self.ids, self.w)
-            self.out.copy_(cpu.wait())
-        else:
-            self.out = cpu.wait()
+        self.out.copy_(cpu.wait())
 
     def result(self, like: torch.Tensor) -> torch.Tensor:  # [T, hidden] on like's device
         return self.out.to(like.device, like.dtype, non_blocking=True)
@@ -211,7 +209,8 @@ class HybridExpertBackend(ExpertBackend):
     def stage(self, hidden, topk_ids, topk_weights) -> HostJob:
         """Start the CPU part's input copies (see HostJob); no host sync."""
         if self.device.type != "cuda" or not hidden.is_cuda:
-            return HostJob(self, hidden, topk_ids, topk_weights, None, cuda=False)
+            out = torch.empty_like(hidden)  # written by finish(): a static output for graphs
+            return HostJob(self, hidden, topk_ids, topk_weights, out, cuda=False)
         T, D = hidden.shape
         k = topk_ids.shape[1]
         b = self._buffers
