@@ -114,7 +114,7 @@ def test_piecewise_graph_replay_equals_the_eager_model(n_gpu):
         cpu.submit = lambda *a: (calls.append(a[0].shape[0]), submit(*a))[1]
     lens = [3, 6, 9]
     ids = torch.randint(0, 500, (3,))
-    for step in range(5):
+    for _ in range(5):
         pos, md = _decode_md(lens)
         ref = eager.compute_logits(eager(ids, pos, md, kv_e))
         got = graphed.compute_logits(runner.run(ids, pos, md))

@@ -39,6 +39,15 @@ _HELP = {
     "computed on the CPU (default: all on the GPU; `k2serve plan` prints a value)",
     "expert_placement_file": 'JSON of per-layer routing counts {"layers": {"3": [count per '
     "expert]}}: the most-routed experts go on the GPU",
+    "record_routing": "FILE: count per (MoE layer, expert) how often the router picks it, on the "
+    "device, and write the counts to FILE (the --expert-placement-file format) every minute and "
+    "at shutdown",
+    "gpu_prefill_token_threshold": "steps of at least this many tokens compute the CPU experts "
+    "on the GPU, streaming each layer's weights over PCIe (layer-wise GPU prefill); default: "
+    "measured at start-up from the PCIe and CPU rates; 0: never",
+    "dynamic_expert_placement": "while serving, move each MoE layer's most-routed experts to "
+    "the GPU every --expert-placement-interval steps (needs --num-gpu-experts)",
+    "expert_placement_interval": "steps between two dynamic expert re-placements",
     "max_waiting": "most requests waiting before new ones get EngineQueueFull (None: no limit)",
     "seed": "seed of unseeded sampling",
     "tensor_parallel_size": "number of GPUs (processes) the model is sharded over (-tp)",
@@ -82,6 +91,10 @@ class EngineConfig:
     enforce_eager: bool = False
     num_gpu_experts: int | None = None
     expert_placement_file: str | None = None
+    record_routing: str | None = None
+    gpu_prefill_token_threshold: int | None = None
+    dynamic_expert_placement: bool = False
+    expert_placement_interval: int = 1000
     max_waiting: int | None = None
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -133,6 +146,17 @@ class EngineConfig:
         for name in ("attention_backend", "moe_backend"):
             if getattr(self, name) not in ("auto", "torch", "triton"):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not auto, torch or triton")
+        positive("expert_placement_interval")
+        t = self.gpu_prefill_token_threshold
+        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 0):
+            raise ValueError(f"gpu_prefill_token_threshold={t!r} must be a non-negative integer")
+        if self.dynamic_expert_placement and self.num_gpu_experts is None:
+            raise ValueError("dynamic_expert_placement needs num_gpu_experts (experts per MoE "
+                             "layer kept on the GPU)")  # fmt: skip
+        if (self.record_routing or self.dynamic_expert_placement) and (
+            self.tensor_parallel_size > 1
+        ):
+            raise ValueError("record_routing / dynamic_expert_placement need -tp 1")
         n = self.num_gpu_experts
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
             raise ValueError(f"num_gpu_experts={n!r} must be a non-negative integer")
@@ -156,7 +180,8 @@ class EngineConfig:
                 )
                 continue
             typ = {"max_model_len": int, "num_kv_pages": int, "max_waiting": int,
-                   "num_gpu_experts": int}.get(f.name)  # fmt: skip
+                   "num_gpu_experts": int,
+                   "gpu_prefill_token_threshold": int}.get(f.name)  # fmt: skip
             if typ is None:
                 typ = type(default) if default is not None else str
             parser.add_argument(flag, type=typ, default=default, help=help_)

@@ -186,7 +186,12 @@ class DecodeGraphRunner:
             self.slot_mapping[bs:bucket].fill_(-1)
             self.input_ids[bs:bucket].zero_()
             self.positions[bs:bucket].zero_()
+        rec = getattr(self.model, "routing_recorder", None)
+        if rec is not None:  # padding rows must not count as routed tokens
+            rec.mark_padding(bs, bucket)
         replay_pieces(self.graphs[bucket], self.actions[bucket])
+        if rec is not None:
+            rec.unmark_padding(bs, bucket)
         return self.outputs[bucket][:bs]
 
 

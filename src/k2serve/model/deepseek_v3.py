@@ -409,6 +409,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.lm_head = b.linear("lm_head", config.hidden_size, config.vocab_size)
         self.expert_placement: ExpertPlacement | None = None  # None = all on self.device
         self.backend_settings: dict | None = None  # set by setup_backends
+        self.routing_recorder = None  # moe.placement.RoutingRecorder while recording
 
     @property
     def device(self) -> torch.device:

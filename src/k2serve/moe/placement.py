@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from dataclasses import dataclass
 
 import torch
@@ -154,30 +155,57 @@ def make_placement(
 
 class RoutingRecorder:
     """Counts, per MoE layer, how many (token, expert) pairs the router sends to each expert,
-    to write a counts file for `--expert-placement-file`. Counts accumulate on the model's
-    device with no host sync; steps replayed from CUDA graphs are not seen (record with
-    --enforce-eager). Use as a context manager, or call `remove()`."""
+    to write a counts file for `--expert-placement-file` (and `k2serve plan`).
 
-    def __init__(self, model) -> None:
+    The counts accumulate on the model's device inside the MoE block (`MoE._record_routing`),
+    with no host sync, so steps replayed from CUDA graphs are counted too, provided the
+    recorder is attached before the graphs are captured. Graph padding rows are excluded by
+    `valid` ([max_tokens] int64, 1 = a real row), which the graph runner sets around a padded
+    replay (`mark_padding`). `path` + `maybe_flush()`: the file is rewritten (atomically)
+    every `flush_every_s` seconds; `flush()` at shutdown. Use as a context manager, or call
+    `remove()`."""
+
+    def __init__(
+        self,
+        model,
+        path: str | os.PathLike | None = None,
+        flush_every_s: float = 60.0,
+        max_tokens: int = 256,
+    ) -> None:
+        self.path = path
+        self.flush_every_s = flush_every_s
         self.counts: dict[int, torch.Tensor] = {}  # layer -> [E] int64
-        self._handles = []
+        self._mlps = []
+        dev = model.device
+        self.valid = torch.ones(max_tokens, dtype=torch.long, device=dev)
         for layer in model.model.layers:
-            gate = getattr(layer.mlp, "gate", None)
-            if gate is None:
+            mlp = layer.mlp
+            gate = getattr(mlp, "gate", None)
+            if gate is None or not hasattr(mlp, "routing_counts"):
                 continue
             c = torch.zeros(gate.num_experts, dtype=torch.long, device=gate.weight.device)
             self.counts[layer.layer_idx] = c
+            mlp.routing_counts, mlp.routing_valid = c, self.valid
+            self._mlps.append(mlp)
+        self._last_flush = time.monotonic()
+        model.routing_recorder = self
+        self._model = model
 
-            def hook(mod, args, out, _c=c):
-                ids = out[1].reshape(-1).to(_c.device, torch.long)  # [T * k]
-                _c.index_add_(0, ids, torch.ones_like(ids))
+    def mark_padding(self, num_real: int, num_rows: int) -> None:
+        """Rows num_real..num_rows-1 of the next replay are padding (not counted)."""
+        if num_rows > num_real and num_rows <= self.valid.shape[0]:
+            self.valid[num_real:num_rows].zero_()
 
-            self._handles.append(gate.register_forward_hook(hook))
+    def unmark_padding(self, num_real: int, num_rows: int) -> None:
+        if num_rows > num_real and num_rows <= self.valid.shape[0]:
+            self.valid[num_real:num_rows].fill_(1)
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        for mlp in self._mlps:
+            mlp.routing_counts = mlp.routing_valid = None
+        self._mlps = []
+        if getattr(self._model, "routing_recorder", None) is self:
+            self._model.routing_recorder = None
 
     def __enter__(self) -> RoutingRecorder:
         return self
@@ -189,8 +217,24 @@ class RoutingRecorder:
         return {"layers": {str(k): v.tolist() for k, v in sorted(self.counts.items())}}
 
     def save(self, path: str | os.PathLike) -> None:
-        with open(path, "w") as f:
+        """Write the counts file; atomic (a reader never sees half a file)."""
+        path = os.fspath(path)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
             json.dump(self.to_dict(), f)
+        os.replace(tmp, path)
+
+    def flush(self) -> None:
+        if self.path is not None:
+            self.save(self.path)
+        self._last_flush = time.monotonic()
+
+    def maybe_flush(self) -> bool:
+        """Flush when `flush_every_s` has passed since the last one (one host sync then)."""
+        if self.path is None or time.monotonic() - self._last_flush < self.flush_every_s:
+            return False
+        self.flush()
+        return True
 
 
 def describe_placement(model) -> str:
