@@ -41,3 +41,21 @@ def test_the_cpu_part_runs_while_the_gpu_part_and_the_shared_expert_run():
     x = torch.randn(7, 128, generator=torch.Generator().manual_seed(3))
     moe(x)
     assert seen == ["submit", "gpu_part", "shared", "wait"]
+
+
+def test_swap_keeps_each_expert_its_weights_and_the_logits():
+    from k2serve.moe.dynamic import replace_layer
+
+    ref_model = load_tiny("int4")
+    model = load_tiny("int4", expert_placement=make_placement(ref_model.config, 3))
+    ids = torch.randint(0, 500, (19,), generator=torch.Generator().manual_seed(1))
+    ref = model.compute_logits(model(ids, torch.arange(19)))
+    moe = model.model.layers[2].mlp
+    swaps = replace_layer(moe, torch.tensor([0, 0, 0, 1, 0, 5, 9, 2.0]))  # want 5, 6, 7
+    assert swaps == 3 and sorted(moe.expert_backend.gpu_expert_ids) == [5, 6, 7]
+    assert sorted(moe.expert_backend.cpu_backend.expert_ids) == [0, 1, 2, 3, 4]
+    ref_sd, sd = ref_model.state_dict(), model.state_dict()
+    for name, t in ref_sd.items():  # experts[e] holds expert e wherever it lives
+        torch.testing.assert_close(sd[name], t, rtol=0, atol=0)
+    got = model.compute_logits(model(ids, torch.arange(19)))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

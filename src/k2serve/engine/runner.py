@@ -76,9 +76,15 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = Sampler(self.device, seed)
         self.graph_runner = None
+        self.routing = None  # --record-routing / --dynamic-expert-placement (moe.dynamic)
         if hasattr(model, "setup_backends"):
             kv_dtype = kv_caches[0].dtype if kv_caches else None
             apply_engine_backends(model, engine_config, kv_dtype)
+            from k2serve.moe.dynamic import RoutingService
+
+            # before the graphs are captured, so that their replays are counted too
+            max_seqs = getattr(engine_config, "max_num_seqs", None) or 256
+            self.routing = RoutingService.from_config(model, engine_config, max(max_seqs, 256))
         if self.device.type == "cuda":
             self._setup_graphs(engine_config)
 
@@ -174,10 +180,17 @@ class ModelRunner:
             hidden = self.model(
                 inp.input_ids, inp.positions, attn_metadata=md, kv_caches=self.kv_caches
             )  # [T, hidden]
+        if self.routing is not None:
+            self.routing.after_step()
         if not inp.sample_reqs:
             return [], None
         logits = self.model.compute_logits(hidden[inp.logits_indices])  # [S, vocab] float32
         return inp.sample_reqs, self.sampler(logits, inp.sample_reqs)
+
+    def shutdown(self) -> None:
+        """Write the routing counts (--record-routing) a last time; idempotent."""
+        if self.routing is not None:
+            self.routing.close()
 
 
 def placement_from_config(cfg, model_config):
