@@ -344,6 +344,9 @@ class Plan:
     suggestions: list[str]
     notes: list[str]
     serve_args: list[str]
+    # share of routed (token, expert) pairs that hit a GPU expert, from a routing-counts file
+    # (serve --record-routing); None: no file, the estimates assume uniform routing
+    gpu_expert_hit_rate: float | None = None
 
     @property
     def command(self) -> str:
@@ -375,6 +378,8 @@ def plan(
     gpu_memory_utilization: float = 0.9,
     num_gpu_experts: int | None = None,
     suggest: bool = True,
+    routing_counts: dict[int, list[float]] | None = None,
+    expert_placement_file: str | None = None,
 ) -> Plan:
     """Place weights, KV cache and experts on `num_gpus` x `gpu` plus `cpu_memory` bytes of RAM.
 
@@ -382,7 +387,9 @@ def plan(
     GPUs; routed experts are expert-parallel (each GPU holds 1/N of each layer's GPU experts).
     The requested context (one `max_model_len` sequence) is reserved first; routed experts then
     fill the GPUs (all of them, or as many per layer as fit, the rest in RAM; `num_gpu_experts`
-    forces the per-layer count); whatever remains is KV cache.
+    forces the per-layer count); whatever remains is KV cache. `routing_counts` (layer ->
+    count per expert, moe.placement.load_routing_counts of `expert_placement_file`): the GPU
+    experts are each layer's most-routed ones and the decode estimate uses their hit rate.
     """
     kv_cache_dtype = "bf16" if kv_cache_dtype == "auto" else kv_cache_dtype
     ctx = config.max_position_embeddings if max_model_len is None else int(max_model_len)
@@ -491,9 +498,19 @@ def plan(
         + w.router
         + w.lm_head // tp
     )
+    gpu_routed = routed_tok * gpu_exp // n_exp if n_exp else 0  # uniform routing
+    hit_rate = None
+    if routing_counts and n_exp:
+        tot = top = 0.0
+        for c in routing_counts.values():
+            tot += sum(c)
+            top += sum(sorted(c, reverse=True)[:gpu_exp])
+        if tot > 0:
+            hit_rate = top / tot
+            gpu_routed = int(routed_tok * hit_rate)
     if g:
-        gpu_tok = dense_tok + routed_tok * gpu_exp // n_exp // g
-        cpu_tok = routed_tok * cpu_exp // n_exp
+        gpu_tok = dense_tok + gpu_routed // g
+        cpu_tok = routed_tok * cpu_exp // n_exp if hit_rate is None else routed_tok - gpu_routed
         t0 = gpu_tok / gpu.bandwidth + cpu_tok / cpu_bw
         t1 = t0 + ctx * kvt / gpu.bandwidth  # every TP rank reads the whole latent cache
     else:
@@ -508,7 +525,13 @@ def plan(
             f"with TP. DP attention would multiply it by {tp} at the cost of replicating the "
             f"attention weights ({w.attention / 2**30:.1f} GiB per GPU); k2serve uses TP"
         )
-    if g and gpu_exp and cpu_exp:
+    if g and gpu_exp and cpu_exp and hit_rate is not None:
+        notes.append(
+            f"{gpu_exp} of {n_exp} experts per MoE layer on the GPUs, {cpu_exp} in RAM: the "
+            f"most-routed ones by the routing counts, which put {hit_rate:.0%} of the routed "
+            "(token, expert) pairs on the GPUs (the decode estimate uses that share)"
+        )
+    elif g and gpu_exp and cpu_exp:
         notes.append(
             f"{gpu_exp} of {n_exp} experts per MoE layer on the GPUs, {cpu_exp} in RAM; the "
             "GPU ones should be the most often routed (hot) experts; the decode estimate assumes "
@@ -523,6 +546,8 @@ def plan(
     args = _serve_args(model, g, ctx, max_num_seqs, kv_cache_dtype, gpu_memory_utilization)
     if g and cpu_exp:
         args += ["--num-gpu-experts", str(gpu_exp)]
+        if expert_placement_file:
+            args += ["--expert-placement-file", expert_placement_file]
     p = Plan(
         model=model,
         quantization=config.quant.method if config.quant else config.torch_dtype,
@@ -557,6 +582,7 @@ def plan(
         suggestions=[],
         notes=notes,
         serve_args=args,
+        gpu_expert_hit_rate=hit_rate,
     )
     if not fits and suggest:
         p.suggestions = _suggestions(config, p, gpu)

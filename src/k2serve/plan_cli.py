@@ -54,6 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--num-gpu-experts", type=int, default=None, help="routed experts per layer on the GPUs"
     )
+    p.add_argument(
+        "--expert-placement-file", default=None,
+        help="routing counts (serve --record-routing): the GPU experts' measured hit rate",
+    )  # fmt: skip
     p.add_argument("--model-dir", default=None, help="checkpoint path used in the serve command")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -69,6 +73,15 @@ def resolve_model(name_or_dir: str) -> tuple[ModelConfig, str, str | None]:
         f"--model {name_or_dir!r} is neither a known model ({', '.join(KNOWN_MODELS)}) "
         "nor an existing checkpoint directory"
     )
+
+
+def _routing(args: argparse.Namespace, config) -> dict:
+    path = getattr(args, "expert_placement_file", None)
+    if not path:
+        return {}
+    from k2serve.moe.placement import load_routing_counts
+
+    return dict(routing_counts=load_routing_counts(path, config), expert_placement_file=path)
 
 
 def make_plan(args: argparse.Namespace) -> tuple[Plan, dict]:
@@ -90,6 +103,7 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, dict]:
         kv_cache_dtype=args.kv_cache_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_experts=args.num_gpu_experts,
+        **_routing(args, config),
     )
     return p, {"name": name, "hf_repo": repo, "model_dir": model_dir}
 
