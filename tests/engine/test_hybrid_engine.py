@@ -39,10 +39,15 @@ def reference(ckpt):
 
 
 @pytest.mark.parametrize("n_gpu", [0, 2])
-def test_every_placement_gives_the_all_on_one_greedy_tokens(ckpt, reference, n_gpu):
-    llm = _llm(ckpt, num_gpu_experts=n_gpu)
+@pytest.mark.parametrize("threshold", [None, 8])
+def test_every_placement_gives_the_all_on_one_greedy_tokens(ckpt, reference, n_gpu, threshold):
+    """threshold 8: prompts of 8+ tokens stream the CPU experts (layer-wise prefill)."""
+    llm = _llm(ckpt, num_gpu_experts=n_gpu, gpu_prefill_token_threshold=threshold)
     assert llm.llm_engine.model.has_cpu_experts
+    lw = getattr(llm.llm_engine.model, "layerwise_prefill", None)
+    assert (lw is not None) == (threshold is not None)
     assert _tokens(llm) == reference
+    assert lw is None or lw.copies > 0
     llm.llm_engine.check_integrity()
 
 
@@ -68,9 +73,10 @@ def test_record_routing_writes_a_counts_file_that_drives_the_placement(ckpt, tmp
     assert llm2.llm_engine.model.expert_placement.gpu_experts == p.gpu_experts
 
 
-def test_dynamic_placement_moves_experts_and_keeps_the_tokens(ckpt, reference):
+@pytest.mark.parametrize("threshold", [None, 8])
+def test_dynamic_placement_moves_experts_and_keeps_the_tokens(ckpt, reference, threshold):
     llm = _llm(ckpt, num_gpu_experts=1, dynamic_expert_placement=True,
-               expert_placement_interval=2)  # fmt: skip
+               expert_placement_interval=2, gpu_prefill_token_threshold=threshold)  # fmt: skip
     model = llm.llm_engine.model
     before = dict(model.expert_placement.gpu_experts)
     assert _tokens(llm) == reference

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from k2serve.moe import make_placement
@@ -59,3 +60,41 @@ def test_swap_keeps_each_expert_its_weights_and_the_logits():
         torch.testing.assert_close(sd[name], t, rtol=0, atol=0)
     got = model.compute_logits(model(ids, torch.arange(19)))
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_gpu", [3, 0])
+def test_layerwise_prefill_streams_the_cpu_experts_and_keeps_the_logits(n_gpu):
+    """Above the threshold each hybrid layer's CPU experts are copied into the double buffer
+    (here the "GPU" is the CPU) and run by the GPU backend's math: same logits; below it the
+    CPU backend computes them."""
+    from k2serve.moe.layerwise import setup_layerwise_prefill
+
+    ref_model = load_tiny("int4")
+    model = load_tiny("int4", expert_placement=make_placement(ref_model.config, n_gpu))
+    lw = setup_layerwise_prefill(model, 16)
+    assert lw is not None and len(lw.backends) == 2
+    cpu = model.model.layers[1].mlp.expert_backend.cpu_backend
+    calls = []
+    submit = cpu.submit
+    cpu.submit = lambda *a: (calls.append(a[0].shape[0]), submit(*a))[1]
+    runs = []
+    run = lw.run
+    lw.run = lambda i, x, *a: (runs.append((i, x.shape[0])), run(i, x, *a))[1]
+    for n, streamed in ((24, True), (9, False), (40, True)):
+        ids = _ids(n, seed=n)
+        ref = ref_model.compute_logits(ref_model(ids, torch.arange(n)))
+        del runs[:]
+        got = model.compute_logits(model(ids, torch.arange(n)))
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        assert runs == ([(0, n), (1, n)] if streamed else [])
+        assert (calls[-1:] == [n]) != streamed
+    # two hybrid layers, two slots: both stay loaded, the second long step copied nothing
+    assert lw.loaded == [0, 1] and lw.copies == 2
+
+
+def test_layerwise_prefill_is_off_by_default_on_a_cpu_device_and_with_0():
+    from k2serve.moe.layerwise import setup_layerwise_prefill
+
+    model = load_tiny("int4", expert_placement=make_placement(load_tiny("int4").config, 3))
+    assert setup_layerwise_prefill(model, None) is None
+    assert setup_layerwise_prefill(model, 0) is None

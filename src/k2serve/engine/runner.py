@@ -85,6 +85,12 @@ class ModelRunner:
             # before the graphs are captured, so that their replays are counted too
             max_seqs = getattr(engine_config, "max_num_seqs", None) or 256
             self.routing = RoutingService.from_config(model, engine_config, max(max_seqs, 256))
+            if getattr(model, "has_cpu_experts", False):  # long prefills stream CPU experts
+                from k2serve.moe.layerwise import setup_layerwise_prefill
+
+                setup_layerwise_prefill(
+                    model, getattr(engine_config, "gpu_prefill_token_threshold", None)
+                )
         if self.device.type == "cuda":
             self._setup_graphs(engine_config)
 

@@ -188,6 +188,10 @@ class HybridExpertBackend(ExpertBackend):
         self.gpu_expert_ids = tuple(gpu_expert_ids)
         self.gpu_local_of = _local_map(num_experts, self.gpu_expert_ids, device)  # [E]
         self._buffers: dict | None = None  # static pinned staging buffers (reserve())
+        # layer-wise GPU prefill (moe.layerwise): long steps run the CPU experts on the device
+        self.layerwise = None
+        self.layerwise_index = -1
+        self.cpu_local_of: torch.Tensor | None = None  # [E] on the device, set with layerwise
 
     def reserve(self, max_tokens: int, hidden_size: int, k: int, dtype: torch.dtype) -> None:
         """Allocate static pinned host buffers for steps of up to `max_tokens` tokens (before
@@ -240,7 +244,14 @@ class HybridExpertBackend(ExpertBackend):
     def pieces(self, hidden, topk_ids, topk_weights, gpu=None):
         """Generator: the layer's routed output with the host actions yielded (see HostJob).
         `gpu(hidden)` computes the GPU part (default `gpu_part`; the MoE block adds the shared
-        expert there, so it runs while the CPU works)."""
+        expert there, so it runs while the CPU works). Steps of at least the layer-wise
+        threshold stream the CPU experts to the device instead (moe.layerwise; no yield)."""
+        lw = self.layerwise
+        if lw is not None and lw.use_for(hidden.shape[0]):
+            out = self.gpu_part(hidden, topk_ids, topk_weights) if gpu is None else gpu(hidden)
+            streamed = lw.run(self.layerwise_index, hidden, topk_ids, topk_weights,
+                              self.cpu_local_of)  # fmt: skip
+            return out + streamed.to(out.dtype)
         job = self.stage(hidden, topk_ids, topk_weights)
         yield job.start
         if gpu is None:

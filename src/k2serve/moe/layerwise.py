@@ -1,0 +1,230 @@
+"""Layer-wise GPU prefill of CPU-resident experts (KT's --kt-gpu-prefill-token-threshold).
+
+A step of at least `threshold` tokens does not compute the CPU experts on the CPU: each hybrid
+layer's CPU experts are copied over PCIe into one of two device slots (a double buffer) and
+run with the GPU expert backend, while the copy of the next hybrid layer's experts into the
+other slot runs on a side stream under this layer's compute. Below the threshold the CPU
+computes them (moe.cpu_experts). A 30K-token prompt then costs about one PCIe transfer of the
+CPU experts per chunk instead of the CPU's compute on 30K tokens.
+
+Owns: `LayerwisePrefill` (host stacks, device slots, streams/events, the per-layer run) and
+`setup_layerwise_prefill(model, threshold)` with the threshold's calibration.
+
+Invariants:
+- Each hybrid layer's CPU experts are stacked once into host tensors in the fused-MoE layout
+  (moe.fused_moe.stack_experts: the experts' parameters become views of the stack, so the
+  CPU backend, the state_dict and dynamic re-placement all see the same memory); on CUDA the
+  stacks are page-locked (cudaHostRegister) so copies are asynchronous DMA at the PCIe rate.
+- Slot s holds hybrid layer i with i % 2 == s. A copy into a slot waits for the slot's
+  previous layer's compute (`free` event); a layer's compute waits for its copy (`ready`).
+- Weight changes (dynamic re-placement) call `invalidate()`.
+- On a CPU device ("GPU" = the CPU, for tests) the copies are plain and synchronous and the
+  streamed experts run through the torch reference of the fused MoE: same numerics as the
+  CPU backend (float32), so placements can be compared on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+from torch import nn
+
+from k2serve.kernels.fused_moe import ExpertWeights, fused_moe_ref
+from k2serve.moe.base import ExpertBackend
+
+logger = logging.getLogger(__name__)
+
+MIN_THRESHOLD = 128  # never take decode-sized steps off the CPU
+
+
+class _RefStackedBackend(ExpertBackend):
+    name = "stacked_ref"
+
+    def __init__(self, weights: ExpertWeights) -> None:
+        self.weights = weights
+
+    def __call__(self, hidden, topk_ids, topk_weights):
+        return fused_moe_ref(hidden, self.weights, topk_weights, topk_ids)
+
+
+def _backend_for(weights: ExpertWeights, device: torch.device) -> ExpertBackend:
+    from k2serve.attention import triton_usable
+
+    if triton_usable(device):
+        from k2serve.moe.fused_moe import FusedMoEBackend
+
+        return FusedMoEBackend(weights)
+    return _RefStackedBackend(weights)
+
+
+def _fields(w: ExpertWeights) -> list[str]:
+    return [n for n in ("w13", "w2", "w13_scale", "w2_scale") if getattr(w, n) is not None]
+
+
+def _pin(t: torch.Tensor) -> bool:
+    """Page-lock `t`'s memory in place (no copy, no power-of-two rounding)."""
+    if t.is_pinned():
+        return True
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    return int(getattr(err, "value", err)) == 0
+
+
+class LayerwisePrefill:
+    def __init__(self, backends: list, device: torch.device | str, threshold: int) -> None:
+        """`backends`: the model's HybridExpertBackends in layer order."""
+        from k2serve.moe.cpu_experts import _local_map
+        from k2serve.moe.fused_moe import stack_experts
+
+        self.device = torch.device(device)
+        self.threshold = int(threshold)
+        self.backends = list(backends)
+        self.host: list[ExpertWeights] = []
+        cuda = self.device.type == "cuda"
+        pinned = True
+        for i, be in enumerate(self.backends):
+            cpu = be.cpu_backend
+            w = stack_experts(nn.ModuleList(cpu.experts))  # host tensors; params now views
+            if cuda:
+                pinned = all([_pin(getattr(w, n)) for n in _fields(w)]) and pinned
+            self.host.append(w)
+            be.layerwise, be.layerwise_index = self, i
+            be.cpu_local_of = _local_map(be.num_experts, cpu.expert_ids, self.device)  # [E]
+        if cuda and not pinned:
+            logger.warning("layer-wise prefill: host memory could not be page-locked; the "
+                           "weight copies will be slower")  # fmt: skip
+        big = max(self.host, key=lambda w: w.w13.shape[0])
+        self.slots = [
+            {n: torch.empty_like(getattr(big, n), device=self.device) for n in _fields(big)}
+            for _ in range(2)
+        ]
+        self.loaded: list[int | None] = [None, None]
+        self.stream = torch.cuda.Stream(self.device) if cuda else None
+        self.ready = [torch.cuda.Event() for _ in range(2)] if cuda else None
+        self.free = [torch.cuda.Event() for _ in range(2)] if cuda else None
+        self.copies = 0  # layers copied (for tests and logs)
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.slots[0].values())
+
+    def use_for(self, num_tokens: int) -> bool:
+        return self.threshold > 0 and num_tokens >= self.threshold
+
+    def invalidate(self) -> None:
+        self.loaded = [None, None]
+
+    def _view(self, i: int) -> ExpertWeights:
+        h = self.host[i]
+        n = h.w13.shape[0]
+        slot = self.slots[i % 2]
+        return ExpertWeights(h.quant, *(slot[f][:n] if f in slot else None
+                                        for f in ("w13", "w2", "w13_scale", "w2_scale")),
+                             group_size=h.group_size)  # fmt: skip
+
+    def _load(self, i: int) -> None:
+        s, h = i % 2, self.host[i]
+        self.copies += 1
+        if self.stream is None:
+            for f in _fields(h):
+                self.slots[s][f][: h.w13.shape[0]].copy_(getattr(h, f))
+        else:
+            with torch.cuda.stream(self.stream):
+                self.stream.wait_event(self.free[s])  # the slot's previous layer is done
+                for f in _fields(h):
+                    self.slots[s][f][: h.w13.shape[0]].copy_(getattr(h, f), non_blocking=True)
+                self.ready[s].record(self.stream)
+        self.loaded[s] = i
+
+    def acquire(self, i: int) -> ExpertWeights:
+        """Layer i's CPU experts on the device (waits for their copy on the current stream)
+        and start the copy of the next hybrid layer into the other slot."""
+        if self.loaded[i % 2] != i:
+            self._load(i)
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.ready[i % 2])
+        nxt = (i + 1) % len(self.host)  # after the last layer: the next step's first one
+        if nxt != i and self.loaded[nxt % 2] != nxt:
+            self._load(nxt)
+        return self._view(i)
+
+    def release(self, i: int) -> None:
+        if self.free is not None:
+            self.free[i % 2].record(torch.cuda.current_stream(self.device))
+
+    def run(self, i: int, hidden, topk_ids, topk_weights, local_of) -> torch.Tensor:
+        """Layer i's CPU experts computed on the device: [T, hidden]."""
+        w = self.acquire(i)
+        local = local_of[topk_ids.long()]  # [T, k], -1 = not a CPU expert
+        on = local >= 0
+        ids = torch.where(on, local, torch.zeros_like(local))
+        wts = torch.where(on, topk_weights, torch.zeros_like(topk_weights))
+        out = _backend_for(w, self.device)(hidden, ids, wts)
+        self.release(i)
+        return out
+
+
+def calibrate_threshold(lw: LayerwisePrefill, hidden_size: int, k: int, dtype) -> int:
+    """Tokens from which streaming a layer's CPU experts (bytes / measured PCIe rate) is
+    faster than the CPU computing them (measured at 64 tokens, taken as linear in tokens:
+    the CPU's per-token cost only falls with more tokens, so the estimate errs towards
+    streaming early)."""
+    be = lw.backends[0]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(2):
+        lw._load(0)
+    torch.cuda.synchronize()
+    copy_s = (time.perf_counter() - t0) / 2
+    lw.invalidate()
+    n = 64
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, hidden_size, generator=g).to(dtype)
+    ids = torch.randint(0, be.num_experts, (n, k), generator=g)
+    w = torch.full((n, k), 1.0 / k)
+    be.cpu_backend(x, ids, w)  # warm-up
+    t0 = time.perf_counter()
+    be.cpu_backend(x, ids, w)
+    cpu_per_token = (time.perf_counter() - t0) / n
+    thr = max(MIN_THRESHOLD, math.ceil(copy_s / max(cpu_per_token, 1e-9)))
+    rate = lw.slot_bytes / max(copy_s, 1e-9) / 1e9
+    logger.info(
+        "layer-wise GPU prefill: a layer's CPU experts copy in %.1f ms (%.1f GB/s); the CPU "
+        "takes %.2f ms per token: threshold %d tokens", copy_s * 1e3, rate,
+        cpu_per_token * 1e3, thr,
+    )  # fmt: skip
+    return thr
+
+
+def setup_layerwise_prefill(model, threshold: int | None) -> LayerwisePrefill | None:
+    """Attach layer-wise GPU prefill to `model`'s hybrid layers. threshold None = calibrated
+    (CUDA only; CPU devices: off), 0 = off. Off, too, when the two slots do not fit in free
+    device memory (a warning says so)."""
+    if threshold == 0:
+        return None
+    backends = [getattr(ly.mlp, "expert_backend", None) for ly in model.model.layers]
+    layers = [be for be in backends if getattr(be, "name", None) == "hybrid"]
+    dev = model.device
+    if not layers or (threshold is None and dev.type != "cuda"):
+        return None
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        need = 2 * max(sum(p.numel() * p.element_size() for e in be.cpu_backend.experts
+                           for p in e.parameters()) for be in layers)  # fmt: skip
+        if need > free - (1 << 30):
+            logger.warning(
+                "layer-wise GPU prefill off: its two slots need %.1f GiB, %.1f GiB is free "
+                "(lower --gpu-memory-utilization to leave room)", need / 2**30, free / 2**30,
+            )  # fmt: skip
+            return None
+    lw = LayerwisePrefill(layers, dev, threshold or 1)
+    if threshold is None:
+        c = model.config
+        lw.threshold = calibrate_threshold(lw, c.hidden_size, c.num_experts_per_tok, model.dtype)
+    model.layerwise_prefill = lw
+    return lw
+
+
+__all__ = ["LayerwisePrefill", "calibrate_threshold", "setup_layerwise_prefill"]
