@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import weakref
 
 import torch
 from torch import nn
@@ -72,6 +73,11 @@ def _pin(t: torch.Tensor) -> bool:
     return int(getattr(err, "value", err)) == 0
 
 
+def _unpin(ptrs: list[int]) -> None:
+    for p in ptrs:
+        torch.cuda.cudart().cudaHostUnregister(p)
+
+
 class LayerwisePrefill:
     def __init__(self, backends: list, device: torch.device | str, threshold: int) -> None:
         """`backends`: the model's HybridExpertBackends in layer order."""
@@ -92,6 +98,9 @@ class LayerwisePrefill:
             self.host.append(w)
             be.layerwise, be.layerwise_index = self, i
             be.cpu_local_of = _local_map(be.num_experts, cpu.expert_ids, self.device)  # [E]
+        if cuda:  # unregister when this object goes (the stacks may outlive it as views)
+            ptrs = [getattr(w, n).data_ptr() for w in self.host for n in _fields(w)]
+            weakref.finalize(self, _unpin, ptrs)
         if cuda and not pinned:
             logger.warning("layer-wise prefill: host memory could not be page-locked; the "
                            "weight copies will be slower")  # fmt: skip
@@ -111,7 +120,11 @@ class LayerwisePrefill:
         return sum(t.numel() * t.element_size() for t in self.slots[0].values())
 
     def use_for(self, num_tokens: int) -> bool:
-        return self.threshold > 0 and num_tokens >= self.threshold
+        """Stream for this step? Never inside a CUDA graph capture (decode buckets keep the
+        CPU round trip; streams and events of the double buffer are not captured)."""
+        if self.threshold <= 0 or num_tokens < self.threshold:
+            return False
+        return self.stream is None or not torch.cuda.is_current_stream_capturing()
 
     def invalidate(self) -> None:
         self.loaded = [None, None]
