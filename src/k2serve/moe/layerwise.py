@@ -181,9 +181,9 @@ class LayerwisePrefill:
 
 def calibrate_threshold(lw: LayerwisePrefill, hidden_size: int, k: int, dtype) -> int:
     """Tokens from which streaming a layer's CPU experts (bytes / measured PCIe rate) is
-    faster than the CPU computing them (measured at 64 tokens, taken as linear in tokens:
-    the CPU's per-token cost only falls with more tokens, so the estimate errs towards
-    streaming early)."""
+    faster than the CPU computing them (measured at 32 random tokens, taken as linear in
+    tokens: the CPU's per-token cost only falls with more tokens, so the estimate errs towards
+    streaming early; MIN_THRESHOLD bounds that)."""
     be = lw.backends[0]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -192,12 +192,12 @@ def calibrate_threshold(lw: LayerwisePrefill, hidden_size: int, k: int, dtype) -
     torch.cuda.synchronize()
     copy_s = (time.perf_counter() - t0) / 2
     lw.invalidate()
-    n = 64
+    n = 32
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, hidden_size, generator=g).to(dtype)
     ids = torch.randint(0, be.num_experts, (n, k), generator=g)
     w = torch.full((n, k), 1.0 / k)
-    be.cpu_backend(x, ids, w)  # warm-up
+    be.cpu_backend(x[:4], ids[:4], w[:4])  # warm-up (thread pools, first-touch)
     t0 = time.perf_counter()
     be.cpu_backend(x, ids, w)
     cpu_per_token = (time.perf_counter() - t0) / n
