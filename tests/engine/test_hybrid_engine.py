@@ -92,3 +92,26 @@ def test_dynamic_placement_moves_experts_and_keeps_the_tokens(ckpt, reference, t
         )
     assert _tokens(llm) == reference  # and the moved experts compute the same tokens
 
+
+
+def test_flags_parse_and_bad_values_are_named():
+    import argparse
+
+    from k2serve.engine.config import EngineConfig
+
+    ap = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(ap)
+    argv = ("--record-routing r.json --dynamic-expert-placement --num-gpu-experts 2 "
+            "--gpu-prefill-token-threshold 4096 --expert-placement-interval 50")
+    args = ap.parse_args(argv.split())
+    cfg = EngineConfig.from_cli_args(args)
+    assert (cfg.record_routing, cfg.dynamic_expert_placement) == ("r.json", True)
+    assert (cfg.gpu_prefill_token_threshold, cfg.expert_placement_interval) == (4096, 50)
+    for bad, match in (
+        (dict(gpu_prefill_token_threshold=-1), "gpu_prefill_token_threshold"),
+        (dict(dynamic_expert_placement=True), "needs num_gpu_experts"),
+        (dict(expert_placement_interval=0), "expert_placement_interval"),
+        (dict(record_routing="r.json", tensor_parallel_size=2), "-tp 1"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(**bad)
