@@ -104,7 +104,12 @@ def test_piecewise_graph_replay_equals_the_eager_model(n_gpu):
     kv_e, kv_g = _caches(eager, 3), _caches(graphed, 3)
     factory = TapeGraphFactory()
     runner = DecodeGraphRunner(graphed, kv_g, PAGES, buckets=(1, 4), graph_factory=factory)
+    hooked = []
+    for mod in (graphed.model.layers[1], graphed.model.layers[1].mlp):
+        mod.register_forward_hook(lambda m, a, o, _h=hooked: _h.append(type(m).__name__))
     runner.capture()
+    # forward hooks run on the split (generator) path too: warm-up + capture per bucket
+    assert sorted(hooked) == ["DecoderLayer"] * 4 + ["MoE"] * 4
     hybrid = 0 if n_gpu == 8 else len(graphed.config.moe_layers)
     assert runner.num_pieces == {1: 1 + 2 * hybrid, 4: 1 + 2 * hybrid}
     if hybrid:  # count the CPU part's runs

@@ -210,6 +210,27 @@ class MoE(nn.Module):
         return out + shared
 
 
+def _host_round_trip(mlp: nn.Module) -> bool:
+    """True for a MoE block whose experts need the host mid-layer (a hybrid GPU + CPU layer
+    run by MoE.forward itself, not by a tensor-parallel subclass)."""
+    be = getattr(mlp, "expert_backend", None)
+    return (getattr(be, "pieces", None) is not None and isinstance(mlp, MoE)
+            and type(mlp).forward is MoE.forward)  # fmt: skip
+
+
+def _run_forward_hooks(module: nn.Module, args: tuple, out):
+    """What `module(*args)` does with `out` after forward: its forward hooks, in order (a hook
+    that returns a value replaces the output)."""
+    for hook_id, hook in module._forward_hooks.items():
+        if hook_id in module._forward_hooks_with_kwargs:
+            r = hook(module, args, {}, out)
+        else:
+            r = hook(module, args, out)
+        if r is not None:
+            out = r
+    return out
+
+
 class MLAAttention(nn.Module):
     def __init__(self, b: _Builder, prefix: str, rope: YarnRotaryEmbedding) -> None:
         super().__init__()
@@ -353,20 +374,24 @@ class DecoderLayer(nn.Module):
     def forward(self, h, positions, attn_metadata=None, kv_cache=None, residual=None):
         """-> (h, residual): the layer's output is h + residual (vLLM's deferred residual add,
         so the add fuses into the next RMSNorm). residual=None at the first layer."""
-        return drive(self.pieces(h, positions, attn_metadata, kv_cache, residual))
+        x, residual = self._attention(h, positions, attn_metadata, kv_cache, residual)
+        return self.mlp(x), residual
 
     def pieces(self, h, positions, attn_metadata=None, kv_cache=None, residual=None):
-        """Generator form of forward: yields the MoE block's host actions (see MoE.pieces)."""
+        """Generator form of forward for a hybrid MoE layer: yields the MoE block's host
+        actions (see MoE.pieces); the block's forward hooks are run by hand."""
+        x, residual = self._attention(h, positions, attn_metadata, kv_cache, residual)
+        out = yield from self.mlp.pieces(x)
+        return _run_forward_hooks(self.mlp, (x,), out), residual
+
+    def _attention(self, h, positions, attn_metadata, kv_cache, residual):
         if residual is None:
             residual = h
             x = self.input_layernorm(h)
         else:
             x, residual = self.input_layernorm.add_norm(h, residual)
         h = self.self_attn(x, positions, attn_metadata, kv_cache)
-        x, residual = self.post_attention_layernorm.add_norm(h, residual)
-        mlp_pieces = getattr(self.mlp, "pieces", None)
-        out = (yield from mlp_pieces(x)) if mlp_pieces is not None else self.mlp(x)
-        return out, residual
+        return self.post_attention_layernorm.add_norm(h, residual)
 
 
 class Embedding(nn.Module):
@@ -549,13 +574,16 @@ class DeepseekV3ForCausalLM(nn.Module):
         attn_metadata: AttentionMetadata | None = None,
         kv_caches: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [T, hidden]
-        return drive(self.pieces(input_ids, positions, attn_metadata, kv_caches))
+        # split=False: every layer is a module call (a hybrid MoE block runs its own host
+        # round trip inline), so nothing is yielded
+        return drive(self.pieces(input_ids, positions, attn_metadata, kv_caches, split=False))
 
-    def pieces(self, input_ids, positions, attn_metadata=None, kv_caches=None):
+    def pieces(self, input_ids, positions, attn_metadata=None, kv_caches=None, split=True):
         """Generator form of forward: the GPU work between two yields is one piece, each
         yielded host action (a hybrid layer's CPU round trip) runs between pieces; without CPU
         experts nothing is yielded. model.cuda_graph.DecodeGraphRunner captures the pieces
-        as CUDA graphs; `forward` runs them eagerly."""
+        as CUDA graphs. NOTE: a split hybrid layer runs its forward hooks by hand (forward
+        pre-hooks and global hooks are not run there)."""
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(
                 f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} "
@@ -572,7 +600,12 @@ class DeepseekV3ForCausalLM(nn.Module):
         try:
             for i, layer in enumerate(layers):
                 cache = kv_caches[i] if kv_caches else None
-                h, residual = yield from layer.pieces(h, positions, attn_metadata, cache, residual)
+                args = (h, positions, attn_metadata, cache, residual)
+                if split and _host_round_trip(layer.mlp):
+                    out = yield from layer.pieces(*args)
+                    h, residual = _run_forward_hooks(layer, args, out)
+                else:
+                    h, residual = layer(*args)
         finally:
             self.model.rope.step_cache(False)
         if residual is None:  # no layers
