@@ -12,6 +12,9 @@ Invariants:
 - With `attn_metadata`, each layer stores the normed latent + roped k_pe of the new tokens in
   its cache, folds kv_b_proj into the query (W_UK) and the output (W_UV), and calls the
   attention backend (absorbed MLA).
+- `DeepseekV3ForCausalLM.pieces` is the forward as a generator that yields each hybrid MoE
+  layer's host actions (the CPU experts' round trip, moe.cpu_experts.HostJob) between stretches
+  of device work, for piecewise CUDA graphs (model.cuda_graph); `forward` is plain module calls.
 - q_a_layernorm / kv_a_layernorm use eps 1e-6 whatever rms_norm_eps is. NOTE: this is what
   transformers and DeepSeek's reference code do (they build these norms without eps); vLLM
   passes rms_norm_eps instead, which differs for K2.5 (1e-5).
@@ -175,7 +178,7 @@ class MoE(nn.Module):
     def _record_routing(self, topk_ids: torch.Tensor) -> None:
         """Add this step's (token, expert) pairs to `routing_counts` (set by
         moe.placement.RoutingRecorder) on the device, no host sync: inside CUDA graphs too.
-        Rows past `routing_rows` (a graph's padding) are not counted."""
+        Rows where `routing_valid` is 0 (a graph's padding) are not counted."""
         counts = self.routing_counts
         if counts is None:
             return
