@@ -98,3 +98,12 @@ def test_layerwise_prefill_is_off_by_default_on_a_cpu_device_and_with_0():
     model = load_tiny("int4", expert_placement=make_placement(load_tiny("int4").config, 3))
     assert setup_layerwise_prefill(model, None) is None
     assert setup_layerwise_prefill(model, 0) is None
+
+
+def test_layerwise_prefill_set_up_again_keeps_its_stacks():
+    from k2serve.moe.layerwise import setup_layerwise_prefill
+
+    model = load_tiny("int4", expert_placement=make_placement(load_tiny("int4").config, 3))
+    lw = setup_layerwise_prefill(model, 16)
+    assert setup_layerwise_prefill(model, 32) is lw and lw.threshold == 32
+    assert setup_layerwise_prefill(model, 0) is None and not lw.use_for(10**6)

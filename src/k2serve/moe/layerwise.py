@@ -214,13 +214,18 @@ def calibrate_threshold(lw: LayerwisePrefill, hidden_size: int, k: int, dtype) -
 def setup_layerwise_prefill(model, threshold: int | None) -> LayerwisePrefill | None:
     """Attach layer-wise GPU prefill to `model`'s hybrid layers. threshold None = calibrated
     (CUDA only; CPU devices: off), 0 = off. Off, too, when the two slots do not fit in free
-    device memory (a warning says so)."""
-    if threshold == 0:
-        return None
+    device memory (a warning says so). Called again on the same layers, it keeps the stacks
+    and the slots and only sets the threshold."""
     backends = [getattr(ly.mlp, "expert_backend", None) for ly in model.model.layers]
     layers = [be for be in backends if getattr(be, "name", None) == "hybrid"]
     dev = model.device
-    if not layers or (threshold is None and dev.type != "cuda"):
+    old = getattr(model, "layerwise_prefill", None)
+    if old is not None and old.backends == layers:
+        if threshold is None and dev.type == "cuda":
+            return old  # keeps its calibrated threshold
+        old.threshold = threshold or 0
+        return old if old.threshold else None
+    if threshold == 0 or not layers or (threshold is None and dev.type != "cuda"):
         return None
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
