@@ -413,7 +413,8 @@ def reference_setup(model: nn.Module, kv_dtype: torch.dtype | None = None) -> No
 
 def gpu_variants(model: nn.Module, cpu_experts: int | None = None) -> list[Variant]:
     """The engine's fused CUDA paths: eager, decode CUDA graphs, fp8 KV cache, and experts split
-    between the GPU and the CPU (`cpu_experts` per layer on the CPU; default half)."""
+    between the GPU and the CPU (`cpu_experts` per layer on the CPU; default half), eager and
+    through decode graphs (piecewise around the CPU experts' host round trip)."""
     from k2serve.moe import make_placement
 
     E = model.config.n_routed_experts
@@ -432,6 +433,8 @@ def gpu_variants(model: nn.Module, cpu_experts: int | None = None) -> list[Varia
         Variant("fused + CUDA graphs", fused(), graphs=True),
         Variant("fused, fp8 KV cache", fused(fp8), kv_dtype=fp8),
         Variant(f"fused, experts split {E - E // 2} GPU / {E // 2} CPU", fused(placement=split)),
+        Variant("fused, experts split + piecewise CUDA graphs", fused(placement=split),
+                graphs=True),  # fmt: skip
     ]
 
 
