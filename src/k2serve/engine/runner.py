@@ -89,7 +89,9 @@ class ModelRunner:
                 from k2serve.moe.layerwise import setup_layerwise_prefill
 
                 setup_layerwise_prefill(
-                    model, getattr(engine_config, "gpu_prefill_token_threshold", None)
+                    model,
+                    getattr(engine_config, "gpu_prefill_token_threshold", None),
+                    getattr(engine_config, "max_num_batched_tokens", None),
                 )
         if self.device.type == "cuda":
             self._setup_graphs(engine_config)

@@ -211,7 +211,9 @@ def calibrate_threshold(lw: LayerwisePrefill, hidden_size: int, k: int, dtype) -
     return thr
 
 
-def setup_layerwise_prefill(model, threshold: int | None) -> LayerwisePrefill | None:
+def setup_layerwise_prefill(
+    model, threshold: int | None, max_num_batched_tokens: int | None = None
+) -> LayerwisePrefill | None:
     """Attach layer-wise GPU prefill to `model`'s hybrid layers. threshold None = calibrated
     (CUDA only; CPU devices: off), 0 = off. Off, too, when the two slots do not fit in free
     device memory (a warning says so). Called again on the same layers, it keeps the stacks
@@ -242,6 +244,14 @@ def setup_layerwise_prefill(model, threshold: int | None) -> LayerwisePrefill | 
         c = model.config
         lw.threshold = calibrate_threshold(lw, c.hidden_size, c.num_experts_per_tok, model.dtype)
     model.layerwise_prefill = lw
+    budget = max_num_batched_tokens
+    if budget is not None and budget < 4 * lw.threshold:
+        logger.warning(
+            "layer-wise GPU prefill from %d tokens, but a step holds at most %d "
+            "(--max-num-batched-tokens): every prefill chunk streams each layer's CPU experts "
+            "once, so a long prompt pays that per chunk; a budget of 16K-32K tokens makes a "
+            "30K-token prompt one or two transfers", lw.threshold, budget,
+        )  # fmt: skip
     return lw
 
 
