@@ -107,3 +107,13 @@ def test_layerwise_prefill_set_up_again_keeps_its_stacks():
     lw = setup_layerwise_prefill(model, 16)
     assert setup_layerwise_prefill(model, 32) is lw and lw.threshold == 32
     assert setup_layerwise_prefill(model, 0) is None and not lw.use_for(10**6)
+
+
+def test_a_used_hybrid_model_deep_copies():
+    import copy
+
+    model = load_tiny("int4", expert_placement=make_placement(load_tiny("int4").config, 3))
+    ids = _ids(5)
+    ref = model(ids, torch.arange(5))  # the CPU backends' workers exist now
+    twin = copy.deepcopy(model)
+    torch.testing.assert_close(twin(ids, torch.arange(5)), ref, rtol=0, atol=0)

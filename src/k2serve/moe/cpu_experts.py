@@ -21,8 +21,8 @@ Invariants:
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -101,28 +101,24 @@ class CpuExpertBackend(ExpertBackend):
         once; `wait()` returns the result. One job in flight at a time."""
         if getattr(self, "_job", None) is not None:
             raise RuntimeError("CpuExpertBackend.submit: the previous job was not waited for")
-        box: dict = {}
+        pool = getattr(self, "_pool", None)
+        if pool is None:  # one persistent worker: no thread start per call
+            pool = self._pool = ThreadPoolExecutor(1, thread_name_prefix="k2serve-cpu-experts")
+        self._job = pool.submit(self, hidden, topk_ids, topk_weights)
 
-        def work():
-            try:
-                box["out"] = self(hidden, topk_ids, topk_weights)
-            except BaseException as e:  # re-raised by wait() on the caller's thread
-                box["err"] = e
-
-        t = threading.Thread(target=work, name="k2serve-cpu-experts", daemon=True)
-        self._job = (t, box)
-        t.start()
+    def __getstate__(self) -> dict:  # copies (deepcopy of a model) get their own worker
+        state = dict(self.__dict__)
+        state.pop("_pool", None)
+        state.pop("_job", None)
+        return state
 
     def wait(self) -> torch.Tensor:  # [T, hidden] on the CPU, dtype of the submitted hidden
-        """The result of the job `submit` started (blocks until it is done)."""
+        """The result of the job `submit` started (blocks until it is done; re-raises what
+        the job raised)."""
         job, self._job = getattr(self, "_job", None), None
         if job is None:
             raise RuntimeError("CpuExpertBackend.wait: nothing was submitted")
-        t, box = job
-        t.join()
-        if "err" in box:
-            raise box["err"]
-        return box["out"]
+        return job.result()
 
 
 class HostJob:
