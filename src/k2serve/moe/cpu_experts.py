@@ -189,6 +189,13 @@ class HybridExpertBackend(ExpertBackend):
         self.layerwise_index = -1
         self.cpu_local_of: torch.Tensor | None = None  # [E] on the device, set with layerwise
 
+    def refresh_cpu_backend(self) -> None:
+        """A new CpuExpertBackend over the same expert modules and ids: after their tensors were
+        re-pointed (layer-wise prefill stacks them) or experts moved (dynamic re-placement), as
+        a CPU backend may hold the tensors' addresses and its own copy of the id map."""
+        c = self.cpu_backend
+        self.cpu_backend = type(c)(c.experts, c.expert_ids, c.num_experts, c.compute_dtype)
+
     def reserve(self, max_tokens: int, hidden_size: int, k: int, dtype: torch.dtype) -> None:
         """Allocate static pinned host buffers for steps of up to `max_tokens` tokens (before
         capturing CUDA graphs: captured copies read and write these addresses). No-op on a

@@ -12,7 +12,8 @@ Invariants:
   addresses stay valid) and the CPU slot of c receives g's; the two modules trade places in
   `MoE.experts`, so `experts[e]` (and the state_dict) always holds expert e's weights.
 - The id maps are updated in place (`gpu_local_of` on the device, the CPU backend's
-  `local_of`/`expert_ids` on the host), so captured decode graphs read the new maps.
+  `local_of`/`expert_ids` on the host), so captured decode graphs read the new maps; the CPU
+  backend is then rebuilt over the same modules (HybridExpertBackend.refresh_cpu_backend).
 - Re-placement happens only between steps (the runner calls it), never inside a forward.
 - Scores decay: each re-placement halves the previous score and adds the counts since, so
   the placement follows the current traffic.
@@ -62,9 +63,6 @@ def swap_experts(moe, gpu_expert: int, cpu_expert: int) -> None:
         m = getattr(be, name, None)
         if m is not None:
             m[gpu_expert], m[cpu_expert] = s, -1
-    refresh = getattr(cpu, "refresh_experts", None)  # a CPU kernel's repacked copy, if any
-    if refresh is not None:
-        refresh([s])
 
 
 def replace_layer(moe, scores: torch.Tensor) -> int:
@@ -81,6 +79,8 @@ def replace_layer(moe, scores: torch.Tensor) -> int:
     coming = sorted(set(want) - cur, key=lambda e: (-sc[e], e))
     for g, c in zip(leaving, coming, strict=True):
         swap_experts(moe, g, c)
+    if coming:
+        be.refresh_cpu_backend()  # a native CPU kernel keeps its own copy of the id map
     return len(coming)
 
 

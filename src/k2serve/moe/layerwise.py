@@ -93,6 +93,7 @@ class LayerwisePrefill:
         for i, be in enumerate(self.backends):
             cpu = be.cpu_backend
             w = stack_experts(nn.ModuleList(cpu.experts))  # host tensors; params now views
+            be.refresh_cpu_backend()  # it may hold the old tensors' addresses
             if cuda:
                 pinned = all([_pin(getattr(w, n)) for n in _fields(w)]) and pinned
             self.host.append(w)
