@@ -79,7 +79,9 @@ def load(layers, placement=None):
     t = time.time()
     m = load_model(None, load_format="dummy", config=cfg, device="cuda", progress=False,
                    expert_placement=placement, seed=0)  # fmt: skip
-    log(f"loaded k2-slice int4 {layers} layers ({placement.describe() if placement else 'all on the GPU'}) in {time.time() - t:.0f}s")
+    log(
+        f"loaded k2-slice int4 {layers} layers ({placement.describe() if placement else 'all on the GPU'}) in {time.time() - t:.0f}s"
+    )
     return m
 
 
@@ -233,9 +235,27 @@ def part_decode(ref, hyb, args):
             f"{t_cpu:.1f} ms per MoE layer x {n_moe}")  # fmt: skip
         ROWS.append(("decode", f"{tag} all-GPU graph step", f"{t_all:.3f} ms"))
         ROWS.append(("decode", f"{tag} all-GPU minus expert GEMVs (limit)", f"{t_noexp:.3f} ms"))
-        ROWS.append(("decode", f"{tag} hybrid GPU part, piecewise graphs", f"{t_gpu_part:.3f} ms = {ratio:.2f} x limit {'MET' if ratio <= 1 else 'MISSED'}"))
-        ROWS.append(("decode", f"{tag} hybrid GPU part, eager", f"{t_eager_part:.3f} ms = {t_eager_part / t_noexp:.2f} x limit"))
-        ROWS.append(("decode", f"{tag} hybrid step, CPU experts real", f"{t_real:.1f} ms ({n_moe} x {t_cpu:.1f} ms CPU; overlap {max(0.0, (t_gpu_part + n_moe * t_cpu - t_real)) / max(t_gpu_part, 1e-9):.0%} of the GPU part hidden)"))
+        ROWS.append(
+            (
+                "decode",
+                f"{tag} hybrid GPU part, piecewise graphs",
+                f"{t_gpu_part:.3f} ms = {ratio:.2f} x limit {'MET' if ratio <= 1 else 'MISSED'}",
+            )
+        )
+        ROWS.append(
+            (
+                "decode",
+                f"{tag} hybrid GPU part, eager",
+                f"{t_eager_part:.3f} ms = {t_eager_part / t_noexp:.2f} x limit",
+            )
+        )
+        ROWS.append(
+            (
+                "decode",
+                f"{tag} hybrid step, CPU experts real",
+                f"{t_real:.1f} ms ({n_moe} x {t_cpu:.1f} ms CPU; overlap {max(0.0, (t_gpu_part + n_moe * t_cpu - t_real)) / max(t_gpu_part, 1e-9):.0%} of the GPU part hidden)",
+            )
+        )
         del r_all, r_noexp, r_h
         gc.collect()
         torch.cuda.empty_cache()
@@ -258,7 +278,13 @@ def part_prefill(ref, hyb, args):
     lw.invalidate()
     gbs = lw.slot_bytes / copy_ms / 1e6
     ROWS.append(("prefill", "threshold (calibrated)", f"{lw.threshold} tokens"))
-    ROWS.append(("prefill", "one layer's CPU experts over PCIe", f"{copy_ms:.1f} ms ({lw.slot_bytes / 1e9:.2f} GB at {gbs:.1f} GB/s)"))
+    ROWS.append(
+        (
+            "prefill",
+            "one layer's CPU experts over PCIe",
+            f"{copy_ms:.1f} ms ({lw.slot_bytes / 1e9:.2f} GB at {gbs:.1f} GB/s)",
+        )
+    )
     L = c.num_hidden_layers
     for T in args.prefills:
         ids, pos, md = prefill_inputs(T)
@@ -267,14 +293,32 @@ def part_prefill(ref, hyb, args):
         per_layer = t_h / L
         tps = T / (per_layer * 60 / 1e3)
         ok = tps >= 1000
-        ROWS.append(("prefill", f"T={T} hybrid layer-wise step ({L} layers)", f"{t_h:.0f} ms = {per_layer:.0f} ms/layer -> {tps:.0f} tok/s at 60 layers {'MET' if ok else 'MISSED'} (>= 1000)"))
+        ROWS.append(
+            (
+                "prefill",
+                f"T={T} hybrid layer-wise step ({L} layers)",
+                f"{t_h:.0f} ms = {per_layer:.0f} ms/layer -> {tps:.0f} tok/s at 60 layers {'MET' if ok else 'MISSED'} (>= 1000)",
+            )
+        )
         kv_r = kv_for(ref, T)
         t_r = wall_ms(lambda: ref(ids, pos, md, kv_r), iters=2, warmup=1)
-        ROWS.append(("prefill", f"T={T} all-GPU step (same layers)", f"{t_r:.0f} ms -> {T / (t_r / L * 60 / 1e3):.0f} tok/s at 60 layers; hybrid/all-GPU {t_h / t_r:.2f}x"))
+        ROWS.append(
+            (
+                "prefill",
+                f"T={T} all-GPU step (same layers)",
+                f"{t_r:.0f} ms -> {T / (t_r / L * 60 / 1e3):.0f} tok/s at 60 layers; hybrid/all-GPU {t_h / t_r:.2f}x",
+            )
+        )
         log(f"  T={T}: hybrid {t_h:.0f} ms, all-GPU {t_r:.0f} ms, extrapolated {tps:.0f} tok/s")
         del kv_h, kv_r
         torch.cuda.empty_cache()
-    ROWS.append(("prefill", "peer (published, not run)", "KT layer-wise prefill 290 tok/s at 30K, K2-Thinking, 1 GPU (field.md 1.2)"))
+    ROWS.append(
+        (
+            "prefill",
+            "peer (published, not run)",
+            "KT layer-wise prefill 290 tok/s at 30K, K2-Thinking, 1 GPU (field.md 1.2)",
+        )
+    )
 
 
 def main(argv=None) -> int:
@@ -290,7 +334,9 @@ def main(argv=None) -> int:
     args.batches = (1,) if args.quick else (1, 4, 16)
     args.prefills = (32768,) if args.quick else (8192, 32768)
     args.iters = 5 if args.quick else 15
-    log(f"device {torch.cuda.get_device_name()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}")
+    log(
+        f"device {torch.cuda.get_device_name()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}"
+    )
     from k2serve.config import ModelConfig
     from k2serve.moe import make_placement
     from k2serve.weights.presets import preset_config
@@ -314,7 +360,9 @@ def main(argv=None) -> int:
             part_decode(ref, hyb, args)
         if "prefill" in parts:
             part_prefill(ref, hyb, args)
-    log(f"\n== results (k2-slice INT4, {args.layers} layers, {args.n_gpu} of 384 experts per MoE layer on the GPU; {time.time() - t0:.0f}s)")
+    log(
+        f"\n== results (k2-slice INT4, {args.layers} layers, {args.n_gpu} of 384 experts per MoE layer on the GPU; {time.time() - t0:.0f}s)"
+    )
     w = max(len(r[1]) for r in ROWS) if ROWS else 10
     for sec, case, val in ROWS:
         log(f"  {sec:8s} {case:{w}s}  {val}")

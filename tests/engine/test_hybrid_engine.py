@@ -93,7 +93,6 @@ def test_dynamic_placement_moves_experts_and_keeps_the_tokens(ckpt, reference, t
     assert _tokens(llm) == reference  # and the moved experts compute the same tokens
 
 
-
 def test_flags_parse_and_bad_values_are_named():
     import argparse
 
@@ -101,8 +100,10 @@ def test_flags_parse_and_bad_values_are_named():
 
     ap = argparse.ArgumentParser()
     EngineConfig.add_cli_args(ap)
-    argv = ("--record-routing r.json --dynamic-expert-placement --num-gpu-experts 2 "
-            "--gpu-prefill-token-threshold 4096 --expert-placement-interval 50")
+    argv = (
+        "--record-routing r.json --dynamic-expert-placement --num-gpu-experts 2 "
+        "--gpu-prefill-token-threshold 4096 --expert-placement-interval 50"
+    )
     args = ap.parse_args(argv.split())
     cfg = EngineConfig.from_cli_args(args)
     assert (cfg.record_routing, cfg.dynamic_expert_placement) == ("r.json", True)
