@@ -25,6 +25,8 @@ pieces of one bucket are replayed in capture order (they share the pool).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from k2serve.attention.base import AttentionMetadata
@@ -52,10 +54,11 @@ class CudaGraphFactory:
         torch.cuda.synchronize()
 
 
-def capture_pieces(gen, factory) -> tuple[list, list, object]:
+def capture_pieces(gen, factory) -> tuple[list, list, Any]:
     """Capture a pieces generator: -> (graphs, host actions, the generator's return value);
     len(graphs) == len(host actions) + 1. Host actions are not run while capturing."""
-    graphs, actions = [], []
+    graphs: list = []
+    actions: list = []
 
     def step():
         try:

@@ -165,7 +165,8 @@ class MoE(nn.Module):
         if type(self).forward is not MoE.forward:  # a subclass's own forward (tensor parallel)
             return self(x)
         be = self.expert_backend
-        if getattr(be, "pieces", None) is None:
+        be_pieces = getattr(be, "pieces", None)
+        if be_pieces is None:
             return self.routed_plus_shared(x, self.routed)
         topk_weights, topk_ids = self.gate(x)  # [T, k] float32, [T, k] int64
         self._record_routing(topk_ids)
@@ -173,7 +174,7 @@ class MoE(nn.Module):
         def gpu(y):
             return self.routed_plus_shared(y, lambda z: be.gpu_part(z, topk_ids, topk_weights))
 
-        return (yield from be.pieces(x, topk_ids, topk_weights, gpu=gpu))
+        return (yield from be_pieces(x, topk_ids, topk_weights, gpu=gpu))
 
     def _record_routing(self, topk_ids: torch.Tensor) -> None:
         """Add this step's (token, expert) pairs to `routing_counts` (set by

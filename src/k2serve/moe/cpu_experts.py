@@ -142,14 +142,14 @@ class HostJob:
         self.event = torch.cuda.Event() if cuda else None
 
     def start(self) -> None:
-        if self.cuda:
+        if self.event is not None:
             self.event.record()
         else:
             self.backend.cpu_backend.submit(self.x, self.ids, self.w)
 
     def finish(self) -> None:
         cpu = self.backend.cpu_backend
-        if self.cuda:
+        if self.event is not None:
             self.event.synchronize()  # the staged inputs are in host memory
             cpu.submit(self.x, self.ids, self.w)
         self.out.copy_(cpu.wait())
@@ -205,12 +205,11 @@ class HybridExpertBackend(ExpertBackend):
         b = self._buffers
         if b is not None and b["x"].shape[0] >= max_tokens and b["x"].dtype == dtype:
             return
-        pin = dict(pin_memory=True)
         self._buffers = dict(
-            x=torch.empty(max_tokens, hidden_size, dtype=dtype, **pin),
-            ids=torch.empty(max_tokens, k, dtype=torch.long, **pin),
-            w=torch.empty(max_tokens, k, dtype=torch.float32, **pin),
-            out=torch.empty(max_tokens, hidden_size, dtype=dtype, **pin),
+            x=torch.empty(max_tokens, hidden_size, dtype=dtype, pin_memory=True),
+            ids=torch.empty(max_tokens, k, dtype=torch.long, pin_memory=True),
+            w=torch.empty(max_tokens, k, dtype=torch.float32, pin_memory=True),
+            out=torch.empty(max_tokens, hidden_size, dtype=dtype, pin_memory=True),
         )
 
     def stage(self, hidden, topk_ids, topk_weights) -> HostJob:
@@ -224,11 +223,10 @@ class HybridExpertBackend(ExpertBackend):
         if b is not None and T <= b["x"].shape[0] and b["x"].dtype == hidden.dtype:
             x, ids, w, out = b["x"][:T], b["ids"][:T, :k], b["w"][:T, :k], b["out"][:T]
         else:  # outside the reserved size (long prefills, eager): fresh pinned buffers
-            pin = dict(pin_memory=True)
-            x = torch.empty(T, D, dtype=hidden.dtype, **pin)
-            ids = torch.empty(T, k, dtype=torch.long, **pin)
-            w = torch.empty(T, k, dtype=torch.float32, **pin)
-            out = torch.empty(T, D, dtype=hidden.dtype, **pin)
+            x = torch.empty(T, D, dtype=hidden.dtype, pin_memory=True)
+            ids = torch.empty(T, k, dtype=torch.long, pin_memory=True)
+            w = torch.empty(T, k, dtype=torch.float32, pin_memory=True)
+            out = torch.empty(T, D, dtype=hidden.dtype, pin_memory=True)
         x.copy_(hidden, non_blocking=True)
         ids.copy_(topk_ids, non_blocking=True)
         w.copy_(topk_weights, non_blocking=True)

@@ -112,8 +112,10 @@ class LayerwisePrefill:
         ]
         self.loaded: list[int | None] = [None, None]
         self.stream = torch.cuda.Stream(self.device) if cuda else None
-        self.ready = [torch.cuda.Event() for _ in range(2)] if cuda else None
-        self.free = [torch.cuda.Event() for _ in range(2)] if cuda else None
+        # slot s: its copy is done (`ready`), its last layer's compute is done (`free`); CUDA
+        # only (empty on a CPU device, where the copies are synchronous)
+        self.ready = [torch.cuda.Event() for _ in range(2)] if cuda else []
+        self.free = [torch.cuda.Event() for _ in range(2)] if cuda else []
         self.copies = 0  # layers copied (for tests and logs)
 
     @property
@@ -134,9 +136,15 @@ class LayerwisePrefill:
         h = self.host[i]
         n = h.w13.shape[0]
         slot = self.slots[i % 2]
-        return ExpertWeights(h.quant, *(slot[f][:n] if f in slot else None
-                                        for f in ("w13", "w2", "w13_scale", "w2_scale")),
-                             group_size=h.group_size)  # fmt: skip
+        s13, s2 = slot.get("w13_scale"), slot.get("w2_scale")
+        return ExpertWeights(
+            h.quant,
+            slot["w13"][:n],
+            slot["w2"][:n],
+            None if s13 is None else s13[:n],
+            None if s2 is None else s2[:n],
+            group_size=h.group_size,
+        )
 
     def _load(self, i: int) -> None:
         s, h = i % 2, self.host[i]
@@ -165,7 +173,7 @@ class LayerwisePrefill:
         return self._view(i)
 
     def release(self, i: int) -> None:
-        if self.free is not None:
+        if self.stream is not None:
             self.free[i % 2].record(torch.cuda.current_stream(self.device))
 
     def run(self, i: int, hidden, topk_ids, topk_weights, local_of) -> torch.Tensor:
@@ -212,6 +220,10 @@ def calibrate_threshold(lw: LayerwisePrefill, hidden_size: int, k: int, dtype) -
     return thr
 
 
+def _cpu_expert_bytes(be) -> int:
+    return sum(p.numel() * p.element_size() for e in be.cpu_backend.experts for p in e.parameters())
+
+
 def setup_layerwise_prefill(
     model, threshold: int | None, max_num_batched_tokens: int | None = None
 ) -> LayerwisePrefill | None:
@@ -232,8 +244,7 @@ def setup_layerwise_prefill(
         return None
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
-        need = 2 * max(sum(p.numel() * p.element_size() for e in be.cpu_backend.experts
-                           for p in e.parameters()) for be in layers)  # fmt: skip
+        need = 2 * max(_cpu_expert_bytes(be) for be in layers)
         if need > free - (1 << 30):
             logger.warning(
                 "layer-wise GPU prefill off: its two slots need %.1f GiB, %.1f GiB is free "
