@@ -190,3 +190,26 @@ def test_engine_keeps_decode_graphs_with_cpu_experts_and_the_eager_tokens():
                           model=load_tiny("int4", dtype=torch.bfloat16, device="cuda"))  # fmt: skip
     assert eager_eng.runner.graph_runner is None
     assert graphed == _greedy_tokens(eager_eng, prompts)
+
+
+def test_captured_pieces_follow_a_dynamic_re_placement():
+    """Experts moved between the GPU and CPU sets after capture: the graphs read the id maps
+    and weights updated in place, so replays still give the eager logits."""
+    from k2serve.moe.dynamic import replace_layer
+
+    torch.manual_seed(1)
+    eager, graphed = _model(3), _model(3)
+    kv_e, kv_g = _caches(eager, 3), _caches(graphed, 3)
+    runner = DecodeGraphRunner(graphed, kv_g, PAGES, buckets=(4,),
+                               graph_factory=TapeGraphFactory())  # fmt: skip
+    runner.capture()
+    for i in graphed.config.moe_layers:  # the hottest by these scores: 5, 6, 7
+        assert replace_layer(graphed.model.layers[i].mlp, torch.arange(8.0)) == 3
+        assert sorted(graphed.model.layers[i].mlp.expert_backend.gpu_expert_ids) == [5, 6, 7]
+    lens, ids = [3, 6, 9], torch.randint(0, 500, (3,))
+    for _ in range(3):
+        pos, md = _decode_md(lens)
+        ref = eager.compute_logits(eager(ids, pos, md, kv_e))
+        got = graphed.compute_logits(runner.run(ids, pos, md))
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+        ids, lens = ref.argmax(-1), [n + 1 for n in lens]
