@@ -117,3 +117,23 @@ def test_a_used_hybrid_model_deep_copies():
     ref = model(ids, torch.arange(5))  # the CPU backends' workers exist now
     twin = copy.deepcopy(model)
     torch.testing.assert_close(twin(ids, torch.arange(5)), ref, rtol=0, atol=0)
+
+
+def test_layerwise_prefill_follows_rebuilt_backends():
+    from k2serve.moe.layerwise import setup_layerwise_prefill
+
+    p = make_placement(load_tiny("int4").config, 3)
+    model = load_tiny("int4", expert_placement=p)
+    old = setup_layerwise_prefill(model, 16)
+    model.setup_backends("torch", "torch", "torch", placement=p)  # new hybrid backends
+    new = setup_layerwise_prefill(model, 16)
+    assert new is not old and old.threshold == 0 and model.layerwise_prefill is new
+    assert all(be.layerwise is new for be in new.backends)
+    ids = _ids(20, seed=4)
+    ref = load_tiny("int4")
+    torch.testing.assert_close(
+        model.compute_logits(model(ids, torch.arange(20))),
+        ref.compute_logits(ref(ids, torch.arange(20))),
+        rtol=1e-5,
+        atol=1e-5,
+    )

@@ -133,6 +133,13 @@ class LLMEngine:
         dtype = activation_dtype(model, cfg, self.device)
         kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, dtype)  # fp8: float8_e4m3fn
 
+        if cfg.tensor_parallel_size == 1 and getattr(model, "has_cpu_experts", False):
+            from k2serve.moe.layerwise import setup_layerwise_prefill
+
+            # its device double buffer is allocated before the KV cache takes the free memory
+            setup_layerwise_prefill(
+                model, cfg.gpu_prefill_token_threshold, cfg.max_num_batched_tokens
+            )
         max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
         pages, max_model_len = num_kv_pages(
             cfg, self.model_config, kv_dtype, self.device, max_model_len, cfg.max_model_len is None

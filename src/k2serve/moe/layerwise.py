@@ -25,6 +25,7 @@ Invariants:
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import time
@@ -240,6 +241,13 @@ def setup_layerwise_prefill(
             return old  # keeps its calibrated threshold
         old.threshold = threshold or 0
         return old if old.threshold else None
+    if old is not None:  # the backends were rebuilt: free the old slots before new ones
+        old.threshold = 0
+        model.layerwise_prefill = None
+        del old
+        gc.collect()  # the old backends and their LayerwisePrefill reference each other
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     if threshold == 0 or not layers or (threshold is None and dev.type != "cuda"):
         return None
     if dev.type == "cuda":
