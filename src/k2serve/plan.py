@@ -436,6 +436,9 @@ def plan(
             # decode graphs share one pool sized by the largest captured batch
             "cuda_graphs": activation_bytes(config, max_num_seqs, max_num_seqs, tp),
             "runtime": RUNTIME_RESERVE_BYTES,
+            # one GPU with CPU experts: serve's layer-wise prefill double buffer (two layers'
+            # CPU experts), allocated before the KV cache (k2serve.moe.layerwise)
+            "layerwise_prefill": 0,
             "kv_cache": 0,
         }
         fixed = sum(rows.values())
@@ -443,9 +446,21 @@ def plan(
         slots = max(0, room // (layers * eb)) if layers else 0  # experts per layer per GPU
         if num_gpu_experts is None:
             gpu_exp = min(n_exp, slots * g)
+            if g == 1 and gpu_exp < n_exp and layers > 2:  # room for the double buffer too
+                fit = (room - 2 * n_exp * eb) // ((layers - 2) * eb)
+                gpu_exp = min(gpu_exp, fit) if fit >= 0 else gpu_exp
         else:
             gpu_exp = min(n_exp, int(num_gpu_experts))
         rows["routed_experts"] = math.ceil(gpu_exp / g) * layers * eb
+        if g == 1 and gpu_exp < n_exp:
+            stream = 2 * (n_exp - gpu_exp) * eb
+            if room - rows["routed_experts"] >= stream:
+                rows["layerwise_prefill"] = stream
+            else:
+                notes.append(
+                    f"no room for the layer-wise prefill buffers ({stream / 2**30:.1f} GiB): "
+                    "long prompts' CPU experts are computed on the CPU"
+                )
         left = cap - sum(rows.values())
         rows["kv_cache"] = max(0, left)
         kv_tokens = rows["kv_cache"] // kvt // DEFAULT_PAGE_SIZE * DEFAULT_PAGE_SIZE

@@ -31,6 +31,7 @@ ROW_NAMES = {
     "activations": "activations",
     "cuda_graphs": "CUDA graph pool",
     "runtime": "CUDA context + NCCL",
+    "layerwise_prefill": "layer-wise prefill buffers",
     "kv_cache": "KV cache",
 }
 
@@ -133,7 +134,7 @@ def render(p: Plan, source: dict) -> str:
         out.append("")
         out.append(head)
         for key, val in d.rows.items():
-            if key == "vision" and not val:
+            if key in ("vision", "layerwise_prefill") and not val:
                 continue
             out.append(f"  {ROW_NAMES.get(key, key):<32}{gb(val):>12}")
         out.append(
