@@ -51,16 +51,17 @@ def test_plan_cli_reads_the_recorded_file(tmp_path, capsys):
 
 def test_one_gpu_hybrid_reserves_the_layerwise_prefill_double_buffer():
     """serve allocates two layers' CPU experts on the GPU before the KV cache: plan counts them
-    (and still fits the context); where they do not fit, plan says so and leaves them out."""
-    _, p = _plan()
-    rows = p.devices[0].rows
-    assert rows["layerwise_prefill"] == 2 * p.num_cpu_experts * p.expert_bytes
-    assert p.fits and p.kv_cache_tokens >= p.max_model_len
-    n, gpu = parse_gpus("1xL20")
+    (choosing fewer GPU experts to leave the room, the context still fitting); where they do
+    not fit, plan says so and leaves them out."""
+    n, gpu = parse_gpus("1xH200")
     cfg = ModelConfig.from_hf(known_model_config("kimi-k2-thinking"))
+    p = plan(cfg, gpu=gpu, num_gpus=n, cpu_memory=TiB)
+    assert p.fits and p.kv_cache_tokens >= p.max_model_len
+    assert p.devices[0].rows["layerwise_prefill"] == 2 * p.num_cpu_experts * p.expert_bytes
+    _, forced = _plan()  # 64 GPU experts at the full context leave no room for it
+    assert forced.devices[0].rows["layerwise_prefill"] == 0
+    assert any("layer-wise prefill" in note for note in forced.notes)
+    n, gpu = parse_gpus("1xL20")
     small = plan(cfg, gpu=gpu, num_gpus=n, cpu_memory=TiB, max_model_len=32768)
     assert small.fits and small.devices[0].rows["layerwise_prefill"] == 0
     assert any("layer-wise prefill" in note for note in small.notes)
-    n, gpu = parse_gpus("1xH200")
-    free = plan(cfg, gpu=gpu, num_gpus=n, cpu_memory=TiB)  # experts chosen to leave the room
-    assert free.fits and free.devices[0].rows["layerwise_prefill"] > 0
