@@ -20,10 +20,13 @@ Targets:
           CPU experts answered instantly (the GPU part: every GPU piece, the D2H/H2D staging,
           the event waits and the replays between); also the hyb eager step with the same stub
           (what graphs buy), the real hyb step and the CPU time per MoE layer.
-  prefill "hybrid prefill of a 32K prompt >= 1,000 tok/s extrapolated to 60 layers": one
+  prefill "hybrid prefill of a 32K prompt >= 1,000 tok/s extrapolated to 60 layers": a
           32K-token step through hyb with layer-wise GPU prefill (calibrated threshold, printed
-          with the measured PCIe rate), per-layer time x 60 -> tok/s; the all-GPU ref step and
-          the PCIe copy time of one layer's CPU experts (the floor) are printed beside it.
+          with the measured PCIe rate): the copy of one layer's CPU experts (c), the step with
+          the experts resident (compute per MoE layer m, dense layer counted in), the step with
+          every layer streamed (measured pipeline), and the 60-layer estimate c + 60 max(c, m)
+          (double buffer: each layer's copy runs under the previous layer's compute); the
+          all-GPU ref step beside it.
 Timings: wall clock around a synchronized step (host actions are part of the step), median.
 """
 
@@ -286,18 +289,44 @@ def part_prefill(ref, hyb, args):
         )
     )
     L = c.num_hidden_layers
+    n_moe = len(hybrid_backends(hyb))
     for T in args.prefills:
         ids, pos, md = prefill_inputs(T)
         kv_h = kv_for(hyb, T)
-        t_h = wall_ms(lambda: hyb(ids, pos, md, kv_h), iters=2, warmup=1)
-        per_layer = t_h / L
-        tps = T / (per_layer * 60 / 1e3)
+        # resident: with 2 hybrid layers and 2 slots, repeated steps copy nothing (each layer's
+        # experts stay in their slot): the step's compute alone
+        t_res = wall_ms(lambda: hyb(ids, pos, md, kv_h), iters=2, warmup=1)
+
+        def pipelined():
+            lw.invalidate()  # every layer copied in this step, as with 60 layers
+            hyb(ids, pos, md, kv_h)
+
+        t_pipe = wall_ms(pipelined, iters=2, warmup=1)
+        per_moe = t_res / n_moe  # conservative: the dense layer and embedding counted in
+        # 60 MoE layers: the first copy exposed, then each layer max(copy, compute) (the next
+        # layer's copy runs under this layer's compute)
+        est60 = copy_ms + 60 * max(copy_ms, per_moe)
+        tps = T / (est60 / 1e3)
         ok = tps >= 1000
         ROWS.append(
             (
                 "prefill",
-                f"T={T} hybrid layer-wise step ({L} layers)",
-                f"{t_h:.0f} ms = {per_layer:.0f} ms/layer -> {tps:.0f} tok/s at 60 layers {'MET' if ok else 'MISSED'} (>= 1000)",
+                f"T={T} hybrid step, experts resident ({L} layers)",
+                f"{t_res:.0f} ms = {per_moe:.0f} ms per MoE layer (compute, dense layer included)",
+            )
+        )
+        ROWS.append(
+            (
+                "prefill",
+                f"T={T} hybrid step, every layer streamed",
+                f"{t_pipe:.0f} ms ({n_moe} layers + the next step's first layer copied)",
+            )
+        )
+        ROWS.append(
+            (
+                "prefill",
+                f"T={T} extrapolated to 60 MoE layers",
+                f"{copy_ms:.0f} + 60 x max({copy_ms:.0f}, {per_moe:.0f}) ms = {est60 / 1e3:.1f} s -> {tps:.0f} tok/s {'MET' if ok else 'MISSED'} (>= 1000)",
             )
         )
         kv_r = kv_for(ref, T)
@@ -306,10 +335,12 @@ def part_prefill(ref, hyb, args):
             (
                 "prefill",
                 f"T={T} all-GPU step (same layers)",
-                f"{t_r:.0f} ms -> {T / (t_r / L * 60 / 1e3):.0f} tok/s at 60 layers; hybrid/all-GPU {t_h / t_r:.2f}x",
+                f"{t_r:.0f} ms = {t_r / n_moe:.0f} ms per MoE layer; hybrid resident/all-GPU {t_res / t_r:.2f}x",
             )
         )
-        log(f"  T={T}: hybrid {t_h:.0f} ms, all-GPU {t_r:.0f} ms, extrapolated {tps:.0f} tok/s")
+        log(
+            f"  T={T}: hybrid resident {t_res:.0f} ms, streamed {t_pipe:.0f} ms, all-GPU {t_r:.0f} ms, extrapolated {tps:.0f} tok/s"
+        )
         del kv_h, kv_r
         torch.cuda.empty_cache()
     ROWS.append(
