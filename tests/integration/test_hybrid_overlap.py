@@ -137,3 +137,14 @@ def test_layerwise_prefill_follows_rebuilt_backends():
         rtol=1e-5,
         atol=1e-5,
     )
+
+
+def test_double_buffer_bytes_is_what_the_slots_take():
+    from k2serve.moe.layerwise import double_buffer_bytes, setup_layerwise_prefill
+
+    p = make_placement(load_tiny("int4").config, 3)
+    model = load_tiny("int4", expert_placement=p)
+    want = double_buffer_bytes(model, p)
+    lw = setup_layerwise_prefill(model, 16)
+    assert 2 * lw.slot_bytes <= want <= 2.01 * lw.slot_bytes  # + the int32 shape tensors
+    assert double_buffer_bytes(model, make_placement(model.config)) == 0

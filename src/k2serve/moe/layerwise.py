@@ -221,6 +221,22 @@ def calibrate_threshold(lw: LayerwisePrefill, hidden_size: int, k: int, dtype) -
     return thr
 
 
+def double_buffer_bytes(model, placement) -> int:
+    """Device bytes the layer-wise prefill's two slots take for `placement` (0 without CPU
+    experts): for a setup that sizes the KV cache before the backends exist."""
+    if placement is None or placement.all_on_gpu:
+        return 0
+    worst = 0
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        if layer.layer_idx not in placement.gpu_experts or not hasattr(mlp, "experts"):
+            continue
+        n_cpu = len(placement.cpu_experts(layer.layer_idx))
+        one = sum(p.numel() * p.element_size() for p in mlp.experts[0].parameters())
+        worst = max(worst, n_cpu * one)
+    return 2 * worst
+
+
 def _cpu_expert_bytes(be) -> int:
     return sum(p.numel() * p.element_size() for e in be.cpu_backend.experts for p in e.parameters())
 
@@ -275,4 +291,9 @@ def setup_layerwise_prefill(
     return lw
 
 
-__all__ = ["LayerwisePrefill", "calibrate_threshold", "setup_layerwise_prefill"]
+__all__ = [
+    "LayerwisePrefill",
+    "calibrate_threshold",
+    "double_buffer_bytes",
+    "setup_layerwise_prefill",
+]
