@@ -148,3 +148,27 @@ def test_double_buffer_bytes_is_what_the_slots_take():
     lw = setup_layerwise_prefill(model, 16)
     assert 2 * lw.slot_bytes <= want <= 2.01 * lw.slot_bytes  # + the int32 shape tensors
     assert double_buffer_bytes(model, make_placement(model.config)) == 0
+
+
+@pytest.mark.parametrize("layers", [4, 5])  # 3 and 4 MoE layers: odd and even slot cycles
+def test_layerwise_prefill_with_more_layers_than_slots(layers):
+    from k2serve.moe.layerwise import setup_layerwise_prefill
+    from k2serve.weights.loader import load_model
+
+    from .conftest import tiny_config
+
+    cfg = tiny_config("int4", num_hidden_layers=layers)
+    kw = dict(dtype=torch.float32, device="cpu", load_format="dummy", config=cfg, seed=2,
+              progress=False)  # fmt: skip
+    ref = load_model(None, **kw)
+    model = load_model(None, expert_placement=make_placement(cfg, 2), **kw)
+    lw = setup_layerwise_prefill(model, 8)
+    for n in (12, 30, 9, 17):  # repeated steps: slots reused across steps
+        ids = _ids(n, seed=n)
+        torch.testing.assert_close(
+            model.compute_logits(model(ids, torch.arange(n))),
+            ref.compute_logits(ref(ids, torch.arange(n))),
+            rtol=1e-5,
+            atol=1e-5,
+        )
+    assert lw.copies >= 3 * (layers - 1)

@@ -169,7 +169,9 @@ class LayerwisePrefill:
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_event(self.ready[i % 2])
         nxt = (i + 1) % len(self.host)  # after the last layer: the next step's first one
-        if nxt != i and self.loaded[nxt % 2] != nxt:
+        # NOTE: with an odd number of layers the wrap-around lands in this layer's own slot:
+        # no prefetch then (it would overwrite the weights this layer is about to read)
+        if nxt % 2 != i % 2 and self.loaded[nxt % 2] != nxt:
             self._load(nxt)
         return self._view(i)
 
