@@ -98,8 +98,8 @@ class DynamicPlacer:
             be = getattr(layer.mlp, "expert_backend", None)
             if getattr(be, "name", None) == "hybrid" and layer.layer_idx in recorder.counts:
                 self.moes[layer.layer_idx] = layer.mlp
-        self._seen = {i: recorder.counts[i].clone() for i in self.moes}
-        self._score = {i: torch.zeros_like(c, dtype=torch.float64) for i, c in self._seen.items()}
+        self._seen = {i: recorder.counts[i].to("cpu", copy=True) for i in self.moes}
+        self._score = {i: torch.zeros(c.shape, dtype=torch.float64) for i, c in self._seen.items()}
 
     def step(self) -> int:
         """Count one engine step; re-place when due. Returns the number of swaps made."""
@@ -112,8 +112,8 @@ class DynamicPlacer:
     def replace_now(self) -> int:
         swaps = 0
         for i, moe in self.moes.items():
-            now = self.recorder.counts[i].clone()
-            self._score[i] = self._score[i] * 0.5 + (now - self._seen[i]).to(torch.float64).cpu()
+            now = self.recorder.counts[i].to("cpu", copy=True)  # host sync, every `interval`
+            self._score[i] = self._score[i] * 0.5 + (now - self._seen[i]).to(torch.float64)
             self._seen[i] = now
             swaps += replace_layer(moe, self._score[i])
         if swaps:
