@@ -185,9 +185,11 @@ class MoE(nn.Module):
             return
         T, k = topk_ids.shape
         valid = self.routing_valid
-        ones = (valid[:T, None].expand(T, k) if valid is not None and valid.shape[0] >= T
-                else torch.ones_like(topk_ids))  # fmt: skip
-        counts.index_add_(0, topk_ids.reshape(-1), ones.reshape(-1))
+        if valid is not None and valid.shape[0] >= T:
+            add = valid[:T, None].expand(T, k).reshape(-1)  # [T * k]
+        else:
+            add = torch.ones(T * k, dtype=counts.dtype, device=counts.device)
+        counts.index_add_(0, topk_ids.reshape(-1), add.to(counts.dtype))
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)  # [T, k] float32, [T, k] int64
