@@ -213,3 +213,24 @@ def test_captured_pieces_follow_a_dynamic_re_placement():
         got = graphed.compute_logits(runner.run(ids, pos, md))
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
         ids, lens = ref.argmax(-1), [n + 1 for n in lens]
+
+
+@pytest.mark.parametrize("n_gpu", [8, 4])
+def test_routing_is_counted_in_graph_replays_without_the_padding_rows(n_gpu):
+    from k2serve.moe.placement import RoutingRecorder
+
+    model = _model(n_gpu)
+    rec = RoutingRecorder(model, max_tokens=8)  # before the capture: replays count
+    runner = DecodeGraphRunner(model, _caches(model, 3), PAGES, buckets=(4,),
+                               graph_factory=TapeGraphFactory())  # fmt: skip
+    runner.capture()
+    for c in rec.counts.values():
+        c.zero_()  # the warm-up and capture passes counted 4 padded rows
+    lens, ids = [3, 6, 9], torch.randint(0, 500, (3,))
+    for _ in range(5):
+        pos, md = _decode_md(lens)
+        runner.run(ids, pos, md)
+        lens = [n + 1 for n in lens]
+    k = model.config.num_experts_per_tok
+    assert all(int(c.sum()) == 5 * 3 * k for c in rec.counts.values())  # 3 real rows of 4
+    assert int(rec.valid.sum()) == rec.valid.numel()  # restored after each replay
