@@ -234,3 +234,17 @@ def test_routing_is_counted_in_graph_replays_without_the_padding_rows(n_gpu):
     k = model.config.num_experts_per_tok
     assert all(int(c.sum()) == 5 * 3 * k for c in rec.counts.values())  # 3 real rows of 4
     assert int(rec.valid.sum()) == rec.valid.numel()  # restored after each replay
+
+
+def test_the_capture_warm_up_skips_the_cpu_experts():
+    """Warming up a bucket needs the GPU pieces only: no CPU expert work at start-up."""
+    model = _model(4)
+    calls = []
+    for i in model.config.moe_layers:
+        cpu = model.model.layers[i].mlp.expert_backend.cpu_backend
+        cpu.submit = lambda *a, _c=calls: _c.append(1)
+    runner = DecodeGraphRunner(model, _caches(model, 3), PAGES, buckets=(1, 4),
+                               graph_factory=TapeGraphFactory())  # fmt: skip
+    runner.capture()
+    assert calls == []
+    assert all(not model.model.layers[i].mlp.expert_backend.dry_run for i in (1, 2))

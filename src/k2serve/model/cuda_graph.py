@@ -152,8 +152,16 @@ class DecodeGraphRunner:
         if self.graphs:
             raise RuntimeError("DecodeGraphRunner.capture() was already called")
         self._reserve_host_buffers()
+        backends = [getattr(ly.mlp, "expert_backend", None) for ly in self.model.model.layers]
+        hybrid = [be for be in backends if hasattr(be, "dry_run")]
         for bs in reversed(self.buckets):
-            drive(self._pieces(bs))  # warm-up: compiles kernels, sizes the caching allocator
+            for be in hybrid:  # the CPU experts are not needed to warm up the GPU pieces
+                be.dry_run = True
+            try:
+                drive(self._pieces(bs))  # warm-up: compiles kernels, sizes the caching allocator
+            finally:
+                for be in hybrid:
+                    be.dry_run = False
             self.factory.synchronize()
             graphs, actions, out = capture_pieces(self._pieces(bs), self.factory)
             self.graphs[bs], self.actions[bs], self.outputs[bs] = graphs, actions, out

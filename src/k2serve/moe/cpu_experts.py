@@ -142,12 +142,17 @@ class HostJob:
         self.event = torch.cuda.Event() if cuda else None
 
     def start(self) -> None:
+        if self.backend.dry_run:
+            return
         if self.event is not None:
             self.event.record()
         else:
             self.backend.cpu_backend.submit(self.x, self.ids, self.w)
 
     def finish(self) -> None:
+        if self.backend.dry_run:  # a warm-up pass: the CPU part contributes zeros
+            self.out.zero_()
+            return
         cpu = self.backend.cpu_backend
         if self.event is not None:
             self.event.synchronize()  # the staged inputs are in host memory
@@ -184,6 +189,9 @@ class HybridExpertBackend(ExpertBackend):
         self.gpu_expert_ids = tuple(gpu_expert_ids)
         self.gpu_local_of = _local_map(num_experts, self.gpu_expert_ids, device)  # [E]
         self._buffers: dict | None = None  # static pinned staging buffers (reserve())
+        # True during a graph runner's warm-up: the host actions skip the CPU experts (the
+        # warm-up compiles GPU kernels and sizes the allocator; its outputs are dropped)
+        self.dry_run = False
         # layer-wise GPU prefill (moe.layerwise): long steps run the CPU experts on the device
         self.layerwise = None
         self.layerwise_index = -1
