@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from k2serve.distributed.nodes import ControlServer, NodeSpec, Watchdog
+
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how often a waiting side checks that the other is alive
@@ -95,9 +97,15 @@ def _worker_main(rank, world_size, backend, init_method, timeout_s, device_type,
     except BaseException:
         outbox.send(("err", traceback.format_exc()))
         os._exit(1)
+    serve_calls(state, inbox, outbox, lambda: os.getppid() == parent)
+
+
+def serve_calls(state: WorkerState, inbox, outbox, driver_alive) -> None:
+    """A worker's loop: run the calls from `inbox` until the stop message (None) or EOF, or
+    until `driver_alive()` says nobody will send one; then leave the process group."""
     while True:
         if not inbox.poll(POLL_S):
-            if os.getppid() != parent:  # the engine is gone: nobody will send a call
+            if not driver_alive():  # the engine is gone: nobody will send a call
                 os._exit(0)
             continue
         try:
@@ -122,25 +130,65 @@ def _worker_main(rank, world_size, backend, init_method, timeout_s, device_type,
     dist.destroy_process_group()
 
 
-def _shutdown(procs, inboxes, outboxes, timeout_s: float) -> None:
-    for c in inboxes:
+@dataclass
+class _LocalPeer:
+    """A worker process on this node, spawned by the group, talked to over two pipes."""
+
+    rank: int
+    proc: object  # multiprocessing Process
+    inbox: object  # Connection we send calls on
+    outbox: object  # Connection we read replies from
+
+    def describe(self) -> str:
+        return f"tensor-parallel worker rank {self.rank} (pid {self.proc.pid})"
+
+    def send(self, msg) -> None:
+        self.inbox.send(msg)
+
+    def poll(self, timeout_s: float = 0.0) -> bool:
+        return self.outbox.poll(timeout_s)
+
+    def recv(self):
+        return self.outbox.recv()
+
+    def exit_reason(self) -> str | None:
+        code = self.proc.exitcode
+        return None if code is None else f"it exited with code {code}"
+
+    def join(self, timeout_s: float) -> None:
+        self.proc.join(timeout_s)
+
+    def close(self) -> None:
+        self.inbox.close()
+        self.outbox.close()
+
+
+def _shutdown(peers, watchdog, control, timeout_s: float) -> None:
+    if watchdog is not None:
+        watchdog.stop()
+    for p in peers:
         try:
-            c.send(None)
+            p.send(None)
         except (OSError, ValueError):
             pass
     deadline = time.monotonic() + timeout_s
-    for p in procs:
+    for p in peers:
         p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            logger.warning("tensor-parallel worker pid %d did not stop; terminating it", p.pid)
-            p.terminate()
-            p.join(2.0)
-        if p.is_alive():
-            p.kill()
-            p.join(2.0)
-    for c in (*inboxes, *outboxes):
-        c.close()
+    for p in peers:
+        proc = getattr(p, "proc", None)
+        if proc is None:
+            continue
+        if proc.is_alive():
+            logger.warning("tensor-parallel worker pid %d did not stop; terminating it", proc.pid)
+            proc.terminate()
+            proc.join(2.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(2.0)
+    for p in peers:
+        p.close()
+    if control is not None:
+        control.close()
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
@@ -156,11 +204,16 @@ class WorkerGroup:
         backend: str = "auto",
         timeout_s: float | None = None,
         start_timeout_s: float | None = None,
+        nodes: NodeSpec | None = None,
+        on_failure=None,
     ) -> None:
-        """Spawn ranks 1..world_size-1 and join them in the default process group as rank 0.
+        """Spawn this node's ranks 1..L-1, wait for the other nodes' ranks (with `nodes`, see
+        k2serve.distributed.nodes) and join them all in the default process group as rank 0.
 
         `timeout_s` (K2SERVE_DIST_TIMEOUT_S, default 600): the collectives' timeout.
         `start_timeout_s` (K2SERVE_WORKER_START_TIMEOUT_S, default 300): for workers to start.
+        `on_failure(message)`: called once, from the watchdog thread, when a rank on another
+        node (or, in a multi-node group, on this one) is lost; the group is then broken.
         """
         if world_size < 2:
             raise ValueError(f"a WorkerGroup needs world_size >= 2, got {world_size}")
@@ -169,23 +222,39 @@ class WorkerGroup:
                 "torch.distributed is already initialised in this process: only one "
                 "tensor-parallel engine per process (shut the other one down first)"
             )
+        nodes = nodes if nodes is not None and nodes.nnodes > 1 else None
+        if nodes is not None and (nodes.node_rank != 0 or nodes.world_size != world_size):
+            raise ValueError(
+                f"the engine runs on node 0 with the whole world ({world_size} ranks), got "
+                f"node_rank={nodes.node_rank}, world_size={nodes.world_size}"
+            )
+        local = nodes.ranks_per_node if nodes is not None else world_size
         device = torch.device(device)
         backend = resolve_backend(backend, device)
-        if device.type == "cuda" and torch.cuda.device_count() < world_size:
+        if device.type == "cuda" and torch.cuda.device_count() < local:
             raise ValueError(
-                f"tensor_parallel_size={world_size} needs {world_size} GPUs, "
+                f"tensor_parallel_size={world_size} needs {local} GPUs on this node, "
                 f"{torch.cuda.device_count()} visible"
             )
         self.world_size = world_size
         self.backend = backend
+        self.nodes = nodes
+        self.on_failure = on_failure
         self.timeout_s = timeout_s or env_timeout_s("K2SERVE_DIST_TIMEOUT_S", 600.0)
         start_timeout = start_timeout_s or env_timeout_s("K2SERVE_WORKER_START_TIMEOUT_S", 300.0)
         self.state = WorkerState(0, world_size, device)
         self._broken: str | None = None
+        self._watchdog = None
+        self._control = None
         ctx = mp.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        self._procs, self._inboxes, self._outboxes = [], [], []
-        for rank in range(1, world_size):
+        if nodes is not None:
+            init_method = nodes.init_method
+            # listen before spawning: a bad port fails before anything starts
+            self._control = ControlServer(nodes, backend, self.timeout_s)
+        else:
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self._procs, self._peers = [], []
+        for rank in range(1, local):
             in_r, in_w = ctx.Pipe(duplex=False)
             out_r, out_w = ctx.Pipe(duplex=False)
             p = ctx.Process(
@@ -199,14 +268,16 @@ class WorkerGroup:
             in_r.close()
             out_w.close()
             self._procs.append(p)
-            self._inboxes.append(in_w)
-            self._outboxes.append(out_r)
-        self._finalizer = weakref.finalize(
-            self, _shutdown, self._procs, self._inboxes, self._outboxes, 10.0
-        )
+            self._peers.append(_LocalPeer(rank, p, in_w, out_r))
+        self._finalizer = weakref.finalize(self, _shutdown, self._peers, None, self._control, 10.0)
         try:
-            for i in range(world_size - 1):
+            for i in range(local - 1):
                 self._recv(i, start_timeout, expect="started")
+            if nodes is not None:
+                remote = self._control.accept_all(set(range(local, world_size)), self.check)
+                self._peers.extend(remote[r] for r in sorted(remote))
+                for i in range(local - 1, world_size - 1):
+                    self._recv(i, start_timeout, expect="started")
             dist.init_process_group(
                 backend,
                 init_method=init_method,
@@ -219,7 +290,21 @@ class WorkerGroup:
         except BaseException:
             self.shutdown()
             raise
-        logger.info("tensor-parallel group: %d ranks over %s", world_size, backend)
+        if nodes is not None:
+            remote = [p for p in self._peers if not isinstance(p, _LocalPeer)]
+            self._watchdog = Watchdog(remote, self._procs, self._lost)
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(
+                self, _shutdown, self._peers, self._watchdog, self._control, 10.0
+            )
+            logger.info(
+                "tensor-parallel group: %d ranks on %d nodes over %s",
+                world_size,
+                nodes.nnodes,
+                backend,
+            )
+        else:
+            logger.info("tensor-parallel group: %d ranks over %s", world_size, backend)
 
     # ---- calls ---------------------------------------------------------------------------------
     def run(self, fn, *args, reply: bool = True, on_rank0: bool = True) -> list:
@@ -227,11 +312,11 @@ class WorkerGroup:
         (worker results only with `reply`; rank 0's is None when `on_rank0` is False)."""
         self.check()
         try:
-            for i, c in enumerate(self._inboxes):
+            for i, c in enumerate(self._peers):
                 try:
                     c.send((fn, args, reply))
                 except (BrokenPipeError, ConnectionError, OSError) as e:
-                    self._fail(i, f"its pipe is closed ({e})")
+                    self._fail(i, f"its connection is closed ({e})")
             r0 = fn(self.state, *args) if on_rank0 else None
         except WorkerError:
             raise
@@ -240,18 +325,38 @@ class WorkerGroup:
             raise
         results = [r0]
         if reply:
-            results += [self._recv(i, self.timeout_s) for i in range(len(self._procs))]
+            results += [self._recv(i, self.timeout_s) for i in range(len(self._peers))]
         return results
 
     def check(self) -> None:
-        """Raise WorkerError if a worker has died or reported a failure."""
+        """Raise WorkerError if a worker has died or reported a failure (the engine thread:
+        it reads the workers' pending replies)."""
         if self._broken:
             raise WorkerError(self._broken)
-        for i, p in enumerate(self._procs):
-            if self._outboxes[i].poll():
+        for i, p in enumerate(self._peers):
+            if p.poll():
                 self._recv(i, self.timeout_s)  # raises on an error report
-            if p.exitcode is not None:
-                self._fail(i, f"it exited with code {p.exitcode}")
+            why = p.exit_reason()
+            if why is not None:
+                self._fail(i, why)
+
+    def health(self) -> None:
+        """Raise WorkerError if the group is broken or a local worker has exited. Reads no
+        connection, so any thread may call it (the server's /health)."""
+        if self._broken:
+            raise WorkerError(self._broken)
+        for p in self._peers:
+            why = p.exit_reason()
+            if why is not None:
+                raise WorkerError(f"{p.describe()} failed: {why}")
+
+    def _lost(self, message: str) -> None:
+        """The watchdog saw a rank go: break the group, tell the owner (once)."""
+        if self._broken is None:
+            self._broken = message
+        logger.error("%s", message)
+        if self.on_failure is not None:
+            self.on_failure(message)
 
     def _diagnose(self, cause: BaseException) -> None:
         """Rank 0 failed (e.g. a collective broke): blame a dead worker if there is one."""
@@ -265,17 +370,21 @@ class WorkerGroup:
         self._broken = f"rank 0 failed: {cause!r}"
 
     def _recv(self, i: int, timeout_s: float, expect: str = "ok"):
-        conn, proc = self._outboxes[i], self._procs[i]
+        peer = self._peers[i]
         deadline = time.monotonic() + timeout_s
-        while not conn.poll(POLL_S):
-            if proc.exitcode is not None and not conn.poll():
-                self._fail(i, f"it exited with code {proc.exitcode}")
-            if time.monotonic() > deadline:
-                self._fail(i, f"no answer in {timeout_s:g}s")
-        try:
-            kind, value = conn.recv()
-        except EOFError:
-            self._fail(i, f"its pipe closed (exit code {proc.exitcode})")
+        while True:
+            while not peer.poll(POLL_S):
+                why = peer.exit_reason()
+                if why is not None and not peer.poll():
+                    self._fail(i, why)
+                if time.monotonic() > deadline:
+                    self._fail(i, f"no answer in {timeout_s:g}s")
+            try:
+                kind, value = peer.recv()
+            except (EOFError, OSError):
+                self._fail(i, f"its connection closed ({peer.exit_reason() or 'no exit code'})")
+            if kind != "ping":
+                break
         if kind == "err":
             self._fail(i, f"it raised:\n{value}")
         if kind != expect:
@@ -283,8 +392,7 @@ class WorkerGroup:
         return value
 
     def _fail(self, i: int, why: str):
-        pid = self._procs[i].pid
-        self._broken = f"tensor-parallel worker rank {i + 1} (pid {pid}) failed: {why}"
+        self._broken = f"{self._peers[i].describe()} failed: {why}"
         raise WorkerError(self._broken)
 
     # ---- lifetime ------------------------------------------------------------------------------
@@ -293,8 +401,8 @@ class WorkerGroup:
         self.state.data.clear()
         if self._finalizer.alive:
             self._finalizer.detach()
-            _shutdown(self._procs, self._inboxes, self._outboxes, timeout_s)
+            _shutdown(self._peers, self._watchdog, self._control, timeout_s)
 
     @property
     def alive(self) -> bool:
-        return self._broken is None and all(p.exitcode is None for p in self._procs)
+        return self._broken is None and all(p.exit_reason() is None for p in self._peers)

@@ -135,6 +135,12 @@ class AsyncLLMEngine:
         """Abort a request; its iterator gets a last output with finish_reason "abort"."""
         self._submit_abort(request_id)
 
+    def check_health(self) -> None:
+        """Raise if the runner reports a failed rank (tensor / multi-node parallel); /health."""
+        check = getattr(getattr(self.engine, "runner", None), "check_health", None)
+        if check is not None:
+            check()
+
     def get_stats(self) -> EngineStats:
         """Snapshot taken by the engine thread after its latest step."""
         return self._stats

@@ -54,6 +54,12 @@ _HELP = {
     "enable_expert_parallel": "with -tp N, give each rank 1/N of the routed experts instead of "
     "1/N of every expert",
     "distributed_backend": "auto (nccl on CUDA, gloo on CPU), nccl, gloo",
+    # multi-node (k2serve.distributed.nodes): torchrun's names, as vLLM
+    "nnodes": "nodes the tensor-parallel group spans (tensor_parallel_size / nnodes GPUs each)",
+    "node_rank": "this node's rank: 0 serves HTTP, the others run `serve --headless`",
+    "master_addr": "address of node 0, reachable from every node",
+    "master_port": "torch.distributed port on node 0; node 0 also listens on master_port + 1",
+    "dist_join_timeout": "seconds node 0 waits for every node to join (and a node for node 0)",
 }
 
 
@@ -100,6 +106,11 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
     distributed_backend: str = "auto"
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    dist_join_timeout: int = 600
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):
@@ -118,6 +129,10 @@ class EngineConfig:
             raise ValueError(
                 f"distributed_backend={self.distributed_backend!r} is not auto, nccl or gloo"
             )
+        from k2serve.distributed.nodes import check_nodes
+
+        check_nodes(self.nnodes, self.node_rank, self.tensor_parallel_size, self.master_port)
+        positive("dist_join_timeout")
         for name in ("max_model_len", "kv_cache_memory", "num_kv_pages", "max_waiting"):
             positive(name, allow_none=True)
         seed = self.seed

@@ -26,6 +26,7 @@ import torch
 
 from k2serve.attention.base import AttentionMetadata
 from k2serve.cache.kv_cache_manager import KVCacheManager
+from k2serve.distributed.nodes import NodeSpec
 from k2serve.distributed.workers import WorkerGroup, WorkerState
 from k2serve.engine.request import Request
 from k2serve.engine.runner import (
@@ -112,9 +113,10 @@ def load_shard(state: WorkerState, spec: dict) -> int:
     if state.device.type == "cpu" and spec.get("cpu_threads"):
         torch.set_num_threads(spec["cpu_threads"])
     cfg = spec["engine_config"]
-    placement = placement_from_config(cfg, ModelConfig.from_hf(spec["model_dir"]))
+    model_dir = state.data.get("model_dir") or spec["model_dir"]  # a node's own copy
+    placement = placement_from_config(cfg, ModelConfig.from_hf(model_dir))
     model = load_model(
-        spec["model_dir"],
+        model_dir,
         dtype=spec["dtype"],
         device=state.device,
         load_format=spec["load_format"],
@@ -174,7 +176,9 @@ class MultiprocExecutor:
         self._prep = ModelRunner(None, [], cfg.page_size, "cpu", cfg.seed)
         self.sampler = Sampler(self.device, cfg.seed)
         apply_engine_backends(model, cfg, kv_caches[0].dtype)  # the workers do the same
-        self.group = WorkerGroup(W, self.device, cfg.distributed_backend)
+        self.group = WorkerGroup(
+            W, self.device, cfg.distributed_backend, nodes=NodeSpec.from_engine_config(cfg)
+        )
         self.group.state.data.update(model=model, kv_caches=kv_caches)
         spec = dict(
             engine_config=cfg,
@@ -215,8 +219,15 @@ class MultiprocExecutor:
         return inp.sample_reqs, self.sampler(logits, inp.sample_reqs)
 
     def check_health(self) -> None:
-        """Raise WorkerError if a worker has died."""
-        self.group.check()
+        """Raise WorkerError if a worker has died (reads no connection: any thread)."""
+        self.group.health()
+
+    def set_on_failure(self, fn) -> None:
+        """`fn(message)` when a rank is lost while idle or busy (multi-node watchdog); called
+        at once if the group is already broken."""
+        self.group.on_failure = fn
+        if self.group._broken is not None:
+            fn(self.group._broken)
 
     def shutdown(self) -> None:
         """Stop the workers and destroy the process group (idempotent)."""

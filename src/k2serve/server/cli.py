@@ -143,11 +143,69 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds in-flight requests may run after SIGTERM (default 30)",
     )
+    _add_multinode_arguments(parser)
     g.add_argument(
         "--uvicorn-log-level",
         default="warning",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
+
+
+# ---- multi-node (issue #17): --headless, --dist-init-addr; see k2serve.distributed.nodes ------
+def _add_multinode_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("multi-node (--nnodes, --node-rank, --master-addr/-port above)")
+    g.add_argument(
+        "--headless",
+        action="store_true",
+        help="a worker node (--node-rank >= 1): run this node's ranks for node 0, no HTTP server",
+    )
+    g.add_argument(
+        "--dist-init-addr",
+        default=None,
+        metavar="HOST:PORT",
+        help="node 0's address as SGLang spells it: same as --master-addr HOST --master-port PORT",
+    )
+
+
+def _apply_dist_init_addr(args: argparse.Namespace) -> None:
+    """--dist-init-addr HOST:PORT -> args.master_addr / args.master_port (ValueError if bad)."""
+    value = args.dist_init_addr
+    if value is None:
+        return
+    host, sep, port = value.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"--dist-init-addr {value!r} is not HOST:PORT")
+    args.master_addr, args.master_port = host, int(port)
+
+
+def _run_headless(args: argparse.Namespace, cfg) -> int:
+    from k2serve.distributed.headless import run_headless
+    from k2serve.distributed.nodes import NodeSpec
+
+    if cfg.nnodes < 2 or cfg.node_rank == 0:
+        print(
+            "k2serve serve: --headless runs a worker node: give --nnodes N (N >= 2) and "
+            "--node-rank R (1 <= R < N); node 0 serves HTTP without --headless",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        return run_headless(NodeSpec.from_engine_config(cfg), cfg.device, cfg.model)
+    except ValueError as e:
+        print(f"k2serve serve: {e}", file=sys.stderr)
+        return 2
+
+
+def _exit_on_lost_rank(message: str) -> None:
+    """A multi-node group cannot go on without a rank: say why and exit (the orchestrator
+    restarts the group), instead of leaving a server that hangs or answers 503 forever."""
+    logger.critical("%s; exiting: a multi-node server cannot continue without every rank", message)
+    print(f"k2serve serve: {message}; exiting", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+# ---- end multi-node -----------------------------------------------------------------------------
 
 
 def _describe_weights(engine) -> tuple[str, str]:
@@ -249,6 +307,7 @@ def _read_chat_template(value: str | None) -> str | None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from k2serve.distributed.workers import WorkerError
     from k2serve.engine.async_engine import AsyncLLMEngine
     from k2serve.engine.config import EngineConfig
     from k2serve.server.app import build_app
@@ -263,10 +322,20 @@ def run(args: argparse.Namespace) -> int:
             return 2
         args.model = args.model_tag
     try:
+        _apply_dist_init_addr(args)
         cfg = EngineConfig.from_cli_args(args)
         chat_template = _read_chat_template(args.chat_template)
     except ValueError as e:
         print(f"k2serve serve: {e}", file=sys.stderr)
+        return 2
+    if args.headless:
+        return _run_headless(args, cfg)
+    if cfg.node_rank != 0:
+        print(
+            f"k2serve serve: --node-rank {cfg.node_rank} is a worker node: add --headless "
+            "(node 0 serves HTTP)",
+            file=sys.stderr,
+        )
         return 2
     model_dir = cfg.model
     if model_dir is None:
@@ -298,6 +367,11 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, OSError) as e:  # ConfigError is a ValueError
         print(f"k2serve serve: cannot load {model_dir}: {e}", file=sys.stderr)
         return 2
+    except WorkerError as e:  # a rank failed to start, or a node never joined
+        print(f"k2serve serve: {e}", file=sys.stderr)
+        return 1
+    if cfg.nnodes > 1:
+        engine.engine.runner.set_on_failure(_exit_on_lost_rank)
     try:
         if engine.tokenizer is None:
             print(f"k2serve serve: {model_dir} has no tokenizer files", file=sys.stderr)
