@@ -131,12 +131,13 @@ def run_headless(spec: NodeSpec, device: str, model_dir: str | None = None) -> i
         procs.append(p)
     ranks = spec.local_ranks()
     logger.info(
-        "node %d of %d: ranks %d..%d on %s, joining node 0 at %s:%d",
+        "node %d of %d: ranks %d..%d on %s (pids %s), joining node 0 at %s:%d",
         spec.node_rank,
         spec.nnodes,
         ranks[0],
         ranks[-1],
         device_type,
+        " ".join(str(p.pid) for p in procs),
         *spec.control_address,
     )
     stop = threading.Event()

@@ -287,10 +287,7 @@ class ControlServer:
                 check_local()
             if time.monotonic() > deadline:
                 missing = expected - (peers.keys() & hbs.keys())
-                for p in peers.values():
-                    p.close()
-                for c in hbs.values():
-                    c.close()
+                self._close_all(peers, hbs)
                 raise WorkerError(
                     f"{spec.describe_missing(missing)} did not join within --dist-join-timeout "
                     f"{spec.join_timeout_s:g}s: start `k2serve serve --headless --nnodes "
@@ -309,12 +306,16 @@ class ControlServer:
                     break
                 why = self._check_hello(msg, expected, peers, hbs)
                 if why:
-                    logger.error("rejected a rank: %s", why)
                     try:
                         conn.send(("reject", why))
                     finally:
                         conn.close()
-                    continue
+                    if why.startswith("not a hello"):  # garbage: ignore it, keep waiting
+                        logger.warning("ignored a control connection: %s", why)
+                        continue
+                    # an authenticated node with another layout: a misconfiguration, say so now
+                    self._close_all(peers, hbs)
+                    raise WorkerError(f"a node cannot join: {why}")
                 _, kind, rank, rhost, pid, _ = msg
                 if kind == "data":
                     peers[rank] = RemotePeer(rank, spec.node_of(rank), rhost, pid, conn)
@@ -326,6 +327,13 @@ class ControlServer:
             p.hb, p.last_seen = hbs[r], now
         logger.info("all %d ranks of %d nodes joined", spec.world_size, spec.nnodes)
         return peers
+
+    def _close_all(self, peers: dict, hbs: dict) -> None:
+        for p in peers.values():
+            p.close()
+        for c in hbs.values():
+            c.close()
+        self.close()
 
     def _check_hello(self, msg, expected, peers, hbs) -> str | None:
         if not (isinstance(msg, tuple) and len(msg) == 6 and msg[0] == "hello"):
@@ -344,7 +352,15 @@ class ControlServer:
         return None
 
     def close(self) -> None:
+        """Stop listening; connections still in their handshake are closed (their ranks see
+        EOF and exit instead of waiting for an answer)."""
         self._sock.close()
+        while True:
+            try:
+                conn, _ = self._handshakes.get_nowait()
+            except queue.Empty:
+                return
+            conn.close()
 
 
 # ---- heartbeats --------------------------------------------------------------------------------
