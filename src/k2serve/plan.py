@@ -15,10 +15,11 @@ Invariants:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from k2serve import plan_commands as pc
 from k2serve.config import ModelConfig
-from k2serve.hardware import GpuSpec
+from k2serve.hardware import GPU_PRESETS, GpuSpec
 
 DTYPE_BYTES: dict[str, float] = {
     "float32": 4,
@@ -343,14 +344,19 @@ class Plan:
     reasons: list[str]
     suggestions: list[str]
     notes: list[str]
-    serve_args: list[str]
+    serve_args: list[str]  # the flags of every node (node rank / address / --headless apart)
     # share of routed (token, expert) pairs that hit a GPU expert, from a routing-counts file
     # (serve --record-routing); None: no file, the estimates assume uniform routing
     gpu_expert_hit_rate: float | None = None
+    nnodes: int = 1
+    gpus_per_node: int = pc.DEFAULT_GPUS_PER_NODE
+    master_port: int = pc.DEFAULT_MASTER_PORT
+    node_commands: list[str] = field(default_factory=list)  # one full command per node
 
     @property
     def command(self) -> str:
-        return "k2serve serve " + " ".join(self.serve_args)
+        """The command to run (one line per node for a multi-node plan)."""
+        return "\n".join(self.node_commands) or "k2serve serve " + " ".join(self.serve_args)
 
     def to_dict(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k != "devices"}
@@ -380,6 +386,9 @@ def plan(
     suggest: bool = True,
     routing_counts: dict[int, list[float]] | None = None,
     expert_placement_file: str | None = None,
+    gpus_per_node: int = pc.DEFAULT_GPUS_PER_NODE,
+    master_addr: str = pc.MASTER_ADDR_PLACEHOLDER,
+    master_port: int = pc.DEFAULT_MASTER_PORT,
 ) -> Plan:
     """Place weights, KV cache and experts on `num_gpus` x `gpu` plus `cpu_memory` bytes of RAM.
 
@@ -390,6 +399,8 @@ def plan(
     forces the per-layer count); whatever remains is KV cache. `routing_counts` (layer ->
     count per expert, moe.placement.load_routing_counts of `expert_placement_file`): the GPU
     experts are each layer's most-routed ones and the decode estimate uses their hit rate.
+    More GPUs than `gpus_per_node` span whole nodes (one command per node, TP over all of
+    them). Every limit that fails is listed in `reasons`, with its numbers.
     """
     kv_cache_dtype = "bf16" if kv_cache_dtype == "auto" else kv_cache_dtype
     ctx = config.max_position_embeddings if max_model_len is None else int(max_model_len)
@@ -410,6 +421,7 @@ def plan(
             f"{num_gpus} GPUs: tensor parallelism needs a count dividing the "
             f"{config.num_attention_heads} attention heads ({', '.join(map(str, ok))})"
         )
+    nnodes = pc.node_layout(num_gpus, gpus_per_node) if num_gpus else 1
     w = weight_breakdown(config)
     kvt = kv_bytes_per_token(config, kv_cache_dtype)
     cpu_bw = float(cpu_bandwidth) if cpu_bandwidth else DEFAULT_CPU_BANDWIDTH
@@ -471,7 +483,7 @@ def plan(
                 f"{fixed / 2**30:.1f} GiB per GPU; {g}x{gpu.name} at gpu_memory_utilization="
                 f"{gpu_memory_utilization} give {cap / 2**30:.1f} GiB"
             )
-        elif kv_tokens < ctx:
+        if kv_tokens < ctx:
             reasons.append(
                 f"max_model_len={ctx} needs {kv_need / 2**30:.1f} GiB of KV cache per GPU "
                 f"({kvt} bytes/token, replicated on every TP rank); "
@@ -491,7 +503,14 @@ def plan(
     if not g:
         cpu_need += w.non_expert + ctx * kvt
     usable_ram = int(cpu_memory * CPU_MEMORY_UTILIZATION)
-    if cpu_exp and not reasons:
+    if not g and cpu_need > usable_ram:
+        reasons.append(
+            f"CPU only: the weights ({(w.non_expert + cpu_exp * layers * eb) / 2**30:.0f} GiB) "
+            f"and a {ctx}-token KV cache ({ctx * kvt / 2**30:.1f} GiB) need "
+            f"{cpu_need / 2**30:.0f} GiB of RAM; {CPU_MEMORY_UTILIZATION:.0%} of --cpu-memory "
+            f"is {usable_ram / 2**30:.0f} GiB"
+        )
+    elif cpu_exp:
         if cpu_memory <= 0:
             reasons.append(
                 f"{cpu_exp} routed experts per layer ({cpu_exp * layers * eb / 2**30:.0f} GiB) "
@@ -558,11 +577,25 @@ def plan(
         notes.append(f"{gpu.name} has no FP8 tensor cores: FP8 weights run through dequantization")
     fits = not reasons
     full = kv_tokens // ctx if ctx else 0
-    args = _serve_args(model, g, ctx, max_num_seqs, kv_cache_dtype, gpu_memory_utilization)
+    cpu_kv = -(-ctx // DEFAULT_PAGE_SIZE) * DEFAULT_PAGE_SIZE * kvt  # whole pages
+    args = pc.serve_args(model, g, ctx, max_num_seqs, kv_cache_dtype, gpu_memory_utilization,
+                         nnodes=nnodes, master_port=master_port, cpu_kv_cache_bytes=cpu_kv)  # fmt: skip
     if g and cpu_exp:
         args += ["--num-gpu-experts", str(gpu_exp)]
         if expert_placement_file:
             args += ["--expert-placement-file", expert_placement_file]
+    if nnodes > 1:
+        notes.append(
+            f"{g} GPUs = {nnodes} nodes of {gpus_per_node}: TP={g} over all of them (node 0 "
+            f"serves HTTP, the others run --headless); every node needs the checkpoint at the "
+            f"same path, and node 0's address in MASTER_ADDR (ports {master_port} and "
+            f"{master_port + 1} open between the nodes)"
+        )
+    if gpu is not None and gpu.bandwidth_assumed:
+        notes.append(
+            f"GPU bandwidth unknown: {gpu.bandwidth / 1e12:.1f} TB/s assumed for the decode "
+            "estimate; give --gpu-bandwidth"
+        )
     p = Plan(
         model=model,
         quantization=config.quant.method if config.quant else config.torch_dtype,
@@ -598,21 +631,14 @@ def plan(
         notes=notes,
         serve_args=args,
         gpu_expert_hit_rate=hit_rate,
+        nnodes=nnodes,
+        gpus_per_node=gpus_per_node,
+        master_port=master_port,
+        node_commands=pc.node_commands(args, nnodes, master_addr),
     )
     if not fits and suggest:
         p.suggestions = _suggestions(config, p, gpu)
     return p
-
-
-def _serve_args(model, g, ctx, seqs, kv_dtype, util) -> list[str]:
-    args = ["--model", model, "--max-model-len", str(ctx), "--max-num-seqs", str(seqs)]
-    if g:
-        args += ["--gpu-memory-utilization", str(util)]
-    if g > 1:
-        args += ["--tensor-parallel-size", str(g), "--enable-expert-parallel"]
-    if kv_dtype == "fp8":
-        args += ["--kv-cache-dtype", "fp8"]
-    return args
 
 
 def _suggestions(config: ModelConfig, p: Plan, gpu: GpuSpec | None) -> list[str]:
@@ -630,6 +656,7 @@ def _suggestions(config: ModelConfig, p: Plan, gpu: GpuSpec | None) -> list[str]
         kv_cache_dtype=p.kv_cache_dtype,
         gpu_memory_utilization=p.gpu_memory_utilization,
         suggest=False,
+        gpus_per_node=p.gpus_per_node,
     )
 
     def longest(**changes) -> int:
@@ -659,21 +686,45 @@ def _suggestions(config: ModelConfig, p: Plan, gpu: GpuSpec | None) -> list[str]
         )
     if gpu and p.gpu_memory_utilization < 0.95:
         say("larger memory share", "--gpu-memory-utilization 0.95", gpu_memory_utilization=0.95)
+    counts = pc.valid_counts(lambda n: _valid_tp(config, n), p.gpus_per_node)
     if gpu:  # the fewest GPUs that fit some useful context, then the requested one
-        for n in (n for n in range(p.num_gpus + 1, 65) if _valid_tp(config, n)):
+        for n in (n for n in counts if n > p.num_gpus):
             if say("more GPUs", f"--gpus {n}x{gpu.name}", num_gpus=n) >= p.max_model_len:
                 break
             if out and out[-1].startswith("more GPUs"):
-                more = [m for m in range(n + 1, 65) if _valid_tp(config, m)]
+                more = [m for m in counts if m > n]
                 full = next((m for m in more if longest(num_gpus=m) >= p.max_model_len), None)
                 if full:
                     out.append(f"more GPUs: --gpus {full}x{gpu.name}")
                 break
+    bigger = _bigger_gpu(config, base, counts, gpu, p.max_model_len)
+    if bigger:
+        out.append(f"GPUs with more memory: --gpus {bigger}")
     q = plan(config, **{**base, "cpu_memory": 2**60})
     if q.fits and q.num_cpu_experts:
         need = math.ceil(q.cpu_memory_needed / CPU_MEMORY_UTILIZATION / 2**30)
         what = "routed experts in host RAM" if p.cpu_memory == 0 else "more host RAM"
         out.append(f"{what}: --cpu-memory {need}GB or more")
     if not out:
-        out.append("no nearby setting fits; use GPUs with more memory")
+        out.append(
+            f"nothing within {pc.MAX_NODES_SUGGESTED} nodes of {p.gpus_per_node} GPUs fits; "
+            "lower --max-model-len or add --cpu-memory"
+        )
     return out
+
+
+def _bigger_gpu(config, base: dict, counts: list[int], gpu, ctx: int) -> str | None:
+    """The fewest GPUs of a model in the table with more memory than `gpu` (any model when
+    CPU only) that fit `ctx` within the suggested node counts: 'COUNTxNAME' or None."""
+    have = gpu.memory_bytes if gpu else 0
+    best = None
+    for spec in sorted(GPU_PRESETS.values(), key=lambda s: (s.memory_bytes, s.bandwidth)):
+        if spec.memory_bytes <= have:
+            continue
+        for n in counts:
+            q = plan(config, **{**base, "gpu": spec, "num_gpus": n, "max_model_len": ctx})
+            if q.fits and not q.num_cpu_experts:
+                if best is None or n < best[0]:
+                    best = (n, spec.name)
+                break
+    return f"{best[0]}x{best[1]}" if best else None

@@ -12,13 +12,20 @@ import os
 import sys
 
 from k2serve.config import KNOWN_MODELS, ConfigError, ModelConfig, known_model_config
-from k2serve.hardware import format_bytes, parse_bandwidth, parse_gpus, parse_size
+from k2serve.hardware import GPU_PRESETS, format_bytes, parse_bandwidth, parse_gpus, parse_size
 from k2serve.plan import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     Plan,
     plan,
 )
+from k2serve.plan_commands import (
+    DEFAULT_GPUS_PER_NODE,
+    DEFAULT_MASTER_PORT,
+    MASTER_ADDR_PLACEHOLDER,
+)
+
+DEFAULT_GPUS = "8xH200"
 
 ROW_NAMES = {
     "attention": "attention (MLA) + norms",
@@ -42,7 +49,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="kimi-k2-thinking",
         help=f"a built-in name ({', '.join(KNOWN_MODELS)}) or a checkpoint directory / config.json",
     )
-    p.add_argument("--gpus", default="8xH200", help="COUNTxGPU, e.g. 8xH100, 1xH200, or none")
+    p.add_argument(
+        "--gpus",
+        default=None,
+        help=f"COUNTxGPU (8xH100, 16xH200), COUNTxMEMORY for a GPU not in the table (2x94GB), "
+        f"or none for CPU only. Known: {', '.join(GPU_PRESETS)}. Default: {DEFAULT_GPUS}, "
+        "and the output says it was assumed",
+    )
+    p.add_argument("--gpu-memory", default=None, help="memory of one GPU, e.g. 94GB (overrides)")
+    p.add_argument(
+        "--gpu-bandwidth", default=None, help="memory bandwidth of one GPU, e.g. 3.9TB/s"
+    )
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=DEFAULT_GPUS_PER_NODE,
+        help=f"GPUs in one node (default {DEFAULT_GPUS_PER_NODE}); more GPUs span whole nodes, "
+        "with one serve command per node",
+    )
+    p.add_argument(
+        "--master-addr",
+        default=MASTER_ADDR_PLACEHOLDER,
+        help="node 0's address in multi-node commands (default: the shell's $MASTER_ADDR)",
+    )
+    p.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT)
     p.add_argument("--cpu-memory", default="0", help="host RAM for CPU experts, e.g. 1TB (0: none)")
     p.add_argument(
         "--cpu-bandwidth", default=None, help="usable DRAM bandwidth, e.g. 300GB/s (default 250)"
@@ -87,7 +117,10 @@ def _routing(args: argparse.Namespace, config) -> dict:
 
 def make_plan(args: argparse.Namespace) -> tuple[Plan, dict]:
     config, name, repo = resolve_model(args.model)
-    num_gpus, gpu = parse_gpus(args.gpus)
+    gpus = args.gpus
+    if gpus is None and (args.gpu_memory or args.gpu_bandwidth):
+        raise ValueError("--gpu-memory / --gpu-bandwidth need --gpus COUNT (e.g. --gpus 2)")
+    num_gpus, gpu = parse_gpus(gpus or DEFAULT_GPUS, args.gpu_memory, args.gpu_bandwidth)
     model_dir = args.model_dir
     if model_dir is None:
         model_dir = f"models/{repo.split('/')[-1]}" if repo else name
@@ -105,8 +138,13 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, dict]:
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_experts=args.num_gpu_experts,
         **_routing(args, config),
+        gpus_per_node=args.gpus_per_node,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
     )
-    return p, {"name": name, "hf_repo": repo, "model_dir": model_dir}
+    source = {"name": name, "hf_repo": repo, "model_dir": model_dir}
+    source["gpus_assumed"] = gpus is None
+    return p, source
 
 
 def render(p: Plan, source: dict) -> str:
@@ -117,9 +155,14 @@ def render(p: Plan, source: dict) -> str:
         if not p.num_gpus
         else (
             f"{p.num_gpus}x {p.gpu['name']} ({gb(p.gpu['memory_bytes'])}, "
-            f"{p.gpu['bandwidth'] / 1e12:.2f} TB/s each)"
+            f"{p.gpu['bandwidth'] / 1e12:.2f} TB/s each"
+            + (", assumed" if p.gpu.get("bandwidth_assumed") else "")
+            + ")"
+            + (f" = {p.nnodes} nodes of {p.gpus_per_node}" if p.nnodes > 1 else "")
         )
     )
+    if source.get("gpus_assumed"):
+        hw += " (assumed: no --gpus given; --gpus none plans for the CPU alone)"
     out.append(f"model    {source['name']} ({p.quantization})")
     out.append(f"hardware {hw}; host RAM {gb(p.cpu_memory)}, {p.cpu_bandwidth / 1e9:.0f} GB/s")
     n_exp = p.num_routed_experts * p.num_moe_layers
@@ -173,10 +216,21 @@ def render(p: Plan, source: dict) -> str:
     out.append("")
     if p.fits:
         if source.get("hf_repo"):
+            where = " (on every node, or once on shared storage)" if p.nnodes > 1 else ""
+            out.append(f"# download{where}:")
             out.append(f"k2serve download {source['name']} --dir {source['model_dir']}")
-        out.append(p.command)
+        if p.nnodes > 1:
+            out.append("# on every node: export MASTER_ADDR=<address of node 0>")
+            for r, cmd in enumerate(p.node_commands):
+                role = "serves HTTP" if r == 0 else "headless worker"
+                out.append(f"# node {r} of {p.nnodes} ({role}):")
+                out.append(cmd)
+        else:
+            out.append(p.command)
     else:
-        out.append("DOES NOT FIT: " + "; ".join(p.reasons))
+        out.append(f"DOES NOT FIT ({len(p.reasons)} limit{'s' if len(p.reasons) > 1 else ''}):")
+        for r in p.reasons:
+            out.append(f"  - {r}")
         for s in p.suggestions:
             out.append(f"  would fit: {s}")
     return "\n".join(out)

@@ -100,9 +100,11 @@ def remote_worker_main(
         return os.getppid() == parent
 
     try:
-        serve_calls(state, conn, conn, driver_alive)
+        clean = serve_calls(state, conn, conn, driver_alive)
     finally:
         stopping.set()
+    if not clean:
+        _die(rank, f"lost node 0 ({where}): its connection closed")
     conn.close()
     hb.close()
 

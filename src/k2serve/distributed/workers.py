@@ -97,12 +97,14 @@ def _worker_main(rank, world_size, backend, init_method, timeout_s, device_type,
     except BaseException:
         outbox.send(("err", traceback.format_exc()))
         os._exit(1)
-    serve_calls(state, inbox, outbox, lambda: os.getppid() == parent)
+    if not serve_calls(state, inbox, outbox, lambda: os.getppid() == parent):
+        os._exit(0)  # the engine is gone
 
 
-def serve_calls(state: WorkerState, inbox, outbox, driver_alive) -> None:
-    """A worker's loop: run the calls from `inbox` until the stop message (None) or EOF, or
-    until `driver_alive()` says nobody will send one; then leave the process group."""
+def serve_calls(state: WorkerState, inbox, outbox, driver_alive) -> bool:
+    """A worker's loop: run the calls from `inbox` until the stop message (None): then leave
+    the process group and return True. Returns False at once (no collective) on EOF: the
+    driver is gone. Exits the process when `driver_alive()` says nobody will send a call."""
     while True:
         if not inbox.poll(POLL_S):
             if not driver_alive():  # the engine is gone: nobody will send a call
@@ -110,8 +112,8 @@ def serve_calls(state: WorkerState, inbox, outbox, driver_alive) -> None:
             continue
         try:
             msg = inbox.recv()
-        except EOFError:
-            break
+        except (EOFError, OSError):
+            return False
         if msg is None:
             break
         fn, args, reply = msg
@@ -128,6 +130,7 @@ def serve_calls(state: WorkerState, inbox, outbox, driver_alive) -> None:
                 os._exit(1)
     state.data.clear()
     dist.destroy_process_group()
+    return True
 
 
 @dataclass
