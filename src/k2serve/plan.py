@@ -578,8 +578,10 @@ def plan(
     fits = not reasons
     full = kv_tokens // ctx if ctx else 0
     cpu_kv = -(-ctx // DEFAULT_PAGE_SIZE) * DEFAULT_PAGE_SIZE * kvt  # whole pages
-    args = pc.serve_args(model, g, ctx, max_num_seqs, kv_cache_dtype, gpu_memory_utilization,
-                         nnodes=nnodes, master_port=master_port, cpu_kv_cache_bytes=cpu_kv)  # fmt: skip
+    args = pc.serve_args(
+        model, g, ctx, max_num_seqs, kv_cache_dtype, gpu_memory_utilization,
+        nnodes=nnodes, master_port=master_port, cpu_kv_cache_bytes=cpu_kv,
+    )  # fmt: skip
     if g and cpu_exp:
         args += ["--num-gpu-experts", str(gpu_exp)]
         if expert_placement_file:
