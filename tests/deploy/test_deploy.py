@@ -47,7 +47,7 @@ def test_k8s_objects_validate(plans, tmp_path, plan_key, capsys):
         for doc in yaml.safe_load_all(f.read_text()):
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
             docs[doc["kind"]] = doc
-    assert set(docs) == {"PersistentVolumeClaim", "Job", "Deployment", "Service"}
+    assert set(docs) == {"PersistentVolumeClaim", "Deployment", "Service"}
     plan = json.loads(plans[plan_key].read_text())
     pod = docs["Deployment"]["spec"]["template"]["spec"]
     c = pod["containers"][0]
@@ -65,8 +65,11 @@ def test_k8s_objects_validate(plans, tmp_path, plan_key, capsys):
     # the volume holds the weights
     size = docs["PersistentVolumeClaim"]["spec"]["resources"]["requests"]["storage"]
     assert int(size.removesuffix("Gi")) * 2**30 >= plan["weights"]["total"]
-    job = docs["Job"]["spec"]["template"]["spec"]["containers"][0]
-    assert job["command"][:3] == ["k2serve", "download", "moonshotai/Kimi-K2-Thinking"]
+    # the download runs first, in the same pod (the RWO volume is mounted by nothing else)
+    (init,) = pod["initContainers"]
+    assert init["command"][:3] == ["k2serve", "download", "moonshotai/Kimi-K2-Thinking"]
+    assert docs["PersistentVolumeClaim"]["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert {"cpu", "memory"} <= c["resources"]["requests"].keys()
     assert (
         docs["Service"]["spec"]["selector"] == docs["Deployment"]["spec"]["selector"]["matchLabels"]
     )
@@ -89,7 +92,7 @@ def test_slurm_scripts(plans, tmp_path):
     for script in (serve, bench):
         r = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
-        assert "#SBATCH --gres=gpu:8" in script and "#SBATCH --partition=gpu" in script
+        assert "#SBATCH --gpus-per-node=8" in script and "#SBATCH --partition=gpu" in script
         assert "--tensor-parallel-size 8" in script
     assert "k2serve bench --base-url" in bench and "/health" in bench
 

@@ -18,19 +18,39 @@ import math
 import os
 import shlex
 import sys
+import secrets
 from pathlib import Path
+
+from k2serve import __version__
 
 TEMPLATES = Path(__file__).parent / "templates"
 FILES = {
     "k8s": [
         ("k8s-pvc.yaml.j2", "pvc.yaml"),
-        ("k8s-download-job.yaml.j2", "download-job.yaml"),
-        ("k8s-deployment.yaml.j2", "deployment.yaml"),
+        ("k8s-deployment.yaml.j2", "deployment.yaml"),  # downloads in an init container
         ("k8s-service.yaml.j2", "service.yaml"),
     ],
-    "slurm": [("slurm-serve.sbatch.j2", "serve.sbatch"), ("slurm-bench.sbatch.j2", "bench.sbatch")],
+    "slurm": [
+        ("slurm-download.sbatch.j2", "download.sbatch"),
+        ("slurm-serve.sbatch.j2", "serve.sbatch"),
+        ("slurm-submit.sh.j2", "submit.sh"),
+        ("slurm-bench.sbatch.j2", "bench.sbatch"),
+    ],
     "systemd": [("k2serve.service.j2", "{name}.service")],
 }
+# several nodes (the plan's nnodes > 1): a LeaderWorkerSet on a ReadWriteMany volume filled by a
+# download Job the pods wait for; SLURM without the one-node bench script; no systemd unit
+MULTINODE_FILES = {
+    "k8s": [
+        ("k8s-pvc.yaml.j2", "pvc.yaml"),
+        ("k8s-download-job.yaml.j2", "download-job.yaml"),
+        ("k8s-dist-secret.yaml.j2", "dist-secret.yaml"),
+        ("k8s-lws.yaml.j2", "leaderworkerset.yaml"),
+        ("k8s-service.yaml.j2", "service.yaml"),
+    ],
+    "slurm": FILES["slurm"][:3],
+}
+DOWNLOAD_MARKER = ".k2serve-download-complete"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,12 +58,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", required=True, help="JSON written by `k2serve plan --json`")
     p.add_argument("--out", required=True, help="directory for the files")
     p.add_argument("--name", default="k2serve", help="resource / job / unit name")
-    p.add_argument("--image", default="k2serve:0.1.0", help="container image (k8s)")
+    p.add_argument(
+        "--image",
+        default=f"k2serve:{__version__}",
+        help="container image (k8s); the repository's Dockerfile builds the default: "
+        f"docker build -t k2serve:{__version__} .",
+    )
     p.add_argument("--namespace", default="default", help="Kubernetes namespace")
     p.add_argument("--storage-class", default=None, help="PVC storage class (cluster default)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--models-root", default=None, help="checkpoint parent dir (slurm, systemd)")
     p.add_argument("--partition", default=None, help="SLURM partition")
+    p.add_argument(
+        "--download-partition", default=None, help="SLURM partition of the download job (no GPU)"
+    )
     p.add_argument("--account", default=None, help="SLURM account")
     p.add_argument("--time", default="24:00:00", help="SLURM time limit")
     p.add_argument("--user", default="k2serve", help="systemd User=")
@@ -81,7 +109,37 @@ def context(plan: dict, a: argparse.Namespace, target: str = "k8s") -> dict:
     quoted = " ".join(f'"{x}"' if x.startswith("$") else shlex.quote(x) for x in serve_local)
     # RAM: CPU experts plus 10% and 32 GiB for the process; SLURM --mem=0 asks for the node's all
     mem_gib = math.ceil(cpu_gib * 1.1) + 32 if cpu_gib else 0
+    nnodes = int(plan.get("nnodes", 1))
+    num_gpus = int(plan["num_gpus"])
+    gpus_per_pod = num_gpus // nnodes
+    # a pod's request: the CPU experts' RAM as above, else room to stream the weights in
+    pod_mem_gib = mem_gib or 64
+    node = _serve_args(plan, k8s_dir, port)
+    master_port = int(plan.get("master_port", 29500))
+    marker = f"{k8s_dir}/{DOWNLOAD_MARKER}"
+    node_local = list(serve_local)
+    if "--master-port" in node_local:  # the sbatch passes $MASTER_PORT itself
+        i = node_local.index("--master-port")
+        del node_local[i : i + 2]
+    node_shell = " ".join(f'"{x}"' if x.startswith("$") else shlex.quote(x) for x in node_local)
     return {
+        "nnodes": nnodes,
+        "gpus_per_pod": gpus_per_pod,
+        "master_port": master_port,
+        "marker": marker,
+        "download_and_mark": " ".join(
+            shlex.quote(x) for x in ["k2serve", "download", download_name, "--dir", k8s_dir]
+        )
+        + f" && touch {shlex.quote(marker)}",
+        "leader_command": ["k2serve", "serve", *node, "--node-rank", "0",
+                           "--master-addr", "$(LWS_LEADER_ADDRESS)"],  # fmt: skip
+        "worker_command": ["k2serve", "serve", *node, "--node-rank", "$(LWS_WORKER_INDEX)",
+                           "--master-addr", "$(LWS_LEADER_ADDRESS)", "--headless"],  # fmt: skip
+        "dist_secret": f"{a.name}-dist",
+        "dist_secret_value": secrets.token_hex(16),
+        # inside bash -c '...' in the sbatch: a single quote must close, escape, reopen
+        "serve_node_shell": node_shell.replace("'", "'\\''"),
+        "download_partition": getattr(a, "download_partition", None),
         "name": a.name,
         "namespace": a.namespace,
         "image": a.image,
@@ -105,12 +163,12 @@ def context(plan: dict, a: argparse.Namespace, target: str = "k8s") -> dict:
         "model_gib": model_gib,
         "pvc_gib": math.ceil(model_gib * 1.1),
         "cpu_gib": cpu_gib,
-        "memory_gib": mem_gib,
+        "memory_gib": pod_mem_gib,
         "slurm_mem": f"{mem_gib}G" if mem_gib else "0",
-        "shm_gib": 16 if int(plan["num_gpus"]) > 1 else 4,
+        "shm_gib": 16 if num_gpus > 1 else 4,
         # ~1 GiB/s from local NVMe: allow load time of the weights plus 10 minutes, in 10 s steps
         "startup_failures": max(60, math.ceil((model_gib + 600) / 10)),
-        "cpus": max(8, 8 * int(plan["num_gpus"])) if not cpu_gib else 64,
+        "cpus": min(64, max(8, 8 * gpus_per_pod)) if not cpu_gib else 64,
         "time_limit": a.time,
         "partition": a.partition,
         "account": a.account,
@@ -134,7 +192,15 @@ def render(target: str, plan: dict, a: argparse.Namespace) -> dict[str, str]:
         autoescape=False,
     )
     ctx = context(plan, a, target)
-    return {out.format(name=a.name): env.get_template(t).render(**ctx) for t, out in FILES[target]}
+    files = FILES[target]
+    if ctx["nnodes"] > 1:
+        if target not in MULTINODE_FILES:
+            raise ValueError(
+                f"the plan spans {ctx['nnodes']} nodes: `deploy {target}` writes one machine's "
+                "files; use k8s (LeaderWorkerSet) or slurm"
+            )
+        files = MULTINODE_FILES[target]
+    return {out.format(name=a.name): env.get_template(t).render(**ctx) for t, out in files}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -159,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
         path = os.path.join(args.out, name)
         with open(path, "w") as f:
             f.write(text)
-        if name.endswith(".sbatch"):
+        if name.endswith((".sbatch", ".sh")):
             os.chmod(path, 0o755)
         print(path)
     return 0
