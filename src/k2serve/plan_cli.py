@@ -220,7 +220,10 @@ def render(p: Plan, source: dict) -> str:
             out.append(f"# download{where}:")
             out.append(f"k2serve download {source['name']} --dir {source['model_dir']}")
         if p.nnodes > 1:
-            out.append("# on every node: export MASTER_ADDR=<address of node 0>")
+            out.append(
+                "# on every node: export MASTER_ADDR=<address of node 0> "
+                "K2SERVE_DIST_SECRET=<one secret, the same on every node>"
+            )
             for r, cmd in enumerate(p.node_commands):
                 role = "serves HTTP" if r == 0 else "headless worker"
                 out.append(f"# node {r} of {p.nnodes} ({role}):")
