@@ -5,7 +5,11 @@ Jinja templates in `templates/`, and the sizes those files request (volume, RAM,
 
 Invariants:
 - The serve command in every file is the plan's `serve_args` with only the model path (and
-  host/port) rewritten for the target; nothing about placement is re-decided here.
+  host/port, and for a multi-node plan each node's rank and node 0's address, taken from the
+  scheduler: LWS_LEADER_ADDRESS / LWS_WORKER_INDEX, scontrol / SLURM_PROCID) rewritten for the
+  target; nothing about placement is re-decided here.
+- The checkpoint is complete before a server reads it: an init container in the server's own pod
+  (one node), or a download Job / SLURM job that the servers wait for (several nodes).
 - A plan that does not fit is refused (exit 1) unless `--force`.
 - Rendering is strict: a missing template value is an error, not an empty string.
 """
@@ -16,9 +20,9 @@ import argparse
 import json
 import math
 import os
+import secrets
 import shlex
 import sys
-import secrets
 from pathlib import Path
 
 from k2serve import __version__

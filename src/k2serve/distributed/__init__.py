@@ -23,6 +23,10 @@ Design (see docs/interfaces.md for the model contract it wraps):
   collective timeout and notice a dead engine (they poll their parent); the model's collectives
   keep torch.distributed's timeout, so a worker that dies mid-step makes the engine fail with a
   `WorkerError` instead of hanging.
+- Several nodes (`nodes.py`, `headless.py`): `--nnodes N --node-rank R --master-addr/--port`;
+  node 0 drives every rank as above (remote ones over authenticated sockets, with heartbeats),
+  the other nodes run `serve --headless`. Tensor (and expert) parallelism spans all GPUs of all
+  nodes. Not yet: attention data parallelism (`--data-parallel-size`).
 """
 
 from k2serve.distributed.parallel import ShardingError, ShardPlan, TPContext, shard_model

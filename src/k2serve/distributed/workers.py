@@ -1,4 +1,6 @@
-"""WorkerGroup: this process as rank 0 plus world_size - 1 spawned worker processes.
+"""WorkerGroup: this process as rank 0 plus world_size - 1 worker ranks: spawned processes on
+this node (over pipes) and, in a multi-node group, the other nodes' ranks (over authenticated
+sockets, k2serve.distributed.nodes); both are driven through the same peer interface.
 
 Rank 0 calls `run(fn, *args)`: the call (a module-level function, pickled by reference, and its
 small arguments) is sent to every worker over its own pipe, then `fn(state, *args)` runs here
@@ -11,7 +13,10 @@ Invariants:
 - Workers wait for calls on a pipe with no timeout and exit when the parent process is gone.
 - A worker that raises sends its traceback and exits; a worker that dies or fails makes the next
   (or current) `run` raise `WorkerError` naming its rank, and the group is then unusable.
-- Worker devices: `cuda:{rank}` on CUDA, cpu otherwise.
+- Worker devices: `cuda:{local rank}` on CUDA, cpu otherwise.
+- Multi-node: a watchdog thread heartbeats every remote rank and watches the local workers; the
+  first loss breaks the group and calls `on_failure(message)`; `health()` reads no connection,
+  so the server's /health may call it from any thread.
 """
 
 from __future__ import annotations
