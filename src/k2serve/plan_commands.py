@@ -88,6 +88,4 @@ def node_commands(args: list[str], nnodes: int, master_addr: str) -> list[str]:
     """One `k2serve serve` command line per node (just one without several nodes)."""
     if nnodes <= 1:
         return ["k2serve serve " + _shell(args)]
-    return [
-        "k2serve serve " + _shell(args + node_args(r, master_addr)) for r in range(nnodes)
-    ]
+    return ["k2serve serve " + _shell(args + node_args(r, master_addr)) for r in range(nnodes)]

@@ -51,9 +51,7 @@ LWS_SCHEMA = {
                     "additionalProperties": False,
                     "properties": {
                         "size": {"type": "integer", "minimum": 1},
-                        "restartPolicy": {
-                            "enum": ["RecreateGroupOnPodRestart", "Default", "None"]
-                        },
+                        "restartPolicy": {"enum": ["RecreateGroupOnPodRestart", "Default", "None"]},
                         "leaderTemplate": _TEMPLATE,
                         "workerTemplate": _TEMPLATE,
                         "subGroupPolicy": {"type": "object"},
