@@ -95,26 +95,39 @@ def _outputs(llm) -> list:
 
 # ---- in-process node 0 -------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    ("fmt", "tp", "ep"),
-    [("bf16", 2, False), pytest.param("int4", 4, True, marks=pytest.mark.slow)],
+    ("fmt", "tp", "ep", "kill"),
+    [("bf16", 2, False, False), pytest.param("int4", 4, True, True, marks=pytest.mark.slow)],
 )
-def test_two_nodes_greedy_equals_one_process(ckpts, fmt, tp, ep):
-    """TP over two 'nodes' (tp=4: two ranks each, local pipes and remote sockets mixed)."""
+def test_two_nodes_greedy_equals_one_process(ckpts, fmt, tp, ep, kill):
+    """TP over two 'nodes' (tp=4: two ranks each, local pipes and remote sockets mixed). With
+    `kill`: a remote rank killed while idle breaks the group's health (what /health reports)
+    within the bound, and the next step is a WorkerError naming it."""
     ref = _outputs(LLM(ckpts[fmt], **ENGINE))
     port = _free_port_pair()
     extra = ["--enable-expert-parallel"] if ep else []
     node1 = _headless(port, tp, *extra, env=_env(K2SERVE_DIST_SECRET="s3cret"))
     os.environ["K2SERVE_DIST_SECRET"] = "s3cret"
     try:
+        pids = _rank_pids(node1)
         llm = LLM(ckpts[fmt], tensor_parallel_size=tp, enable_expert_parallel=ep, nnodes=2,
                   master_port=port, dist_join_timeout=120, **ENGINE)  # fmt: skip
         try:
             got = _outputs(llm)
             llm.llm_engine.check_integrity()
             llm.llm_engine.runner.check_health()
+            if kill:
+                os.kill(pids[-1], signal.SIGKILL)
+                deadline = time.monotonic() + 10
+                # the killed rank, or its node-mate that node 1 stops when one of its ranks dies
+                with pytest.raises(WorkerError, match="worker rank [23] on node 1 .* is gone"):
+                    while time.monotonic() < deadline:
+                        llm.llm_engine.runner.check_health()
+                        time.sleep(0.1)
+                with pytest.raises(WorkerError, match="worker rank [23] on node 1"):
+                    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
         finally:
             llm.close()
-        assert node1.wait(30) == 0  # node 0's shutdown stops the headless node cleanly
+        assert node1.wait(30) == (1 if kill else 0)  # node 0's shutdown stops node 1 cleanly
     finally:
         os.environ.pop("K2SERVE_DIST_SECRET", None)
         _stop(node1)
