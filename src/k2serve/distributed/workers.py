@@ -412,5 +412,10 @@ class WorkerGroup:
             _shutdown(self._peers, self._watchdog, self._control, timeout_s)
 
     @property
+    def broken(self) -> str | None:
+        """Why the group cannot be used any more, or None."""
+        return self._broken
+
+    @property
     def alive(self) -> bool:
         return self._broken is None and all(p.exit_reason() is None for p in self._peers)

@@ -226,8 +226,8 @@ class MultiprocExecutor:
         """`fn(message)` when a rank is lost while idle or busy (multi-node watchdog); called
         at once if the group is already broken."""
         self.group.on_failure = fn
-        if self.group._broken is not None:
-            fn(self.group._broken)
+        if self.group.broken is not None:
+            fn(self.group.broken)
 
     def shutdown(self) -> None:
         """Stop the workers and destroy the process group (idempotent)."""

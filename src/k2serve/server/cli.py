@@ -143,12 +143,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds in-flight requests may run after SIGTERM (default 30)",
     )
-    _add_multinode_arguments(parser)
     g.add_argument(
         "--uvicorn-log-level",
         default="warning",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
+    _add_multinode_arguments(parser)
 
 
 # ---- multi-node (issue #17): --headless, --dist-init-addr; see k2serve.distributed.nodes ------
