@@ -137,6 +137,46 @@ def test_two_nodes_greedy_equals_one_process(ckpts, fmt, tp, ep, kill):
     assert not torch.distributed.is_initialized()
 
 
+@pytest.mark.slow
+def test_a_late_node_does_not_time_out_the_early_ones(ckpts, monkeypatch):
+    """Four nodes of one rank; node 3 starts after more than a heartbeat timeout: the nodes
+    already connected keep waiting (heartbeats start when all joined), output is exact."""
+    ref = _outputs(LLM(ckpts["bf16"], **ENGINE))
+    port = _free_port_pair()
+    monkeypatch.setenv("K2SERVE_HEARTBEAT_TIMEOUT_S", "2")
+    env = _env(K2SERVE_HEARTBEAT_TIMEOUT_S=2, K2SERVE_HEARTBEAT_INTERVAL_S=0.5)
+
+    def node(rank):
+        return _k2serve("--headless", "--device", "cpu", "-tp", "4", "--nnodes", "4",
+                        "--node-rank", str(rank), "--master-port", str(port), env=env)  # fmt: skip
+
+    early = [node(1), node(2)]
+    late = []
+    llm = None
+    result = {}
+
+    def start_engine():
+        result["llm"] = LLM(ckpts["bf16"], tensor_parallel_size=4, nnodes=4, master_port=port,
+                            dist_join_timeout=120, **ENGINE)  # fmt: skip
+
+    t = threading.Thread(target=start_engine)
+    try:
+        for p in early:
+            _rank_pids(p)
+        t.start()
+        time.sleep(6)  # > 2 s heartbeat timeout with node 1 and 2 connected
+        assert all(p.poll() is None for p in early)
+        late.append(node(3))
+        t.join(120)
+        llm = result["llm"]
+        got = _outputs(llm)
+    finally:
+        if llm is not None:
+            llm.close()
+        _stop(*early, *late)
+    assert [g.token_ids for g in got] == [r.token_ids for r in ref]
+
+
 def test_a_node_that_never_joins_fails_within_the_join_timeout(ckpts):
     port = _free_port_pair()
     t0 = time.monotonic()

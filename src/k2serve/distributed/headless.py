@@ -35,15 +35,19 @@ def _die(rank: int, why: str) -> None:
 
 
 def _heartbeat(rank: int, hb, stopping: threading.Event, where: str) -> None:
-    """A headless rank's side of the heartbeat: exit the process when node 0 is gone."""
+    """A headless rank's side of the heartbeat: exit the process when node 0 is gone.
+
+    NOTE: node 0 starts beating once every rank of every node has joined; until its first
+    ping only a closed connection counts (a node 0 that vanishes while others still join is
+    caught by init_process_group's timeout)."""
     interval, timeout = heartbeat_interval_s(), _hb_timeout()
-    last = time.monotonic()
+    last = None
     while not stopping.wait(interval):
         why, got = _beat(hb)
         now = time.monotonic()
         if got:
             last = now
-        if why is None and now - last > timeout:
+        if why is None and last is not None and now - last > timeout:
             why = f"no heartbeat for {now - last:.0f}s"
         if why is not None:
             if not stopping.is_set():
