@@ -59,7 +59,8 @@ _HELP = {
     "node_rank": "this node's rank: 0 serves HTTP, the others run `serve --headless`",
     "master_addr": "address of node 0, reachable from every node",
     "master_port": "torch.distributed port on node 0; node 0 also listens on master_port + 1",
-    "dist_join_timeout": "seconds node 0 waits for every node to join (and a node for node 0)",
+    "dist_join_timeout": "seconds node 0 waits for every node to join; a worker node waits as "
+    "long for node 0 (which listens once it has loaded its own shard)",
 }
 
 
