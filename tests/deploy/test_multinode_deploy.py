@@ -172,10 +172,10 @@ def test_slurm_serve_script_runs_the_right_command_per_node(plan16, tmp_path):
     env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", MODEL_DIR=str(model),
                LOG=str(log), SLURM_JOB_NODELIST="gpu-[a-b]")  # fmt: skip
     r = subprocess.run(["bash", str(tmp_path / "serve.sbatch")], env=env, capture_output=True,
-                       text=True, timeout=30)  # fmt: skip
-    assert r.returncode == 0, r.stderr
+                       text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
     calls = [line.split() for line in log.read_text().splitlines()]
-    assert len(calls) == 2
+    assert len(calls) == 2, (calls, r.stdout, r.stderr)
     for rank, words in enumerate(calls):
         flags = _serve_flags(words)
         assert words[0] == "serve" and flags["--model"] == str(model)
