@@ -242,7 +242,10 @@ def build_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         state.loop = asyncio.get_running_loop()
-        yield
+        try:
+            yield
+        finally:
+            state.cpu.shutdown()
 
     app = FastAPI(
         title="k2serve", version=__version__, docs_url=None, redoc_url=None, lifespan=lifespan
@@ -305,9 +308,7 @@ def build_app(
         state.check_model(model_id)
         return (await models())["data"][names.index(model_id)]
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
-        state.check_model(body.model)
+    def _tokenize(body: TokenizeRequest) -> dict:
         text = (
             body.prompt
             if body.messages is None
@@ -317,9 +318,7 @@ def build_app(
         out = TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids)
         return out.model_dump()
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
-        state.check_model(body.model)
+    def _detokenize(body: DetokenizeRequest) -> dict:
         vocab = state.tokenizer.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
@@ -327,6 +326,16 @@ def build_app(
                 f"tokens has ids outside the vocabulary [0, {vocab}): {bad[:8]}", param="tokens"
             )
         return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens)).model_dump()
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        state.check_model(body.model)
+        return await state.cpu.run(_tokenize, body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        state.check_model(body.model)
+        return await state.cpu.run(_detokenize, body)
 
     @app.get("/health")
     async def health():

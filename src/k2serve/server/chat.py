@@ -152,7 +152,7 @@ class ChatHandler:
         return prompt_ids, params, thinking, (tools if use_tools else None)
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
-        prompt_ids, params, thinking, tools = self._prepare(req)
+        prompt_ids, params, thinking, tools = await self.state.cpu.run(self._prepare, req)
         stream = EngineStream(self.state, prompt_ids, params, new_request_id("chatcmpl"))
         await cancel_on_disconnect(raw, stop=self.state.stop_event, work=stream.start())
         if req.stream:

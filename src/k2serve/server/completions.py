@@ -57,7 +57,7 @@ class CompletionHandler:
     async def create(self, req: CompletionRequest, raw: Request):
         st = self.state
         st.check_model(req.model)
-        prompts = self._prompts(req)
+        prompts = await st.cpu.run(self._prompts, req)
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
         plans = []
         for _text, ids in prompts:

@@ -22,6 +22,7 @@ from typing import Any
 from k2serve.server.errors import APIError, bad_request, engine_error
 from k2serve.server.logits_processors import LogitBias
 from k2serve.server.metrics import ServerMetrics
+from k2serve.server.offload import CpuPool
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class ServerState:
     stop_event: asyncio.Event = field(default_factory=asyncio.Event)
     loop: asyncio.AbstractEventLoop | None = None  # the server's event loop, once started
     background: set = field(default_factory=set)
+    cpu: CpuPool = field(default_factory=CpuPool)  # tokenizing / rendering off the event loop
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_names:

@@ -1,0 +1,44 @@
+"""CPU-heavy request work (tokenizing, chat template rendering, detokenizing) off the event loop.
+
+Owns: `CpuPool`, a small thread pool the handlers hand such work to, so one request with a huge
+body cannot stall /health, streaming tokens or any other request.
+
+Invariants:
+- At most `max_workers` such jobs run at once (the rest wait in the pool's queue), so a burst
+  of abusive requests costs bounded CPU; each job is bounded by the request body limit.
+- Exceptions (an `APIError` for a bad request) propagate to the awaiting handler unchanged.
+- A handler cancelled while its job runs (client gone) does not kill the thread; the job
+  finishes and its result is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def default_workers() -> int:
+    return max(2, min(8, os.cpu_count() or 2))
+
+
+class CpuPool:
+    def __init__(self, max_workers: int | None = None):
+        self.max_workers = max_workers or default_workers()
+        self._pool: ThreadPoolExecutor | None = None  # threads start on first use
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix="k2serve-cpu")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
