@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from k2serve import __version__
 from k2serve.server.auth import check_authorization, needs_key
-from k2serve.server.chat import ChatHandler, render_prompt
+from k2serve.server.chat import ChatHandler, encode_prompt
 from k2serve.server.completions import CompletionHandler
 from k2serve.server.errors import APIError, bad_request, install_error_handlers
 from k2serve.server.metrics import ServerMetrics
@@ -212,6 +212,7 @@ def build_app(
     tokenizer=None,
     sampling_params_cls=None,
     default_sampling_params: dict | None = None,
+    allow_special_tokens_in_chat: bool = False,
 ) -> FastAPI:
     """An OpenAI-compatible app over an `AsyncLLMEngine`-like engine (see docs/interfaces.md).
 
@@ -219,6 +220,8 @@ def build_app(
     K2-Thinking one), off otherwise (K2-Instruct templates).
     `default_sampling_params`: defaults for the sampling fields a request leaves unset
     (`generation_config.load_generation_defaults`).
+    `allow_special_tokens_in_chat`: encode special-token strings in chat messages as control
+    tokens (vLLM's behaviour; off: they are text, so a client cannot forge turns).
     """
     names = list(served_model_names or ["k2serve"])
     tok = tokenizer if tokenizer is not None else engine.tokenizer
@@ -237,6 +240,7 @@ def build_app(
         default_thinking=default_thinking,
         default_chat_template_kwargs=dict(default_chat_template_kwargs or {}),
         default_sampling=dict(default_sampling_params or {}),
+        allow_special_in_chat=allow_special_tokens_in_chat,
     )
 
     @contextlib.asynccontextmanager
@@ -309,12 +313,10 @@ def build_app(
         return (await models())["data"][names.index(model_id)]
 
     def _tokenize(body: TokenizeRequest) -> dict:
-        text = (
-            body.prompt
-            if body.messages is None
-            else render_prompt(state, body, body.add_generation_prompt)[0]
-        )
-        ids = state.tokenizer.encode(text, allow_special=True)
+        if body.messages is None:
+            ids = state.tokenizer.encode(body.prompt, allow_special=True)  # raw, as vLLM
+        else:  # the same ids a chat request gets
+            ids = encode_prompt(state, body, body.add_generation_prompt)[1]
         out = TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids)
         return out.model_dump()
 

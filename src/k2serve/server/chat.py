@@ -32,6 +32,7 @@ from k2serve.server.serving import (
     new_request_id,
 )
 from k2serve.server.sse import SSE_DONE, SSEResponse, cancel_on_disconnect, sse_event
+from k2serve.tokenizer.safe import render_and_encode
 
 logger = logging.getLogger(__name__)
 
@@ -89,25 +90,53 @@ def render_messages(req: ChatCompletionRequest) -> list[dict]:
 
 
 def render_prompt(st: ServerState, req, add_generation_prompt: bool = True) -> tuple[str, bool]:
-    """(prompt text, thinking) for a request with `messages`, `tools`, `chat_template_kwargs`."""
+    """(prompt text, thinking) for a request with `messages`, `tools`, `chat_template_kwargs`.
+
+    NOTE: to get token ids use `encode_prompt`: encoding this text with specials allowed would
+    turn special-token strings the client wrote into control tokens."""
+    text, _ids, thinking = encode_prompt(st, req, add_generation_prompt)
+    return text, thinking
+
+
+def encode_prompt(
+    st: ServerState, req, add_generation_prompt: bool = True
+) -> tuple[str, list[int], bool]:
+    """(prompt text, prompt ids, thinking) for a chat request.
+
+    Everything the client sent (contents, names, tools, tool-call history, reasoning, kwargs) is
+    encoded as text; only the template's own markers become special tokens, unless the server
+    runs with --allow-special-tokens-in-chat (then the rendered text is encoded as vLLM does)."""
     kwargs = {**st.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
     thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", st.default_thinking)))
     kwargs.setdefault("thinking", thinking)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-    try:
-        text = st.tokenizer.apply_chat_template(
-            render_messages(req),
+    tok = st.tokenizer
+
+    def render(messages, tools, kwargs) -> str:
+        return tok.apply_chat_template(
+            messages,
             tools=tools,
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=kwargs,
         )
+
+    messages = render_messages(req)
+    try:
+        if st.allow_special_in_chat:
+            text = render(messages, tools, kwargs)
+            ids = tok.encode(text, allow_special=True)
+        else:
+            template = getattr(tok, "chat_template", None)
+            text, ids = render_and_encode(
+                tok, render, messages, tools, kwargs, trusted=[template or ""]
+            )
     except APIError:
         raise
     except Exception as e:  # template errors are the request's fault (bad message order...)
         raise bad_request(
             f"the messages cannot be rendered with the chat template: {e}", param="messages"
         ) from None
-    return text, thinking
+    return text, ids, thinking
 
 
 class ChatHandler:
@@ -127,8 +156,7 @@ class ChatHandler:
         tool_choice = req.tool_choice or ("auto" if req.tools else "none")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         use_tools = bool(tools) and tool_choice != "none"
-        text, thinking = render_prompt(st, req)
-        prompt_ids = st.tokenizer.encode(text, allow_special=True)
+        _text, prompt_ids, thinking = encode_prompt(st, req)
         max_tokens = st.resolve_max_tokens(len(prompt_ids), req.effective_max_tokens(), "messages")
 
         procs = []

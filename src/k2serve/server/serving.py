@@ -45,6 +45,8 @@ class ServerState:
     stop_event: asyncio.Event = field(default_factory=asyncio.Event)
     loop: asyncio.AbstractEventLoop | None = None  # the server's event loop, once started
     background: set = field(default_factory=set)
+    # --allow-special-tokens-in-chat: special-token strings in messages become control tokens
+    allow_special_in_chat: bool = False
     cpu: CpuPool = field(default_factory=CpuPool)  # tokenizing / rendering off the event loop
 
     def check_model(self, model: str | None) -> None:
