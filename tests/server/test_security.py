@@ -7,12 +7,16 @@ timeouts, JSON Schema checks, strict token ids and an OpenAPI document true to t
 
 from __future__ import annotations
 
+import json
+import logging
+import math
 import threading
 import time
 
 import httpx
 import pytest
 
+from k2serve.engine.outputs import Logprob
 from k2serve.server.app import build_app
 
 from .conftest import ServerThread
@@ -253,3 +257,78 @@ def test_real_tokenizer_encodes_injected_markers_as_text():
         # the visible prompt is unchanged: decoding gives back what the template rendered
         text = tok.apply_chat_template([{"role": "user", "content": EVIL}])
         assert tok.decode(ids) == text
+
+
+# ------------------------------------------------------------------------------------------
+# 3. NaN never reaches JSON
+
+
+def _strict_json(text: str):
+    def bad(name):
+        raise AssertionError(f"{name} is not JSON: {text[:200]}")
+
+    return json.loads(text, parse_constant=bad)
+
+
+@pytest.mark.parametrize("value", [1e-300, 0.0, -1.0, 1e300])
+def test_absurd_repetition_penalty_is_400(fake_server, value):
+    for path, body in (
+        ("/v1/completions", {"prompt": "hello", "max_tokens": 4, "logprobs": 1}),
+        ("/v1/chat/completions", {"messages": _msgs(), "max_tokens": 4}),
+    ):
+        e = _err(_post(fake_server, path, {**body, "repetition_penalty": value}), 400)
+        assert e["param"] == "repetition_penalty", e
+
+
+class NaNEngine(FakeAsyncEngine):
+    """Every logprob the engine reports is NaN, +inf or -inf in turn (as NaN weights give)."""
+
+    async def _run(self, prompt_ids, params, request_id):
+        bad = [math.nan, math.inf, -math.inf]
+        k = 0
+        async for out in super()._run(prompt_ids, params, request_id):
+            for c in out.outputs:
+                for entry in c.logprobs or []:
+                    for tid, lp in entry.items():
+                        entry[tid] = Logprob(bad[k % 3], lp.rank, lp.decoded_token)
+                        k += 1
+            yield out
+
+
+@pytest.fixture(scope="module")
+def nan_server():
+    eng = NaNEngine()
+    with ServerThread(build_app(eng, served_model_names=["m"])) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_nan_logprobs_give_valid_json(nan_server, caplog, path, stream):
+    if path == "/v1/completions":
+        body = {"prompt": "hello", "max_tokens": 4, "logprobs": 2, "echo": True}
+    else:
+        body = {"messages": _msgs(), "max_tokens": 4, "logprobs": True, "top_logprobs": 2}
+    caplog.set_level(logging.WARNING)
+    r = _post(nan_server, path, {**body, "stream": stream})
+    assert r.status_code == 200, r.text
+    if stream:
+        events = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        docs = [_strict_json(e) for e in events[:-1]]
+        assert all("error" not in d for d in docs)
+    else:
+        docs = [_strict_json(r.text)]
+    values = []
+    for d in docs:
+        for ch in d["choices"]:
+            lp = ch["logprobs"]
+            if lp and "content" in lp:
+                for t in lp["content"]:
+                    values.append(t["logprob"])
+                    values += [x["logprob"] for x in t["top_logprobs"]]
+            elif lp:
+                values += [v for v in lp["token_logprobs"] if v is not None]
+                values += [v for tops in lp["top_logprobs"] if tops for v in tops.values()]
+    assert values and all(-9999.0 <= v <= 0.0 for v in values), values
+    assert any("non-finite logprob" in rec.getMessage() for rec in caplog.records)

@@ -21,7 +21,7 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from k2serve import __version__
@@ -29,6 +29,7 @@ from k2serve.server.auth import check_authorization, needs_key
 from k2serve.server.chat import ChatHandler, encode_prompt
 from k2serve.server.completions import CompletionHandler
 from k2serve.server.errors import APIError, bad_request, install_error_handlers
+from k2serve.server.finite import SafeJSONResponse
 from k2serve.server.metrics import ServerMetrics
 from k2serve.server.protocol import (
     ChatCompletionRequest,
@@ -272,12 +273,12 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         out = await chat.create(body, request)
-        return out if isinstance(out, Response) else JSONResponse(out)
+        return out if isinstance(out, Response) else SafeJSONResponse(out)
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request):
         out = await completions.create(body, request)
-        return out if isinstance(out, Response) else JSONResponse(out)
+        return out if isinstance(out, Response) else SafeJSONResponse(out)
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):

@@ -30,6 +30,7 @@ from k2serve.server.serving import (
     ServerState,
     chat_logprobs,
     new_request_id,
+    nonfinite_warner,
 )
 from k2serve.server.sse import SSE_DONE, SSEResponse, cancel_on_disconnect, sse_event
 from k2serve.tokenizer.safe import render_and_encode
@@ -200,6 +201,7 @@ class ChatHandler:
         lps: list[list] = [[] for _ in range(n)]
         finish: list = [None] * n
         stop_reason: list = [None] * n
+        warn = nonfinite_warner(stream.request_id)
         async for out in stream:
             for c in out.outputs:
                 texts[c.index] += c.text
@@ -246,7 +248,7 @@ class ChatHandler:
             if req.logprobs:
                 choice["logprobs"] = {
                     "content": chat_logprobs(
-                        self.state.tokenizer, ids[i], lps[i], req.top_logprobs or 0
+                        self.state.tokenizer, ids[i], lps[i], req.top_logprobs or 0, warn
                     )
                 }
             choices.append(choice)
@@ -275,6 +277,7 @@ class ChatHandler:
         num_calls = [0] * n
         counts = [0] * n
         merged = MergedStreams([stream])
+        warn = nonfinite_warner(stream.request_id)
 
         def chunk(index: int, delta: dict, finish=None, logprobs=None, stop_reason=None) -> str:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -325,7 +328,7 @@ class ChatHandler:
                     if req.logprobs and c.logprobs:
                         lp = {
                             "content": chat_logprobs(
-                                st.tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0
+                                st.tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0, warn
                             )
                         }
                     if c.finish_reason is not None:

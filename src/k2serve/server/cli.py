@@ -138,6 +138,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="larger request bodies get 413 (default 32 MiB)",
     )
     g.add_argument(
+        "--allow-special-tokens-in-chat",
+        action="store_true",
+        help="encode special-token strings written in chat messages, names and tools as "
+        "control tokens, as vLLM does (default: as text, so a client cannot forge a turn)",
+    )
+    g.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,
@@ -312,6 +318,7 @@ def run(args: argparse.Namespace) -> int:
             default_chat_template_kwargs=args.default_chat_template_kwargs,
             allowed_origins=args.allowed_origins,
             default_sampling_params=sampling_defaults,
+            allow_special_tokens_in_chat=args.allow_special_tokens_in_chat,
         )
         state = app.state.k2
         ec = engine.config

@@ -78,7 +78,8 @@ class _SamplingFields(_Request):
     # vLLM extras
     top_k: int | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    # > 0 as vLLM, and bounded: 1e-300 divides logits into inf / NaN (1 = off, >2 is extreme)
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
