@@ -12,6 +12,7 @@ Invariants:
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -185,14 +186,40 @@ def _describe_weights(engine) -> tuple[str, str]:
     return formats, experts
 
 
+def bind_port(host: str, port: int):
+    """A TCP socket bound to (host, port), not yet listening (uvicorn listens on it once the
+    app is ready; until then connections are refused rather than left hanging).
+
+    Done before the model loads, so a busy port costs nothing. Raises OSError."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # as uvicorn: reuse a port in TIME_WAIT; a port someone listens on still fails
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
 class _DrainingServer:
-    """A uvicorn.Server whose signal handler drains instead of re-raising the signal."""
+    """A uvicorn.Server whose signal handler drains instead of re-raising the signal, and that
+    logs "serving on" once its socket really accepts connections."""
 
     @staticmethod
-    def make(config, state, drain_timeout: float):
+    def make(config, state, drain_timeout: float, serving_message: tuple = ()):
         import uvicorn
 
         class Server(uvicorn.Server):
+            async def startup(self, sockets=None):
+                await super().startup(sockets=sockets)
+                if self.started and serving_message:
+                    logger.info(*serving_message)
+
             def handle_exit(self, sig, frame):  # noqa: ARG002 - uvicorn's signature
                 if not state.draining:
                     name = signal.Signals(sig).name
@@ -298,12 +325,26 @@ def run(args: argparse.Namespace) -> int:
     base = os.path.basename(os.path.normpath(model_dir))
     names = args.served_model_name or list(dict.fromkeys([args.model or base, base]))
 
+    try:
+        sock = bind_port(args.host, args.port)
+    except OSError as e:
+        why = "address already in use" if e.errno == errno.EADDRINUSE else e.strerror or str(e)
+        print(
+            f"k2serve serve: cannot listen on {args.host}:{args.port}: {why} "
+            "(another server running? choose --port)",
+            file=sys.stderr,
+        )
+        return 2
     logger.info("loading %s", model_dir)
     try:
         engine = AsyncLLMEngine(cfg)
     except (ValueError, FileNotFoundError, OSError) as e:  # ConfigError is a ValueError
+        sock.close()
         print(f"k2serve serve: cannot load {model_dir}: {e}", file=sys.stderr)
         return 2
+    except BaseException:
+        sock.close()
+        raise
     try:
         if engine.tokenizer is None:
             print(f"k2serve serve: {model_dir} has no tokenizer files", file=sys.stderr)
@@ -353,16 +394,17 @@ def run(args: argparse.Namespace) -> int:
             timeout_graceful_shutdown=args.drain_timeout + 5,
             access_log=False,
         )
-        server = _DrainingServer.make(config, state, args.drain_timeout)
         bound = "" if host == args.host else f", bound to {args.host}"
-        logger.info(
-            "serving on http://%s:%d/v1 (OpenAI API; /health, /metrics%s)", host, args.port, bound
-        )
-        server.run()
+        port = sock.getsockname()[1]  # --port 0: the one the system picked
+        message = ("serving on http://%s:%d/v1 (OpenAI API; /health, /metrics%s)", host, port)
+        message += (bound,)
+        server = _DrainingServer.make(config, state, args.drain_timeout, message)
+        server.run(sockets=[sock])
         if not server.started:
             print(f"k2serve serve: could not start on {args.host}:{args.port}", file=sys.stderr)
             return 1
         logger.info("stopped")
         return 0
     finally:
+        sock.close()
         engine.shutdown()
