@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import socket
 import threading
 import time
 
@@ -332,3 +333,73 @@ def test_nan_logprobs_give_valid_json(nan_server, caplog, path, stream):
                 values += [v for tops in lp["top_logprobs"] if tops for v in tops.values()]
     assert values and all(-9999.0 <= v <= 0.0 for v in values), values
     assert any("non-finite logprob" in rec.getMessage() for rec in caplog.records)
+
+
+# ------------------------------------------------------------------------------------------
+# 6. a request that never arrives does not hold its connection
+
+
+def _raw(port: int, data: bytes, wait: float) -> tuple[bytes, float]:
+    """Send `data`, then read until the server closes; (what came back, seconds it took)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=wait) as s:
+        s.sendall(data)
+        t0 = time.monotonic()
+        got = b""
+        try:
+            while chunk := s.recv(65536):
+                got += chunk
+        except TimeoutError:
+            return got + b"<still open>", time.monotonic() - t0
+        except ConnectionResetError:
+            pass
+        return got, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def timeout_server():
+    from k2serve.server.limits import uvicorn_http_protocol
+
+    eng = FakeAsyncEngine()
+    app = build_app(eng, served_model_names=["m"], api_key="sk-test", read_timeout=0.5)
+    with ServerThread(app, http=uvicorn_http_protocol(0.5)) as srv:
+        yield srv
+
+
+def test_body_that_never_arrives_gets_408(timeout_server):
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-test\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 10\r\n\r\n"
+    )
+    got, took = _raw(timeout_server.port, head + b'{"', wait=10)
+    assert got.startswith(b"HTTP/1.1 408"), got[:200]
+    assert b"request_timeout" in got and took < 5
+    # a chunked upload that stalls too
+    head = head.replace(b"Content-Length: 10", b"Transfer-Encoding: chunked")
+    got, took = _raw(timeout_server.port, head + b"2\r\n{\"\r\n", wait=10)
+    assert got.startswith(b"HTTP/1.1 408"), got[:200]
+    # the server still answers
+    assert httpx.get(timeout_server.url + "/health").status_code == 200
+
+
+def test_headers_that_never_arrive_close_the_connection(timeout_server):
+    got, took = _raw(timeout_server.port, b"POST /v1/completions HTTP/1.1\r\nHost", wait=10)
+    assert not got.endswith(b"<still open>") and took < 5, (got, took)
+    got, took = _raw(timeout_server.port, b"", wait=10)  # connects and says nothing
+    assert not got.endswith(b"<still open>") and took < 5, (got, took)
+
+
+def test_slow_but_steady_body_within_the_deadline_is_fine(timeout_server):
+    body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-test\r\n"
+        b"Content-Type: application/json\r\nConnection: close\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", timeout_server.port), timeout=10) as s:
+        s.sendall(head + body[:5])
+        time.sleep(0.2)
+        s.sendall(body[5:])
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 200"), got[:300]

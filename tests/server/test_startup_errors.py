@@ -105,3 +105,19 @@ def test_busy_port_fails_before_loading(ckpt, capsys, caplog, monkeypatch):
     err = capsys.readouterr().err
     assert f"127.0.0.1:{port}" in err and "in use" in err and "Traceback" not in err
     assert not any("serving on" in r.getMessage() for r in caplog.records)
+
+
+def test_security_flags_parse():
+    import argparse
+
+    from k2serve.server.cli import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    a = p.parse_args([])
+    assert a.request_read_timeout == 60.0 and a.allow_special_tokens_in_chat is False
+    a = p.parse_args(["--request-read-timeout", "5", "--allow-special-tokens-in-chat"])
+    assert a.request_read_timeout == 5.0 and a.allow_special_tokens_in_chat is True
+    for bad in ("-1", "nan", "soon"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--request-read-timeout", bad])

@@ -1,8 +1,9 @@
 """The FastAPI app: `build_app(engine, ...)` wires routes, auth, limits, errors and metrics.
 
 Owns: the routes (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health,
-/version, /metrics) and `GuardMiddleware` (API key, request body limit, per-status request
-counts, and the last-resort 500 that never leaks a traceback).
+/version, /metrics, /tokenize, /detokenize) and `GuardMiddleware` (API key, request body size
+limit and read deadline, per-status request counts, and the last-resort 500 that never leaks a
+traceback).
 
 Invariants:
 - The app holds no global state: everything lives in `app.state.k2` (a `ServerState`), so tests
@@ -30,6 +31,7 @@ from k2serve.server.chat import ChatHandler, encode_prompt
 from k2serve.server.completions import CompletionHandler
 from k2serve.server.errors import APIError, bad_request, install_error_handlers
 from k2serve.server.finite import SafeJSONResponse
+from k2serve.server.limits import BodyTimeout, BodyTooLarge, read_body
 from k2serve.server.metrics import ServerMetrics
 from k2serve.server.protocol import (
     ChatCompletionRequest,
@@ -47,6 +49,7 @@ from k2serve.server.sse import ClientDisconnected, ServerStopping
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+DEFAULT_READ_TIMEOUT = 60.0
 _ROUTES = (
     "/v1/chat/completions",
     "/v1/completions",
@@ -59,11 +62,19 @@ _ROUTES = (
 
 
 class GuardMiddleware:
-    def __init__(self, app: ASGIApp, state: ServerState, api_key: str | None, max_body: int):
+    def __init__(
+        self,
+        app: ASGIApp,
+        state: ServerState,
+        api_key: str | None,
+        max_body: int,
+        read_timeout: float | None = None,
+    ):
         self.app = app
         self.state = state
         self.api_key = api_key
         self.max_body = max_body
+        self.read_timeout = read_timeout
 
     async def _reply(self, send: Send, err: APIError) -> None:
         body = json.dumps(err.body()).encode()
@@ -74,6 +85,8 @@ class GuardMiddleware:
                 "headers": [
                     (b"content-type", b"application/json"),
                     (b"content-length", str(len(body)).encode()),
+                    # the request body may be unread: never wait for it on this connection
+                    (b"connection", b"close"),
                 ],
             }
         )
@@ -101,9 +114,9 @@ class GuardMiddleware:
             if err is not None:
                 await self._reply(send_wrapper, err)
                 return
-            limited = await self._buffered(scope, receive)
-            if limited is None:
-                await self._reply(send_wrapper, self._too_large())
+            limited = await self._buffered(receive)
+            if isinstance(limited, APIError):
+                await self._reply(send_wrapper, limited)
                 return
             await self.app(scope, limited, send_wrapper)
         except Exception:
@@ -142,27 +155,19 @@ class GuardMiddleware:
                 return APIError(400, "invalid Content-Length header")
         return None
 
-    async def _buffered(self, scope: Scope, receive: Receive) -> Receive | None:
-        """Without Content-Length (chunked upload): read the body up to the limit, then replay.
-
-        Returns None when the body is over the limit.
-        """
-        headers = dict(scope.get("headers") or [])
-        if b"content-length" in headers or scope.get("method") not in ("POST", "PUT", "PATCH"):
-            return receive
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                pending = [message]
-                break
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_body:
-                return None
-            if not message.get("more_body", False):
-                pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
-                break
+    async def _buffered(self, receive: Receive) -> Receive | APIError:
+        """Read the whole body under the size limit and the read deadline, then replay it;
+        or the error to answer with (413, 408). See server/limits.py."""
+        try:
+            pending = await read_body(receive, self.max_body, self.read_timeout)
+        except BodyTooLarge:
+            return self._too_large()
+        except BodyTimeout:
+            return APIError(
+                408,
+                f"the request body did not arrive within {self.read_timeout:g} seconds",
+                code="request_timeout",
+            )
 
         async def replay() -> Message:
             return pending.pop(0) if pending else await receive()
@@ -214,6 +219,7 @@ def build_app(
     sampling_params_cls=None,
     default_sampling_params: dict | None = None,
     allow_special_tokens_in_chat: bool = False,
+    read_timeout: float | None = DEFAULT_READ_TIMEOUT,
 ) -> FastAPI:
     """An OpenAI-compatible app over an `AsyncLLMEngine`-like engine (see docs/interfaces.md).
 
@@ -223,6 +229,7 @@ def build_app(
     (`generation_config.load_generation_defaults`).
     `allow_special_tokens_in_chat`: encode special-token strings in chat messages as control
     tokens (vLLM's behaviour; off: they are text, so a client cannot forge turns).
+    `read_timeout`: seconds a request body may take to arrive after its headers (408 after).
     """
     names = list(served_model_names or ["k2serve"])
     tok = tokenizer if tokenizer is not None else engine.tokenizer
@@ -366,7 +373,13 @@ def build_app(
             state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
         )
 
-    app.add_middleware(GuardMiddleware, state=state, api_key=api_key, max_body=max_body_bytes)
+    app.add_middleware(
+        GuardMiddleware,
+        state=state,
+        api_key=api_key,
+        max_body=max_body_bytes,
+        read_timeout=read_timeout,
+    )
     if allowed_origins:  # outermost, so browser preflights (OPTIONS) never need the key
         app.add_middleware(
             CORSMiddleware,

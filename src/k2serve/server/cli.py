@@ -35,6 +35,16 @@ def _port(text: str) -> int:
     return port
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text!r}")
+    return value
+
+
 def _json_flag(text: str, ok, what: str):
     try:
         value = json.loads(text)
@@ -137,6 +147,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=32 * 1024 * 1024,
         help="larger request bodies get 413 (default 32 MiB)",
+    )
+    g.add_argument(
+        "--request-read-timeout",
+        type=_seconds,
+        default=60.0,
+        help="seconds a client may take to send a request's headers (from connecting) and, "
+        "separately, its body (from the headers); slower connections are closed, a late "
+        "body gets 408 (default 60; 0 = no limit)",
     )
     g.add_argument(
         "--allow-special-tokens-in-chat",
@@ -285,6 +303,7 @@ def run(args: argparse.Namespace) -> int:
     from k2serve.engine.async_engine import AsyncLLMEngine
     from k2serve.engine.config import EngineConfig
     from k2serve.server.app import build_app
+    from k2serve.server.limits import uvicorn_http_protocol
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -360,6 +379,7 @@ def run(args: argparse.Namespace) -> int:
             allowed_origins=args.allowed_origins,
             default_sampling_params=sampling_defaults,
             allow_special_tokens_in_chat=args.allow_special_tokens_in_chat,
+            read_timeout=args.request_read_timeout or None,
         )
         state = app.state.k2
         ec = engine.config
@@ -385,11 +405,15 @@ def run(args: argparse.Namespace) -> int:
             state.default_thinking,
             "required" if args.api_key else "none",
         )
+        timeouts = {}
+        if args.request_read_timeout:
+            timeouts["http"] = uvicorn_http_protocol(args.request_read_timeout)
         config = uvicorn.Config(
             app,
             host=args.host,
             port=args.port,
             log_level=args.uvicorn_log_level,
+            **timeouts,
             # backstop only: at --drain-timeout the app itself ends what is still running
             timeout_graceful_shutdown=args.drain_timeout + 5,
             access_log=False,
