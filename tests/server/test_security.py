@@ -375,7 +375,7 @@ def test_body_that_never_arrives_gets_408(timeout_server):
     assert b"request_timeout" in got and took < 5
     # a chunked upload that stalls too
     head = head.replace(b"Content-Length: 10", b"Transfer-Encoding: chunked")
-    got, took = _raw(timeout_server.port, head + b"2\r\n{\"\r\n", wait=10)
+    got, took = _raw(timeout_server.port, head + b'2\r\n{"\r\n', wait=10)
     assert got.startswith(b"HTTP/1.1 408"), got[:200]
     # the server still answers
     assert httpx.get(timeout_server.url + "/health").status_code == 200
@@ -403,3 +403,63 @@ def test_slow_but_steady_body_within_the_deadline_is_fine(timeout_server):
         while chunk := s.recv(65536):
             got += chunk
     assert got.startswith(b"HTTP/1.1 200"), got[:300]
+
+
+# ------------------------------------------------------------------------------------------
+# 7. schemas, strict token ids, an OpenAPI document true to the server
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"type": 123}, {"type": "object", "properties": []}, {"required": "x"}, {"minLength": -1}],
+)
+def test_tool_schema_that_is_not_json_schema_is_400(fake_server, params):
+    tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+    e = _err(
+        _post(fake_server, "/v1/chat/completions", {"messages": _msgs(), "tools": [tool]}), 400
+    )
+    assert e["param"] == "tools.0.function.parameters", e
+    assert "JSON Schema" in e["message"]
+    ok = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    r = _post(
+        fake_server, "/v1/chat/completions", {"messages": _msgs(), "tools": [ok], "max_tokens": 1}
+    )
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", {"prompt": [False, 20]}, "prompt"),
+        ("/v1/completions", {"prompt": [[20, True]]}, "prompt"),
+        ("/v1/completions", {"prompt": [20.0, 21]}, "prompt"),
+        ("/detokenize", {"tokens": [False]}, "tokens"),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [True]}, "stop_token_ids"),
+    ],
+)
+def test_booleans_are_not_token_ids(fake_server, path, body, param):
+    e = _err(_post(fake_server, path, body), 400)
+    assert e["param"].split(".")[0] == param, e
+
+
+def test_openapi_document_matches_the_server(fake_server):
+    r = httpx.get(fake_server.url + "/openapi.json", headers={"Authorization": "Bearer sk-test"})
+    doc = r.json()
+    paths = doc["paths"]
+    for path, ops in paths.items():
+        for method, op in ops.items():
+            assert "422" not in op["responses"], (path, method)
+            if "requestBody" in op:
+                assert "400" in op["responses"], (path, method)
+    health = paths["/health"]["get"]["responses"]["200"]
+    assert not health.get("content"), health
+    assert set(paths["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        content = paths[path]["post"]["responses"]["200"]["content"]
+        assert set(content) == {"application/json", "text/event-stream"}, content
+        assert "$ref" in content["application/json"]["schema"]
+    # what the server really sends
+    h = httpx.get(fake_server.url + "/health")
+    assert h.content == b"" and h.status_code == 200
+    m = httpx.get(fake_server.url + "/metrics")
+    assert m.headers["content-type"].startswith("text/plain")

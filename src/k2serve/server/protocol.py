@@ -17,7 +17,23 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+
+
+def check_json_schema(schema: Any) -> None:
+    """ValueError unless `schema` is a valid JSON Schema (draft 2020-12 meta-schema)."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path)
+        raise ValueError(
+            f"not a valid JSON Schema{f' at {where!r}' if where else ''}: {e.message}"
+        ) from None
+    except RecursionError:
+        raise ValueError("not a valid JSON Schema: nested too deeply") from None
 
 
 def random_id(prefix: str) -> str:
@@ -82,7 +98,7 @@ class _SamplingFields(_Request):
     repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -108,6 +124,13 @@ class FunctionDefinition(_Request):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _check_schema(cls, v):
+        if v is not None:
+            check_json_schema(v)
+        return v
 
 
 class ChatTool(_Request):
@@ -292,7 +315,8 @@ class ChatCompletionChunk(_Out):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # strict: `false` / `1.0` are not token ids
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
     suffix: str | None = None
@@ -393,7 +417,7 @@ class TokenizeResponse(_Out):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 class DetokenizeResponse(_Out):
