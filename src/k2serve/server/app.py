@@ -33,6 +33,7 @@ from k2serve.server.errors import APIError, bad_request, install_error_handlers
 from k2serve.server.finite import SafeJSONResponse
 from k2serve.server.limits import BodyTimeout, BodyTooLarge, read_body
 from k2serve.server.metrics import ServerMetrics
+from k2serve.server.openapi import install_openapi
 from k2serve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -373,6 +374,7 @@ def build_app(
             state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
         )
 
+    install_openapi(app, api_key_required=bool(api_key))
     app.add_middleware(
         GuardMiddleware,
         state=state,
