@@ -42,10 +42,15 @@ _REASONS = {
     500: "Internal error (no details are leaked)",
     503: "Shutting down, or the engine has stopped",
 }
+# One server-sent event: `data:` is a chunk's JSON (or an error's), the last one `[DONE]`.
 _SSE = {
     "text/event-stream": {
-        "schema": {"type": "string"},
-        "description": "with `stream: true`: `data: <chunk JSON>` events, then `data: [DONE]`",
+        "schema": {
+            "type": "object",
+            "description": "with `stream: true`: `data: <chunk JSON>` events, then `data: [DONE]`",
+            "properties": {"data": {"type": "string"}},
+            "required": ["data"],
+        },
     }
 }
 # path -> (response model of a 200, extra statuses the route can answer)
