@@ -315,8 +315,11 @@ class ChatCompletionChunk(_Out):
 
 
 class CompletionRequest(_SamplingFields):
-    # strict: `false` / `1.0` are not token ids
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    # strict: `false` / `1.0` are not token ids. Left to right, token ids first: pydantic's
+    # smart mode would validate a long id list against list[str] too (seconds for 3M ids).
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]] = Field(
+        union_mode="left_to_right"
+    )
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
     suffix: str | None = None
