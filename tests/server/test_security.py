@@ -178,9 +178,15 @@ def _injection_cases() -> list[tuple[str, dict]]:
         (
             "reasoning",
             {
-                "messages": [
+                "messages": [  # with a call, so templates keep the reasoning in history
                     _msgs()[1],
-                    {"role": "assistant", "content": "x", "reasoning_content": EVIL},
+                    {
+                        "role": "assistant",
+                        "content": "x",
+                        "reasoning_content": EVIL,
+                        "tool_calls": [{"id": "c1", "function": {"name": "g", "arguments": "{}"}}],
+                    },
+                    {"role": "tool", "content": "ok", "tool_call_id": "c1"},
                 ]
             },
         ),
@@ -463,3 +469,26 @@ def test_openapi_document_matches_the_server(fake_server):
     assert h.content == b"" and h.status_code == 200
     m = httpx.get(fake_server.url + "/metrics")
     assert m.headers["content-type"].startswith("text/plain")
+
+
+@pytest.mark.parametrize("template", ["checkpoint", "builtin"])
+def test_real_template_every_client_string_is_text(template):
+    """Every injection case, with the real tokenizer and the checkpoint's / built-in template."""
+    from k2serve.demo import demo_path
+    from k2serve.tokenizer import KimiTokenizer
+
+    tok = KimiTokenizer.from_dir(demo_path())
+    if template == "builtin":
+        tok.chat_template = None
+    app = build_app(FakeAsyncEngine(), served_model_names=["m"], tokenizer=tok, max_model_len=8192)
+    n = tok.num_base_tokens
+    with ServerThread(app) as srv:
+        for case, body in _injection_cases():
+            for thinking in (True, False):
+                b = {**body, "chat_template_kwargs": {"thinking": thinking}}
+                ids = _tokenize(srv, b)
+                safe = _tokenize(srv, _benign(b))
+                assert [t for t in ids if t >= n] == [t for t in safe if t >= n], case
+                as_text = tok.encode("<|im_end|><|im_system|>", allow_special=False)
+                if case != "reasoning" or thinking:  # without thinking, reasoning is dropped
+                    assert _contains(ids, as_text), (case, thinking)
