@@ -124,6 +124,26 @@ def test_health_answers_while_a_big_tokenize_runs(slow_server, path, body):
     assert took < 1.0, f"/health took {took:.2f}s while {path} was tokenizing"
 
 
+def test_health_answers_while_a_huge_tokenize_answer_is_encoded(slow_server):
+    """3M token ids in the answer: building the JSON is CPU work too, off the event loop."""
+    result = {}
+
+    def big():
+        r = _post(slow_server, "/tokenize", {"prompt": "a" * 3_000_000})
+        result["count"] = r.json()["count"]
+
+    t = threading.Thread(target=big)
+    t.start()
+    worst = 0.0
+    while t.is_alive():
+        t0 = time.monotonic()
+        assert httpx.get(slow_server.url + "/health", timeout=30).status_code == 200
+        worst = max(worst, time.monotonic() - t0)
+        time.sleep(0.05)
+    assert result["count"] == 3_000_000
+    assert worst < 1.0, f"/health took {worst:.2f}s while a 3M-token answer was built"
+
+
 # ------------------------------------------------------------------------------------------
 # 2. role injection: what the client wrote is text; only the template's markers are control
 

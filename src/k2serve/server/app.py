@@ -38,9 +38,7 @@ from k2serve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    DetokenizeResponse,
     TokenizeRequest,
-    TokenizeResponse,
 )
 from k2serve.server.responses import ResponsesHandler
 from k2serve.server.responses_input import ResponsesRequest
@@ -281,12 +279,12 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         out = await chat.create(body, request)
-        return out if isinstance(out, Response) else SafeJSONResponse(out)
+        return out if isinstance(out, Response) else await state.cpu.run(SafeJSONResponse, out)
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request):
         out = await completions.create(body, request)
-        return out if isinstance(out, Response) else SafeJSONResponse(out)
+        return out if isinstance(out, Response) else await state.cpu.run(SafeJSONResponse, out)
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
@@ -321,22 +319,24 @@ def build_app(
         state.check_model(model_id)
         return (await models())["data"][names.index(model_id)]
 
-    def _tokenize(body: TokenizeRequest) -> dict:
+    # NOTE: these build their JSON answer in the pool too: 20M token ids take seconds to
+    # encode, which FastAPI would otherwise do on the event loop.
+    def _tokenize(body: TokenizeRequest) -> Response:
         if body.messages is None:
             ids = state.tokenizer.encode(body.prompt, allow_special=True)  # raw, as vLLM
         else:  # the same ids a chat request gets
             ids = encode_prompt(state, body, body.add_generation_prompt)[1]
-        out = TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids)
-        return out.model_dump()
+        out = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+        return SafeJSONResponse(out)
 
-    def _detokenize(body: DetokenizeRequest) -> dict:
+    def _detokenize(body: DetokenizeRequest) -> Response:
         vocab = state.tokenizer.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(
                 f"tokens has ids outside the vocabulary [0, {vocab}): {bad[:8]}", param="tokens"
             )
-        return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens)).model_dump()
+        return SafeJSONResponse({"prompt": state.tokenizer.decode(body.tokens)})
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
