@@ -33,6 +33,7 @@ from k2serve.server.errors import APIError, bad_request, install_error_handlers
 from k2serve.server.finite import SafeJSONResponse
 from k2serve.server.limits import BodyTimeout, BodyTooLarge, read_body
 from k2serve.server.metrics import ServerMetrics
+from k2serve.server.offload import offload_json_route
 from k2serve.server.openapi import install_openapi
 from k2serve.server.protocol import (
     ChatCompletionRequest,
@@ -262,6 +263,7 @@ def build_app(
         title="k2serve", version=__version__, docs_url=None, redoc_url=None, lifespan=lifespan
     )
     app.state.k2 = state
+    app.router.route_class = offload_json_route(state.cpu)  # big bodies parsed off the loop
     install_error_handlers(app)
     chat, completions = ChatHandler(state), CompletionHandler(state)
     responses = ResponsesHandler(state, chat)

@@ -42,3 +42,38 @@ class CpuPool:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+
+
+# Bodies smaller than this are parsed in place: a thread hop costs more than the parse.
+OFFLOAD_JSON_BYTES = 256 * 1024
+
+
+def offload_json_route(pool: CpuPool):
+    """An APIRoute class whose request bodies are JSON-parsed in `pool` when they are large, so
+    a body near the size limit does not hold the event loop for the whole parse. Set it as
+    `app.router.route_class` before adding routes."""
+    import json
+
+    from fastapi.routing import APIRoute
+    from starlette.requests import Request
+
+    class PoolJSONRequest(Request):
+        async def json(self):
+            if not hasattr(self, "_json"):
+                body = await self.body()
+                if len(body) < OFFLOAD_JSON_BYTES:
+                    self._json = json.loads(body)
+                else:
+                    self._json = await pool.run(json.loads, body)
+            return self._json
+
+    class PoolJSONRoute(APIRoute):
+        def get_route_handler(self):
+            handler = super().get_route_handler()
+
+            async def route_handler(request: Request):
+                return await handler(PoolJSONRequest(request.scope, request.receive))
+
+            return route_handler
+
+    return PoolJSONRoute
