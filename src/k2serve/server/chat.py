@@ -33,7 +33,7 @@ from k2serve.server.serving import (
     nonfinite_warner,
 )
 from k2serve.server.sse import SSE_DONE, SSEResponse, cancel_on_disconnect, sse_event
-from k2serve.tokenizer.safe import render_and_encode
+from k2serve.tokenizer.safe import guard_for, render_and_encode
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +122,8 @@ def encode_prompt(
         )
 
     messages = render_messages(req)
+    if not st.allow_special_in_chat:
+        guard_for(tok)  # a tokenizer without `special_tokens` is the server's fault, not a 400
     try:
         if st.allow_special_in_chat:
             text = render(messages, tools, kwargs)
