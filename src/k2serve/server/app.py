@@ -291,7 +291,7 @@ def build_app(
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
         out = await responses.create(body, request)
-        return out if isinstance(out, Response) else JSONResponse(out)
+        return out if isinstance(out, Response) else await state.cpu.run(SafeJSONResponse, out)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str):

@@ -61,7 +61,10 @@ _ROUTES: dict[str, tuple[type[BaseModel] | None, tuple[int, ...]]] = {
     "/v1/models/{model_id}": (ModelCard, (404,)),
     "/tokenize": (TokenizeResponse, (404,)),
     "/detokenize": (DetokenizeResponse, (404,)),
+    "/v1/responses": (None, (404, 429)),
+    "/v1/responses/{response_id}": (None, (404,)),
 }
+_STREAMING = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 def _ref(name: str) -> dict:
@@ -104,8 +107,8 @@ def fix_document(doc: dict[str, Any], api_key_required: bool) -> dict[str, Any]:
             ok = responses.setdefault("200", {"description": "Successful Response"})
             if model is not None:
                 ok["content"] = {"application/json": {"schema": _add_schema(schemas, model)}}
-                if path in ("/v1/chat/completions", "/v1/completions"):
-                    ok["content"].update(_SSE)
+            if path in _STREAMING:
+                ok.setdefault("content", {}).update(_SSE)
             if path == "/health":
                 ok["description"] = "Healthy (empty body)"
                 ok.pop("content", None)
