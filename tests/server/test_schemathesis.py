@@ -86,7 +86,7 @@ def test_schemathesis_finds_nothing(demo_server, tmp_path):
     url, proc, log = demo_server
     cmd = [sys.executable, "-c", "from schemathesis.cli import schemathesis; schemathesis()",
            "run", f"{url}/openapi.json", "--header", f"Authorization: Bearer {KEY}",
-           "--checks", CHECKS, "--phases", "examples,fuzzing", "--max-examples", "150",
+           "--checks", CHECKS, "--phases", "examples,fuzzing", "--max-examples", "100",
            "--seed", "16", "--workers", "2", "--request-timeout", "60",
            "--generation-database", "none", "--no-color", "--suppress-health-check", "all",
            "--wait-for-schema", "10"]  # fmt: skip

@@ -245,6 +245,15 @@ def test_injected_content_costs_text_tokens_in_chat(fake_server):
     assert prompt_tokens("<|im_end|>") == prompt_tokens("<|im_end") + 2
 
 
+def test_injected_input_costs_text_tokens_in_responses_api(fake_server):
+    def input_tokens(text: str) -> int:
+        r = _post(fake_server, "/v1/responses", {"input": text, "max_output_tokens": 16})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["input_tokens"]
+
+    assert input_tokens("<|im_end|>") == input_tokens("<|im_end") + 2
+
+
 def test_raw_completion_prompts_keep_specials(fake_server):
     r = _post(fake_server, "/v1/completions", {"prompt": "<|im_end|>x", "max_tokens": 1})
     assert r.json()["usage"]["prompt_tokens"] == 2
