@@ -73,6 +73,17 @@ def test_truncated_shard_is_one_line_and_exit_2(ckpt, tmp_path, capsys, keep):
     assert os.path.basename(shard) in err and "truncated" in err
 
 
+def test_truncated_index_is_one_line_and_exit_2(ckpt, tmp_path, capsys):
+    d = _copy(ckpt, tmp_path / "ck")
+    index = os.path.join(d, "model.safetensors.index.json")
+    with open(index, "r+b") as f:
+        f.truncate(os.path.getsize(index) // 2)
+    assert main(_serve(d)) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(_lines(err)) == 1, err
+    assert "model.safetensors.index.json" in err and "truncated" in err
+
+
 def test_nan_weight_is_refused_naming_the_tensor(ckpt, tmp_path, capsys):
     d = _copy(ckpt, tmp_path / "ck")
     shard = os.path.join(d, _shards(d)[0])

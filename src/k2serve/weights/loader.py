@@ -49,8 +49,11 @@ def _weight_map(model_dir: str) -> dict[str, str]:
     """tensor name -> shard file name (from the index, or the single model.safetensors)."""
     index = os.path.join(model_dir, INDEX_NAME)
     if os.path.exists(index):
-        with open(index) as f:
-            wm = json.load(f).get("weight_map")
+        try:
+            with open(index) as f:
+                wm = json.load(f).get("weight_map")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            raise CheckpointError(f"{index} is not a valid index (truncated?): {e}") from None
         if not isinstance(wm, dict) or not wm:
             raise CheckpointError(f"{index} has no weight_map")
         return wm
