@@ -15,14 +15,14 @@ from .fakes import FakeAsyncEngine
 
 
 class ServerThread:
-    def __init__(self, app):
+    def __init__(self, app, **config):
         # proto=IPPROTO_TCP so that asyncio sets TCP_NODELAY on accepted connections
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, **config)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True

@@ -55,6 +55,8 @@ class FakeTokenizer:
         self.vocab_size = self.n_special + 256
         self.eos_token_id = SPECIALS.index("<|im_end|>")
 
+    special_tokens = tuple(SPECIALS)
+
     def token_to_id(self, s: str) -> int | None:
         return SPECIALS.index(s) if s in SPECIALS else None
 
@@ -62,6 +64,8 @@ class FakeTokenizer:
         return SPECIALS[i].encode() if i < self.n_special else bytes([i - self.n_special])
 
     def encode(self, text: str, allow_special: bool = True) -> list[int]:
+        if not allow_special:
+            return [self.n_special + b for b in text.encode()]
         out, pos = [], 0
         for m in _SPECIAL_RE.finditer(text):
             out += [self.n_special + b for b in text[pos : m.start()].encode()]
@@ -83,7 +87,7 @@ class FakeTokenizer:
         kw = chat_template_kwargs or {}
         out = ""
         if tools:
-            names = ",".join(t["function"]["name"] for t in tools)
+            names = ",".join(t["function"]["name"] for t in tools)  # short: max_model_len 512
             out += f"<|im_system|>tool_declare<|im_middle|>{names}<|im_end|>"
         for m in messages:
             if m["role"] not in ("system", "user", "assistant", "tool"):
@@ -93,7 +97,14 @@ class FakeTokenizer:
                 body = f"<think>{m['reasoning_content']}</think>{body}"
             if m["role"] == "tool":
                 body = f"## Return of {m['tool_call_id']}\n{body}"
-            out += f"<|im_{m['role'] if m['role'] != 'tool' else 'system'}|>{m['role']}"
+            if m.get("tool_calls"):
+                body += "<|tool_calls_section_begin|>"
+                for tc in m["tool_calls"]:
+                    body += f"<|tool_call_begin|>{tc['id']}<|tool_call_argument_begin|>"
+                    body += f"{tc['function']['arguments']}<|tool_call_end|>"
+                body += "<|tool_calls_section_end|>"
+            name = m.get("name") or m["role"]
+            out += f"<|im_{m['role'] if m['role'] != 'tool' else 'system'}|>{name}"
             out += f"<|im_middle|>{body}<|im_end|>"
         if add_generation_prompt:
             out += "<|im_assistant|>assistant<|im_middle|>"

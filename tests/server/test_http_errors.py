@@ -93,7 +93,8 @@ def test_errors_401_404_413(fake_server):
         headers={"Authorization": "Bearer sk-test"},
     )
     _err(r, 413)
-    _err(httpx.get(fake_server.url + "/nope"), 404)
+    _err(httpx.get(fake_server.url + "/nope", headers={"Authorization": "Bearer sk-test"}), 404)
+    _err(httpx.get(fake_server.url + "/nope"), 401)  # unknown paths need the key too
 
 
 def test_error_500_has_no_traceback(fake_server, monkeypatch):

@@ -1,8 +1,9 @@
 """The FastAPI app: `build_app(engine, ...)` wires routes, auth, limits, errors and metrics.
 
 Owns: the routes (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health,
-/version, /metrics) and `GuardMiddleware` (API key, request body limit, per-status request
-counts, and the last-resort 500 that never leaks a traceback).
+/version, /metrics, /tokenize, /detokenize) and `GuardMiddleware` (API key, request body size
+limit and read deadline, per-status request counts, and the last-resort 500 that never leaks a
+traceback).
 
 Invariants:
 - The app holds no global state: everything lives in `app.state.k2` (a `ServerState`), so tests
@@ -21,22 +22,24 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from k2serve import __version__
 from k2serve.server.auth import check_authorization, needs_key
-from k2serve.server.chat import ChatHandler, render_prompt
+from k2serve.server.chat import ChatHandler, encode_prompt
 from k2serve.server.completions import CompletionHandler
 from k2serve.server.errors import APIError, bad_request, install_error_handlers
+from k2serve.server.finite import SafeJSONResponse
+from k2serve.server.limits import BodyTimeout, BodyTooLarge, read_body
 from k2serve.server.metrics import ServerMetrics
+from k2serve.server.offload import offload_json_route
+from k2serve.server.openapi import install_openapi
 from k2serve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    DetokenizeResponse,
     TokenizeRequest,
-    TokenizeResponse,
 )
 from k2serve.server.responses import ResponsesHandler
 from k2serve.server.responses_input import ResponsesRequest
@@ -46,6 +49,7 @@ from k2serve.server.sse import ClientDisconnected, ServerStopping
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+DEFAULT_READ_TIMEOUT = 60.0
 _ROUTES = (
     "/v1/chat/completions",
     "/v1/completions",
@@ -58,11 +62,19 @@ _ROUTES = (
 
 
 class GuardMiddleware:
-    def __init__(self, app: ASGIApp, state: ServerState, api_key: str | None, max_body: int):
+    def __init__(
+        self,
+        app: ASGIApp,
+        state: ServerState,
+        api_key: str | None,
+        max_body: int,
+        read_timeout: float | None = None,
+    ):
         self.app = app
         self.state = state
         self.api_key = api_key
         self.max_body = max_body
+        self.read_timeout = read_timeout
 
     async def _reply(self, send: Send, err: APIError) -> None:
         body = json.dumps(err.body()).encode()
@@ -73,6 +85,8 @@ class GuardMiddleware:
                 "headers": [
                     (b"content-type", b"application/json"),
                     (b"content-length", str(len(body)).encode()),
+                    # the request body may be unread: never wait for it on this connection
+                    (b"connection", b"close"),
                 ],
             }
         )
@@ -100,9 +114,9 @@ class GuardMiddleware:
             if err is not None:
                 await self._reply(send_wrapper, err)
                 return
-            limited = await self._buffered(scope, receive)
-            if limited is None:
-                await self._reply(send_wrapper, self._too_large())
+            limited = await self._buffered(receive)
+            if isinstance(limited, APIError):
+                await self._reply(send_wrapper, limited)
                 return
             await self.app(scope, limited, send_wrapper)
         except Exception:
@@ -141,27 +155,19 @@ class GuardMiddleware:
                 return APIError(400, "invalid Content-Length header")
         return None
 
-    async def _buffered(self, scope: Scope, receive: Receive) -> Receive | None:
-        """Without Content-Length (chunked upload): read the body up to the limit, then replay.
-
-        Returns None when the body is over the limit.
-        """
-        headers = dict(scope.get("headers") or [])
-        if b"content-length" in headers or scope.get("method") not in ("POST", "PUT", "PATCH"):
-            return receive
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                pending = [message]
-                break
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_body:
-                return None
-            if not message.get("more_body", False):
-                pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
-                break
+    async def _buffered(self, receive: Receive) -> Receive | APIError:
+        """Read the whole body under the size limit and the read deadline, then replay it;
+        or the error to answer with (413, 408). See server/limits.py."""
+        try:
+            pending = await read_body(receive, self.max_body, self.read_timeout)
+        except BodyTooLarge:
+            return self._too_large()
+        except BodyTimeout:
+            return APIError(
+                408,
+                f"the request body did not arrive within {self.read_timeout:g} seconds",
+                code="request_timeout",
+            )
 
         async def replay() -> Message:
             return pending.pop(0) if pending else await receive()
@@ -212,6 +218,8 @@ def build_app(
     tokenizer=None,
     sampling_params_cls=None,
     default_sampling_params: dict | None = None,
+    allow_special_tokens_in_chat: bool = False,
+    read_timeout: float | None = DEFAULT_READ_TIMEOUT,
 ) -> FastAPI:
     """An OpenAI-compatible app over an `AsyncLLMEngine`-like engine (see docs/interfaces.md).
 
@@ -219,6 +227,9 @@ def build_app(
     K2-Thinking one), off otherwise (K2-Instruct templates).
     `default_sampling_params`: defaults for the sampling fields a request leaves unset
     (`generation_config.load_generation_defaults`).
+    `allow_special_tokens_in_chat`: encode special-token strings in chat messages as control
+    tokens (vLLM's behaviour; off: they are text, so a client cannot forge turns).
+    `read_timeout`: seconds a request body may take to arrive after its headers (408 after).
     """
     names = list(served_model_names or ["k2serve"])
     tok = tokenizer if tokenizer is not None else engine.tokenizer
@@ -237,17 +248,22 @@ def build_app(
         default_thinking=default_thinking,
         default_chat_template_kwargs=dict(default_chat_template_kwargs or {}),
         default_sampling=dict(default_sampling_params or {}),
+        allow_special_in_chat=allow_special_tokens_in_chat,
     )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         state.loop = asyncio.get_running_loop()
-        yield
+        try:
+            yield
+        finally:
+            state.cpu.shutdown()
 
     app = FastAPI(
         title="k2serve", version=__version__, docs_url=None, redoc_url=None, lifespan=lifespan
     )
     app.state.k2 = state
+    app.router.route_class = offload_json_route(state.cpu)  # big bodies parsed off the loop
     install_error_handlers(app)
     chat, completions = ChatHandler(state), CompletionHandler(state)
     responses = ResponsesHandler(state, chat)
@@ -265,17 +281,17 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         out = await chat.create(body, request)
-        return out if isinstance(out, Response) else JSONResponse(out)
+        return out if isinstance(out, Response) else await state.cpu.run(SafeJSONResponse, out)
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request):
         out = await completions.create(body, request)
-        return out if isinstance(out, Response) else JSONResponse(out)
+        return out if isinstance(out, Response) else await state.cpu.run(SafeJSONResponse, out)
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
         out = await responses.create(body, request)
-        return out if isinstance(out, Response) else JSONResponse(out)
+        return out if isinstance(out, Response) else await state.cpu.run(SafeJSONResponse, out)
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str):
@@ -305,28 +321,34 @@ def build_app(
         state.check_model(model_id)
         return (await models())["data"][names.index(model_id)]
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
-        state.check_model(body.model)
-        text = (
-            body.prompt
-            if body.messages is None
-            else render_prompt(state, body, body.add_generation_prompt)[0]
-        )
-        ids = state.tokenizer.encode(text, allow_special=True)
-        out = TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids)
-        return out.model_dump()
+    # NOTE: these build their JSON answer in the pool too: 20M token ids take seconds to
+    # encode, which FastAPI would otherwise do on the event loop.
+    def _tokenize(body: TokenizeRequest) -> Response:
+        if body.messages is None:
+            ids = state.tokenizer.encode(body.prompt, allow_special=True)  # raw, as vLLM
+        else:  # the same ids a chat request gets
+            ids = encode_prompt(state, body, body.add_generation_prompt)[1]
+        out = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+        return SafeJSONResponse(out)
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
-        state.check_model(body.model)
+    def _detokenize(body: DetokenizeRequest) -> Response:
         vocab = state.tokenizer.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(
                 f"tokens has ids outside the vocabulary [0, {vocab}): {bad[:8]}", param="tokens"
             )
-        return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens)).model_dump()
+        return SafeJSONResponse({"prompt": state.tokenizer.decode(body.tokens)})
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        state.check_model(body.model)
+        return await state.cpu.run(_tokenize, body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        state.check_model(body.model)
+        return await state.cpu.run(_detokenize, body)
 
     @app.get("/health")
     async def health():
@@ -354,7 +376,14 @@ def build_app(
             state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
         )
 
-    app.add_middleware(GuardMiddleware, state=state, api_key=api_key, max_body=max_body_bytes)
+    install_openapi(app, api_key_required=bool(api_key))
+    app.add_middleware(
+        GuardMiddleware,
+        state=state,
+        api_key=api_key,
+        max_body=max_body_bytes,
+        read_timeout=read_timeout,
+    )
     if allowed_origins:  # outermost, so browser preflights (OPTIONS) never need the key
         app.add_middleware(
             CORSMiddleware,

@@ -30,8 +30,10 @@ from k2serve.server.serving import (
     ServerState,
     chat_logprobs,
     new_request_id,
+    nonfinite_warner,
 )
 from k2serve.server.sse import SSE_DONE, SSEResponse, cancel_on_disconnect, sse_event
+from k2serve.tokenizer.safe import guard_for, render_and_encode
 
 logger = logging.getLogger(__name__)
 
@@ -89,25 +91,55 @@ def render_messages(req: ChatCompletionRequest) -> list[dict]:
 
 
 def render_prompt(st: ServerState, req, add_generation_prompt: bool = True) -> tuple[str, bool]:
-    """(prompt text, thinking) for a request with `messages`, `tools`, `chat_template_kwargs`."""
+    """(prompt text, thinking) for a request with `messages`, `tools`, `chat_template_kwargs`.
+
+    NOTE: to get token ids use `encode_prompt`: encoding this text with specials allowed would
+    turn special-token strings the client wrote into control tokens."""
+    text, _ids, thinking = encode_prompt(st, req, add_generation_prompt)
+    return text, thinking
+
+
+def encode_prompt(
+    st: ServerState, req, add_generation_prompt: bool = True
+) -> tuple[str, list[int], bool]:
+    """(prompt text, prompt ids, thinking) for a chat request.
+
+    Everything the client sent (contents, names, tools, tool-call history, reasoning, kwargs) is
+    encoded as text; only the template's own markers become special tokens, unless the server
+    runs with --allow-special-tokens-in-chat (then the rendered text is encoded as vLLM does)."""
     kwargs = {**st.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
     thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", st.default_thinking)))
     kwargs.setdefault("thinking", thinking)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-    try:
-        text = st.tokenizer.apply_chat_template(
-            render_messages(req),
+    tok = st.tokenizer
+
+    def render(messages, tools, kwargs) -> str:
+        return tok.apply_chat_template(
+            messages,
             tools=tools,
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=kwargs,
         )
+
+    messages = render_messages(req)
+    if not st.allow_special_in_chat:
+        guard_for(tok)  # a tokenizer without `special_tokens` is the server's fault, not a 400
+    try:
+        if st.allow_special_in_chat:
+            text = render(messages, tools, kwargs)
+            ids = tok.encode(text, allow_special=True)
+        else:
+            template = getattr(tok, "chat_template", None)
+            text, ids = render_and_encode(
+                tok, render, messages, tools, kwargs, trusted=[template or ""]
+            )
     except APIError:
         raise
     except Exception as e:  # template errors are the request's fault (bad message order...)
         raise bad_request(
             f"the messages cannot be rendered with the chat template: {e}", param="messages"
         ) from None
-    return text, thinking
+    return text, ids, thinking
 
 
 class ChatHandler:
@@ -127,8 +159,7 @@ class ChatHandler:
         tool_choice = req.tool_choice or ("auto" if req.tools else "none")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         use_tools = bool(tools) and tool_choice != "none"
-        text, thinking = render_prompt(st, req)
-        prompt_ids = st.tokenizer.encode(text, allow_special=True)
+        _text, prompt_ids, thinking = encode_prompt(st, req)
         max_tokens = st.resolve_max_tokens(len(prompt_ids), req.effective_max_tokens(), "messages")
 
         procs = []
@@ -152,7 +183,7 @@ class ChatHandler:
         return prompt_ids, params, thinking, (tools if use_tools else None)
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
-        prompt_ids, params, thinking, tools = self._prepare(req)
+        prompt_ids, params, thinking, tools = await self.state.cpu.run(self._prepare, req)
         stream = EngineStream(self.state, prompt_ids, params, new_request_id("chatcmpl"))
         await cancel_on_disconnect(raw, stop=self.state.stop_event, work=stream.start())
         if req.stream:
@@ -172,6 +203,7 @@ class ChatHandler:
         lps: list[list] = [[] for _ in range(n)]
         finish: list = [None] * n
         stop_reason: list = [None] * n
+        warn = nonfinite_warner(stream.request_id)
         async for out in stream:
             for c in out.outputs:
                 texts[c.index] += c.text
@@ -218,7 +250,7 @@ class ChatHandler:
             if req.logprobs:
                 choice["logprobs"] = {
                     "content": chat_logprobs(
-                        self.state.tokenizer, ids[i], lps[i], req.top_logprobs or 0
+                        self.state.tokenizer, ids[i], lps[i], req.top_logprobs or 0, warn
                     )
                 }
             choices.append(choice)
@@ -247,6 +279,7 @@ class ChatHandler:
         num_calls = [0] * n
         counts = [0] * n
         merged = MergedStreams([stream])
+        warn = nonfinite_warner(stream.request_id)
 
         def chunk(index: int, delta: dict, finish=None, logprobs=None, stop_reason=None) -> str:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -297,7 +330,7 @@ class ChatHandler:
                     if req.logprobs and c.logprobs:
                         lp = {
                             "content": chat_logprobs(
-                                st.tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0
+                                st.tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0, warn
                             )
                         }
                     if c.finish_reason is not None:

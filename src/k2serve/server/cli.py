@@ -12,6 +12,7 @@ Invariants:
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -32,6 +33,16 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
     return port
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text!r}")
+    return value
 
 
 def _json_flag(text: str, ok, what: str):
@@ -138,6 +149,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="larger request bodies get 413 (default 32 MiB)",
     )
     g.add_argument(
+        "--request-read-timeout",
+        type=_seconds,
+        default=60.0,
+        help="seconds a client may take to send a request's headers (from connecting) and, "
+        "separately, its body (from the headers); slower connections are closed, a late "
+        "body gets 408 (default 60; 0 = no limit)",
+    )
+    g.add_argument(
+        "--allow-special-tokens-in-chat",
+        action="store_true",
+        help="encode special-token strings written in chat messages, names and tools as "
+        "control tokens, as vLLM does (default: as text, so a client cannot forge a turn)",
+    )
+    g.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,
@@ -237,14 +262,40 @@ def _describe_weights(engine) -> tuple[str, str]:
     return formats, experts
 
 
+def bind_port(host: str, port: int):
+    """A TCP socket bound to (host, port), not yet listening (uvicorn listens on it once the
+    app is ready; until then connections are refused rather than left hanging).
+
+    Done before the model loads, so a busy port costs nothing. Raises OSError."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # as uvicorn: reuse a port in TIME_WAIT; a port someone listens on still fails
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
 class _DrainingServer:
-    """A uvicorn.Server whose signal handler drains instead of re-raising the signal."""
+    """A uvicorn.Server whose signal handler drains instead of re-raising the signal, and that
+    logs "serving on" once its socket really accepts connections."""
 
     @staticmethod
-    def make(config, state, drain_timeout: float):
+    def make(config, state, drain_timeout: float, serving_message: tuple = ()):
         import uvicorn
 
         class Server(uvicorn.Server):
+            async def startup(self, sockets=None):
+                await super().startup(sockets=sockets)
+                if self.started and serving_message:
+                    logger.info(*serving_message)
+
             def handle_exit(self, sig, frame):  # noqa: ARG002 - uvicorn's signature
                 if not state.draining:
                     name = signal.Signals(sig).name
@@ -311,6 +362,7 @@ def run(args: argparse.Namespace) -> int:
     from k2serve.engine.async_engine import AsyncLLMEngine
     from k2serve.engine.config import EngineConfig
     from k2serve.server.app import build_app
+    from k2serve.server.limits import uvicorn_http_protocol
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -361,15 +413,30 @@ def run(args: argparse.Namespace) -> int:
     base = os.path.basename(os.path.normpath(model_dir))
     names = args.served_model_name or list(dict.fromkeys([args.model or base, base]))
 
+    try:
+        sock = bind_port(args.host, args.port)
+    except OSError as e:
+        why = "address already in use" if e.errno == errno.EADDRINUSE else e.strerror or str(e)
+        print(
+            f"k2serve serve: cannot listen on {args.host}:{args.port}: {why} "
+            "(another server running? choose --port)",
+            file=sys.stderr,
+        )
+        return 2
     logger.info("loading %s", model_dir)
     try:
         engine = AsyncLLMEngine(cfg)
     except (ValueError, FileNotFoundError, OSError) as e:  # ConfigError is a ValueError
+        sock.close()
         print(f"k2serve serve: cannot load {model_dir}: {e}", file=sys.stderr)
         return 2
     except WorkerError as e:  # a rank failed to start, or a node never joined
+        sock.close()
         print(f"k2serve serve: {e}", file=sys.stderr)
         return 1
+    except BaseException:
+        sock.close()
+        raise
     if cfg.nnodes > 1:
         engine.engine.runner.set_on_failure(_exit_on_lost_rank)
     try:
@@ -386,6 +453,8 @@ def run(args: argparse.Namespace) -> int:
             default_chat_template_kwargs=args.default_chat_template_kwargs,
             allowed_origins=args.allowed_origins,
             default_sampling_params=sampling_defaults,
+            allow_special_tokens_in_chat=args.allow_special_tokens_in_chat,
+            read_timeout=args.request_read_timeout or None,
         )
         state = app.state.k2
         ec = engine.config
@@ -411,25 +480,30 @@ def run(args: argparse.Namespace) -> int:
             state.default_thinking,
             "required" if args.api_key else "none",
         )
+        timeouts = {}
+        if args.request_read_timeout:
+            timeouts["http"] = uvicorn_http_protocol(args.request_read_timeout)
         config = uvicorn.Config(
             app,
             host=args.host,
             port=args.port,
             log_level=args.uvicorn_log_level,
+            **timeouts,
             # backstop only: at --drain-timeout the app itself ends what is still running
             timeout_graceful_shutdown=args.drain_timeout + 5,
             access_log=False,
         )
-        server = _DrainingServer.make(config, state, args.drain_timeout)
         bound = "" if host == args.host else f", bound to {args.host}"
-        logger.info(
-            "serving on http://%s:%d/v1 (OpenAI API; /health, /metrics%s)", host, args.port, bound
-        )
-        server.run()
+        port = sock.getsockname()[1]  # --port 0: the one the system picked
+        message = ("serving on http://%s:%d/v1 (OpenAI API; /health, /metrics%s)", host, port)
+        message += (bound,)
+        server = _DrainingServer.make(config, state, args.drain_timeout, message)
+        server.run(sockets=[sock])
         if not server.started:
             print(f"k2serve serve: could not start on {args.host}:{args.port}", file=sys.stderr)
             return 1
         logger.info("stopped")
         return 0
     finally:
+        sock.close()
         engine.shutdown()

@@ -24,6 +24,7 @@ from k2serve.server.serving import (
     ServerState,
     completion_logprobs,
     new_request_id,
+    nonfinite_warner,
 )
 from k2serve.server.sse import SSE_DONE, SSEResponse, cancel_on_disconnect, sse_event
 
@@ -57,7 +58,7 @@ class CompletionHandler:
     async def create(self, req: CompletionRequest, raw: Request):
         st = self.state
         st.check_model(req.model)
-        prompts = self._prompts(req)
+        prompts = await st.cpu.run(self._prompts, req)
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
         plans = []
         for _text, ids in prompts:
@@ -102,6 +103,7 @@ class CompletionHandler:
                 if c.finish_reason is not None:
                     finish[k], stop_reason[k] = c.finish_reason, c.stop_reason
         tok = self.state.tokenizer
+        warn = nonfinite_warner(base)
         choices = []
         for k in range(total):
             p = k // n
@@ -115,7 +117,7 @@ class CompletionHandler:
                 if req.echo:
                     part, off = completion_logprobs(tok, prompts[p][1], None, 0, off)
                     _extend(logprobs, part)
-                part, off = completion_logprobs(tok, ids[k], lps[k], req.logprobs, off)
+                part, off = completion_logprobs(tok, ids[k], lps[k], req.logprobs, off, warn)
                 _extend(logprobs, part)
             choices.append(
                 {
@@ -153,6 +155,7 @@ class CompletionHandler:
         offsets = [0] * total
         counts = [0] * total
         echoed = [not req.echo] * total
+        warn = nonfinite_warner(base)
 
         def chunk(k: int, text: str, logprobs=None, finish=None, stop_reason=None) -> str:
             choice = {"index": k, "text": text, "logprobs": logprobs, "finish_reason": finish}
@@ -192,7 +195,7 @@ class CompletionHandler:
                             _extend(lp, part)
                     if lp is not None:
                         part, offsets[k] = completion_logprobs(
-                            tok, c.token_ids, c.logprobs, req.logprobs, offsets[k]
+                            tok, c.token_ids, c.logprobs, req.logprobs, offsets[k], warn
                         )
                         _extend(lp, part)
                     if text or c.finish_reason is not None or lp:

@@ -166,7 +166,10 @@ def install_error_handlers(app: FastAPI) -> None:
             msg = f"no route {request.method} {request.url.path}"
         if exc.status_code == 405:
             msg = f"method {request.method} is not allowed on {request.url.path}"
-        return APIError(exc.status_code, msg).response()
+        resp = APIError(exc.status_code, msg).response()
+        for name, value in (exc.headers or {}).items():  # 405 carries Allow (RFC 9110)
+            resp.headers[name] = value
+        return resp
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):

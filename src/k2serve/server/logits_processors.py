@@ -20,12 +20,14 @@ import torch
 
 from k2serve.parsers import tool_call_prefix
 from k2serve.parsers.markers import SECTION_BEGIN, THINK_END
+from k2serve.tokenizer.safe import render_and_encode
 
 
 class ForceToolCallPrefix:
     def __init__(self, tokenizer, names: list[str], thinking: bool):
+        # the name is the client's: text, even if it spells a marker
         self.candidates = [
-            tokenizer.encode(tool_call_prefix(n, 0), allow_special=True) for n in names
+            render_and_encode(tokenizer, lambda x: tool_call_prefix(x, 0), n)[1] for n in names
         ]
         self.max_len = max(len(c) for c in self.candidates)
         self.think_end = tokenizer.token_to_id(THINK_END) if thinking else None

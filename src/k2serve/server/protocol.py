@@ -17,7 +17,23 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+
+
+def check_json_schema(schema: Any) -> None:
+    """ValueError unless `schema` is a valid JSON Schema (draft 2020-12 meta-schema)."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path)
+        raise ValueError(
+            f"not a valid JSON Schema{f' at {where!r}' if where else ''}: {e.message}"
+        ) from None
+    except RecursionError:
+        raise ValueError("not a valid JSON Schema: nested too deeply") from None
 
 
 def random_id(prefix: str) -> str:
@@ -78,10 +94,11 @@ class _SamplingFields(_Request):
     # vLLM extras
     top_k: int | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    # > 0 as vLLM, and bounded: 1e-300 divides logits into inf / NaN (1 = off, >2 is extreme)
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=100.0)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -107,6 +124,13 @@ class FunctionDefinition(_Request):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _check_schema(cls, v):
+        if v is not None:
+            check_json_schema(v)
+        return v
 
 
 class ChatTool(_Request):
@@ -291,7 +315,11 @@ class ChatCompletionChunk(_Out):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # strict: `false` / `1.0` are not token ids. Left to right, token ids first: pydantic's
+    # smart mode would validate a long id list against list[str] too (seconds for 3M ids).
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]] = Field(
+        union_mode="left_to_right"
+    )
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
     suffix: str | None = None
@@ -392,7 +420,7 @@ class TokenizeResponse(_Out):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 class DetokenizeResponse(_Out):

@@ -123,7 +123,7 @@ class ResponsesHandler:
             history = got[1]
         chat_req, conversation = to_chat_request(req, history)
         try:
-            prompt_ids, params, thinking, tools = self.chat._prepare(chat_req)
+            prompt_ids, params, thinking, tools = await st.cpu.run(self.chat._prepare, chat_req)
         except APIError as e:  # name the Responses field, not the chat one
             e.param = _PARAMS.get(e.param or "", e.param)
             e.message = e.message.replace("the messages", "the input")

@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from k2serve.server.errors import APIError, bad_request, engine_error
+from k2serve.server.finite import MIN_LOGPROB, finite_logprob
 from k2serve.server.logits_processors import LogitBias
 from k2serve.server.metrics import ServerMetrics
+from k2serve.server.offload import CpuPool
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +47,9 @@ class ServerState:
     stop_event: asyncio.Event = field(default_factory=asyncio.Event)
     loop: asyncio.AbstractEventLoop | None = None  # the server's event loop, once started
     background: set = field(default_factory=set)
+    # --allow-special-tokens-in-chat: special-token strings in messages become control tokens
+    allow_special_in_chat: bool = False
+    cpu: CpuPool = field(default_factory=CpuPool)  # tokenizing / rendering off the event loop
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_names:
@@ -284,18 +290,48 @@ def token_bytes(tokenizer, token_id: int) -> list[int]:
 
 
 def _ranked(entry: dict) -> list[tuple[int, Any]]:
-    return sorted(entry.items(), key=lambda kv: (kv[1].rank or 10**9, -kv[1].logprob))
+    def key(kv):
+        lp = kv[1].logprob
+        return (kv[1].rank or 10**9, -lp if lp == lp else math.inf)  # NaN sorts last
+
+    return sorted(entry.items(), key=key)
 
 
-def chat_logprobs(tokenizer, token_ids: list[int], logprobs, top_n: int) -> list[dict]:
-    """OpenAI chat format: [{token, logprob, bytes, top_logprobs: [...]}] per generated token."""
+OnBad = Callable[[float], None] | None
+
+
+def nonfinite_warner(request_id: str) -> Callable[[float], None]:
+    """`on_bad` for the logprob helpers: logs once (per request) that logprobs were replaced."""
+    warned = []
+
+    def warn(value: float) -> None:
+        if not warned:
+            warned.append(value)
+            logger.warning(
+                "request %s: the model produced a non-finite logprob (%r), sent as %s; NaN "
+                "logits come from NaN weights or sampling parameters that overflow",
+                request_id,
+                value,
+                "0.0" if value > 0 else "-9999.0",
+            )
+
+    return warn
+
+
+def chat_logprobs(
+    tokenizer, token_ids: list[int], logprobs, top_n: int, on_bad: OnBad = None
+) -> list[dict]:
+    """OpenAI chat format: [{token, logprob, bytes, top_logprobs: [...]}] per generated token.
+
+    Non-finite logprobs are replaced (see server/finite.py) and reported to `on_bad`."""
+    warn = on_bad
     out = []
     for tid, entry in zip(token_ids, logprobs or [], strict=False):
         lp = entry.get(tid)
         tops = [
             {
                 "token": token_text(tokenizer, t, x),
-                "logprob": max(x.logprob, -9999.0),
+                "logprob": finite_logprob(x.logprob, warn),
                 "bytes": token_bytes(tokenizer, t),
             }
             for t, x in _ranked(entry)[:top_n]
@@ -303,7 +339,7 @@ def chat_logprobs(tokenizer, token_ids: list[int], logprobs, top_n: int) -> list
         out.append(
             {
                 "token": token_text(tokenizer, tid, lp),
-                "logprob": max(lp.logprob, -9999.0) if lp is not None else -9999.0,
+                "logprob": finite_logprob(lp.logprob, warn) if lp is not None else MIN_LOGPROB,
                 "bytes": token_bytes(tokenizer, tid),
                 "top_logprobs": tops,
             }
@@ -312,9 +348,15 @@ def chat_logprobs(tokenizer, token_ids: list[int], logprobs, top_n: int) -> list
 
 
 def completion_logprobs(
-    tokenizer, token_ids: list[int], logprobs, top_n: int, text_offset: int
+    tokenizer,
+    token_ids: list[int],
+    logprobs,
+    top_n: int,
+    text_offset: int,
+    on_bad: OnBad = None,
 ) -> tuple[dict, int]:
     """OpenAI completions format for one run of tokens; returns (dict, next text offset)."""
+    warn = on_bad
     res: dict[str, list] = {
         "tokens": [],
         "token_logprobs": [],
@@ -326,13 +368,13 @@ def completion_logprobs(
         lp = entry.get(tid) if entry else None
         tok = token_text(tokenizer, tid, lp)
         res["tokens"].append(tok)
-        res["token_logprobs"].append(max(lp.logprob, -9999.0) if lp is not None else None)
+        res["token_logprobs"].append(finite_logprob(lp.logprob, warn) if lp is not None else None)
         if entry is None:
             res["top_logprobs"].append(None)
         else:
             res["top_logprobs"].append(
                 {
-                    token_text(tokenizer, t, x): max(x.logprob, -9999.0)
+                    token_text(tokenizer, t, x): finite_logprob(x.logprob, warn)
                     for t, x in _ranked(entry)[:top_n]
                 }
             )

@@ -13,7 +13,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
@@ -21,9 +20,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from k2serve.server.finite import dumps
+
 
 def sse_event(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"

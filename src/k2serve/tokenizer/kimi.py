@@ -179,6 +179,12 @@ class KimiTokenizer:
             raise TokenizerError(f"token id {token_id} is outside the vocabulary [0, {len(self)})")
         return b
 
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        """Every name in the special range (flagged or not, reserved included): the strings
+        that `encode(..., allow_special=True)` turns into control ids."""
+        return tuple(self._special_to_id)
+
     def is_special(self, token_id: int) -> bool:
         return token_id in self.special_ids
 

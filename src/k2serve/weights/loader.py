@@ -9,7 +9,8 @@ Invariants:
   stored dtype, `e_score_correction_bias` stays float32, the rest becomes `dtype`).
 - Skipped: `*.rotary_emb.inv_freq`, MTP layers (index >= num_hidden_layers), and, for K2.5,
   everything outside `language_model.` (vision tower, projector).
-- A missing, unexpected or misshapen tensor raises `CheckpointError` naming it.
+- A missing, unexpected or misshapen tensor, one holding NaN / inf, or a shard that cannot be
+  read (truncated, corrupt) raises `CheckpointError` naming it.
 - `expert_placement` (k2serve.moe.placement) puts the CPU-placed experts' tensors in host
   memory as they are read (never on the GPU); `tensor_device(name)` is the general per-tensor
   device map (None = `device`). Dummy weights are generated on `device` one tensor at a time and
@@ -48,16 +49,55 @@ def _weight_map(model_dir: str) -> dict[str, str]:
     """tensor name -> shard file name (from the index, or the single model.safetensors)."""
     index = os.path.join(model_dir, INDEX_NAME)
     if os.path.exists(index):
-        with open(index) as f:
-            wm = json.load(f).get("weight_map")
+        try:
+            with open(index) as f:
+                wm = json.load(f).get("weight_map")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            raise CheckpointError(f"{index} is not a valid index (truncated?): {e}") from None
         if not isinstance(wm, dict) or not wm:
             raise CheckpointError(f"{index} has no weight_map")
         return wm
     single = os.path.join(model_dir, "model.safetensors")
     if os.path.exists(single):
-        with safe_open(single, framework="pt") as f:
+        with _open_shard(single) as f:
             return {k: "model.safetensors" for k in f.keys()}
     raise CheckpointError(f"no {INDEX_NAME} or model.safetensors in {model_dir}")
+
+
+def _open_shard(path: str):
+    """safe_open, with a truncated or corrupt file reported as a CheckpointError naming it."""
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises its own SafetensorError (not an OSError)
+        size = os.path.getsize(path) if os.path.exists(path) else 0
+        raise CheckpointError(
+            f"cannot read {path} ({size} bytes): {e}; the file is truncated or corrupt "
+            "(an interrupted download?): fetch it again"
+        ) from None
+
+
+# fp8 NaN bit patterns (e4m3fn has no inf: S.1111.111 is NaN; e5m2: exponent 11111 is inf/NaN)
+_FP8_BAD = {torch.float8_e4m3fn: (0x7F, 0x7F), torch.float8_e5m2: (0x7C, 0x7C)}
+
+
+def _check_finite(t: torch.Tensor, ckpt_name: str, shard: str) -> None:
+    """Refuse a tensor with NaN or inf in it: it would make every logit NaN, silently.
+
+    One elementwise pass over each floating tensor, on the device it was just copied to
+    (integer / packed INT4 tensors have no NaN and are skipped)."""
+    if t.dtype in _FP8_BAD:
+        mask, bad = _FP8_BAD[t.dtype]
+        ok = not bool(((t.view(torch.uint8) & mask) == bad).any())
+    elif t.is_floating_point():
+        ok = bool(torch.isfinite(t).all())
+    else:
+        return
+    if not ok:
+        what = "NaN" if t.dtype in _FP8_BAD or bool(torch.isnan(t).any()) else "inf"
+        raise CheckpointError(
+            f"tensor {ckpt_name!r} in {shard} holds {what} values; the checkpoint is broken "
+            "(or was converted badly)"
+        )
 
 
 def _model_name(ckpt_name: str, config: ModelConfig) -> str | None:
@@ -195,7 +235,7 @@ def _load(model_dir, dtype, device, load_format, config, seed, progress, device_
         path = os.path.join(model_dir, shard)
         if not os.path.exists(path):
             raise CheckpointError(f"shard {shard} named in {INDEX_NAME} does not exist")
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with _open_shard(path) as f:
             present = set(f.keys())
             for ckpt_name, name in by_shard[shard]:
                 if ckpt_name not in present:
@@ -218,6 +258,7 @@ def _load(model_dir, dtype, device, load_format, config, seed, progress, device_
                 # owns, so the shard's pages are released when the shard is closed (peak host
                 # memory = model + one shard, and the files may change after loading).
                 t = t.to(device, copy=True) if t.device == device else t.to(device)
+                _check_finite(t, ckpt_name, shard)
                 set_tensor(model, name, t)
                 bar.update(1)
     bar.close()

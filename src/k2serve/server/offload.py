@@ -1,0 +1,79 @@
+"""CPU-heavy request work (tokenizing, chat template rendering, detokenizing) off the event loop.
+
+Owns: `CpuPool`, a small thread pool the handlers hand such work to, so one request with a huge
+body cannot stall /health, streaming tokens or any other request.
+
+Invariants:
+- At most `max_workers` such jobs run at once (the rest wait in the pool's queue), so a burst
+  of abusive requests costs bounded CPU; each job is bounded by the request body limit.
+- Exceptions (an `APIError` for a bad request) propagate to the awaiting handler unchanged.
+- A handler cancelled while its job runs (client gone) does not kill the thread; the job
+  finishes and its result is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def default_workers() -> int:
+    return max(2, min(8, os.cpu_count() or 2))
+
+
+class CpuPool:
+    def __init__(self, max_workers: int | None = None):
+        self.max_workers = max_workers or default_workers()
+        self._pool: ThreadPoolExecutor | None = None  # threads start on first use
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix="k2serve-cpu")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+# Bodies smaller than this are parsed in place: a thread hop costs more than the parse.
+OFFLOAD_JSON_BYTES = 256 * 1024
+
+
+def offload_json_route(pool: CpuPool):
+    """An APIRoute class whose request bodies are JSON-parsed in `pool` when they are large, so
+    a body near the size limit does not hold the event loop for the whole parse. Set it as
+    `app.router.route_class` before adding routes."""
+    import json
+
+    from fastapi.routing import APIRoute
+    from starlette.requests import Request
+
+    class PoolJSONRequest(Request):
+        async def json(self):
+            if not hasattr(self, "_json"):
+                body = await self.body()
+                if len(body) < OFFLOAD_JSON_BYTES:
+                    self._json = json.loads(body)
+                else:
+                    self._json = await pool.run(json.loads, body)
+            return self._json
+
+    class PoolJSONRoute(APIRoute):
+        def get_route_handler(self):
+            handler = super().get_route_handler()
+
+            async def route_handler(request: Request):
+                return await handler(PoolJSONRequest(request.scope, request.receive))
+
+            return route_handler
+
+    return PoolJSONRoute
