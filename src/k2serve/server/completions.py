@@ -26,6 +26,7 @@ from k2serve.server.serving import (
     new_request_id,
 )
 from k2serve.server.sse import SSE_DONE, SSEResponse, cancel_on_disconnect, sse_event
+from k2serve.server.structured import check_compiles, output_constraint
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +60,16 @@ class CompletionHandler:
         st.check_model(req.model)
         prompts = self._prompts(req)
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
+        constraint = output_constraint(req, thinking=False)  # a raw prompt: no reasoning
+        if constraint is not None:
+            check_compiles(st, *constraint)
+        so = constraint[0] if constraint is not None else None
         plans = []
         for _text, ids in prompts:
             mt = st.resolve_max_tokens(len(ids), max_tokens, "prompt")
-            plans.append(st.sampling_params(req, mt, logprobs=req.logprobs))
+            plans.append(
+                st.sampling_params(req, mt, logprobs=req.logprobs, structured_outputs=so)
+            )
         base = new_request_id("cmpl")
         streams = [
             EngineStream(st, ids, params, f"{base}-{i}")

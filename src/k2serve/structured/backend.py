@@ -44,7 +44,15 @@ from k2serve.parsers.markers import (
 )
 from k2serve.structured.params import StructuredOutputsParams
 
-DIALECT_MARKERS = (THINK_START, THINK_END, SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARG_BEGIN, CALL_END)
+DIALECT_MARKERS = (
+    THINK_START,
+    THINK_END,
+    SECTION_BEGIN,
+    SECTION_END,
+    CALL_BEGIN,
+    ARG_BEGIN,
+    CALL_END,
+)
 # NOTE: any whitespace between JSON tokens (as vLLM), but at most this many in a row, so a model
 # that keeps writing blanks cannot run a constrained reply to max_tokens without closing it.
 MAX_JSON_WHITESPACE = 16
@@ -131,7 +139,7 @@ class GrammarBackend:
         kind = p.kind
         if kind == "json":
             return c.compile_json_schema(
-                p.json if isinstance(p.json, dict) else _bool_schema(p.json),
+                fix_string_lengths(p.json) if isinstance(p.json, dict) else _bool_schema(p.json),
                 any_whitespace=True,
                 max_whitespace_cnt=MAX_JSON_WHITESPACE,
             )
@@ -179,6 +187,43 @@ class GrammarBackend:
         # logits: [B, vocab] float32; bitmask: [B, ceil(vocab / 32)] int32 on logits.device
         vocab = min(logits.shape[1], bitmask.shape[1] * 32)
         _xgr().apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows)
+
+
+# NOTE: xgrammar 0.2.8 turns a string with minLength / maxLength into `[^"\\\r\n]{min,max}`,
+# which lets raw control characters (invalid JSON) through. The same bounds as a pattern go
+# through its regex path, which keeps them out.
+_STRING_BODY = r'[^\x00-\x1f"\\]'
+_SUBSCHEMA_KEYS = ("items", "additionalProperties", "not", "contains", "if", "then", "else")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def fix_string_lengths(schema):
+    """A copy of `schema` whose length-bounded strings are patterns (see the note above)."""
+    if isinstance(schema, list):
+        return [fix_string_lengths(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for k in _SUBSCHEMA_KEYS:
+        if isinstance(out.get(k), (dict, list)):
+            out[k] = fix_string_lengths(out[k])
+    for k in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(k), list):
+            out[k] = [fix_string_lengths(x) for x in out[k]]
+    for k in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: fix_string_lengths(v) for name, v in out[k].items()}
+    is_string = out.get("type") == "string"
+    bounded = "minLength" in out or "maxLength" in out
+    plain = not any(k in out for k in ("pattern", "format", "enum", "const"))
+    if is_string and bounded and plain:
+        lo, hi = out.pop("minLength", 0), out.pop("maxLength", None)
+        if isinstance(lo, int) and (hi is None or isinstance(hi, int)):
+            out["pattern"] = f"^{_STRING_BODY}{{{lo},{'' if hi is None else hi}}}$"
+        else:  # not integers: leave it to the compiler to reject
+            out["minLength"], out["maxLength"] = lo, hi
+    return out
 
 
 def _bool_schema(b: bool) -> dict:

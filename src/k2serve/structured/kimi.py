@@ -30,7 +30,7 @@ from k2serve.parsers.markers import (
     SECTION_BEGIN,
     SECTION_END,
 )
-from k2serve.structured.backend import MAX_JSON_WHITESPACE
+from k2serve.structured.backend import MAX_JSON_WHITESPACE, fix_string_lengths
 from k2serve.structured.params import StructuredOutputsParams
 
 # marker text never allowed inside a JSON string of the arguments (the parser would cut there)
@@ -52,7 +52,7 @@ def _call(name: str, schema: Any) -> dict:
             _tok(ARG_BEGIN),
             {
                 "type": "json_schema",
-                "json_schema": schema,
+                "json_schema": fix_string_lengths(schema),
                 "excludes": _ARG_EXCLUDES,
                 "max_whitespace_cnt": MAX_JSON_WHITESPACE,
             },
