@@ -13,11 +13,11 @@ Kimi tool-call section needs.
 
 Invariants:
 - Token ids below `num_base_tokens` carry their BPE bytes. Special ids carry nothing (xgrammar
-  never allows them inside text) except the Kimi dialect markers (`<think>`, `</think>` and the
-  tool-call markers), which keep their text so that tool-call grammars can name them with
-  `TokenFormat`; JSON values never contain them (JSON strings of tool arguments exclude the
-  marker text; a response_format JSON has no tool markers in its vocabulary use), and a regex or
-  EBNF grammar allows one only where it allows the marker's exact text.
+  never allows them inside text). Two vocabularies: the one of JSON / regex / choice / EBNF
+  grammars has no special token at all, so such output never holds a marker; the one of
+  structural tags (the tool-call section) gives the Kimi dialect markers (`<think>`,
+  `</think>`, tool-call markers) their text so that `TokenFormat` can name them, and the JSON
+  arguments inside exclude the marker text.
   Ids past the tokenizer (a padded lm_head) are empty: never allowed.
 - The stop tokens of every grammar are the engine's EOS ids: a grammar that is complete allows
   only them (or more text where the grammar allows more).
@@ -70,9 +70,10 @@ def _xgr():
     return xgrammar
 
 
-def token_bytes(tokenizer, vocab_size: int) -> list[bytes]:
-    """The bytes of every token id in [0, vocab_size) as the grammar engine sees them."""
-    keep = {tokenizer.token_to_id(m) for m in DIALECT_MARKERS} - {None}
+def token_bytes(tokenizer, vocab_size: int, markers: bool) -> list[bytes]:
+    """The bytes of every token id in [0, vocab_size) as the grammar engine sees them; the
+    dialect markers carry their text only with `markers` (else they are never allowed)."""
+    keep = {tokenizer.token_to_id(m) for m in DIALECT_MARKERS} - {None} if markers else set()
     nb = tokenizer.num_base_tokens
     out = []
     for i in range(vocab_size):
@@ -97,13 +98,19 @@ class GrammarBackend:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(t for t in stop_token_ids if t < vocab_size)
-        self.info = xgr.TokenizerInfo(
-            token_bytes(tokenizer, vocab_size),
-            xgr.VocabType.RAW,
-            vocab_size=vocab_size,
-            stop_token_ids=self.stop_token_ids,
-        )
-        self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)
+        infos = [
+            xgr.TokenizerInfo(
+                token_bytes(tokenizer, vocab_size, markers),
+                xgr.VocabType.RAW,
+                vocab_size=vocab_size,
+                stop_token_ids=self.stop_token_ids,
+            )
+            for markers in (False, True)
+        ]
+        # plain text grammars (JSON, regex, choice, EBNF) never see the markers; structural
+        # tags (the tool-call section) name them
+        self.compiler = xgr.GrammarCompiler(infos[0], cache_enabled=False)
+        self.tag_compiler = xgr.GrammarCompiler(infos[1], cache_enabled=False)
         self._cache: OrderedDict[str, object] = OrderedDict()
         self._lock = threading.Lock()
         self._batch = None  # xgr.BatchGrammarMatcher, made on first use
@@ -157,6 +164,7 @@ class GrammarBackend:
         if kind == "choice":
             fmt = OrFormat(elements=[ConstStringFormat(value=s) for s in p.choice])
             return c.compile_structural_tag(StructuralTag(format=fmt))
+        c = self.tag_compiler
         assert kind == "structural_tag"
         tag = p.structural_tag
         if "format" not in tag:
