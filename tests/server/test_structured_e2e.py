@@ -302,7 +302,9 @@ def test_strict_tool_under_auto_is_constrained_once_opened(client, server):
         assert ch.finish_reason == "tool_calls", ch
         for tc in ch.message.tool_calls:
             assert tc.function.name == "add"
-            jsonschema.validate(json.loads(tc.function.arguments), ADD_TOOL["function"]["parameters"])
+            jsonschema.validate(
+                json.loads(tc.function.arguments), ADD_TOOL["function"]["parameters"]
+            )
     _check_integrity(server)
 
 
