@@ -61,7 +61,9 @@ def output_constraint(req, thinking: bool) -> tuple[StructuredOutputsParams, str
     if so is not None:
         if not isinstance(so, dict):
             raise bad_request("structured_outputs must be an object", param="structured_outputs")
-        kw = {k: so[k] for k in _SO_KEYS if so.get(k) not in (None, False)}
+        kw = {k: so[k] for k in _SO_KEYS if so.get(k) is not None and so[k] is not False}
+        if so.get("json") is False:
+            kw["json"] = False  # the schema `false`: compiled, and refused with its reason
         if len(kw) != 1:
             raise bad_request(
                 "structured_outputs must set exactly one of "

@@ -35,7 +35,7 @@ class StructuredOutputsParams:
     open_on_tool_section: bool = False
 
     def __post_init__(self) -> None:
-        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        given = [k for k in _KINDS if self._is_set(k)]
         if len(given) != 1:
             raise ValueError(
                 "structured_outputs must set exactly one of json, regex, choice, grammar, "
@@ -70,9 +70,13 @@ class StructuredOutputsParams:
         if self.structural_tag is not None and not isinstance(self.structural_tag, dict):
             raise ValueError("structural_tag must be a JSON object")
 
+    def _is_set(self, k: str) -> bool:
+        v = getattr(self, k)
+        return bool(v) if k == "json_object" else v is not None
+
     @property
     def kind(self) -> str:
-        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+        return next(k for k in _KINDS if self._is_set(k))
 
     @property
     def value(self) -> Any:
