@@ -278,3 +278,79 @@ def test_sampler_grammar_wins_over_min_tokens_and_request_stops(tok, eos, backen
             break
     assert tok.decode(r.output_token_ids, skip_special_tokens=True) == "yes"
     assert r.status == RequestStatus.FINISHED_STOPPED and r.grammar.terminated
+
+
+@pytest.fixture(scope="module")
+def small_engine():
+    from k2serve.demo import demo_path
+    from k2serve.engine.config import EngineConfig
+    from k2serve.engine.engine import LLMEngine
+
+    # 6 pages of 16 tokens for 6 sequences that each need 2 or more: preemption is certain
+    cfg = EngineConfig(
+        model=str(demo_path()),
+        device="cpu",
+        max_model_len=96,
+        num_kv_pages=6,
+        page_size=16,
+        max_num_seqs=6,
+        enable_prefix_caching=False,
+    )
+    return LLMEngine(cfg)
+
+
+def _drain(engine) -> dict[str, dict]:
+    got: dict[str, dict] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for c in out.outputs:
+                d = got.setdefault(f"{out.request_id}#{c.index}", {"text": "", "reason": None})
+                d["text"] += c.text
+                d["reason"] = c.finish_reason or d["reason"]
+    return got
+
+
+def test_preemption_and_abort_keep_grammars_right(small_engine):
+    jsonschema = pytest.importorskip("jsonschema")
+    eng = small_engine
+    schema = {
+        "type": "object",
+        "properties": {"word": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}},
+        "required": ["word", "n"],
+        "additionalProperties": False,
+    }
+    tok = eng.tokenizer
+    close = tok.encode('"') + tok.encode("}")
+    from k2serve.server.logits_processors import LogitBias
+
+    before = eng.get_stats().num_preemptions
+    for i in range(3):
+        p = SamplingParams(
+            n=2,
+            temperature=1.0,
+            seed=i,
+            max_tokens=80,
+            logits_processors=[LogitBias({t: 4.0 for t in close})],
+            structured_outputs=P(json=schema),
+        )
+        eng.add_request(f"r{i}", tok.encode(f"Tell me thing {i}"), p)
+    got = _drain(eng)
+    assert eng.get_stats().num_preemptions > before  # some sequences were recomputed
+    assert len(got) == 6
+    for d in got.values():
+        assert d["reason"] == "stop", d
+        jsonschema.validate(json.loads(d["text"]), schema)
+    eng.check_integrity()
+    # abort mid-way: the matcher goes with the request, nothing is left behind
+    eng.add_request(
+        "gone",
+        tok.encode("x"),
+        SamplingParams(max_tokens=60, structured_outputs=P(json_object=True)),
+    )
+    eng.step()
+    eng.step()
+    eng.abort_request("gone")
+    got = _drain(eng)
+    assert got["gone#0"]["reason"] == "abort"
+    eng.check_integrity()
+    assert not eng._requests
