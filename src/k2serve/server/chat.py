@@ -137,8 +137,6 @@ class ChatHandler:
         if use_tools and constraint is None:
             so = tool_constraint(tools, tool_choice, req.parallel_tool_calls, thinking)
             constraint = (so, "tools") if so is not None else None
-        if constraint is not None:
-            check_compiles(st, *constraint)
         # tool_choice required / named: the grammar constrains the whole section; the prefix
         # processor also makes the call open with the canonical tokens of its prefix
         if use_tools and tool_choice == "required":
@@ -168,6 +166,7 @@ class ChatHandler:
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
         prompt_ids, params, thinking, tools = self._prepare(req)
+        await check_compiles(self.state, params)
         stream = EngineStream(self.state, prompt_ids, params, new_request_id("chatcmpl"))
         await cancel_on_disconnect(raw, stop=self.state.stop_event, work=stream.start())
         if req.stream:

@@ -61,8 +61,6 @@ class CompletionHandler:
         prompts = self._prompts(req)
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
         constraint = output_constraint(req, thinking=False)  # a raw prompt: no reasoning
-        if constraint is not None:
-            check_compiles(st, *constraint)
         so = constraint[0] if constraint is not None else None
         plans = []
         for _text, ids in prompts:
@@ -70,6 +68,8 @@ class CompletionHandler:
             plans.append(
                 st.sampling_params(req, mt, logprobs=req.logprobs, structured_outputs=so)
             )
+        if plans:
+            await check_compiles(st, plans[0])
         base = new_request_id("cmpl")
         streams = [
             EngineStream(st, ids, params, f"{base}-{i}")

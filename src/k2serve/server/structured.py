@@ -14,6 +14,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from k2serve.server.errors import bad_request
@@ -31,7 +32,7 @@ _SO_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag
 
 def _make(param: str, thinking: bool, **kw) -> tuple[StructuredOutputsParams, str]:
     try:
-        return StructuredOutputsParams(after_reasoning=thinking, **kw), param
+        return StructuredOutputsParams(after_reasoning=thinking, source=param, **kw), param
     except ValueError as e:
         raise bad_request(f"{param}: {e}", param=param) from None
 
@@ -64,7 +65,7 @@ def output_constraint(req, thinking: bool) -> tuple[StructuredOutputsParams, str
         kw = {k: so[k] for k in _SO_KEYS if so.get(k) is not None and so[k] is not False}
         if so.get("json") is False:
             kw["json"] = False  # the schema `false`: compiled, and refused with its reason
-        if len(kw) != 1:
+        if len(kw) != 1:  # (StructuredOutputsParams says the same, without the field names)
             raise bad_request(
                 "structured_outputs must set exactly one of "
                 f"{', '.join(_SO_KEYS)}; got {sorted(kw) or 'none'}",
@@ -90,24 +91,32 @@ def tool_constraint(
 ) -> StructuredOutputsParams | None:
     """The tool-call section constraint for tool_choice required / named / auto with a
     `strict: true` tool; None when the output is free."""
+    so = None
     if tool_choice == "required":
-        return tool_call_constraint(tools, "required", parallel=parallel, thinking=thinking)
-    if not isinstance(tool_choice, str):  # NamedToolChoice
-        return tool_call_constraint(
-            tools, "named", name=tool_choice.function.name, thinking=thinking
-        )
-    if tool_choice == "auto" and any(t["function"].get("strict") for t in tools):
-        return tool_call_constraint(tools, "auto", parallel=parallel, thinking=thinking)
-    return None
+        so = tool_call_constraint(tools, "required", parallel=parallel, thinking=thinking)
+    elif not isinstance(tool_choice, str):  # NamedToolChoice
+        so = tool_call_constraint(tools, "named", name=tool_choice.function.name, thinking=thinking)
+    elif tool_choice == "auto" and any(t["function"].get("strict") for t in tools):
+        so = tool_call_constraint(tools, "auto", parallel=parallel, thinking=thinking)
+    if so is not None:
+        so.source = "tools"
+    return so
 
 
-def check_compiles(state, so: StructuredOutputsParams, param: str) -> None:
-    """Compile now (cached for the engine) so a bad schema is a 400 that names `param`."""
-    engine = getattr(state.engine, "engine", state.engine)  # AsyncLLMEngine wraps LLMEngine
-    backend = getattr(engine, "grammar_backend", None)
-    if backend is None:
-        return
+def _compile(backend, so: StructuredOutputsParams) -> None:
     try:
         backend().compile(so)
     except ValueError as e:
-        raise bad_request(str(e), param=param) from None
+        raise bad_request(str(e), param=so.source) from None
+
+
+async def check_compiles(state, params) -> None:
+    """Compile the request's constraint, if any, on a worker thread (a large schema takes tens
+    of ms; the event loop keeps streaming meanwhile) and cache it for the engine, so a bad
+    schema is a 400 that names its field."""
+    so = getattr(params, "structured_outputs", None)
+    engine = getattr(state.engine, "engine", state.engine)  # AsyncLLMEngine wraps LLMEngine
+    backend = getattr(engine, "grammar_backend", None)
+    if so is None or backend is None:
+        return
+    await asyncio.to_thread(_compile, backend, so)

@@ -15,7 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -33,6 +33,8 @@ class StructuredOutputsParams:
     # open_on_tool_section: also at a `<|tool_calls_section_begin|>` written while reasoning.
     after_reasoning: bool = False
     open_on_tool_section: bool = False
+    # the request field it came from (for error messages); not part of the constraint
+    source: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         given = [k for k in _KINDS if self._is_set(k)]
