@@ -4,12 +4,12 @@ Owns: the vocabulary handed to xgrammar (`token_bytes`), compiling a `Structured
 into an xgrammar `CompiledGrammar` (with a bounded cache), making one matcher per sequence, and
 filling / applying the token bitmask of a batch.
 
-Why xgrammar (measured, see docs/structured_outputs.md): on a 163,840-token Kimi vocabulary it
-compiles a JSON schema in ~40 ms and computes a mask in ~70 us per token on average (llguidance:
-~1 ms and ~60 us, but ~0.4 s per tokenizer and a worse p50); it is the default of vLLM and
-SGLang, ships CPU, CUDA and Triton kernels that apply the bitmask in place (no host sync), rolls
-back without limit, and its structural tags address single special tokens by id, which the
-Kimi tool-call section needs.
+Why xgrammar (measured with bench/grammar_engines.py, see docs/structured_outputs.md): on a
+163,840-token Kimi vocabulary its mask time per token is of the same order as llguidance's (tens
+of us on average, lower median), a schema compiles in tens of ms once (cached); it is the
+default of vLLM and SGLang, ships CPU, CUDA and Triton kernels that apply the bitmask in place
+(no host sync), rolls back without limit, and its structural tags address single special tokens
+by id, which the Kimi tool-call section needs.
 
 Invariants:
 - Token ids below `num_base_tokens` carry their BPE bytes. Special ids carry nothing (xgrammar
