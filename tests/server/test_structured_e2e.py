@@ -119,6 +119,42 @@ def test_json_schema_is_valid_for_prompts_and_seeds(client, server, seed):
     _check_integrity(server)
 
 
+def test_openai_parse_with_a_pydantic_model(client, server):
+    # what `client.chat.completions.parse(response_format=Model)` sends: a pydantic JSON schema
+    # with $defs, enums, optional fields, strict
+    from enum import Enum
+
+    from pydantic import BaseModel, Field
+
+    class Color(str, Enum):
+        red = "red"
+        blue = "blue"
+
+    class Part(BaseModel):
+        label: str = Field(max_length=10)
+        count: int
+
+    class Order(BaseModel):
+        color: Color
+        parts: list[Part] = Field(max_length=2)
+        note: str | None = Field(max_length=10)
+
+    for seed in (1, 2):
+        r = client.chat.completions.parse(
+            model="demo",
+            messages=_user("Order something"),
+            response_format=Order,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=300,
+            extra_body=NO_THINK,
+        )
+        ch = r.choices[0]
+        assert ch.finish_reason == "stop"
+        assert isinstance(ch.message.parsed, Order), ch.message.content
+    _check_integrity(server)
+
+
 def test_json_object_streaming_and_n2(client, server):
     # any JSON object is unbounded (the tiny model writes endless strings), so a bias towards
     # quotes and braces lets it finish; the bias alone makes no JSON
