@@ -155,6 +155,28 @@ def test_openai_parse_with_a_pydantic_model(client, server):
     _check_integrity(server)
 
 
+def test_responses_text_format_json_schema(client, server):
+    for seed in (1, 2):
+        r = client.responses.create(
+            model="demo",
+            input="Describe someone.",
+            text={"format": {"type": "json_schema", "name": "person", "schema": PERSON}},
+            temperature=1.0,
+            max_output_tokens=300,
+            extra_body={**NO_THINK, "seed": seed},
+        )
+        assert r.status == "completed", r
+        jsonschema.validate(json.loads(r.output_text), PERSON)
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.responses.create(
+            model="demo",
+            input="x",
+            text={"format": {"type": "json_schema", "name": "p", "schema": {"type": "objectx"}}},
+        )
+    assert ei.value.body["param"] == "text.format"
+    _check_integrity(server)
+
+
 def test_json_object_streaming_and_n2(client, server):
     # any JSON object is unbounded (the tiny model writes endless strings), so a bias towards
     # quotes and braces lets it finish; the bias alone makes no JSON

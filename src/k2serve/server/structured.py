@@ -51,7 +51,7 @@ def output_constraint(req, thinking: bool) -> tuple[StructuredOutputsParams, str
                     "response_format.json_schema.schema is required for type 'json_schema'",
                     param="response_format",
                 )
-            found.append(_make("response_format.json_schema.schema", thinking, json=js.schema_))
+            found.append(_make("response_format", thinking, json=js.schema_))
         else:
             raise bad_request(
                 f"response_format.type={rf.type!r} is not supported "
