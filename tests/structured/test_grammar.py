@@ -354,3 +354,22 @@ def test_preemption_and_abort_keep_grammars_right(small_engine):
     assert got["gone#0"]["reason"] == "abort"
     eng.check_integrity()
     assert not eng._requests
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sampler_mask_on_cuda_matches_cpu(tok, backend):
+    # the bitmask goes to the GPU from pinned memory and xgrammar's kernel applies it
+    cons = SamplingParams(temperature=1.0, structured_outputs=P(choice=["yes", "no"]))
+    free = SamplingParams(temperature=1.0)
+    reqs = [_req("a", cons, backend), _req("b", free, backend), _req("c", cons, backend)]
+    allowed = _allowed(backend, reqs[0].grammar)
+    disallowed = next(i for i in range(tok.num_base_tokens) if i not in allowed)
+    sampler = Sampler("cuda", seed=0)
+    for _ in range(5):
+        logits = torch.zeros(3, backend.vocab_size, device="cuda")
+        logits[:, disallowed] = 100.0
+        out = sampler(logits, reqs)
+        assert out.token_ids[0] in allowed and out.token_ids[2] in allowed
+        assert out.token_ids[1] == disallowed
+    assert sampler._bitmask.is_pinned()
