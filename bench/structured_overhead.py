@@ -6,6 +6,17 @@ Run from the repo root:
     python bench/structured_overhead.py --slice --quick     # GPU: k2-slice INT4, dummy weights,
                                                             # 163,840-token vocab, < 2 min on H100
 
+On a GPU box without xgrammar (and pydantic), carry the wheels: here, download them for its
+Python (3.12) into .whl/ (git-ignored),
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+        --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d .whl xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 \
+        pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5
+and there run
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
+    PYTHONPATH=/tmp/site:src python3 bench/structured_overhead.py --slice --quick
+
 What is timed: `LLMEngine.step()` (schedule, model, sampler, outputs) over decode-only steps
 with the batch full (closed loop: a finished request is replaced, and steps that prefill a
 replacement are not counted). The constrained run gives every request the same JSON schema
