@@ -408,3 +408,39 @@ def test_bad_tool_schema_is_400(client, server):
         )
     assert ei.value.body["param"] == "tools"
     _check_integrity(server)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_named_tool_with_thinking_on(client, server, stream):
+    # the reasoning is free; the call (after </think>) must match the schema; a bias on
+    # </think> makes the tiny model close its reasoning within max_tokens
+    tok = server.engine.tokenizer
+    kw = dict(
+        model="demo",
+        messages=_user("What is 2 + 3?"),
+        tools=[ADD_TOOL],
+        tool_choice={"type": "function", "function": {"name": "add"}},
+        temperature=1.0,
+        seed=7,
+        max_tokens=300,
+        logit_bias={str(tok.token_to_id("</think>")): 8},
+        extra_body={"chat_template_kwargs": {"thinking": True}},
+    )
+    if stream:
+        args, names, reason = "", [], None
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                reason = c.finish_reason or reason
+                for tc in c.delta.tool_calls or []:
+                    if tc.function and tc.function.name:
+                        names.append(tc.function.name)
+                    if tc.function and tc.function.arguments:
+                        args += tc.function.arguments
+    else:
+        ch = client.chat.completions.create(**kw).choices[0]
+        reason = ch.finish_reason
+        names = [tc.function.name for tc in ch.message.tool_calls]
+        args = ch.message.tool_calls[0].function.arguments if names else ""
+    assert reason == "tool_calls" and names == ["add"], (reason, names)
+    jsonschema.validate(json.loads(args), ADD_TOOL["function"]["parameters"])
+    _check_integrity(server)
