@@ -444,3 +444,32 @@ def test_named_tool_with_thinking_on(client, server, stream):
     assert reason == "tool_calls" and names == ["add"], (reason, names)
     jsonschema.validate(json.loads(args), ADD_TOOL["function"]["parameters"])
     _check_integrity(server)
+
+
+def test_response_format_structural_tag_is_accepted(client, server):
+    # vLLM's response_format extension; the tiny model never writes the trigger, so the reply
+    # is free text that never opens a tag badly
+    r = client.chat.completions.create(
+        model="demo",
+        messages=_user("Hi"),
+        max_tokens=20,
+        temperature=1.0,
+        response_format={
+            "type": "structural_tag",
+            "structures": [
+                {"begin": "<fn=add>", "schema": ADD_TOOL["function"]["parameters"], "end": "</fn>"}
+            ],
+            "triggers": ["<fn="],
+        },
+        extra_body=NO_THINK,
+    )
+    assert r.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(
+            model="demo",
+            messages=_user("Hi"),
+            max_tokens=5,
+            response_format={"type": "structural_tag", "nothing": 1},
+        )
+    assert ei.value.body["param"] == "response_format"
+    _check_integrity(server)

@@ -373,3 +373,34 @@ def test_sampler_mask_on_cuda_matches_cpu(tok, backend):
         assert out.token_ids[0] in allowed and out.token_ids[2] in allowed
         assert out.token_ids[1] == disallowed
     assert sampler._bitmask.is_pinned()
+
+
+@pytest.mark.parametrize("form", ["vllm", "xgrammar"])
+def test_structural_tag_forms(tok, eos, backend, form):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    if form == "vllm":
+        tag = {
+            "structures": [{"begin": "<fn=add>", "schema": schema, "end": "</fn>"}],
+            "triggers": ["<fn="],
+        }
+    else:
+        tag = {
+            "type": "structural_tag",
+            "format": {
+                "type": "triggered_tags",
+                "triggers": ["<fn="],
+                "tags": [
+                    {
+                        "begin": "<fn=add>",
+                        "content": {"type": "json_schema", "json_schema": schema},
+                        "end": "</fn>",
+                    }
+                ],
+            },
+        }
+    g = _state(backend, P(structural_tag=tag))
+    _feed(tok, g, 'free text <fn=add>{"a": 1}</fn> more', [eos[0]])
+    assert g.terminated and not g.failed
+    g = _state(backend, P(structural_tag=tag))
+    _feed(tok, g, 'free text <fn=add>{"b": 1}')
+    assert g.failed

@@ -52,10 +52,13 @@ def output_constraint(req, thinking: bool) -> tuple[StructuredOutputsParams, str
                     param="response_format",
                 )
             found.append(_make("response_format", thinking, json=js.schema_))
+        elif rf.type == "structural_tag":  # vLLM's extension: xgrammar's structural tag
+            tag = {k: v for k, v in (rf.model_extra or {}).items() if k != "type"}
+            found.append(_make("response_format", thinking, structural_tag=tag))
         else:
             raise bad_request(
                 f"response_format.type={rf.type!r} is not supported "
-                "(use 'text', 'json_object' or 'json_schema')",
+                "(use 'text', 'json_object', 'json_schema' or 'structural_tag')",
                 param="response_format.type",
             )
     so = getattr(req, "structured_outputs", None)

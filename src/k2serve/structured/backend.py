@@ -167,8 +167,25 @@ class GrammarBackend:
         c = self.tag_compiler
         assert kind == "structural_tag"
         tag = p.structural_tag
+        if "structures" in tag:  # vLLM's first form: {"structures": [...], "triggers": [...]}
+            from xgrammar.structural_tag import TriggeredTagsFormat
+
+            fmt = TriggeredTagsFormat(
+                triggers=tag.get("triggers") or [],
+                tags=[
+                    {
+                        "begin": s["begin"],
+                        "content": {"type": "json_schema", "json_schema": s["schema"]},
+                        "end": s["end"],
+                    }
+                    for s in tag["structures"]
+                ],
+            )
+            return c.compile_structural_tag(StructuralTag(format=fmt))
         if "format" not in tag:
-            raise ValueError("structural_tag needs a 'format' (xgrammar's structural tag format)")
+            raise ValueError(
+                "structural_tag needs a 'format' (or vLLM's 'structures' and 'triggers')"
+            )
         return c.compile_structural_tag(xgr.StructuralTag.from_json(tag))
 
     # ---- matchers and masks -------------------------------------------------------------------
