@@ -404,3 +404,31 @@ def test_structural_tag_forms(tok, eos, backend, form):
     g = _state(backend, P(structural_tag=tag))
     _feed(tok, g, 'free text <fn=add>{"b": 1}')
     assert g.failed
+
+
+def test_sync_is_a_function_of_the_output(tok, eos, backend):
+    # any sequence of output lengths (growing, rolled back, cut before the start) leaves the
+    # matcher where a fresh one fed the same output would be
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    p = P(json={"type": "object", "properties": {"k": {"type": "array"}}}, after_reasoning=True)
+    compiled = backend.compile(p)
+    out = tok.encode('I think.</think>{"k": [1, "two", {"x": null}]}', allow_special=True)
+    out = out + [eos[0]]
+
+    def view(g):
+        mask = _allowed(backend, g) if g.active else None
+        return g.start, g.num_accepted, g.failed, g.terminated, mask
+
+    @settings(max_examples=30, deadline=None)
+    @given(st.lists(st.integers(0, len(out)), min_size=1, max_size=8))
+    def check(lengths):
+        g = GrammarState(backend, compiled, p)
+        for n in lengths:
+            g.sync(out[:n])
+            fresh = GrammarState(backend, compiled, p)
+            fresh.sync(out[:n])
+            assert view(g) == view(fresh), n
+
+    check()
