@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -15,4 +15,8 @@ def __getattr__(name: str):
         from k2serve.engine.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from k2serve.structured import StructuredOutputsParams
+
+        return StructuredOutputsParams
     raise AttributeError(f"module 'k2serve' has no attribute {name!r}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -182,6 +183,8 @@ class LLMEngine:
         self._states: dict[str, _OutputState] = {}
         self._pending: list[RequestOutput] = []  # abort outputs for the next step()
         self._prompt_tokens = self._generation_tokens = self._num_finished = 0
+        self._grammar = None  # k2serve.structured GrammarBackend, made by the first request
+        self._grammar_lock = threading.Lock()
 
     # ---- requests ----------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -230,7 +233,22 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad} are outside the vocabulary")
+        if params.structured_outputs is not None:
+            self.grammar_backend().compile(params.structured_outputs)  # cached; ValueError if bad
         return max_tokens
+
+    def grammar_backend(self):
+        """The structured-outputs grammar backend (built on first use: the vocab as bytes)."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured outputs need a tokenizer; this engine has none")
+                from k2serve.structured.backend import GrammarBackend
+
+                self._grammar = GrammarBackend(
+                    self.tokenizer, self.vocab_size, sorted(self.eos_token_ids)
+                )
+            return self._grammar
 
     def add_request(
         self,
@@ -248,6 +266,8 @@ class LLMEngine:
         max_tokens = self.validate(prompt_token_ids, params)
         ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         children = []
+        so = params.structured_outputs
+        compiled = self.grammar_backend().compile(so) if so is not None else None
         for i, cid in enumerate(ids):
             req = Request(
                 cid,
@@ -260,6 +280,10 @@ class LLMEngine:
                 cache_salt=cache_salt,
                 arrival_time=arrival_time,
             )
+            if compiled is not None:
+                from k2serve.structured.state import GrammarState
+
+                req.grammar = GrammarState(self._grammar, compiled, so)  # one per sequence
             children.append(req)
             self._requests[cid] = req
             self._states[cid] = _OutputState(req, self.tokenizer)

@@ -73,6 +73,8 @@ class Request:
         self.logprobs: SampleLogprobs | None = [] if sampling_params.logprobs is not None else None
         # per-request noise source of seeded sampling, made by the sampler on its device
         self.generator: torch.Generator | None = None
+        # structured outputs: this sequence's k2serve.structured.state.GrammarState (or None)
+        self.grammar = None
 
     @property
     def num_tokens(self) -> int:
@@ -99,6 +101,12 @@ class Request:
         which need text and are checked by the engine's output processor)."""
         params = self.sampling_params
         last = self.output_token_ids[-1]
+        if self.grammar is not None:
+            self.grammar.sync(self.output_token_ids)
+            if self.grammar.finished:  # the grammar is complete: the reply is too
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = None
+                return True
         if self.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED

@@ -1,8 +1,13 @@
 """Sampling one next token per sequence from its logits row, on the logits' device.
 
-Order of operations per row (as vLLM): logits processors -> min_tokens (EOS / stop tokens
-masked) -> repetition / frequency / presence penalties -> [logprobs taken here] -> greedy argmax,
-or temperature -> top_k -> top_p -> min_p -> sample.
+Order of operations per row (as vLLM): logits processors -> structured-output grammar mask ->
+min_tokens (EOS / stop tokens masked) -> repetition / frequency / presence penalties -> [logprobs
+taken here] -> greedy argmax, or temperature -> top_k -> top_p -> min_p -> sample.
+
+Structured outputs: the rows whose request has an active grammar get one bitmask filled on the
+host (xgrammar, all rows at once), copied to the logits' device without blocking and applied in
+place by xgrammar's kernel, so the mask adds no host sync to the step. When min_tokens would ban
+every token the grammar allows (the grammar is complete and only EOS remains), the grammar wins.
 
 Logprobs are those of the processed logits before temperature (so a token forced by a logits
 processor has a finite logprob), as `Logprob(logprob, rank)` with rank 1 = most likely.
@@ -36,6 +41,33 @@ class Sampler:
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
+        self._bitmask: torch.Tensor | None = None  # host [rows, words] int32, reused
+
+    def _apply_grammars(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+        """Mask the rows of requests with an active grammar; returns those rows."""
+        rows, matchers, backend = [], [], None
+        for i, r in enumerate(reqs):
+            g = r.grammar
+            if g is None:
+                continue
+            g.sync(r.output_token_ids)  # no-op unless the outputs changed outside the engine
+            if g.active:
+                rows.append(i)
+                matchers.append(g.matcher)
+                backend = g.backend
+        if not rows:
+            return rows
+        num_rows = logits.shape[0]
+        bm = self._bitmask
+        if bm is None or bm.shape[0] < num_rows or bm.shape[1] * 32 < backend.vocab_size:
+            # NOTE: reusing a pinned buffer is safe: each step ends with the sampled tokens
+            # copied to the host, after which the previous copy has completed.
+            bm = backend.allocate_bitmask(max(num_rows, 8), pin=self.device.type == "cuda")
+            self._bitmask = bm
+        backend.fill_bitmask(matchers, bm, rows)
+        dev_bm = bm[:num_rows].to(self.device, non_blocking=True)  # [B, words]
+        backend.apply_bitmask(logits, dev_bm, rows)
+        return rows
 
     def _generator(self, req: Request) -> torch.Generator:
         if req.generator is None:
@@ -55,12 +87,19 @@ class Sampler:
         for i, (r, p) in enumerate(zip(reqs, params, strict=True)):
             for proc in p.logits_processors:
                 logits[i] = proc(list(r.output_token_ids), logits[i])
+        grammar_rows = set(self._apply_grammars(logits, reqs))
+        for i, (r, p) in enumerate(zip(reqs, params, strict=True)):
             if r.num_output_tokens < p.min_tokens:
                 banned = list(p.stop_token_ids)
                 if not p.ignore_eos:
                     banned += list(r.eos_token_ids)
                 banned = [t for t in banned if t < vocab]
-                if banned:
+                if banned and i in grammar_rows:
+                    row = logits[i].clone()
+                    row[banned] = float("-inf")
+                    # [vocab]: keep the grammar's choice when the ban would leave no token
+                    logits[i] = torch.where(torch.isinf(row).all(), logits[i], row)
+                elif banned:
                     logits[i, banned] = float("-inf")
 
         pen_rows = [i for i, p in enumerate(params) if p.needs_penalties]

@@ -9,6 +9,9 @@ Invariants:
 - `max_tokens=None` means "up to max_model_len"; the engine fills it in per request.
 - `logits_processors` are vLLM-v0 style callables `(output_token_ids, logits_row) -> logits_row`
   applied to one row `[vocab] float32` before penalties and temperature.
+- `structured_outputs` (vLLM's name) constrains the output to a JSON schema / regex / choice /
+  grammar; the engine compiles it (a bad one is a `ValueError` from `validate`) and the sampler
+  masks every token the grammar does not allow.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from k2serve.structured.params import StructuredOutputsParams
 
 _SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs limit
@@ -46,6 +51,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logits_processors: list[LogitsProcessor] | None = field(default=None, repr=False)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -122,6 +128,9 @@ class SamplingParams:
         for p in self.logits_processors:
             if not callable(p):
                 raise bad("logits_processors", "every entry must be callable")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
 
     # ------------------------------------------------------------------------------------------
     @property

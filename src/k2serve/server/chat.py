@@ -33,6 +33,7 @@ from k2serve.server.serving import (
     nonfinite_warner,
 )
 from k2serve.server.sse import SSE_DONE, SSEResponse, cancel_on_disconnect, sse_event
+from k2serve.server.structured import check_compiles, output_constraint, tool_constraint
 from k2serve.tokenizer.safe import guard_for, render_and_encode
 
 logger = logging.getLogger(__name__)
@@ -150,12 +151,6 @@ class ChatHandler:
     def _prepare(self, req: ChatCompletionRequest):
         st = self.state
         st.check_model(req.model)
-        if req.response_format is not None and req.response_format.type != "text":
-            raise bad_request(
-                f"response_format.type={req.response_format.type!r} is not supported yet "
-                "(only 'text')",
-                param="response_format",
-            )
         tool_choice = req.tool_choice or ("auto" if req.tools else "none")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         use_tools = bool(tools) and tool_choice != "none"
@@ -163,6 +158,18 @@ class ChatHandler:
         max_tokens = st.resolve_max_tokens(len(prompt_ids), req.effective_max_tokens(), "messages")
 
         procs = []
+        constraint = output_constraint(req, thinking)  # (params, field) or None
+        forced = tool_choice == "required" or isinstance(tool_choice, NamedToolChoice)
+        forced = forced and use_tools
+        if forced and constraint is not None:
+            raise bad_request(
+                f"{constraint[1]} cannot be combined with a forced tool_choice", param=constraint[1]
+            )
+        if use_tools and constraint is None:
+            so = tool_constraint(tools, tool_choice, req.parallel_tool_calls, thinking)
+            constraint = (so, "tools") if so is not None else None
+        # tool_choice required / named: the grammar constrains the whole section; the prefix
+        # processor also makes the call open with the canonical tokens of its prefix
         if use_tools and tool_choice == "required":
             names = [t["function"]["name"] for t in tools]
             procs.append(ForceToolCallPrefix(st.tokenizer, names, thinking))
@@ -179,11 +186,18 @@ class ChatHandler:
         logprobs = None
         if req.logprobs:
             logprobs = req.top_logprobs or 0
-        params = st.sampling_params(req, max_tokens, logprobs=logprobs, logits_processors=procs)
+        params = st.sampling_params(
+            req,
+            max_tokens,
+            logprobs=logprobs,
+            logits_processors=procs,
+            structured_outputs=constraint[0] if constraint is not None else None,
+        )
         return prompt_ids, params, thinking, (tools if use_tools else None)
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
         prompt_ids, params, thinking, tools = await self.state.cpu.run(self._prepare, req)
+        await check_compiles(self.state, params)
         stream = EngineStream(self.state, prompt_ids, params, new_request_id("chatcmpl"))
         await cancel_on_disconnect(raw, stop=self.state.stop_event, work=stream.start())
         if req.stream:

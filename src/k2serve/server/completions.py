@@ -27,6 +27,7 @@ from k2serve.server.serving import (
     nonfinite_warner,
 )
 from k2serve.server.sse import SSE_DONE, SSEResponse, cancel_on_disconnect, sse_event
+from k2serve.server.structured import check_compiles, output_constraint
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +61,16 @@ class CompletionHandler:
         st.check_model(req.model)
         prompts = await st.cpu.run(self._prompts, req)
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
+        constraint = output_constraint(req, thinking=False)  # a raw prompt: no reasoning
+        so = constraint[0] if constraint is not None else None
         plans = []
         for _text, ids in prompts:
             mt = st.resolve_max_tokens(len(ids), max_tokens, "prompt")
-            plans.append(st.sampling_params(req, mt, logprobs=req.logprobs))
+            plans.append(
+                st.sampling_params(req, mt, logprobs=req.logprobs, structured_outputs=so)
+            )
+        if plans:
+            await check_compiles(st, plans[0])
         base = new_request_id("cmpl")
         streams = [
             EngineStream(st, ids, params, f"{base}-{i}")

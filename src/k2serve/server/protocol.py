@@ -102,6 +102,12 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM structured outputs (read by server/structured.py)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_stream_options(self):
@@ -173,8 +179,18 @@ class ChatMessageParam(_Request):
     reasoning: str | None = None
 
 
+class JsonSchemaSpec(_Request):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Request):
     type: str = "text"
+    json_schema: JsonSchemaSpec | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -324,6 +340,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     suffix: str | None = None
     best_of: int | None = None
+    response_format: ResponseFormat | None = None  # vLLM allows json_object / json_schema here
 
     @model_validator(mode="after")
     def _check(self):

@@ -39,6 +39,7 @@ from k2serve.server.responses_input import (
 )
 from k2serve.server.serving import EngineStream, ServerState
 from k2serve.server.sse import SSEResponse, cancel_on_disconnect
+from k2serve.server.structured import check_compiles
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +125,7 @@ class ResponsesHandler:
         chat_req, conversation = to_chat_request(req, history)
         try:
             prompt_ids, params, thinking, tools = await st.cpu.run(self.chat._prepare, chat_req)
+            await check_compiles(st, params)  # a bad text.format schema: 400 naming it
         except APIError as e:  # name the Responses field, not the chat one
             e.param = _PARAMS.get(e.param or "", e.param)
             e.message = e.message.replace("the messages", "the input")

@@ -51,6 +51,11 @@ _PASSTHROUGH = (
     "chat_template_kwargs",
     "thinking_token_budget",
     "logit_bias",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
 )
 
 

@@ -1,0 +1,125 @@
+"""Structured-output request fields -> `StructuredOutputsParams`, for chat and completions.
+
+Owns: reading OpenAI `response_format` (json_object, json_schema), vLLM's `structured_outputs`
+({"json" | "regex" | "choice" | "grammar" | "structural_tag": ...}) and the legacy
+`guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` fields; the tool_choice
+constraint (required, named, `strict` tools under auto); compiling up front so that a bad
+schema is a 400 naming the field.
+
+Invariants:
+- At most one constraint per request: two different ones (say `response_format` and
+  `guided_regex`) are a 400, as is a forced tool choice together with an output constraint.
+- With thinking on, output constraints start after `</think>` (the reasoning stays free).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from k2serve.server.errors import bad_request
+from k2serve.structured.kimi import tool_call_constraint
+from k2serve.structured.params import StructuredOutputsParams
+
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+_SO_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+def _make(param: str, thinking: bool, **kw) -> tuple[StructuredOutputsParams, str]:
+    try:
+        return StructuredOutputsParams(after_reasoning=thinking, source=param, **kw), param
+    except ValueError as e:
+        raise bad_request(f"{param}: {e}", param=param) from None
+
+
+def output_constraint(req, thinking: bool) -> tuple[StructuredOutputsParams, str] | None:
+    """The request's output constraint and the field it came from, or None."""
+    found: list[tuple[StructuredOutputsParams, str]] = []
+    rf = getattr(req, "response_format", None)
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_object":
+            found.append(_make("response_format", thinking, json_object=True))
+        elif rf.type == "json_schema":
+            js = rf.json_schema
+            if js is None or js.schema_ is None:
+                raise bad_request(
+                    "response_format.json_schema.schema is required for type 'json_schema'",
+                    param="response_format",
+                )
+            found.append(_make("response_format", thinking, json=js.schema_))
+        elif rf.type == "structural_tag":  # vLLM's extension: xgrammar's structural tag
+            tag = {k: v for k, v in (rf.model_extra or {}).items() if k != "type"}
+            found.append(_make("response_format", thinking, structural_tag=tag))
+        else:
+            raise bad_request(
+                f"response_format.type={rf.type!r} is not supported "
+                "(use 'text', 'json_object', 'json_schema' or 'structural_tag')",
+                param="response_format.type",
+            )
+    so = getattr(req, "structured_outputs", None)
+    if so is not None:
+        if not isinstance(so, dict):
+            raise bad_request("structured_outputs must be an object", param="structured_outputs")
+        kw = {k: so[k] for k in _SO_KEYS if so.get(k) is not None and so[k] is not False}
+        if so.get("json") is False:
+            kw["json"] = False  # the schema `false`: compiled, and refused with its reason
+        if len(kw) != 1:  # (StructuredOutputsParams says the same, without the field names)
+            raise bad_request(
+                "structured_outputs must set exactly one of "
+                f"{', '.join(_SO_KEYS)}; got {sorted(kw) or 'none'}",
+                param="structured_outputs",
+            )
+        ((key, _),) = kw.items()
+        found.append(_make(f"structured_outputs.{key}", thinking, **kw))
+    extra: dict[str, Any] = getattr(req, "model_extra", None) or {}
+    for field, kind in _GUIDED.items():
+        val = getattr(req, field, None) if field in type(req).model_fields else extra.get(field)
+        if val is not None:
+            found.append(_make(field, thinking, **{kind: val}))
+    if len(found) > 1:
+        raise bad_request(
+            f"give one output constraint, not {len(found)} ({', '.join(p for _, p in found)})",
+            param=found[1][1],
+        )
+    return found[0] if found else None
+
+
+def tool_constraint(
+    tools: list[dict], tool_choice, parallel: bool, thinking: bool
+) -> StructuredOutputsParams | None:
+    """The tool-call section constraint for tool_choice required / named / auto with a
+    `strict: true` tool; None when the output is free."""
+    so = None
+    if tool_choice == "required":
+        so = tool_call_constraint(tools, "required", parallel=parallel, thinking=thinking)
+    elif not isinstance(tool_choice, str):  # NamedToolChoice
+        so = tool_call_constraint(tools, "named", name=tool_choice.function.name, thinking=thinking)
+    elif tool_choice == "auto" and any(t["function"].get("strict") for t in tools):
+        so = tool_call_constraint(tools, "auto", parallel=parallel, thinking=thinking)
+    if so is not None:
+        so.source = "tools"
+    return so
+
+
+def _compile(backend, so: StructuredOutputsParams) -> None:
+    try:
+        backend().compile(so)
+    except ValueError as e:
+        raise bad_request(str(e), param=so.source) from None
+
+
+async def check_compiles(state, params) -> None:
+    """Compile the request's constraint, if any, on a worker thread (a large schema takes tens
+    of ms; the event loop keeps streaming meanwhile) and cache it for the engine, so a bad
+    schema is a 400 that names its field."""
+    so = getattr(params, "structured_outputs", None)
+    engine = getattr(state.engine, "engine", state.engine)  # AsyncLLMEngine wraps LLMEngine
+    backend = getattr(engine, "grammar_backend", None)
+    if so is None or backend is None:
+        return
+    await asyncio.to_thread(_compile, backend, so)
