@@ -406,7 +406,7 @@ def test_bad_tool_schema_is_400(client, server):
         client.chat.completions.create(
             model="demo", messages=_user("x"), tools=[bad], tool_choice="required", max_tokens=5
         )
-    assert ei.value.body["param"] == "tools"
+    assert ei.value.body["param"].startswith("tools")  # the meta-schema check names the path
     _check_integrity(server)
 
 
