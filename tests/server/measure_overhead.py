@@ -58,7 +58,11 @@ async def main(url: str) -> None:
             print(f"| {conc} concurrent stream(s) x 256 tokens | {chunks / dt:,.0f} chunks/s |")
 
 
-if __name__ == "__main__":
+def run() -> None:
     engine = FakeAsyncEngine(delay=0, max_model_len=4096, max_num_seqs=64)
     with ServerThread(build_app(engine, served_model_names=["fake"])) as srv:
         asyncio.run(main(srv.url))
+
+
+if __name__ == "__main__":
+    run()
