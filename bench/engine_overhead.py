@@ -190,38 +190,46 @@ def bench_sync(batch: int, prompt_len: int, steps: int, rounds: int, profile: bo
     return {"batch": batch, "step_ms": step, "phases": per_phase}
 
 
-async def _consume(engine, prompt, params, rid, counter) -> None:
+async def _consume(engine, prompt, params, rid, log: list) -> None:
+    # log: (time, tokens so far) per output received
+    n = 0
     async for out in engine.generate(prompt, params, rid):
-        counter[0] += len(out.outputs[0].token_ids)
+        n += len(out.outputs[0].token_ids)
+        log.append((time.perf_counter(), n))
 
 
 def bench_async(batch: int, prompt_len: int, steps: int) -> dict:
-    """AsyncLLMEngine: B consumers on an event loop; ms per step of the engine thread."""
+    """AsyncLLMEngine with B consumers on an event loop: ms per decode step, taken over the
+    window where every request decodes (after the last first token, before the first finish)."""
     from k2serve.engine.async_engine import AsyncLLMEngine
     from k2serve.engine.sampling_params import SamplingParams
 
     eng = make_engine(batch, prompt_len, steps)
     aeng = AsyncLLMEngine(engine=eng)
     vocab = eng.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    max_tokens = steps + _prefill_steps(batch, prompt_len)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     prompts = [
         [(i * 7919 + j * 31) % (vocab - 300) + 10 for j in range(prompt_len)] for i in range(batch)
     ]
-    counter = [0]
+    logs: list[list] = [[] for _ in range(batch)]
 
     async def main():
-        t0 = time.perf_counter()
         await asyncio.gather(
-            *(_consume(aeng, p, params, f"a{i}", counter) for i, p in enumerate(prompts))
+            *(_consume(aeng, p, params, f"a{i}", logs[i]) for i, p in enumerate(prompts))
         )
-        return time.perf_counter() - t0
 
     try:
-        dt = asyncio.run(main())
+        asyncio.run(main())
     finally:
         aeng.shutdown()
-    assert counter[0] == batch * steps, counter
-    return {"batch": batch, "ms_per_step": dt / steps * 1e3}
+    assert all(log[-1][1] == max_tokens for log in logs)
+    t0 = max(log[0][0] for log in logs)
+    t1 = min(log[-1][0] for log in logs)
+    # tokens request 0 received inside the window = decode steps in it
+    n0 = next(n for t, n in logs[0] if t >= t0)
+    n1 = max(n for t, n in logs[0] if t <= t1)
+    return {"batch": batch, "ms_per_step": (t1 - t0) / max(n1 - n0, 1) * 1e3}
 
 
 def bench_http() -> None:

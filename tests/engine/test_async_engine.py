@@ -145,3 +145,67 @@ def test_step_failure_fails_streams_and_refuses_new_requests(aengine):
         assert a.errored
 
     asyncio.run(main())
+
+
+def test_slow_consumer_gets_waiting_deltas_merged(aengine):
+    """A consumer that falls behind gets what piled up in one delta; nothing is lost or
+    reordered, and the last delta still finishes the stream."""
+    a = aengine()
+    prompt = [5, 9, 2]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    async def main():
+        deltas = []
+        async for d in a.generate(prompt, params, "slow"):
+            deltas.append(d)
+            if len(deltas) == 1:
+                time.sleep(0.3)  # blocks the event loop: the engine runs ahead
+        return deltas
+
+    deltas = asyncio.run(main())
+    ids = [t for d in deltas for t in d.outputs[0].token_ids]
+    assert ids == reference_greedy(prompt, 40, eos=False)
+    assert "".join(d.outputs[0].text for d in deltas) == FakeTokenizer().decode(ids, True)
+    assert len(deltas) < 40  # merged
+    assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    assert deltas[-1].outputs[0].finish_reason == "length"
+
+
+def test_one_event_loop_wakeup_per_step(aengine):
+    """Outputs of one step reach their streams through one call_soon_threadsafe, not one per
+    request (each call writes to the loop's self-pipe)."""
+    a = aengine()
+    steps = [0]
+    step = a.engine.step
+
+    def counting_step():
+        out = step()
+        steps[0] += bool(out)
+        return out
+
+    a.engine.step = counting_step
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[i + 1, i + 2] for i in range(8)]
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        calls = [0]
+        orig = loop.call_soon_threadsafe
+
+        def counting(*args, **kw):
+            calls[0] += 1
+            return orig(*args, **kw)
+
+        loop.call_soon_threadsafe = counting
+        results = await asyncio.gather(
+            *(collect(a, p, params, f"w{i}") for i, p in enumerate(prompts))
+        )
+        return calls[0], results
+
+    calls, results = asyncio.run(main())
+    for p, deltas in zip(prompts, results, strict=True):
+        assert [t for d in deltas for t in d.outputs[0].token_ids] == reference_greedy(
+            p, 12, eos=False
+        )
+    assert steps[0] >= 12
+    assert calls <= steps[0]  # 8 streams x 12 tokens = 96 per-request wake-ups before

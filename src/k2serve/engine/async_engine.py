@@ -2,7 +2,11 @@
 
 The step loop runs on its own thread (`k2serve-engine`), so the event loop never waits on the
 model. The event loop talks to it only through a command queue (add / abort) and gets outputs
-back through one asyncio.Queue per request (`loop.call_soon_threadsafe`).
+back through one asyncio.Queue per request, filled by ONE `loop.call_soon_threadsafe` per step
+and event loop (each such call wakes the loop through its self-pipe; one per request per step
+cost more than the engine step itself at batch 64). A consumer that falls behind gets the
+deltas waiting in its queue merged into one output (as vLLM does), so a slow client or a busy
+event loop costs one wake-up per step, not one per token.
 
 Invariants:
 - Only the engine thread touches the LLMEngine's mutable state; `validate()` (which reads only
@@ -114,12 +118,19 @@ class AsyncLLMEngine:
         self._cmds.put(("add", request_id, prompt_token_ids, params, prompt, cache_salt))
         self._wake.set()
         finished = False
+        carry = None  # an item taken from the queue while merging, handled next
         try:
             while True:
-                item = await q.get()
+                item, carry = (carry, None) if carry is not None else (await q.get(), None)
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                while not item.finished and not q.empty():  # behind: merge what is waiting
+                    nxt = q.get_nowait()
+                    if isinstance(nxt, BaseException):
+                        carry = nxt
+                        break
+                    item.merge(nxt)
                 if item.finished:
                     finished = True
                 yield item
@@ -175,8 +186,8 @@ class AsyncLLMEngine:
                     continue
                 outputs = eng.step()
                 self._stats = eng.get_stats()
-                for out in outputs:
-                    self._dispatch(out.request_id, out, out.finished)
+                if outputs:
+                    self._dispatch_step(outputs)
         except BaseException as e:  # noqa: BLE001 - any failure ends the engine
             logger.exception("engine step loop failed")
             self._dead = e
@@ -221,6 +232,26 @@ class AsyncLLMEngine:
                     self._streams.pop(request_id, None)
                 self.engine.abort_request(request_id)
 
+    def _dispatch_step(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams: one call_soon_threadsafe per event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        with self._lock:
+            streams = self._streams
+            for out in outputs:
+                rid = out.request_id
+                target = streams.pop(rid, None) if out.finished else streams.get(rid)
+                if target is not None:
+                    by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the caller's event loop is closed: nobody is listening
+                for _, out in items:
+                    if not out.finished:
+                        with self._lock:
+                            self._streams.pop(out.request_id, None)
+                        self.engine.abort_request(out.request_id)
+
     def _fail_all(self, err: BaseException) -> None:
         with self._lock:
             streams, self._streams = self._streams, {}
@@ -229,3 +260,9 @@ class AsyncLLMEngine:
                 loop.call_soon_threadsafe(q.put_nowait, err)
             except RuntimeError:
                 pass
+
+
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    # runs on the consumers' event loop
+    for q, item in items:
+        q.put_nowait(item)
