@@ -20,9 +20,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from k2serve.cache.kv_cache_manager import KVCacheManager
+from k2serve.engine.input_batch import BlockTables, to_device
 from k2serve.engine.request import Request
 from k2serve.engine.sampler import Sampler, SamplerOutput
 from k2serve.engine.scheduler import SchedulerOutput
@@ -75,6 +77,7 @@ class ModelRunner:
         self.page_size = page_size
         self.device = torch.device(device)
         self.sampler = Sampler(self.device, seed)
+        self.block_tables = BlockTables()  # host copy of each running request's pages
         self.graph_runner = None
         self.routing = None  # --record-routing / --dynamic-expert-placement (moe.dynamic)
         if hasattr(model, "setup_backends"):
@@ -120,57 +123,78 @@ class ModelRunner:
                     f" ({pieces} pieces per step around the CPU experts)" if pieces > 1 else "")
 
     def prepare(self, sched: SchedulerOutput, kv: KVCacheManager) -> ModelInput:
+        # One Python pass over the requests (no per-token work); positions, slots and the block
+        # table are computed with numpy and reach the device in one copy per dtype.
         ps = self.page_size
+        scheduled = sched.scheduled
+        num_seqs = len(scheduled)
+        starts = np.empty(num_seqs, dtype=np.int64)
+        counts = np.empty(num_seqs, dtype=np.int64)
+        rows: list[int] = []
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        seq_lens: list[int] = []
-        ctx_lens: list[int] = []
-        tables: list[list[int]] = []
         logits_idx: list[int] = []
         sample_reqs: list[Request] = []
-        for req, n in sched.scheduled:
+        req_pages = kv.req_pages
+        row_of = self.block_tables.row_of
+        num_tokens = 0
+        for b, (req, n) in enumerate(scheduled):
             start = req.num_computed_tokens
             end = start + n
-            pages = kv.req_pages[req.request_id]
+            pages = req_pages[req.request_id]
             assert len(pages) * ps >= end, (req, len(pages))
-            input_ids.extend(req.all_token_ids[start:end])
-            pos = range(start, end)
-            positions.extend(pos)
-            slots.extend(pages[p // ps] * ps + p % ps for p in pos)
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(end)
-            ctx_lens.append(start)
-            tables.append(pages[: -(-end // ps)])
+            starts[b] = start
+            counts[b] = n
+            rows.append(row_of(req, pages, req_pages))
+            if n == 1:
+                input_ids.append(req.all_token_ids[start])
+            else:
+                input_ids.extend(req.all_token_ids[start:end])
+            num_tokens += n
             if end == req.num_tokens:
-                logits_idx.append(qsl[-1] - 1)
+                logits_idx.append(num_tokens - 1)
                 sample_reqs.append(req)
-        max_pages = max(len(t) for t in tables)
-        table = torch.tensor(  # [B, max_pages], padded with page 0
-            [t + [0] * (max_pages - len(t)) for t in tables], dtype=torch.int32
-        )
+        ends = starts + counts
+        qsl = np.zeros(num_seqs + 1, dtype=np.int32)
+        np.cumsum(counts, out=qsl[1:])
+        table = self.block_tables.gather(rows, -(-ends // ps))  # [B, max_pages] int32
+        if num_tokens == num_seqs:  # decode-only: one token per sequence
+            positions = starts
+            slots = table[np.arange(num_seqs), starts // ps].astype(np.int64) * ps + starts % ps
+        else:
+            seq_of_token = np.repeat(np.arange(num_seqs), counts)  # [T]
+            positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(
+                starts - qsl[:-1], counts
+            )
+            slots = table[seq_of_token, positions // ps].astype(np.int64) * ps + positions % ps
         dev = self.device
-
-        def t(x, dtype):
-            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
-
+        qsl_t, seq_lens_t, ctx_t, table_t = to_device(
+            [qsl, ends.astype(np.int32), starts.astype(np.int32), table], dev
+        )
+        ids_t, pos_t, slots_t, logits_t = to_device(
+            [
+                np.array(input_ids, dtype=np.int64),
+                positions,
+                slots,
+                np.array(logits_idx, dtype=np.int64),
+            ],
+            dev,
+        )
         md = AttentionMetadata(
-            query_start_loc=t(qsl, torch.int32),
-            seq_lens=t(seq_lens, torch.int32),
-            context_lens=t(ctx_lens, torch.int32),
-            block_table=table.to(dev, non_blocking=True),
-            slot_mapping=t(slots, torch.int64),
-            max_query_len=max(n for _, n in sched.scheduled),
-            max_seq_len=max(seq_lens),
+            query_start_loc=qsl_t,
+            seq_lens=seq_lens_t,
+            context_lens=ctx_t,
+            block_table=table_t,
+            slot_mapping=slots_t,
+            max_query_len=int(counts.max()),
+            max_seq_len=int(ends.max()),
             page_size=ps,
             num_decodes=sched.num_decodes,
         )
         return ModelInput(
-            input_ids=t(input_ids, torch.long),
-            positions=t(positions, torch.long),
+            input_ids=ids_t,
+            positions=pos_t,
             attn_metadata=md,
-            logits_indices=t(logits_idx, torch.long),
+            logits_indices=logits_t,
             sample_reqs=sample_reqs,
         )
 
