@@ -107,3 +107,32 @@ def test_seeded_rows_ignore_batch_neighbours():
     others = [req(str(i), temperature=1.0) for i in range(4)]
     crowd = [Sampler(seed=99)(logits, others[:2] + [b] + others[2:]).token_ids[2] for _ in range(8)]
     assert alone == crowd and len(set(alone)) > 1
+
+
+def test_callers_logits_stay_intact_and_plain_rows_match_modified_batch():
+    """Rows that need no in-place change are sampled without copying the logits; rows that do
+    (processors, min_tokens, penalties) work on a copy. Either way the caller's tensor is not
+    changed, and a plain greedy row gives the same token alone or beside modified rows."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 10)
+    keep = logits.clone()
+
+    def force(ids, row):
+        row = row.clone()
+        row[:] = -math.inf
+        row[3] = 0.0
+        return row
+
+    mixed = [
+        req("a", temperature=0),
+        req("b", temperature=0, logits_processors=[force]),
+        req("c", temperature=0, min_tokens=5, stop_token_ids=[int(logits[2].argmax())]),
+        req("d", temperature=0, presence_penalty=1.5, out=(int(logits[3].argmax()),)),
+    ]
+    out = Sampler()(logits, mixed).token_ids
+    assert torch.equal(logits, keep)
+    assert out[0] == int(keep[0].argmax()) and out[1] == 3
+    assert out[2] != int(keep[2].argmax()) and out[3] != int(keep[3].argmax())
+    plain = Sampler()(logits, [req(str(i), temperature=0) for i in range(4)]).token_ids
+    assert torch.equal(logits, keep)
+    assert plain == keep.argmax(dim=-1).tolist()

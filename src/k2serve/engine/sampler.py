@@ -79,12 +79,17 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         # logits: [B, vocab] float32, row i belongs to reqs[i]
-        logits = logits.float().clone()
         num_rows, vocab = logits.shape
         assert num_rows == len(reqs)
         params = [r.sampling_params for r in reqs]
+        # NOTE: copy only when rows are modified in place below (the caller's tensor stays intact)
+        modifies = any(
+            p.logits_processors or p.needs_penalties or r.num_output_tokens < p.min_tokens
+            for r, p in zip(reqs, params, strict=True)
+        )
+        logits = logits.float().clone() if modifies else logits.float()
 
-        for i, (r, p) in enumerate(zip(reqs, params, strict=True)):
+        for i, (r, p) in enumerate(zip(reqs, params, strict=True) if modifies else ()):
             for proc in p.logits_processors:
                 logits[i] = proc(list(r.output_token_ids), logits[i])
         grammar_rows = set(self._apply_grammars(logits, reqs))
@@ -109,13 +114,13 @@ class Sampler:
         want_lp = [p.logprobs is not None for p in params]
         logp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None  # [B, vocab]
 
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        greedy = [p.greedy for p in params]  # decided on the host: no device sync
         tokens = logits.argmax(dim=-1)  # [B]
-        if not bool(greedy.all()):
+        if not all(greedy):
             sampled = self._sample(logits, reqs, params)
-            tokens = torch.where(greedy, tokens, sampled)
+            tokens = torch.where(torch.tensor(greedy, device=logits.device), tokens, sampled)
 
-        token_list = tokens.tolist()
+        token_list = tokens.tolist()  # the step's one device->host sync (with logprobs below)
         out = SamplerOutput(token_list, [None] * num_rows, [None] * num_rows, [None] * num_rows)
         if logp is not None:
             chosen = logp.gather(1, tokens[:, None])  # [B, 1]
