@@ -73,8 +73,11 @@ class KVCacheManager:
     ) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones (and after
         `computed_pages`, a prefix hit taken now). False, changing nothing, if pages run out."""
-        computed_pages = computed_pages or []
         pages = self.req_pages.get(req.request_id, [])
+        if not computed_pages:
+            if len(pages) * self.page_size >= req.num_computed_tokens + num_new_tokens and pages:
+                return True  # the common decode step: room left in the last page
+            computed_pages = []
         num_tokens = req.num_computed_tokens + len(computed_pages) * self.page_size + num_new_tokens
         need = cdiv(num_tokens, self.page_size) - len(pages) - len(computed_pages)
         # hit pages with no other reference leave the free queue when touched

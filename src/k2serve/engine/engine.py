@@ -386,29 +386,32 @@ class LLMEngine:
         self, parent_id: str, parent: _Parent, reqs: list[Request]
     ) -> RequestOutput | None:
         outs = []
+        states = self._states
         for req in reqs:
-            st = self._states[req.request_id]
+            st = states[req.request_id]
             if st.done_sent:
                 continue
-            done = req.is_finished
-            upto = len(st.text) if done else max(st.text_sent, len(st.text) - st.hold)
+            done = req.status.finished
+            text = st.text
+            upto = len(text) if done else max(st.text_sent, len(text) - st.hold)
             lps = None
             if req.logprobs is not None:
                 lps = req.logprobs[st.logprobs_sent :]
                 st.logprobs_sent = len(req.logprobs)
+            toks = req.output_token_ids
             outs.append(
                 CompletionOutput(
-                    index=req.index,
-                    text=st.text[st.text_sent : upto],
-                    token_ids=req.output_token_ids[st.tokens_sent :],
-                    cumulative_logprob=req.cumulative_logprob if lps is not None else None,
-                    logprobs=lps,
-                    finish_reason=req.status.value if done else None,
-                    stop_reason=req.stop_reason if done else None,
+                    req.index,
+                    text[st.text_sent : upto] if upto > st.text_sent else "",
+                    toks[st.tokens_sent :],
+                    req.cumulative_logprob if lps is not None else None,
+                    lps,
+                    req.status.value if done else None,
+                    req.stop_reason if done else None,
                 )
             )
             st.text_sent = upto
-            st.tokens_sent = req.num_output_tokens
+            st.tokens_sent = len(toks)
             if done:
                 st.done_sent = True
                 req.metrics.finished_time = time.monotonic()
@@ -416,16 +419,20 @@ class LLMEngine:
                 self._num_finished += 1
         if not outs:
             return None
-        finished = all(self._states[r.request_id].done_sent for r in parent.children)
+        children = parent.children
+        if len(children) == 1:
+            finished = states[children[0].request_id].done_sent
+        else:
+            finished = all(states[r.request_id].done_sent for r in children)
         first = reqs[0]
         out = RequestOutput(
-            request_id=parent_id,
-            prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids,
-            outputs=outs,
-            finished=finished,
-            num_cached_tokens=max(first.num_cached_tokens, 0),
-            metrics=first.metrics,
+            parent_id,
+            parent.prompt,
+            parent.prompt_token_ids,
+            outs,
+            finished,
+            max(first.num_cached_tokens, 0),
+            first.metrics,
         )
         if finished:
             del self._parents[parent_id]

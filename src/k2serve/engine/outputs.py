@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+# NOTE: slots: made per token per request, the step's hottest allocations
+@dataclass(slots=True)
 class Logprob:
     logprob: float
     rank: int | None = None  # 1 = most likely
@@ -20,7 +21,7 @@ class Logprob:
 SampleLogprobs = list[dict[int, Logprob]]
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str = ""
@@ -34,7 +35,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -43,7 +44,7 @@ class RequestMetrics:
     num_preemptions: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None

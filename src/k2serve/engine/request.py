@@ -33,11 +33,11 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (
-            RequestStatus.FINISHED_STOPPED,
-            RequestStatus.FINISHED_LENGTH,
-            RequestStatus.FINISHED_ABORTED,
-        )
+        return self._value_ in _FINISHED_VALUES  # NOTE: hot (per request per step); no enum lookups
+
+
+_FINISHED_VALUES = ("stop", "length", "abort")
+assert {s.value for s in RequestStatus if s.name.startswith("FINISHED")} == set(_FINISHED_VALUES)
 
 
 class Request:
