@@ -12,11 +12,15 @@ demo checkpoint's real Kimi tokenizer), stop-string checks, output objects, and 
 the AsyncLLMEngine hand-off to an event loop with B consumers. B requests run decode-only (their
 1K-token prompts are prefilled before timing starts), greedy, ignore_eos, until `--steps`.
 
-Phases are timed by wrapping the engine's components on the instance (perf_counter around each
-call), so the per-phase figures include ~0.2 us of wrapper per call; the `step` row is measured
-without wrappers, alternating with the wrapped run. On this CPU machine `.to(device)` copies are
-no-ops: what is measured is the host-side Python work, which a GPU step pays in full on top of
-(or, with CUDA graphs, beside) the kernels.
+Phases are timed by wrapping the engine's components on the instance (a clock read around each
+call), so the per-phase figures include ~0.2 us of wrapper per call; the `step` column is
+measured without wrappers, alternating with the wrapped run. The default clock is CPU time (the
+engine thread's; for the async column the whole process's: engine thread + event loop), which
+other load on a shared machine barely disturbs; `--clock wall` for wall time. On this CPU
+machine `.to(device)` copies are no-ops: what is measured is the host-side Python work, which a
+GPU step pays on top of its kernels (or, with CUDA graphs, between replays).
+`--compare REF` runs the same measurement on git REF's src and on the working tree, alternating
+per batch size (before/after in one run).
 """
 
 from __future__ import annotations
@@ -32,6 +36,20 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+
+class _Clock:
+    """cpu (default): the engine thread's CPU time per step and the process's (engine thread +
+    event loop) for the async rows, which other load on a shared machine barely disturbs;
+    wall: perf_counter."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.ns = time.thread_time_ns if name == "cpu" else time.perf_counter_ns
+        self.process = time.process_time if name == "cpu" else time.perf_counter
+
+
+_clock = _Clock("cpu")
 
 
 @dataclass(frozen=True)
@@ -105,9 +123,10 @@ def add_requests(engine, batch: int, prompt_len: int, max_tokens: int, tag: str)
 
 
 def prefill(engine, batch: int) -> None:
-    while any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.waiting) or len(
-        engine.scheduler.running
-    ) < batch:
+    while (
+        any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.waiting)
+        or len(engine.scheduler.running) < batch
+    ):
         engine.step()
     engine.step()  # every request now decodes
 
@@ -119,11 +138,11 @@ class _Timed:
         self.fn, self.name, self.acc = fn, name, acc
 
     def __call__(self, *a, **kw):
-        t = time.perf_counter_ns()
+        t = _clock.ns()
         try:
             return self.fn(*a, **kw)
         finally:
-            self.acc[self.name] = self.acc.get(self.name, 0) + time.perf_counter_ns() - t
+            self.acc[self.name] = self.acc.get(self.name, 0) + _clock.ns() - t
 
 
 PHASES = ["schedule", "prepare", "model", "logits", "sample", "update", "detok", "outputs"]
@@ -143,9 +162,7 @@ def instrument(engine, acc: dict) -> None:
 
     r.model = _M()
     r.sampler = _Timed(r.sampler, "sample", acc)
-    engine.scheduler.update_from_output = _Timed(
-        engine.scheduler.update_from_output, "update", acc
-    )
+    engine.scheduler.update_from_output = _Timed(engine.scheduler.update_from_output, "update", acc)
     engine._process_text = _Timed(engine._process_text, "detok", acc)
     engine._make_output = _Timed(engine._make_output, "outputs", acc)
 
@@ -155,9 +172,9 @@ def run_steps(engine, steps: int, acc: dict | None = None, per_step: list | None
     for _ in range(steps):
         if acc is not None:
             acc.clear()
-        t = time.perf_counter()
+        t = _clock.ns()
         engine.step()
-        times.append(time.perf_counter() - t)
+        times.append((_clock.ns() - t) / 1e9)
         if per_step is not None:
             per_step.append(dict(acc))
     return times
@@ -184,8 +201,9 @@ def bench_sync(batch: int, prompt_len: int, steps: int, rounds: int, profile: bo
                 print(f"\n--- cProfile, B={batch}, {steps} steps (tottime) ---")
                 pstats.Stats(prof).sort_stats("tottime").print_stats(18)
             if not wrapped:
-                plain_ms.append(statistics.median(ts) * 1e3)
-    step = min(plain_ms)  # best round's median: the least disturbed by other load
+                plain_ms.extend(t * 1e3 for t in ts)
+    # NOTE: the lower quintile: on a shared machine long steps get descheduled mid-way
+    step = statistics.quantiles(plain_ms, n=5)[0]
     per_phase = {k: statistics.median(d.get(k, 0) for d in per_step) / 1e6 for k in PHASES}
     return {"batch": batch, "step_ms": step, "phases": per_phase}
 
@@ -195,7 +213,7 @@ async def _consume(engine, prompt, params, rid, log: list) -> None:
     n = 0
     async for out in engine.generate(prompt, params, rid):
         n += len(out.outputs[0].token_ids)
-        log.append((time.perf_counter(), n))
+        log.append((time.perf_counter(), n, _clock.process()))
 
 
 def bench_async(batch: int, prompt_len: int, steps: int) -> dict:
@@ -227,9 +245,11 @@ def bench_async(batch: int, prompt_len: int, steps: int) -> dict:
     t0 = max(log[0][0] for log in logs)
     t1 = min(log[-1][0] for log in logs)
     # tokens request 0 received inside the window = decode steps in it
-    n0 = next(n for t, n in logs[0] if t >= t0)
-    n1 = max(n for t, n in logs[0] if t <= t1)
-    return {"batch": batch, "ms_per_step": (t1 - t0) / max(n1 - n0, 1) * 1e3}
+    n0, c0 = next((n, c) for t, n, c in logs[0] if t >= t0)
+    n1, c1 = max((n, c) for t, n, c in logs[0] if t <= t1)
+    spent = (c1 - c0) if _clock.name == "cpu" else None
+    spent = spent if spent is not None else (t1 - t0)
+    return {"batch": batch, "ms_per_step": spent / max(n1 - n0, 1) * 1e3}
 
 
 def bench_http() -> None:
@@ -237,6 +257,38 @@ def bench_http() -> None:
     from tests.server import measure_overhead
 
     measure_overhead.run()
+
+
+def compare(ref: str, argv: list[str]) -> None:
+    """Run this script on `git archive ref src` and on the working tree, alternating per batch
+    size, each in its own process (same machine, same minute)."""
+    import subprocess
+    import tempfile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(
+            ["git", "-C", root, "archive", ref, "src"], check=True, capture_output=True
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        args = ap_args = [a for a in argv if not a.startswith("--compare")]
+        batches = "1,16,64,256"
+        if "--batch" in args:
+            i = args.index("--batch")
+            batches = args[i + 1]
+            ap_args = args[:i] + args[i + 2 :]
+        for b in batches.split(","):
+            for label, src in (
+                (ref, os.path.join(tmp, "src")),
+                ("tree", os.path.join(root, "src")),
+            ):
+                env = dict(os.environ, PYTHONPATH=src)
+                out = subprocess.run(
+                    [sys.executable, os.path.abspath(__file__), "--batch", b, *ap_args],
+                    env=env, check=True, capture_output=True, text=True,
+                ).stdout  # fmt: skip
+                row = [line for line in out.splitlines() if line.startswith(f"| {b} |")][-1]
+                print(f"| {label} {row[2:]}", flush=True)
 
 
 def main(argv=None) -> None:
@@ -248,10 +300,21 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile the first wrapped run")
     ap.add_argument("--no-async", action="store_true", help="skip the AsyncLLMEngine rows")
     ap.add_argument("--http", action="store_true", help="also run the HTTP per-token measurement")
+    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
+    ap.add_argument("--compare", metavar="REF", help="alternate with git REF's src (before/after)")
     args = ap.parse_args(argv)
+    global _clock
+    _clock = _Clock(args.clock)
+    if args.compare:
+        argv = sys.argv[1:] if argv is None else argv
+        print(f"# {args.compare} vs working tree, alternating, one process per row")
+        return compare(args.compare, [a for a in argv if a not in ("--compare", args.compare)])
     torch.set_num_threads(1)
     batches = [int(b) for b in args.batch.split(",")]
-    print(f"# engine overhead, NullModel, prompt {args.prompt_len}, {args.steps} decode steps")
+    print(
+        f"# engine overhead, NullModel, prompt {args.prompt_len}, {args.steps} decode steps, "
+        f"{args.clock} time"
+    )
     print(f"# torch {torch.__version__}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}")
     head = "| B | step ms | us/token | " + " | ".join(PHASES) + " | async ms/step |"
     print(head)
