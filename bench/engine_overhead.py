@@ -252,11 +252,76 @@ def bench_async(batch: int, prompt_len: int, steps: int) -> dict:
     return {"batch": batch, "ms_per_step": spent / max(n1 - n0, 1) * 1e3}
 
 
-def bench_http() -> None:
-    sys.path.insert(0, os.getcwd())
-    from tests.server import measure_overhead
+def bench_http(batches: list[int], prompt_len: int, steps: int) -> None:
+    """`k2serve serve` in miniature: the real app over AsyncLLMEngine(NullModel engine) on
+    loopback, C concurrent streamed chat completions (max_tokens=steps, ignore_eos); prints the
+    served output tok/s next to what the engine's own step rate allows (served/engine ratio),
+    and the server's CPU per streamed chunk. The client runs in this process too (its cost is
+    included), so the ratio is a lower bound for the server alone."""
+    import httpx
 
-    measure_overhead.run()
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.server.conftest import ServerThread
+
+    from k2serve.engine.async_engine import AsyncLLMEngine
+    from k2serve.server.app import build_app
+
+    word = "lorem "
+    print("\n| C | served out tok/s | engine-only tok/s | served/engine | chunks | CPU us/chunk |")
+    print("|---|---|---|---|---|---|")
+    for conc in batches:
+        eng = make_engine(conc, 2 * prompt_len + 64, steps)
+        aeng = AsyncLLMEngine(engine=eng)
+        per_word = len(eng.tokenizer.encode(word * 8)) / 8
+        text = word * int(prompt_len / per_word)  # ~prompt_len tokens
+        body = {
+            "messages": [{"role": "user", "content": text}],
+            "stream": True,
+            "max_tokens": steps,
+            "ignore_eos": True,
+            "temperature": 0,
+            "chat_template_kwargs": {"thinking": False},
+        }
+
+        async def one(client, body=body) -> int:
+            n = 0
+            async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        n += 1
+            return n
+
+        async def main(url, conc=conc, one=one):
+            limits = httpx.Limits(max_connections=conc + 8)
+            async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as c:
+                await one(c)  # warm-up
+                t0, c0 = time.perf_counter(), time.process_time()
+                chunks = sum(await asyncio.gather(*(one(c) for _ in range(conc))))
+                return time.perf_counter() - t0, time.process_time() - c0, chunks
+
+        try:
+            with ServerThread(build_app(aeng, served_model_names=["null"])) as srv:
+                wall, cpu, chunks = asyncio.run(main(srv.url))
+        finally:
+            aeng.shutdown()
+        served = conc * steps / wall
+        # the engine alone over the same requests (prefill included), wall clock
+        e2 = make_engine(conc, 2 * prompt_len + 64, steps)
+        ids = e2.tokenizer.encode(text)
+        from k2serve.engine.sampling_params import SamplingParams
+
+        params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+        for i in range(conc):
+            e2.add_request(f"e{i}", ids, params)
+        t0 = time.perf_counter()
+        while e2.has_unfinished_requests():
+            e2.step()
+        alone = conc * steps / (time.perf_counter() - t0)
+        print(
+            f"| {conc} | {served:,.0f} | {alone:,.0f} | {served / alone:.2f} | {chunks} | "
+            f"{cpu / max(chunks, 1) * 1e6:.0f} |",
+            flush=True,
+        )
 
 
 def compare(ref: str, argv: list[str]) -> None:
@@ -299,7 +364,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="cProfile the first wrapped run")
     ap.add_argument("--no-async", action="store_true", help="skip the AsyncLLMEngine rows")
-    ap.add_argument("--http", action="store_true", help="also run the HTTP per-token measurement")
+    ap.add_argument("--http", action="store_true", help="also serve it over HTTP (served/engine)")
+    ap.add_argument("--no-engine", action="store_true", help="skip the engine rows (with --http)")
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     ap.add_argument("--compare", metavar="REF", help="alternate with git REF's src (before/after)")
     args = ap.parse_args(argv)
@@ -319,7 +385,7 @@ def main(argv=None) -> None:
     head = "| B | step ms | us/token | " + " | ".join(PHASES) + " | async ms/step |"
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
-    for b in batches:
+    for b in batches if not args.no_engine else ():
         r = bench_sync(b, args.prompt_len, args.steps, args.rounds, args.profile)
         a = None if args.no_async else bench_async(b, args.prompt_len, args.steps)
         cells = " | ".join(f"{r['phases'][k]:.3f}" for k in PHASES)
@@ -329,7 +395,7 @@ def main(argv=None) -> None:
             flush=True,
         )
     if args.http:
-        bench_http()
+        bench_http(batches, args.prompt_len, args.steps)
 
 
 if __name__ == "__main__":
