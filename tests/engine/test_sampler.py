@@ -136,3 +136,39 @@ def test_callers_logits_stay_intact_and_plain_rows_match_modified_batch():
     plain = Sampler()(logits, [req(str(i), temperature=0) for i in range(4)]).token_ids
     assert torch.equal(logits, keep)
     assert plain == keep.argmax(dim=-1).tolist()
+
+
+def test_static_bans_are_batched_and_equal_the_per_row_call():
+    """A processor with `banned_token_ids` is applied by the sampler in one write (not called);
+    the tokens come out as if each row had been processed on its own."""
+    from k2serve.server.logits_processors import BanTokens
+
+    class Counting(BanTokens):
+        calls = 0
+
+        def __call__(self, ids, row):
+            Counting.calls += 1
+            return super().__call__(ids, row)
+
+    torch.manual_seed(1)
+    logits = torch.randn(6, 12)
+    top2 = logits.topk(2, dim=-1).indices  # [6, 2]
+    reqs = []
+    for i in range(6):
+        kw = dict(temperature=0)
+        if i % 2 == 0:
+            kw["logits_processors"] = [Counting(top2[i].tolist())]
+        if i == 4:
+            kw.update(min_tokens=3, stop_token_ids=[int(logits[4].topk(3).indices[2])])
+        reqs.append(req(str(i), **kw))
+    out = Sampler()(logits, reqs).token_ids
+    assert Counting.calls == 0
+    for i, r in enumerate(reqs):
+        row = logits[i].clone()
+        for proc in r.sampling_params.logits_processors:
+            row = BanTokens.__call__(proc, [], row)
+        if i == 4:
+            row[r.sampling_params.stop_token_ids] = -math.inf
+            row[0] = -math.inf  # eos
+        assert out[i] == int(row.argmax()), i
+    assert out[0] not in top2[0].tolist() and out[1] == int(top2[1, 0])

@@ -9,6 +9,11 @@ host (xgrammar, all rows at once), copied to the logits' device without blocking
 place by xgrammar's kernel, so the mask adds no host sync to the step. When min_tokens would ban
 every token the grammar allows (the grammar is complete and only EOS remains), the grammar wins.
 
+A logits processor with a `banned_token_ids` attribute (a history-independent ban, such as the
+server's BanTokens) is not called: the sampler sets those tokens to -inf for all rows in one
+indexed write, and the min_tokens bans in another after the grammar mask (a per-row call would
+cost a few device ops per request per step).
+
 Logprobs are those of the processed logits before temperature (so a token forced by a logits
 processor has a finite logprob), as `Logprob(logprob, rank)` with rank 1 = most likely.
 
@@ -69,6 +74,16 @@ class Sampler:
         backend.apply_bitmask(logits, dev_bm, rows)
         return rows
 
+    @staticmethod
+    def _ban(logits: torch.Tensor, rows: list[int], cols: list[int]) -> None:
+        """logits[rows[k], cols[k]] = -inf for all k, in one indexed write."""
+        if not rows:
+            return
+        idx = torch.tensor([rows, cols], dtype=torch.long)  # [2, K]
+        if logits.is_cuda:
+            idx = idx.pin_memory().to(logits.device, non_blocking=True)
+        logits[idx[0], idx[1]] = float("-inf")
+
     def _generator(self, req: Request) -> torch.Generator:
         if req.generator is None:
             g = torch.Generator(device=self.device)
@@ -84,16 +99,30 @@ class Sampler:
         params = [r.sampling_params for r in reqs]
         # NOTE: copy only when rows are modified in place below (the caller's tensor stays intact)
         modifies = any(
-            p.logits_processors or p.needs_penalties or r.num_output_tokens < p.min_tokens
+            p.logits_processors
+            or p.needs_penalties
+            or r.num_output_tokens < p.min_tokens
+            or r.grammar is not None
             for r, p in zip(reqs, params, strict=True)
         )
         logits = logits.float().clone() if modifies else logits.float()
 
+        ban_rows: list[int] = []  # (row, token) pairs set to -inf in one indexed write
+        ban_cols: list[int] = []
         for i, (r, p) in enumerate(zip(reqs, params, strict=True) if modifies else ()):
             for proc in p.logits_processors:
+                static = getattr(proc, "banned_token_ids", None)
+                if static is not None:  # a history-independent ban: batched below
+                    ban_cols.extend(static)
+                    ban_rows.extend([i] * len(static))
+                    continue
                 logits[i] = proc(list(r.output_token_ids), logits[i])
-        grammar_rows = set(self._apply_grammars(logits, reqs))
-        for i, (r, p) in enumerate(zip(reqs, params, strict=True)):
+        # NOTE: the processors' bans land before the grammar mask, the min_tokens bans after,
+        # as in the per-row order; a ban is final either way (no processor turns -inf finite)
+        self._ban(logits, ban_rows, ban_cols)
+        grammar_rows = set(self._apply_grammars(logits, reqs)) if modifies else set()
+        ban_rows, ban_cols = [], []
+        for i, (r, p) in enumerate(zip(reqs, params, strict=True) if modifies else ()):
             if r.num_output_tokens < p.min_tokens:
                 banned = list(p.stop_token_ids)
                 if not p.ignore_eos:
@@ -105,7 +134,9 @@ class Sampler:
                     # [vocab]: keep the grammar's choice when the ban would leave no token
                     logits[i] = torch.where(torch.isinf(row).all(), logits[i], row)
                 elif banned:
-                    logits[i, banned] = float("-inf")
+                    ban_cols.extend(banned)
+                    ban_rows.extend([i] * len(banned))
+        self._ban(logits, ban_rows, ban_cols)
 
         pen_rows = [i for i, p in enumerate(params) if p.needs_penalties]
         if pen_rows:
