@@ -50,6 +50,7 @@ class _Clock:
 
 
 _clock = _Clock("cpu")
+_chat_bans = False  # --chat-bans
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,14 @@ def add_requests(engine, batch: int, prompt_len: int, max_tokens: int, tag: str)
     from k2serve.engine.sampling_params import SamplingParams
 
     vocab = engine.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    procs = []
+    if _chat_bans:  # what the chat endpoint adds to every request without tools
+        from k2serve.server.logits_processors import BanTokens
+
+        procs = [BanTokens([vocab - 2, vocab - 1])]
+    params = SamplingParams(
+        temperature=0, max_tokens=max_tokens, ignore_eos=True, logits_processors=procs
+    )
     for i in range(batch):
         prompt = [(i * 7919 + j * 31) % (vocab - 300) + 10 for j in range(prompt_len)]
         engine.add_request(f"{tag}-{i}", prompt, params)
@@ -366,11 +374,15 @@ def main(argv=None) -> None:
     ap.add_argument("--no-async", action="store_true", help="skip the AsyncLLMEngine rows")
     ap.add_argument("--http", action="store_true", help="also serve it over HTTP (served/engine)")
     ap.add_argument("--no-engine", action="store_true", help="skip the engine rows (with --http)")
+    ap.add_argument(
+        "--chat-bans", action="store_true", help="each request bans 2 tokens, as chat does"
+    )
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     ap.add_argument("--compare", metavar="REF", help="alternate with git REF's src (before/after)")
     args = ap.parse_args(argv)
-    global _clock
+    global _clock, _chat_bans
     _clock = _Clock(args.clock)
+    _chat_bans = args.chat_bans
     if args.compare:
         argv = sys.argv[1:] if argv is None else argv
         print(f"# {args.compare} vs working tree, alternating, one process per row")
