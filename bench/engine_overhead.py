@@ -264,7 +264,8 @@ def bench_http(batches: list[int], prompt_len: int, steps: int) -> None:
     """`k2serve serve` in miniature: the real app over AsyncLLMEngine(NullModel engine) on
     loopback, C concurrent streamed chat completions (max_tokens=steps, ignore_eos); prints the
     served output tok/s next to what the engine's own step rate allows (served/engine ratio),
-    and the server's CPU per streamed chunk. The client runs in this process too (its cost is
+    the SSE chunks sent (fewer than tokens when deltas were merged) and the process's CPU time
+    (engine thread + server + client) per output token. The client runs in this process too (its cost is
     included), so the ratio is a lower bound for the server alone."""
     import httpx
 
@@ -275,7 +276,7 @@ def bench_http(batches: list[int], prompt_len: int, steps: int) -> None:
     from k2serve.server.app import build_app
 
     word = "lorem "
-    print("\n| C | served out tok/s | engine-only tok/s | served/engine | chunks | CPU us/chunk |")
+    print("\n| C | served out tok/s | engine-only tok/s | served/engine | chunks | CPU us/token |")
     print("|---|---|---|---|---|---|")
     for conc in batches:
         eng = make_engine(conc, 2 * prompt_len + 64, steps)
@@ -327,7 +328,7 @@ def bench_http(batches: list[int], prompt_len: int, steps: int) -> None:
         alone = conc * steps / (time.perf_counter() - t0)
         print(
             f"| {conc} | {served:,.0f} | {alone:,.0f} | {served / alone:.2f} | {chunks} | "
-            f"{cpu / max(chunks, 1) * 1e6:.0f} |",
+            f"{cpu / (conc * steps) * 1e6:.0f} |",
             flush=True,
         )
 
