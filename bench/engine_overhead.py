@@ -265,8 +265,8 @@ def bench_http(batches: list[int], prompt_len: int, steps: int) -> None:
     loopback, C concurrent streamed chat completions (max_tokens=steps, ignore_eos); prints the
     served output tok/s next to what the engine's own step rate allows (served/engine ratio),
     the SSE chunks sent (fewer than tokens when deltas were merged) and the process's CPU time
-    (engine thread + server + client) per output token. The client runs in this process too (its cost is
-    included), so the ratio is a lower bound for the server alone."""
+    (engine thread + server + client) per output token. The client runs in this process too
+    (its cost is included), so the ratio is a lower bound for the server alone."""
     import httpx
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
