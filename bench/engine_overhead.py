@@ -345,7 +345,8 @@ def compare(ref: str, argv: list[str]) -> None:
             ["git", "-C", root, "archive", ref, "src"], check=True, capture_output=True
         ).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        args = ap_args = [a for a in argv if not a.startswith("--compare")]
+        skip = ("--http", "--no-engine")  # compare covers the engine rows only
+        args = ap_args = [a for a in argv if not a.startswith("--compare") and a not in skip]
         batches = "1,16,64,256"
         if "--batch" in args:
             i = args.index("--batch")
