@@ -162,9 +162,7 @@ class ModelRunner:
             slots = table[np.arange(num_seqs), starts // ps].astype(np.int64) * ps + starts % ps
         else:
             seq_of_token = np.repeat(np.arange(num_seqs), counts)  # [T]
-            positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(
-                starts - qsl[:-1], counts
-            )
+            positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - qsl[:-1], counts)
             slots = table[seq_of_token, positions // ps].astype(np.int64) * ps + positions % ps
         dev = self.device
         qsl_t, seq_lens_t, ctx_t, table_t = to_device(
