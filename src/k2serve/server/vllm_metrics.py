@@ -131,6 +131,7 @@ class VllmMetrics:
             self.request_success.labels(model_name, reason)
         self.prompt_tokens.labels(model_name)
         self.generation_tokens.labels(model_name)
+        self._hot = None  # (generation_tokens, itl, tpot) children of model_name
         # server-side prefix-cache counts, used when the engine does not report its own
         self.fallback_queries = 0
         self.fallback_hits = 0
@@ -150,11 +151,21 @@ class VllmMetrics:
         self.ttft.labels(self.model_name).observe(seconds)
 
     def observe_tokens(self, k: int, gap: float | None) -> None:
-        self.generation_tokens.labels(self.model_name).inc(k)
+        # NOTE: per streamed token: the labelled children are looked up once, not per call
+        hot = self._hot
+        if hot is None:
+            name = self.model_name
+            hot = self._hot = (
+                self.generation_tokens.labels(name),
+                self.itl.labels(name),
+                self.tpot.labels(name),
+            )
+        gen, itl, tpot = hot
+        gen.inc(k)
         if gap is not None:
             for _ in range(k):
-                self.itl.labels(self.model_name).observe(gap / k)
-                self.tpot.labels(self.model_name).observe(gap / k)
+                itl.observe(gap / k)
+                tpot.observe(gap / k)
 
     def observe_finish(self, reason: str, e2e: float, ttft: float | None, generated: int) -> None:
         name = self.model_name
