@@ -51,6 +51,7 @@ class _Clock:
 
 _clock = _Clock("cpu")
 _chat_bans = False  # --chat-bans
+_model_ms = 0.0  # --model-ms
 
 
 @dataclass(frozen=True)
@@ -65,12 +66,15 @@ class _NullConfig:
 class NullModel:
     """Forward ~free: hidden = positions, logits = a fixed row chosen by position % 16."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, step_s: float = 0.0) -> None:
         self.config = _NullConfig(vocab_size)
+        self.step_s = step_s  # sleep per forward: a GPU step's wait, with the GIL released
         g = torch.Generator().manual_seed(0)
         self.table = torch.randn(16, vocab_size, generator=g)  # [16, vocab]
 
     def __call__(self, input_ids, positions, attn_metadata=None, kv_caches=None):
+        if self.step_s:
+            time.sleep(self.step_s)
         return positions[:, None]  # [T, 1]
 
     def compute_logits(self, hidden):
@@ -109,7 +113,10 @@ def make_engine(batch: int, prompt_len: int, steps: int):
         enable_prefix_caching=True,
     )
     return LLMEngine(
-        cfg, model=NullModel(tok.vocab_size), tokenizer=tok, kv_cache_factory=null_kv_caches
+        cfg,
+        model=NullModel(tok.vocab_size, _model_ms / 1e3),
+        tokenizer=tok,
+        kv_cache_factory=null_kv_caches,
     )
 
 
@@ -379,12 +386,19 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--chat-bans", action="store_true", help="each request bans 2 tokens, as chat does"
     )
+    ap.add_argument(
+        "--model-ms",
+        type=float,
+        default=0.0,
+        help="NullModel sleeps this long per forward (a GPU step: the GIL is released)",
+    )
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     ap.add_argument("--compare", metavar="REF", help="alternate with git REF's src (before/after)")
     args = ap.parse_args(argv)
-    global _clock, _chat_bans
+    global _clock, _chat_bans, _model_ms
     _clock = _Clock(args.clock)
     _chat_bans = args.chat_bans
+    _model_ms = args.model_ms
     if args.compare:
         argv = sys.argv[1:] if argv is None else argv
         print(f"# {args.compare} vs working tree, alternating, one process per row")
