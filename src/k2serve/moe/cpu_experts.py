@@ -1,17 +1,34 @@
 """Experts held in host memory and computed on the CPU, and the GPU + CPU split of one layer.
 
-Owns: `CpuExpertBackend` (a subset of a layer's routed experts, weights in host memory, computed
-with torch ops on the CPU's intra-op threads) and `HybridExpertBackend` (routes each (token,
-expert) pair to the GPU backend or the CPU backend by placement and sums the two outputs).
+Owns: `CpuExpertBackend` (a subset of a layer's routed experts, weights in host memory) and
+`HybridExpertBackend` (routes each (token, expert) pair to the GPU backend or the CPU backend
+by placement and sums the two outputs; `HostJob` / `drive`: its overlapped, graph-friendly form).
+
+CpuExpertBackend interface (what the hybrid / overlap code drives):
+- `submit(hidden, topk_ids, topk_weights)`: copies what the CPU needs to host memory (this
+  waits for the router's outputs on the GPU stream, nothing enqueued after them) and starts the
+  CPU experts on a worker thread; returns at once. The native kernel runs with the GIL released.
+- `wait() -> [T, hidden]`: the CPU experts' weighted sum, in `hidden`'s dtype and on its device
+  (zeros for tokens with no CPU expert). Raises ValueError for an expert id outside [0, E).
+- `__call__` = submit + wait. One submit in flight per backend.
+
+Implementations (`impl`):
+- "native": moe/cpu_kernel (C++ built on first use): every CPU expert of the layer in one call,
+  reading the weights in their checkpoint format (INT4 pack-quantized, FP8 128x128 blocks, bf16;
+  float32 for bf16-format experts of a float32 model): no per-expert Python, no dequantized copy,
+  activations as given (bf16 or float32), float32 accumulation. Threads from one shared pool
+  (K2SERVE_CPU_THREADS), grouped by NUMA node (see cpu_kernel.numa_topology).
+- "torch": the fallback when the kernel cannot be built (no compiler), or the shapes are not
+  multiples of 32: a loop over the hit experts, each dequantized per call in `compute_dtype`.
 
 Invariants:
 - Expert ids in `topk_ids` are the layer's global ids; each backend maps them to its own local
   ids. A pair whose expert is not on a backend contributes nothing there: the CPU backend skips
   it; the GPU backend gets it as local expert 0 with weight 0 (so its kernels keep a fixed
   [T, k] shape and no host sync: CUDA-graph safe), which adds exactly 0.
-- CPU experts keep their stored format (INT4 stays packed); each call dequantizes the experts it
-  hits, one at a time, in `compute_dtype` (float32 by default: CPUs without AMX run float32
-  GEMMs faster than bf16, and it is the more exact choice).
+- The experts' parameters are used in place (the kernel reads the module's tensors; nothing is
+  repacked or copied, so memory is not doubled and the modules stay valid for the reference
+  path and the state_dict). Replacing a parameter afterwards needs a new backend.
 - Overlap (`HybridExpertBackend.pieces`, `HostJob`): the layer's tokens, ids and weights are
   copied to the host BEFORE the GPU part (GPU experts + shared expert) is enqueued; the CPU
   computes while the GPU part runs; the CPU result is then copied back and added. The host
@@ -21,14 +38,20 @@ Invariants:
 
 from __future__ import annotations
 
+import concurrent.futures
+import ctypes
+import functools
+import logging
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k2serve.moe import cpu_kernel as ck
 from k2serve.moe.base import ExpertBackend
+
+logger = logging.getLogger(__name__)
 
 
 def _local_map(num_experts: int, ids: Sequence[int], device) -> torch.Tensor:
@@ -36,6 +59,36 @@ def _local_map(num_experts: int, ids: Sequence[int], device) -> torch.Tensor:
     m = torch.full((num_experts,), -1, dtype=torch.long)
     m[torch.as_tensor(list(ids), dtype=torch.long)] = torch.arange(len(ids))
     return m.to(device)
+
+
+@functools.lru_cache(maxsize=1)
+def _executor() -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread that runs CPU expert calls (they are serialized by the kernel's pool)."""
+    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="k2-cpu-moe")
+
+
+def _expert_format(lin) -> int | None:
+    """The kernel's format code for one expert linear, or None when the kernel cannot read it."""
+    scheme = getattr(lin, "scheme", None)
+    if lin.in_features % 32 or lin.out_features % 32:
+        return None
+    if scheme == "int4_group":
+        ok = lin.group_size == 32 and lin.weight_scale.dtype == torch.bfloat16
+        return ck.FMT_INT4 if ok else None
+    if scheme == "fp8_block":
+        ok = tuple(lin.block) == (128, 128) and lin.weight_scale_inv.dtype == torch.float32
+        return ck.FMT_FP8 if ok else None
+    if scheme == "bf16":
+        return {torch.bfloat16: ck.FMT_BF16, torch.float32: ck.FMT_F32}.get(lin.weight.dtype)
+    return None
+
+
+def _tensors(lin, fmt: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if fmt == ck.FMT_INT4:
+        return lin.weight_packed, lin.weight_scale
+    if fmt == ck.FMT_FP8:
+        return lin.weight, lin.weight_scale_inv
+    return lin.weight, None
 
 
 class CpuExpertBackend(ExpertBackend):
@@ -46,79 +99,152 @@ class CpuExpertBackend(ExpertBackend):
         experts: Sequence[nn.Module],  # the experts in `expert_ids` order, weights on the CPU
         expert_ids: Sequence[int],  # their global ids
         num_experts: int,  # routed experts in the layer
-        compute_dtype: torch.dtype = torch.float32,
+        compute_dtype: torch.dtype | None = None,  # torch path only; None: float32
+        *,
+        kernel: str | None = None,  # "auto" / "native" / "torch"; None: K2SERVE_CPU_KERNEL
+        threads: int | None = None,  # None: K2SERVE_CPU_THREADS, else torch.get_num_threads()
+        numa_topology: str | None = None,  # injected cpulists "0-7;8-15"; None: env, then /sys
     ) -> None:
         if len(experts) != len(expert_ids):
             raise ValueError(f"{len(experts)} experts but {len(expert_ids)} expert ids")
         self.experts = list(experts)
         self.expert_ids = tuple(int(e) for e in expert_ids)
         self.num_experts = num_experts
-        self.compute_dtype = compute_dtype
-        self.local_of = _local_map(num_experts, self.expert_ids, "cpu")  # [E] on the CPU
+        self.compute_dtype = compute_dtype or torch.float32
+        self.local_of = _local_map(num_experts, self.expert_ids, "cpu")  # [E] int64
+        self._local_of32 = self.local_of.to(torch.int32).contiguous()
+        self._pending = None
+        self._layer = None
+        self.impl = "torch"
+        settings = ck.kernel_settings()
+        mode = kernel or settings.mode
+        if mode not in ck.KERNEL_MODES:
+            raise ValueError(f"kernel={mode!r}; expected one of {ck.KERNEL_MODES}")
+        if self.experts:
+            lib = ck.load_kernel(mode)
+            if lib is not None:
+                self._init_native(lib, threads or settings.threads,
+                                  numa_topology or settings.numa_topology, mode)  # fmt: skip
 
-    def to_host(self, hidden, topk_ids, topk_weights):
-        """Copy what the CPU needs to host memory (waits for the router, not the GPU experts
-        enqueued after this call)."""
-        ids = topk_ids.to("cpu", torch.long)  # [T, k]
-        local = self.local_of[ids]  # [T, k], -1 = not a CPU expert
-        rows = (local >= 0).any(dim=1).nonzero()[:, 0]  # tokens with at least one CPU expert
-        if rows.numel() == 0:
-            return None
-        rows_dev = rows.to(hidden.device)
-        x = hidden.index_select(0, rows_dev).to("cpu", self.compute_dtype)  # [n, hidden]
-        w = topk_weights.index_select(0, rows_dev).to("cpu", torch.float32)  # [n, k]
-        return rows, x, local[rows], w
+    # ------------------------------------------------------------------ native kernel set-up
+    def _init_native(self, lib, threads, topology, mode) -> None:
+        lins = [(ex.gate_proj, ex.up_proj, ex.down_proj) for ex in self.experts]
+        fmts = {_expert_format(lin) for trio in lins for lin in trio}
+        if len(fmts) != 1 or None in fmts:
+            msg = "expert weights the native CPU kernel does not read (format or shape)"
+            if mode == "native":
+                raise ValueError(msg)
+            logger.warning("%s; CPU experts use the torch path", msg)
+            return
+        fmt = fmts.pop()
+        H, inter = lins[0][0].in_features, lins[0][0].out_features
+        keep: list[torch.Tensor] = []
+        ptrs: list[int] = []
+        for gate, up, down in lins:
+            if (gate.in_features, gate.out_features, down.in_features) != (H, inter, inter):
+                raise ValueError("CPU experts of one layer must share their shapes")
+            for lin in (gate, up, down):
+                for t in _tensors(lin, fmt):
+                    if t is None:
+                        ptrs.append(0)
+                        continue
+                    if t.device.type != "cpu":
+                        raise ValueError(f"CPU expert weight on {t.device}; expected host memory")
+                    t = t.detach().contiguous()  # no copy for the loader's tensors
+                    keep.append(t)
+                    ptrs.append(t.data_ptr())
+        nodes = ck.numa_topology(topology)
+        n_threads = threads or torch.get_num_threads()
+        pool = ck.shared_pool(lib, tuple(tuple(n) for n in nodes), n_threads)
+        arr = (ctypes.c_int64 * len(ptrs))(*ptrs)
+        layer = lib.k2_layer_create(fmt, len(self.experts), H, inter, arr)
+        if pool.num_nodes > 1 and topology is None:  # a real topology: move rows to their node
+            node_ids = ck.numa_node_ids()
+            if len(node_ids) == pool.num_nodes:
+                ids = (ctypes.c_int * len(node_ids))(*node_ids)
+                refused = lib.k2_layer_bind(layer, pool._ptr, ids)
+                if refused:
+                    logger.warning("NUMA: %d weight ranges stay off their node", refused)
+        self._lib, self._pool, self._keep, self._fmt = lib, pool, keep, fmt
+        self._layer = layer
+        self.hidden_size, self.intermediate_size = H, inter
+        self.impl = "native"
 
-    def compute(self, host, like: torch.Tensor) -> torch.Tensor | None:
-        """The CPU experts' weighted sum for the tokens in `host`, scattered into [T, hidden]
-        zeros on `like`'s device and dtype; None when no token routes to a CPU expert."""
-        if host is None:
-            return None
-        rows, x, local, w = host
-        n, k = local.shape
-        out = torch.zeros(n, x.shape[1], dtype=torch.float32)  # [n, hidden]
-        flat = local.reshape(-1)  # [n * k]
-        for le in flat[flat >= 0].unique().tolist():
-            sel = (flat == le).nonzero()[:, 0]  # pair indices routed to this expert
+    def __del__(self) -> None:
+        layer, self._layer = getattr(self, "_layer", None), None
+        if layer:
+            self._lib.k2_layer_destroy(layer)
+
+    # ------------------------------------------------------------------ interface
+    def submit(self, hidden, topk_ids, topk_weights) -> None:
+        """Start the CPU experts for this step (see the module docstring)."""
+        if self._pending is not None:
+            raise RuntimeError("CpuExpertBackend.submit: the previous submit was not waited on")
+        T = hidden.shape[0]
+        ids = topk_ids.to("cpu", torch.int64).contiguous()  # [T, k]
+        w = topk_weights.to("cpu", torch.float32).contiguous()  # [T, k]
+        x = hidden.to("cpu")
+        if self.impl == "native" and x.dtype not in (torch.bfloat16, torch.float32):
+            x = x.to(torch.float32)
+        x = x.contiguous()  # [T, hidden]
+        like = (hidden.dtype, hidden.device, T, hidden.shape[1])
+        if T == 0 or not self.experts:
+            self._pending = (None, like)
+            return
+        run = self._run_native if self.impl == "native" else self._run_torch
+        self._pending = (_executor().submit(run, x, ids, w), like)
+
+    def wait(self) -> torch.Tensor:  # [T, hidden]
+        """The result of the last submit (see the module docstring)."""
+        if self._pending is None:
+            raise RuntimeError("CpuExpertBackend.wait: nothing was submitted")
+        fut, (dtype, device, T, H) = self._pending
+        self._pending = None
+        if fut is None:
+            return torch.zeros(T, H, dtype=dtype, device=device)
+        out = fut.result()  # [T, hidden] float32 on the CPU; re-raises the worker's error
+        return out.to(device=device, dtype=dtype, non_blocking=False)
+
+    def __call__(self, hidden, topk_ids, topk_weights) -> torch.Tensor:  # [T, hidden]
+        self.submit(hidden, topk_ids, topk_weights)
+        return self.wait()
+
+    # ------------------------------------------------------------------ workers
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_experts):
+            raise ValueError(
+                f"expert id outside [0, {self.num_experts}) in topk_ids (min {int(ids.min())}, "
+                f"max {int(ids.max())}): the router's input was probably not finite"
+            )
+
+    def _run_native(self, x, ids, w) -> torch.Tensor:
+        T, k = ids.shape
+        out = torch.empty(T, self.hidden_size, dtype=torch.float32)
+        xcode = ck.X_BF16 if x.dtype == torch.bfloat16 else ck.X_F32
+        rc = self._lib.k2_moe_forward(
+            self._layer, self._pool._ptr, T, k, x.data_ptr(), xcode, ids.data_ptr(),
+            w.data_ptr(), self._local_of32.data_ptr(), self.num_experts, out.data_ptr(), None,
+        )  # fmt: skip
+        if rc != 0:
+            self._check_ids(ids)
+            raise RuntimeError(f"CPU expert kernel failed (code {rc})")
+        return out
+
+    def _run_torch(self, x, ids, w) -> torch.Tensor:
+        self._check_ids(ids)
+        T, k = ids.shape
+        x = x.to(self.compute_dtype)
+        out = torch.zeros(T, x.shape[1], dtype=torch.float32)  # [T, hidden]
+        local = self.local_of[ids].reshape(-1)  # [T * k], -1 = not a CPU expert
+        for le in local[local >= 0].unique().tolist():
+            sel = (local == le).nonzero()[:, 0]  # pair indices routed to this expert
             tok = sel // k
             expert = self.experts[le]
             xe = x[tok]  # [m, hidden]
             h = F.silu(expert.gate_proj(xe)) * expert.up_proj(xe)  # [m, inter]
             y = expert.down_proj(h).to(torch.float32) * w.reshape(-1)[sel, None]  # [m, hidden]
             out.index_add_(0, tok, y)
-        full = torch.zeros(like.shape[0], like.shape[1], dtype=like.dtype, device=like.device)
-        full.index_copy_(0, rows.to(like.device), out.to(like.device, like.dtype))
-        return full
-
-    def __call__(self, hidden, topk_ids, topk_weights) -> torch.Tensor:  # [T, hidden]
-        out = self.compute(self.to_host(hidden, topk_ids, topk_weights), hidden)
-        return out if out is not None else torch.zeros_like(hidden)
-
-    # ---- asynchronous use (KT-Kernel's submit_forward / sync_forward) --------------------
-    def submit(self, hidden, topk_ids, topk_weights) -> None:
-        """Start this backend's part for host tensors `hidden [T, hidden]`, `topk_ids [T, k]`,
-        `topk_weights [T, k]` on a worker thread (torch ops release the GIL) and return at
-        once; `wait()` returns the result. One job in flight at a time."""
-        if getattr(self, "_job", None) is not None:
-            raise RuntimeError("CpuExpertBackend.submit: the previous job was not waited for")
-        pool = getattr(self, "_pool", None)
-        if pool is None:  # one persistent worker: no thread start per call
-            pool = self._pool = ThreadPoolExecutor(1, thread_name_prefix="k2serve-cpu-experts")
-        self._job = pool.submit(self, hidden, topk_ids, topk_weights)
-
-    def __getstate__(self) -> dict:  # copies (deepcopy of a model) get their own worker
-        state = dict(self.__dict__)
-        state.pop("_pool", None)
-        state.pop("_job", None)
-        return state
-
-    def wait(self) -> torch.Tensor:  # [T, hidden] on the CPU, dtype of the submitted hidden
-        """The result of the job `submit` started (blocks until it is done; re-raises what
-        the job raised)."""
-        job, self._job = getattr(self, "_job", None), None
-        if job is None:
-            raise RuntimeError("CpuExpertBackend.wait: nothing was submitted")
-        return job.result()
+        return out
 
 
 class HostJob:

@@ -1,0 +1,297 @@
+"""The native CPU expert kernel (k2cpu.cpp): built on first use, cached, loaded through ctypes.
+
+Owns: `load_kernel()` (compile with the system C++ compiler, `-O3 -march=native`, into
+`$K2SERVE_CACHE_DIR/cpu_kernel/` (default ~/.cache/k2serve/cpu_kernel/) keyed by the source hash,
+the compiler's version and the CPU's flags; None, with one logged warning, when no compiler is
+available or the build fails), `KernelPool` (the kernel's thread pool, threads grouped by NUMA
+node) and `numa_topology()` (/sys/devices/system/node, or an injected one).
+
+Environment (read once per process, in `kernel_settings()`):
+- K2SERVE_CPU_KERNEL: "auto" (default: native when it builds, else the torch path), "native"
+  (fail when it does not build), "torch" (never build).
+- K2SERVE_CPU_THREADS: threads of the kernel's pool (default: torch.get_num_threads()).
+- K2SERVE_NUMA_TOPOLOGY: an injected topology, node cpulists separated by ";" (e.g.
+  "0-7;8-15", or "0;0" to test a 2-node split on one core); default: read from /sys.
+- K2SERVE_CACHE_DIR: where built kernels are cached.
+
+Invariants: ctypes calls release the GIL, so a Python thread can run a layer's CPU experts while
+another thread drives the GPU. One pool per (threads, topology) per process; its calls are
+serialized by a lock inside the library.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("k2cpu.cpp")
+CXX_FLAGS = ("-O3", "-march=native", "-std=gnu++17", "-shared", "-fPIC", "-pthread")
+KERNEL_MODES = ("auto", "native", "torch")
+
+FMT_INT4, FMT_FP8, FMT_BF16, FMT_F32 = 0, 1, 2, 3
+X_F32, X_BF16 = 0, 1
+
+
+class KernelBuildError(RuntimeError):
+    """The native kernel could not be built (and K2SERVE_CPU_KERNEL=native asked for it)."""
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    mode: str = "auto"
+    threads: int | None = None
+    numa_topology: str | None = None
+    cache_dir: str | None = None
+
+
+def kernel_settings() -> KernelSettings:
+    """The K2SERVE_CPU_* environment variables (see the module docstring), validated."""
+    mode = os.environ.get("K2SERVE_CPU_KERNEL", "auto").strip().lower() or "auto"
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"K2SERVE_CPU_KERNEL={mode!r}; expected one of {KERNEL_MODES}")
+    threads = os.environ.get("K2SERVE_CPU_THREADS")
+    n = None
+    if threads:
+        try:
+            n = int(threads)
+        except ValueError:
+            raise ValueError(f"K2SERVE_CPU_THREADS={threads!r} is not an integer") from None
+        if n < 1:
+            raise ValueError(f"K2SERVE_CPU_THREADS={n} must be >= 1")
+    return KernelSettings(
+        mode=mode,
+        threads=n,
+        numa_topology=os.environ.get("K2SERVE_NUMA_TOPOLOGY") or None,
+        cache_dir=os.environ.get("K2SERVE_CACHE_DIR") or None,
+    )
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def cpu_has_bf16() -> bool:
+    """True when the CPU computes bf16 natively (AVX512_BF16 or AMX-BF16)."""
+    flags = set(_cpu_flags().split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11]."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part:
+            a, b = part.split("-", 1)
+            cpus.extend(range(int(a), int(b) + 1))
+        else:
+            cpus.append(int(part))
+    return cpus
+
+
+def _sys_nodes(root: str) -> list[tuple[int, list[int]]]:
+    """(node id, CPUs this process may use) for each /sys node that has some."""
+    out = []
+    try:
+        allowed = os.sched_getaffinity(0)
+        names = sorted(
+            (d for d in os.listdir(root) if d.startswith("node") and d[4:].isdigit()),
+            key=lambda d: int(d[4:]),
+        )
+        for d in names:
+            with open(os.path.join(root, d, "cpulist")) as f:
+                cpus = [c for c in parse_cpulist(f.read()) if c in allowed]
+            if cpus:
+                out.append((int(d[4:]), cpus))
+    except (OSError, ValueError):
+        return []
+    return out
+
+
+def numa_topology(injected: str | None = None, root: str = "/sys/devices/system/node") -> list:
+    """CPU ids per NUMA node (nodes without usable CPUs are left out); one node with every CPU
+    this process may run on when /sys has no node directories. `injected`: cpulists joined by
+    ';' (K2SERVE_NUMA_TOPOLOGY), used as given (no memory binding then)."""
+    if injected:
+        try:
+            nodes = [parse_cpulist(p) for p in injected.split(";")]
+        except ValueError:
+            msg = f"NUMA topology {injected!r}: expected cpulists joined by ';'"
+            raise ValueError(msg) from None
+        if not nodes or any(not n for n in nodes):
+            raise ValueError(f"NUMA topology {injected!r}: every node needs at least one CPU")
+        return nodes
+    return [cpus for _, cpus in _sys_nodes(root)] or [sorted(os.sched_getaffinity(0))]
+
+
+def numa_node_ids(root: str = "/sys/devices/system/node") -> list[int]:
+    """The /sys ids of the nodes `numa_topology()` returns (for binding memory to them)."""
+    return [n for n, _ in _sys_nodes(root)]
+
+
+def _compiler() -> str | None:
+    cxx = os.environ.get("CXX")
+    if cxx and shutil.which(cxx):
+        return shutil.which(cxx)
+    for name in ("g++", "c++", "clang++"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _build(cache_dir: Path) -> Path:
+    cxx = _compiler()
+    if cxx is None:
+        raise KernelBuildError("no C++ compiler found (g++, c++ or clang++; or set CXX)")
+    try:
+        version = subprocess.run(
+            [cxx, "--version"], capture_output=True, text=True, timeout=60
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelBuildError(f"{cxx} --version failed: {e}") from e
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(
+        b"\0".join([src, " ".join(CXX_FLAGS).encode(), version.encode(), _cpu_flags().encode()])
+    ).hexdigest()[:20]
+    out = cache_dir / f"k2cpu-{key}.so"
+    if out.exists():
+        return out
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix="k2cpu-", suffix=".so.tmp", dir=cache_dir)
+    os.close(fd)
+    cmd = [cxx, *CXX_FLAGS, "-o", tmp, str(SOURCE)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            raise KernelBuildError(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
+        os.replace(tmp, out)  # atomic: concurrent builders each write their own temp file
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelBuildError(f"{' '.join(cmd)} failed: {e}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    logger.info("built the CPU expert kernel: %s", out)
+    return out
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i = ctypes.c_void_p, ctypes.c_int
+    ip = ctypes.POINTER(ctypes.c_int)
+    lib.k2_pool_create.argtypes = [i, i, ip, ip, ip, i, i]
+    lib.k2_pool_create.restype = p
+    lib.k2_pool_destroy.argtypes = [p]
+    lib.k2_layer_create.argtypes = [i, i, i, i, ctypes.POINTER(ctypes.c_int64)]
+    lib.k2_layer_create.restype = p
+    lib.k2_layer_destroy.argtypes = [p]
+    lib.k2_layer_bind.argtypes = [p, p, ip]
+    lib.k2_layer_bind.restype = i
+    lib.k2_moe_forward.argtypes = [p, p, i, i, p, i, p, p, p, i, p, p]
+    lib.k2_moe_forward.restype = i
+    lib.k2_simd_width.restype = i
+    return lib
+
+
+@functools.cache
+def _load(mode: str, cache_dir: str | None) -> ctypes.CDLL | None:
+    if mode == "torch":
+        return None
+    base = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "k2serve"
+    try:
+        path = _build(base / "cpu_kernel")
+        return _declare(ctypes.CDLL(str(path)))
+    except (KernelBuildError, OSError) as e:
+        if mode == "native":
+            raise KernelBuildError(f"the native CPU expert kernel is unavailable: {e}") from e
+        logger.warning(
+            "native CPU expert kernel unavailable (%s); CPU experts use the slower torch path",
+            str(e).splitlines()[0],
+        )
+        return None
+
+
+def load_kernel(mode: str | None = None) -> ctypes.CDLL | None:
+    """The loaded library, or None for the torch fallback (see the module docstring)."""
+    s = kernel_settings()
+    return _load(mode or s.mode, s.cache_dir)
+
+
+class KernelPool:
+    """The kernel's worker threads, grouped by NUMA node (pinned to their node's CPUs when
+    there is more than one node). The calling thread is worker 0 of node 0."""
+
+    def __init__(self, lib: ctypes.CDLL, nodes: list[list[int]], threads: int) -> None:
+        self.lib = lib
+        self.nodes = [list(n) for n in nodes]
+        nn = len(self.nodes)
+        threads = max(threads, nn)
+        # threads spread over nodes in proportion to their CPUs (at least one each)
+        total_cpus = sum(len(n) for n in self.nodes)
+        per = [max(1, round(threads * len(n) / total_cpus)) for n in self.nodes]
+        while sum(per) > threads and max(per) > 1:
+            per[per.index(max(per))] -= 1
+        node_of = [n for n in range(nn) for _ in range(per[n])]
+        self.threads = len(node_of)
+        self.threads_per_node = per
+        flat = [c for n in self.nodes for c in n]
+        off = [0]
+        for n in self.nodes:
+            off.append(off[-1] + len(n))
+        arr = ctypes.c_int * max(1, len(flat))
+        pin = 1 if nn > 1 else 0
+        self._ptr = lib.k2_pool_create(
+            self.threads, nn, (ctypes.c_int * len(node_of))(*node_of), arr(*flat),
+            (ctypes.c_int * len(off))(*off), pin, 20000,
+        )  # fmt: skip
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.nodes)
+
+    def __del__(self) -> None:
+        ptr, self._ptr = getattr(self, "_ptr", None), None
+        if ptr:
+            self.lib.k2_pool_destroy(ptr)
+
+
+@functools.cache
+def shared_pool(lib: ctypes.CDLL, topology: tuple[tuple[int, ...], ...], threads: int):
+    """One pool per (library, topology, thread count) per process, shared by all layers."""
+    return KernelPool(lib, [list(n) for n in topology], threads)
+
+
+__all__ = [
+    "FMT_BF16",
+    "FMT_F32",
+    "FMT_FP8",
+    "FMT_INT4",
+    "KernelBuildError",
+    "KernelPool",
+    "KernelSettings",
+    "cpu_has_bf16",
+    "kernel_settings",
+    "load_kernel",
+    "numa_node_ids",
+    "numa_topology",
+    "parse_cpulist",
+    "shared_pool",
+]
