@@ -208,6 +208,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.k2_moe_forward.argtypes = [p, p, i, i, p, i, p, p, p, i, p, p]
     lib.k2_moe_forward.restype = i
     lib.k2_simd_width.restype = i
+    lib.k2_stream_read.argtypes = [p, p, ctypes.c_int64]
+    lib.k2_stream_read.restype = ctypes.c_double
     return lib
 
 
@@ -260,7 +262,7 @@ class KernelPool:
         pin = 1 if nn > 1 else 0
         self._ptr = lib.k2_pool_create(
             self.threads, nn, (ctypes.c_int * len(node_of))(*node_of), arr(*flat),
-            (ctypes.c_int * len(off))(*off), pin, 20000,
+            (ctypes.c_int * len(off))(*off), pin, 2000,
         )  # fmt: skip
 
     @property

@@ -54,6 +54,14 @@
 #define K2_PAUSE() ((void)0)
 #endif
 
+// wait politely: spin a little, then give the core away (oversubscribed machines)
+static inline void relax(int n) {
+  if (n < 4000)
+    K2_PAUSE();
+  else
+    std::this_thread::yield();
+}
+
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
@@ -62,6 +70,13 @@ typedef uint16_t v16s __attribute__((vector_size(32)));
 typedef _Float16 v16h __attribute__((vector_size(32)));
 
 enum { FMT_INT4 = 0, FMT_FP8 = 1, FMT_BF16 = 2, FMT_F32 = 3 };
+// INT4 weights with bf16 activations, through AVX512_BF16 dot products (internal format code)
+enum { FMT_I4BF = 4 };
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define K2_HAS_I4BF 1
+#else
+#define K2_HAS_I4BF 0
+#endif
 enum { X_F32 = 0, X_BF16 = 1 };
 
 static inline v16f loadf(const float* p) {
@@ -102,17 +117,29 @@ template <>
 struct Deq<FMT_INT4> {
   static inline void load(const Mat& m, int r, int c, v16f& lo, v16f& hi) {
     const uint8_t* p = m.w + (int64_t)r * m.row_bytes + (int64_t)c * 16;
+    float s = bf16_to_f32(((const uint16_t*)m.s)[(int64_t)r * m.s_cols + c]);
+    v16f vs = splat(s), vo = splat(-8.f * s);
+#if defined(__AVX512F__)
+    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+    lo = (v16f)_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))) * vs + vo;
+    hi = (v16f)_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)) * vs + vo;
+#else
     v16b b;
     memcpy(&b, p, 16);
     v16i q = __builtin_convertvector(b, v16i);
-    float s = bf16_to_f32(((const uint16_t*)m.s)[(int64_t)r * m.s_cols + c]);
-    v16f vs = splat(s), vo = splat(-8.f * s);
     lo = __builtin_convertvector(q & 15, v16f) * vs + vo;
     hi = __builtin_convertvector(q >> 4, v16f) * vs + vo;
+#endif
   }
 };
 
 static inline v16f fp8x16(const uint8_t* p) {
+#if defined(__AVX512F__)
+  __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
+  __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7),
+                              _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+  return (v16f)_mm512_cvtph_ps(h);
+#else
   v16b b;
   memcpy(&b, p, 16);
   v16s w = __builtin_convertvector(b, v16s);
@@ -120,6 +147,7 @@ static inline v16f fp8x16(const uint8_t* p) {
   v16h hf;
   memcpy(&hf, &h, 32);
   return __builtin_convertvector(hf, v16f);
+#endif
 }
 
 template <>
@@ -135,12 +163,17 @@ struct Deq<FMT_FP8> {
 };
 
 static inline v16f bf16x16(const uint8_t* p) {
+#if defined(__AVX512F__)
+  __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+  return (v16f)_mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+#else
   v16s b;
   memcpy(&b, p, 32);
   v16u u = __builtin_convertvector(b, v16u) << 16;
   v16f f;
   memcpy(&f, &u, 64);
   return f;
+#endif
 }
 
 template <>
@@ -164,7 +197,8 @@ struct Deq<FMT_F32> {
 // out[i * NT + t] = dot(row r0 + i of m, xs[t]) for i < R, t < NT. xs in the chunk layout
 // (for INT4: per 32-column chunk, the 16 even columns then the 16 odd ones).
 template <int FMT, int R, int NT>
-static inline void dot_rows(const Mat& m, int r0, const float* const* xs, float* out) {
+static inline void dot_rows_f32(const Mat& m, int r0, const void* const* xv, float* out) {
+  const float* const* xs = (const float* const*)xv;
   v16f acc_lo[R][NT], acc_hi[R][NT];
   for (int i = 0; i < R; ++i)
     for (int t = 0; t < NT; ++t) acc_lo[i][t] = acc_hi[i][t] = (v16f){};
@@ -184,23 +218,101 @@ static inline void dot_rows(const Mat& m, int r0, const float* const* xs, float*
     for (int t = 0; t < NT; ++t) out[i * NT + t] = hsum(acc_lo[i][t] + acc_hi[i][t]);
 }
 
+#if K2_HAS_I4BF
+// INT4 x bf16 activations: 64 columns (two groups, 32 bytes) at a time. Nibble u (= q + 8)
+// becomes the bf16 value 128 + u by OR-ing 0x4300 (exact), so one vdpbf16ps does 32 exact
+// products with float32 sums; per group: s * (dot(128 + u, x) - 136 * sum(x)). Activations
+// arranged per 64 columns: 32 bf16 meeting the low nibbles of the 32 bytes (byte j: group j/16,
+// column 2 (j % 16)), then 32 meeting the high nibbles (column 2 (j % 16) + 1); sums[t][g] is
+// the sum of group g's 32 activations.
+static const int I4BF_MAX_GROUPS = 1024;
+
+template <int R, int NT>
+static inline void dot_rows_i4bf(const Mat& m, int r0, const void* const* xv,
+                                 const float* const* sums, float* out) {
+  const uint16_t* const* xs = (const uint16_t* const*)xv;
+  const int groups = m.cols >> 5, pairs = m.cols >> 6;
+  alignas(64) float sf[R][I4BF_MAX_GROUPS];
+  for (int i = 0; i < R; ++i) {
+    const uint16_t* sp = (const uint16_t*)m.s + (int64_t)(r0 + i) * m.s_cols;
+    int g = 0;
+    for (; g + 16 <= groups; g += 16) {
+      __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sp + g)));
+      _mm512_store_ps(&sf[i][g], _mm512_castsi512_ps(_mm512_slli_epi32(u, 16)));
+    }
+    for (; g < groups; ++g) sf[i][g] = bf16_to_f32(sp[g]);
+  }
+  __m512 acc[R][NT];
+  for (int i = 0; i < R; ++i)
+    for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi16(0x0F), magic = _mm512_set1_epi16(0x4300);
+  for (int p = 0; p < pairs; ++p) {
+    __m512i lo[R], hi[R];
+    __m512 sv[R];
+    for (int i = 0; i < R; ++i) {
+      const uint8_t* wp = m.w + (int64_t)(r0 + i) * m.row_bytes + (int64_t)p * 32;
+      __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)wp));
+      lo[i] = _mm512_ternarylogic_epi32(w, low, magic, 0xEA);  // (w & 0x0F) | 0x4300
+      hi[i] = _mm512_or_si512(_mm512_srli_epi16(w, 4), magic);
+      sv[i] = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(sf[i][2 * p]),
+                                   _mm512_set1_ps(sf[i][2 * p + 1]));
+    }
+    for (int t = 0; t < NT; ++t) {
+      const uint16_t* xp = xs[t] + (int64_t)p * 64;
+      __m512bh xl = (__m512bh)_mm512_loadu_si512(xp);
+      __m512bh xh = (__m512bh)_mm512_loadu_si512(xp + 32);
+      for (int i = 0; i < R; ++i) {
+        __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)lo[i], xl);
+        d = _mm512_dpbf16_ps(d, (__m512bh)hi[i], xh);
+        acc[i][t] = _mm512_fmadd_ps(sv[i], d, acc[i][t]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int t = 0; t < NT; ++t) {
+      __m512 c = _mm512_setzero_ps();
+      int g = 0;
+      for (; g + 16 <= groups; g += 16)
+        c = _mm512_fmadd_ps(_mm512_load_ps(&sf[i][g]), _mm512_loadu_ps(sums[t] + g), c);
+      float corr = _mm512_reduce_add_ps(c);
+      for (; g < groups; ++g) corr += sf[i][g] * sums[t][g];
+      out[i * NT + t] = _mm512_reduce_add_ps(acc[i][t]) - 136.f * corr;
+    }
+}
+#endif
+
+template <int FMT, int R, int NT>
+static inline void dot_rows(const Mat& m, int r0, const void* const* xs, const float* const* sums,
+                            float* out) {
+#if K2_HAS_I4BF
+  if constexpr (FMT == FMT_I4BF) {
+    dot_rows_i4bf<R, NT>(m, r0, xs, sums, out);
+    return;
+  }
+#endif
+  if constexpr (FMT != FMT_I4BF) {
+    (void)sums;
+    dot_rows_f32<FMT, R, NT>(m, r0, xs, out);
+  }
+}
+
 // rows [r0, r0 + nrows) x nt tokens (nt <= 8): out[i * 8 + t]
 template <int FMT>
-static void dot_block(const Mat& m, int r0, int nrows, const float* const* xs, int nt,
-                      float* out) {
+static void dot_block(const Mat& m, int r0, int nrows, const void* const* xs,
+                      const float* const* sums, int nt, float* out) {
   int i = 0;
   switch (nt) {
 #define K2_CASE(NT, R)                                                  \
   case NT:                                                              \
     for (; i + R <= nrows; i += R) {                                    \
       float tmp[R * NT];                                                \
-      dot_rows<FMT, R, NT>(m, r0 + i, xs, tmp);                         \
+      dot_rows<FMT, R, NT>(m, r0 + i, xs, sums, tmp);                         \
       for (int a = 0; a < R; ++a)                                       \
         for (int t = 0; t < NT; ++t) out[(i + a) * 8 + t] = tmp[a * NT + t]; \
     }                                                                   \
     for (; i < nrows; ++i) {                                            \
       float tmp[NT];                                                    \
-      dot_rows<FMT, 1, NT>(m, r0 + i, xs, tmp);                         \
+      dot_rows<FMT, 1, NT>(m, r0 + i, xs, sums, tmp);                         \
       for (int t = 0; t < NT; ++t) out[i * 8 + t] = tmp[t];             \
     }                                                                   \
     break;
@@ -277,7 +389,7 @@ struct Pool {
     }
     cv.notify_all();
     job(node_of[0], rank_of[0]);
-    while (pending.load(std::memory_order_acquire) != 0) K2_PAUSE();
+    for (int n = 0; pending.load(std::memory_order_acquire) != 0; ++n) relax(n);
   }
 
   ~Pool() {
@@ -298,14 +410,44 @@ struct Layer {
 };
 
 struct Scratch {
-  std::vector<float> x;  // [T, H] float32 (permuted for INT4)
-  std::vector<float> h;  // [P, I] float32, in down_proj's input layout
+  std::vector<float> x;       // [T, H] float32 (permuted for INT4), or bf16 arranged (I4BF)
+  std::vector<float> h;       // [P, I] float32 in down_proj's input layout (or bf16, I4BF)
+  std::vector<float> xsum, hsum;  // I4BF: per 32-column group sums of x / h
   std::vector<int> pair_tok, expert_start, active;
   std::vector<float> pair_w;
 };
 
-static const int RB1 = 16;  // gate/up rows per work item
+static const int RB1 = 32;  // gate/up rows per work item (whole INT4 groups of h)
 static const int RB2 = 16;  // down rows per work item
+
+// Where column i of a row sits in the activation layout of format FMT (see the Deq / dot
+// functions): INT4 even columns of each 32 first; I4BF per 64 columns lo words then hi words.
+template <int FMT>
+static inline int act_pos(int i) {
+  if (FMT == FMT_INT4) {
+    int c = i & 31;
+    return (i & ~31) + ((c & 1) ? 16 + (c >> 1) : (c >> 1));
+  }
+  if (FMT == FMT_I4BF) {
+    int c = i & 63, j = ((c >> 5) << 4) + ((c & 31) >> 1);
+    return (i & ~63) + ((c & 1) ? 32 : 0) + j;
+  }
+  return i;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  // round to nearest even (finite inputs)
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7F800000u) == 0x7F800000u) return (uint16_t)(u >> 16) | ((u & 0xFFFF) ? 0x40 : 0);
+  u += 0x7FFF + ((u >> 16) & 1);
+  return (uint16_t)(u >> 16);
+}
+
+// bytes per activation element
+template <int FMT>
+static constexpr int act_bytes() {
+  return FMT == FMT_I4BF ? 2 : 4;
+}
 
 // node n's share [lo, hi) of `total` rows, in units of `align`, proportional to its threads
 static void node_range(const Pool* P, int node, int total, int align, int& lo, int& hi) {
@@ -319,26 +461,40 @@ static void node_range(const Pool* P, int node, int total, int align, int& lo, i
 
 template <int FMT>
 static void gate_up_item(const Layer* L, int e, int i0, int i1, const int* toks, int m,
-                         const float* xs_base, float* h_base, int slot0) {
+                         const Scratch& sc, char* h_base, float* hsum, int slot0) {
   const Mat& G = L->gate[e];
   const Mat& U = L->up[e];
-  const int H = L->H, I = L->I;
+  const int H = L->H, I = L->I, AB = act_bytes<FMT>();
+  const char* xb = (const char*)sc.x.data();
   float g[RB1 * 8], u[RB1 * 8];
   for (int t0 = 0; t0 < m; t0 += 8) {
     int nt = std::min(8, m - t0);
-    const float* xs[8];
-    for (int t = 0; t < nt; ++t) xs[t] = xs_base + (int64_t)toks[t0 + t] * H;
-    dot_block<FMT>(G, i0, i1 - i0, xs, nt, g);
-    dot_block<FMT>(U, i0, i1 - i0, xs, nt, u);
-    for (int i = i0; i < i1; ++i) {
-      int pos = i;  // where intermediate index i sits in down_proj's input layout
-      if (FMT == FMT_INT4) {
-        int c = i & 31;
-        pos = (i & ~31) + ((c & 1) ? 16 + (c >> 1) : (c >> 1));
-      }
-      for (int t = 0; t < nt; ++t) {
+    const void* xs[8];
+    const float* sums[8];
+    for (int t = 0; t < nt; ++t) {
+      xs[t] = xb + (int64_t)toks[t0 + t] * H * AB;
+      sums[t] = FMT == FMT_I4BF ? sc.xsum.data() + (int64_t)toks[t0 + t] * (H / 32) : nullptr;
+    }
+    dot_block<FMT>(G, i0, i1 - i0, xs, sums, nt, g);
+    dot_block<FMT>(U, i0, i1 - i0, xs, sums, nt, u);
+    for (int t = 0; t < nt; ++t) {
+      const int64_t slot = slot0 + t0 + t;
+      float gs = 0.f;  // I4BF: running sum of the 32-group (i0 is a multiple of 32)
+      for (int i = i0; i < i1; ++i) {
         float gv = g[(i - i0) * 8 + t], uv = u[(i - i0) * 8 + t];
-        h_base[(int64_t)(slot0 + t0 + t) * I + pos] = gv / (1.f + std::exp(-gv)) * uv;
+        float hv = gv / (1.f + std::exp(-gv)) * uv;
+        int pos = act_pos<FMT>(i);
+        if (FMT == FMT_I4BF) {
+          uint16_t hb = f32_to_bf16(hv);
+          ((uint16_t*)h_base)[slot * I + pos] = hb;
+          gs += bf16_to_f32(hb);
+          if (((i + 1) & 31) == 0 || i + 1 == i1) {
+            hsum[slot * (I / 32) + (i >> 5)] = gs;
+            gs = 0.f;
+          }
+        } else {
+          ((float*)h_base)[slot * I + pos] = hv;
+        }
       }
     }
   }
@@ -346,15 +502,20 @@ static void gate_up_item(const Layer* L, int e, int i0, int i1, const int* toks,
 
 template <int FMT>
 static void down_item(const Layer* L, const Scratch& sc, int o0, int o1, float* out) {
-  const int H = L->H, I = L->I;
+  const int H = L->H, I = L->I, AB = act_bytes<FMT>();
+  const char* hb = (const char*)sc.h.data();
   float y[RB2 * 8];
   for (int e : sc.active) {
     int p0 = sc.expert_start[e], p1 = sc.expert_start[e + 1];
     for (int q0 = p0; q0 < p1; q0 += 8) {
       int nt = std::min(8, p1 - q0);
-      const float* hs[8];
-      for (int t = 0; t < nt; ++t) hs[t] = sc.h.data() + (int64_t)(q0 + t) * I;
-      dot_block<FMT>(L->down[e], o0, o1 - o0, hs, nt, y);
+      const void* hs[8];
+      const float* sums[8];
+      for (int t = 0; t < nt; ++t) {
+        hs[t] = hb + (int64_t)(q0 + t) * I * AB;
+        sums[t] = FMT == FMT_I4BF ? sc.hsum.data() + (int64_t)(q0 + t) * (I / 32) : nullptr;
+      }
+      dot_block<FMT>(L->down[e], o0, o1 - o0, hs, sums, nt, y);
       for (int t = 0; t < nt; ++t) {
         float w = sc.pair_w[q0 + t];
         float* o = out + (int64_t)sc.pair_tok[q0 + t] * H;
@@ -374,17 +535,19 @@ struct AllBarrier {
       count.store(0, std::memory_order_relaxed);
       phase.store(ph + 1, std::memory_order_release);
     } else {
-      while (phase.load(std::memory_order_acquire) == ph) K2_PAUSE();
+      for (int i = 0; phase.load(std::memory_order_acquire) == ph; ++i) relax(i);
     }
   }
 };
 
 template <int FMT>
-static void forward_impl(Layer* L, Pool* P, Scratch& sc, const float* xf, float* out) {
+static void forward_impl(Layer* L, Pool* P, Scratch& sc, float* out) {
   const int I = L->I, H = L->H, nn = P->nnodes;
   const int Pn = sc.pair_tok.size();
   if (sc.h.size() < (size_t)Pn * I) sc.h.resize((size_t)Pn * I);
-  float* hb = sc.h.data();
+  if (FMT == FMT_I4BF && sc.hsum.size() < (size_t)Pn * (I / 32)) sc.hsum.resize((size_t)Pn * I / 32);
+  char* hb = (char*)sc.h.data();
+  float* hs = sc.hsum.data();
   const int A = sc.active.size();
   for (int n = 0; n < nn; ++n) P->sync[n].next.store(0);
   AllBarrier bar;
@@ -402,7 +565,7 @@ static void forward_impl(Layer* L, Pool* P, Scratch& sc, const float* xf, float*
       int e = sc.active[it / nb];
       int i0 = r0 + (int)(it % nb) * RB1, i1 = std::min(r1, i0 + RB1);
       int p0 = sc.expert_start[e], p1 = sc.expert_start[e + 1];
-      gate_up_item<FMT>(L, e, i0, i1, sc.pair_tok.data() + p0, p1 - p0, xf, hb, p0);
+      gate_up_item<FMT>(L, e, i0, i1, sc.pair_tok.data() + p0, p1 - p0, sc, hb, hs, p0);
     }
     bar.wait(P->nthreads);
     if (rank == 0) s.next.store(0, std::memory_order_release);
@@ -549,7 +712,9 @@ int k2_moe_forward(void* layer, void* pool, int T, int k, const void* x, int x_d
   Pool* P = (Pool*)pool;
   const int H = L->H, E = L->E;
   std::lock_guard<std::mutex> call(P->call_mu);
-  static thread_local Scratch sc;
+  // NOTE: a reference, so that the lambdas run on the pool's threads see the caller's scratch
+  static thread_local Scratch tl_scratch;
+  Scratch& sc = tl_scratch;
   // 0. bucket the (token, expert) pairs by local expert (a repeated id makes two pairs)
   std::vector<int> cnt(E + 1, 0);
   for (int64_t i = 0; i < (int64_t)T * k; ++i) {
@@ -575,30 +740,41 @@ int k2_moe_forward(void* layer, void* pool, int T, int k, const void* x, int x_d
   sc.active.clear();
   for (int e = 0; e < E; ++e)
     if (sc.expert_start[e + 1] > sc.expert_start[e]) sc.active.push_back(e);
-  // 1. zero the output, x -> float32 in the weights' column order (threads split over rows)
-  if (sc.x.size() < (size_t)T * H) sc.x.resize((size_t)T * H);
-  float* xf = sc.x.data();
+  // 1. zero the output; x -> the activation layout (threads split over rows)
   const int fmt = L->fmt;
+  const int kfmt = (fmt == FMT_INT4 && x_dtype == X_BF16 && K2_HAS_I4BF && H % 64 == 0 &&
+                    L->I % 64 == 0 && H / 32 <= 1024 && L->I / 32 <= 1024)
+                       ? FMT_I4BF
+                       : fmt;
+  if (sc.x.size() < (size_t)T * H) sc.x.resize((size_t)T * H);
+  if (kfmt == FMT_I4BF && sc.xsum.size() < (size_t)T * (H / 32)) sc.xsum.resize((size_t)T * H / 32);
   std::atomic<int> next{0};
   P->run([&](int, int) {
     for (;;) {
       int t = next.fetch_add(1);
       if (t >= T) break;
       memset(out + (int64_t)t * H, 0, sizeof(float) * H);
-      float* dst = xf + (int64_t)t * H;
       float row[32];
       for (int c = 0; c < H; c += 32) {
         if (x_dtype == X_BF16) {
           const uint16_t* src = (const uint16_t*)x + (int64_t)t * H + c;
+          if (kfmt == FMT_I4BF) {
+            uint16_t* dst = (uint16_t*)sc.x.data() + (int64_t)t * H;
+            float gsum = 0.f;
+            for (int j = 0; j < 32; ++j) {
+              dst[act_pos<FMT_I4BF>(c + j)] = src[j];
+              gsum += bf16_to_f32(src[j]);
+            }
+            sc.xsum[(int64_t)t * (H / 32) + c / 32] = gsum;
+            continue;
+          }
           for (int j = 0; j < 32; ++j) row[j] = bf16_to_f32(src[j]);
         } else {
           memcpy(row, (const float*)x + (int64_t)t * H + c, sizeof(row));
         }
+        float* dst = sc.x.data() + (int64_t)t * H;
         if (fmt == FMT_INT4) {
-          for (int j = 0; j < 16; ++j) {
-            dst[c + j] = row[2 * j];
-            dst[c + 16 + j] = row[2 * j + 1];
-          }
+          for (int j = 0; j < 32; ++j) dst[act_pos<FMT_INT4>(c + j)] = row[j];
         } else {
           memcpy(dst + c, row, sizeof(row));
         }
@@ -607,15 +783,52 @@ int k2_moe_forward(void* layer, void* pool, int T, int k, const void* x, int x_d
   });
   if (Pn == 0) return 0;
   // 2, 3. gate + up, then down
+#if K2_HAS_I4BF
+  if (kfmt == FMT_I4BF) {
+    forward_impl<FMT_I4BF>(L, P, sc, out);
+    return 0;
+  }
+#endif
   if (fmt == FMT_INT4)
-    forward_impl<FMT_INT4>(L, P, sc, xf, out);
+    forward_impl<FMT_INT4>(L, P, sc, out);
   else if (fmt == FMT_FP8)
-    forward_impl<FMT_FP8>(L, P, sc, xf, out);
+    forward_impl<FMT_FP8>(L, P, sc, out);
   else if (fmt == FMT_BF16)
-    forward_impl<FMT_BF16>(L, P, sc, xf, out);
+    forward_impl<FMT_BF16>(L, P, sc, out);
   else
-    forward_impl<FMT_F32>(L, P, sc, xf, out);
+    forward_impl<FMT_F32>(L, P, sc, out);
   return 0;
+}
+
+// Read nbytes at p with the pool's threads (each node reads its share), summing 32-bit words as
+// floats: the benchmarks' memory read bandwidth probe, on the same threads as the kernel.
+double k2_stream_read(void* pool, const void* p, int64_t nbytes) {
+  Pool* P = (Pool*)pool;
+  std::lock_guard<std::mutex> call(P->call_mu);
+  const int64_t chunk = 1 << 20;
+  const int64_t nchunks = nbytes / chunk;
+  std::atomic<int64_t> next{0};
+  std::vector<double> part(P->nthreads, 0.0);
+  std::atomic<int> slot{0};
+  P->run([&](int, int) {
+    int me = slot.fetch_add(1);
+    v16f a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    for (;;) {
+      int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= nchunks) break;
+      const float* f = (const float*)((const char*)p + i * chunk);
+      for (int64_t j = 0; j < chunk / 4; j += 64) {
+        a0 += loadf(f + j);
+        a1 += loadf(f + j + 16);
+        a2 += loadf(f + j + 32);
+        a3 += loadf(f + j + 48);
+      }
+    }
+    part[me] = hsum(a0 + a1 + a2 + a3);
+  });
+  double s = 0;
+  for (double v : part) s += v;
+  return s;
 }
 
 int k2_simd_width() {

@@ -1,0 +1,207 @@
+"""One MoE layer's routed experts on the CPU, against the CPU's memory bandwidth in the same run.
+
+Real Kimi-K2 expert sizes by default (hidden 7168, moe intermediate 2048, 384 experts top-8,
+INT4 group 32, dummy weights generated in memory); batch 1, 4, 16 and a 2K-token prefill, every
+routed expert on the CPU. Prints, per case: ms per layer, the bytes the step must read (the
+distinct experts it hits, at their stored size), that over the time as GB/s and as a fraction
+of the measured read bandwidth, the old per-expert torch path and KT-Kernel (the peer, when
+`kt_kernel` imports) on the same weights, and the extrapolation to 60 MoE layers (tok/s).
+
+    python bench/cpu_moe.py                      # K2 sizes (needs ~10 GB of RAM for 384 experts)
+    python bench/cpu_moe.py --experts 48         # a smaller pool on a small machine
+    python bench/cpu_moe.py --format fp8 --experts 32 --no-old
+
+Correctness is checked first (native vs the torch reference on a few tokens). Each timing uses
+fresh random routing so the experts read are not in the caches; the bandwidth probe reads a
+buffer of --bw-gib GiB (much larger than the LLC) with the kernel's own threads and with torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+from k2serve.moe import cpu_kernel as ck  # noqa: E402
+from k2serve.moe.cpu_experts import CpuExpertBackend  # noqa: E402
+from k2serve.quant.linear import Fp8BlockLinear, Int4GroupLinear, UnquantizedLinear  # noqa: E402
+
+
+def make_linear(fmt: str, out_f: int, in_f: int, g: torch.Generator) -> nn.Module:
+    """Dummy weights of the stored size: random nibbles / fp8 bytes / bf16, small scales."""
+    if fmt == "int4":
+        lin = Int4GroupLinear(in_f, out_f, 32)
+        lin.weight_packed.data = torch.randint(
+            -(2**31), 2**31 - 1, (out_f, in_f // 8), dtype=torch.int32, generator=g
+        )
+        lin.weight_scale.data = (torch.rand(out_f, in_f // 32, generator=g) * 0.02 + 0.001).to(
+            torch.bfloat16
+        )
+        lin.weight_shape.data = torch.tensor([out_f, in_f], dtype=torch.int32)
+    elif fmt == "fp8":
+        lin = Fp8BlockLinear(in_f, out_f, (128, 128))
+        u8 = torch.randint(0, 256, (out_f, in_f), dtype=torch.uint8, generator=g)
+        u8 = torch.where((u8 & 0x7F) == 0x7F, u8 & 0xF0, u8)  # no NaN encodings
+        lin.weight.data = u8.view(torch.float8_e4m3fn)
+        lin.weight_scale_inv.data = torch.rand(-(-out_f // 128), -(-in_f // 128), generator=g)
+        lin.weight_scale_inv.data.mul_(1e-3)
+    else:
+        lin = UnquantizedLinear(in_f, out_f, torch.bfloat16)
+        lin.weight.data = (torch.randn(out_f, in_f, generator=g) * in_f**-0.5).bfloat16()
+    return lin
+
+
+class Expert(nn.Module):
+    def __init__(self, fmt, hidden, inter, g):
+        super().__init__()
+        self.gate_proj = make_linear(fmt, inter, hidden, g)
+        self.up_proj = make_linear(fmt, inter, hidden, g)
+        self.down_proj = make_linear(fmt, hidden, inter, g)
+
+
+def expert_bytes(ex: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in ex.parameters())
+
+
+def routing(T: int, E: int, k: int, g: torch.Generator):
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).long()
+    w = torch.rand(T, k, generator=g) / k
+    return ids, w
+
+
+def read_bandwidth(backend: CpuExpertBackend, gib: float, reps: int = 5) -> tuple[float, float]:
+    """(GB/s with the kernel's threads, GB/s with torch.sum) reading a buffer of `gib` GiB."""
+    buf = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    nbytes = buf.numel() * 4
+    best_k = best_t = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        backend._lib.k2_stream_read(backend._pool._ptr, buf.data_ptr(), nbytes)
+        best_k = min(best_k, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        buf.sum()
+        best_t = min(best_t, time.perf_counter() - t0)
+    del buf
+    return nbytes / best_k / 1e9, nbytes / best_t / 1e9
+
+
+def time_backend(fn, T, E, k, g, iters, warmup=1):
+    ts = []
+    hits = []
+    for i in range(warmup + iters):
+        ids, w = routing(T, E, k, g)
+        x = torch.randn(T, HIDDEN, generator=g).bfloat16()
+        t0 = time.perf_counter()
+        fn(x, ids, w)
+        dt = time.perf_counter() - t0
+        if i >= warmup:
+            ts.append(dt)
+            hits.append(ids.unique().numel())
+    ts.sort()
+    return ts[len(ts) // 2], sum(hits) / len(hits)  # median time, mean distinct experts hit
+
+
+def kt_peer(experts, fmt, hidden, inter, E, k, threads):
+    """KT-Kernel's MoE on the same weights, or (None, reason)."""
+    try:
+        import kt_kernel  # noqa: F401
+        from kt_kernel import KTMoEWrapper  # noqa: F401
+    except Exception as e:  # not installed / no matching CPU variant
+        return None, f"kt_kernel not importable ({type(e).__name__}: {str(e)[:80]})"
+    try:
+        from bench_kt_peer import make_kt_layer  # bench/bench_kt_peer.py
+
+        return make_kt_layer(experts, fmt, hidden, inter, E, k, threads), "ok"
+    except Exception as e:
+        return None, f"kt_kernel set-up failed ({type(e).__name__}: {str(e)[:160]})"
+
+
+HIDDEN = 7168
+
+
+def main(argv=None) -> int:
+    global HIDDEN
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--experts", type=int, default=384)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--inter", type=int, default=2048)
+    ap.add_argument("--format", choices=["int4", "fp8", "bf16"], default="int4")
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--prefill", type=int, default=2048, help="prefill tokens (0: skip)")
+    ap.add_argument("--threads", type=int, default=None, help="default: torch's thread count")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--bw-gib", type=float, default=2.0)
+    ap.add_argument("--layers", type=int, default=60, help="MoE layers for the extrapolation")
+    ap.add_argument("--no-old", action="store_true", help="skip the old torch path")
+    ap.add_argument("--no-peer", action="store_true", help="skip KT-Kernel")
+    args = ap.parse_args(argv)
+    HIDDEN = args.hidden
+    threads = args.threads or torch.get_num_threads()
+    g = torch.Generator().manual_seed(0)
+    print(f"# cpu_moe: {args.experts} experts top-{args.topk}, hidden {args.hidden}, "
+          f"inter {args.inter}, {args.format}, {threads} threads, torch {torch.__version__}, "
+          f"{os.cpu_count()} CPUs, NUMA nodes {len(ck.numa_topology())}")  # fmt: skip
+    t0 = time.perf_counter()
+    experts = [Expert(args.format, args.hidden, args.inter, g) for _ in range(args.experts)]
+    per_expert = expert_bytes(experts[0])
+    print(f"# weights: {args.experts} x {per_expert / 1e6:.1f} MB = "
+          f"{args.experts * per_expert / 1e9:.2f} GB made in {time.perf_counter() - t0:.1f}s")  # fmt: skip
+    E, k = args.experts, args.topk
+    native = CpuExpertBackend(experts, range(E), E, kernel="native", threads=threads)
+    old = CpuExpertBackend(experts, range(E), E, kernel="torch")
+    # -- correctness: native vs the torch path on a few tokens (bf16 activations)
+    for T in (1, 5):
+        ids, w = routing(T, E, k, g)
+        x = torch.randn(T, args.hidden, generator=g).bfloat16()
+        a = native(x, ids, w).float()
+        b = old(x.float(), ids, w).float()
+        err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+        ok = err < 2e-2
+        print(f"# check T={T}: max |native - torch| / max |torch| = {err:.2e} "
+              f"{'OK' if ok else 'FAIL'}")  # fmt: skip
+        if not ok:
+            return 1
+    bw_k, bw_t = read_bandwidth(native, args.bw_gib)
+    bw = max(bw_k, bw_t)
+    print(f"# read bandwidth ({args.bw_gib} GiB buffer): kernel threads {bw_k:.1f} GB/s, "
+          f"torch.sum {bw_t:.1f} GB/s; limit used = {bw:.1f} GB/s")  # fmt: skip
+    peer, why = (None, "skipped") if args.no_peer else kt_peer(
+        experts, args.format, args.hidden, args.inter, E, k, threads
+    )
+    if peer is None:
+        print(f"# peer: {why}")
+    cases = [int(b) for b in args.batches.split(",") if b] + (
+        [args.prefill] if args.prefill else []
+    )
+    hdr = (f"{'tokens':>7} {'ms/layer':>9} {'MB read':>8} {'GB/s':>7} {'of BW':>6} "
+           f"{'old ms':>9} {'x old':>6} {'KT ms':>8} {'x KT':>6} {'tok/s@' + str(args.layers):>10}")  # fmt: skip
+    print(hdr)
+    for T in cases:
+        iters = args.iters if T <= 64 else max(2, args.iters // 5)
+        t_new, hit = time_backend(native, T, E, k, g, iters)
+        read = hit * per_expert
+        gbs = read / t_new / 1e9
+        t_old = None
+        if not args.no_old and T <= 16:
+            t_old, _ = time_backend(old, T, E, k, g, 2 if T == 1 else 1, warmup=0)
+        t_kt = None
+        if peer is not None:
+            t_kt, _ = time_backend(peer, T, E, k, g, iters)
+        tok_s = T / (t_new * args.layers)
+        print(f"{T:>7} {t_new * 1e3:>9.2f} {read / 1e6:>8.0f} {gbs:>7.1f} {gbs / bw:>6.0%} "
+              f"{(t_old or 0) * 1e3:>9.1f} {(t_old / t_new if t_old else 0):>6.1f} "
+              f"{(t_kt or 0) * 1e3:>8.2f} {(t_kt / t_new if t_kt else 0):>6.2f} {tok_s:>10.2f}")  # fmt: skip
+    print("# tok/s@N: tokens per second of the routed experts alone over N MoE layers "
+          "(attention, shared expert and dense layers not included)")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
