@@ -7,6 +7,10 @@ elsewhere torch ops; no host sync either way (CUDA-graph safe) - `grouped_topk_t
 `grouped_topk_ref`, a per-token loop written straight from the spec (shared/spec/kimi_format.md
 section 3.5) that the tests use as the oracle.
 
+Robustness: ids are always in [0, E) and distinct per token, whatever the input. A NaN
+selection score (NaN logit or bias) ranks below every finite one (as the finite floor
+`NAN_SCORE`) and its weight is 0; +-inf logits are ordinary (sigmoid 1 / 0).
+
 Rules: scores = sigmoid(logits) in float32; the bias (e_score_correction_bias) is added only
 for selection; groups: keep the `topk_group` groups with the largest sum of their top-2 biased
 scores; weights are the unbiased scores of the chosen experts, renormalised when
@@ -18,6 +22,8 @@ from __future__ import annotations
 import torch
 
 from ._triton import HAS_TRITON, INTERPRET, tl, triton
+
+NAN_SCORE = -1.0e30  # a NaN selection score ranks here: below every real one, above "excluded"
 
 
 def grouped_topk(
@@ -54,11 +60,14 @@ if HAS_TRITON:
         flat = g * EG + i  # [G, EGP] expert ids
         ok = i < EG
         x = tl.load(lg_ptr + t * lg_stride + flat, mask=ok, other=0.0).to(tl.float32)
-        s = tl.sigmoid(x)
-        c = s
+        c = tl.sigmoid(x)
+        s = tl.where(c == c, c, 0.0)  # NaN logit: weight 0
         if HAS_BIAS:
-            c = s + tl.load(bias_ptr + flat, mask=ok, other=0.0).to(tl.float32)
+            c = c + tl.load(bias_ptr + flat, mask=ok, other=0.0).to(tl.float32)
         NEG: tl.constexpr = float("-inf")
+        # NaN (and -inf) choices rank at the finite floor, so that every real expert stays
+        # above the excluded ones (-inf) and each pick below is a distinct id in [0, E)
+        c = tl.where(c > -1.0e30, c, -1.0e30)
         c = tl.where(ok, c, NEG)
         big = E + EGP * G
         if G > 1:  # keep the TOPK_G groups with the largest sum of their top-2 choice scores
@@ -79,7 +88,8 @@ if HAS_TRITON:
         ws = tl.zeros([KP], tl.float32)
         for j in tl.static_range(K):
             m = tl.max(tl.max(c, 1), 0)
-            e = tl.min(tl.min(tl.where(c == m, flat, big), 1), 0)
+            e = tl.min(tl.min(tl.where((c == m) & ok, flat, big), 1), 0)
+            e = tl.minimum(e, E - 1)  # never out of range, even for an impossible input
             hit = (flat == e) & ok  # padded columns alias the next group's ids
             w = tl.sum(tl.sum(tl.where(hit, s, 0.0), 1), 0)
             ids = tl.where(ko == j, e, ids)
@@ -133,6 +143,8 @@ def grouped_topk_torch(
         raise ValueError(f"n_group={n_group} does not divide num_experts={E}")
     scores = torch.sigmoid(router_logits.float())
     choice = scores + bias.float() if bias is not None else scores
+    choice = choice.nan_to_num(nan=NAN_SCORE, neginf=NAN_SCORE)  # see the module docstring
+    scores = scores.nan_to_num(nan=0.0)
     if n_group > 1:
         g = choice.view(T, n_group, E // n_group)
         gscore = g.topk(2, dim=-1).values.sum(-1)  # [T, n_group]

@@ -372,6 +372,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = MLAAttention(b, f"{prefix}.self_attn", rope)
         if c.is_moe_layer(idx):
             self.mlp: nn.Module = MoE(b, f"{prefix}.mlp")
+            self.mlp.gate.layer_idx = idx  # named in the router's non-finite input warning
         else:
             self.mlp = MLP(b, f"{prefix}.mlp", c.hidden_size, c.intermediate_size)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, b.dtype)

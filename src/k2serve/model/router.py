@@ -8,13 +8,25 @@ Invariants:
   routed_scaling_factor.
 - With n_group > 1, groups are ranked by the sum of their top-2 biased scores; only the best
   topk_group groups are eligible.
+- Ids are always in [0, E) and distinct per token, whatever the input: a NaN selection score
+  ranks below every real one (NAN_SCORE) and gets weight 0. A non-finite
+  hidden state is reported: on the CPU (where the check costs no device sync) a warning naming
+  the layer, the first time and then every 1000th time per layer; on CUDA the count of steps
+  with one is kept on the device (`nonfinite_steps`, CUDA-graph safe, read without a sync
+  when the caller chooses) since a per-layer host check would stall every decode step.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+logger = logging.getLogger(__name__)
+
+NAN_SCORE = -1.0e30  # as kernels.router.NAN_SCORE (not imported: that module imports Triton)
 
 
 class TopkRouter(nn.Module):
@@ -38,6 +50,9 @@ class TopkRouter(nn.Module):
         self._mm_out_dtype_ok = True
         self.use_triton = False  # set by setup_backends: fused top-k kernel on CUDA
         self.decode_gemv = False  # set by set_fused_kernels: one-row GEMV kernel at batch 1
+        self.layer_idx: int | None = None  # set by the decoder layer; named in warnings
+        self.nonfinite_count = 0  # CPU: calls whose input had a NaN / inf
+        self.nonfinite_steps: torch.Tensor | None = None  # CUDA: the same count, on the device
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:  # [T, E] float32
         """float32 logits as transformers computes them (x and weight upcast), without
@@ -63,9 +78,27 @@ class TopkRouter(nn.Module):
             self._w32_key = key
         return F.linear(x.to(torch.float32), self._w32)
 
+    def _report_nonfinite(self, logits: torch.Tensor) -> None:
+        bad = ~torch.isfinite(logits).all()  # a NaN / inf in x reaches every logit of its row
+        if logits.is_cuda:
+            if self.nonfinite_steps is None or self.nonfinite_steps.device != logits.device:
+                self.nonfinite_steps = torch.zeros((), dtype=torch.int64, device=logits.device)
+            self.nonfinite_steps.add_(bad.to(torch.int64))  # no host sync
+            return
+        if bool(bad):
+            self.nonfinite_count += 1
+            if self.nonfinite_count % 1000 == 1:
+                logger.warning(
+                    "non-finite hidden state reaches the router of layer %s (%d time(s) so far); "
+                    "its tokens get valid expert ids and weight 0 for NaN scores, but the "
+                    "output is likely garbage (check the weights and the input)",
+                    self.layer_idx, self.nonfinite_count,
+                )  # fmt: skip
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (topk_weights [T, k] float32, topk_ids [T, k] int64)."""
         logits = self.router_logits(x)
+        self._report_nonfinite(logits)
         if self.use_triton and logits.is_cuda:
             from k2serve.kernels.router import fused_grouped_topk
 
@@ -96,6 +129,8 @@ def grouped_topk(
     T, E = logits.shape
     scores = logits.sigmoid()  # [T, E]
     choice = scores + bias.to(scores.dtype)  # [T, E]
+    choice = choice.nan_to_num(nan=NAN_SCORE, neginf=NAN_SCORE)  # ids stay valid (docstring)
+    scores = scores.nan_to_num(nan=0.0)
     if n_group > 1:
         grouped = choice.view(T, n_group, E // n_group)
         group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, n_group]
