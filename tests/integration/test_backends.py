@@ -15,10 +15,11 @@ from .conftest import load_tiny, needs_cuda, paged_logits
 
 
 def test_cpu_defaults_to_torch_references_and_says_so(caplog):
+    """On the CPU: torch attention / norm, the CPU expert backend for the routed experts."""
     model = load_tiny()
     with caplog.at_level("INFO", logger="k2serve.model.deepseek_v3"):
         line = model.setup_backends()
-    assert "attention=torch" in line and "moe=torch" in line and "rms_norm=torch" in line
+    assert "attention=torch" in line and "moe=cpu" in line and "rms_norm=torch" in line
     assert line in caplog.text
     assert all(layer.self_attn.backend.name == "torch" for layer in model.model.layers)
 

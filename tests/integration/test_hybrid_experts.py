@@ -85,11 +85,11 @@ def test_cpu_experts_are_computed_by_the_cpu_backend(tmp_path):
     cpu = model.model.layers[1].mlp.expert_backend.cpu_backend
     assert cpu.expert_ids == (0, 1, 2, 3)  # the coldest by the counts
     seen = []
-    compute = cpu.compute
-    cpu.compute = lambda host, like: (seen.append(host), compute(host, like))[1]
+    wait = cpu.wait
+    cpu.wait = lambda: (seen.append(wait()), seen[-1])[1]  # the CPU backend's results
     ids = _ids(30, seed=1)
     model(ids, torch.arange(len(ids)))
-    assert seen and seen[0] is not None  # some tokens routed to a CPU expert
+    assert seen and seen[0].abs().sum() > 0  # some tokens routed to a CPU expert
     # INT4 weights stay packed in host memory
     assert cpu.experts[0].gate_proj.weight_packed.dtype == torch.int32
 

@@ -13,7 +13,8 @@ from k2serve.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB, when neither the memory nor the length is given
+CPU_KV_MAX_RAM_FRACTION = 0.8  # of MemAvailable after the weights are loaded
 
 _DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -37,10 +38,28 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """auto: bfloat16 on CUDA, float32 on CPU (bf16 matmuls are slow on most CPUs)."""
+    """auto: bfloat16 on CUDA; on the CPU bfloat16 when it computes bf16 natively (AVX512_BF16
+    or AMX-BF16 in /proc/cpuinfo: half the bytes of float32 per weight and activation, and the
+    CPU expert kernel's bf16 dot products), else float32 (bf16 is emulated, slowly, there)."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        from k2serve.moe.cpu_kernel import cpu_has_bf16
+
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
     return _DTYPES[dtype]
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def activation_dtype(model, cfg: EngineConfig, device: torch.device) -> torch.dtype:
@@ -125,6 +144,14 @@ def num_kv_pages(
             free, total = torch.cuda.mem_get_info(device)
             budget = int(total * cfg.gpu_memory_utilization) - (total - free)
             source = f"gpu_memory_utilization={cfg.gpu_memory_utilization}"
+        elif not may_shrink_max_model_len:  # CPU, --max-model-len given: room for that context
+            want = cfg.max_num_seqs * cdiv(max_model_len, ps) * per_page
+            avail = available_memory_bytes()
+            cap = int(avail * CPU_KV_MAX_RAM_FRACTION) if avail is not None else want
+            budget = min(want, cap)
+            source = f"max_model_len={max_model_len} x max_num_seqs={cfg.max_num_seqs}"
+            if cap < want:
+                source += f", bounded by {CPU_KV_MAX_RAM_FRACTION:.0%} of available RAM"
         else:
             budget, source = DEFAULT_CPU_KV_CACHE_MEMORY, "CPU default"
         pages = max(0, budget) // per_page

@@ -2,9 +2,11 @@
 
 `make_expert_backend(experts, name, device, layer=, placement=)` builds one MoE layer's
 backend: "auto" = the fused Triton MoE on CUDA (when Triton imports and the weight format is
-supported), else the torch reference; "torch" / "triton" force one. With a placement that puts
-some of the layer's experts on the CPU, those experts' weights are moved to host memory (if
-they are not there already) and the layer gets a `HybridExpertBackend`.
+supported), on the CPU the CPU expert backend (native kernel, one call per layer-step; it
+falls back to the torch path itself), else the torch reference; "torch" / "triton" force one.
+With a placement that puts some of the layer's experts on the CPU, those experts' weights are
+moved to host memory (if they are not there already) and the layer gets a
+`HybridExpertBackend`.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ def make_expert_backend(
     device = torch.device(device)
     cpu_ids = placement.cpu_experts(layer) if placement is not None else ()
     if not cpu_ids:
+        if device.type == "cpu" and name == "auto":  # CPU-only: every expert on the CPU kernel
+            n = len(experts)
+            return CpuExpertBackend(list(experts), range(n), n, cpu_compute_dtype)
         return _gpu_backend(experts, name, device)
     gpu_ids = [e for e in range(len(experts)) if e not in set(cpu_ids)]
     for e in cpu_ids:
