@@ -109,14 +109,13 @@ def time_backend(fn, T, E, k, g, iters, warmup=1):
 
 def kt_peer(experts, fmt, hidden, inter, E, k, threads):
     """KT-Kernel's MoE on the same weights, or (None, reason)."""
+    from bench_kt_peer import load_ext, make_kt_layer  # bench/bench_kt_peer.py
+
     try:
-        import kt_kernel  # noqa: F401
-        from kt_kernel import KTMoEWrapper  # noqa: F401
+        load_ext()
     except Exception as e:  # not installed / no matching CPU variant
         return None, f"kt_kernel not importable ({type(e).__name__}: {str(e)[:80]})"
     try:
-        from bench_kt_peer import make_kt_layer  # bench/bench_kt_peer.py
-
         return make_kt_layer(experts, fmt, hidden, inter, E, k, threads), "ok"
     except Exception as e:
         return None, f"kt_kernel set-up failed ({type(e).__name__}: {str(e)[:160]})"
@@ -148,11 +147,13 @@ def main(argv=None) -> int:
     print(f"# cpu_moe: {args.experts} experts top-{args.topk}, hidden {args.hidden}, "
           f"inter {args.inter}, {args.format}, {threads} threads, torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs, NUMA nodes {len(ck.numa_topology())}")  # fmt: skip
+    print(f"# native kernel: SIMD {ck.load_kernel('native').k2_simd_width()} bits, CPU bf16 "
+          f"{ck.cpu_has_bf16()}")  # fmt: skip
     t0 = time.perf_counter()
     experts = [Expert(args.format, args.hidden, args.inter, g) for _ in range(args.experts)]
     per_expert = expert_bytes(experts[0])
-    print(f"# weights: {args.experts} x {per_expert / 1e6:.1f} MB = "
-          f"{args.experts * per_expert / 1e9:.2f} GB made in {time.perf_counter() - t0:.1f}s")  # fmt: skip
+    total, dt = args.experts * per_expert / 1e9, time.perf_counter() - t0
+    print(f"# weights: {args.experts} x {per_expert / 1e6:.1f} MB = {total:.2f} GB ({dt:.1f}s)")
     E, k = args.experts, args.topk
     native = CpuExpertBackend(experts, range(E), E, kernel="native", threads=threads)
     old = CpuExpertBackend(experts, range(E), E, kernel="torch")
@@ -177,11 +178,19 @@ def main(argv=None) -> int:
     )
     if peer is None:
         print(f"# peer: {why}")
+    else:
+        for T in (1, 5):
+            ids, w = routing(T, E, k, g)
+            x = torch.randn(T, args.hidden, generator=g).bfloat16()
+            a, b = native(x, ids, w).float(), peer(x, ids, w).float()
+            err = ((a - b).abs().max() / a.abs().max().clamp_min(1e-12)).item()
+            print(f"# peer {peer.name}: T={T} max |native - peer| / max |native| = {err:.2e}")
     cases = [int(b) for b in args.batches.split(",") if b] + (
         [args.prefill] if args.prefill else []
     )
+    tps = f"tok/s@{args.layers}"
     hdr = (f"{'tokens':>7} {'ms/layer':>9} {'MB read':>8} {'GB/s':>7} {'of BW':>6} "
-           f"{'old ms':>9} {'x old':>6} {'KT ms':>8} {'x KT':>6} {'tok/s@' + str(args.layers):>10}")  # fmt: skip
+           f"{'old ms':>9} {'x old':>6} {'KT ms':>8} {'x KT':>6} {tps:>10}")  # fmt: skip
     print(hdr)
     for T in cases:
         iters = args.iters if T <= 64 else max(2, args.iters // 5)
@@ -195,9 +204,11 @@ def main(argv=None) -> int:
         if peer is not None:
             t_kt, _ = time_backend(peer, T, E, k, g, iters)
         tok_s = T / (t_new * args.layers)
+        x_old = t_old / t_new if t_old else 0
+        x_kt = t_kt / t_new if t_kt else 0
         print(f"{T:>7} {t_new * 1e3:>9.2f} {read / 1e6:>8.0f} {gbs:>7.1f} {gbs / bw:>6.0%} "
-              f"{(t_old or 0) * 1e3:>9.1f} {(t_old / t_new if t_old else 0):>6.1f} "
-              f"{(t_kt or 0) * 1e3:>8.2f} {(t_kt / t_new if t_kt else 0):>6.2f} {tok_s:>10.2f}")  # fmt: skip
+              f"{(t_old or 0) * 1e3:>9.1f} {x_old:>6.1f} {(t_kt or 0) * 1e3:>8.2f} {x_kt:>6.2f} "
+              f"{tok_s:>10.2f}")  # fmt: skip
     print("# tok/s@N: tokens per second of the routed experts alone over N MoE layers "
           "(attention, shared expert and dense layers not included)")  # fmt: skip
     return 0
