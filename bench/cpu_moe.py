@@ -33,20 +33,30 @@ from k2serve.moe.cpu_experts import CpuExpertBackend  # noqa: E402
 from k2serve.quant.linear import Fp8BlockLinear, Int4GroupLinear, UnquantizedLinear  # noqa: E402
 
 
-def make_linear(fmt: str, out_f: int, in_f: int, g: torch.Generator) -> nn.Module:
+def _bits(shape, dtype, g, cache: dict, salt: int) -> torch.Tensor:
+    """Random bits of `shape`: one random tensor per shape, XOR-ed with a per-expert salt (fast:
+    hundreds of K2 experts are made in seconds; every expert has its own memory and values)."""
+    key = (tuple(shape), dtype)
+    if key not in cache:
+        lo, hi = (-(2**31), 2**31 - 1) if dtype == torch.int32 else (0, 255)
+        cache[key] = torch.randint(lo, hi, shape, dtype=dtype, generator=g)
+    m = (salt * 0x9E3779B1) & 0x7FFFFFFF if dtype == torch.int32 else (salt * 37) & 0x7F
+    return cache[key] ^ m
+
+
+def make_linear(fmt: str, out_f: int, in_f: int, g: torch.Generator, cache=None, salt=0):
     """Dummy weights of the stored size: random nibbles / fp8 bytes / bf16, small scales."""
+    cache = {} if cache is None else cache
     if fmt == "int4":
         lin = Int4GroupLinear(in_f, out_f, 32)
-        lin.weight_packed.data = torch.randint(
-            -(2**31), 2**31 - 1, (out_f, in_f // 8), dtype=torch.int32, generator=g
-        )
+        lin.weight_packed.data = _bits((out_f, in_f // 8), torch.int32, g, cache, salt)
         lin.weight_scale.data = (torch.rand(out_f, in_f // 32, generator=g) * 0.02 + 0.001).to(
             torch.bfloat16
         )
         lin.weight_shape.data = torch.tensor([out_f, in_f], dtype=torch.int32)
     elif fmt == "fp8":
         lin = Fp8BlockLinear(in_f, out_f, (128, 128))
-        u8 = torch.randint(0, 256, (out_f, in_f), dtype=torch.uint8, generator=g)
+        u8 = _bits((out_f, in_f), torch.uint8, g, cache, salt)
         u8 = torch.where((u8 & 0x7F) == 0x7F, u8 & 0xF0, u8)  # no NaN encodings
         lin.weight.data = u8.view(torch.float8_e4m3fn)
         lin.weight_scale_inv.data = torch.rand(-(-out_f // 128), -(-in_f // 128), generator=g)
@@ -58,11 +68,12 @@ def make_linear(fmt: str, out_f: int, in_f: int, g: torch.Generator) -> nn.Modul
 
 
 class Expert(nn.Module):
-    def __init__(self, fmt, hidden, inter, g):
+    def __init__(self, fmt, hidden, inter, g, cache=None, salt=0):
         super().__init__()
-        self.gate_proj = make_linear(fmt, inter, hidden, g)
-        self.up_proj = make_linear(fmt, inter, hidden, g)
-        self.down_proj = make_linear(fmt, hidden, inter, g)
+        cache = {} if cache is None else cache
+        self.gate_proj = make_linear(fmt, inter, hidden, g, cache, 3 * salt)
+        self.up_proj = make_linear(fmt, inter, hidden, g, cache, 3 * salt + 1)
+        self.down_proj = make_linear(fmt, hidden, inter, g, cache, 3 * salt + 2)
 
 
 def expert_bytes(ex: nn.Module) -> int:
@@ -150,7 +161,11 @@ def main(argv=None) -> int:
     print(f"# native kernel: SIMD {ck.load_kernel('native').k2_simd_width()} bits, CPU bf16 "
           f"{ck.cpu_has_bf16()}")  # fmt: skip
     t0 = time.perf_counter()
-    experts = [Expert(args.format, args.hidden, args.inter, g) for _ in range(args.experts)]
+    cache: dict = {}
+    experts = [
+        Expert(args.format, args.hidden, args.inter, g, cache, e) for e in range(args.experts)
+    ]
+    cache.clear()
     per_expert = expert_bytes(experts[0])
     total, dt = args.experts * per_expert / 1e9, time.perf_counter() - t0
     print(f"# weights: {args.experts} x {per_expert / 1e6:.1f} MB = {total:.2f} GB ({dt:.1f}s)")

@@ -10,7 +10,8 @@ CpuExpertBackend interface (what the hybrid / overlap code drives):
   CPU experts on a worker thread; returns at once. The native kernel runs with the GIL released.
 - `wait() -> [T, hidden]`: the CPU experts' weighted sum, in `hidden`'s dtype and on its device
   (zeros for tokens with no CPU expert). Raises ValueError for an expert id outside [0, E).
-- `__call__` = submit + wait. One submit in flight per backend.
+- `__call__` = submit + wait, run on the calling thread (no hand-off to the worker thread when
+  nothing overlaps). One submit in flight per backend.
 
 Implementations (`impl`):
 - "native": moe/cpu_kernel (C++ built on first use): every CPU expert of the layer in one call,
@@ -176,8 +177,9 @@ class CpuExpertBackend(ExpertBackend):
             self._lib.k2_layer_destroy(layer)
 
     # ------------------------------------------------------------------ interface
-    def submit(self, hidden, topk_ids, topk_weights) -> None:
-        """Start the CPU experts for this step (see the module docstring)."""
+    def submit(self, hidden, topk_ids, topk_weights, *, inline: bool = False) -> None:
+        """Start the CPU experts for this step (see the module docstring); `inline`: compute
+        now on this thread (what `__call__` does), so wait() only returns the result."""
         if self._pending is not None:
             raise RuntimeError("CpuExpertBackend.submit: the previous submit was not waited on")
         T = hidden.shape[0]
@@ -192,6 +194,14 @@ class CpuExpertBackend(ExpertBackend):
             self._pending = (None, like)
             return
         run = self._run_native if self.impl == "native" else self._run_torch
+        if inline:
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                fut.set_result(run(x, ids, w))
+            except Exception as e:  # re-raised by wait(), as from the worker thread
+                fut.set_exception(e)
+            self._pending = (fut, like)
+            return
         self._pending = (_executor().submit(run, x, ids, w), like)
 
     def wait(self) -> torch.Tensor:  # [T, hidden]
@@ -206,7 +216,7 @@ class CpuExpertBackend(ExpertBackend):
         return out.to(device=device, dtype=dtype, non_blocking=False)
 
     def __call__(self, hidden, topk_ids, topk_weights) -> torch.Tensor:  # [T, hidden]
-        self.submit(hidden, topk_ids, topk_weights)
+        self.submit(hidden, topk_ids, topk_weights, inline=True)
         return self.wait()
 
     # ------------------------------------------------------------------ workers

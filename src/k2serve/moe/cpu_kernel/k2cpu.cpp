@@ -41,7 +41,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -333,18 +332,35 @@ static void dot_block(const Mat& m, int r0, int nrows, const void* const* xs,
 // ---------------------------------------------------------------------------------------------
 // Thread pool: threads grouped by NUMA node; a job runs fn(node, rank in node) on every thread
 // (the calling thread is rank 0 of node 0). Workers spin briefly, then sleep.
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <climits>
+// Sleep while *addr == val / wake every sleeper: one syscall wakes all workers at once (a
+// condition variable would hand its mutex from one waking thread to the next).
+static inline void futex_wait(std::atomic<uint32_t>* addr, uint32_t val) {
+  syscall(SYS_futex, (uint32_t*)addr, FUTEX_WAIT_PRIVATE, val, nullptr, nullptr, 0);
+}
+static inline void futex_wake_all(std::atomic<uint32_t>* addr) {
+  syscall(SYS_futex, (uint32_t*)addr, FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+}
+#else
+static inline void futex_wait(std::atomic<uint32_t>*, uint32_t) { std::this_thread::yield(); }
+static inline void futex_wake_all(std::atomic<uint32_t>*) {}
+#endif
+
 struct Pool {
   int nthreads = 1;
   int nnodes = 1;
   std::vector<int> node_of, rank_of, node_size;
   std::vector<std::thread> threads;
-  std::mutex mu;
   std::mutex call_mu;  // one k2_* call at a time per pool
-  std::condition_variable cv;
-  std::atomic<uint64_t> gen{0};
+  std::atomic<uint32_t> gen{0};
+  std::atomic<int> sleepers{0};
   std::atomic<int> pending{0};
   std::function<void(int, int)> job;
-  bool stop = false;
+  std::atomic<bool> stop{false};
   int spin = 20000;
   // per-node work counters
   struct alignas(64) NodeSync {
@@ -352,28 +368,28 @@ struct Pool {
   };
   std::vector<NodeSync> sync;
 
-  void worker(int tid, int cpu_first, const std::vector<int>& cpus) {
+  void worker(int tid, const std::vector<int>& cpus) {
     if (!cpus.empty()) {
       cpu_set_t set;
       CPU_ZERO(&set);
       for (int c : cpus) CPU_SET(c, &set);
       pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
     }
-    (void)cpu_first;
-    uint64_t seen = 0;
+    uint32_t seen = 0;
     for (;;) {
-      uint64_t g;
+      uint32_t g;
       int n = 0;
       while ((g = gen.load(std::memory_order_acquire)) == seen && n < spin) {
         K2_PAUSE();
         ++n;
       }
-      if (g == seen) {
-        std::unique_lock<std::mutex> lk(mu);
-        cv.wait(lk, [&] { return stop || gen.load(std::memory_order_acquire) != seen; });
-        if (stop) return;
+      while (g == seen) {
+        sleepers.fetch_add(1);  // seq_cst: pairs with run()'s gen increment, then load
+        futex_wait(&gen, seen);
+        sleepers.fetch_sub(1);
         g = gen.load(std::memory_order_acquire);
       }
+      if (stop.load(std::memory_order_acquire)) return;
       seen = g;
       job(node_of[tid], rank_of[tid]);
       pending.fetch_sub(1, std::memory_order_acq_rel);
@@ -383,22 +399,16 @@ struct Pool {
   void run(std::function<void(int, int)> fn) {
     job = std::move(fn);
     pending.store(nthreads - 1, std::memory_order_release);
-    {
-      std::lock_guard<std::mutex> lk(mu);
-      gen.fetch_add(1, std::memory_order_acq_rel);
-    }
-    cv.notify_all();
+    gen.fetch_add(1);
+    if (sleepers.load() > 0) futex_wake_all(&gen);
     job(node_of[0], rank_of[0]);
     for (int n = 0; pending.load(std::memory_order_acquire) != 0; ++n) relax(n);
   }
 
   ~Pool() {
-    {
-      std::lock_guard<std::mutex> lk(mu);
-      stop = true;
-      gen.fetch_add(1);
-    }
-    cv.notify_all();
+    stop.store(true, std::memory_order_release);
+    gen.fetch_add(1, std::memory_order_acq_rel);
+    futex_wake_all(&gen);
     for (auto& t : threads) t.join();
   }
 };
@@ -418,7 +428,7 @@ struct Scratch {
 };
 
 static const int RB1 = 32;  // gate/up rows per work item (whole INT4 groups of h)
-static const int RB2 = 16;  // down rows per work item
+static const int RB2 = 32;  // down rows per work item (longer streams per expert)
 
 // Where column i of a row sits in the activation layout of format FMT (see the Deq / dot
 // functions): INT4 even columns of each 32 first; I4BF per 64 columns lo words then hi words.
@@ -541,7 +551,8 @@ struct AllBarrier {
 };
 
 template <int FMT>
-static void forward_impl(Layer* L, Pool* P, Scratch& sc, float* out) {
+static void forward_impl(Layer* L, Pool* P, Scratch& sc, float* out,
+                         const std::function<void()>& prologue) {
   const int I = L->I, H = L->H, nn = P->nnodes;
   const int Pn = sc.pair_tok.size();
   if (sc.h.size() < (size_t)Pn * I) sc.h.resize((size_t)Pn * I);
@@ -552,8 +563,9 @@ static void forward_impl(Layer* L, Pool* P, Scratch& sc, float* out) {
   for (int n = 0; n < nn; ++n) P->sync[n].next.store(0);
   AllBarrier bar;
   P->run([&](int node, int rank) {
-    (void)rank;
     Pool::NodeSync& s = P->sync[node];
+    prologue();  // activations in the kernel's layout, output zeroed (threads split over rows)
+    bar.wait(P->nthreads);
     // phase 1: this node's rows of every active expert's gate + up
     int r0, r1;
     node_range(P, node, I, 32, r0, r1);
@@ -645,7 +657,7 @@ void* k2_pool_create(int nthreads, int nnodes, const int* node_of_thread, const 
       int n = p->node_of[t];
       for (int i = cpus_off[n]; i < cpus_off[n + 1]; ++i) cpus.push_back(cpus_flat[i]);
     }
-    p->threads.emplace_back([p, t, cpus] { p->worker(t, 0, cpus); });
+    p->threads.emplace_back([p, t, cpus] { p->worker(t, cpus); });
   }
   return p;
 }
@@ -749,7 +761,7 @@ int k2_moe_forward(void* layer, void* pool, int T, int k, const void* x, int x_d
   if (sc.x.size() < (size_t)T * H) sc.x.resize((size_t)T * H);
   if (kfmt == FMT_I4BF && sc.xsum.size() < (size_t)T * (H / 32)) sc.xsum.resize((size_t)T * H / 32);
   std::atomic<int> next{0};
-  P->run([&](int, int) {
+  auto prologue = [&]() {
     for (;;) {
       int t = next.fetch_add(1);
       if (t >= T) break;
@@ -780,23 +792,26 @@ int k2_moe_forward(void* layer, void* pool, int T, int k, const void* x, int x_d
         }
       }
     }
-  });
-  if (Pn == 0) return 0;
+  };
+  if (Pn == 0) {  // no pair on these experts: zeros
+    memset(out, 0, sizeof(float) * (size_t)T * H);
+    return 0;
+  }
   // 2, 3. gate + up, then down
 #if K2_HAS_I4BF
   if (kfmt == FMT_I4BF) {
-    forward_impl<FMT_I4BF>(L, P, sc, out);
+    forward_impl<FMT_I4BF>(L, P, sc, out, prologue);
     return 0;
   }
 #endif
   if (fmt == FMT_INT4)
-    forward_impl<FMT_INT4>(L, P, sc, out);
+    forward_impl<FMT_INT4>(L, P, sc, out, prologue);
   else if (fmt == FMT_FP8)
-    forward_impl<FMT_FP8>(L, P, sc, out);
+    forward_impl<FMT_FP8>(L, P, sc, out, prologue);
   else if (fmt == FMT_BF16)
-    forward_impl<FMT_BF16>(L, P, sc, out);
+    forward_impl<FMT_BF16>(L, P, sc, out, prologue);
   else
-    forward_impl<FMT_F32>(L, P, sc, out);
+    forward_impl<FMT_F32>(L, P, sc, out, prologue);
   return 0;
 }
 
