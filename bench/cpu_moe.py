@@ -207,6 +207,7 @@ def main(argv=None) -> int:
     hdr = (f"{'tokens':>7} {'ms/layer':>9} {'MB read':>8} {'GB/s':>7} {'of BW':>6} "
            f"{'old ms':>9} {'x old':>6} {'KT ms':>8} {'x KT':>6} {tps:>10}")  # fmt: skip
     print(hdr)
+    profiles = []
     for T in cases:
         iters = args.iters if T <= 64 else max(2, args.iters // 5)
         t_new, hit = time_backend(native, T, E, k, g, iters)
@@ -219,11 +220,18 @@ def main(argv=None) -> int:
         if peer is not None:
             t_kt, _ = time_backend(peer, T, E, k, g, iters)
         tok_s = T / (t_new * args.layers)
+        prof = ck.last_profile(native._lib)  # the last timed call's parts
+        profiles.append((T, prof, t_new))
         x_old = t_old / t_new if t_old else 0
         x_kt = t_kt / t_new if t_kt else 0
         print(f"{T:>7} {t_new * 1e3:>9.2f} {read / 1e6:>8.0f} {gbs:>7.1f} {gbs / bw:>6.0%} "
               f"{(t_old or 0) * 1e3:>9.1f} {x_old:>6.1f} {(t_kt or 0) * 1e3:>8.2f} {x_kt:>6.2f} "
               f"{tok_s:>10.2f}")  # fmt: skip
+    print("# parts of the last timed call, ms (kernel's view; 'call' = Python's median):")
+    parts = ck.PROFILE_PARTS
+    print("#", f"{'tokens':>6}", " ".join(f"{p:>9}" for p in parts), f"{'call':>9}")
+    for T, prof, t in profiles:
+        print("#", f"{T:>6}", " ".join(f"{prof[p] * 1e3:>9.3f}" for p in parts), f"{t * 1e3:>9.3f}")
     print("# tok/s@N: tokens per second of the routed experts alone over N MoE layers "
           "(attention, shared expert and dense layers not included)")  # fmt: skip
     return 0

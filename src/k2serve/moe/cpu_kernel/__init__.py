@@ -210,6 +210,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.k2_simd_width.restype = i
     lib.k2_stream_read.argtypes = [p, p, ctypes.c_int64]
     lib.k2_stream_read.restype = ctypes.c_double
+    lib.k2_last_profile.argtypes = [ctypes.POINTER(ctypes.c_double)]
     return lib
 
 
@@ -235,6 +236,16 @@ def load_kernel(mode: str | None = None) -> ctypes.CDLL | None:
     """The loaded library, or None for the torch fallback (see the module docstring)."""
     s = kernel_settings()
     return _load(mode or s.mode, s.cache_dir)
+
+
+PROFILE_PARTS = ("bucket", "wake", "prologue", "gate_up", "down", "total")
+
+
+def last_profile(lib: ctypes.CDLL) -> dict[str, float]:
+    """Seconds the last k2_moe_forward call spent in each part (PROFILE_PARTS), caller's view."""
+    buf = (ctypes.c_double * len(PROFILE_PARTS))()
+    lib.k2_last_profile(buf)
+    return dict(zip(PROFILE_PARTS, buf, strict=True))
 
 
 class KernelPool:
@@ -291,6 +302,7 @@ __all__ = [
     "KernelSettings",
     "cpu_has_bf16",
     "kernel_settings",
+    "last_profile",
     "load_kernel",
     "numa_node_ids",
     "numa_topology",

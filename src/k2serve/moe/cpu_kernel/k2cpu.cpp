@@ -39,6 +39,7 @@
 #include <string.h>
 
 #include <algorithm>
+#include <chrono>
 #include <atomic>
 #include <cmath>
 #include <functional>
@@ -419,6 +420,16 @@ struct Layer {
   std::vector<Mat> gate, up, down;  // [E] local experts
 };
 
+// Seconds spent in the last call's parts, on the calling thread (k2_last_profile).
+struct Profile {
+  double bucket = 0, wake = 0, prologue = 0, gate_up = 0, down = 0, total = 0;
+};
+static Profile g_profile;  // NOTE: written by the one call in flight (calls are serialized)
+static inline double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 struct Scratch {
   std::vector<float> x;       // [T, H] float32 (permuted for INT4), or bf16 arranged (I4BF)
   std::vector<float> h;       // [P, I] float32 in down_proj's input layout (or bf16, I4BF)
@@ -562,10 +573,15 @@ static void forward_impl(Layer* L, Pool* P, Scratch& sc, float* out,
   const int A = sc.active.size();
   for (int n = 0; n < nn; ++n) P->sync[n].next.store(0);
   AllBarrier bar;
+  const double t_run = now_s();
+  double t_in = 0, t_pro = 0, t_gu = 0;
   P->run([&](int node, int rank) {
     Pool::NodeSync& s = P->sync[node];
+    const bool caller = node == 0 && rank == 0;
+    if (caller) t_in = now_s();
     prologue();  // activations in the kernel's layout, output zeroed (threads split over rows)
     bar.wait(P->nthreads);
+    if (caller) t_pro = now_s();
     // phase 1: this node's rows of every active expert's gate + up
     int r0, r1;
     node_range(P, node, I, 32, r0, r1);
@@ -580,6 +596,7 @@ static void forward_impl(Layer* L, Pool* P, Scratch& sc, float* out,
       gate_up_item<FMT>(L, e, i0, i1, sc.pair_tok.data() + p0, p1 - p0, sc, hb, hs, p0);
     }
     bar.wait(P->nthreads);
+    if (caller) t_gu = now_s();
     if (rank == 0) s.next.store(0, std::memory_order_release);
     bar.wait(P->nthreads);
     // phase 2: this node's output rows, each row block owned by one thread
@@ -593,6 +610,11 @@ static void forward_impl(Layer* L, Pool* P, Scratch& sc, float* out,
       down_item<FMT>(L, sc, o0, o1, out);
     }
   });
+  const double t_end = now_s();
+  g_profile.wake = t_in - t_run;
+  g_profile.prologue = t_pro - t_in;
+  g_profile.gate_up = t_gu - t_pro;
+  g_profile.down = t_end - t_gu;
 }
 
 static void mk_mat(Mat& m, int fmt, int64_t w, int64_t s, int cols) {
@@ -724,6 +746,8 @@ int k2_moe_forward(void* layer, void* pool, int T, int k, const void* x, int x_d
   Pool* P = (Pool*)pool;
   const int H = L->H, E = L->E;
   std::lock_guard<std::mutex> call(P->call_mu);
+  const double t_start = now_s();
+  g_profile = Profile();
   // NOTE: a reference, so that the lambdas run on the pool's threads see the caller's scratch
   static thread_local Scratch tl_scratch;
   Scratch& sc = tl_scratch;
@@ -752,6 +776,7 @@ int k2_moe_forward(void* layer, void* pool, int T, int k, const void* x, int x_d
   sc.active.clear();
   for (int e = 0; e < E; ++e)
     if (sc.expert_start[e + 1] > sc.expert_start[e]) sc.active.push_back(e);
+  g_profile.bucket = now_s() - t_start;
   // 1. zero the output; x -> the activation layout (threads split over rows)
   const int fmt = L->fmt;
   const int kfmt = (fmt == FMT_INT4 && x_dtype == X_BF16 && K2_HAS_I4BF && H % 64 == 0 &&
@@ -801,6 +826,7 @@ int k2_moe_forward(void* layer, void* pool, int T, int k, const void* x, int x_d
 #if K2_HAS_I4BF
   if (kfmt == FMT_I4BF) {
     forward_impl<FMT_I4BF>(L, P, sc, out, prologue);
+    g_profile.total = now_s() - t_start;
     return 0;
   }
 #endif
@@ -812,7 +838,15 @@ int k2_moe_forward(void* layer, void* pool, int T, int k, const void* x, int x_d
     forward_impl<FMT_BF16>(L, P, sc, out, prologue);
   else
     forward_impl<FMT_F32>(L, P, sc, out, prologue);
+  g_profile.total = now_s() - t_start;
   return 0;
+}
+
+// The last call's timings in seconds: bucket, wake (pool start), prologue, gate_up, down, total.
+void k2_last_profile(double* out6) {
+  const Profile& p = g_profile;
+  double v[6] = {p.bucket, p.wake, p.prologue, p.gate_up, p.down, p.total};
+  memcpy(out6, v, sizeof(v));
 }
 
 // Read nbytes at p with the pool's threads (each node reads its share), summing 32-bit words as
