@@ -26,12 +26,19 @@ def _param(t: torch.Tensor) -> nn.Parameter:
 
 def linear(x: torch.Tensor, w: torch.Tensor, decode_gemv: bool = False) -> torch.Tensor:
     """F.linear, or the one-row GEMV kernel (kernels/gemv.py) for a single row on CUDA when
-    `decode_gemv` is on (set by DeepseekV3ForCausalLM.set_fused_kernels)."""
+    `decode_gemv` is on (set by DeepseekV3ForCausalLM.set_fused_kernels), or on the CPU the
+    CPU kernel's GEMV for decode-sized batches (moe.cpu_kernel.cpu_linear)."""
     if decode_gemv:  # NOTE: imported here, so that importing k2serve never imports Triton
         from k2serve.kernels.gemv import gemv, use_gemv
 
         if use_gemv(x, w):
             return gemv(x, w)
+    if x.device.type == "cpu":
+        from k2serve.moe.cpu_kernel import cpu_linear
+
+        y = cpu_linear(x, w)
+        if y is not None:
+            return y
     return F.linear(x, w)
 
 

@@ -211,6 +211,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.k2_stream_read.argtypes = [p, p, ctypes.c_int64]
     lib.k2_stream_read.restype = ctypes.c_double
     lib.k2_last_profile.argtypes = [ctypes.POINTER(ctypes.c_double)]
+    lib.k2_linear.argtypes = [p, i, p, i, i, p, i, i, p]
+    lib.k2_linear.restype = i
     return lib
 
 
@@ -286,6 +288,58 @@ class KernelPool:
             self.lib.k2_pool_destroy(ptr)
 
 
+LINEAR_MAX_ROWS = 16  # decode-sized batches; larger ones go to torch (oneDNN GEMM)
+
+
+@functools.cache
+def _default_pool():
+    """(library, pool) for dense CPU GEMVs: the kernel's shared pool, or None (torch path)."""
+    s = kernel_settings()
+    lib = _load(s.mode, s.cache_dir)
+    if lib is None:
+        return None
+    nodes = tuple(tuple(n) for n in numa_topology(s.numa_topology))
+    return lib, shared_pool(lib, nodes, s.threads or __import__("torch").get_num_threads())
+
+
+def cpu_linear(x, w):
+    """x [..., K] @ w[N, K]^T on the CPU with the kernel's GEMV (bf16 or float32 weight, at most
+    LINEAR_MAX_ROWS rows: decode), in x's dtype; None when it does not apply (then F.linear).
+    torch's CPU bf16 GEMV reads a weight at a fraction of the memory bandwidth."""
+    import torch
+
+    if (
+        x.device.type != "cpu"
+        or w.device.type != "cpu"
+        or w.dim() != 2
+        or w.dtype not in (torch.bfloat16, torch.float32)
+        or x.dtype not in (torch.bfloat16, torch.float32)
+        or w.shape[1] % 32
+        or x.shape[-1] != w.shape[1]
+        or not w.is_contiguous()
+        or x.requires_grad
+        or w.requires_grad
+    ):
+        return None
+    rows = x.numel() // max(1, x.shape[-1])
+    if rows == 0 or rows > LINEAR_MAX_ROWS:
+        return None
+    lp = _default_pool()
+    if lp is None:
+        return None
+    lib, pool = lp
+    xc = x.reshape(rows, x.shape[-1]).contiguous()
+    N, K = w.shape
+    out = torch.empty(rows, N, dtype=torch.float32)
+    wfmt = FMT_BF16 if w.dtype == torch.bfloat16 else FMT_F32
+    xcode = X_BF16 if xc.dtype == torch.bfloat16 else X_F32
+    rc = lib.k2_linear(pool._ptr, wfmt, w.data_ptr(), N, K, xc.data_ptr(), xcode, rows,
+                       out.data_ptr())  # fmt: skip
+    if rc != 0:
+        return None
+    return out.to(x.dtype).reshape(*x.shape[:-1], N)
+
+
 @functools.cache
 def shared_pool(lib: ctypes.CDLL, topology: tuple[tuple[int, ...], ...], threads: int):
     """One pool per (library, topology, thread count) per process, shared by all layers."""
@@ -301,6 +355,7 @@ __all__ = [
     "KernelPool",
     "KernelSettings",
     "cpu_has_bf16",
+    "cpu_linear",
     "kernel_settings",
     "last_profile",
     "load_kernel",

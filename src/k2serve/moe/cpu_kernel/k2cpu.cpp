@@ -70,8 +70,9 @@ typedef uint16_t v16s __attribute__((vector_size(32)));
 typedef _Float16 v16h __attribute__((vector_size(32)));
 
 enum { FMT_INT4 = 0, FMT_FP8 = 1, FMT_BF16 = 2, FMT_F32 = 3 };
-// INT4 weights with bf16 activations, through AVX512_BF16 dot products (internal format code)
-enum { FMT_I4BF = 4 };
+// INT4 weights with bf16 activations, through AVX512_BF16 dot products (internal format code);
+// bf16 weights with bf16 activations likewise (dense layers, k2_linear)
+enum { FMT_I4BF = 4, FMT_BFBF = 5 };
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define K2_HAS_I4BF 1
 #else
@@ -279,6 +280,27 @@ static inline void dot_rows_i4bf(const Mat& m, int r0, const void* const* xv,
       out[i * NT + t] = _mm512_reduce_add_ps(acc[i][t]) - 136.f * corr;
     }
 }
+
+// bf16 weights x bf16 activations: one vdpbf16ps per 32 products, no conversion at all.
+template <int R, int NT>
+static inline void dot_rows_bfbf(const Mat& m, int r0, const void* const* xv, float* out) {
+  const uint16_t* const* xs = (const uint16_t* const*)xv;
+  __m512 acc[R][NT];
+  for (int i = 0; i < R; ++i)
+    for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_ps();
+  const int chunks = m.cols >> 5;
+  for (int c = 0; c < chunks; ++c) {
+    __m512i w[R];
+    for (int i = 0; i < R; ++i)
+      w[i] = _mm512_loadu_si512(m.w + (int64_t)(r0 + i) * m.row_bytes + (int64_t)c * 64);
+    for (int t = 0; t < NT; ++t) {
+      __m512bh xb = (__m512bh)_mm512_loadu_si512(xs[t] + (int64_t)c * 32);
+      for (int i = 0; i < R; ++i) acc[i][t] = _mm512_dpbf16_ps(acc[i][t], (__m512bh)w[i], xb);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int t = 0; t < NT; ++t) out[i * NT + t] = _mm512_reduce_add_ps(acc[i][t]);
+}
 #endif
 
 template <int FMT, int R, int NT>
@@ -289,8 +311,13 @@ static inline void dot_rows(const Mat& m, int r0, const void* const* xs, const f
     dot_rows_i4bf<R, NT>(m, r0, xs, sums, out);
     return;
   }
+  if constexpr (FMT == FMT_BFBF) {
+    (void)sums;
+    dot_rows_bfbf<R, NT>(m, r0, xs, out);
+    return;
+  }
 #endif
-  if constexpr (FMT != FMT_I4BF) {
+  if constexpr (FMT != FMT_I4BF && FMT != FMT_BFBF) {
     (void)sums;
     dot_rows_f32<FMT, R, NT>(m, r0, xs, out);
   }
@@ -878,6 +905,57 @@ double k2_stream_read(void* pool, const void* p, int64_t nbytes) {
   double s = 0;
   for (double v : part) s += v;
   return s;
+}
+
+// out [T, N] float32 = x [T, K] @ W[N, K]^T for a dense bf16 / float32 weight (decode-sized
+// T): rows split over the pool's threads in blocks of 32, tokens in blocks of 8 (each weight
+// row is read once per 8 tokens). bf16 x bf16 uses vdpbf16ps; other pairs the float32 path.
+// Returns 0, or 2 when the shape is not supported (K % 32).
+int k2_linear(void* pool, int wfmt, const void* W, int N, int K, const void* x, int x_dtype,
+              int T, float* out) {
+  if (K % 32 != 0 || (wfmt != FMT_BF16 && wfmt != FMT_F32)) return 2;
+  Pool* P = (Pool*)pool;
+  std::lock_guard<std::mutex> call(P->call_mu);
+  Mat m;
+  mk_mat(m, wfmt, (int64_t)W, 0, K);
+  const bool bfbf = K2_HAS_I4BF && wfmt == FMT_BF16 && x_dtype == X_BF16;
+  static thread_local std::vector<float> xf_tl;
+  std::vector<float>& xf = xf_tl;
+  if (!bfbf) {  // activations as float32 (small: decode-sized T)
+    xf.resize((size_t)T * K);
+    for (int64_t i = 0; i < (int64_t)T * K; ++i)
+      xf[i] = x_dtype == X_BF16 ? bf16_to_f32(((const uint16_t*)x)[i]) : ((const float*)x)[i];
+  }
+  const int RB = 32;
+  const int64_t items = (N + RB - 1) / RB;
+  std::atomic<int64_t> next{0};
+  P->run([&](int, int) {
+    float y[RB * 8];
+    for (;;) {
+      int64_t it = next.fetch_add(1, std::memory_order_relaxed);
+      if (it >= items) break;
+      int r0 = it * RB, r1 = std::min<int64_t>(N, r0 + RB);
+      for (int t0 = 0; t0 < T; t0 += 8) {
+        int nt = std::min(8, T - t0);
+        const void* xs[8];
+        for (int t = 0; t < nt; ++t)
+          xs[t] = bfbf ? (const void*)((const uint16_t*)x + (int64_t)(t0 + t) * K)
+                       : (const void*)(xf.data() + (int64_t)(t0 + t) * K);
+#if K2_HAS_I4BF
+        if (bfbf)
+          dot_block<FMT_BFBF>(m, r0, r1 - r0, xs, nullptr, nt, y);
+        else
+#endif
+        if (wfmt == FMT_BF16)
+          dot_block<FMT_BF16>(m, r0, r1 - r0, xs, nullptr, nt, y);
+        else
+          dot_block<FMT_F32>(m, r0, r1 - r0, xs, nullptr, nt, y);
+        for (int t = 0; t < nt; ++t)
+          for (int r = r0; r < r1; ++r) out[(int64_t)(t0 + t) * N + r] = y[(r - r0) * 8 + t];
+      }
+    }
+  });
+  return 0;
 }
 
 int k2_simd_width() {

@@ -1,0 +1,41 @@
+"""The CPU kernel's dense GEMV (moe.cpu_kernel.cpu_linear, used by quant.linear.linear on the
+CPU for decode-sized batches) against F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k2serve.moe import cpu_kernel as ck
+from k2serve.quant.linear import linear
+
+native = pytest.mark.skipif(ck.load_kernel("auto") is None, reason="no C++ compiler")
+
+
+@native
+@pytest.mark.parametrize("wdt,xdt", [(torch.bfloat16, torch.bfloat16),
+                                     (torch.float32, torch.float32),
+                                     (torch.bfloat16, torch.float32)])  # fmt: skip
+@pytest.mark.parametrize("rows", [1, 3, 9, 16])
+def test_cpu_linear_matches_f_linear(wdt, xdt, rows):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(80, 96, generator=g).to(wdt)  # N not a multiple of the 32-row block
+    x = torch.randn(rows, 96, generator=g).to(xdt)
+    y = ck.cpu_linear(x, w)
+    assert y is not None and y.dtype == xdt and y.shape == (rows, 80)
+    ref = F.linear(x.float(), w.float())
+    tol = 1e-2 if xdt == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(linear(x, w).float(), ref, rtol=tol, atol=tol)
+
+
+def test_cpu_linear_declines_what_it_does_not_cover():
+    w = torch.randn(8, 96)
+    assert ck.cpu_linear(torch.randn(17, 96), w) is None  # prefill-sized: torch's GEMM
+    assert ck.cpu_linear(torch.randn(1, 40), torch.randn(8, 40)) is None  # K % 32
+    assert ck.cpu_linear(torch.randn(1, 96, dtype=torch.float16), w.half()) is None
+    x3 = torch.randn(2, 1, 96)  # leading dims are kept
+    y = linear(x3, w)
+    assert y.shape == (2, 1, 8)
+    torch.testing.assert_close(y, F.linear(x3, w), rtol=1e-4, atol=1e-4)
