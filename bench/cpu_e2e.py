@@ -39,8 +39,8 @@ def read_bandwidth(gib: float, reps: int = 5) -> float:
 
         lib = ck.load_kernel()
         if lib is not None:
-            pool = ck.shared_pool(lib, tuple(tuple(n) for n in ck.numa_topology()),
-                                  torch.get_num_threads())  # fmt: skip
+            nodes = tuple(tuple(n) for n in ck.numa_topology())
+            pool = ck.shared_pool(lib, nodes, torch.get_num_threads(), os.getpid())
             for _ in range(reps):
                 t0 = time.perf_counter()
                 lib.k2_stream_read(pool._ptr, buf.data_ptr(), buf.numel() * 4)

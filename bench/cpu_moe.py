@@ -188,8 +188,10 @@ def main(argv=None) -> int:
     bw = max(bw_k, bw_t)
     print(f"# read bandwidth ({args.bw_gib} GiB buffer): kernel threads {bw_k:.1f} GB/s, "
           f"torch.sum {bw_t:.1f} GB/s; limit used = {bw:.1f} GB/s")  # fmt: skip
-    peer, why = (None, "skipped") if args.no_peer else kt_peer(
-        experts, args.format, args.hidden, args.inter, E, k, threads
+    peer, why = (
+        (None, "skipped")
+        if args.no_peer
+        else kt_peer(experts, args.format, args.hidden, args.inter, E, k, threads)
     )
     if peer is None:
         print(f"# peer: {why}")

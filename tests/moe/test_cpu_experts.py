@@ -157,7 +157,8 @@ def test_no_compiler_falls_back_with_one_warning(monkeypatch, tmp_path, caplog):
             be = CpuExpertBackend(_experts("int4"), range(E), E, kernel="auto")
             CpuExpertBackend(_experts("int4"), range(E), E, kernel="auto")
         assert be.impl == "torch"
-        warnings = [r for r in caplog.records if "native CPU expert kernel unavailable" in r.message]
+        msg = "native CPU expert kernel unavailable"
+        warnings = [r for r in caplog.records if msg in r.message]
         assert len(warnings) == 1
         with pytest.raises(ck.KernelBuildError, match="no C\\+\\+ compiler"):
             CpuExpertBackend(_experts("int4"), range(E), E, kernel="native")
@@ -241,3 +242,26 @@ def test_numa_topology_parsing(tmp_path):
         allowed
     ]
     assert ck.numa_topology(root=str(tmp_path / "missing")) == [allowed]
+
+
+@native
+def test_a_forked_child_gets_its_own_pool():
+    """A fork has none of the parent's pool threads: the backend makes the child its own pool
+    instead of waiting forever for the parent's."""
+    import multiprocessing as mp
+
+    experts = _experts("int4", seed=9)
+    be = CpuExpertBackend(experts, range(E), E, kernel="native", threads=2)
+    hidden = torch.randn(2, H)
+    ids, w = _routing(2, 4, seed=9)
+    expected = be(hidden, ids, w)  # the parent's pool is started
+
+    def child(q):
+        q.put(torch.equal(be(hidden, ids, w), expected))
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=child, args=(q,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0 and q.get(timeout=5)

@@ -43,6 +43,7 @@ import concurrent.futures
 import ctypes
 import functools
 import logging
+import os
 from collections.abc import Sequence
 
 import torch
@@ -156,7 +157,8 @@ class CpuExpertBackend(ExpertBackend):
                     ptrs.append(t.data_ptr())
         nodes = ck.numa_topology(topology)
         n_threads = threads or torch.get_num_threads()
-        pool = ck.shared_pool(lib, tuple(tuple(n) for n in nodes), n_threads)
+        self._pool_key = (lib, tuple(tuple(n) for n in nodes), n_threads)
+        pool = ck.shared_pool(*self._pool_key, os.getpid())
         arr = (ctypes.c_int64 * len(ptrs))(*ptrs)
         layer = lib.k2_layer_create(fmt, len(self.experts), H, inter, arr)
         if pool.num_nodes > 1 and topology is None:  # a real topology: move rows to their node
@@ -229,6 +231,8 @@ class CpuExpertBackend(ExpertBackend):
 
     def _run_native(self, x, ids, w) -> torch.Tensor:
         T, k = ids.shape
+        if self._pool.pid != os.getpid():  # a forked child: the parent's threads are not here
+            self._pool = ck.shared_pool(*self._pool_key, os.getpid())
         out = torch.empty(T, self.hidden_size, dtype=torch.float32)
         xcode = ck.X_BF16 if x.dtype == torch.bfloat16 else ck.X_F32
         rc = self._lib.k2_moe_forward(

@@ -256,6 +256,7 @@ class KernelPool:
 
     def __init__(self, lib: ctypes.CDLL, nodes: list[list[int]], threads: int) -> None:
         self.lib = lib
+        self.pid = os.getpid()
         self.nodes = [list(n) for n in nodes]
         nn = len(self.nodes)
         threads = max(threads, nn)
@@ -292,14 +293,14 @@ LINEAR_MAX_ROWS = 16  # decode-sized batches; larger ones go to torch (oneDNN GE
 
 
 @functools.cache
-def _default_pool():
+def _default_pool(pid: int):
     """(library, pool) for dense CPU GEMVs: the kernel's shared pool, or None (torch path)."""
     s = kernel_settings()
     lib = _load(s.mode, s.cache_dir)
     if lib is None:
         return None
     nodes = tuple(tuple(n) for n in numa_topology(s.numa_topology))
-    return lib, shared_pool(lib, nodes, s.threads or __import__("torch").get_num_threads())
+    return lib, shared_pool(lib, nodes, s.threads or __import__("torch").get_num_threads(), pid)
 
 
 def cpu_linear(x, w):
@@ -324,7 +325,7 @@ def cpu_linear(x, w):
     rows = x.numel() // max(1, x.shape[-1])
     if rows == 0 or rows > LINEAR_MAX_ROWS:
         return None
-    lp = _default_pool()
+    lp = _default_pool(os.getpid())
     if lp is None:
         return None
     lib, pool = lp
@@ -341,8 +342,11 @@ def cpu_linear(x, w):
 
 
 @functools.cache
-def shared_pool(lib: ctypes.CDLL, topology: tuple[tuple[int, ...], ...], threads: int):
-    """One pool per (library, topology, thread count) per process, shared by all layers."""
+def shared_pool(
+    lib: ctypes.CDLL, topology: tuple[tuple[int, ...], ...], threads: int, pid: int | None = None
+):
+    """One pool per (library, topology, thread count) per process (`pid`: a forked child, which
+    has none of its parent's threads, gets its own), shared by all layers."""
     return KernelPool(lib, [list(n) for n in topology], threads)
 
 
