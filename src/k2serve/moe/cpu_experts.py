@@ -221,6 +221,16 @@ class CpuExpertBackend(ExpertBackend):
         self.submit(hidden, topk_ids, topk_weights, inline=True)
         return self.wait()
 
+    # the previous two-step interface, kept for callers written against it
+    def to_host(self, hidden, topk_ids, topk_weights):
+        """= submit(); the returned handle goes to compute()."""
+        self.submit(hidden, topk_ids, topk_weights)
+        return self
+
+    def compute(self, host, like: torch.Tensor) -> torch.Tensor:
+        """= wait() (zeros, not None, when no token routes to a CPU expert)."""
+        return self.wait()
+
     # ------------------------------------------------------------------ workers
     def _check_ids(self, ids: torch.Tensor) -> None:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_experts):
