@@ -265,3 +265,20 @@ def test_a_forked_child_gets_its_own_pool():
     p.start()
     p.join(60)
     assert p.exitcode == 0 and q.get(timeout=5)
+
+
+@pytest.mark.parametrize("kernel", ["auto", "torch"])
+def test_deepcopy_rebuilds_the_backend_on_the_copied_experts(kernel):
+    import copy
+
+    experts = _experts("int4", seed=10)
+    be = CpuExpertBackend(experts, range(E), E, kernel=kernel, threads=2)
+    dup = copy.deepcopy(be)
+    assert dup.impl == be.impl and dup.expert_ids == be.expert_ids
+    assert dup.experts[0].gate_proj.weight_packed is not be.experts[0].gate_proj.weight_packed
+    hidden = torch.randn(3, H)
+    ids, w = _routing(3, 4, seed=10)
+    torch.testing.assert_close(dup(hidden, ids, w), be(hidden, ids, w))
+    dup.experts[0].gate_proj.weight_scale.data.mul_(2)  # the copy reads its own tensors
+    ones = torch.ones_like(w)
+    assert not torch.equal(dup(hidden, ids, ones), be(hidden, ids, ones))

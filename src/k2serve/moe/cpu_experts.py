@@ -109,6 +109,7 @@ class CpuExpertBackend(ExpertBackend):
     ) -> None:
         if len(experts) != len(expert_ids):
             raise ValueError(f"{len(experts)} experts but {len(expert_ids)} expert ids")
+        self._init_args = (compute_dtype, kernel, threads, numa_topology)  # for copies
         self.experts = list(experts)
         self.expert_ids = tuple(int(e) for e in expert_ids)
         self.num_experts = num_experts
@@ -172,6 +173,20 @@ class CpuExpertBackend(ExpertBackend):
         self._layer = layer
         self.hidden_size, self.intermediate_size = H, inter
         self.impl = "native"
+
+    # copy.deepcopy / pickle: the kernel's handles are per process, so a copy is rebuilt from its
+    # experts (the copies of the modules, with their own tensors)
+    def __getstate__(self) -> dict:
+        if self._pending is not None:
+            raise RuntimeError("CpuExpertBackend: cannot copy with a submit in flight")
+        return {"experts": self.experts, "expert_ids": self.expert_ids,
+                "num_experts": self.num_experts, "init_args": self._init_args}  # fmt: skip
+
+    def __setstate__(self, state: dict) -> None:
+        compute_dtype, kernel, threads, topology = state["init_args"]
+        self.__init__(state["experts"], state["expert_ids"], state["num_experts"],
+                      compute_dtype, kernel=kernel, threads=threads,
+                      numa_topology=topology)  # fmt: skip
 
     def __del__(self) -> None:
         layer, self._layer = getattr(self, "_layer", None), None
