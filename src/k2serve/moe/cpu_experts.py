@@ -210,7 +210,8 @@ class CpuExpertBackend(ExpertBackend):
         if T == 0 or not self.experts:
             self._pending = (None, like)
             return
-        run = self._run_native if self.impl == "native" else self._run_torch
+        native = self.impl == "native" and not (inline and ck.dispatch_mode_active())
+        run = self._run_native if native else self._run_torch  # a recording mode sees torch ops
         if inline:
             fut: concurrent.futures.Future = concurrent.futures.Future()
             try:

@@ -292,6 +292,15 @@ class KernelPool:
 LINEAR_MAX_ROWS = 16  # decode-sized batches; larger ones go to torch (oneDNN GEMM)
 
 
+def dispatch_mode_active() -> bool:
+    """True while a torch dispatch mode records or fakes this thread's ops (a graph tape,
+    FakeTensor tracing, ...): the native kernel would be invisible to it, so callers use
+    torch ops then."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode() is not None
+
+
 @functools.cache
 def _default_pool(pid: int):
     """(library, pool) for dense CPU GEMVs: the kernel's shared pool, or None (torch path)."""
@@ -323,7 +332,7 @@ def cpu_linear(x, w):
     ):
         return None
     rows = x.numel() // max(1, x.shape[-1])
-    if rows == 0 or rows > LINEAR_MAX_ROWS:
+    if rows == 0 or rows > LINEAR_MAX_ROWS or dispatch_mode_active():
         return None
     lp = _default_pool(os.getpid())
     if lp is None:
@@ -360,6 +369,7 @@ __all__ = [
     "KernelSettings",
     "cpu_has_bf16",
     "cpu_linear",
+    "dispatch_mode_active",
     "kernel_settings",
     "last_profile",
     "load_kernel",
