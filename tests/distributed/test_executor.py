@@ -13,7 +13,7 @@ from k2serve.distributed.workers import WorkerError, WorkerGroup
 from . import rank_fns
 
 PROMPTS = [[5, 17, 99, 3, 1000, 42, 7, 8], [11, 12, 13], [200 + i for i in range(30)], [9]]
-ENGINE = dict(device="cpu", num_kv_pages=64, page_size=4, max_model_len=128,
+ENGINE = dict(device="cpu", dtype="float32", num_kv_pages=64, page_size=4, max_model_len=128,
               max_num_batched_tokens=16)  # fmt: skip  # 16: the 30-token prompt is chunked
 
 
