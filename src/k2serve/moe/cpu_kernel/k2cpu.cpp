@@ -62,7 +62,31 @@ static inline void relax(int n) {
     std::this_thread::yield();
 }
 
+// Every helper that takes or returns a 16-float vector is inlined: without AVX-512 such values
+// would otherwise cross calls through memory (the AVX2 build ran 30x slower).
+#define K2_INLINE inline __attribute__((always_inline))
+
+#if !defined(__AVX512F__) && defined(__AVX2__)
+// AVX2: 16 floats as two ymm registers (GCC's 64-byte vector type spilled through the stack)
+struct v16f {
+  __m256 a, b;
+};
+static K2_INLINE v16f operator+(v16f x, v16f y) {
+  return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)};
+}
+static K2_INLINE v16f operator*(v16f x, v16f y) {
+  return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)};
+}
+static K2_INLINE v16f& operator+=(v16f& x, v16f y) {
+  x.a = _mm256_add_ps(x.a, y.a);
+  x.b = _mm256_add_ps(x.b, y.b);
+  return x;
+}
+#define K2_V16_STRUCT 1
+#else
 typedef float v16f __attribute__((vector_size(64)));
+#define K2_V16_STRUCT 0
+#endif
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint8_t v16b __attribute__((vector_size(16)));
@@ -80,24 +104,38 @@ enum { FMT_I4BF = 4, FMT_BFBF = 5 };
 #endif
 enum { X_F32 = 0, X_BF16 = 1 };
 
-static inline v16f loadf(const float* p) {
+#if K2_V16_STRUCT
+static K2_INLINE v16f loadf(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static K2_INLINE float hsum(v16f v) {
+  __m256 s = _mm256_add_ps(v.a, v.b);
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  q = _mm_hadd_ps(q, q);
+  q = _mm_hadd_ps(q, q);
+  return _mm_cvtss_f32(q);
+}
+#else
+static K2_INLINE v16f loadf(const float* p) {
   v16f v;
   memcpy(&v, p, 64);
   return v;
 }
-static inline void storef(float* p, v16f v) { memcpy(p, &v, 64); }
-static inline float hsum(v16f v) {
+static K2_INLINE float hsum(v16f v) {
   float s = 0.f;
   for (int i = 0; i < 16; ++i) s += v[i];
   return s;
 }
+#endif
 static inline float bf16_to_f32(uint16_t h) {
   uint32_t u = (uint32_t)h << 16;
   float f;
   memcpy(&f, &u, 4);
   return f;
 }
-static inline v16f splat(float f) { return (v16f){} + f; }
+#if K2_V16_STRUCT
+static K2_INLINE v16f splat(float f) { return {_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
+#else
+static K2_INLINE v16f splat(float f) { return (v16f){} + f; }
+#endif
 
 // Software prefetch of weight bytes K2_PREFETCH ahead of the current read: one thread streams
 // several rows at once and the hardware prefetchers alone left it latency-bound (dev CPU, one
@@ -128,9 +166,13 @@ struct Mat {
 template <int FMT>
 struct Deq;
 
+#if !defined(__AVX512F__) && defined(__AVX2__)
+static K2_INLINE v16f join8(__m256 a, __m256 b) { return {a, b}; }
+#endif
+
 template <>
 struct Deq<FMT_INT4> {
-  static inline void load(const Mat& m, int r, int c, v16f& lo, v16f& hi) {
+  static K2_INLINE void load(const Mat& m, int r, int c, v16f& lo, v16f& hi) {
     const uint8_t* p = m.w + (int64_t)r * m.row_bytes + (int64_t)c * 16;
     float s = bf16_to_f32(((const uint16_t*)m.s)[(int64_t)r * m.s_cols + c]);
     v16f vs = splat(s), vo = splat(-8.f * s);
@@ -138,6 +180,14 @@ struct Deq<FMT_INT4> {
     __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
     lo = (v16f)_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))) * vs + vo;
     hi = (v16f)_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)) * vs + vo;
+#elif defined(__AVX2__)
+    __m128i b = _mm_loadu_si128((const __m128i*)p);
+    __m256i q0 = _mm256_cvtepu8_epi32(b), q1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+    const __m256i m15 = _mm256_set1_epi32(15);
+    lo = join8(_mm256_cvtepi32_ps(_mm256_and_si256(q0, m15)),
+               _mm256_cvtepi32_ps(_mm256_and_si256(q1, m15))) * vs + vo;
+    hi = join8(_mm256_cvtepi32_ps(_mm256_srli_epi32(q0, 4)),
+               _mm256_cvtepi32_ps(_mm256_srli_epi32(q1, 4))) * vs + vo;
 #else
     v16b b;
     memcpy(&b, p, 16);
@@ -148,12 +198,18 @@ struct Deq<FMT_INT4> {
   }
 };
 
-static inline v16f fp8x16(const uint8_t* p) {
+static K2_INLINE v16f fp8x16(const uint8_t* p) {
 #if defined(__AVX512F__)
   __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
   __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7),
                               _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
   return (v16f)_mm512_cvtph_ps(h);
+#elif defined(__AVX2__) && defined(__F16C__)
+  __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
+  __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7),
+                              _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+  return join8(_mm256_cvtph_ps(_mm256_castsi256_si128(h)),
+               _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)));
 #else
   v16b b;
   memcpy(&b, p, 16);
@@ -167,7 +223,7 @@ static inline v16f fp8x16(const uint8_t* p) {
 
 template <>
 struct Deq<FMT_FP8> {
-  static inline void load(const Mat& m, int r, int c, v16f& lo, v16f& hi) {
+  static K2_INLINE void load(const Mat& m, int r, int c, v16f& lo, v16f& hi) {
     const uint8_t* p = m.w + (int64_t)r * m.row_bytes + (int64_t)c * 32;
     // e4m3 bits placed in fp16 are 2^-8 of the value: fold 256 into the block scale
     float s = 256.f * ((const float*)m.s)[(int64_t)(r >> 7) * m.s_cols + (c >> 2)];
@@ -177,10 +233,15 @@ struct Deq<FMT_FP8> {
   }
 };
 
-static inline v16f bf16x16(const uint8_t* p) {
+static K2_INLINE v16f bf16x16(const uint8_t* p) {
 #if defined(__AVX512F__)
   __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
   return (v16f)_mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+#elif defined(__AVX2__)
+  __m256i b = _mm256_loadu_si256((const __m256i*)p);
+  __m256i u0 = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(b)), 16);
+  __m256i u1 = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(b, 1)), 16);
+  return join8(_mm256_castsi256_ps(u0), _mm256_castsi256_ps(u1));
 #else
   v16s b;
   memcpy(&b, p, 32);
@@ -193,7 +254,7 @@ static inline v16f bf16x16(const uint8_t* p) {
 
 template <>
 struct Deq<FMT_BF16> {
-  static inline void load(const Mat& m, int r, int c, v16f& lo, v16f& hi) {
+  static K2_INLINE void load(const Mat& m, int r, int c, v16f& lo, v16f& hi) {
     const uint8_t* p = m.w + (int64_t)r * m.row_bytes + (int64_t)c * 64;
     lo = bf16x16(p);
     hi = bf16x16(p + 32);
@@ -202,7 +263,7 @@ struct Deq<FMT_BF16> {
 
 template <>
 struct Deq<FMT_F32> {
-  static inline void load(const Mat& m, int r, int c, v16f& lo, v16f& hi) {
+  static K2_INLINE void load(const Mat& m, int r, int c, v16f& lo, v16f& hi) {
     const float* p = (const float*)(m.w + (int64_t)r * m.row_bytes) + c * 32;
     lo = loadf(p);
     hi = loadf(p + 16);
@@ -212,11 +273,11 @@ struct Deq<FMT_F32> {
 // out[i * NT + t] = dot(row r0 + i of m, xs[t]) for i < R, t < NT. xs in the chunk layout
 // (for INT4: per 32-column chunk, the 16 even columns then the 16 odd ones).
 template <int FMT, int R, int NT>
-static inline void dot_rows_f32(const Mat& m, int r0, const void* const* xv, float* out) {
+static K2_INLINE void dot_rows_f32(const Mat& m, int r0, const void* const* xv, float* out) {
   const float* const* xs = (const float* const*)xv;
   v16f acc_lo[R][NT], acc_hi[R][NT];
   for (int i = 0; i < R; ++i)
-    for (int t = 0; t < NT; ++t) acc_lo[i][t] = acc_hi[i][t] = (v16f){};
+    for (int t = 0; t < NT; ++t) acc_lo[i][t] = acc_hi[i][t] = splat(0.f);
   const int chunks = m.cols >> 5;
   const int64_t cb = m.row_bytes / chunks;  // weight bytes per 32 columns
   for (int c = 0; c < chunks; ++c) {
@@ -246,7 +307,7 @@ static inline void dot_rows_f32(const Mat& m, int r0, const void* const* xv, flo
 static const int I4BF_MAX_GROUPS = 1024;
 
 template <int R, int NT>
-static inline void dot_rows_i4bf(const Mat& m, int r0, const void* const* xv,
+static K2_INLINE void dot_rows_i4bf(const Mat& m, int r0, const void* const* xv,
                                  const float* const* sums, float* out) {
   const uint16_t* const* xs = (const uint16_t* const*)xv;
   const int groups = m.cols >> 5, pairs = m.cols >> 6;
@@ -301,7 +362,7 @@ static inline void dot_rows_i4bf(const Mat& m, int r0, const void* const* xv,
 
 // bf16 weights x bf16 activations: one vdpbf16ps per 32 products, no conversion at all.
 template <int R, int NT>
-static inline void dot_rows_bfbf(const Mat& m, int r0, const void* const* xv, float* out) {
+static K2_INLINE void dot_rows_bfbf(const Mat& m, int r0, const void* const* xv, float* out) {
   const uint16_t* const* xs = (const uint16_t* const*)xv;
   __m512 acc[R][NT];
   for (int i = 0; i < R; ++i)
@@ -325,7 +386,7 @@ static inline void dot_rows_bfbf(const Mat& m, int r0, const void* const* xv, fl
 #endif
 
 template <int FMT, int R, int NT>
-static inline void dot_rows(const Mat& m, int r0, const void* const* xs, const float* const* sums,
+static K2_INLINE void dot_rows(const Mat& m, int r0, const void* const* xs, const float* const* sums,
                             float* out) {
 #if K2_HAS_I4BF
   if constexpr (FMT == FMT_I4BF) {
