@@ -84,7 +84,10 @@ def _check_finite(t: torch.Tensor, ckpt_name: str, shard: str) -> None:
     """Refuse a tensor with NaN or inf in it: it would make every logit NaN, silently.
 
     One elementwise pass over each floating tensor, on the device it was just copied to
-    (integer / packed INT4 tensors have no NaN and are skipped)."""
+    (integer / packed INT4 tensors have no NaN and are skipped; so are tensors on the meta
+    device, which hold no values: a placement dry run loads onto it)."""
+    if t.is_meta:
+        return
     if t.dtype in _FP8_BAD:
         mask, bad = _FP8_BAD[t.dtype]
         ok = not bool(((t.view(torch.uint8) & mask) == bad).any())
