@@ -170,7 +170,7 @@ def test_fp8_options_are_checked():
 def test_fp8_decode_tiles_take_more_rows_per_program():
     assert mla_attention.default_config(True, 64, fp8=True)["block_m"] == 32
     assert mla_attention.default_config(True, 64, fp8=False)["block_m"] == 16
-    assert mla_attention.default_config(True, 8, fp8=True)["block_m"] == 16
+    assert mla_attention.default_config(True, 8, fp8=True)["block_m"] == 16  # a TP=8 shard
     assert mla_attention.default_config(False, 64, fp8=True)["block_m"] == 64
 
 

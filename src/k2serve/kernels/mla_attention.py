@@ -283,13 +283,18 @@ def fp8_cache_supported(device: torch.device | str) -> bool:
 
 
 def default_config(decode: bool, heads: int, fp8: bool) -> dict:
-    """Tile sizes: decode puts 16 (token, head) rows in a program and splits the keys; prefill
+    """Tile sizes. Decode puts 16 (token, head) rows in a program and splits the keys; prefill
     takes 64 rows and one split. With an fp8 cache every program widens each key tile it reads,
-    so decode takes 32 rows (half the programs per tile, half the conversions) on 8 warps."""
+    so decode takes 32 rows where there are 32+ heads (half the programs per tile, half the
+    conversions) on 8 warps with 32-key tiles.
+    NOTE: from sm_90 builds without a GPU (triton.compile + cuobjdump -res-usage, H=64): the
+    bf16 decode tile (16 x 64 keys, 4 warps) spills 784 B/thread; the fp8 tile 32 x 32 / 8 warps
+    spills 8 B (32 x 64 / 8 warps: 200 B, 16 x 64 / 4 warps: 1072 B, 64 rows always > 400 B).
+    bench/mla_fp8.py times the candidates."""
     if not decode:
         return dict(block_m=64, block_n=32, num_warps=8, num_stages=2)
-    if fp8 and heads >= 32:
-        return dict(block_m=32, block_n=64, num_warps=8, num_stages=2)
+    if fp8:
+        return dict(block_m=32 if heads >= 32 else 16, block_n=32, num_warps=8, num_stages=2)
     return dict(block_m=16, block_n=64, num_warps=4, num_stages=2)
 
 
