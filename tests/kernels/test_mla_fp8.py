@@ -278,3 +278,11 @@ def test_model_with_the_triton_backend_on_an_fp8_cache_matches_the_torch_backend
     assert caches["triton"][0].float().abs().sum() > 0
     assert torch.equal(caches["triton"][0].view(torch.uint8), caches["torch"][0].view(torch.uint8))
     assert rel(logits["triton"], logits["torch"]) < 1e-3
+
+
+def test_kv_scale_only_touches_fp8_caches():
+    """A backend built with a kv_scale reads a bf16 cache as stored (as the torch backend)."""
+    (q, qp, kv), md = fp8_paged([40], [1], 1.0)
+    kv = kv.float().bfloat16()
+    ours = TritonMLABackend(kv_scale=0.5).forward(q, qp, kv, md, 0.3)
+    assert rel(ours, TorchMLABackend(kv_scale=0.5).forward(q, qp, kv, md, 0.3)) < 1e-2

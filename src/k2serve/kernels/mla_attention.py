@@ -21,9 +21,10 @@ stored = e4m3(clamp(x / kv_scale, +-448)), read = stored * kv_scale. The kernel 
 value is a bf16 value) and folds kv_scale into the softmax scale and the output, so no
 per-element multiply is added. On NVIDIA GPUs the widening is inline PTX, 4 bytes per 32-bit
 register: the 7 exponent+mantissa bits shifted into a bf16 word and one bf16x2 multiply by 2^120
-(the exponent bias difference; exact for sub-normals too), ~2.5 integer/FMA instructions per
-value instead of Triton's cvt.f16x2.e4m3x2 + two cvt.bf16.f16 on the 16/clk conversion pipe
-(`fp8_convert="cast"` keeps that one; the interpreter always casts).
+(the exponent bias difference; exact for sub-normals too): 2.5 integer/FMA instructions per value
+where Triton's cast takes cvt.f16x2.e4m3x2 + two cvt.bf16.f16, 1.5 per value on the conversion
+pipe (16/clk/SM in the CUDA guide's table against 64-128 for integer/FMA); `fp8_convert="cast"`
+keeps Triton's (the interpreter always casts) and bench/mla_fp8.py times both.
 NOTE: the PTX path reads the NaN code 0x7F as 480 (like Triton's own emulation); a NaN is only
 stored for a NaN input.
 
@@ -310,7 +311,7 @@ def mla_attention(
     max_seq_len: int,
     out: torch.Tensor | None = None,  # [T, H, L]
     num_splits: int | None = None,
-    kv_scale: float = 1.0,  # fp8 cache: read value = stored * kv_scale
+    kv_scale: float = 1.0,  # fp8 cache: read value = stored * kv_scale (others: unused)
     fp8_convert: str | None = None,  # "ptx" | "cast"; None = default_fp8_convert()
     config: dict | None = None,  # overrides of default_config (benchmarks compare tiles)
 ) -> torch.Tensor:
@@ -365,7 +366,7 @@ def mla_attention(
         lse = torch.empty(T * H, num_splits, dtype=torch.float32, device=q_latent.device)
     _mla_fwd_kernel[grid](
         q_latent, q_pe, kv_cache, query_start_loc, context_lens, block_table, part, lse,
-        block_table.stride(0), float(scale), float(kv_scale),
+        block_table.stride(0), float(scale), float(kv_scale) if fp8 else 1.0,
         H=H, L=L, R=R, PS=PS, SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n,
         DIRECT=direct, DOT_DT=dot_dtype(), KV_FP8=kv_fp8, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
