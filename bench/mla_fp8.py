@@ -3,7 +3,9 @@
 Run (one H100 or H200, from the repo root; ~1 min):  PYTHONPATH=src python3 bench/mla_fp8.py
 Options: --cases (default "1x32768,1x131072,8x32768" = batch x context), --no-sweep,
 --smoke (the script itself on a CPU through Triton's interpreter: tiny shapes, no graphs, no
-PTX; its timings mean nothing).
+PTX; its timings mean nothing), --resources (no GPU needed: builds the decode kernel for sm_90
+with triton.compile and prints registers and spill bytes per thread of each tile, read from the
+cubin with Triton's bundled cuobjdump).
 
 1. ceiling: the copy bandwidth (read + write bytes of a 2 GiB copy / time, as model_speed.py).
 2. checks (exit code 1 on any FAIL): the Triton store writes the torch backend's fp8 bytes; the
@@ -275,12 +277,56 @@ def bench_case(B: int, ctx: int, bw: float, sweep: bool, rows: list) -> None:
                      best["bf16"] / best["fp8"], 0, 0, 0, 0))  # fmt: skip
 
 
+def resources() -> None:
+    """Registers / spill (stack) bytes per thread of each decode tile built for sm_90."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from k2serve.kernels import mla_attention as mla
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    log("| cache | tile (rows x keys, warps) | registers | spill bytes/thread | shared bytes |")
+    log("|---|---|---|---|---|")
+    for cache, tiles in (
+        ("bf16", [(16, 64, 4)] + SWEEP["bf16"]),
+        ("fp8", [(32, 32, 8)] + SWEEP["fp8"]),
+    ):
+        for bm, bn, w in tiles:
+            sig = dict(q_lat_ptr="*bf16", q_pe_ptr="*bf16", kv_ptr="*bf16" if cache == "bf16" else "*u8",
+                       qsl_ptr="*i32", ctx_ptr="*i32", bt_ptr="*i32", out_ptr="*fp32", lse_ptr="*fp32",
+                       bt_stride="i32", sm_scale="fp32", kv_scale="fp32")  # fmt: skip
+            cons = dict(H=H, L=L, R=R, PS=PS, SPLITS=64, BLOCK_M=bm, BLOCK_N=bn, DIRECT=False,
+                        DOT_DT=tl.bfloat16, KV_FP8=0 if cache == "bf16" else 2)  # fmt: skip
+            sig.update({k: "constexpr" for k in cons})
+            k = triton.compile(ASTSource(mla._mla_fwd_kernel, sig, constexprs=cons),
+                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=w, num_stages=2))  # fmt: skip
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(k.asm["cubin"])
+                f.flush()
+                txt = subprocess.run(
+                    [tool, "-res-usage", f.name], capture_output=True, text=True
+                ).stdout
+            m = re.search(r"REG:(\d+).*?STACK:(\d+)", txt, re.S)
+            reg, stack = m.groups() if m else ("?", "?")
+            log(f"| {cache} | {bm} x {bn}, {w} warps | {reg} | {stack} | {k.metadata.shared} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="1x32768,1x131072,8x32768")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter run of the script")
+    ap.add_argument("--resources", action="store_true", help="sm_90 registers/spills, no GPU")
     args = ap.parse_args()
+    if args.resources:
+        resources()
+        return 0
     if SMOKE:
         args.cases = "1x100,2x70"
     elif not torch.cuda.is_available():
