@@ -74,10 +74,20 @@ def test_fp8_doubles_the_tokens_of_a_budget():
         kv_cache_torch_dtype("int8", torch.bfloat16)
 
 
-def test_fp8_cache_falls_back_to_the_torch_backend_with_a_warning(monkeypatch, caplog):
-    """Where Triton is usable, an fp8 cache still gets the torch backend, and says so."""
+def test_fp8_cache_takes_triton_where_its_kernel_reads_fp8(monkeypatch, caplog):
+    """Where Triton is usable and its MLA kernel can read fp8 (NVIDIA sm_80+), an fp8 cache gets
+    the Triton backend (graph-safe); elsewhere the torch backend, with a warning."""
+    import k2serve.kernels.mla_attention as mla
+
     monkeypatch.setattr(attention, "triton_usable", lambda device: True)
+    monkeypatch.setattr(mla, "fp8_cache_supported", lambda device: True)
+    be = make_attention_backend("auto", "cuda", FP8)
+    assert be.name == "triton" and be.graph_safe
+    monkeypatch.setattr(mla, "fp8_cache_supported", lambda device: False)
     with caplog.at_level(logging.WARNING, logger="k2serve.attention"):
         be = make_attention_backend("auto", "cuda", FP8)
     assert be.name == "torch" and "fp8" in caplog.text
+    with pytest.raises(ValueError, match="fp8"):
+        make_attention_backend("triton", "cuda", FP8)
+    monkeypatch.undo()
     assert make_attention_backend("auto", "cpu", FP8).name == "torch"

@@ -2,7 +2,7 @@
 
 Owns: `allocate_kv_caches`, the KV cache dtype names (`kv_cache_torch_dtype`) and the backend
 choice (`make_attention_backend`: "auto" = Triton on CUDA when Triton is importable, else the
-torch reference; an fp8 cache always uses the torch reference until the Triton kernels read fp8).
+torch reference; an fp8 cache takes Triton too where its kernel reads fp8: NVIDIA sm_80+).
 
 Invariants: one cache tensor per layer, [num_pages, page_size, kv_lora_rank + qk_rope_head_dim],
 dtype = model dtype or float8_e4m3fn (`--kv-cache-dtype fp8`), zero-initialised.
@@ -70,13 +70,21 @@ def make_attention_backend(
     if name == "torch" or (name == "auto" and not triton_usable(device)):
         return TorchMLABackend()
     if fp8:
-        # NOTE: the Triton MLA kernels read the cache as bf16 and the store kernel writes no
-        # scale; until they support fp8 the reference path serves fp8 caches (slower).
-        logger.warning(
-            "kv_cache_dtype fp8: the Triton MLA backend does not read fp8 caches yet; using the "
-            "torch reference attention backend (slower decode)"
-        )
-        return TorchMLABackend()
+        from k2serve.kernels.mla_attention import fp8_cache_supported
+
+        if not fp8_cache_supported(device):
+            if name == "triton":
+                raise ValueError(
+                    f"attention_backend='triton' cannot read an fp8 KV cache on {device} (needs "
+                    "an NVIDIA GPU of compute capability 8.0+); use 'auto' or 'torch'"
+                )
+            logger.warning(
+                "kv_cache_dtype fp8: the Triton MLA kernel reads fp8 caches on NVIDIA sm_80+ "
+                "only; using the torch reference attention backend on %s (slower decode, no "
+                "decode CUDA graphs)",
+                device,
+            )
+            return TorchMLABackend()
     from k2serve.attention.triton_mla import TritonMLABackend
 
     return TritonMLABackend()

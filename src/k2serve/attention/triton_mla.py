@@ -25,13 +25,20 @@ from k2serve.kernels.mla_attention import mla_attention
 
 
 class TritonMLABackend(MLABackend):
+    """fp8 caches (float8_e4m3fn) use the torch backend's format: stored = x / kv_scale
+    saturated and rounded to e4m3, read = stored * kv_scale; a cache written by either backend
+    reads the same in both. Decode, prefill and a cached prefix all read fp8 in the kernel."""
+
     name = "triton"
     graph_safe = True
 
-    def __init__(self, prefill: str = "absorbed") -> None:
+    def __init__(self, prefill: str = "absorbed", kv_scale: float = 1.0) -> None:
         if prefill not in ("absorbed", "expand"):
             raise ValueError(f"TritonMLABackend prefill={prefill!r}: use 'absorbed' or 'expand'")
+        if not kv_scale > 0:
+            raise ValueError(f"kv_scale={kv_scale} must be positive")
         self.prefill = prefill
+        self.kv_scale = float(kv_scale)
 
     def store(
         self,
@@ -40,7 +47,7 @@ class TritonMLABackend(MLABackend):
         k_pe: torch.Tensor,  # [T, R]
         slot_mapping: torch.Tensor,  # [T] int64
     ) -> None:
-        store_latent_kv(kv_cache, latent, k_pe, slot_mapping)
+        store_latent_kv(kv_cache, latent, k_pe, slot_mapping, kv_scale=self.kv_scale)
 
     def forward(
         self,
@@ -60,6 +67,7 @@ class TritonMLABackend(MLABackend):
             scale,
             max_query_len=metadata.max_query_len,
             max_seq_len=metadata.max_seq_len,
+            kv_scale=self.kv_scale,
         )
 
 
@@ -85,6 +93,8 @@ def mla_prefill_expanded(attn, q_nope, q_pe, latent, k_pe, md: AttentionMetadata
         else:
             pages = md.block_table[b, : -(-S // ps)].long()
             rows = kv_cache[pages].reshape(-1, L + R)[:S]  # [S, L + R]
+            if rows.dtype == torch.float8_e4m3fn:  # stored * kv_scale, as the kernel reads it
+                rows = (rows.float() * getattr(attn.backend, "kv_scale", 1.0)).to(q_nope.dtype)
             lat, pe = rows[:, :L], rows[:, L:]
         kv = attn.kv_b_proj(lat).view(S, H, N + V)
         k = torch.cat([kv[..., :N], pe[:, None, :].expand(S, H, R)], dim=-1)  # [S, H, N + R]

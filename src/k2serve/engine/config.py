@@ -31,7 +31,7 @@ _HELP = {
     "GPU fraction)",
     "num_kv_pages": "exact number of KV pages (overrides the memory budget)",
     "kv_cache_dtype": "auto (= model dtype), bf16, fp8 (float8_e4m3fn latent cache: twice the "
-    "tokens; on CUDA served by the torch attention backend until the Triton one reads fp8)",
+    "tokens; read by the Triton attention kernel on NVIDIA sm_80+, else the torch backend)",
     "attention_backend": "auto (Triton on CUDA, torch on CPU), torch, triton",
     "moe_backend": "auto (fused Triton MoE on CUDA, torch on CPU), torch, triton",
     "enforce_eager": "never capture CUDA graphs (decode steps run eagerly), as vLLM",

@@ -15,6 +15,19 @@ the keys of a sequence into `num_splits` ranges (split-KV, flash-decoding), each
 normalised partial output and its log-sum-exp, merged by a second kernel. Prefill (and mixed
 batches) uses one split and writes the output directly.
 
+fp8 cache (float8_e4m3fn, the format of `attention/torch_ref.py` and `kernels/kv_store.py`):
+stored = e4m3(clamp(x / kv_scale, +-448)), read = stored * kv_scale. The kernel loads the bytes
+(half the traffic of a bf16 cache), widens them to the dot dtype in registers (exact: every e4m3
+value is a bf16 value) and folds kv_scale into the softmax scale and the output, so no
+per-element multiply is added. On NVIDIA GPUs the widening is inline PTX, 4 bytes per 32-bit
+register: the 7 exponent+mantissa bits shifted into a bf16 word and one bf16x2 multiply by 2^120
+(the exponent bias difference; exact for sub-normals too): 2.5 integer/FMA instructions per value
+where Triton's cast takes cvt.f16x2.e4m3x2 + two cvt.bf16.f16, 1.5 per value on the conversion
+pipe (16/clk/SM in the CUDA guide's table against 64-128 for integer/FMA); `fp8_convert="cast"`
+keeps Triton's (the interpreter always casts) and bench/mla_fp8.py times both.
+NOTE: the PTX path reads the NaN code 0x7F as 480 (like Triton's own emulation); a NaN is only
+stored for a NaN input.
+
 Invariants: `seq_lens[b] == context_lens[b] + query_len[b]`; block_table rows cover
 `cdiv(seq_lens[b], page_size)` pages; outputs are written for every row of every sequence.
 """
@@ -25,7 +38,9 @@ import math
 
 import torch
 
-from ._triton import HAS_TRITON, cdiv, dot_dtype, require_triton, tl, triton
+from ._triton import HAS_TRITON, INTERPRET, cdiv, dot_dtype, require_triton, tl, triton
+
+FP8_KV_DTYPES = (torch.float8_e4m3fn,)
 
 # --------------------------------------------------------------------------------------------
 # torch reference
@@ -39,6 +54,7 @@ def mla_attention_ref(
     context_lens: torch.Tensor,  # [B] int32
     block_table: torch.Tensor,  # [B, max_pages] int32
     scale: float,
+    kv_scale: float = 1.0,  # fp8 caches: read value = stored * kv_scale
 ) -> torch.Tensor:  # [T, H, L]
     """Per-sequence gather of the paged cache and a float32 causal softmax."""
     T, H, L = q_latent.shape
@@ -53,6 +69,8 @@ def mla_attention_ref(
         pos = torch.arange(n_keys, device=kv_cache.device)
         pages = block_table[b].long()[pos // ps]
         kv = kv_cache[pages, pos % ps].float()  # [S, L + R]
+        if kv_cache.dtype in FP8_KV_DTYPES and kv_scale != 1.0:
+            kv = kv * kv_scale
         q = torch.cat([q_latent[s:e], q_pe[s:e]], dim=-1).float()  # [t, H, L + R]
         score = torch.einsum("thd,sd->ths", q, kv) * scale
         tpos = ctx[b] + torch.arange(e - s, device=kv.device)
@@ -68,6 +86,44 @@ def mla_attention_ref(
 if HAS_TRITON:
 
     @triton.jit
+    def _e4m3_to_bf16_ptx(x):
+        """bf16 values of float8_e4m3fn bytes `x` (uint8), 4 per 32-bit register: the sign to
+        bit 15, exponent+mantissa to bits 10..4 (a bf16 with exponent bias 127 instead of 7),
+        then one bf16x2 multiply by 2^120. Exact, sub-normals included."""
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 a0, a1, b0, b1, e120, nz;
+            mov.b32 e120, 0x7B807B80;
+            mov.b32 nz, 0x80008000;
+            prmt.b32 a0, 0, $2, 0x5140;
+            prmt.b32 a1, 0, $2, 0x7362;
+            and.b32 b0, a0, 0x7FFF7FFF;
+            and.b32 b1, a1, 0x7FFF7FFF;
+            shr.b32 b0, b0, 4;
+            shr.b32 b1, b1, 4;
+            lop3.b32 b0, b0, 0x80008000, a0, 0xF8;
+            lop3.b32 b1, b1, 0x80008000, a1, 0xF8;
+            fma.rn.bf16x2 $0, b0, e120, nz;
+            fma.rn.bf16x2 $1, b1, e120, nz;
+            }
+            """,
+            constraints="=r,=r,r",
+            args=[x],
+            dtype=tl.bfloat16,
+            is_pure=True,
+            pack=4,
+        )
+
+    @triton.jit
+    def _load_kv(ptrs, mask, KV_FP8: tl.constexpr, DOT_DT: tl.constexpr):
+        """A key tile as DOT_DT. KV_FP8: 0 = the cache is bf16/fp32, 1 = float8_e4m3fn read
+        through Triton's cast, 2 = float8_e4m3fn bytes (uint8 view) widened by PTX."""
+        if KV_FP8 == 2:
+            return _e4m3_to_bf16_ptx(tl.load(ptrs, mask=mask, other=0))
+        return tl.load(ptrs, mask=mask, other=0.0).to(DOT_DT)
+
+    @triton.jit
     def _mla_fwd_kernel(
         q_lat_ptr,  # [T*H, L]
         q_pe_ptr,  # [T*H, R]
@@ -79,6 +135,7 @@ if HAS_TRITON:
         lse_ptr,  # [T*H, SPLITS] fp32 (unused if DIRECT)
         bt_stride,
         sm_scale,
+        kv_scale,
         H: tl.constexpr,
         L: tl.constexpr,
         R: tl.constexpr,
@@ -88,6 +145,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         DIRECT: tl.constexpr,
         DOT_DT: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         b = tl.program_id(1)
@@ -118,7 +176,8 @@ if HAS_TRITON:
         q_r = tl.load(
             q_pe_ptr + g_rows[:, None] * R + offs_r[None, :], mask=row_ok[:, None], other=0.0
         ).to(DOT_DT)
-        qk_scale = sm_scale * 1.4426950408889634  # log2(e)
+        # log2(e); an fp8 cache's kv_scale multiplies every key, so it scales the scores
+        qk_scale = sm_scale * kv_scale * 1.4426950408889634
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -129,8 +188,8 @@ if HAS_TRITON:
             page = tl.load(bt_ptr + b * bt_stride + offs_n // PS, mask=n_ok, other=0)
             slot = page.to(tl.int64) * PS + offs_n % PS
             kv_row = kv_ptr + slot[:, None] * (L + R)
-            c = tl.load(kv_row + offs_l[None, :], mask=n_ok[:, None], other=0.0).to(DOT_DT)
-            k_r = tl.load(kv_row + L + offs_r[None, :], mask=n_ok[:, None], other=0.0).to(DOT_DT)
+            c = _load_kv(kv_row + offs_l[None, :], n_ok[:, None], KV_FP8, DOT_DT)  # [BN, L]
+            k_r = _load_kv(kv_row + L + offs_r[None, :], n_ok[:, None], KV_FP8, DOT_DT)
             s = tl.dot(q_n, tl.trans(c)) + tl.dot(q_r, tl.trans(k_r))  # [BM, BN] fp32
             vis = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
             s = tl.where(vis, s * qk_scale, float("-inf"))
@@ -144,6 +203,8 @@ if HAS_TRITON:
 
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         o = acc / l_safe[:, None]
+        if KV_FP8 != 0:
+            o = o * kv_scale  # the values are the (scaled) keys too
         if DIRECT:
             tl.store(
                 out_ptr + g_rows[:, None] * L + offs_l[None, :],
@@ -201,10 +262,47 @@ def _pick_splits(num_seqs: int, row_blocks: int, max_seq_len: int, block_n: int)
     return 1 << (n.bit_length() - 1)
 
 
+FP8_CONVERTS = ("ptx", "cast")
+CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
+
+
+def default_fp8_convert() -> str:
+    """How the kernel widens fp8 keys: the PTX path on NVIDIA GPUs, Triton's cast elsewhere (the
+    interpreter, ROCm)."""
+    return "cast" if INTERPRET or torch.version.hip is not None else "ptx"
+
+
+def fp8_cache_supported(device: torch.device | str) -> bool:
+    """True when the Triton kernel can read a float8_e4m3fn cache on `device`: NVIDIA sm_80+
+    (the PTX widening needs bf16x2 FMA), or Triton's CPU interpreter."""
+    dev = torch.device(device)
+    if INTERPRET and dev.type == "cpu":
+        return True
+    if dev.type != "cuda" or torch.version.hip is not None or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(dev) >= (8, 0)
+
+
+def default_config(decode: bool, heads: int, fp8: bool) -> dict:
+    """Tile sizes. Decode puts 16 (token, head) rows in a program and splits the keys; prefill
+    takes 64 rows and one split. With an fp8 cache every program widens each key tile it reads,
+    so decode takes 32 rows where there are 32+ heads (half the programs per tile, half the
+    conversions) on 8 warps with 32-key tiles.
+    NOTE: from sm_90 builds without a GPU (triton.compile + cuobjdump -res-usage, H=64): the
+    bf16 decode tile (16 x 64 keys, 4 warps) spills 784 B/thread; the fp8 tile 32 x 32 / 8 warps
+    spills 8 B (32 x 64 / 8 warps: 200 B, 16 x 64 / 4 warps: 1072 B, 64 rows always > 400 B).
+    bench/mla_fp8.py times the candidates."""
+    if not decode:
+        return dict(block_m=64, block_n=32, num_warps=8, num_stages=2)
+    if fp8:
+        return dict(block_m=32 if heads >= 32 else 16, block_n=32, num_warps=8, num_stages=2)
+    return dict(block_m=16, block_n=64, num_warps=4, num_stages=2)
+
+
 def mla_attention(
     q_latent: torch.Tensor,  # [T, H, L]
     q_pe: torch.Tensor,  # [T, H, R]
-    kv_cache: torch.Tensor,  # [num_pages, page_size, L + R]
+    kv_cache: torch.Tensor,  # [num_pages, page_size, L + R] bf16/fp32 or float8_e4m3fn
     query_start_loc: torch.Tensor,  # [B + 1] int32
     context_lens: torch.Tensor,  # [B] int32
     block_table: torch.Tensor,  # [B, max_pages] int32
@@ -213,6 +311,9 @@ def mla_attention(
     max_seq_len: int,
     out: torch.Tensor | None = None,  # [T, H, L]
     num_splits: int | None = None,
+    kv_scale: float = 1.0,  # fp8 cache: read value = stored * kv_scale (others: unused)
+    fp8_convert: str | None = None,  # "ptx" | "cast"; None = default_fp8_convert()
+    config: dict | None = None,  # overrides of default_config (benchmarks compare tiles)
 ) -> torch.Tensor:
     """Absorbed paged MLA; see the module docstring. No host synchronisation."""
     require_triton(q_latent)
@@ -226,6 +327,19 @@ def mla_attention(
     for name, v in (("kv_lora_rank", L), ("rope dim", R), ("page_size", PS)):
         if v & (v - 1):
             raise ValueError(f"{name}={v} must be a power of two for the Triton MLA kernel")
+    fp8 = kv_cache.dtype in FP8_KV_DTYPES
+    kv_fp8 = 0
+    if fp8:
+        if not kv_scale > 0:
+            raise ValueError(f"kv_scale={kv_scale} must be positive")
+        conv = fp8_convert or default_fp8_convert()
+        if conv not in FP8_CONVERTS:
+            raise ValueError(f"fp8_convert={conv!r}; expected one of {FP8_CONVERTS}")
+        if conv == "ptx" and INTERPRET:
+            raise ValueError("fp8_convert='ptx' needs an NVIDIA GPU (not the interpreter)")
+        kv_fp8 = 2 if conv == "ptx" else 1
+        if kv_fp8 == 2:
+            kv_cache = kv_cache.view(torch.uint8)  # the PTX widening takes the raw bytes
     q_latent, q_pe = q_latent.contiguous(), q_pe.contiguous()
     if out is None:
         out = torch.empty_like(q_latent)
@@ -233,11 +347,13 @@ def mla_attention(
     if T == 0 or B == 0:
         return out
     decode = max_query_len == 1
-    block_m = 16 if decode else 64
-    block_n = 64 if decode else 32
-    num_warps = 4 if decode else 8
-    if decode and H < 16:
-        block_m = max(1 << (H - 1).bit_length(), 16)
+    cfg = default_config(decode, H, fp8)
+    if config:
+        unknown = set(config) - set(CONFIG_KEYS)
+        if unknown:
+            raise ValueError(f"unknown MLA config keys {sorted(unknown)}; use {CONFIG_KEYS}")
+        cfg.update(config)
+    block_m, block_n = cfg["block_m"], cfg["block_n"]
     row_blocks = cdiv(max_query_len * H, block_m)
     if num_splits is None:
         num_splits = _pick_splits(B, row_blocks, max_seq_len, block_n) if decode else 1
@@ -250,13 +366,21 @@ def mla_attention(
         lse = torch.empty(T * H, num_splits, dtype=torch.float32, device=q_latent.device)
     _mla_fwd_kernel[grid](
         q_latent, q_pe, kv_cache, query_start_loc, context_lens, block_table, part, lse,
-        block_table.stride(0), float(scale),
+        block_table.stride(0), float(scale), float(kv_scale) if fp8 else 1.0,
         H=H, L=L, R=R, PS=PS, SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n,
-        DIRECT=direct, DOT_DT=dot_dtype(), num_warps=num_warps, num_stages=2,
+        DIRECT=direct, DOT_DT=dot_dtype(), KV_FP8=kv_fp8, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )  # fmt: skip
     if not direct:
         _mla_reduce_kernel[(T * H,)](part, lse, out, L=L, SPLITS=num_splits, num_warps=4)
     return out
 
 
-__all__ = ["mla_attention", "mla_attention_ref", "math"]
+__all__ = [
+    "default_config",
+    "default_fp8_convert",
+    "fp8_cache_supported",
+    "math",
+    "mla_attention",
+    "mla_attention_ref",
+]

@@ -565,7 +565,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     @property
     def decode_graph_safe(self) -> bool:
         """True when every layer's attention backend can be captured in a CUDA graph (the torch
-        reference backend, used for fp8 KV caches, cannot: it syncs with the host)."""
+        reference backend cannot: it syncs with the host; Triton can, fp8 caches included)."""
         return all(layer.self_attn.backend.graph_safe for layer in self.model.layers)
 
     @property
