@@ -1,5 +1,6 @@
 """Each Triton kernel against its torch reference on fresh random inputs (small shapes on CPU
-through the interpreter; the same code runs on CUDA). Real K2 sizes run in bench/model_speed.py."""
+through the interpreter; the same code runs on CUDA). Real K2 sizes run in
+benchmarks/model_speed.py."""
 
 import pytest
 import torch

@@ -28,9 +28,8 @@ MAX_KERNEL_ROWS = 64
 
 
 # Per-shape configs for Kimi-K2-Instruct's FP8 linears (N, K): (up to 16 rows, 17-64 rows),
-# the fastest of a sweep graph-timed on one H200 (bench/h200_run30.txt: BLOCK_N 32/64, SPLIT_K
-# 1-16, 3-4 stages). At one row: 0.006 ms (kv_a, kv_b) to 0.050 ms (dense gate+up / down),
-# 15-63% of the copy bandwidth (the small ones are latency-bound).
+# the fastest of a sweep graph-timed on one H200 (benchmarks/fp8_speed.py --parts sweep: BLOCK_N
+# 32/64, SPLIT_K 1-16, 3-4 stages).
 _B16, _B64 = (
     dict(BLOCK_M=16, num_warps=4, num_stages=3),
     dict(BLOCK_M=64, num_warps=4, num_stages=3),

@@ -250,7 +250,7 @@ if HAS_TRITON:
 
 def _config(num_pairs: int, num_experts: int, quant: str) -> dict:
     """Block sizes: small-M (decode: weight streaming) or large-M (prefill: tensor cores).
-    Picked from the sweeps in bench/h200_run1.txt and h200_run2.txt (one H200)."""
+    Picked from config sweeps on one H200 (benchmarks/model_speed.py)."""
     if num_pairs <= 4 * num_experts:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256 if quant == "int4" else 128,
                     num_warps=4, num_stages=4)  # fmt: skip

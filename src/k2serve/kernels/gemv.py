@@ -3,12 +3,12 @@
 Owns: `gemv(x, w, out_dtype)`, `gemv_silu_mul(x, w)` (silu(gate) * up from a fused [gate; up]
 weight, for the dense and shared MLPs) and `use_gemv(x, w)` (whether either applies). cuBLAS
 runs these skinny products as split-K GEMMs plus a reduce kernel (two launches, 70-85% of the copy
-bandwidth on K2's projections, bench/h200_run16.txt); this kernel reads each weight row once
-with 16-byte loads, accumulates in float32, and needs no second pass.
+bandwidth on K2's projections); this kernel reads each weight row once with 16-byte loads,
+accumulates in float32, and needs no second pass.
 
 Invariants: w is contiguous [N, K] in x's dtype, K % BLOCK_K == 0 (BLOCK_K from `config`);
 no host synchronisation (CUDA-graph safe). `TUNED` maps (N, K) to a launch config found by
-bench/model_speed.py, or to None where cuBLAS was faster; other shapes use `config`'s rule.
+benchmarks/model_speed.py, or to None where cuBLAS was faster; other shapes use `config`'s rule.
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ import torch
 
 from ._triton import HAS_TRITON, INTERPRET, cdiv, require_triton, tl, triton
 
-# bench/h200_run17.txt (H200): every K2 projection at batch 1 faster than cuBLAS, 0.0052 vs
-# 0.0066 ms (router) to 0.1204 vs 0.1377 ms (dense gate+up)
+# Every K2 projection at batch 1 measured faster than cuBLAS on an H200 (RESULTS.md, run 17)
 TUNED: dict[tuple[int, int], dict | None] = {
     (2112, 7168): dict(BLOCK_N=2, BLOCK_K=1024, num_warps=4),  # q_a + kv_a
     (12288, 1536): dict(BLOCK_N=2, BLOCK_K=512, num_warps=2),  # q_b

@@ -19,10 +19,8 @@ The kernel computes the transposed tile (weights as the MMA's left operand, toke
 Hopper's wgmma may take its left operand from registers, and few tokens per expert waste less
 of a tile. Triton 3.6 still converts the interleaved tile through shared memory (see
 PREFILL_CONFIG); the weights-as-right-operand form does not compile (TritonGPUOptimizeDotOperands
-fails on the interleave, run 23). Also measured and dropped (runs 24, 26): one MMA per nibble
-plane against plane-permuted activations (8-25% slower), one per plane pair (J, J + 4) (5-15%
-slower, same shared-memory round trip), and shifting each element out of a redundantly loaded
-word (10x slower).
+fails on the interleave). One MMA per nibble plane or per plane pair, and shifting each element
+out of a redundantly loaded word, were slower (benchmarks/RESULTS.md, runs 23-27).
 
 Invariants: K % (8W) == 0, W % (group / 8) == 0. Rows are the (token, slot) pairs aligned per
 expert by moe_align_block_size (padding rows read row 0 and are never stored). No host sync
@@ -97,14 +95,10 @@ if HAS_TRITON:
                  acc.to(c_ptr.dtype.element_ty), mask=pair_ok[:, None] & n_ok[None, :])  # fmt: skip
 
 
-# One config for every size (bench/h200_run26.txt, one H200, a K2 layer with uniform routing,
-# ms per layer: 13.1 at T=128, 14.2 at 1024, 14.4 at 2048, 43.7 at 8192). A 32-row block was
-# 0.5 ms faster at T <= 1024 under uniform routing, but the k2-slice's 1k prefill (its routing
-# puts ~80 rows on an expert) took 89.5 ms with it against 62.8 (runs 26, 24); a 128-row
-# block with 8 warps was 1 ms faster at 8192. The kernel is bound by shared memory (ncu, run
-# 25: L1/TEX 88% busy, DRAM 17%):
-# Triton stores the dequantized tile to shared memory and reads it back in the wgmma operand
-# layout on every K step.
+# One config for every size: 32-row blocks win slightly on uniform routing but lose badly when
+# routing concentrates many rows on an expert (the k2-slice's 1k prefill). The kernel is bound
+# by shared memory, not DRAM: Triton stores the dequantized tile to shared memory and reads it
+# back in the wgmma operand layout on every K step.
 PREFILL_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, W=8, num_warps=4, num_stages=3)
 
 

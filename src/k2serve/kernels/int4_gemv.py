@@ -191,8 +191,8 @@ if HAS_TRITON:
         TOPK == 0: a program per (pair, N-block): c[pair] = W_e a[pair // A_DIV], with GATED
         silu(gate) * up, in float32.
         TOPK > 0: a program per (token, N-block): c[t] = sum_j tw[t, j] W_e(t,j) a[t*TOPK + j],
-        the top-k weighted sum done in the kernel (splitting the experts over 2-4 programs for
-        more programs in flight measured no faster at T=1, run 20).
+        the top-k weighted sum done in the kernel (one program per output block: splitting the
+        experts over more programs was not faster at T=1).
         Rows are innermost in the grid, so the programs that share an expert read each weight
         tile at about the same time and the repeats come from L2. GS: one scale load and
         multiply per group of words."""

@@ -243,15 +243,15 @@ if HAS_TRITON:
         tl.store(out_ptr + row * L + offs_l, o.to(out_ptr.dtype.element_ty))
 
 
-ROUND_UP_SMALL_BATCH = True  # False = the rule before run 10 (bench/model_speed.py's base)
+ROUND_UP_SMALL_BATCH = True  # False = always round down (model_speed.py's "base" variant)
 
 
 def _pick_splits(num_seqs: int, row_blocks: int, max_seq_len: int, block_n: int) -> int:
     """Enough programs to cover the GPU (~2 waves of 132 SMs). A split covers a whole number of
     key tiles (chunk = cdiv(cdiv(keys, splits), block_n) tiles), so at one or two sequences the
     count is rounded UP to a power of two (tl.arange): 1025 keys in 64-key tiles are 17 tiles,
-    i.e. 9 working splits of 2 tiles at 16 splits but 17 of 1 at 32 (run 9: 16 us per layer at
-    batch 1 with 6 working splits of 3 tiles). Larger batches round down, as before."""
+    i.e. 9 working splits of 2 tiles at 16 splits but 17 of 1 at 32 (rounding down gives 6
+    working splits of 3 tiles, about half as fast at batch 1). Larger batches round down."""
     programs = max(1, num_seqs * row_blocks)
     want = max(1, 264 // programs)
     tiles = max(1, -(-max_seq_len // block_n))

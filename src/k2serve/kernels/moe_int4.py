@@ -432,29 +432,24 @@ def use_asm() -> bool:
     )
 
 
-# Tuned GEMV configs (bench/model_speed.py may replace them with its sweep's winners). A config
+# Tuned GEMV configs (benchmarks/model_speed.py may replace them with its sweep's winners). A config
 # may hold "w2": {...}, overrides for the down-projection launch (BLOCK_N, W, num_warps, ...).
 TUNED = {
-    # the f16x2 GEMV with group scales (bench/h200_run16.txt: T=1 0.072 ms, T=8 0.415 ms for
-    # both launches of a K2 MoE layer, against 0.133 / 0.816 for run 8's plane GEMV, kind="gemv",
-    # ROWS=1, BLOCK_N=8, W=64, num_warps=4)
+    # the f16x2 GEMV with group scales (about twice as fast as the plane GEMV at T=1 and T=8)
     "r1": dict(
         kind="h2", BLOCK_N=8, W=64, num_warps=4, GS=1, w2=dict(BLOCK_N=8, W=128, num_warps=4, GS=1)
     ),  # fmt: skip
 }
 # T * top_k up to which the decode GEMV is used. The h2 GEMV dequantizes per (token, expert)
-# pair, so its cost grows with the pairs, the grouped kernel's with the distinct experts. Run 15
-# (bench/h200_run15.txt, before the group scales): uniform routing, h2 / generic fused_moe =
-# 1.17 / 4.78 ms at T=16, 2.31 / 8.16 at T=32, 4.60 / 12.0 at T=64, 8.97 / 15.0 at T=128; in the
-# k2-slice model with concentrated routing (dummy weights), B=32 18.4 ms (h2) vs 19.7 (generic),
-# but B=128 65.8 vs 38.8. 256 (T <= 32 at top-8) wins under both. Run 16 (group scales): 0.80 /
-# 4.86 at T=16 ... 6.08 / 14.9 at T=128; model B=32 12.4 ms.
+# pair, so its cost grows with the pairs, the grouped kernel's with the distinct experts: on
+# uniform routing h2 wins at every T up to 128, but under concentrated routing (few experts, many
+# pairs each) it loses above 256 pairs; 256 (T <= 32 at top-8) wins under both (RESULTS.md).
 GEMV_MAX_PAIRS = 256
 
 
 def default_config(T: int, k: int, E: int) -> dict:
     """Kernel choice by rows per expert (T * k pairs): the h2 GEMV up to GEMV_MAX_PAIRS, then
-    the plane tensor-core kernel by rows per expert (bench/h200_run4.txt)."""
+    the plane tensor-core kernel by rows per expert."""
     M = T * k
     if M <= GEMV_MAX_PAIRS:
         return dict(TUNED["r1"])

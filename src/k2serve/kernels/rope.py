@@ -9,8 +9,8 @@ the q_b_proj / kv_a_proj outputs), cos/sin [T, R/2] float32 -> new contiguous te
 [T, H, R] and [T, R] in x's dtype, laid out as transformers does (the rotated even-index
 elements first, then the odd-index ones). The rounding steps of the torch code are written out
 (cos/sin cast to x's dtype, each product and the sum/difference rounded to x's dtype); on the
-H200 (run 9) results were not all bit-equal to the torch path, so the contract is: within one
-rounding error bound of it (`rope_error_ratio`; tests/kernels, bench/model_speed.py).
+H200 results are not all bit-equal to the torch path, so the contract is: within one rounding
+error bound of it (`rope_error_ratio`; tests/kernels, benchmarks/model_speed.py).
 """
 
 from __future__ import annotations

@@ -121,9 +121,9 @@ class MLP(nn.Module):
         return self.gate_up_weight is not None
 
 
-# Steps of up to this many tokens run the shared expert on the side stream (decode: B=1 2.291
-# -> 2.235 ms, B=128 25.59 -> 25.06 ms on the k2-slice, bench/h200_run33.txt); a 1k-token
-# prefill measured 64.4 -> 67.9 ms with it (two compute-bound GEMMs contend), so not there.
+# Steps of up to this many tokens run the shared expert on the side stream (decode is
+# memory-bound, so the two overlap); above it two compute-bound GEMMs contend and the side
+# stream is slower (benchmarks/RESULTS.md, runs 33-35).
 SIDE_STREAM_MAX_TOKENS = 256
 
 
@@ -478,10 +478,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.use_triton = use_triton_norm
-        # NOTE: the fused RoPE kernel is off on tensor-parallel shards: on 2 H200s (bench/
-        # h200_tp_run2.txt) TP=2 logits differed from TP=1 by 0.12-0.16 with it and by 0.008
-        # without, although the kernel alone is exact on either GPU and a 2-rank TP run of it
-        # under Triton's interpreter agrees to 5e-7; the cause is not found yet
+        # NOTE: the fused RoPE kernel is off on tensor-parallel shards: with it TP=2 logits
+        # differ from TP=1 by 0.12-0.16 on 2 H200s, without it by 0.008, although the kernel
+        # alone is within one rounding of the torch code; the cause is open (RESULTS.md, TP)
         sharded = getattr(self, "tp_plan", None) is not None
         fast = self.set_fused_kernels(
             rope=attn.name == "triton" and not sharded,

@@ -8,16 +8,15 @@ state_dict) still see the same values.
 Supported schemes: bf16, int4_group (compressed-tensors, group 32), fp8_block (128x128).
 INT4 dispatch (`int4_impl`): "planes" (default when hidden and intermediate sizes are multiples
 of 256) runs kernels/moe_int4.py's decode GEMV (the f16x2 "h2" kernel) up to GEMV_MAX_PAIRS
-(token, expert) pairs and the generic fused_moe kernel above (it measured faster than the plane
-tensor-core kernel, run 4);
+(token, expert) pairs and the generic fused_moe kernel above;
 "legacy" runs the generic fused_moe kernel always. Above the GEMV range, `prefill_impl`:
 "auto" (default) runs kernels/int4_gemm.py's grouped GEMM (INT4 tiles dequantized on chip, no
 host sync) below `prefill_min_tokens` tokens and chunk-wise dequant + torch._grouped_mm (one
 host sync; never inside a decode graph since decode steps are far below the threshold) from
 there; "gemm" the grouped GEMM always; "grouped_mm" the generic fused_moe kernel below the
-threshold (the previous default); "kernel" the generic kernel always. One K2 layer on an H200
-(bench/h200_run24.txt, ms): T=128 grouped GEMM 12.5 / generic 15.3 / grouped_mm 25.3; T=2048
-14.4 / 22.6 / 27.0; T=8192 42.9 / 44.7 / 33.7: the crossing is near 5k tokens.
+threshold; "kernel" the generic kernel always. On one K2 layer the grouped GEMM beats both
+others up to a few thousand tokens and dequant + grouped_mm wins above (the crossing is near 5k
+tokens; benchmarks/RESULTS.md, runs 23-27).
 """
 
 from __future__ import annotations

@@ -1,0 +1,243 @@
+"""One MoE layer's routed experts on the CPU, against the CPU's memory bandwidth in the same run.
+
+Real Kimi-K2 expert sizes by default (hidden 7168, moe intermediate 2048, 384 experts top-8,
+INT4 group 32, dummy weights generated in memory); batch 1, 4, 16 and a 2K-token prefill, every
+routed expert on the CPU. Prints, per case: ms per layer, the bytes the step must read (the
+distinct experts it hits, at their stored size), that over the time as GB/s and as a fraction
+of the measured read bandwidth, the old per-expert torch path and KT-Kernel (the peer, when
+`kt_kernel` imports) on the same weights, and the extrapolation to 60 MoE layers (tok/s).
+
+    python benchmarks/cpu_moe.py                      # K2 sizes (needs ~10 GB of RAM for 384 experts)
+    python benchmarks/cpu_moe.py --experts 48         # a smaller pool on a small machine
+    python benchmarks/cpu_moe.py --format fp8 --experts 32 --no-old
+
+Correctness is checked first (native vs the torch reference on a few tokens). Each timing uses
+fresh random routing so the experts read are not in the caches; the bandwidth probe reads a
+buffer of --bw-gib GiB (much larger than the LLC) with the kernel's own threads and with torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+from k2serve.moe import cpu_kernel as ck  # noqa: E402
+from k2serve.moe.cpu_experts import CpuExpertBackend  # noqa: E402
+from k2serve.quant.linear import Fp8BlockLinear, Int4GroupLinear, UnquantizedLinear  # noqa: E402
+
+
+def _bits(shape, dtype, g, cache: dict, salt: int) -> torch.Tensor:
+    """Random bits of `shape`: one random tensor per shape, XOR-ed with a per-expert salt (fast:
+    hundreds of K2 experts are made in seconds; every expert has its own memory and values)."""
+    key = (tuple(shape), dtype)
+    if key not in cache:
+        lo, hi = (-(2**31), 2**31 - 1) if dtype == torch.int32 else (0, 255)
+        cache[key] = torch.randint(lo, hi, shape, dtype=dtype, generator=g)
+    m = (salt * 0x9E3779B1) & 0x7FFFFFFF if dtype == torch.int32 else (salt * 37) & 0x7F
+    return cache[key] ^ m
+
+
+def make_linear(fmt: str, out_f: int, in_f: int, g: torch.Generator, cache=None, salt=0):
+    """Dummy weights of the stored size: random nibbles / fp8 bytes / bf16, small scales."""
+    cache = {} if cache is None else cache
+    if fmt == "int4":
+        lin = Int4GroupLinear(in_f, out_f, 32)
+        lin.weight_packed.data = _bits((out_f, in_f // 8), torch.int32, g, cache, salt)
+        lin.weight_scale.data = (torch.rand(out_f, in_f // 32, generator=g) * 0.02 + 0.001).to(
+            torch.bfloat16
+        )
+        lin.weight_shape.data = torch.tensor([out_f, in_f], dtype=torch.int32)
+    elif fmt == "fp8":
+        lin = Fp8BlockLinear(in_f, out_f, (128, 128))
+        u8 = _bits((out_f, in_f), torch.uint8, g, cache, salt)
+        u8 = torch.where((u8 & 0x7F) == 0x7F, u8 & 0xF0, u8)  # no NaN encodings
+        lin.weight.data = u8.view(torch.float8_e4m3fn)
+        lin.weight_scale_inv.data = torch.rand(-(-out_f // 128), -(-in_f // 128), generator=g)
+        lin.weight_scale_inv.data.mul_(1e-3)
+    else:
+        lin = UnquantizedLinear(in_f, out_f, torch.bfloat16)
+        lin.weight.data = (torch.randn(out_f, in_f, generator=g) * in_f**-0.5).bfloat16()
+    return lin
+
+
+class Expert(nn.Module):
+    def __init__(self, fmt, hidden, inter, g, cache=None, salt=0):
+        super().__init__()
+        cache = {} if cache is None else cache
+        self.gate_proj = make_linear(fmt, inter, hidden, g, cache, 3 * salt)
+        self.up_proj = make_linear(fmt, inter, hidden, g, cache, 3 * salt + 1)
+        self.down_proj = make_linear(fmt, hidden, inter, g, cache, 3 * salt + 2)
+
+
+def expert_bytes(ex: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in ex.parameters())
+
+
+def routing(T: int, E: int, k: int, g: torch.Generator):
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).long()
+    w = torch.rand(T, k, generator=g) / k
+    return ids, w
+
+
+def read_bandwidth(backend: CpuExpertBackend, gib: float, reps: int = 5) -> tuple[float, float]:
+    """(GB/s with the kernel's threads, GB/s with torch.sum) reading a buffer of `gib` GiB."""
+    buf = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    nbytes = buf.numel() * 4
+    best_k = best_t = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        backend._lib.k2_stream_read(backend._pool._ptr, buf.data_ptr(), nbytes)
+        best_k = min(best_k, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        buf.sum()
+        best_t = min(best_t, time.perf_counter() - t0)
+    del buf
+    return nbytes / best_k / 1e9, nbytes / best_t / 1e9
+
+
+def time_backend(fn, T, E, k, g, iters, warmup=1):
+    ts = []
+    hits = []
+    for i in range(warmup + iters):
+        ids, w = routing(T, E, k, g)
+        x = torch.randn(T, HIDDEN, generator=g).bfloat16()
+        t0 = time.perf_counter()
+        fn(x, ids, w)
+        dt = time.perf_counter() - t0
+        if i >= warmup:
+            ts.append(dt)
+            hits.append(ids.unique().numel())
+    ts.sort()
+    return ts[len(ts) // 2], sum(hits) / len(hits)  # median time, mean distinct experts hit
+
+
+def kt_peer(experts, fmt, hidden, inter, E, k, threads):
+    """KT-Kernel's MoE on the same weights, or (None, reason)."""
+    from bench_kt_peer import load_ext, make_kt_layer  # benchmarks/bench_kt_peer.py
+
+    try:
+        load_ext()
+    except Exception as e:  # not installed / no matching CPU variant
+        return None, f"kt_kernel not importable ({type(e).__name__}: {str(e)[:80]})"
+    try:
+        return make_kt_layer(experts, fmt, hidden, inter, E, k, threads), "ok"
+    except Exception as e:
+        return None, f"kt_kernel set-up failed ({type(e).__name__}: {str(e)[:160]})"
+
+
+HIDDEN = 7168
+
+
+def main(argv=None) -> int:
+    global HIDDEN
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--experts", type=int, default=384)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--inter", type=int, default=2048)
+    ap.add_argument("--format", choices=["int4", "fp8", "bf16"], default="int4")
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--prefill", type=int, default=2048, help="prefill tokens (0: skip)")
+    ap.add_argument("--threads", type=int, default=None, help="default: torch's thread count")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--bw-gib", type=float, default=2.0)
+    ap.add_argument("--layers", type=int, default=60, help="MoE layers for the extrapolation")
+    ap.add_argument("--no-old", action="store_true", help="skip the old torch path")
+    ap.add_argument("--no-peer", action="store_true", help="skip KT-Kernel")
+    args = ap.parse_args(argv)
+    HIDDEN = args.hidden
+    threads = args.threads or torch.get_num_threads()
+    g = torch.Generator().manual_seed(0)
+    print(f"# cpu_moe: {args.experts} experts top-{args.topk}, hidden {args.hidden}, "
+          f"inter {args.inter}, {args.format}, {threads} threads, torch {torch.__version__}, "
+          f"{os.cpu_count()} CPUs, NUMA nodes {len(ck.numa_topology())}")  # fmt: skip
+    print(f"# native kernel: SIMD {ck.load_kernel('native').k2_simd_width()} bits, CPU bf16 "
+          f"{ck.cpu_has_bf16()}")  # fmt: skip
+    t0 = time.perf_counter()
+    cache: dict = {}
+    experts = [
+        Expert(args.format, args.hidden, args.inter, g, cache, e) for e in range(args.experts)
+    ]
+    cache.clear()
+    per_expert = expert_bytes(experts[0])
+    total, dt = args.experts * per_expert / 1e9, time.perf_counter() - t0
+    print(f"# weights: {args.experts} x {per_expert / 1e6:.1f} MB = {total:.2f} GB ({dt:.1f}s)")
+    E, k = args.experts, args.topk
+    native = CpuExpertBackend(experts, range(E), E, kernel="native", threads=threads)
+    old = CpuExpertBackend(experts, range(E), E, kernel="torch")
+    # -- correctness: native vs the torch path on a few tokens (bf16 activations)
+    for T in (1, 5):
+        ids, w = routing(T, E, k, g)
+        x = torch.randn(T, args.hidden, generator=g).bfloat16()
+        a = native(x, ids, w).float()
+        b = old(x.float(), ids, w).float()
+        err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+        ok = err < 2e-2
+        print(f"# check T={T}: max |native - torch| / max |torch| = {err:.2e} "
+              f"{'OK' if ok else 'FAIL'}")  # fmt: skip
+        if not ok:
+            return 1
+    bw_k, bw_t = read_bandwidth(native, args.bw_gib)
+    bw = max(bw_k, bw_t)
+    print(f"# read bandwidth ({args.bw_gib} GiB buffer): kernel threads {bw_k:.1f} GB/s, "
+          f"torch.sum {bw_t:.1f} GB/s; limit used = {bw:.1f} GB/s")  # fmt: skip
+    peer, why = (
+        (None, "skipped")
+        if args.no_peer
+        else kt_peer(experts, args.format, args.hidden, args.inter, E, k, threads)
+    )
+    if peer is None:
+        print(f"# peer: {why}")
+    else:
+        for T in (1, 5):
+            ids, w = routing(T, E, k, g)
+            x = torch.randn(T, args.hidden, generator=g).bfloat16()
+            a, b = native(x, ids, w).float(), peer(x, ids, w).float()
+            err = ((a - b).abs().max() / a.abs().max().clamp_min(1e-12)).item()
+            print(f"# peer {peer.name}: T={T} max |native - peer| / max |native| = {err:.2e}")
+    cases = [int(b) for b in args.batches.split(",") if b] + (
+        [args.prefill] if args.prefill else []
+    )
+    tps = f"tok/s@{args.layers}"
+    hdr = (f"{'tokens':>7} {'ms/layer':>9} {'MB read':>8} {'GB/s':>7} {'of BW':>6} "
+           f"{'old ms':>9} {'x old':>6} {'KT ms':>8} {'x KT':>6} {tps:>10}")  # fmt: skip
+    print(hdr)
+    profiles = []
+    for T in cases:
+        iters = args.iters if T <= 64 else max(2, args.iters // 5)
+        t_new, hit = time_backend(native, T, E, k, g, iters)
+        read = hit * per_expert
+        gbs = read / t_new / 1e9
+        t_old = None
+        if not args.no_old and T <= 16:
+            t_old, _ = time_backend(old, T, E, k, g, 2 if T == 1 else 1, warmup=0)
+        t_kt = None
+        if peer is not None:
+            t_kt, _ = time_backend(peer, T, E, k, g, iters)
+        tok_s = T / (t_new * args.layers)
+        prof = ck.last_profile(native._lib)  # the last timed call's parts
+        profiles.append((T, prof, t_new))
+        x_old = t_old / t_new if t_old else 0
+        x_kt = t_kt / t_new if t_kt else 0
+        print(f"{T:>7} {t_new * 1e3:>9.2f} {read / 1e6:>8.0f} {gbs:>7.1f} {gbs / bw:>6.0%} "
+              f"{(t_old or 0) * 1e3:>9.1f} {x_old:>6.1f} {(t_kt or 0) * 1e3:>8.2f} {x_kt:>6.2f} "
+              f"{tok_s:>10.2f}")  # fmt: skip
+    print("# parts of the last timed call, ms (kernel's view; 'call' = Python's median):")
+    parts = ck.PROFILE_PARTS
+    print("#", f"{'tokens':>6}", " ".join(f"{p:>9}" for p in parts), f"{'call':>9}")
+    for T, prof, t in profiles:
+        print("#", f"{T:>6}", " ".join(f"{prof[p] * 1e3:>9.3f}" for p in parts), f"{t * 1e3:>9.3f}")
+    print("# tok/s@N: tokens per second of the routed experts alone over N MoE layers "
+          "(attention, shared expert and dense layers not included)")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

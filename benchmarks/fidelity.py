@@ -1,0 +1,126 @@
+"""GPU fidelity: every fused path against the torch reference with the routing pinned.
+
+    PYTHONPATH=src python3 benchmarks/fidelity.py                 # k2-slice sizes, all formats
+    PYTHONPATH=src python3 benchmarks/fidelity.py --tiny          # the tiny test model (seconds)
+
+For each weight format (bf16, fp8 block, INT4 group 32) a model with the real Kimi-K2 layer sizes
+(hidden 7168, MLA, moe_intermediate 2048, top-8; `--experts` routed experts per layer to fit one
+GPU beside its float32 copy) runs: decode at batch 1 / 8 / 128, prefill with a cached prefix;
+variants: fused eager, fused + decode CUDA graphs, fp8 KV cache, experts split GPU/CPU. Each is
+compared after every layer and at the logits with the float32 gold pass whose routing is
+replayed everywhere; the tolerance is the torch reference's own distance from gold in the same
+run (k2serve/testing/fidelity.py says why). Unpinned runs print how often routing flips.
+Exit status 1 if a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+
+import torch
+
+
+def build(fmt: str, layers: int, experts: int, tiny: bool, device: str):
+    from k2serve.config import ModelConfig
+    from k2serve.weights.loader import load_model
+    from k2serve.weights.presets import preset_config
+
+    cfg = preset_config("tiny" if tiny else "k2-slice", fmt, layers=layers)
+    if not tiny:
+        cfg["n_routed_experts"] = experts
+        cfg["n_group"] = cfg["topk_group"] = 1
+    return load_model(None, config=ModelConfig.from_hf(cfg), load_format="dummy",
+                      dtype=torch.bfloat16, device=device, progress=False)  # fmt: skip
+
+
+def router_checks(device) -> list[str]:
+    from k2serve.kernels.router import fused_grouped_topk
+    from k2serve.model.router import grouped_topk
+    from k2serve.testing.fidelity import check_router_topk
+
+    fails = []
+    for name, fn in (("torch", grouped_topk), ("fused (Triton)", fused_grouped_topk)):
+        if name != "torch" and device != "cuda":
+            continue
+        for E, k, ng, tg in ((384, 8, 1, 1), (256, 8, 8, 4)):
+            for ties in (False, True):
+                ok, why = check_router_topk(fn, 257, E, k, ng, tg, device, ties=ties)
+                tag = f"router {name} E={E} k={k} groups {ng}/{tg}{' ties' if ties else ''}"
+                print(f"  {tag:52s} vs float64: {why}")
+                if not ok:
+                    fails.append(tag)
+    return fails
+
+
+def parallel_checks(args, device: str, batches) -> list[str]:
+    from k2serve.distributed.workers import WorkerGroup
+    from k2serve.testing.fidelity import check_parallel
+    from k2serve.weights.presets import preset_config
+
+    fails = []
+    group = WorkerGroup(args.tp, device)
+    try:
+        for fmt in args.formats.split(","):
+            cfg = preset_config("tiny" if args.tiny else "k2-slice", fmt, layers=args.layers)
+            if not args.tiny:
+                cfg.update(n_routed_experts=args.experts, n_group=1, topk_group=1)
+            for ep in (False, True):
+                print(f"{fmt}: TP={args.tp}{' + EP' if ep else ''} vs TP=1, routing pinned")
+                res = check_parallel(group, cfg, torch.bfloat16, batches, device=device,
+                                     expert_parallel=ep)  # fmt: skip
+                fails += [f"{fmt}: {r.name}" for r in res if not r.ok]
+    finally:
+        group.shutdown()
+    return fails
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--formats", default="bf16,fp8,int4")
+    ap.add_argument("--layers", type=int, default=3, help="1 dense + (layers-1) MoE layers")
+    ap.add_argument("--experts", type=int, default=32, help="routed experts per MoE layer")
+    ap.add_argument("--batches", default="1,8,128")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--tiny", action="store_true", help="the tiny preset (fast smoke run)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="also TP=N and TP=N + EP against TP=1, layer by layer (N GPUs; over "
+                         "gloo on the CPU with --cpu)")  # fmt: skip
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU even with CUDA")
+    args = ap.parse_args(argv)
+    from k2serve.testing.fidelity import (
+        check_model,
+        decode_batch,
+        gpu_variants,
+        prefix_prefill_batch,
+        reference_setup,
+    )
+
+    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+    print(f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, "
+          f"torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}")  # fmt: skip
+    fails = router_checks(device)
+    batches = [decode_batch(int(b), args.context) for b in args.batches.split(",")]
+    batches.append(prefix_prefill_batch())
+    for fmt in args.formats.split(","):
+        t = time.time()
+        model = build(fmt, args.layers, args.experts, args.tiny, device)
+        print(f"{fmt}: {args.layers} layers, {model.config.n_routed_experts} experts/layer, "
+              f"loaded in {time.time() - t:.0f}s")  # fmt: skip
+        variants = gpu_variants(model) if device == "cuda" else []
+        res = check_model(model, variants, batches, reference=reference_setup)
+        fails += [f"{fmt}: {r.name}" for r in res if not r.ok]
+        del model
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    if args.tp > 1:
+        fails += parallel_checks(args, device, batches)
+    print(f"fidelity checks failed: {fails or 'none'}")
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

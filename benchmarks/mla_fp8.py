@@ -1,0 +1,365 @@
+"""MLA decode attention over an fp8 (float8_e4m3fn) latent cache against a bf16 cache (issue 19).
+
+Run (one H100 or H200, from the repo root; ~1 min):  PYTHONPATH=src python3 benchmarks/mla_fp8.py
+Options: --cases (default "1x32768,1x131072,8x32768" = batch x context), --no-sweep,
+--smoke (the script itself on a CPU through Triton's interpreter: tiny shapes, no graphs, no
+PTX; its timings mean nothing), --resources (no GPU needed: builds the decode kernel for sm_90
+with triton.compile and prints registers and spill bytes per thread of each tile, read from the
+cubin with Triton's bundled cuobjdump).
+
+1. ceiling: the copy bandwidth (read + write bytes of a 2 GiB copy / time, as model_speed.py).
+2. checks (exit code 1 on any FAIL): the Triton store writes the torch backend's fp8 bytes; the
+   kernel over an fp8 cache (PTX and cast widening) against the torch backend on the same cache
+   (mixed lengths, and 32K); a decode CUDA graph replays with changed lengths.
+3. timing, the attention alone (Kimi-K2 shapes: 64 heads, 512 latent + 64 rope, page 64): bf16
+   cache with its default tile, fp8 cache with its default (PTX widening) and with Triton's cast.
+   Each case cycles over enough disjoint copies of the cache (> 256 MiB in all) that the 50-60
+   MB L2 cannot hold it, all calls captured in one CUDA graph: ms per step = replay time / calls.
+   Bytes = the cache rows read (context + 1 per sequence) + q in + out; GB/s and % of the copy
+   bandwidth from those. "fp8/bf16" = bf16 ms / fp8 ms (speed ratio; target >= 0.9).
+4. sweep (reported, not applied): decode tiles for both caches; each output checked against
+   the default's.
+"""
+
+# ruff: noqa: E501, B023
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
+H, L, R, PS, SCALE = (4, 32, 16, 16, 0.3) if SMOKE else (64, 512, 64, 64, 0.1352)
+DEV = "cpu" if SMOKE else "cuda"
+FP8 = torch.float8_e4m3fn
+FAILS: list[str] = []
+SWEEP = {  # (block_m, block_n, num_warps), beside each cache's default tile
+    "fp8": [(16, 32, 8), (32, 16, 8), (32, 64, 8), (16, 64, 4)],
+    "bf16": [(16, 32, 8), (16, 64, 8), (32, 64, 8)],
+}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def rel(a, b) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+    log(f"  check {name:58s} {detail:24s} {'ok' if ok else 'FAIL'}")
+    if not ok:
+        FAILS.append(name)
+
+
+def copy_bw() -> float:
+    if SMOKE:
+        return float("nan")
+    a = torch.empty(1 << 29, device=DEV)  # 2 GiB of float32
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(10):
+        b.copy_(a)
+    e1.record()
+    e1.synchronize()
+    gbs = 10 * 2 * a.numel() * 4 / (e0.elapsed_time(e1) / 1e3) / 1e9
+    del a, b
+    if not SMOKE:
+        torch.cuda.empty_cache()
+    return gbs
+
+
+def make_case(B: int, ctx: int, copies: int, dtype: torch.dtype, kv_scale: float = 1.0):
+    """`copies` disjoint page sets of B sequences of ctx cached tokens + 1 new one each, in one
+    cache written through the Triton store (fp8: the engine's format)."""
+    from k2serve.kernels.kv_store import store_latent_kv
+
+    ppseq = -(-(ctx + 1) // PS)
+    P = copies * B * ppseq
+    kv = torch.empty(P, PS, L + R, dtype=dtype, device=DEV)
+    chunk = 1 << 16  # rows per store call
+    flat_rows = P * PS
+    g = torch.Generator(device=DEV).manual_seed(0)
+    for r0 in range(0, flat_rows, chunk):
+        n = min(chunk, flat_rows - r0)
+        x = torch.randn(n, L + R, device=DEV, generator=g, dtype=torch.bfloat16)
+        store_latent_kv(kv, x[:, :L], x[:, L:], torch.arange(r0, r0 + n, device=DEV),
+                        kv_scale=kv_scale)  # fmt: skip
+    perm = torch.randperm(P, device=DEV, generator=g).int()  # pages scattered
+    bts = perm.view(copies, B, ppseq)
+    q = torch.randn(B, H, L, device=DEV, dtype=torch.bfloat16, generator=g)
+    qp = torch.randn(B, H, R, device=DEV, dtype=torch.bfloat16, generator=g)
+    qsl = torch.arange(B + 1, device=DEV, dtype=torch.int32)
+    ctx_t = torch.full((B,), ctx, device=DEV, dtype=torch.int32)
+    return kv, bts, q, qp, qsl, ctx_t
+
+
+def run(kv, bt, q, qp, qsl, ctx_t, max_seq, out=None, **kw):
+    from k2serve.kernels.mla_attention import mla_attention
+
+    return mla_attention(q, qp, kv, qsl, ctx_t, bt, SCALE, 1, max_seq, out=out, **kw)
+
+
+def graph_ms(calls, reps: int = 5) -> float:
+    """ms per call: all `calls` captured in one CUDA graph, the median of `reps` replays."""
+    for c in calls[:2]:
+        c()  # compile outside the capture
+    if SMOKE:
+        t0 = time.perf_counter()
+        for c in calls:
+            c()
+        return (time.perf_counter() - t0) * 1e3 / len(calls)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1) / len(calls))
+    del g
+    return sorted(ts)[len(ts) // 2]
+
+
+# ---------------------------------------------------------------------------------- checks
+def checks() -> None:
+    from k2serve.attention import TorchMLABackend, make_attention_backend
+    from k2serve.attention.base import AttentionMetadata
+    from k2serve.kernels.kv_store import store_latent_kv
+    from k2serve.kernels.mla_attention import mla_attention_ref
+
+    log("checks")
+    if not SMOKE:
+        be = make_attention_backend("auto", "cuda", FP8)
+        check("make_attention_backend('auto', cuda, fp8) is Triton, graph-safe",
+              be.name == "triton" and be.graph_safe, be.name)  # fmt: skip
+    # store: the Triton kernel's bytes == the torch backend's, edge values included
+    for scale in (1.0, 0.37):
+        x = torch.randn(300, L + R, device=DEV) * torch.exp(torch.randn(300, L + R, device=DEV) * 3)
+        x.view(-1)[:10] = torch.tensor(
+            [447.0, 449.0, 470.0, -1e4, 2**-9, 3 * 2**-11, 2**-6, 0.0, 1.9585, 1.0625]
+        )
+        x = x.bfloat16()
+        slots = torch.randperm(400, device=DEV)[:300]
+        slots[::9] = -1
+        a = torch.zeros(400 // PS + 1, PS, L + R, dtype=FP8, device=DEV)
+        b = a.clone()
+        store_latent_kv(a, x[:, :L], x[:, L:], slots, kv_scale=scale)
+        TorchMLABackend(kv_scale=scale).store(b, x[:, :L], x[:, L:], slots)
+        same = torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        check(f"fp8 store bytes == torch backend's (kv_scale {scale})", same)
+    # attention on mixed lengths (not multiples of the page), split-KV, both widenings
+    ctx = [30, 7, 100, 255] if SMOKE else [300, 77, 1000, 4095]
+    B = len(ctx)
+    kv, bts, q, qp, qsl, _ = make_case(B, max(ctx), 1, FP8, kv_scale=0.5)
+    ctx_t = torch.tensor(ctx, device=DEV, dtype=torch.int32)
+    md = AttentionMetadata(query_start_loc=qsl, seq_lens=ctx_t + 1, context_lens=ctx_t,
+                           block_table=bts[0], slot_mapping=torch.zeros(B, dtype=torch.long),
+                           max_query_len=1, max_seq_len=max(ctx) + 1, page_size=PS)  # fmt: skip
+    ref = TorchMLABackend(kv_scale=0.5).forward(q, qp, kv, md, SCALE)
+    outs = {}
+    for conv in ("cast",) if SMOKE else ("ptx", "cast"):
+        outs[conv] = run(
+            kv, bts[0], q, qp, qsl, ctx_t, max(ctx) + 1, kv_scale=0.5, fp8_convert=conv
+        )
+        e = rel(outs[conv], ref)
+        check(f"fp8 decode ({conv}) vs torch backend, ctx {ctx}", e < 1e-2, f"rel_err={e:.2e}")
+    if not SMOKE:  # PTX and CUDA graphs need the GPU
+        e = rel(outs["ptx"], outs["cast"])
+        check("fp8 PTX widening vs cast widening (same values)", e < 1e-3, f"rel_err={e:.2e}")
+        # a decode CUDA graph replays with new lengths
+        out = torch.empty_like(q)
+        run(kv, bts[0], q, qp, qsl, ctx_t, max(ctx) + 1, out=out, kv_scale=0.5)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            run(kv, bts[0], q, qp, qsl, ctx_t, max(ctx) + 1, out=out, kv_scale=0.5)
+        ctx_t.copy_(torch.tensor([4000, 1, 64, 2000], dtype=torch.int32))
+        g.replay()
+        md.seq_lens, md.context_lens = ctx_t + 1, ctx_t
+        e = rel(out, TorchMLABackend(kv_scale=0.5).forward(q, qp, kv, md, SCALE))
+        check("fp8 decode CUDA graph replayed with changed lengths", e < 1e-2, f"rel_err={e:.2e}")
+        del kv, g
+    # 32K context
+    for dtype in (torch.bfloat16, FP8):
+        n = 300 if SMOKE else 32768
+        kv, bts, q, qp, qsl, ctx_t = make_case(1, n, 1, dtype)
+        got = run(kv, bts[0], q, qp, qsl, ctx_t, n + 1)
+        e = rel(got, mla_attention_ref(q, qp, kv, qsl, ctx_t, bts[0], SCALE))
+        check(
+            f"{str(dtype)[6:]} decode B=1 ctx {n} vs mla_attention_ref",
+            e < 1e-2,
+            f"rel_err={e:.2e}",
+        )
+        del kv
+    if not SMOKE:
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------- timing
+def variants(sweep: bool):
+    yield "bf16", "default", {}
+    yield "fp8", "default (ptx)" if not SMOKE else "default (cast)", {}
+    yield "fp8", "cast widening", {"fp8_convert": "cast"}
+    if sweep:
+        for cache, tiles in SWEEP.items():
+            for bm, bn, w in tiles:
+                yield (
+                    cache,
+                    f"tile {bm}x{bn} w{w}",
+                    {"config": dict(block_m=bm, block_n=bn, num_warps=w)},
+                )
+
+
+def bench_case(B: int, ctx: int, bw: float, sweep: bool, rows: list) -> None:
+    from k2serve.kernels.mla_attention import default_config
+
+    budget = 256 << 20
+    label = f"B={B} ctx={ctx // 1024}K" if ctx >= 1024 else f"B={B} ctx={ctx}"
+    res = {}
+    for cache in ("bf16", "fp8"):
+        dtype = torch.bfloat16 if cache == "bf16" else FP8
+        per_copy = B * (ctx + 1) * (L + R) * dtype.itemsize
+        copies = 2 if SMOKE else max(2, -(-budget // per_copy))
+        kv, bts, q, qp, qsl, ctx_t = make_case(B, ctx, copies, dtype)
+        nbytes = per_copy + B * H * (L + R) * 2 + B * H * L * 2
+        base = run(kv, bts[0], q, qp, qsl, ctx_t, ctx + 1)
+        calls_per = copies if SMOKE else max(copies, 8)
+        for c, name, kw in variants(sweep):
+            if c != cache:
+                continue
+            try:
+                out = run(kv, bts[0], q, qp, qsl, ctx_t, ctx + 1, **kw)
+                e = rel(out, base)
+                outs = [torch.empty_like(q) for _ in range(copies)]
+                calls = [
+                    (lambda i=i, kv=kv, bt=bts[i % copies], kw=kw: run(kv, bt, q, qp, qsl, ctx_t, ctx + 1, out=outs[i % copies], **kw))
+                    for i in range(calls_per)
+                ]  # fmt: skip
+                ms = graph_ms(calls)
+            except Exception as ex:  # noqa: BLE001 - a tile that does not build is reported
+                log(f"  {cache} {name} B={B} ctx={ctx}: {type(ex).__name__}: {str(ex)[:160]}")
+                continue
+            if e > 1e-2:
+                FAILS.append(f"{cache} {name} B={B} ctx={ctx} rel_err={e:.2e}")
+            gbs = nbytes / (ms / 1e3) / 1e9
+            res[(cache, name)] = ms
+            rows.append((label, cache, name, ms, nbytes, gbs, 100 * gbs / bw, e))
+        del kv, bts
+        if not SMOKE:
+            torch.cuda.empty_cache()
+    bf, f8 = (
+        res.get(("bf16", "default")),
+        res.get(("fp8", "default (ptx)" if not SMOKE else "default (cast)")),
+    )
+    if bf and f8:
+        d = default_config(True, H, True)
+        rows.append((label, "ratio", f"fp8 default ({d['block_m']}x{d['block_n']} "
+                     f"w{d['num_warps']}) vs bf16 default", bf / f8, 0, 0, 0, 0))  # fmt: skip
+        best = {c: min(v for (cc, _), v in res.items() if cc == c) for c in ("bf16", "fp8")}
+        rows.append((label, "ratio", "best fp8 tile vs best bf16 tile",
+                     best["bf16"] / best["fp8"], 0, 0, 0, 0))  # fmt: skip
+
+
+def resources() -> None:
+    """Registers / spill (stack) bytes per thread of each decode tile built for sm_90."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from k2serve.kernels import mla_attention as mla
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    log("| cache | tile (rows x keys, warps) | registers | spill bytes/thread | shared bytes |")
+    log("|---|---|---|---|---|")
+    for cache, tiles in (
+        ("bf16", [(16, 64, 4)] + SWEEP["bf16"]),
+        ("fp8", [(32, 32, 8)] + SWEEP["fp8"]),
+    ):
+        for bm, bn, w in tiles:
+            sig = dict(q_lat_ptr="*bf16", q_pe_ptr="*bf16", kv_ptr="*bf16" if cache == "bf16" else "*u8",
+                       qsl_ptr="*i32", ctx_ptr="*i32", bt_ptr="*i32", out_ptr="*fp32", lse_ptr="*fp32",
+                       bt_stride="i32", sm_scale="fp32", kv_scale="fp32")  # fmt: skip
+            cons = dict(H=H, L=L, R=R, PS=PS, SPLITS=64, BLOCK_M=bm, BLOCK_N=bn, DIRECT=False,
+                        DOT_DT=tl.bfloat16, KV_FP8=0 if cache == "bf16" else 2)  # fmt: skip
+            sig.update({k: "constexpr" for k in cons})
+            k = triton.compile(ASTSource(mla._mla_fwd_kernel, sig, constexprs=cons),
+                               target=GPUTarget("cuda", 90, 32), options=dict(num_warps=w, num_stages=2))  # fmt: skip
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(k.asm["cubin"])
+                f.flush()
+                txt = subprocess.run(
+                    [tool, "-res-usage", f.name], capture_output=True, text=True
+                ).stdout
+            m = re.search(r"REG:(\d+).*?STACK:(\d+)", txt, re.S)
+            reg, stack = m.groups() if m else ("?", "?")
+            log(f"| {cache} | {bm} x {bn}, {w} warps | {reg} | {stack} | {k.metadata.shared} |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="1x32768,1x131072,8x32768")
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="CPU interpreter run of the script")
+    ap.add_argument("--resources", action="store_true", help="sm_90 registers/spills, no GPU")
+    args = ap.parse_args()
+    if args.resources:
+        resources()
+        return 0
+    if SMOKE:
+        args.cases = "1x100,2x70"
+    elif not torch.cuda.is_available():
+        log("needs a CUDA GPU (or --smoke)")
+        return 2
+    else:
+        log(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    import triton
+
+    log(f"triton {triton.__version__}")
+    checks()
+    bw = copy_bw()
+    log(f"ceiling: copy {bw:.0f} GB/s (read+write)")
+    rows: list = []
+    for case in args.cases.split(","):
+        B, ctx = (int(v) for v in case.split("x"))
+        bench_case(B, ctx, bw, not args.no_sweep, rows)
+    log("\n| case | cache | variant | ms | MB read | GB/s | % copy bw | rel err vs default |")
+    log("|---|---|---|---|---|---|---|---|")
+    for case, cache, name, ms, nb, gbs, pct, e in rows:
+        if cache == "ratio":
+            ok = "ok" if ms >= 0.9 else "BELOW 0.9"
+            log(f"| {case} | **fp8/bf16 speed** | {name} | **{ms:.2f}x** {ok} | | | | |")
+        else:
+            log(
+                f"| {case} | {cache} | {name} | {ms:.4f} | {nb / 1e6:.1f} | {gbs:.0f} | {pct:.0f} | {e:.1e} |"
+            )
+    if FAILS:
+        log(f"\nchecks failed: {FAILS}")
+        return 1
+    log("\nall checks ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

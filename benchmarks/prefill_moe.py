@@ -1,0 +1,163 @@
+# ruff: noqa: E741, E501, B023
+"""INT4 MoE above the decode GEMV range on one H200: the in-register-dequant grouped GEMM
+(kernels/int4_gemm.py) against dequant + torch._grouped_mm and the generic fused_moe kernel,
+then the k2-slice model's prefill and B=128 decode with each, and a kernel profile of the 8k
+prefill.
+
+Run (repo root): PYTHONPATH=src python3 benchmarks/prefill_moe.py [--parts check,sweep,model,profile]
+One K2 MoE layer: E=384, D=7168, I=2048, top-8, group 32; FLOPs = 2 * 3 * D * I * T * k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import model_speed as ms  # noqa: E402  (timers, table, ceilings, k2-slice helpers)
+
+E, D, I, K = 384, 7168, 2048, 8
+
+# (BLOCK_M tokens, BLOCK_N, W (K block = 8W), num_warps, num_stages). Runs 24 and 26 also swept
+# three other dequant forms (one MMA per nibble plane, per plane pair, a shift per element):
+# all slower, dropped (kernels/int4_gemm.py).
+CONFIGS = [
+    (64, 128, 8, 4, 3), (128, 128, 8, 8, 3), (32, 128, 8, 4, 3), (128, 256, 8, 8, 3),
+    (64, 128, 16, 4, 3), (16, 128, 8, 4, 4),
+]
+
+
+def cfg_of(c):
+    return dict(BLOCK_M=c[0], BLOCK_N=c[1], W=c[2], num_warps=c[3], num_stages=c[4])
+
+
+def name_of(c):
+    return f"{c[0]}x{c[1]}x{8 * c[2]} w{c[3]} s{c[4]}"
+
+
+def route(T, skew, dev="cuda"):
+    """Top-8 routing: uniform (skew 0), or experts drawn with weights exp(skew * N(0, 1))."""
+    if skew == 0:
+        return ms._route(T, E, K, dev)
+    p = torch.exp(skew * torch.randn(E, device=dev))
+    ids = torch.multinomial(p.expand(T, E), K).int()
+    return torch.rand(T, K, device=dev), ids
+
+
+def part_check(ew):
+    from k2serve.kernels import int4_gemm
+    from k2serve.kernels import moe_int4 as mi
+
+    for T, skew in ((300, 0), (2048, 2.0)):
+        tw, ti = route(T, skew)
+        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+        ref = mi.int4_moe_grouped_mm(x, ew, tw, ti)
+        for c in (CONFIGS[0], CONFIGS[2], CONFIGS[4], CONFIGS[5]):
+            ms.check(f"int4_moe_gemm T={T} {name_of(c)}", int4_gemm.int4_moe_gemm(x, ew, tw, ti, cfg_of(c)), ref, 1e-2)
+        ms.check(f"int4_moe_gemm T={T} default", int4_gemm.int4_moe_gemm(x, ew, tw, ti), ref, 1e-2)
+
+
+def part_sweep(ew, per_expert):
+    from k2serve.kernels import fused_moe as fm
+    from k2serve.kernels import int4_gemm
+    from k2serve.kernels import moe_int4 as mi
+    from k2serve.kernels.fused_moe import _config
+
+    best = {}
+    for T, skew in ((128, 0), (1024, 0), (2048, 0), (8192, 0), (8192, 2.0)):
+        tw, ti = route(T, skew)
+        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+        hit = int(ti.unique().numel())
+        nb, fl = hit * per_expert + 2 * T * D * 2, 2 * 3 * D * I * T * K
+        tag = f"T={T}{' skew' if skew else ''} ({hit} exp)"
+        it = 5 if T >= 2048 else 10
+        ref = mi.int4_moe_grouped_mm(x, ew, tw, ti)
+        ms.row("base", f"{tag} dequant+grouped_mm", ms.timed(lambda: mi.int4_moe_grouped_mm(x, ew, tw, ti), iters=it), nb, fl)
+        c0 = _config(T * K, E, "int4")
+        ms.row("base", f"{tag} generic fused_moe", ms.timed(lambda: fm.fused_moe(x, ew, tw, ti, c0), iters=it), nb, fl)
+        for c in CONFIGS:
+            if c[0] > 4 * max(16, T * K // E):  # token tiles far larger than an expert's rows
+                continue
+            cfg = cfg_of(c)
+            try:
+                out = int4_gemm.int4_moe_gemm(x, ew, tw, ti, cfg)
+                t = ms.timed(lambda: int4_gemm.int4_moe_gemm(x, ew, tw, ti, cfg), iters=it)
+            except Exception as e:  # noqa: BLE001 - a config that does not fit is reported
+                ms.log(f"  {tag} {name_of(c)}: {type(e).__name__}: {str(e)[:160]}")
+                continue
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            ms.row("gemm", f"{tag} {name_of(c)}", t, nb, fl, f"err {err:.1e}")
+            if err < 1e-2 and t < best.get((T, skew), (1e9,))[0]:
+                best[(T, skew)] = (t, c)
+        t = ms.timed(lambda: int4_gemm.int4_moe_gemm(x, ew, tw, ti), iters=it)
+        ms.row("gemm", f"{tag} default", t, nb, fl)
+    for key, (t, c) in best.items():
+        ms.log(f"  best {key}: {name_of(c)} {t:.3f} ms")
+    return best
+
+
+def part_model(layers, profile):
+    from k2serve.model.cuda_graph import DecodeGraphRunner  # noqa: F401  (import check)
+
+    model = ms.load_slice(layers)
+    res = {}
+    for impl in ("grouped_mm", "gemm", "auto"):  # previous default, always the GEMM, default
+        ms.accelerate(model, expand=True, moe_kw=dict(prefill_impl=impl))
+        res[impl] = ms.bench_model(model, f"model-{impl}", batches=(128,), prefills=(1024, 8192), expanded=True)
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as prof_ctx
+
+        from k2serve.attention import allocate_kv_caches
+
+        kv = allocate_kv_caches(model.config, 8192 // 64 + 1, 64, torch.bfloat16, "cuda")
+        ids, pos, md = ms.prefill_inputs(8192, 64)
+        with torch.inference_mode():
+            model.compute_logits(model(ids, pos, md, kv)[-1:])
+            torch.cuda.synchronize()
+            with prof_ctx(activities=[ProfilerActivity.CUDA]) as prof:
+                model.compute_logits(model(ids, pos, md, kv)[-1:])
+                torch.cuda.synchronize()
+        ms.log("== profile: prefill T=8192, one step, CUDA kernels (gemm path)")
+        ms.log(prof.key_averages().table(sort_by="device_time_total", row_limit=25, max_name_column_width=70))
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="check,sweep,model,profile")
+    ap.add_argument("--layers", type=int, default=8)
+    args = ap.parse_args()
+    parts = args.parts.split(",")
+    if parts == ["probe"]:  # for ncu: the two launches of one T=1024 layer, default config
+        from k2serve.kernels import int4_gemm
+
+        ew = ms._rand_experts("int4", E, D, I, "cuda")
+        tw, ti = route(1024, 0)
+        x = torch.randn(1024, D, device="cuda", dtype=torch.bfloat16)
+        int4_gemm.int4_moe_gemm(x, ew, tw, ti)
+        torch.cuda.synchronize()
+        return
+    ms.log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton "
+           f"{__import__('triton').__version__} date {time.strftime('%Y-%m-%d')}")
+    torch.manual_seed(0)
+    ms.part_ceil()
+    if "check" in parts or "sweep" in parts:
+        ew = ms._rand_experts("int4", E, D, I, "cuda")
+        per_expert = sum(t[0].numel() * t.element_size() for t in (ew.w13, ew.w2, ew.w13_scale, ew.w2_scale))
+        for name, fn in (("check", lambda: part_check(ew)), ("sweep", lambda: part_sweep(ew, per_expert))):
+            if name in parts:
+                ms.run_part(name, fn)
+        del ew
+        torch.cuda.empty_cache()
+    if "model" in parts:
+        ms.run_part("model", lambda: part_model(args.layers, "profile" in parts))
+    ms.print_table()
+
+
+if __name__ == "__main__":
+    main()
