@@ -1,7 +1,8 @@
 # ruff: noqa: E501, B023, E741
 """FP8 block linears (Kimi-K2-Instruct's format) on one GPU: kernels/fp8_linear.py against the
-reference path (float32 dequant per call + F.linear), per K2 projection and batch, then a
-k2-slice FP8 model's decode and prefill with each.
+reference path (float32 dequant per call + F.linear), per K2 projection and batch, with the
+launch configs of the kernel policy's tables; then a k2-slice FP8 model's decode and prefill
+with the policy's fp8_gemm off (one dequant pass + cuBLAS) and on.
 
 Run (repo root): PYTHONPATH=src python3 benchmarks/fp8_speed.py [--parts proj,sweep,model] [--layers 4]
 Bytes per projection call = fp8 weight + float32 scales + activations in and out.
@@ -41,6 +42,7 @@ def part_proj(sweep):
     from k2serve.kernels import fp8_linear as fl
     from k2serve.quant.fp8 import quantize_fp8_block
 
+    tables = ms.engine_policy().tables
     best = {}
     for name, (N, K) in SHAPES.items():
         w, s = quantize_fp8_block(torch.randn(N, K, device="cuda") * 0.02)
@@ -50,9 +52,9 @@ def part_proj(sweep):
             fl_ = 2 * M * N * K
             ref = reference(x, w, s)
             t_ref = gtime(lambda: reference(x, w, s))
-            if M <= fl.MAX_KERNEL_ROWS:
-                new = lambda: fl.fp8_block_matmul(x, w, s)  # noqa: E731
-                what = f"kernel {fl._config(M, N, K)}"
+            if M <= tables.fp8_kernel_max_rows:
+                new = lambda: fl.fp8_block_matmul(x, w, s, table=tables.fp8_linear)  # noqa: E731
+                what = f"kernel {fl._config(M, N, K, tables.fp8_linear)}"
             else:
                 new = lambda: F.linear(x, fl.dequant_fp8_block(w, s, x.dtype))  # noqa: E731
                 what = "dequant pass + cuBLAS"
@@ -115,17 +117,10 @@ def part_moe():
 
 
 def part_model(layers):
-    from k2serve.quant.fp8 import dequantize_fp8_block
-    from k2serve.quant.linear import Fp8BlockLinear, LinearBase
-
     model = ms.load_slice(layers, "fp8")
-    ms.accelerate(model, expand=True)
-    new_fwd, new_dq = Fp8BlockLinear.forward, Fp8BlockLinear.dequantized_weight
-    Fp8BlockLinear.forward = LinearBase.forward  # the reference path: dequant per call
-    Fp8BlockLinear.dequantized_weight = lambda self, dt: dequantize_fp8_block(
-        self.weight, self.weight_scale_inv, self.block, dt)
-    ms.bench_model(model, "fp8-reference", batches=(1, 8), prefills=(1024,), expanded=True)
-    Fp8BlockLinear.forward, Fp8BlockLinear.dequantized_weight = new_fwd, new_dq
+    ms.setup(model, ms.engine_policy(fp8_gemm=False), expand=True)  # dequant pass + cuBLAS
+    ms.bench_model(model, "fp8-dequant", batches=(1, 8), prefills=(1024,), expanded=True)
+    ms.setup(model, expand=True)
     ms.bench_model(model, "fp8-kernel", batches=(1, 8, 32), prefills=(1024, 8192), expanded=True,
                    profile_batches=(1,))
 

@@ -3,13 +3,16 @@
 
 Run (one H200, from the repo root):  PYTHONPATH=src python3 benchmarks/model_speed.py [--parts ...]
 Parts: ceil (copy bandwidth, bf16 matmul rate), check (every Triton kernel vs its torch
-reference at real K2 sizes, fresh random inputs), gemv (run 8's plane GEMV configs per launch,
-graph-timed; reported only), h2 (the f16x2 decode GEMV against r1; the
-winner becomes the r1 config), gemv16 (the one-row bf16 GEMV against cuBLAS per K2 projection;
-the faster goes into kernels.gemv.TUNED), kern (kernel timings), model (k2-slice INT4,
-8 layers, dummy weights: decode B=1/8/32/128 at context 1k through decode CUDA graphs, prefill
-1k/8k), peer (transformers DeepseekV3, grouped_mm experts, 3-layer bf16 slice with the same
-weights dequantized, against our model on the same 3 layers).
+reference at real K2 sizes, fresh random inputs), h2 (decode GEMV configs against the tuned
+one; the winner is printed as the `int4_decode` entry of kernels/configs/<kind>.json), gemv16
+(the one-row bf16 GEMV against cuBLAS per K2 projection; printed as `gemv_bf16` entries), kern
+(kernel timings), model (k2-slice INT4, 8 layers, dummy weights: decode B=1/8/32/128 at context
+1k through decode CUDA graphs, prefill 1k/8k; "model-base" is the same model with the decode
+fusions of the kernel policy off), overlap (the shared expert in order vs on a side stream),
+peer (transformers DeepseekV3, grouped_mm experts, 3-layer bf16 slice with the same weights
+dequantized, against our model on the same 3 layers).
+Variants are kernel policies (`k2serve.kernels.policy.KernelPolicy`) set up on the model the
+way the engine does (`setup`); no module of k2serve is patched.
 Bytes counted for decode = every weight read once (attention, norms, router, shared expert, the
 distinct routed experts actually hit, dense MLP, lm_head) + the embedding rows + the KV read.
 Timings are medians of CUDA-event timed repeats after warm-up.
@@ -19,10 +22,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import sys
 import time
-import types
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -133,31 +137,16 @@ def _paged(B, ctx, qlens, H=64, L=512, R=64, ps=64, dev="cuda"):
     )
 
 
-NEW_CFGS = [
-    ("gemv r1 16x32 w4", dict(kind="gemv", ROWS=1, BLOCK_N=16, W=32, num_warps=4)),
-    ("gemv r2 16x32 w4", dict(kind="gemv", ROWS=2, BLOCK_N=16, W=32, num_warps=4)),
-    ("gemv r4 16x32 w4", dict(kind="gemv", ROWS=4, BLOCK_N=16, W=32, num_warps=4)),
-    ("mma 16x64 w4 s3", dict(kind="mma", BLOCK_M=16, BLOCK_N=64, W=32, num_warps=4, num_stages=3)),
-    ("h2 8x64 w4", dict(kind="h2", BLOCK_N=8, W=64, num_warps=4)),
-    ("h2 GS", dict(kind="h2", BLOCK_N=8, W=64, num_warps=4, GS=1)),
+# decode GEMV configs checked at K2 sizes (the tuned one is checked through the policy tables)
+H2_CFGS = [
+    ("h2 8x64 w4", dict(BLOCK_N=8, W=64, num_warps=4)),
+    ("h2 GS", dict(BLOCK_N=8, W=64, num_warps=4, GS=1)),
 ]
-SWEEP = {  # (kind, rows, BLOCK_N, W, warps, prefetch)
-    1: [("gemv", 1, 16, 64, 4, 0), ("gemv", 1, 16, 64, 4, 1), ("gemv", 1, 8, 64, 4, 0),
-        ("gemv", 1, 32, 64, 4, 0), ("gemv", 1, 8, 128, 4, 0), ("gemv", 1, 8, 64, 2, 0)],
-    8: [("gemv", 1, 16, 64, 4, 0), ("gemv", 1, 16, 64, 4, 1), ("gemv", 1, 8, 64, 4, 0),
-        ("gemv", 1, 32, 64, 4, 0), ("gemv", 2, 16, 64, 4, 0)],
-}  # fmt: skip
-
-
-def _cfg(kind, m, bn, w, nw, pf=0, ns=3):
-    if kind == "gemv":
-        return dict(kind="gemv", ROWS=m, BLOCK_N=bn, W=w, num_warps=nw, PREFETCH=pf)
-    return dict(kind="mma", BLOCK_M=m, BLOCK_N=bn, W=w, num_warps=nw, num_stages=ns)
 
 
 def part_check():
     from k2serve.kernels import fused_moe as fm
-    from k2serve.kernels import kv_store, mla_attention, moe_align, rmsnorm, router, sampling
+    from k2serve.kernels import kv_store, mla_attention, moe_align, rmsnorm, router
 
     dev = "cuda"
     x = torch.randn(64, 7168, device=dev, dtype=torch.bfloat16)
@@ -206,30 +195,31 @@ def part_check():
     log(f"  check router grouped top-k (8 groups)               {'ok' if ok else 'FAIL'}")
     if not ok:
         FAILS.append("router")
-    from k2serve.kernels import moe_int4 as mi
+    from k2serve.kernels import int4_dequant, int4_gemm, int4_gemv
 
+    tables = engine_policy().tables
     ew = _rand_experts("int4", 384, 7168, 2048, dev)
     for T in (1, 8, 64, 512):
         tw, ti = _route(T, 384, 8, dev)
         xx = torch.randn(T, 7168, device=dev, dtype=torch.bfloat16)
         ref = fm.fused_moe_ref(xx, ew, tw, ti)
-        for name, cfg in NEW_CFGS:
-            check(f"int4_moe {name} T={T}", mi.int4_moe(xx, ew, tw, ti, cfg), ref)
-        check(f"int4_moe default T={T}", mi.int4_moe(xx, ew, tw, ti), ref)
-        if T <= 64:  # the f16x2 GEMV scales each activation row: far from unit magnitude too
-            for mag in (1e-4, 300.0):
+        if T * 8 <= tables.int4_decode_max_pairs:
+            for name, cfg in H2_CFGS + [("tuned", tables.int4_decode)]:
+                check(f"int4_moe_decode {name} T={T}",
+                      int4_gemv.int4_moe_decode(xx, ew, tw, ti, cfg), ref)  # fmt: skip
+            for mag in (1e-4, 300.0):  # the f16x2 GEMV scales each activation row
                 x2 = xx * mag
-                check(f"int4_moe h2 x*{mag:g} T={T}",
-                      mi.int4_moe(x2, ew, tw, ti, dict(NEW_CFGS[-2][1])),
+                check(f"int4_moe_decode x*{mag:g} T={T}",
+                      int4_gemv.int4_moe_decode(x2, ew, tw, ti, tables.int4_decode),
                       fm.fused_moe_ref(x2, ew, tw, ti))  # fmt: skip
-        if T == 512:
-            check(f"int4_moe grouped_mm T={T}", mi.int4_moe_grouped_mm(xx, ew, tw, ti), ref)
-            os.environ["K2SERVE_INT4_ASM"] = "0"
-            check(f"int4_moe mma no-asm T={T}", mi.int4_moe(xx, ew, tw, ti, NEW_CFGS[-1][1]), ref)
-            os.environ["K2SERVE_INT4_ASM"] = "1"
-    w = mi.dequant_int4_planes(ew.w13[:2], ew.w13_scale[:2], 256)
-    check("dequant_int4_planes", w[1].float(),
-          mi.permute_planes(fm.dequant_int4_ref(ew.w13[1], ew.w13_scale[1]), 256), 1e-2)  # fmt: skip
+        else:
+            check(f"int4_moe_gemm T={T}", int4_gemm.int4_moe_gemm(xx, ew, tw, ti), ref)
+            check(f"int4_moe_gemm no-asm T={T}",
+                  int4_gemm.int4_moe_gemm(xx, ew, tw, ti, asm=False), ref)  # fmt: skip
+            check(f"int4_moe grouped_mm T={T}", int4_gemm.int4_moe_grouped_mm(xx, ew, tw, ti), ref)
+    w = int4_dequant.dequant_int4_planes(ew.w13[:2], ew.w13_scale[:2], 256)
+    ref_w = fm.dequant_int4_ref(ew.w13[1], ew.w13_scale[1])
+    check("dequant_int4_planes", w[1].float(), int4_dequant.permute_planes(ref_w, 256), 1e-2)
     del ew, w
     for quant, E, Ts in [("int4", 384, (1, 32, 512)), ("bf16", 16, (64,)), ("fp8", 16, (64,))]:
         ew = _rand_experts(quant, E, 7168, 2048, dev)
@@ -274,18 +264,6 @@ def part_check():
         )
         if not ok:
             FAILS.append(f"fused router {ng}/{tg}")
-    V = 1000
-    lg = torch.randn(6, V, device=dev) * 3
-    temp = torch.tensor([0.0, 1.0, 0.7, 1.0, 1.3, 1.0], device=dev)
-    tk = torch.tensor([0, 0, 50, 5, 0, 1], device=dev)
-    tp = torch.tensor([1.0, 1.0, 0.9, 1.0, 0.5, 1.0], device=dev)
-    noise = torch.empty(6, V, device=dev).exponential_()
-    got = sampling.sample(lg, temp, tk, tp, noise).cpu()
-    want = sampling.sample_ref(lg.cpu(), temp.cpu(), tk.cpu(), tp.cpu(), noise.cpu())
-    ok = bool((got == want).all())
-    log(f"  check sampling (same noise as the reference)        {'ok' if ok else 'FAIL'}")
-    if not ok:
-        FAILS.append("sampling")
 
 
 def part_kern():
@@ -298,62 +276,27 @@ def part_kern():
     per_expert = sum(
         t[0].numel() * t.element_size() for t in (ew.w13, ew.w2, ew.w13_scale, ew.w2_scale)
     )
-    from k2serve.kernels import moe_int4 as mi
+    from k2serve.kernels import int4_gemm
     from k2serve.kernels.fused_moe import _config
 
-    for T in (1, 8, 32, 128, 1024, 8192):
+    for T in (1, 8, 32, 128, 1024, 8192):  # the generic kernel (int4_impl="legacy")
         tw, ti = _route(T, E, k, dev)
         x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
         hit = int(ti.unique().numel())
         nb, fl = hit * per_expert + 2 * T * D * 2, 2 * 3 * D * I * T * k
-        if T > 64:
-            cfg0 = _config(T * k, E, "int4")
-            ms = timed(lambda: fm.fused_moe(x, ew, tw, ti, cfg0), iters=10 if T > 1000 else 30)
-            row("kern", f"OLD fused_moe int4 T={T} ({hit} experts)", ms, nb, fl)
-            continue
-        if T in (1, 128, 8192):  # the previous kernel, same run, for comparison
-            cfg0 = _config(T * k, E, "int4")
-            ms = timed(lambda: fm.fused_moe(x, ew, tw, ti, cfg0), iters=10 if T > 1000 else 30)
-            row("kern", f"OLD fused_moe int4 T={T} ({hit} experts)", ms, nb, fl)
-        ms = timed(lambda: mi.int4_moe(x, ew, tw, ti), iters=10 if T > 1000 else 30)
-        row("kern", f"int4_moe T={T} ({hit} experts)", ms, nb, fl, str(mi.default_config(T, k, E)))
-    from k2serve.kernels import moe_int4 as mi
-
-    best = {}
-    for T, cfgs in SWEEP.items():
-        tw, ti = _route(T, E, k, dev)
-        x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
-        hit = int(ti.unique().numel())
-        nb, fl = hit * per_expert + 2 * T * D * 2, 2 * 3 * D * I * T * k
-        ref = mi.int4_moe(x, ew, tw, ti)
-        for c in cfgs:
-            cfg = _cfg(*c)
-            name = f"{c[0]} {c[1]}x{c[2]}x{8 * c[3]} w{c[4]}" + (" pf" if c[5:6] == (1,) else "")
-            try:
-                out = mi.int4_moe(x, ew, tw, ti, cfg)
-                ms = timed(lambda: mi.int4_moe(x, ew, tw, ti, cfg), iters=10 if T > 1000 else 30)
-            except Exception as e:  # noqa: BLE001 - a config that does not fit is reported
-                log(f"  sweep T={T} {name}: {type(e).__name__}: {str(e)[:200]}")
-                continue
-            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-            row("sweep", f"int4 T={T} {name}", ms, nb, fl, f"vs default {err:.1e}")
-            key = "r1" if T * k <= 64 else "r2"
-            if cfg["ROWS"] == (1 if key == "r1" else 2) and ms < best.get(key, (1e9,))[0]:
-                best[key] = (ms, cfg)
+        cfg0 = _config(T * k, E, "int4")
+        ms = timed(lambda: fm.fused_moe(x, ew, tw, ti, cfg0), iters=10 if T > 1000 else 30)
+        row("kern", f"generic fused_moe int4 T={T} ({hit} experts)", ms, nb, fl)
         if T >= 1024:
             for ch in (32, 64):
-                ms = timed(lambda: mi.int4_moe_grouped_mm(x, ew, tw, ti, chunk=ch), iters=5)
+                ms = timed(lambda: int4_gemm.int4_moe_grouped_mm(x, ew, tw, ti, chunk=ch), iters=5)
                 row("sweep", f"int4 T={T} dequant+grouped_mm chunk {ch}", ms, nb, fl)
-            os.environ["K2SERVE_INT4_ASM"] = "0"
-            cfg = mi.default_config(T, k, E)
-            ms = timed(lambda: mi.int4_moe(x, ew, tw, ti, cfg), iters=5)
-            row("sweep", f"int4 T={T} default, no inline-asm dequant", ms, nb, fl)
-            os.environ["K2SERVE_INT4_ASM"] = "1"
-    for key, (ms, cfg) in best.items():  # reported only: the decode default is the h2 GEMV
-        log(f"  best plane GEMV {key}: {cfg} ({ms:.3f} ms)")
+            for asm in (True, False):
+                ms = timed(lambda: int4_gemm.int4_moe_gemm(x, ew, tw, ti, asm=asm), iters=5)
+                row("sweep", f"int4 T={T} grouped GEMM, inline-asm dequant {asm}", ms, nb, fl)
     from k2serve.moe.fused_moe import FusedMoEBackend
 
-    be = FusedMoEBackend(ew)
+    be = FusedMoEBackend(ew, **engine_policy().moe_kwargs())
     for T in (1, 8, 32, 64, 128, 1024, 8192):
         tw, ti = _route(T, E, k, dev)
         x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
@@ -388,85 +331,15 @@ def graph_ms(fns, reps=20) -> float:
 
 
 def _time_moe(ew, x, routes, refs, cfg):
-    """(graph-timed ms per int4_moe call over the routings, largest relative difference from
-    refs): the common step of the GEMV sweeps."""
-    from k2serve.kernels import moe_int4 as mi
+    """(graph-timed ms per decode GEMV call over the routings, largest relative difference
+    from refs): the common step of the GEMV sweeps."""
+    from k2serve.kernels.int4_gemv import int4_moe_decode
 
-    outs = [mi.int4_moe(x, ew, tw, ti, cfg) for tw, ti in routes]
+    outs = [int4_moe_decode(x, ew, tw, ti, cfg) for tw, ti in routes]
     err = max(((o.float() - r.float()).norm() / r.float().norm()).item()
               for o, r in zip(outs, refs))  # fmt: skip
-    ms = graph_ms([lambda tw=tw, ti=ti: mi.int4_moe(x, ew, tw, ti, cfg) for tw, ti in routes])
+    ms = graph_ms([lambda tw=tw, ti=ti: int4_moe_decode(x, ew, tw, ti, cfg) for tw, ti in routes])
     return ms, err
-
-
-# (BLOCK_N, W, num_warps, UNROLL); the first is run 8's TUNED["r1"]
-GEMV_CANDS = [(8, 64, 4, 1), (8, 64, 4, 2), (4, 64, 2, 1), (4, 64, 2, 2), (8, 128, 8, 1),
-              (16, 64, 8, 1), (16, 64, 8, 2), (4, 128, 4, 1)]  # fmt: skip
-
-
-def part_gemv():
-    """Decode GEMV configs, w13 and w2 launches swept separately (the other one at run 8's
-    config), graph-timed over 4 routings (32 distinct experts at T=1: no L2 reuse)."""
-    from k2serve.kernels import moe_int4 as mi
-
-    dev = "cuda"
-    E, D, I, k = 384, 7168, 2048, 8
-    ew = _rand_experts("int4", E, D, I, dev)
-    per_expert = sum(t[0].numel() * t.element_size()
-                     for t in (ew.w13, ew.w2, ew.w13_scale, ew.w2_scale))  # fmt: skip
-    base = dict(kind="gemv", ROWS=1, BLOCK_N=8, W=64, num_warps=4, PREFETCH=0)
-
-    def cfg_of(which, c):
-        bn, w, nw, un = c
-        over = dict(BLOCK_N=bn, W=w, num_warps=nw, UNROLL=un)
-        return {**base, **over} if which == "w13" else {**base, "w2": over}
-
-    best = {}
-    for T in (1, 8):
-        routes = [_route(T, E, k, dev) for _ in range(4)]
-        x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
-        hit = sum(int(ti.unique().numel()) for _, ti in routes) / 4
-        nb = hit * per_expert
-        refs = [mi.int4_moe(x, ew, tw, ti, base) for tw, ti in routes]
-        res = {}
-        for which in ("w13", "w2"):
-            for c in GEMV_CANDS:
-                cfg = cfg_of(which, c)
-                try:
-                    ms, err = _time_moe(ew, x, routes, refs, cfg)
-                except Exception as e:  # noqa: BLE001 - a config that does not fit is reported
-                    log(f"  gemv T={T} {which} {c}: {type(e).__name__}: {str(e)[:160]}")
-                    continue
-                if err > 2e-3:
-                    FAILS.append(f"gemv T={T} {which} {c} err {err:.1e}")
-                row("gemv", f"T={T} {which} bn{c[0]} W{c[1]} w{c[2]} u{c[3]}", ms, nb, 0,
-                    f"vs run-8 cfg {err:.1e}")  # fmt: skip
-                if err <= 2e-3:
-                    res[(which, c)] = ms
-        b13 = min((v, c) for (w, c), v in res.items() if w == "w13")[1]
-        b2 = min((v, c) for (w, c), v in res.items() if w == "w2")[1]
-        cfg = {**base, **dict(zip(("BLOCK_N", "W", "num_warps", "UNROLL"), b13))}
-        cfg["w2"] = dict(zip(("BLOCK_N", "W", "num_warps", "UNROLL"), b2))
-        ms, err = _time_moe(ew, x, routes, refs, cfg)
-        ms0 = graph_ms([lambda tw=tw, ti=ti: mi.int4_moe(x, ew, tw, ti, base) for tw, ti in routes])
-        row("gemv", f"T={T} run-8 cfg (both launches)", ms0, nb, 0, str(base))
-        row("gemv", f"T={T} best w13 + best w2", ms, nb, 0, f"{cfg} err {err:.1e}")
-        best[T] = (ms, ms0, cfg)
-    # one TUNED entry serves T*k <= 64: keep the candidate with the lower T=1 + T=8 time
-    c1, c8 = best[1][2], best[8][2]
-    tot = {}
-    T_routes = {T: [_route(T, E, k, dev) for _ in range(4)] for T in (1, 8)}
-    for name, cfg in (("best T=1", c1), ("best T=8", c8)):
-        t = 0.0
-        for T, routes in T_routes.items():
-            x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
-            t += graph_ms([lambda tw=tw, ti=ti: mi.int4_moe(x, ew, tw, ti, cfg)
-                           for tw, ti in routes])  # fmt: skip
-        tot[name] = (t, cfg)
-    pick = min(tot.values(), key=lambda v: v[0])[1]  # reported only: the default is h2
-    log(f"  best plane GEMV (kind gemv) -> {pick}")
-    del ew
-    torch.cuda.empty_cache()
 
 
 # (BLOCK_N, W, num_warps, GS) of the f16x2 GEMV, per launch (runs 12-16 and 20: next-iteration
@@ -481,24 +354,26 @@ def _h2(c):
 
 
 def part_h2():
-    """The f16x2 GEMV (kind h2) against the current r1 GEMV, graph-timed over 4 routings at
-    T=1 and T=8: the w13 launch swept with w2 at the first config, then w2 with the best w13.
-    The best pair becomes TUNED["r1"] when it beats r1 on T=1 + T=8 and agrees with it to
-    4e-3 (fp16 word sums: ~2e-3 from r1, both ~3e-3 from the reference)."""
-    from k2serve.kernels import moe_int4 as mi
+    """Decode GEMV configs against the tuned one (the policy's `int4_decode`), graph-timed over
+    4 routings at T=1 and T=8: the w13 launch swept with w2 at the first config, then w2 with
+    the best w13. The best pair is printed as the table entry to use when it beats the tuned one
+    on T=1 + T=8 and agrees with it to 4e-3; nothing is changed in place."""
+    from k2serve.kernels.int4_gemv import int4_moe_decode
+
+    tables = engine_policy().tables
 
     dev = "cuda"
     E, D, I, k = 384, 7168, 2048, 8
     ew = _rand_experts("int4", E, D, I, dev)
     per_expert = sum(t[0].numel() * t.element_size()
                      for t in (ew.w13, ew.w2, ew.w13_scale, ew.w2_scale))  # fmt: skip
-    base = dict(RUN8_R1)
+    base = dict(tables.int4_decode)
     cases = {}
     for T in (1, 8):
         routes = [_route(T, E, k, dev) for _ in range(4)]
         x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
         nb = sum(int(ti.unique().numel()) for _, ti in routes) / 4 * per_expert
-        refs = [mi.int4_moe(x, ew, tw, ti, base) for tw, ti in routes]
+        refs = [int4_moe_decode(x, ew, tw, ti, base) for tw, ti in routes]
         cases[T] = (routes, x, nb, refs)
 
     def measure(name, cfg):
@@ -509,27 +384,25 @@ def part_h2():
             except Exception as e:  # noqa: BLE001 - a config that does not fit is reported
                 log(f"  h2 T={T} {name}: {type(e).__name__}: {str(e)[:300]}")
                 return float("inf")
-            row("gemv", f"T={T} {name}", ms, nb, 0, f"vs r1 {err:.1e}")
+            row("gemv", f"T={T} {name}", ms, nb, 0, f"vs tuned {err:.1e}")
             if err > 4e-3:
                 FAILS.append(f"h2 T={T} {name} err {err:.1e}")
                 return float("inf")
             tot += ms
         return tot
 
-    t_base = measure("r1 (current)", base)
+    t_base = measure("tuned (current)", base)
     w2_0 = _h2(H2_W2[0])
-    t13 = {c: measure(f"h2 w13 {c}", dict(kind="h2", **_h2(c), w2=w2_0)) for c in H2_W13}
+    t13 = {c: measure(f"h2 w13 {c}", dict(**_h2(c), w2=w2_0)) for c in H2_W13}
     b13 = min(t13, key=t13.get)
-    t2 = {c: measure(f"h2 w13 {b13} w2 {c}", dict(kind="h2", **_h2(b13), w2=_h2(c)))
+    t2 = {c: measure(f"h2 w13 {b13} w2 {c}", dict(**_h2(b13), w2=_h2(c)))
           for c in H2_W2[1:]}  # fmt: skip
     t2[H2_W2[0]] = t13[b13]
     b2 = min(t2, key=t2.get)
-    best = dict(kind="h2", **_h2(b13), w2=_h2(b2))
-    if t2[b2] < t_base:
-        mi.TUNED["r1"] = best
-    log(f"  tuned r1 (T*k <= {mi.GEMV_MAX_PAIRS}) -> {mi.TUNED['r1']} (T=1 + T=8 ms: r1 {t_base:.4f}, "
-        f"best h2 {t2[b2]:.4f})")  # fmt: skip
-    # h2 against the generic fused_moe kernel (what the backend runs above GEMV_MAX_PAIRS) on
+    best = dict(**_h2(b13), w2=_h2(b2)) if t2[b2] < t_base else base
+    log(f"  int4_decode (T*k <= {tables.int4_decode_max_pairs}) for configs/{tables.kind}.json:"
+        f" {best} (T=1 + T=8 ms: tuned {t_base:.4f}, best swept {t2[b2]:.4f})")  # fmt: skip
+    # h2 against the generic fused_moe kernel (what the backend runs above the decode range) on
     # uniform random routing, which favours h2: its cost grows with the pairs, the grouped
     # kernel's with the distinct experts. The model rows show concentrated routing (run 15).
     from k2serve.kernels import fused_moe as fm
@@ -539,7 +412,7 @@ def part_h2():
         x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
         nb = sum(int(ti.unique().numel()) for _, ti in routes) / 2 * per_expert
         ms_g = graph_ms([lambda tw=tw, ti=ti: fm.fused_moe(x, ew, tw, ti) for tw, ti in routes])
-        ms_h = graph_ms([lambda tw=tw, ti=ti: mi.int4_moe(x, ew, tw, ti, best)
+        ms_h = graph_ms([lambda tw=tw, ti=ti: int4_moe_decode(x, ew, tw, ti, best)
                          for tw, ti in routes])  # fmt: skip
         row("gemv", f"T={T} generic fused_moe", ms_g, nb, 0, "")
         row("gemv", f"T={T} best h2", ms_h, nb, 0, f"{ms_g / ms_h:.2f}x")
@@ -557,9 +430,11 @@ GEMV_BF16_CANDS = [(2, 1024, 4), (4, 1024, 4), (8, 1024, 4), (4, 512, 2), (8, 51
 
 def part_gemv_bf16():
     """The one-row bf16 GEMV against cuBLAS (F.linear) per K2 shape, graph-timed over enough
-    weight copies to defeat L2; the faster of the two (and the best config) goes into
-    kernels.gemv.TUNED for the model part."""
+    weight copies to defeat L2; the faster of the two (and the best config) is printed as the
+    `gemv_bf16` table (None: cuBLAS); nothing is changed in place."""
     from k2serve.kernels import gemv as gv
+
+    table = {}
 
     dev = "cuda"
     for N, K in GEMV_SHAPES:
@@ -574,18 +449,18 @@ def part_gemv_bf16():
         for bn, bk, nw in GEMV_BF16_CANDS:
             if K % bk:
                 continue
-            gv.TUNED[(N, K)] = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw)
-            err = ((gv.gemv(x, ws[0]).float() - ref).norm() / ref.norm()).item()
-            ms = graph_ms([lambda w=w: gv.gemv(x, w) for w in ws])
+            cand = {(N, K): dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=nw)}
+            err = ((gv.gemv(x, ws[0], table=cand).float() - ref).norm() / ref.norm()).item()
+            ms = graph_ms([lambda w=w: gv.gemv(x, w, table=cand) for w in ws])
             row("gemv16", f"{N}x{K} bn{bn} bk{bk} w{nw}", ms, nb, 0, f"err {err:.1e}")
             if err > 1e-2:
                 FAILS.append(f"gemv16 {N}x{K} {bn}/{bk}/{nw} err {err:.1e}")
             elif ms < best[0]:
-                best = (ms, dict(gv.TUNED[(N, K)]))
-        gv.TUNED[(N, K)] = best[1]
+                best = (ms, cand[(N, K)])
+        table[(N, K)] = best[1]
         log(f"  gemv16 {N}x{K}: {best[1] or 'cuBLAS'} {best[0]:.4f} ms (cuBLAS {ms_cu:.4f})")
         del ws
-    log(f"  gemv TUNED = {gv.TUNED}")
+    log("  gemv_bf16 = " + json.dumps([dict(N=n, K=k, config=c) for (n, k), c in table.items()]))
     torch.cuda.empty_cache()
 
 
@@ -594,53 +469,29 @@ def nbytes(mod) -> int:
     return sum(p.numel() * p.element_size() for p in mod.parameters())
 
 
-OVERLAP_SHARED = True  # the shared expert on a second stream (set_fused_kernels)
+# the decode fusions of the kernel policy, off (the "model-base" rows and check_fused)
+UNFUSED = dict(fused_rope=False, triton_router=False, fused_projections=False,
+               decode_gemv=False, shared_stream=False)  # fmt: skip
 
 
-def accelerate(model, fast_router=True, moe_kw=None, expand=False, fused=True):
-    """Swap in the GPU backends from the outside (until the model selects them on CUDA).
-    fused: the decode fusions (Triton RoPE, Triton router top-k, q_a+kv_a and gate+up GEMMs);
-    fused=False restores the unfused path (run 8's) for same-run comparisons."""
+def engine_policy(**changes):
+    """The kernel policy the engine builds on this GPU, with `changes` (dataclasses.replace)."""
+    from k2serve.kernels.policy import KernelPolicy
+
+    return replace(KernelPolicy.for_device("cuda"), **changes)
+
+
+def setup(model, policy=None, expand=False):
+    """Set the engine's GPU backends up on `model` with `policy` (None: the engine's), as the
+    engine does (`setup_backends`); expand: pure prefills take the expanded attention path."""
     from k2serve.attention.triton_mla import TritonMLABackend, install_prefill_expand
-    from k2serve.kernels.rmsnorm import rms_norm
-    from k2serve.kernels.router import grouped_topk, grouped_topk_torch
 
-    model.set_fused_kernels(rope=fused, router=fused, projections=fused, gemv=fused,
-                            overlap_shared=fused and OVERLAP_SHARED)
-    topk = grouped_topk if fused else grouped_topk_torch
-    from k2serve.model.layers import RMSNorm
-    from k2serve.moe.fused_moe import FusedMoEBackend
-
+    model.setup_backends("triton", "triton", "triton", policy=policy or engine_policy())
     model.set_attn_backend(TritonMLABackend(prefill="expand" if expand else "absorbed"))
     if not getattr(model, "_expand_installed", False):
         install_prefill_expand(model)
         model._expand_installed = True
-
-    def norm_fwd(self, x):
-        shp = x.shape
-        return rms_norm(x.reshape(-1, shp[-1]), self.weight, self.variance_epsilon).view(shp)
-
-    def router_fwd(self, x):  # bf16 GEMM, float32 sigmoid/top-k (vLLM's choice; spec s3.5);
-        # fused: the engine's own logits (the one-row GEMV at batch 1, else cuBLAS, fp32 out)
-        logits = self.router_logits(x) if fused else F.linear(x, self.weight)
-        return topk(logits, self.e_score_correction_bias, self.top_k,
-                            self.n_group, self.topk_group, self.norm_topk_prob,
-                            self.routed_scaling_factor)  # fmt: skip
-
-    for m in model.modules():
-        if isinstance(m, RMSNorm) and m.weight.is_cuda:
-            m.weight.data = m.weight.data.to(model.dtype)
-            m.forward = types.MethodType(norm_fwd, m)
-    for layer in model.model.layers:
-        mlp = layer.mlp
-        if hasattr(mlp, "expert_backend"):
-            if isinstance(mlp.expert_backend, FusedMoEBackend):
-                mlp.expert_backend = FusedMoEBackend(mlp.expert_backend.weights, **(moe_kw or {}))
-            else:
-                mlp.expert_backend = FusedMoEBackend.from_experts(mlp.experts, **(moe_kw or {}))
-            if fast_router:
-                mlp.gate.forward = types.MethodType(router_fwd, mlp.gate)
-        torch.cuda.empty_cache()
+    torch.cuda.empty_cache()
 
 
 def load_slice(layers, fmt="int4"):
@@ -950,9 +801,6 @@ def bench_peer(peer, ctx=1024, prefill=8192):
     return res
 
 
-RUN8_R1 = dict(kind="gemv", ROWS=1, BLOCK_N=8, W=64, num_warps=4, PREFETCH=0)
-
-
 def check_fused(model):
     """Decode logits with the fusions on vs off (same weights, cache and inputs)."""
     from k2serve.attention import allocate_kv_caches
@@ -964,8 +812,8 @@ def check_fused(model):
         t.normal_()
     ids, pos, md = decode_inputs(B, ctx, ps)
     outs = []
-    for fused in (False, True):
-        accelerate(model, expand=True, fused=fused)
+    for policy in (engine_policy(**UNFUSED), engine_policy()):
+        setup(model, policy, expand=True)
         with torch.inference_mode():
             outs.append(model.compute_logits(model(ids, pos, md, kv)))
     check("decode logits, fusions on vs off (B=8, all layers)", outs[1], outs[0], 2e-2)
@@ -974,21 +822,12 @@ def check_fused(model):
 
 
 def part_model_and_peer(layers, do_peer):
-    from k2serve.kernels import moe_int4 as mi
-
     model = load_slice(layers)
     check_fused(model)
-    from k2serve.kernels import mla_attention
-
-    tuned = mi.TUNED["r1"]
-    mi.TUNED["r1"] = dict(RUN8_R1)  # run 8's path: no fusions, run 8's GEMV config and
-    mla_attention.ROUND_UP_SMALL_BATCH = False  # run 8's split-KV rule
-    accelerate(model, expand=True, fused=False)
+    setup(model, engine_policy(**UNFUSED), expand=True)  # the decode fusions off
     check_expand(model)
     bench_model(model, "model-base", batches=(1, 8), prefills=())
-    mi.TUNED["r1"] = tuned
-    mla_attention.ROUND_UP_SMALL_BATCH = True
-    accelerate(model, expand=True, fused=True)
+    setup(model, expand=True)
     bench_model(model, "model", profile_batches=(1, 8), expanded=True)
     del model
     gc.collect()
@@ -996,7 +835,7 @@ def part_model_and_peer(layers, do_peer):
     if not do_peer:
         return
     model = load_slice(3)
-    accelerate(model, expand=True)
+    setup(model, expand=True)
     ours = bench_model(model, "ours-3L", batches=(1,), prefills=(8192,), expanded=True)
     peer = build_peer(model)
     ids = torch.randint(0, 160000, (64,), device="cuda")
@@ -1018,38 +857,35 @@ def part_model_and_peer(layers, do_peer):
 
 def part_overlap(layers):
     """The k2-slice with the shared expert in order vs on a second stream (same run)."""
-    global OVERLAP_SHARED
     model = load_slice(layers)
     for on in (False, True):
-        OVERLAP_SHARED = on
-        accelerate(model, expand=True)
+        setup(model, engine_policy(shared_stream=on), expand=True)
         bench_model(model, f"shared-{'stream' if on else 'inline'}", prefills=(1024, 8192),
                     expanded=True, profile_batches=(1,) if on else ())  # fmt: skip
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--parts", default="ceil,check,gemv,model,peer")
+    ap.add_argument("--parts", default="ceil,check,model,peer")
     ap.add_argument("--layers", type=int, default=8)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("model_speed.py needs a CUDA device")
     parts = args.parts.split(",")
     if parts == ["probe"]:  # for ncu: the two decode GEMV launches of one T=1 MoE layer
-        from k2serve.kernels import moe_int4 as mi
+        from k2serve.kernels.int4_gemv import int4_moe_decode
 
         ew = _rand_experts("int4", 384, 7168, 2048, "cuda")
         tw, ti = _route(1, 384, 8, "cuda")
         x = torch.randn(1, 7168, device="cuda", dtype=torch.bfloat16)
-        mi.int4_moe(x, ew, tw, ti, dict(mi.TUNED["r1"]))
-        mi.int4_moe(x, ew, tw, ti, dict(RUN8_R1))
+        int4_moe_decode(x, ew, tw, ti, engine_policy().tables.int4_decode)
         torch.cuda.synchronize()
         return
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__} "
         f"triton {__import__('triton').__version__} date {time.strftime('%Y-%m-%d')}")  # fmt: skip
     torch.manual_seed(int(os.environ.get("SEED", "0")))
     part_ceil()
-    for name, fn in (("check", part_check), ("gemv", part_gemv), ("h2", part_h2),
+    for name, fn in (("check", part_check), ("h2", part_h2),
                      ("gemv16", part_gemv_bf16), ("kern", part_kern)):  # fmt: skip
         if name in parts:
             run_part(name, fn)

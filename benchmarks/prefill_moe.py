@@ -50,12 +50,11 @@ def route(T, skew, dev="cuda"):
 
 def part_check(ew):
     from k2serve.kernels import int4_gemm
-    from k2serve.kernels import moe_int4 as mi
 
     for T, skew in ((300, 0), (2048, 2.0)):
         tw, ti = route(T, skew)
         x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
-        ref = mi.int4_moe_grouped_mm(x, ew, tw, ti)
+        ref = int4_gemm.int4_moe_grouped_mm(x, ew, tw, ti)
         for c in (CONFIGS[0], CONFIGS[2], CONFIGS[4], CONFIGS[5]):
             ms.check(f"int4_moe_gemm T={T} {name_of(c)}", int4_gemm.int4_moe_gemm(x, ew, tw, ti, cfg_of(c)), ref, 1e-2)
         ms.check(f"int4_moe_gemm T={T} default", int4_gemm.int4_moe_gemm(x, ew, tw, ti), ref, 1e-2)
@@ -64,7 +63,6 @@ def part_check(ew):
 def part_sweep(ew, per_expert):
     from k2serve.kernels import fused_moe as fm
     from k2serve.kernels import int4_gemm
-    from k2serve.kernels import moe_int4 as mi
     from k2serve.kernels.fused_moe import _config
 
     best = {}
@@ -75,8 +73,8 @@ def part_sweep(ew, per_expert):
         nb, fl = hit * per_expert + 2 * T * D * 2, 2 * 3 * D * I * T * K
         tag = f"T={T}{' skew' if skew else ''} ({hit} exp)"
         it = 5 if T >= 2048 else 10
-        ref = mi.int4_moe_grouped_mm(x, ew, tw, ti)
-        ms.row("base", f"{tag} dequant+grouped_mm", ms.timed(lambda: mi.int4_moe_grouped_mm(x, ew, tw, ti), iters=it), nb, fl)
+        ref = int4_gemm.int4_moe_grouped_mm(x, ew, tw, ti)
+        ms.row("base", f"{tag} dequant+grouped_mm", ms.timed(lambda: int4_gemm.int4_moe_grouped_mm(x, ew, tw, ti), iters=it), nb, fl)
         c0 = _config(T * K, E, "int4")
         ms.row("base", f"{tag} generic fused_moe", ms.timed(lambda: fm.fused_moe(x, ew, tw, ti, c0), iters=it), nb, fl)
         for c in CONFIGS:
@@ -101,12 +99,10 @@ def part_sweep(ew, per_expert):
 
 
 def part_model(layers, profile):
-    from k2serve.model.cuda_graph import DecodeGraphRunner  # noqa: F401  (import check)
-
     model = ms.load_slice(layers)
     res = {}
     for impl in ("grouped_mm", "gemm", "auto"):  # previous default, always the GEMM, default
-        ms.accelerate(model, expand=True, moe_kw=dict(prefill_impl=impl))
+        ms.setup(model, ms.engine_policy(int4_prefill_impl=impl), expand=True)
         res[impl] = ms.bench_model(model, f"model-{impl}", batches=(128,), prefills=(1024, 8192), expanded=True)
     if profile:
         from torch.profiler import ProfilerActivity

@@ -59,19 +59,25 @@ def load(cfg: dict, device, rank: int = 0, world: int = 1, ep: bool = False):
     off = os.environ.get("TP_CHECK_UNFUSED", "")  # decode fusions to turn off: rope,router,
     if off:  # proj,gemv or 1 (all, as on the CPU), to tell a fusion's TP error from the rest
         off = {"rope", "router", "proj", "gemv"} if off == "1" else set(off.split(","))
-        on = model.backend_settings is not None and model.device.type == "cuda"
-        model.set_fused_kernels(rope=on and "rope" not in off, router=on and "router" not in off,
-                                projections=on and "proj" not in off,
-                                gemv=on and "gemv" not in off)  # fmt: skip
+        from dataclasses import replace
+
+        p = model.kernel_policy  # what setup applied (the engine's policy on this device)
+        model.apply_kernel_policy(replace(
+            p, fused_rope=p.fused_rope and "rope" not in off,
+            triton_router=p.triton_router and "router" not in off,
+            fused_projections=p.fused_projections and "proj" not in off,
+            decode_gemv=p.decode_gemv and "gemv" not in off))  # fmt: skip
     if os.environ.get("TP_CHECK_ROPE_PROBE"):  # fused RoPE on even on shards, each call checked
         _probe_rope(model, rank, os.environ["TP_CHECK_ROPE_PROBE"])
     return model
 
 
 def _probe_rope(model, rank: int, mode: str) -> None:
-    """Turn the fused RoPE kernel on (also on TP shards) and check every call against the torch
-    code in place: prints the call's shapes/strides when the kernel's error exceeds 4 rounding
-    units (the torch code's own bound is 3). mode "sync": synchronize around the kernel (a
+    """A diagnostic for the open TP=2 difference, not a variant comparison (so, unlike the
+    rest of the benchmarks, it wraps a kernel function in place). Turn the fused RoPE kernel on
+    (also on TP shards) and check every call against the torch code: prints the call's
+    shapes/strides when the kernel's error exceeds 4 rounding units (the torch code's own
+    bound is 3). mode "sync": synchronize around the kernel (a
     race shows up as a difference that goes away with it); "ref": launch the kernel but return
     the torch code's result (a side effect of the launch shows up as a difference that stays)."""
     from k2serve.kernels import rope

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 
 from k2serve.attention import allocate_kv_caches
 from k2serve.engine.config import EngineConfig
+from k2serve.kernels.policy import KernelPolicy
 
 from .conftest import load_tiny, needs_cuda, paged_logits
 
@@ -99,6 +101,11 @@ def test_cuda_defaults_to_triton_and_matches_the_torch_backends(fmt):
     assert (fast.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
 
 
+# rope and router need Triton on CUDA: on the CPU apply_kernel_policy leaves them off
+UNFUSED = KernelPolicy(fused_rope=True, triton_router=True)
+FUSED = replace(UNFUSED, fused_projections=True)
+
+
 def test_fused_projections_give_the_same_logits_and_state_dict():
     """One GEMM for q_a_proj + kv_a_proj_with_mqa and for each dense/shared MLP's gate + up (the
     CUDA default, forced here on the CPU): same logits, same state_dict, no extra copies; a
@@ -110,17 +117,17 @@ def test_fused_projections_give_the_same_logits_and_state_dict():
     pos = torch.arange(12)
     ref = model.compute_logits(model(ids, pos))
     sd0 = {k: v.clone() for k, v in model.state_dict().items()}
-    assert model.set_fused_kernels(rope=True, router=True, projections=True) == "6 gemm pairs"
+    assert model.apply_kernel_policy(FUSED) == "6 gemm pairs"
     sd1 = model.state_dict()
     assert sd1.keys() == sd0.keys() and all(torch.equal(sd0[k], sd1[k]) for k in sd0)
     attn: MLAAttention = model.model.layers[1].self_attn
     assert attn.q_a_proj.weight.data_ptr() == attn.qkv_a_weight.data_ptr()  # a view, no copy
     out = model.compute_logits(model(ids, pos))
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4)
-    assert model.set_fused_kernels(rope=True, router=True, projections=False) == ""  # CPU
+    assert model.apply_kernel_policy(UNFUSED) == ""  # CPU
     assert attn.qkv_a_weight is None and model.model.layers[0].mlp.gate_up_weight is None
     assert torch.allclose(model.compute_logits(model(ids, pos)), ref, atol=1e-5, rtol=1e-4)
-    assert model.set_fused_kernels(rope=True, router=True, projections=True) == "6 gemm pairs"
+    assert model.apply_kernel_policy(FUSED) == "6 gemm pairs"
     mlp = model.model.layers[0].mlp
     mlp.up_proj.weight = torch.nn.Parameter(mlp.up_proj.weight.detach() * 2, requires_grad=False)
     x = torch.randn(3, model.config.hidden_size)
@@ -129,14 +136,11 @@ def test_fused_projections_give_the_same_logits_and_state_dict():
 
 
 def test_shared_expert_stream_is_cuda_only():
-    """On the CPU, overlap_shared is a no-op: no side stream, the same description."""
+    """On the CPU, the policy's shared_stream is a no-op: no side stream, no description."""
     from k2serve.model.deepseek_v3 import MoE
 
     model = load_tiny()
-    assert (
-        model.set_fused_kernels(rope=True, router=True, projections=False, overlap_shared=True)
-        == ""
-    )
+    assert model.apply_kernel_policy(replace(UNFUSED, shared_stream=True)) == ""
     assert all(m.side_stream is None for m in model.modules() if isinstance(m, MoE))
 
 
@@ -163,7 +167,7 @@ def test_shared_expert_on_a_side_stream_gives_the_same_logits_eager_and_in_a_gra
             graphed = model.compute_logits(model(ids, pos))
         g.replay()
         torch.cuda.synchronize()
-        model.set_fused_kernels(rope=True, router=True, projections=True, gemv=True)  # in order
+        model.apply_kernel_policy(replace(FUSED, decode_gemv=True))  # in order
         assert all(m.side_stream is None for m in model.modules() if isinstance(m, MoE))
         off = model.compute_logits(model(ids, pos))
     assert torch.equal(on, off)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from k2serve.kernels import fused_moe as fm
-from k2serve.kernels import kv_store, mla_attention, moe_align, rmsnorm, router, sampling
+from k2serve.kernels import kv_store, mla_attention, moe_align, rmsnorm, router
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -184,18 +184,6 @@ def test_grouped_topk_matches_spec_loop(n_group, topk_group):
         assert torch.allclose(wa.double(), wb[order], atol=1e-5)
 
 
-def test_sampling_matches_reference_with_same_noise():
-    V = 200
-    lg = torch.randn(6, V) * 3
-    temp = torch.tensor([0.0, 1.0, 0.7, 1.0, 1.3, 1.0])
-    tk = torch.tensor([0, 0, 20, 5, 0, 1])
-    tp = torch.tensor([1.0, 1.0, 0.9, 1.0, 0.5, 1.0])
-    noise = torch.empty(6, V).exponential_()
-    got = sampling.sample(lg, temp, tk, tp, noise)
-    assert torch.equal(got, sampling.sample_ref(lg, temp, tk, tp, noise))
-    assert got[0] == lg[0].argmax() and got[5] == lg[5].argmax()  # greedy and top_k=1
-
-
 def _int4_experts(E, D, I):  # noqa: E741
     def pk(n, k):
         return torch.randint(-(2**31), 2**31 - 1, (E, n, k // 8), dtype=torch.int32, device=DEVICE)
@@ -209,43 +197,38 @@ def _int4_experts(E, D, I):  # noqa: E741
 @pytest.mark.parametrize(
     "cfg",
     [
-        dict(kind="gemv", ROWS=2, BLOCK_N=16, W=16, num_warps=4),
-        dict(
-            kind="gemv",
-            ROWS=1,
-            BLOCK_N=8,
-            W=16,
-            num_warps=4,
-            UNROLL=2,
-            w2=dict(BLOCK_N=16, W=8, num_warps=2),
-        ),  # fmt: skip
-        dict(kind="mma", BLOCK_M=16, BLOCK_N=32, W=16, num_warps=4),
-        dict(
-            kind="h2",
-            BLOCK_N=8,
-            W=16,
-            num_warps=4,
-            GS=1,
-            w2=dict(BLOCK_N=4, W=8, num_warps=2, GS=0),
-        ),  # fmt: skip
-        dict(kind="h2", BLOCK_N=4, W=8, num_warps=2),
+        dict(BLOCK_N=8, W=16, num_warps=4, GS=1, w2=dict(BLOCK_N=4, W=8, num_warps=2, GS=0)),
+        dict(BLOCK_N=4, W=8, num_warps=2),
     ],
 )
-def test_int4_plane_kernels_match_reference(cfg):
-    from k2serve.kernels import moe_int4
+def test_int4_decode_gemv_matches_reference(cfg):
+    from k2serve.kernels import int4_gemv
 
     ew = _int4_experts(4, 256, 128)
     T, k = 3, 2
     x = torch.randn(T, 256, device=DEVICE, dtype=torch.bfloat16)
     w = torch.rand(T, k, device=DEVICE)
     ids = torch.stack([torch.randperm(4)[:k] for _ in range(T)]).int().to(DEVICE)
-    ids[1] = ids[0]  # two tokens on the same experts: blocks with several rows
-    out = moe_int4.int4_moe(x, ew, w, ids, cfg)
+    ids[1] = ids[0]  # two tokens on the same experts
+    out = int4_gemv.int4_moe_decode(x, ew, w, ids, cfg)
     assert rel(out, fm.fused_moe_ref(x, ew, w, ids)) < 2e-2
-    if "w2" in cfg and cfg["kind"] == "h2":  # rows far from unit scale (scaled per row)
+    if "w2" in cfg:  # rows far from unit scale (scaled per row)
         for mag in (1e-5, 1e3):
-            out = moe_int4.int4_moe(x * mag, ew, w, ids, cfg)
+            out = int4_gemv.int4_moe_decode(x * mag, ew, w, ids, cfg)
             assert rel(out, fm.fused_moe_ref(x * mag, ew, w, ids)) < 2e-2
+
+
+def test_int4_decode_gemv_with_the_policy_tables():
+    """The shipped decode config (W shrunk to fit a small model) against the reference."""
+    from k2serve.kernels import int4_gemv
+    from k2serve.kernels.policy import load_tables
+
+    ew = _int4_experts(4, 256, 128)
+    x = torch.randn(2, 256, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.rand(2, 2, device=DEVICE)
+    ids = torch.tensor([[0, 3], [2, 1]], device=DEVICE)
+    out = int4_gemv.int4_moe_decode(x, ew, w, ids, load_tables().int4_decode)
+    assert rel(out, fm.fused_moe_ref(x, ew, w, ids)) < 2e-2
 
 
 def test_pack_h2_layout_and_scale():
@@ -271,30 +254,30 @@ def test_pack_h2_layout_and_scale():
 
 
 def test_int4_planes_dequant_and_grouped_mm():
-    from k2serve.kernels import moe_int4
+    from k2serve.kernels import int4_dequant, int4_gemm
 
     ew = _int4_experts(3, 256, 128)
-    d = moe_int4.dequant_int4_planes(ew.w2, ew.w2_scale, 128)  # [3, 256, 128] plane order
-    want = moe_int4.permute_planes(fm.dequant_int4_ref(ew.w2[2], ew.w2_scale[2]), 128)
+    d = int4_dequant.dequant_int4_planes(ew.w2, ew.w2_scale, 128)  # [3, 256, 128] plane order
+    want = int4_dequant.permute_planes(fm.dequant_int4_ref(ew.w2[2], ew.w2_scale[2]), 128)
     assert rel(d[2], want) < 1e-2
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("torch._grouped_mm is missing in this torch")
     x = torch.randn(5, 256, device=DEVICE, dtype=torch.bfloat16)
     w = torch.rand(5, 2, device=DEVICE)
     ids = torch.stack([torch.randperm(3)[:2] for _ in range(5)]).to(DEVICE)
-    out = moe_int4.int4_moe_grouped_mm(x, ew, w, ids, chunk=2)
+    out = int4_gemm.int4_moe_grouped_mm(x, ew, w, ids, chunk=2)
     assert rel(out, fm.fused_moe_ref(x, ew, w, ids)) < 2e-2
 
 
 def test_permute_planes_is_a_column_permutation():
-    from k2serve.kernels import moe_int4
+    from k2serve.kernels.int4_dequant import permute_planes
 
     x = torch.randn(2, 256)
-    y = moe_int4.permute_planes(x, 128)
+    y = permute_planes(x, 128)
     assert y[0, 1 * 16 + 3].item() == x[0, 8 * 3 + 1].item()  # plane 1, word 3 = column 25
     assert torch.equal(y.sort(1).values, x.sort(1).values)
     with pytest.raises(ValueError, match="multiple of the plane block"):
-        moe_int4.permute_planes(torch.randn(2, 100), 128)
+        permute_planes(torch.randn(2, 100), 128)
 
 
 def test_expanded_prefill_matches_absorbed_with_cached_prefix(monkeypatch):
@@ -448,18 +431,18 @@ def test_int4_prefill_gemm_matches_reference(cfg):
     [("auto", 4096), ("auto", 64), ("gemm", 64), ("grouped_mm", 4096), ("kernel", 64)],
 )
 def test_fused_moe_backend_prefill_paths_agree(impl, min_tokens):
-    """Every INT4 path above the decode GEMV range (pairs > GEMV_MAX_PAIRS) gives the reference
-    result: the grouped GEMM, dequant + grouped_mm from min_tokens, the generic kernel."""
-    from k2serve.kernels import moe_int4
+    """Every INT4 path above the decode GEMV range (pairs > decode_max_pairs) gives the
+    reference result: the grouped GEMM, dequant + grouped_mm from min_tokens, the generic
+    kernel."""
     from k2serve.moe.fused_moe import FusedMoEBackend
 
     ew = _int4_experts(4, 256, 256)
     T, k = 80, 4
-    assert T * k > moe_int4.GEMV_MAX_PAIRS
     x = torch.randn(T, 256, device=DEVICE, dtype=torch.bfloat16)
     w = torch.rand(T, k, device=DEVICE)
     ids = torch.stack([torch.randperm(4)[:k] for _ in range(T)]).int().to(DEVICE)
     be = FusedMoEBackend(ew, prefill_impl=impl, prefill_min_tokens=min_tokens)
+    assert T * k > be.decode_max_pairs
     assert rel(be(x, ids, w), fm.fused_moe_ref(x, ew, w, ids)) < 2e-2
 
 

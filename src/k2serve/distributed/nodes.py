@@ -40,28 +40,24 @@ from multiprocessing.connection import (
     deliver_challenge,
 )
 
+from k2serve import envs
+
 logger = logging.getLogger(__name__)
 
 _DEFAULT_SECRET = b"k2serve-default-secret"
 
 
-def _env_seconds(name: str, default: float) -> float:
-    from k2serve.distributed.workers import env_timeout_s
-
-    return env_timeout_s(name, default)
-
-
 def heartbeat_interval_s() -> float:
-    return _env_seconds("K2SERVE_HEARTBEAT_INTERVAL_S", 1.0)
+    return envs.heartbeat_interval_s()
 
 
 def heartbeat_timeout_s() -> float:
-    return _env_seconds("K2SERVE_HEARTBEAT_TIMEOUT_S", 30.0)
+    return envs.heartbeat_timeout_s()
 
 
 def authkey() -> bytes:
     """K2SERVE_DIST_SECRET (the same on every node), or a fixed default with a warning."""
-    secret = os.environ.get("K2SERVE_DIST_SECRET", "")
+    secret = envs.dist_secret()
     if secret:
         return secret.encode()
     logger.warning(

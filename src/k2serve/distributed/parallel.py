@@ -168,6 +168,7 @@ class ParallelMoE(MoE):
             self.expert_backend = moe.expert_backend
         self.shared_experts = moe.shared_experts
         self.side_stream = moe.side_stream
+        self.side_stream_max_tokens = moe.side_stream_max_tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         return self.ctx.all_reduce(self.routed_plus_shared(x, self.routed))

@@ -34,25 +34,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from k2serve import envs
 from k2serve.distributed.nodes import ControlServer, NodeSpec, Watchdog
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how often a waiting side checks that the other is alive
-
-
-def env_timeout_s(name: str, default: float) -> float:
-    """A positive number of seconds from environment variable `name`."""
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        v = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
-    if v <= 0:
-        raise ValueError(f"{name}={raw!r} must be positive")
-    return v
 
 
 class WorkerError(RuntimeError):
@@ -248,8 +235,8 @@ class WorkerGroup:
         self.backend = backend
         self.nodes = nodes
         self.on_failure = on_failure
-        self.timeout_s = timeout_s or env_timeout_s("K2SERVE_DIST_TIMEOUT_S", 600.0)
-        start_timeout = start_timeout_s or env_timeout_s("K2SERVE_WORKER_START_TIMEOUT_S", 300.0)
+        self.timeout_s = timeout_s or envs.dist_timeout_s()
+        start_timeout = start_timeout_s or envs.worker_start_timeout_s()
         self.state = WorkerState(0, world_size, device)
         self._broken: str | None = None
         self._watchdog = None

@@ -3,7 +3,9 @@
 Owns: `fp8_block_matmul(x, w, scale_inv)` (y = x @ (w * scale)^T for Kimi-K2-Instruct /
 DeepSeek-V3 FP8 weights: float8_e4m3fn [N, K], float32 scales per 128 x 128 block),
 `dequant_fp8_block` (one pass fp8 -> bf16 for large batches, where cuBLAS on the bf16 copy is
-faster), `use_fp8_kernel` and `MAX_KERNEL_ROWS`.
+faster) and `use_fp8_kernel`. The row count up to which the layer runs this kernel, and the
+tuned per-shape configs, come from the kernel policy (`fp8_kernel_max_rows`, `fp8_linear`):
+above it prefill is compute-bound and cuBLAS on the one-pass bf16 copy is faster.
 
 Why: the reference path (`quant.fp8.dequantize_fp8_block`) builds float32 copies of the weight
 and of its expanded scales on every call, ~10x the weight's bytes; decode reads each weight
@@ -17,42 +19,24 @@ fp16; no host synchronisation (CUDA-graph safe).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 import torch
 
 from ._triton import HAS_TRITON, INTERPRET, cdiv, dot_dtype, require_triton, tl, triton
 
 BLOCK = 128  # the checkpoint's scale block (both dimensions)
-# Rows up to which `Fp8BlockLinear` runs `fp8_block_matmul`; above, one dequant pass to bf16
-# and cuBLAS (prefill: compute-bound, where cuBLAS's GEMM is faster than this kernel).
-MAX_KERNEL_ROWS = 64
+_RULE: Mapping[tuple[int, int], tuple[Mapping, Mapping]] = MappingProxyType({})
 
 
-# Per-shape configs for Kimi-K2-Instruct's FP8 linears (N, K): (up to 16 rows, 17-64 rows),
-# the fastest of a sweep graph-timed on one H200 (benchmarks/fp8_speed.py --parts sweep: BLOCK_N
-# 32/64, SPLIT_K 1-16, 3-4 stages).
-_B16, _B64 = (
-    dict(BLOCK_M=16, num_warps=4, num_stages=3),
-    dict(BLOCK_M=64, num_warps=4, num_stages=3),
-)
-TUNED: dict[tuple[int, int], tuple[dict, dict]] = {
-    (1536, 7168): (dict(_B16, BLOCK_N=32, SPLIT_K=8), dict(_B64, BLOCK_N=32, SPLIT_K=8)),  # q_a
-    (576, 7168): (dict(_B16, BLOCK_N=32, SPLIT_K=16), dict(_B64, BLOCK_N=32, SPLIT_K=16)),  # kv_a
-    (12288, 1536): (dict(_B16, BLOCK_N=32, SPLIT_K=1), dict(_B64, BLOCK_N=32, SPLIT_K=1)),  # q_b
-    (16384, 512): (dict(_B16, BLOCK_N=32, SPLIT_K=1), dict(_B64, BLOCK_N=64, SPLIT_K=1)),  # kv_b
-    (7168, 8192): (dict(_B16, BLOCK_N=64, SPLIT_K=16), dict(_B64, BLOCK_N=64, SPLIT_K=2)),  # o
-    (2048, 7168): (dict(_B16, BLOCK_N=64, SPLIT_K=8), dict(_B64, BLOCK_N=64, SPLIT_K=8)),  # gate
-    (7168, 2048): (dict(_B16, BLOCK_N=32, SPLIT_K=1), dict(_B64, BLOCK_N=32, SPLIT_K=1)),  # down
-    (18432, 7168): (dict(_B16, BLOCK_N=64, SPLIT_K=8), dict(_B64, BLOCK_N=64, SPLIT_K=4)),
-    (7168, 18432): (dict(_B16, BLOCK_N=64, SPLIT_K=16), dict(_B64, BLOCK_N=64, SPLIT_K=2)),
-}
-
-
-def _config(M: int, N: int, K: int) -> dict:
-    """TUNED for K2's shapes, else tiles by rows with K split over SPLIT_K programs when the
+def _config(M: int, N: int, K: int, table: Mapping = _RULE) -> dict:
+    """`table`'s config for (N, K) (the kernel policy's tuned `fp8_linear`: one for up to 16
+    rows, one for up to 64), else tiles by rows with K split over SPLIT_K programs when the
     output tiles alone would leave the GPU's SMs idle."""
     bm = 16 if M <= 16 else 32 if M <= 32 else 64
-    if (N, K) in TUNED and M <= 64:
-        return dict(TUNED[(N, K)][0 if M <= 16 else 1], BLOCK_M=bm)
+    if (N, K) in table and M <= 64:
+        return dict(table[(N, K)][0 if M <= 16 else 1], BLOCK_M=bm)
     bn = 32
     tiles = cdiv(M, bm) * cdiv(N, bn)
     split = max(1, min(256 // tiles, cdiv(K, BLOCK) // 4, 16))
@@ -122,10 +106,16 @@ if HAS_TRITON:
         tl.store(o_ptr + idx, (w * s).to(o_ptr.dtype.element_ty), mask=m)
 
 
-def fp8_block_matmul(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
-                     config: dict | None = None) -> torch.Tensor:  # fmt: skip
+def fp8_block_matmul(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale_inv: torch.Tensor,
+    config: dict | None = None,
+    table: Mapping = _RULE,
+) -> torch.Tensor:
     """x [..., K] bf16/fp16, w float8_e4m3fn [N, K], scale_inv float32 [ceil(N/128),
-    ceil(K/128)] -> [..., N] in x's dtype."""
+    ceil(K/128)] -> [..., N] in x's dtype. Launch config: `config`, else `_config(M, N, K,
+    table)`."""
     require_triton(x)
     N, K = w.shape
     if x.shape[-1] != K or tuple(scale_inv.shape) != (cdiv(N, BLOCK), cdiv(K, BLOCK)):
@@ -137,7 +127,7 @@ def fp8_block_matmul(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor,
     M = x2.shape[0]
     if M == 0:
         return torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
-    cfg = dict(config or _config(M, N, K))
+    cfg = dict(config or _config(M, N, K, table))
     bm, bn, split = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("SPLIT_K", 1)
     if BLOCK % bn:
         raise ValueError(f"fp8_block_matmul: BLOCK_N={bn} must divide {BLOCK}")

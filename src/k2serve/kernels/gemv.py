@@ -7,35 +7,30 @@ bandwidth on K2's projections); this kernel reads each weight row once with 16-b
 accumulates in float32, and needs no second pass.
 
 Invariants: w is contiguous [N, K] in x's dtype, K % BLOCK_K == 0 (BLOCK_K from `config`);
-no host synchronisation (CUDA-graph safe). `TUNED` maps (N, K) to a launch config found by
-benchmarks/model_speed.py, or to None where cuBLAS was faster; other shapes use `config`'s rule.
+no host synchronisation (CUDA-graph safe). Launch configs: the kernel policy's `gemv_bf16`
+table (per device kind, kernels/configs/; None where cuBLAS was faster), passed as `table`;
+other shapes use `config`'s rule.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 
 from ._triton import HAS_TRITON, INTERPRET, cdiv, require_triton, tl, triton
 
-# Every K2 projection at batch 1 measured faster than cuBLAS on an H200 (RESULTS.md, run 17)
-TUNED: dict[tuple[int, int], dict | None] = {
-    (2112, 7168): dict(BLOCK_N=2, BLOCK_K=1024, num_warps=4),  # q_a + kv_a
-    (12288, 1536): dict(BLOCK_N=2, BLOCK_K=512, num_warps=2),  # q_b
-    (7168, 8192): dict(BLOCK_N=8, BLOCK_K=512, num_warps=4),  # o_proj
-    (4096, 7168): dict(BLOCK_N=1, BLOCK_K=1024, num_warps=4),  # shared gate + up
-    (7168, 2048): dict(BLOCK_N=8, BLOCK_K=512, num_warps=4),  # shared down
-    (36864, 7168): dict(BLOCK_N=2, BLOCK_K=1024, num_warps=4),  # dense gate + up
-    (7168, 18432): dict(BLOCK_N=8, BLOCK_K=512, num_warps=4),  # dense down
-    (384, 7168): dict(BLOCK_N=1, BLOCK_K=1024, num_warps=4),  # router
-    (163840, 7168): dict(BLOCK_N=2, BLOCK_K=1024, num_warps=4),  # lm_head
-}
+_RULE: Mapping[tuple[int, int], dict | None] = MappingProxyType({})
 
 
-def config(N: int, K: int) -> dict | None:
-    """Launch config for an [N, K] weight: enough programs to fill the GPU, or None when K has
-    no block that divides it."""
-    if (N, K) in TUNED:  # None: cuBLAS measured faster for this shape
-        return None if TUNED[(N, K)] is None else dict(TUNED[(N, K)])
+def config(N: int, K: int, table: Mapping = _RULE) -> dict | None:
+    """Launch config for an [N, K] weight: `table`'s (the kernel policy's tuned `gemv_bf16`;
+    None there: cuBLAS measured faster), else enough programs to fill the GPU, or None when K
+    has no block that divides it."""
+    if (N, K) in table:
+        tuned = table[(N, K)]
+        return None if tuned is None else dict(tuned)
     bk = next((b for b in (1024, 512, 256) if K % b == 0), None)
     if bk is None:
         return None
@@ -43,7 +38,7 @@ def config(N: int, K: int) -> dict | None:
     return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
 
 
-def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
+def use_gemv(x: torch.Tensor, w: torch.Tensor, table: Mapping = _RULE) -> bool:
     """True for one row on CUDA with a weight this kernel reads (plain bf16/fp16 [N, K])."""
     return (
         HAS_TRITON
@@ -55,7 +50,7 @@ def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:
         and w.dtype in (torch.bfloat16, torch.float16)
         and w.is_contiguous()
         and x.shape[-1] == w.shape[1]
-        and config(*w.shape) is not None
+        and config(*w.shape, table) is not None
     )
 
 
@@ -104,13 +99,13 @@ if HAS_TRITON:
         tl.store(y_ptr + offs_n, y.to(dt), mask=n_ok)
 
 
-def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor, table: Mapping = _RULE) -> torch.Tensor:
     """x [..., K] holding one row, w [2I, K] (gate rows, then up rows) -> silu(gate) * up
     [..., I] in x's dtype: the dense / shared MLP's first half in one launch (the GEMV reads
     the same bytes as `gemv` on the fused weight; no [2I] intermediate, no elementwise kernels)."""
     require_triton(x)
     N2, K = w.shape
-    cfg = config(N2, K)
+    cfg = config(N2, K, table)
     if cfg is None or x.numel() != K or N2 % 2:
         raise ValueError(f"gemv_silu_mul: one row of K={K}, an even number of rows and K a "
                          f"multiple of 256 needed, got x {tuple(x.shape)}, "
@@ -123,11 +118,17 @@ def gemv_silu_mul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [..., K] holding one row, w [N, K] -> [..., N] in out_dtype (default x.dtype)."""
+def gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    table: Mapping = _RULE,
+) -> torch.Tensor:
+    """x [..., K] holding one row, w [N, K] -> [..., N] in out_dtype (default x.dtype); launch
+    config from `config(N, K, table)`."""
     require_triton(x)
     N, K = w.shape
-    cfg = config(N, K)
+    cfg = config(N, K, table)
     if cfg is None or x.numel() != K:
         raise ValueError(f"gemv: one row of K={K} and K a multiple of 256 needed, got x "
                          f"{tuple(x.shape)}, w {tuple(w.shape)}")  # fmt: skip

@@ -2,13 +2,15 @@
 """INT4 W4A16 grouped GEMM for prefill: tensor cores, weights dequantized in registers.
 
 Owns: `int4_moe_gemm` (routed-expert output of a prefill step: two grouped GEMM launches, the
-SiLU-and-mul between them in torch, the weighted top-k sum) and `PREFILL_CONFIG`.
+SiLU-and-mul between them in torch, the weighted top-k sum), `PREFILL_CONFIG`, and
+`int4_moe_grouped_mm`, the path for long prefills: experts dequantized to bf16 chunk-wise, then
+torch._grouped_mm (one host sync).
 
-Why: the previous prefill path (moe_int4.int4_moe_grouped_mm) dequantizes every hit expert to
-bf16 in memory and runs torch._grouped_mm on it, i.e. writes and re-reads 4x the INT4 bytes
-(34 GB of bf16 per K2 layer when all 384 experts are hit). Here each program dequantizes one
-[BLOCK_N, 8W] weight tile in registers (moe_int4's lop3/bf16x2 PTX: 15 instructions per 8
-weights) right before the MMA, so the experts are read once, as INT4.
+Why: dequant + torch._grouped_mm writes and re-reads 4x the INT4 bytes (34 GB of bf16 per K2
+layer when all 384 experts are hit). Here each program dequantizes one [BLOCK_N, 8W] weight
+tile in registers (int4_dequant's lop3/bf16x2 PTX: 15 instructions per 8 weights) right before
+the MMA, so the experts are read once, as INT4. From a few thousand tokens on, cuBLAS's grouped
+GEMM on the dequantized copy wins (the caller picks by token count).
 
 Layout: compressed-tensors words w int32 [E, N, K/8] (nibble j of word i = column 8i + j, value
 + 8), scales bf16 [E, N, K/group]. The PTX yields nibble pairs (j, j + 4) of each word as one
@@ -33,18 +35,18 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import HAS_TRITON, cdiv, dot_dtype, require_triton, tl, triton
+from .int4_dequant import dequant_int4_planes, permute_planes, pick_pb, use_asm
 from .moe_align import max_blocks, moe_align_block_size
-from .moe_int4 import use_asm
 
 if HAS_TRITON:
+    from .int4_dequant import planes_bf16
     from .moe_align import aligned_block
-    from .moe_int4 import _planes_bf16
 
     @triton.jit
     def _tile_bf16(p, s, USE_ASM: tl.constexpr):
         """Words p int32 [BN, W] with per-word scales s [BN, W] -> bf16 [BN, 8W], natural
         column order (column 8i + j = nibble j of word i)."""
-        w0, w1, w2, w3, w4, w5, w6, w7 = _planes_bf16(p, s, USE_ASM)
+        w0, w1, w2, w3, w4, w5, w6, w7 = planes_bf16(p, s, USE_ASM)
         even = tl.interleave(tl.interleave(w0, w4), tl.interleave(w2, w6))
         odd = tl.interleave(tl.interleave(w1, w5), tl.interleave(w3, w7))
         return tl.interleave(even, odd)
@@ -102,7 +104,7 @@ if HAS_TRITON:
 PREFILL_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, W=8, num_warps=4, num_stages=3)
 
 
-def _gemm(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, cfg, group):
+def _gemm(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, cfg, group, asm):
     """One launch."""
     cfg = dict(cfg)
     W = cfg.pop("W")
@@ -116,7 +118,7 @@ def _gemm(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, cfg, g
     _int4_gemm_kernel[grid](
         a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a.stride(0), c.stride(0),
         w.stride(0), w.stride(1), s.stride(0), s.stride(1), A_DIV=a_div, MUL_W=mul_w, W=W,
-        WPG=group // 8, DOT_DT=dot_dtype(), USE_ASM=use_asm(), **cfg,
+        WPG=group // 8, DOT_DT=dot_dtype(), USE_ASM=use_asm(asm), **cfg,
     )  # fmt: skip
 
 
@@ -126,9 +128,11 @@ def int4_moe_gemm(
     topk_weights: torch.Tensor,  # [T, k]
     topk_ids: torch.Tensor,  # [T, k]
     config: dict | None = None,
+    asm: bool = True,
 ) -> torch.Tensor:  # [T, D]
     """Routed-expert output: gate+up grouped GEMM, SiLU(gate) * up, down grouped GEMM scaled by
-    the routing weights, sum over the top-k. No host synchronisation."""
+    the routing weights, sum over the top-k. No host synchronisation. `config` None:
+    PREFILL_CONFIG; `asm`: the inline-PTX dequant where it compiles (`use_asm`)."""
     require_triton(x)
     T, D = x.shape
     k = topk_ids.shape[1]
@@ -140,9 +144,46 @@ def int4_moe_gemm(
     tw = topk_weights.reshape(-1).float().contiguous()
     h = torch.empty(M, 2 * I, dtype=x.dtype, device=x.device)
     _gemm(x, ew.w13, ew.w13_scale, h, tw, sorted_ids, eids, npost, 2 * I, D, M, k, False, cfg,
-          ew.group_size)  # fmt: skip
+          ew.group_size, asm)  # fmt: skip
     act = F.silu(h[:, :I]) * h[:, I:]
     out = torch.empty(M, D, dtype=x.dtype, device=x.device)
     _gemm(act, ew.w2, ew.w2_scale, out, tw, sorted_ids, eids, npost, D, I, M, 1, True, cfg,
-          ew.group_size)  # fmt: skip
+          ew.group_size, asm)  # fmt: skip
     return out.view(T, k, D).sum(1)
+
+
+def int4_moe_grouped_mm(x, ew, topk_weights, topk_ids, chunk: int = 32) -> torch.Tensor:
+    """Prefill path: experts dequantized `chunk` at a time to bf16, torch._grouped_mm per
+    projection. One host sync (expert counts). x [T, D] bf16 -> [T, D]."""
+    T, D = x.shape
+    k = topk_ids.shape[1]
+    I, E = ew.intermediate, ew.num_experts
+    pb = pick_pb(D, I)
+    if pb is None:
+        raise ValueError(f"int4_moe_grouped_mm: D={D}, I={I} must be multiples of 128")
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=E)
+    cum = counts.cumsum(0)
+    cum_h = [0] + cum.tolist()
+    tok = order // k
+    xs = permute_planes(x, pb)[tok]  # [M, D], rows grouped by expert
+    out_s = torch.empty(flat.numel(), D, dtype=x.dtype, device=x.device)
+    for e0 in range(0, E, chunk):
+        e1 = min(E, e0 + chunk)
+        r0, r1 = cum_h[e0], cum_h[e1]
+        if r1 == r0:
+            continue
+        offs = (cum[e0:e1] - r0).to(torch.int32)
+        w13 = dequant_int4_planes(ew.w13[e0:e1], ew.w13_scale[e0:e1], pb)  # [C, 2I, D]
+        h = torch._grouped_mm(xs[r0:r1], w13.transpose(1, 2), offs=offs)  # [R, 2I]
+        del w13
+        a = (F.silu(h[:, :I]) * h[:, I:]).to(x.dtype)
+        a = permute_planes(a, pb)
+        w2 = dequant_int4_planes(ew.w2[e0:e1], ew.w2_scale[e0:e1], pb)  # [C, D, I]
+        out_s[r0:r1] = torch._grouped_mm(a, w2.transpose(1, 2), offs=offs)
+        del w2
+    wsel = topk_weights.reshape(-1)[order].float()
+    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
+    out.index_add_(0, tok, out_s.float() * wsel[:, None])
+    return out.to(x.dtype)

@@ -1,10 +1,11 @@
 """INT4 W4A16 decode GEMV for the fused MoE with f16x2 arithmetic ("h2"), for few tokens.
 
-Owns: `pack_h2` (the activation layout the kernel reads), `_int4_gemv_h2_kernel` and
-`int4_moe_h2` (both projections of the routed experts; `moe_int4.int4_moe` calls it for configs
-of kind "h2", which is the decode default up to `moe_int4.GEMV_MAX_PAIRS` pairs).
+Owns: `int4_moe_decode` (the routed-expert output of a decode step: both projections, the
+SiLU-and-mul and the weighted top-k sum in two launches), `pack_h2` (the activation layout the
+kernel reads) and `_int4_gemv_h2_kernel`. The MoE backend runs it up to the kernel policy's
+`int4_decode_max_pairs` (token, expert) pairs; above, the grouped GEMM of int4_gemm.py.
 
-Weights are compressed-tensors pack-quantized as in moe_int4.py (w int32 [E, N, K/8], lowest
+Weights are compressed-tensors pack-quantized (int4_dequant.py) (w int32 [E, N, K/8], lowest
 nibble = lowest column, value + 8; scale bf16 [E, N, K/group]), read in their natural layout.
 
 Arithmetic. Each activation row is scaled by a power of two so that its largest magnitude lies
@@ -15,19 +16,19 @@ kernel runs one inline-PTX block (`_word_dot_h2`): 4 lop3 + 1 shift, 4 sub/fma t
 8 * 8 * 512 < 65504. Group sums are scaled in fp32 and accumulated in fp32.
 
 Invariants: K % (8 W) == 0, (W / (group / 8)) a power of two; no host synchronisation (CUDA-graph
-safe); under Triton's interpreter (or with K2SERVE_INT4_ASM=0, or on ROCm) the same sums run in
-plain Triton in fp32.
+safe); under Triton's interpreter (or with the policy's int4_asm off, or on ROCm) the same sums
+run in plain Triton in fp32.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._triton import HAS_TRITON, cdiv, tl, triton
-from .moe_int4 import use_asm
+from ._triton import HAS_TRITON, cdiv, require_triton, tl, triton
+from .int4_dequant import use_asm
 
 if HAS_TRITON:
-    from .moe_int4 import _store_out
+    from .int4_dequant import store_rows
 
     @triton.jit
     def _word_dot_h2(p, a0, a1, a2, a3, USE_ASM: tl.constexpr):
@@ -222,7 +223,7 @@ if HAS_TRITON:
                 u = tl.sum(acc_u, 1) * rs
                 y = y / (1.0 + tl.exp(-y)) * u
         rr = tl.zeros([1], tl.int32) + r
-        _store_out(c_ptr, c_stride, rr, rr >= 0, offs_n, n_ok, y[None, :], 0)
+        store_rows(c_ptr, c_stride, rr, rr >= 0, offs_n, n_ok, y[None, :], 0)
 
 
 def pack_h2(x: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,18 +240,47 @@ def pack_h2(x: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
     return a, rs
 
 
-def _launch_h2(x, w, s, c, tw, ids, N, K, rows, a_div, gated, topk, cfg, group):
+def _launch_h2(x, w, s, c, tw, ids, N, K, rows, a_div, gated, topk, cfg, group, asm):
     a, rs = pack_h2(x, cfg["W"])
     grid = (rows * cdiv(N, cfg["BLOCK_N"]),)
     _int4_gemv_h2_kernel[grid](
         a, rs, w, s, c, tw, ids, N, K, rows, a.stride(0), c.stride(0), w.stride(0),
         w.stride(1), s.stride(0), s.stride(1), A_DIV=a_div, GATED=gated, TOPK=topk,
-        BLOCK_N=cfg["BLOCK_N"], W=cfg["W"], WPG=group // 8, USE_ASM=use_asm(),
+        BLOCK_N=cfg["BLOCK_N"], W=cfg["W"], WPG=group // 8, USE_ASM=use_asm(asm),
         GS=cfg.get("GS", 0), num_warps=cfg["num_warps"],
     )  # fmt: skip
 
 
-def int4_moe_h2(x, ew, tw, topk_ids, cfg: dict, cfg2: dict) -> torch.Tensor:
+def int4_moe_decode(
+    x: torch.Tensor,  # [T, D] bf16
+    ew,  # ExpertWeights, quant "int4"
+    topk_weights: torch.Tensor,  # [T, k] float
+    topk_ids: torch.Tensor,  # [T, k] int
+    config: dict,
+    asm: bool = True,
+) -> torch.Tensor:  # [T, D]
+    """Routed-expert output with the h2 GEMV; no host synchronisation. `config`: BLOCK_N, W,
+    num_warps, GS of the gate+up launch, and optionally "w2": overrides for the down launch
+    (the kernel policy's `int4_decode`). W is halved for models too small for it."""
+    require_triton(x)
+    T, D = x.shape
+    I = ew.intermediate  # noqa: E741
+    cfg = {key: v for key, v in config.items() if key != "w2"}
+    cfg2 = {**cfg, **config.get("w2", {})}  # the down projection's launch
+    for c in (cfg, cfg2):
+        W = c["W"]
+        while (D % (8 * W) or I % (8 * W)) and W > 16:  # smaller models: a block that fits
+            W //= 2
+        c["W"] = W
+        pb = 8 * W
+        if D % pb or I % pb or ew.group_size % 8 or W % (ew.group_size // 8):
+            raise ValueError(f"int4_moe_decode: D={D}, I={I} must be multiples of {pb} and "
+                             f"group {ew.group_size} must divide it")  # fmt: skip
+    tw = topk_weights.reshape(-1).float().contiguous()
+    return int4_moe_h2(x, ew, tw, topk_ids, cfg, cfg2, asm)
+
+
+def int4_moe_h2(x, ew, tw, topk_ids, cfg: dict, cfg2: dict, asm: bool = True) -> torch.Tensor:
     """x [T, D] -> routed-expert output [T, D] (x's dtype). tw: the flat top-k weights [T*k]
     float32; cfg / cfg2: the gate+up / down launches (BLOCK_N, W, num_warps, GS)."""
     T, D = x.shape
@@ -259,8 +289,8 @@ def int4_moe_h2(x, ew, tw, topk_ids, cfg: dict, cfg2: dict) -> torch.Tensor:
     ids = topk_ids.reshape(-1).contiguous()
     inter = torch.empty(M, n_inter, dtype=torch.float32, device=x.device)
     _launch_h2(x, ew.w13, ew.w13_scale, inter, tw, ids, n_inter, D, M, k, True, 0, cfg,
-               ew.group_size)  # fmt: skip
+               ew.group_size, asm)  # fmt: skip
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     _launch_h2(inter, ew.w2, ew.w2_scale, out, tw, ids, D, n_inter, T, 1, False, k, cfg2,
-               ew.group_size)  # fmt: skip
+               ew.group_size, asm)  # fmt: skip
     return out

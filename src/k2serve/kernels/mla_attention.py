@@ -243,9 +243,6 @@ if HAS_TRITON:
         tl.store(out_ptr + row * L + offs_l, o.to(out_ptr.dtype.element_ty))
 
 
-ROUND_UP_SMALL_BATCH = True  # False = always round down (model_speed.py's "base" variant)
-
-
 def _pick_splits(num_seqs: int, row_blocks: int, max_seq_len: int, block_n: int) -> int:
     """Enough programs to cover the GPU (~2 waves of 132 SMs). A split covers a whole number of
     key tiles (chunk = cdiv(cdiv(keys, splits), block_n) tiles), so at one or two sequences the
@@ -255,7 +252,7 @@ def _pick_splits(num_seqs: int, row_blocks: int, max_seq_len: int, block_n: int)
     programs = max(1, num_seqs * row_blocks)
     want = max(1, 264 // programs)
     tiles = max(1, -(-max_seq_len // block_n))
-    if num_seqs <= 2 and ROUND_UP_SMALL_BATCH:
+    if num_seqs <= 2:
         n = min(want, tiles, 64)
         return min(64, 1 << (n - 1).bit_length())
     n = min(want, max(1, tiles // 2), 64)

@@ -23,8 +23,8 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -33,13 +33,14 @@ from torch import nn
 from k2serve.attention.base import AttentionMetadata, MLABackend
 from k2serve.attention.torch_ref import TorchMLABackend
 from k2serve.config import ModelConfig
+from k2serve.kernels.policy import KernelPolicy
 from k2serve.model.layers import RMSNorm, YarnRotaryEmbedding
 from k2serve.model.router import TopkRouter
 from k2serve.moe import ExpertBackend, TorchExpertBackend
 from k2serve.moe.cpu_experts import drive
 from k2serve.moe.placement import ExpertPlacement
 from k2serve.quant import LinearBase, linear_scheme, make_linear
-from k2serve.quant.linear import linear
+from k2serve.quant.linear import Fp8BlockLinear, linear
 
 logger = logging.getLogger(__name__)
 
@@ -103,11 +104,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _still_fused(self.gate_up_weight, self.gate_proj, self.up_proj):
-            if self.gate_proj.decode_gemv:  # one row on CUDA: the GEMV with SiLU * up fused
+            table = self.gate_proj.gemv_table
+            if table is not None:  # one row on CUDA: the GEMV with SiLU * up fused
                 from k2serve.kernels.gemv import gemv_silu_mul, use_gemv
 
-                if use_gemv(x, self.gate_up_weight):
-                    return self.down_proj(gemv_silu_mul(x, self.gate_up_weight))
+                if use_gemv(x, self.gate_up_weight, table):
+                    return self.down_proj(gemv_silu_mul(x, self.gate_up_weight, table))
             # NOTE: the width comes from the linears, not the config: TP shards them (the
             # one-row GEMV case is handled above, so this is always the GEMM)
             n = self.gate_proj.out_features
@@ -119,12 +121,6 @@ class MLP(nn.Module):
         if not _still_fused(self.gate_up_weight, self.gate_proj, self.up_proj):
             self.gate_up_weight = _fuse_rows(self.gate_proj, self.up_proj)
         return self.gate_up_weight is not None
-
-
-# Steps of up to this many tokens run the shared expert on the side stream (decode is
-# memory-bound, so the two overlap); above it two compute-bound GEMMs contend and the side
-# stream is slower (benchmarks/RESULTS.md, runs 33-35).
-SIDE_STREAM_MAX_TOKENS = 256
 
 
 class MoE(nn.Module):
@@ -148,12 +144,15 @@ class MoE(nn.Module):
         )
         self.expert_backend: ExpertBackend = TorchExpertBackend(self.experts)
         # CUDA: a second stream on which the shared expert runs while the router and the
-        # routed experts run on the current one (set by set_fused_kernels; None: in order)
+        # routed experts run on the current one, for steps of up to side_stream_max_tokens
+        # tokens (decode is memory-bound, so the two overlap; above, two compute-bound GEMMs
+        # contend). Set by the kernel policy; None: in order.
         self.side_stream: torch.cuda.Stream | None = None
         # routing counts [E] int64 on the device and the valid-row mask [max_tokens] int64
         # (graph padding rows 0), set by moe.placement.RoutingRecorder; None: not recording
         self.routing_counts: torch.Tensor | None = None
         self.routing_valid: torch.Tensor | None = None
+        self.side_stream_max_tokens = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         return drive(self.pieces(x))
@@ -205,7 +204,7 @@ class MoE(nn.Module):
         if self.shared_experts is None:
             return routed(x)
         side = self.side_stream
-        if side is None or not x.is_cuda or x.shape[0] > SIDE_STREAM_MAX_TOKENS:
+        if side is None or not x.is_cuda or x.shape[0] > self.side_stream_max_tokens:
             return routed(x) + self.shared_experts(x)
         main = torch.cuda.current_stream(x.device)
         side.wait_stream(main)
@@ -266,8 +265,8 @@ class MLAAttention(nn.Module):
         )
         self.o_proj = b.linear(f"{prefix}.o_proj", H * c.v_head_dim, D)
         self.backend: MLABackend = TorchMLABackend()
-        self.fused_rope = False  # set by setup_backends: one Triton launch for q_pe and k_pe
-        self.fused_absorb = False  # set_fused_kernels(gemv=): Triton W_UK / W_UV products
+        self.fused_rope = False  # kernel policy: one Triton launch for q_pe and k_pe
+        self.fused_absorb = False  # kernel policy (decode_gemv): Triton W_UK / W_UV products
         self.qkv_a_weight: torch.Tensor | None = None  # set by fuse_projections (one GEMM)
 
     def fuse_projections(self) -> bool:
@@ -284,7 +283,7 @@ class MLAAttention(nn.Module):
     def _qkv_latent(self, x: torch.Tensor, positions: torch.Tensor):
         T = x.shape[0]
         if self._qkv_a_fused():
-            q_a, ckv = linear(x, self.qkv_a_weight, self.q_a_proj.decode_gemv).split(
+            q_a, ckv = linear(x, self.qkv_a_weight, self.q_a_proj.gemv_table).split(
                 [self.q_lora_rank, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1
             )
             q = self.q_b_proj(self.q_a_layernorm(q_a))
@@ -444,6 +443,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.expert_placement: ExpertPlacement | None = None  # None = all on self.device
         self.backend_settings: dict | None = None  # set by setup_backends
         self.routing_recorder = None  # moe.placement.RoutingRecorder while recording
+        self.kernel_policy = KernelPolicy.reference()  # set by apply_kernel_policy
 
     @property
     def device(self) -> torch.device:
@@ -460,9 +460,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         norm: str = "auto",
         placement: ExpertPlacement | None = None,
         kv_cache_dtype: torch.dtype | None = None,
+        policy: KernelPolicy | None = None,
     ) -> str:
         """Choose the attention, expert and RMSNorm implementations ("auto": Triton on CUDA,
-        torch references elsewhere) and place the routed experts (None: all on the model's
+        torch references elsewhere), place the routed experts (None: all on the model's
+        device) and apply the kernel `policy` (None: `KernelPolicy.for_device` of the model's
         device). Logs and returns one line saying what was chosen."""
         from k2serve.attention import make_attention_backend, triton_usable
         from k2serve.moe import make_expert_backend
@@ -472,6 +474,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         dev = self.device
         if norm == "triton" and not triton_usable(dev):
             raise ValueError(f"norm backend 'triton' needs a CUDA device and Triton (on {dev})")
+        if policy is None:
+            policy = KernelPolicy.for_device(dev)
         attn = make_attention_backend(attention, dev, kv_cache_dtype)
         self.set_attn_backend(attn)
         use_triton_norm = norm != "torch" and triton_usable(dev)
@@ -482,22 +486,32 @@ class DeepseekV3ForCausalLM(nn.Module):
         # differ from TP=1 by 0.12-0.16 on 2 H200s, without it by 0.008, although the kernel
         # alone is within one rounding of the torch code; the cause is open (RESULTS.md, TP)
         sharded = getattr(self, "tp_plan", None) is not None
-        fast = self.set_fused_kernels(
-            rope=attn.name == "triton" and not sharded,
-            router=moe != "torch" and triton_usable(dev),
-            projections=dev.type == "cuda", gemv=dev.type == "cuda",
-            overlap_shared=dev.type == "cuda" and os.environ.get("K2SERVE_SHARED_STREAM") != "0",
-        )  # fmt: skip
+        fast = self.apply_kernel_policy(
+            replace(
+                policy,
+                fused_rope=policy.fused_rope and attn.name == "triton" and not sharded,
+                triton_router=policy.triton_router and moe != "torch",
+            )
+        )
         moe_names = set()
         for layer in self.model.layers:
             if isinstance(layer.mlp, MoE):
                 layer.mlp.expert_backend = make_expert_backend(
-                    layer.mlp.experts, moe, dev, layer=layer.layer_idx, placement=placement
+                    layer.mlp.experts,
+                    moe,
+                    dev,
+                    layer=layer.layer_idx,
+                    placement=placement,
+                    policy=policy,
                 )
                 moe_names.add(layer.mlp.expert_backend.name)
         self.expert_placement = placement
         self.backend_settings = dict(
-            attention=attention, moe=moe, norm=norm, placement=placement, kv=kv_cache_dtype
+            attention=attention,
+            moe=moe,
+            norm=norm,
+            placement=placement,
+            kv=kv_cache_dtype,
         )
         from k2serve.moe.placement import describe_placement
 
@@ -511,42 +525,45 @@ class DeepseekV3ForCausalLM(nn.Module):
         logger.info("%s", line)
         return line
 
-    def set_fused_kernels(
-        self,
-        rope: bool,
-        router: bool,
-        projections: bool,
-        gemv: bool = False,
-        overlap_shared: bool = False,
-    ) -> str:
-        """Decode-step fusions (CUDA only; each is a no-op elsewhere): the Triton RoPE kernel for
-        q_pe + k_pe, the Triton router top-k, one GEMM for q_a_proj + kv_a_proj_with_mqa and
-        for each dense/shared MLP's gate + up (bf16 weights; re-pointed as views of the fused
-        weight, so memory and state_dict are unchanged; projections=False goes back to one GEMM
-        each), the one-row GEMV kernel for the bf16 projections and the router at batch 1, and
-        (overlap_shared) the shared expert on a second stream, concurrent with the routed ones.
-        Returns a short description of what is on."""
+    def apply_kernel_policy(self, policy: KernelPolicy) -> str:
+        """Hand each layer its part of `policy` (kernels that need Triton stay off when the
+        device cannot run them): the Triton RoPE for q_pe + k_pe, the Triton router top-k, one
+        GEMM for q_a_proj + kv_a_proj_with_mqa and for each dense/shared MLP's gate + up (bf16
+        weights; re-pointed as views of the fused weight, so memory and state_dict are
+        unchanged; off goes back to one GEMM each), the one-row GEMV for the bf16 projections
+        and the router at batch 1 with the policy's tuned configs, the shared expert on a
+        second stream, and the FP8 GEMM kernel with its tuned configs. Returns a short
+        description of what is on."""
         from k2serve.attention import triton_usable
 
         ok = triton_usable(self.device)
-        side = None
-        if overlap_shared and self.device.type == "cuda":
-            side = torch.cuda.Stream(device=self.device)  # made here: never during a capture
-        for m in self.modules():
+        p = replace(
+            policy,
+            fused_rope=policy.fused_rope and ok,
+            triton_router=policy.triton_router and ok,
+            decode_gemv=policy.decode_gemv and ok,
+            fp8_gemm=policy.fp8_gemm and ok,
+            shared_stream=policy.shared_stream and self.device.type == "cuda",
+        )
+        tables = p.tables
+        side = torch.cuda.Stream(device=self.device) if p.shared_stream else None  # not in a
+        for m in self.modules():  # capture: made here, at setup
             if isinstance(m, MoE):
                 m.side_stream = side
-        for m in self.modules():
+                m.side_stream_max_tokens = tables.side_stream_max_tokens
             if isinstance(m, (LinearBase, TopkRouter)):
-                m.decode_gemv = gemv and ok
+                m.gemv_table = tables.gemv_bf16 if p.decode_gemv else None
+            if isinstance(m, Fp8BlockLinear):
+                m.kernel_tables = tables if p.fp8_gemm else None
         fused_proj = 0
         for layer in self.model.layers:
-            layer.self_attn.fused_rope = rope and ok
-            layer.self_attn.fused_absorb = gemv and ok
+            layer.self_attn.fused_rope = p.fused_rope
+            layer.self_attn.fused_absorb = p.decode_gemv
             mlp = layer.mlp
             if isinstance(mlp, MoE):
-                mlp.gate.use_triton = router and ok
+                mlp.gate.use_triton = p.triton_router
             m = mlp.shared_experts if isinstance(mlp, MoE) else mlp
-            if projections:
+            if p.fused_projections:
                 fused_proj += int(layer.self_attn.fuse_projections())
                 if m is not None:
                     fused_proj += int(m.fuse_projections())
@@ -554,11 +571,8 @@ class DeepseekV3ForCausalLM(nn.Module):
                 layer.self_attn.qkv_a_weight = None
                 if m is not None:
                     m.gate_up_weight = None
-        on = [n for n, v in (("rope", rope and ok), ("router", router and ok),
-                             ("gemv", gemv and ok), ("shared-expert stream", side is not None))
-              if v]  # fmt: skip
-        if fused_proj:
-            on.append(f"{fused_proj} gemm pairs")
+        self.kernel_policy = p
+        on = [d for d in (p.describe(), f"{fused_proj} gemm pairs" if fused_proj else "") if d]
         return "+".join(on)
 
     @property

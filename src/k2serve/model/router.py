@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -48,8 +49,9 @@ class TopkRouter(nn.Module):
         self._w32: torch.Tensor | None = None  # float32 copy of `weight` (non-CUDA path)
         self._w32_key: tuple | None = None
         self._mm_out_dtype_ok = True
-        self.use_triton = False  # set by setup_backends: fused top-k kernel on CUDA
-        self.decode_gemv = False  # set by set_fused_kernels: one-row GEMV kernel at batch 1
+        self.use_triton = False  # set by the kernel policy: fused top-k kernel on CUDA
+        # set by the kernel policy: the one-row GEMV's configs at batch 1 (None: off)
+        self.gemv_table: Mapping | None = None
         self.layer_idx: int | None = None  # set by the decoder layer; named in warnings
         self.nonfinite_count = 0  # CPU: calls whose input had a NaN / inf
         self.nonfinite_steps: torch.Tensor | None = None  # CUDA: the same count, on the device
@@ -62,11 +64,11 @@ class TopkRouter(nn.Module):
         w = self.weight
         if w.dtype == torch.float32:
             return F.linear(x.to(torch.float32), w)
-        if self.decode_gemv:
+        if self.gemv_table is not None:
             from k2serve.kernels.gemv import gemv, use_gemv
 
-            if use_gemv(x, w):
-                return gemv(x, w, torch.float32)
+            if use_gemv(x, w, self.gemv_table):
+                return gemv(x, w, torch.float32, self.gemv_table)
         if x.is_cuda and x.dtype == w.dtype and self._mm_out_dtype_ok:
             try:
                 return torch.mm(x, w.t(), out_dtype=torch.float32)
@@ -106,7 +108,9 @@ class TopkRouter(nn.Module):
                 logits, self.e_score_correction_bias, self.top_k, self.n_group,
                 self.topk_group, self.norm_topk_prob, self.routed_scaling_factor, torch.int64,
             )  # fmt: skip
-        return grouped_topk(
+        from k2serve.kernels.router import grouped_topk_torch
+
+        return grouped_topk_torch(
             logits,
             self.e_score_correction_bias,
             self.top_k,
@@ -116,30 +120,3 @@ class TopkRouter(nn.Module):
             self.routed_scaling_factor,
         )
 
-
-def grouped_topk(
-    logits: torch.Tensor,  # [T, E] float32
-    bias: torch.Tensor,  # [E] float32
-    top_k: int,
-    n_group: int,
-    topk_group: int,
-    renormalize: bool,
-    routed_scaling_factor: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    T, E = logits.shape
-    scores = logits.sigmoid()  # [T, E]
-    choice = scores + bias.to(scores.dtype)  # [T, E]
-    choice = choice.nan_to_num(nan=NAN_SCORE, neginf=NAN_SCORE)  # ids stay valid (docstring)
-    scores = scores.nan_to_num(nan=0.0)
-    if n_group > 1:
-        grouped = choice.view(T, n_group, E // n_group)
-        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, n_group]
-        group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()
-        expert_mask = group_mask[:, :, None].expand(T, n_group, E // n_group).reshape(T, E)
-        choice = choice.masked_fill(~expert_mask, float("-inf"))
-    topk_ids = choice.topk(top_k, dim=-1, sorted=False)[1]  # [T, k]
-    weights = scores.gather(1, topk_ids)  # [T, k]
-    if renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * routed_scaling_factor, topk_ids

@@ -16,6 +16,7 @@ import logging
 import torch
 from torch import nn
 
+from k2serve.kernels.policy import KernelPolicy
 from k2serve.moe.base import ExpertBackend
 from k2serve.moe.cpu_experts import CpuExpertBackend, HybridExpertBackend
 from k2serve.moe.placement import ExpertPlacement, describe_placement, make_placement
@@ -26,7 +27,9 @@ logger = logging.getLogger(__name__)
 MOE_BACKENDS = ("auto", "torch", "triton")
 
 
-def _gpu_backend(experts: nn.ModuleList, name: str, device: torch.device) -> ExpertBackend:
+def _gpu_backend(
+    experts: nn.ModuleList, name: str, device: torch.device, policy: KernelPolicy | None
+) -> ExpertBackend:
     from k2serve.attention import triton_usable
 
     if name == "triton" and not triton_usable(device):
@@ -39,7 +42,8 @@ def _gpu_backend(experts: nn.ModuleList, name: str, device: torch.device) -> Exp
     from k2serve.moe.fused_moe import FusedMoEBackend
 
     try:
-        return FusedMoEBackend.from_experts(experts)
+        kw = policy.moe_kwargs() if policy is not None else {}
+        return FusedMoEBackend.from_experts(experts, **kw)
     except ValueError as e:  # a weight format the fused kernel does not take
         if name == "triton":
             raise
@@ -55,8 +59,10 @@ def make_expert_backend(
     layer: int | None = None,
     placement: ExpertPlacement | None = None,
     cpu_compute_dtype: torch.dtype = torch.float32,
+    policy: KernelPolicy | None = None,
 ) -> ExpertBackend:
-    """The backend of one MoE layer's routed `experts` (see the module docstring)."""
+    """The backend of one MoE layer's routed `experts` (see the module docstring); `policy`:
+    the fused backend's dispatch limits and launch configs (None: the default tables)."""
     if name not in MOE_BACKENDS:
         raise ValueError(f"moe_backend={name!r}; expected one of {MOE_BACKENDS}")
     device = torch.device(device)
@@ -65,13 +71,15 @@ def make_expert_backend(
         if device.type == "cpu" and name == "auto":  # CPU-only: every expert on the CPU kernel
             n = len(experts)
             return CpuExpertBackend(list(experts), range(n), n, cpu_compute_dtype)
-        return _gpu_backend(experts, name, device)
+        return _gpu_backend(experts, name, device, policy)
     gpu_ids = [e for e in range(len(experts)) if e not in set(cpu_ids)]
     for e in cpu_ids:
         experts[e].to("cpu")  # no-op when the loader already put them in host memory
     cpu = CpuExpertBackend([experts[e] for e in cpu_ids], cpu_ids, len(experts), cpu_compute_dtype)
     gpu = (
-        _gpu_backend(nn.ModuleList(experts[e] for e in gpu_ids), name, device) if gpu_ids else None
+        _gpu_backend(nn.ModuleList(experts[e] for e in gpu_ids), name, device, policy)
+        if gpu_ids
+        else None
     )
     return HybridExpertBackend(gpu, gpu_ids, cpu, len(experts), device)
 

@@ -7,27 +7,30 @@ to views of the stacked tensors, so memory is not doubled and the torch referenc
 state_dict) still see the same values.
 Supported schemes: bf16, int4_group (compressed-tensors, group 32), fp8_block (128x128).
 INT4 dispatch (`int4_impl`): "planes" (default when hidden and intermediate sizes are multiples
-of 256) runs kernels/moe_int4.py's decode GEMV (the f16x2 "h2" kernel) up to GEMV_MAX_PAIRS
-(token, expert) pairs and the generic fused_moe kernel above;
-"legacy" runs the generic fused_moe kernel always. Above the GEMV range, `prefill_impl`:
-"auto" (default) runs kernels/int4_gemm.py's grouped GEMM (INT4 tiles dequantized on chip, no
-host sync) below `prefill_min_tokens` tokens and chunk-wise dequant + torch._grouped_mm (one
-host sync; never inside a decode graph since decode steps are far below the threshold) from
-there; "gemm" the grouped GEMM always; "grouped_mm" the generic fused_moe kernel below the
-threshold; "kernel" the generic kernel always. On one K2 layer the grouped GEMM beats both
-others up to a few thousand tokens and dequant + grouped_mm wins above (the crossing is near 5k
-tokens; benchmarks/RESULTS.md, runs 23-27).
+of 256) runs kernels/int4_gemv.py's decode GEMV up to `decode_max_pairs` (token, expert) pairs,
+kernels/int4_gemm.py's grouped GEMM (INT4 tiles dequantized on chip, no host sync) above, and
+from `prefill_min_tokens` tokens chunk-wise dequant + torch._grouped_mm (one host sync; never
+inside a decode graph, since decode steps are far below the threshold); "legacy" runs the
+generic fused_moe kernel always. `prefill_impl` overrides the part above the GEMV range: "gemm"
+the grouped GEMM always, "grouped_mm" the generic fused_moe kernel below the threshold,
+"kernel" the generic kernel always (benchmarks compare them). On one K2 layer the grouped GEMM
+beats both others up to a few thousand tokens (the crossing with grouped_mm is near 5k tokens;
+benchmarks/RESULTS.md). The limits and launch configs come from the kernel policy
+(`KernelPolicy.moe_kwargs()`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from torch import nn
 
-from k2serve.kernels import moe_int4
 from k2serve.kernels.fused_moe import ExpertWeights, fused_moe
-from k2serve.kernels.int4_gemm import int4_moe_gemm
-from k2serve.kernels.moe_int4 import int4_moe, int4_moe_grouped_mm
+from k2serve.kernels.int4_gemm import int4_moe_gemm, int4_moe_grouped_mm
+from k2serve.kernels.int4_gemv import int4_moe_decode
+from k2serve.kernels.policy import load_tables
 from k2serve.moe.base import ExpertBackend
 
 # linear scheme -> (quant name, weight attr, scale attr)
@@ -78,8 +81,14 @@ class FusedMoEBackend(ExpertBackend):
         weights: ExpertWeights,
         int4_impl: str = "auto",
         prefill_impl: str = "auto",
-        prefill_min_tokens: int = 4096,
+        prefill_min_tokens: int | None = None,
+        *,
+        decode_config: Mapping[str, Any] | None = None,
+        decode_max_pairs: int | None = None,
+        prefill_config: Mapping[str, int] | None = None,
+        asm: bool = True,
     ) -> None:
+        """None limits / configs: the default device kind's tuned tables (kernels/configs)."""
         if int4_impl not in ("auto", "planes", "legacy"):
             raise ValueError(f"int4_impl={int4_impl!r}: use 'auto', 'planes' or 'legacy'")
         if prefill_impl not in ("auto", "gemm", "kernel", "grouped_mm"):
@@ -93,7 +102,16 @@ class FusedMoEBackend(ExpertBackend):
             raise ValueError("int4_impl='planes' needs int4 experts with sizes divisible by 256")
         self.use_planes = planes_ok and int4_impl != "legacy"
         self.prefill_impl = prefill_impl
-        self.prefill_min_tokens = prefill_min_tokens
+        t = load_tables()
+        self.prefill_min_tokens = (
+            t.int4_prefill_min_tokens if prefill_min_tokens is None else prefill_min_tokens
+        )
+        self.decode_config = dict(t.int4_decode if decode_config is None else decode_config)
+        self.decode_max_pairs = (
+            t.int4_decode_max_pairs if decode_max_pairs is None else decode_max_pairs
+        )
+        self.prefill_config = dict(t.int4_prefill if prefill_config is None else prefill_config)
+        self.asm = asm
 
     @classmethod
     def from_experts(cls, experts: nn.ModuleList, **kw) -> FusedMoEBackend:
@@ -108,10 +126,15 @@ class FusedMoEBackend(ExpertBackend):
         if self.use_planes:
             T = hidden.shape[0]
             impl = self.prefill_impl
+            w = self.weights
             if impl in ("auto", "grouped_mm") and T >= self.prefill_min_tokens:
-                return int4_moe_grouped_mm(hidden, self.weights, topk_weights, topk_ids)
-            if T * topk_ids.shape[1] <= moe_int4.GEMV_MAX_PAIRS:
-                return int4_moe(hidden, self.weights, topk_weights, topk_ids)
+                return int4_moe_grouped_mm(hidden, w, topk_weights, topk_ids)
+            if T * topk_ids.shape[1] <= self.decode_max_pairs:
+                return int4_moe_decode(
+                    hidden, w, topk_weights, topk_ids, self.decode_config, self.asm
+                )
             if impl in ("auto", "gemm"):
-                return int4_moe_gemm(hidden, self.weights, topk_weights, topk_ids)
+                return int4_moe_gemm(
+                    hidden, w, topk_weights, topk_ids, self.prefill_config, self.asm
+                )
         return fused_moe(hidden, self.weights, topk_weights, topk_ids)

@@ -12,10 +12,13 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k2serve.kernels.policy import KernelTables
 from k2serve.quant.fp8 import dequantize_fp8_block
 from k2serve.quant.int4 import PACK_FACTOR, dequantize_int4
 
@@ -24,15 +27,16 @@ def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, decode_gemv: bool = False) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, gemv_table: Mapping | None = None) -> torch.Tensor:
     """F.linear, or the one-row GEMV kernel (kernels/gemv.py) for a single row on CUDA when
-    `decode_gemv` is on (set by DeepseekV3ForCausalLM.set_fused_kernels), or on the CPU the
-    CPU kernel's GEMV for decode-sized batches (moe.cpu_kernel.cpu_linear)."""
-    if decode_gemv:  # NOTE: imported here, so that importing k2serve never imports Triton
+    `gemv_table` is given (the kernel policy's tuned configs; set by
+    DeepseekV3ForCausalLM.apply_kernel_policy when the policy's decode_gemv is on), or on the CPU
+    the CPU kernel's GEMV for decode-sized batches (moe.cpu_kernel.cpu_linear)."""
+    if gemv_table is not None:  # NOTE: imported here: importing k2serve never imports Triton
         from k2serve.kernels.gemv import gemv, use_gemv
 
-        if use_gemv(x, w):
-            return gemv(x, w)
+        if use_gemv(x, w, gemv_table):
+            return gemv(x, w, table=gemv_table)
     if x.device.type == "cpu":
         from k2serve.moe.cpu_kernel import cpu_linear
 
@@ -44,7 +48,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, decode_gemv: bool = False) -> torch
 
 class LinearBase(nn.Module):
     scheme = "none"
-    decode_gemv = False  # bf16 weights: the one-row GEMV kernel at batch 1 on CUDA
+    # bf16 weights: the one-row GEMV kernel's configs at batch 1 on CUDA (None: off); set by
+    # the kernel policy at setup
+    gemv_table: Mapping | None = None
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
@@ -72,11 +78,13 @@ class UnquantizedLinear(LinearBase):
         return self.weight.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.dequantized_weight(x.dtype), self.decode_gemv)
+        return linear(x, self.dequantized_weight(x.dtype), self.gemv_table)
 
 
 class Fp8BlockLinear(LinearBase):
     scheme = "fp8_block"
+    # the kernel policy's tables when its fp8_gemm is on (set at setup; None: reference path)
+    kernel_tables: KernelTables | None = None
 
     def __init__(self, in_features: int, out_features: int, block: tuple[int, int]) -> None:
         super().__init__(in_features, out_features)
@@ -94,16 +102,20 @@ class Fp8BlockLinear(LinearBase):
         return dequantize_fp8_block(self.weight, self.weight_scale_inv, self.block, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """On CUDA up to fp8_linear.MAX_KERNEL_ROWS rows: the FP8 block GEMM kernel, which
-        reads the weight once as fp8 (decode); otherwise dequantize, then F.linear."""
-        if x.is_cuda:  # NOTE: imported here, so that importing k2serve never imports Triton
+        """With the kernel policy's fp8_gemm, on CUDA up to the tables' fp8_kernel_max_rows
+        rows: the FP8 block GEMM kernel, which reads the weight once as fp8 (decode);
+        otherwise dequantize, then F.linear."""
+        t = self.kernel_tables
+        if t is not None and x.is_cuda:  # NOTE: imported here: k2serve never imports Triton
             from k2serve.kernels import fp8_linear
 
             rows = x.numel() // max(1, x.shape[-1])
-            if rows <= fp8_linear.MAX_KERNEL_ROWS and fp8_linear.use_fp8_kernel(
+            if rows <= t.fp8_kernel_max_rows and fp8_linear.use_fp8_kernel(
                 x, self.weight, self.block
             ):
-                return fp8_linear.fp8_block_matmul(x, self.weight, self.weight_scale_inv)
+                return fp8_linear.fp8_block_matmul(
+                    x, self.weight, self.weight_scale_inv, table=t.fp8_linear
+                )
         return F.linear(x, self.dequantized_weight(x.dtype))
 
 

@@ -20,6 +20,8 @@ import re
 import signal
 import sys
 
+from k2serve import envs
+
 logger = logging.getLogger("k2serve.server")
 
 _PARSERS = ("kimi_k2",)  # the Kimi dialect is always parsed; flags kept for vLLM habits
@@ -100,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--api-key",
-        default=os.environ.get("K2SERVE_API_KEY"),
+        default=envs.api_key(),
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $K2SERVE_API_KEY)",
     )
     g.add_argument(

@@ -1,0 +1,95 @@
+"""Every `K2SERVE_*` environment variable k2serve reads, typed, in one place.
+
+Owns: one function per variable, returning its typed value (or the default when unset or
+empty); a malformed value raises `ValueError` naming the variable. Values are read when the
+function is called (setup time), never cached at import, so tests can set them with
+monkeypatch. Nothing else in k2serve reads `os.environ` for a `K2SERVE_*` name.
+
+| variable | type | default | read by |
+|---|---|---|---|
+| K2SERVE_SHARED_STREAM | bool | true | kernel policy: shared expert on a second CUDA stream |
+| K2SERVE_INT4_ASM | bool | true | kernel policy: inline-PTX INT4 dequant (false: plain Triton) |
+| K2SERVE_API_KEY | str | unset | `k2serve serve --api-key` default |
+| K2SERVE_DIST_TIMEOUT_S | float > 0 | 600 | tensor-parallel collective timeout |
+| K2SERVE_WORKER_START_TIMEOUT_S | float > 0 | 300 | tensor-parallel worker start-up timeout |
+| K2SERVE_HEARTBEAT_INTERVAL_S | float > 0 | 1 | multi-node heartbeat period |
+| K2SERVE_HEARTBEAT_TIMEOUT_S | float > 0 | 30 | multi-node: a silent node is lost after this |
+| K2SERVE_DIST_SECRET | str | unset | multi-node: the shared secret the nodes authenticate with |
+"""
+
+from __future__ import annotations
+
+import os
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _raw(name: str) -> str | None:
+    v = os.environ.get(name)
+    return None if v is None or v.strip() == "" else v.strip()
+
+
+def env_bool(name: str, default: bool) -> bool:
+    raw = _raw(name)
+    if raw is None:
+        return default
+    if raw.lower() in _TRUE:
+        return True
+    if raw.lower() in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r}: expected one of {_TRUE + _FALSE}")
+
+
+def env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds."""
+    raw = _raw(name)
+    if raw is None:
+        return default
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+    if v <= 0:
+        raise ValueError(f"{name}={raw!r} must be positive")
+    return v
+
+
+def shared_stream() -> bool:
+    """K2SERVE_SHARED_STREAM: run the shared expert on a second CUDA stream (decode steps)."""
+    return env_bool("K2SERVE_SHARED_STREAM", True)
+
+
+def int4_asm() -> bool:
+    """K2SERVE_INT4_ASM: the inline-PTX INT4 dequant in the MoE kernels (false: plain Triton)."""
+    return env_bool("K2SERVE_INT4_ASM", True)
+
+
+def api_key() -> str | None:
+    """K2SERVE_API_KEY: the server's API key when --api-key is not given."""
+    return _raw("K2SERVE_API_KEY")
+
+
+def dist_timeout_s() -> float:
+    """K2SERVE_DIST_TIMEOUT_S: timeout of one tensor-parallel collective / worker call."""
+    return env_seconds("K2SERVE_DIST_TIMEOUT_S", 600.0)
+
+
+def worker_start_timeout_s() -> float:
+    """K2SERVE_WORKER_START_TIMEOUT_S: how long tensor-parallel workers may take to start."""
+    return env_seconds("K2SERVE_WORKER_START_TIMEOUT_S", 300.0)
+
+
+def heartbeat_interval_s() -> float:
+    """K2SERVE_HEARTBEAT_INTERVAL_S: how often multi-node peers ping each other."""
+    return env_seconds("K2SERVE_HEARTBEAT_INTERVAL_S", 1.0)
+
+
+def heartbeat_timeout_s() -> float:
+    """K2SERVE_HEARTBEAT_TIMEOUT_S: the silence after which a node counts as lost."""
+    return env_seconds("K2SERVE_HEARTBEAT_TIMEOUT_S", 30.0)
+
+
+def dist_secret() -> str | None:
+    """K2SERVE_DIST_SECRET: the secret multi-node peers authenticate with (the same on all)."""
+    return _raw("K2SERVE_DIST_SECRET")

@@ -1,0 +1,191 @@
+"""Which kernel runs where: one immutable `KernelPolicy`, built once at setup.
+
+Owns: `KernelPolicy` (the decode fusions that are on, the INT4 MoE dispatch limits and the tuned
+launch configs), `KernelTables` (the tuned configs of one device kind, read from
+`configs/<kind>.json`), `device_kind` and `load_tables`.
+
+How it is used: setup builds one policy from the engine config, the device and the typed
+`K2SERVE_*` variables (`KernelPolicy.for_device`) and hands it to the model
+(`DeepseekV3ForCausalLM.setup_backends(policy=)`), which gives each layer the part it needs.
+Kernels take their launch configs as arguments; nothing here or in the kernels is a mutable
+module global. A benchmark compares variants by building policies (`dataclasses.replace`) and
+setting each up on the model, never by patching modules.
+
+Tables: one JSON file per device kind under `configs/` (package data). A CUDA device whose kind
+has no file uses the H200's (the one measured), which is logged once per setup; shapes missing
+from a table use each kernel's rule.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KIND = "h200"
+Shape = tuple[int, int]  # (N, K) of a weight [N, K]
+
+
+def _frozen(d: Mapping[str, Any]) -> Mapping[str, Any]:
+    return MappingProxyType({k: _frozen(v) if isinstance(v, Mapping) else v for k, v in d.items()})
+
+
+@dataclass(frozen=True)
+class KernelTables:
+    """Tuned launch configs of one device kind (see configs/h200.json for the fields)."""
+
+    kind: str
+    gemv_bf16: Mapping[Shape, Mapping[str, int] | None]  # None: cuBLAS is faster for the shape
+    fp8_linear: Mapping[Shape, tuple[Mapping[str, int], Mapping[str, int]]]  # <=16, <=64 rows
+    fp8_kernel_max_rows: int
+    int4_decode: Mapping[str, Any]
+    int4_decode_max_pairs: int
+    int4_prefill: Mapping[str, int]
+    int4_prefill_min_tokens: int
+    side_stream_max_tokens: int
+
+    @classmethod
+    def from_json(cls, kind: str, data: Mapping[str, Any]) -> KernelTables:
+        try:
+            gemv: dict[Shape, Mapping[str, int] | None] = {
+                (e["N"], e["K"]): None if e["config"] is None else _frozen(e["config"])
+                for e in data["gemv_bf16"]
+            }
+            fp8 = {
+                (e["N"], e["K"]): (_frozen(e["rows16"]), _frozen(e["rows64"]))
+                for e in data["fp8_linear"]
+            }
+            return cls(
+                kind=kind,
+                gemv_bf16=MappingProxyType(gemv),
+                fp8_linear=MappingProxyType(fp8),
+                fp8_kernel_max_rows=int(data["fp8_kernel_max_rows"]),
+                int4_decode=_frozen(data["int4_decode"]),
+                int4_decode_max_pairs=int(data["int4_decode_max_pairs"]),
+                int4_prefill=_frozen(data["int4_prefill"]),
+                int4_prefill_min_tokens=int(data["int4_prefill_min_tokens"]),
+                side_stream_max_tokens=int(data["side_stream_max_tokens"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"kernel table {kind!r} is malformed: {e!r}") from None
+
+
+def device_kind(device: torch.device | str) -> str:
+    """The kind whose tables apply: "cpu", the GPU model ("h200", "h100", ...) or "cuda"."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device.type
+    name = torch.cuda.get_device_name(device).lower()
+    for kind in ("h200", "h100", "b200", "a100", "l40s", "h20"):  # "h20" last: "h200" has it
+        if kind in name:
+            return kind
+    return "cuda"
+
+
+def _configs():
+    return resources.files("k2serve.kernels").joinpath("configs")
+
+
+def _table_names() -> set[str]:
+    return {p.name[: -len(".json")] for p in _configs().iterdir() if p.name.endswith(".json")}
+
+
+def load_tables(kind: str = DEFAULT_KIND) -> KernelTables:
+    """The tables of `kind` (configs/<kind>.json), or the default kind's when there is none."""
+    return _load(kind if kind in _table_names() else DEFAULT_KIND)
+
+
+@cache
+def _load(name: str) -> KernelTables:  # cached: package data, immutable result
+    return KernelTables.from_json(name, json.loads(_configs().joinpath(f"{name}.json").read_text()))
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    """The kernel choices of one model on one device. `reference()` is everything off (torch
+    paths; what a CPU model runs); `for_device` is what the engine runs."""
+
+    triton: bool = False  # Triton kernels can run on the device (CUDA + Triton importable)
+    fused_rope: bool = False  # one Triton launch rotates q_pe and k_pe
+    triton_router: bool = False  # one Triton program per token for the router's top-k
+    fused_projections: bool = False  # one GEMM for q_a + kv_a and for gate + up (bf16)
+    decode_gemv: bool = False  # one-row GEMV for bf16 projections, Triton W_UK / W_UV products
+    shared_stream: bool = False  # the shared expert on a second CUDA stream
+    fp8_gemm: bool = False  # FP8 block linears: the fp8 GEMM kernel for few rows
+    int4_asm: bool = True  # inline-PTX INT4 dequant (where it compiles)
+    int4_prefill_impl: str = "auto"  # FusedMoEBackend's prefill_impl (benchmarks compare them)
+    tables: KernelTables = field(default_factory=load_tables)
+
+    @classmethod
+    def reference(cls) -> KernelPolicy:
+        return cls()
+
+    @classmethod
+    def for_device(
+        cls,
+        device: torch.device | str,
+        *,
+        shared_stream: bool | None = None,
+        int4_asm: bool | None = None,
+        kind: str | None = None,
+    ) -> KernelPolicy:
+        """The engine's policy on `device`: every fusion that the device supports. None for
+        `shared_stream` / `int4_asm` = the K2SERVE_SHARED_STREAM / K2SERVE_INT4_ASM variables;
+        `kind` overrides the device kind whose tables are used."""
+        from k2serve import envs
+
+        device = torch.device(device)
+        cuda = device.type == "cuda"
+        from ._triton import HAS_TRITON
+
+        ok = cuda and HAS_TRITON
+        side = envs.shared_stream() if shared_stream is None else shared_stream
+        kind = kind or device_kind(device)
+        tables = load_tables(kind)
+        if cuda and tables.kind != kind:
+            logger.info("no tuned kernel table for %r; using %r's", kind, tables.kind)
+        return cls(
+            triton=ok,
+            fused_rope=ok,
+            triton_router=ok,
+            fused_projections=cuda,
+            decode_gemv=ok,
+            fp8_gemm=ok,
+            shared_stream=cuda and side,
+            int4_asm=envs.int4_asm() if int4_asm is None else int4_asm,
+            tables=tables,
+        )
+
+    def describe(self) -> str:
+        on = [
+            name
+            for name, v in (
+                ("rope", self.fused_rope),
+                ("router", self.triton_router),
+                ("gemv", self.decode_gemv),
+                ("shared-expert stream", self.shared_stream),
+            )
+            if v
+        ]
+        return "+".join(on)
+
+    def moe_kwargs(self) -> dict[str, Any]:
+        """FusedMoEBackend's keyword arguments from this policy."""
+        t = self.tables
+        return dict(
+            prefill_impl=self.int4_prefill_impl,
+            decode_config=t.int4_decode,
+            decode_max_pairs=t.int4_decode_max_pairs,
+            prefill_config=t.int4_prefill,
+            prefill_min_tokens=t.int4_prefill_min_tokens,
+            asm=self.int4_asm,
+        )
