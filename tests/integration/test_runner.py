@@ -1,4 +1,5 @@
-"""The runner: backends from the engine config, decode CUDA graphs vs eager (GPU)."""
+"""The setup pipeline's backends from the engine config; the runner's decode CUDA graphs vs
+eager (GPU)."""
 
 from __future__ import annotations
 
@@ -7,22 +8,26 @@ import torch
 
 from k2serve.attention import allocate_kv_caches
 from k2serve.engine.config import EngineConfig
-from k2serve.engine.runner import ModelRunner, placement_from_config
+from k2serve.engine.runner import ModelRunner
+from k2serve.engine.setup import expert_placement, setup_rank
 
 from .conftest import load_tiny, needs_cuda
 
 
-def test_cpu_runner_is_eager_and_applies_the_configured_placement():
+def test_setup_applies_the_configured_placement_and_the_cpu_runner_is_eager():
     model = load_tiny("int4")
-    caches = allocate_kv_caches(model.config, 8, 4, torch.float32, "cpu")
-    cfg = EngineConfig(device="cpu", num_gpu_experts=3, moe_backend="torch")
-    runner = ModelRunner(model, caches, 4, "cpu", engine_config=cfg)
+    cfg = EngineConfig(device="cpu", num_gpu_experts=3, moe_backend="torch", page_size=4)
+    rank = setup_rank(cfg, torch.device("cpu"), model_dir=None, num_pages=lambda m, dt: 8,
+                      model=model)  # fmt: skip
+    assert rank.model is model and len(rank.kv_caches) == model.config.num_hidden_layers
+    assert rank.kv_caches[0].shape[:2] == (8, 4)
+    runner = ModelRunner(model, rank.kv_caches, 4, "cpu", engine_config=cfg)
     assert runner.graph_runner is None
     assert model.has_cpu_experts
     for i in model.config.moe_layers:
         be = model.model.layers[i].mlp.expert_backend
         assert be.name == "hybrid" and be.gpu_expert_ids == (0, 1, 2)
-    assert placement_from_config(EngineConfig(), model.config) is None
+    assert expert_placement(EngineConfig(), model.config) is None
 
 
 def _greedy_tokens(engine, prompts, max_tokens=10):

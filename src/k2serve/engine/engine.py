@@ -22,24 +22,21 @@ import threading
 import time
 from dataclasses import dataclass
 
-from k2serve.attention import kv_cache_torch_dtype
 from k2serve.cache.kv_cache_manager import KVCacheManager
-from k2serve.config import ModelConfig
 from k2serve.engine.config import EngineConfig
 from k2serve.engine.detokenizer import make_detokenizer
 from k2serve.engine.errors import PromptTooLongError
 from k2serve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from k2serve.engine.request import Request, RequestStatus
-from k2serve.engine.runner import ModelRunner, placement_from_config
+from k2serve.engine.runner import ModelRunner
 from k2serve.engine.sampling_params import SamplingParams
 from k2serve.engine.scheduler import Scheduler
 from k2serve.engine.setup import (
-    activation_dtype,
     eos_token_ids,
     load_tokenizer,
     num_kv_pages,
     resolve_device,
-    resolve_dtype,
+    setup_rank,
 )
 
 logger = logging.getLogger(__name__)
@@ -104,56 +101,41 @@ class LLMEngine:
         cfg = engine_config or EngineConfig()
         self.device = resolve_device(cfg.device)
         model_dir = cfg.model
-        if model is None:
-            from k2serve.engine.executor import tp_load_kwargs
-            from k2serve.weights.loader import load_model
+        if model is None and model_dir is None:
+            from k2serve.demo import demo_path
 
-            if model_dir is None:
-                from k2serve.demo import demo_path
+            model_dir = os.fspath(demo_path())
+        sized = {}
 
-                model_dir = os.fspath(demo_path())
-            dtype = resolve_dtype(cfg.dtype, self.device)
-            # --num-gpu-experts / --expert-placement-file: CPU experts never touch the GPU
-            placement = placement_from_config(cfg, ModelConfig.from_hf(model_dir))
-            t0 = time.monotonic()
-            model = load_model(
-                model_dir,
-                dtype=dtype,
-                device=self.device,
-                load_format=cfg.load_format,
-                expert_placement=placement,
-                **tp_load_kwargs(cfg),  # tensor parallel: rank 0's shard only
+        def num_pages(model, kv_dtype) -> int:  # from the memory budget, after the load
+            max_len = cfg.max_model_len or model.config.max_position_embeddings
+            sized["pages"], sized["max_model_len"] = num_kv_pages(
+                cfg, model.config, kv_dtype, self.device, max_len, cfg.max_model_len is None
             )
+            return sized["pages"]
+
+        t0 = time.monotonic()
+        rank = setup_rank(  # place experts -> load and shard -> backends -> KV cache, once each
+            cfg,
+            self.device,
+            model_dir=model_dir,
+            num_pages=num_pages,
+            model=model,
+            tp_size=cfg.tensor_parallel_size,  # tensor parallel: rank 0's shard only
+            kv_cache_factory=kv_cache_factory,
+        )
+        if model is None:
             logger.info("loaded %s in %.1fs", model_dir, time.monotonic() - t0)
             if tokenizer is None:
                 tokenizer = load_tokenizer(cfg.tokenizer or model_dir)
+        model, kv_caches = rank.model, rank.kv_caches
         self.model = model
         self.model_config = model.config
         self.tokenizer = tokenizer
         self.model_dir = model_dir
-        dtype = activation_dtype(model, cfg, self.device)
-        kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, dtype)  # fp8: float8_e4m3fn
-
-        if cfg.tensor_parallel_size == 1 and getattr(model, "has_cpu_experts", False):
-            from k2serve.moe.layerwise import setup_layerwise_prefill
-
-            # its device double buffer is allocated before the KV cache takes the free memory
-            setup_layerwise_prefill(
-                model, cfg.gpu_prefill_token_threshold, cfg.max_num_batched_tokens
-            )
-        max_model_len = cfg.max_model_len or self.model_config.max_position_embeddings
-        pages, max_model_len = num_kv_pages(
-            cfg, self.model_config, kv_dtype, self.device, max_model_len, cfg.max_model_len is None
-        )
+        pages, max_model_len = sized["pages"], sized["max_model_len"]
         self.config = cfg.replace(max_model_len=max_model_len, num_kv_pages=pages)
         self.max_model_len = max_model_len
-        if kv_cache_factory is None:
-            from k2serve.attention import allocate_kv_caches
-
-            def kv_cache_factory(n, ps, dt, dev):
-                return allocate_kv_caches(self.model_config, n, ps, dt, dev)
-
-        kv_caches = kv_cache_factory(pages, cfg.page_size, kv_dtype, self.device)
         self.kv = KVCacheManager(pages, cfg.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv,
@@ -164,14 +146,7 @@ class LLMEngine:
         if cfg.tensor_parallel_size > 1:
             from k2serve.engine.executor import MultiprocExecutor
 
-            self.runner = MultiprocExecutor(
-                cfg,
-                model,
-                kv_caches,
-                self.device,
-                model_dir=model_dir,
-                load_dtype=resolve_dtype(cfg.dtype, self.device),
-            )
+            self.runner = MultiprocExecutor(cfg, model, kv_caches, self.device, model_dir=model_dir)
         else:
             self.runner = ModelRunner(
                 model, kv_caches, cfg.page_size, self.device, cfg.seed, engine_config=cfg

@@ -2,10 +2,10 @@
 
 The engine process is rank 0: it holds its shard of the model (loaded with `load_model(...,
 tp_rank=0, tp_size=N)`) and its KV caches, and drives N - 1 worker processes
-(k2serve.distributed.workers.WorkerGroup) that load their own shards and allocate KV caches of
-the same page count; every rank applies the engine config's backends and expert placement with
-`k2serve.engine.runner.apply_engine_backends`, as the single-process ModelRunner does. Each step:
-1. rank 0 builds the flat batch on the CPU (ModelRunner.prepare), packs it into ONE int64 array
+(k2serve.distributed.workers.WorkerGroup) that run the same setup pipeline as rank 0
+(`k2serve.engine.setup.setup_rank`: load their shard, place experts, allocate KV caches of rank
+0's page count, choose backends), so all ranks run the same backends. Each step:
+1. rank 0 builds the flat batch on the CPU (`BatchBuilder.prepare`), packs it into ONE int64 array
    (`pack_model_input`) and sends it to every worker;
 2. every rank copies the array to its device once, unpacks views (`unpack_model_input`) and
    runs its shard of the model; the layers' all-reduces go over torch.distributed;
@@ -28,13 +28,9 @@ from k2serve.attention.base import AttentionMetadata
 from k2serve.cache.kv_cache_manager import KVCacheManager
 from k2serve.distributed.nodes import NodeSpec
 from k2serve.distributed.workers import WorkerGroup, WorkerState
+from k2serve.engine.config import EngineConfig
 from k2serve.engine.request import Request
-from k2serve.engine.runner import (
-    ModelInput,
-    ModelRunner,
-    apply_engine_backends,
-    placement_from_config,
-)
+from k2serve.engine.runner import BatchBuilder, ModelInput
 from k2serve.engine.sampler import Sampler, SamplerOutput
 from k2serve.engine.scheduler import SchedulerOutput
 
@@ -92,47 +88,25 @@ def unpack_model_input(
     return ids, pos, md, logits_idx
 
 
-def tp_load_kwargs(engine_config) -> dict:
-    """load_model keyword arguments for rank 0's shard ({} without tensor parallel)."""
-    if engine_config.tensor_parallel_size == 1:
-        return {}
-    return dict(
-        tp_rank=0,
-        tp_size=engine_config.tensor_parallel_size,
-        expert_parallel=engine_config.enable_expert_parallel,
-    )
-
-
 # ---- functions the ranks run (module level: workers import them by name) ----------------------
 def load_shard(state: WorkerState, spec: dict) -> int:
-    """A worker: load its shard of the model and allocate its KV caches. -> bytes of weights."""
-    from k2serve.attention import allocate_kv_caches
-    from k2serve.config import ModelConfig
-    from k2serve.weights.loader import load_model
+    """A worker: rank 0's setup pipeline for its own shard. -> bytes of weights."""
+    from k2serve.engine.setup import setup_rank
 
     if state.device.type == "cpu" and spec.get("cpu_threads"):
         torch.set_num_threads(spec["cpu_threads"])
-    cfg = spec["engine_config"]
-    model_dir = state.data.get("model_dir") or spec["model_dir"]  # a node's own copy
-    placement = placement_from_config(cfg, ModelConfig.from_hf(model_dir))
-    model = load_model(
-        model_dir,
-        dtype=spec["dtype"],
-        device=state.device,
-        load_format=spec["load_format"],
-        seed=spec["seed"],
-        progress=False,
+    cfg: EngineConfig = spec["engine_config"]
+    rank = setup_rank(
+        cfg,
+        state.device,
+        model_dir=state.data.get("model_dir") or spec["model_dir"],  # a node's own copy
+        num_pages=lambda model, kv_dtype: spec["num_pages"],  # rank 0's count
         tp_rank=state.rank,
         tp_size=state.world_size,
-        expert_parallel=spec["expert_parallel"],
-        expert_placement=placement,
+        progress=False,
     )
-    kv = allocate_kv_caches(
-        model.config, spec["num_pages"], spec["page_size"], spec["kv_dtype"], state.device
-    )
-    apply_engine_backends(model, cfg, spec["kv_dtype"])  # as rank 0's ModelRunner does
-    state.data.update(model=model, kv_caches=kv)
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    state.data.update(model=rank.model, kv_caches=rank.kv_caches)
+    return sum(p.numel() * p.element_size() for p in rank.model.parameters())
 
 
 @torch.inference_mode()
@@ -149,14 +123,14 @@ class MultiprocExecutor:
 
     def __init__(
         self,
-        engine_config,
+        engine_config: EngineConfig,
         model,
         kv_caches: list[torch.Tensor],
         device: torch.device | str,
         *,
         model_dir: str | None,
-        load_dtype: torch.dtype,
     ) -> None:
+        """`model` / `kv_caches`: rank 0's, from `setup_rank` (backends chosen)."""
         cfg = engine_config
         W = cfg.tensor_parallel_size
         plan = getattr(model, "tp_plan", None)
@@ -173,9 +147,8 @@ class MultiprocExecutor:
         self.page_size = cfg.page_size
         self.device = torch.device(device)
         # NOTE: the flat batch is built on the CPU (then packed); the sampler runs on rank 0.
-        self._prep = ModelRunner(None, [], cfg.page_size, "cpu", cfg.seed)
+        self._batch = BatchBuilder(cfg.page_size, "cpu")
         self.sampler = Sampler(self.device, cfg.seed)
-        apply_engine_backends(model, cfg, kv_caches[0].dtype)  # the workers do the same
         self.group = WorkerGroup(
             W, self.device, cfg.distributed_backend, nodes=NodeSpec.from_engine_config(cfg)
         )
@@ -183,13 +156,7 @@ class MultiprocExecutor:
         spec = dict(
             engine_config=cfg,
             model_dir=os.fspath(model_dir),
-            dtype=load_dtype,
-            load_format=cfg.load_format,
-            seed=0,  # load_model's default, as the engine's own load
-            expert_parallel=cfg.enable_expert_parallel,
             num_pages=kv_caches[0].shape[0],
-            page_size=cfg.page_size,
-            kv_dtype=kv_caches[0].dtype,
             cpu_threads=torch.get_num_threads(),
         )
         try:
@@ -210,7 +177,7 @@ class MultiprocExecutor:
         self, sched: SchedulerOutput, kv: KVCacheManager
     ) -> tuple[list[Request], SamplerOutput | None]:
         """Run one step on every rank; returns the requests that sampled and their samples."""
-        inp = self._prep.prepare(sched, kv)
+        inp = self._batch.prepare(sched, kv)
         packed = pack_model_input(inp)
         hidden = self.group.run(forward_step, packed, reply=False)[0]  # [S, hidden]
         if not inp.sample_reqs:

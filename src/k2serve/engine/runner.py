@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from k2serve.cache.kv_cache_manager import KVCacheManager
+from k2serve.engine.config import EngineConfig
 from k2serve.engine.input_batch import BlockTables, to_device
 from k2serve.engine.request import Request
 from k2serve.engine.sampler import Sampler, SamplerOutput
@@ -58,69 +59,14 @@ class ModelInput:
     sample_reqs: list[Request]
 
 
-class ModelRunner:
-    def __init__(
-        self,
-        model,
-        kv_caches: list[torch.Tensor],
-        page_size: int,
-        device: torch.device | str,
-        seed: int = 0,
-        *,
-        engine_config=None,
-    ) -> None:
-        """`engine_config` (EngineConfig) carries attention_backend / moe_backend /
-        enforce_eager / num_gpu_experts / expert_placement_file / kv_cache_dtype / max_model_len
-        / max_num_seqs; None = the defaults (auto backends, graphs on CUDA)."""
-        self.model = model
-        self.kv_caches = kv_caches
+class BatchBuilder:
+    """Builds a step's flat batch (`ModelInput`) on `device`; the runner and the
+    tensor-parallel executor (which builds it on the CPU, then packs it) share it."""
+
+    def __init__(self, page_size: int, device: torch.device | str) -> None:
         self.page_size = page_size
         self.device = torch.device(device)
-        self.sampler = Sampler(self.device, seed)
         self.block_tables = BlockTables()  # host copy of each running request's pages
-        self.graph_runner = None
-        self.routing = None  # --record-routing / --dynamic-expert-placement (moe.dynamic)
-        if hasattr(model, "setup_backends"):
-            kv_dtype = kv_caches[0].dtype if kv_caches else None
-            apply_engine_backends(model, engine_config, kv_dtype)
-            from k2serve.moe.dynamic import RoutingService
-
-            # before the graphs are captured, so that their replays are counted too
-            max_seqs = getattr(engine_config, "max_num_seqs", None) or 256
-            self.routing = RoutingService.from_config(model, engine_config, max(max_seqs, 256))
-            if getattr(model, "has_cpu_experts", False):  # long prefills stream CPU experts
-                from k2serve.moe.layerwise import setup_layerwise_prefill
-
-                setup_layerwise_prefill(
-                    model,
-                    getattr(engine_config, "gpu_prefill_token_threshold", None),
-                    getattr(engine_config, "max_num_batched_tokens", None),
-                )
-        if self.device.type == "cuda":
-            self._setup_graphs(engine_config)
-
-    def _setup_graphs(self, cfg) -> None:
-        if getattr(cfg, "enforce_eager", False):
-            logger.info("CUDA graphs: off (--enforce-eager)")
-            return
-        if not getattr(self.model, "decode_graph_safe", True):
-            logger.info("CUDA graphs: off (the attention backend syncs with the host)")
-            return
-        from k2serve.model.cuda_graph import DEFAULT_BUCKETS, DecodeGraphRunner
-
-        max_seqs = getattr(cfg, "max_num_seqs", None) or DEFAULT_BUCKETS[-1]
-        buckets = tuple(b for b in DEFAULT_BUCKETS if b <= max_seqs) or (1,)
-        if max_seqs <= DEFAULT_BUCKETS[-1] and buckets[-1] < max_seqs:
-            buckets += (max_seqs,)
-        num_pages = self.kv_caches[0].shape[0]
-        max_len = getattr(cfg, "max_model_len", None)
-        max_pages = min(num_pages, -(-max_len // self.page_size)) if max_len else num_pages
-        runner = DecodeGraphRunner(self.model, self.kv_caches, max_pages, buckets)
-        runner.capture()
-        self.graph_runner = runner
-        pieces = max(runner.num_pieces.values())
-        logger.info("CUDA graphs: captured decode batch sizes %s%s", list(buckets),
-                    f" ({pieces} pieces per step around the CPU experts)" if pieces > 1 else "")
 
     def prepare(self, sched: SchedulerOutput, kv: KVCacheManager) -> ModelInput:
         # One Python pass over the requests (no per-token work); positions, slots and the block
@@ -196,6 +142,65 @@ class ModelRunner:
             sample_reqs=sample_reqs,
         )
 
+
+class ModelRunner(BatchBuilder):
+    def __init__(
+        self,
+        model,
+        kv_caches: list[torch.Tensor],
+        page_size: int,
+        device: torch.device | str,
+        seed: int = 0,
+        *,
+        engine_config: EngineConfig | None = None,
+    ) -> None:
+        """Runs a model whose backends are chosen already (`engine.setup.setup_rank`): the
+        last step of the setup pipeline, decode CUDA graphs, happens here. `engine_config`:
+        enforce_eager / max_model_len / max_num_seqs (None: the defaults)."""
+        super().__init__(page_size, device)
+        cfg = engine_config or EngineConfig()
+        self.model = model
+        self.kv_caches = kv_caches
+        self.sampler = Sampler(self.device, seed)
+        self.graph_runner = None
+        self.routing = None  # --record-routing / --dynamic-expert-placement (moe.dynamic)
+        if hasattr(model, "setup_backends"):
+            from k2serve.moe.dynamic import RoutingService
+
+            # before the graphs are captured, so that their replays are counted too
+            self.routing = RoutingService.from_config(model, cfg, max(cfg.max_num_seqs, 256))
+            if getattr(model, "has_cpu_experts", False):  # long prefills stream CPU experts
+                from k2serve.moe.layerwise import setup_layerwise_prefill
+
+                setup_layerwise_prefill(
+                    model, cfg.gpu_prefill_token_threshold, cfg.max_num_batched_tokens
+                )
+        if self.device.type == "cuda":
+            self._setup_graphs(cfg)
+
+    def _setup_graphs(self, cfg: EngineConfig) -> None:
+        if cfg.enforce_eager:
+            logger.info("CUDA graphs: off (--enforce-eager)")
+            return
+        if not getattr(self.model, "decode_graph_safe", True):
+            logger.info("CUDA graphs: off (the attention backend syncs with the host)")
+            return
+        from k2serve.model.cuda_graph import DEFAULT_BUCKETS, DecodeGraphRunner
+
+        max_seqs = cfg.max_num_seqs or DEFAULT_BUCKETS[-1]
+        buckets = tuple(b for b in DEFAULT_BUCKETS if b <= max_seqs) or (1,)
+        if max_seqs <= DEFAULT_BUCKETS[-1] and buckets[-1] < max_seqs:
+            buckets += (max_seqs,)
+        num_pages = self.kv_caches[0].shape[0]
+        max_len = cfg.max_model_len
+        max_pages = min(num_pages, -(-max_len // self.page_size)) if max_len else num_pages
+        runner = DecodeGraphRunner(self.model, self.kv_caches, max_pages, buckets)
+        runner.capture()
+        self.graph_runner = runner
+        pieces = max(runner.num_pieces.values())
+        logger.info("CUDA graphs: captured decode batch sizes %s%s", list(buckets),
+                    f" ({pieces} pieces per step around the CPU experts)" if pieces > 1 else "")
+
     @torch.inference_mode()
     def execute(
         self, sched: SchedulerOutput, kv: KVCacheManager
@@ -222,46 +227,3 @@ class ModelRunner:
         if self.routing is not None:
             self.routing.close()
 
-
-def placement_from_config(cfg, model_config):
-    """The expert placement of `--num-gpu-experts` / `--expert-placement-file` (None when
-    neither is given: every expert on the model's device). Pass it to `load_model(...,
-    expert_placement=)` so CPU-placed experts are never allocated on the GPU."""
-    n = getattr(cfg, "num_gpu_experts", None)
-    path = getattr(cfg, "expert_placement_file", None)
-    if n is None and path is None:
-        return None
-    if model_config.n_routed_experts == 0:
-        raise ValueError("num_gpu_experts / expert_placement_file: the model has no routed experts")
-    from k2serve.moe.placement import make_placement
-
-    return make_placement(model_config, n, path)
-
-
-def apply_engine_backends(model, cfg, kv_cache_dtype: torch.dtype | None = None) -> None:
-    """Re-choose `model`'s backends when the engine config (attention_backend, moe_backend,
-    num_gpu_experts / expert_placement_file) or an fp8 KV cache ask for other ones than the
-    loader chose. The single-process runner and every tensor-parallel rank call this, so all
-    ranks run the same backends. `cfg` None = the defaults; `kv_cache_dtype` = the dtype the KV
-    cache tensors were allocated with (None: no cache yet)."""
-    want = dict(
-        attention=getattr(cfg, "attention_backend", "auto"),
-        moe=getattr(cfg, "moe_backend", "auto"),
-        norm="auto",
-        placement=model.expert_placement,
-        kv=None,  # only an fp8 cache changes the choice
-    )
-    if kv_cache_dtype == torch.float8_e4m3fn:
-        want["kv"] = kv_cache_dtype
-    elif getattr(cfg, "kv_cache_dtype", "auto") == "fp8" and kv_cache_dtype is not None:
-        logger.warning(
-            "kv_cache_dtype fp8 was asked for but the KV cache was allocated as %s "
-            "(allocate it with k2serve.attention.kv_cache_torch_dtype)",
-            kv_cache_dtype,
-        )
-    if cfg is not None and model.expert_placement is None:
-        want["placement"] = placement_from_config(cfg, model.config)
-    if model.backend_settings != want:
-        model.setup_backends(
-            want["attention"], want["moe"], want["norm"], want["placement"], want["kv"]
-        )

@@ -1,15 +1,27 @@
-"""Engine setup helpers: device / dtype resolution, tokenizer loading, the EOS set, and the KV
-cache size from the memory budget (through `k2serve.plan.kv_bytes_per_token`)."""
+"""Engine setup: one rank's setup pipeline and its helpers.
+
+Owns: `setup_rank` (load -> shard -> place experts -> size and allocate the KV cache -> choose
+backends and kernels, each exactly once, for the engine's rank 0 and every tensor-parallel
+worker alike; CUDA graphs are captured last, by the runner), `expert_placement` (the routed
+experts' devices, decided once from the config), `choose_backends` (the model's attention /
+expert / norm backends and its `KernelPolicy`), and the helpers: device / dtype resolution,
+tokenizer loading, the EOS set, and the KV cache size from the memory budget (through
+`k2serve.plan.kv_bytes_per_token`, so the engine and `k2serve plan` never disagree)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from k2serve.config import ModelConfig
 from k2serve.engine.config import EngineConfig
+from k2serve.kernels.policy import KernelPolicy
+from k2serve.moe.placement import ExpertPlacement
 
 logger = logging.getLogger(__name__)
 
@@ -193,3 +205,131 @@ def num_kv_pages(
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+# ---- the setup pipeline of one rank --------------------------------------------------------------
+def expert_placement(cfg: EngineConfig, model_config: ModelConfig) -> ExpertPlacement | None:
+    """The expert placement of `--num-gpu-experts` / `--expert-placement-file` (None when
+    neither is given: every expert on the model's device). Decided once per rank, before the
+    load, so CPU-placed experts are never allocated on the GPU."""
+    n, path = cfg.num_gpu_experts, cfg.expert_placement_file
+    if n is None and path is None:
+        return None
+    if model_config.n_routed_experts == 0:
+        raise ValueError("num_gpu_experts / expert_placement_file: the model has no routed experts")
+    from k2serve.moe.placement import make_placement
+
+    return make_placement(model_config, n, path)
+
+
+def kernel_policy(cfg: EngineConfig, device: torch.device) -> KernelPolicy:
+    """The kernels the engine runs on `device` (typed K2SERVE_* variables read here, once)."""
+    return KernelPolicy.for_device(device)
+
+
+def choose_backends(
+    model,
+    cfg: EngineConfig,
+    placement: ExpertPlacement | None,
+    kv_cache_dtype: torch.dtype | None,
+) -> None:
+    """Choose `model`'s attention / expert / RMSNorm backends and kernel policy for the engine
+    config, the expert `placement` and the dtype the KV cache was allocated with (an fp8 cache
+    takes the torch attention backend). Called once per rank by `setup_rank`."""
+    if kv_cache_dtype != torch.float8_e4m3fn:
+        if cfg.kv_cache_dtype == "fp8" and kv_cache_dtype is not None:
+            logger.warning(
+                "kv_cache_dtype fp8 was asked for but the KV cache was allocated as %s "
+                "(allocate it with k2serve.attention.kv_cache_torch_dtype)",
+                kv_cache_dtype,
+            )
+        kv_cache_dtype = None  # only an fp8 cache changes the choice
+    model.setup_backends(
+        cfg.attention_backend,
+        cfg.moe_backend,
+        "auto",
+        placement,
+        kv_cache_dtype,
+        policy=kernel_policy(cfg, model.device),
+    )
+
+
+@dataclass
+class RankSetup:
+    model: object  # DeepseekV3ForCausalLM (or an injected test double)
+    kv_caches: list[torch.Tensor]
+    placement: ExpertPlacement | None
+
+
+def setup_rank(
+    cfg: EngineConfig,
+    device: torch.device,
+    *,
+    model_dir: str | None,
+    num_pages: Callable[[object, torch.dtype], int],
+    model=None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    seed: int = 0,
+    progress: bool = True,
+    kv_cache_factory: Callable | None = None,
+) -> RankSetup:
+    """One rank's setup pipeline, each step once, in this order:
+    1. place experts: `expert_placement` from the config (an injected model keeps its own);
+    2. load and shard: this rank's slice of every tensor (tensor parallel), CPU-placed experts
+       straight into host memory, no backends chosen yet (`load_model(setup_backends=False)`);
+    3. choose backends and kernels (`choose_backends`) for the placement and the cache dtype;
+       with experts on the CPU (one rank), the layer-wise prefill's device buffers are taken
+       here, before the KV cache takes the free memory;
+    4. size and allocate the KV cache: `num_pages(model, kv_dtype)` pages (rank 0 measures the
+       memory budget; workers take rank 0's count).
+    CUDA graphs come last, captured by the runner (rank 0) on the finished model."""
+    if model is None:
+        if model_dir is None:
+            raise ValueError("setup_rank needs a model directory or a model")
+        from k2serve.weights.loader import load_model
+
+        model_config = ModelConfig.from_hf(model_dir)
+        placement = expert_placement(cfg, model_config)
+        model = load_model(
+            model_dir,
+            dtype=resolve_dtype(cfg.dtype, device),
+            device=device,
+            load_format=cfg.load_format,
+            seed=seed,
+            progress=progress,
+            expert_placement=placement,
+            setup_backends=False,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            expert_parallel=cfg.enable_expert_parallel,
+        )
+    else:
+        placement = getattr(model, "expert_placement", None)
+        if placement is None:
+            placement = expert_placement(cfg, model.config)
+    from k2serve.attention import allocate_kv_caches, kv_cache_torch_dtype
+
+    kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, activation_dtype(model, cfg, device))
+    if hasattr(model, "setup_backends"):
+        choose_backends(model, cfg, placement, kv_dtype)
+        if tp_size == 1 and getattr(model, "has_cpu_experts", False):
+            from k2serve.moe.layerwise import setup_layerwise_prefill
+
+            setup_layerwise_prefill(
+                model, cfg.gpu_prefill_token_threshold, cfg.max_num_batched_tokens
+            )
+    pages = num_pages(model, kv_dtype)
+    if kv_cache_factory is None:
+
+        def kv_cache_factory(n, ps, dt, dev):
+            return allocate_kv_caches(model.config, n, ps, dt, dev)
+
+    kv_caches = kv_cache_factory(pages, cfg.page_size, kv_dtype, device)
+    fp8 = torch.float8_e4m3fn
+    if kv_caches and (kv_caches[0].dtype == fp8) != (kv_dtype == fp8):
+        # NOTE: only an injected kv_cache_factory allocates another dtype than asked for; the
+        # attention backend must match the cache it reads, so it is chosen again for that one
+        if hasattr(model, "setup_backends"):
+            choose_backends(model, cfg, placement, kv_caches[0].dtype)
+    return RankSetup(model, kv_caches, placement)

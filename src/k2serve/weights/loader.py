@@ -14,8 +14,10 @@ Invariants:
 - `expert_placement` (k2serve.moe.placement) puts the CPU-placed experts' tensors in host
   memory as they are read (never on the GPU); `tensor_device(name)` is the general per-tensor
   device map (None = `device`). Dummy weights are generated on `device` one tensor at a time and
-  then moved (at most one tensor transiently). The loaded model gets its backends chosen by
-  `model.setup_backends(placement=expert_placement)` (Triton on CUDA, torch elsewhere).
+  then moved (at most one tensor transiently). A standalone `load_model` call gets default
+  backends (`model.setup_backends(placement=expert_placement)`: Triton on CUDA, torch
+  elsewhere); the engine passes `setup_backends=False` and chooses them once, for its config and
+  KV cache, in its setup pipeline (k2serve.engine.setup.setup_rank).
 """
 
 from __future__ import annotations
