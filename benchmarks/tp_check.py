@@ -81,6 +81,7 @@ def _probe_rope(model, rank: int, mode: str) -> None:
     race shows up as a difference that goes away with it); "ref": launch the kernel but return
     the torch code's result (a side effect of the launch shows up as a difference that stays)."""
     from k2serve.kernels import rope
+    from k2serve.model.layers import YarnRotaryEmbedding as Yarn
 
     if model.device.type != "cuda":
         return
@@ -105,7 +106,7 @@ def _probe_rope(model, rank: int, mode: str) -> None:
             print(f"[rope probe rank {rank}] call {seen['calls']}: q err {eq:.1f} k err {ek:.1f} "
                   f"q {tuple(q_pe.shape)} {q_pe.stride()} k {tuple(k_pe.shape)} {k_pe.stride()} "
                   f"dev {q_pe.device} cur {torch.cuda.current_device()}", flush=True)  # fmt: skip
-        rq, rk = rope.rope_qk_ref(q_pe, k_pe, cos, sin)
+        rq, rk = Yarn.apply(q_pe, cos, sin), Yarn.apply(k_pe, cos, sin)
         if mode == "diff" and seen["calls"] <= 6:
             dq, dk = (qo.float() - rq.float()).abs(), (ko.float() - rk.float()).abs()
             print(f"[rope probe rank {rank}] call {seen['calls']} q {tuple(q_pe.shape)} "

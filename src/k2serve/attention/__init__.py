@@ -16,6 +16,7 @@ import torch
 
 from k2serve.attention.base import AttentionMetadata, MLABackend
 from k2serve.attention.torch_ref import TorchMLABackend, is_fp8
+from k2serve.kernels.policy import triton_usable
 
 logger = logging.getLogger(__name__)
 
@@ -44,15 +45,6 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
     if kv_cache_dtype == "fp8":
         return torch.float8_e4m3fn
     raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}; expected one of {KV_CACHE_DTYPES}")
-
-
-def triton_usable(device: torch.device | str) -> bool:
-    """True when Triton kernels can run on `device` (CUDA and Triton importable)."""
-    if torch.device(device).type != "cuda":
-        return False
-    from k2serve.kernels._triton import HAS_TRITON
-
-    return HAS_TRITON
 
 
 def make_attention_backend(

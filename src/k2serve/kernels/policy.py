@@ -2,7 +2,8 @@
 
 Owns: `KernelPolicy` (the decode fusions that are on, the INT4 MoE dispatch limits and the tuned
 launch configs), `KernelTables` (the tuned configs of one device kind, read from
-`configs/<kind>.json`), `device_kind` and `load_tables`.
+`configs/<kind>.json`), `device_kind`, `load_tables` and `triton_usable` (whether a device can
+run Triton kernels at all; the backends' choice of attention / experts / norm asks it too).
 
 How it is used: setup builds one policy from the engine config, the device and the typed
 `K2SERVE_*` variables (`KernelPolicy.for_device`) and hands it to the model
@@ -79,6 +80,15 @@ class KernelTables:
             raise ValueError(f"kernel table {kind!r} is malformed: {e!r}") from None
 
 
+def triton_usable(device: torch.device | str) -> bool:
+    """True when Triton kernels can run on `device` (CUDA and Triton importable)."""
+    if torch.device(device).type != "cuda":
+        return False
+    from ._triton import HAS_TRITON
+
+    return HAS_TRITON
+
+
 def device_kind(device: torch.device | str) -> str:
     """The kind whose tables apply: "cpu", the GPU model ("h200", "h100", ...) or "cuda"."""
     device = torch.device(device)
@@ -145,9 +155,7 @@ class KernelPolicy:
 
         device = torch.device(device)
         cuda = device.type == "cuda"
-        from ._triton import HAS_TRITON
-
-        ok = cuda and HAS_TRITON
+        ok = triton_usable(device)
         side = envs.shared_stream() if shared_stream is None else shared_stream
         kind = kind or device_kind(device)
         tables = load_tables(kind)

@@ -1,8 +1,9 @@
 """Fused rotary embedding of MLA's q_pe and k_pe in one launch (decode spends ~24 small torch
 kernels per layer on RoPE otherwise).
 
-Owns: `rope_qk(q_pe, k_pe, cos, sin)` (Triton) and `rope_qk_ref` (the model's torch code:
-`YarnRotaryEmbedding.apply` on both).
+Owns: `rope_qk(q_pe, k_pe, cos, sin)` (Triton) and `rope_error_ratio`. Its reference is the
+model's torch code (`model.layers.YarnRotaryEmbedding.apply` on both), which the tests and
+benchmarks call (kernels never import the model).
 
 Contract: q_pe [T, H, R] and k_pe [T, R] (any strides with unit last stride, e.g. views into
 the q_b_proj / kv_a_proj outputs), cos/sin [T, R/2] float32 -> new contiguous tensors
@@ -18,12 +19,6 @@ from __future__ import annotations
 import torch
 
 from ._triton import HAS_TRITON, require_triton, tl, triton
-
-
-def rope_qk_ref(q_pe, k_pe, cos, sin):
-    from k2serve.model.layers import YarnRotaryEmbedding
-
-    return YarnRotaryEmbedding.apply(q_pe, cos, sin), YarnRotaryEmbedding.apply(k_pe, cos, sin)
 
 
 def rope_error_ratio(out: torch.Tensor, x: torch.Tensor, cos, sin) -> float:

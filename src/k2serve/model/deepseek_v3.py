@@ -33,7 +33,7 @@ from torch import nn
 from k2serve.attention.base import AttentionMetadata, MLABackend
 from k2serve.attention.torch_ref import TorchMLABackend
 from k2serve.config import ModelConfig
-from k2serve.kernels.policy import KernelPolicy
+from k2serve.kernels.policy import KernelPolicy, triton_usable
 from k2serve.model.layers import RMSNorm, YarnRotaryEmbedding
 from k2serve.model.router import TopkRouter
 from k2serve.moe import ExpertBackend, TorchExpertBackend
@@ -466,7 +466,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         torch references elsewhere), place the routed experts (None: all on the model's
         device) and apply the kernel `policy` (None: `KernelPolicy.for_device` of the model's
         device). Logs and returns one line saying what was chosen."""
-        from k2serve.attention import make_attention_backend, triton_usable
+        from k2serve.attention import make_attention_backend
         from k2serve.moe import make_expert_backend
 
         if norm not in ("auto", "torch", "triton"):
@@ -534,8 +534,6 @@ class DeepseekV3ForCausalLM(nn.Module):
         and the router at batch 1 with the policy's tuned configs, the shared expert on a
         second stream, and the FP8 GEMM kernel with its tuned configs. Returns a short
         description of what is on."""
-        from k2serve.attention import triton_usable
-
         ok = triton_usable(self.device)
         p = replace(
             policy,

@@ -16,7 +16,7 @@ import logging
 import torch
 from torch import nn
 
-from k2serve.kernels.policy import KernelPolicy
+from k2serve.kernels.policy import KernelPolicy, triton_usable
 from k2serve.moe.base import ExpertBackend
 from k2serve.moe.cpu_experts import CpuExpertBackend, HybridExpertBackend
 from k2serve.moe.placement import ExpertPlacement, describe_placement, make_placement
@@ -30,8 +30,6 @@ MOE_BACKENDS = ("auto", "torch", "triton")
 def _gpu_backend(
     experts: nn.ModuleList, name: str, device: torch.device, policy: KernelPolicy | None
 ) -> ExpertBackend:
-    from k2serve.attention import triton_usable
-
     if name == "triton" and not triton_usable(device):
         raise ValueError(
             f"moe_backend='triton' needs a CUDA device and Triton (device is {device}); use "
