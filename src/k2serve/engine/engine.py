@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from k2serve.cache.kv_cache_manager import KVCacheManager
 from k2serve.engine.config import EngineConfig
+from k2serve.engine.contract import resolve_max_tokens
 from k2serve.engine.detokenizer import make_detokenizer
 from k2serve.engine.errors import PromptTooLongError
 from k2serve.engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -177,20 +178,7 @@ class LLMEngine:
             raise ValueError(
                 f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
             )
-        if n >= self.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {n} tokens; max_model_len={self.max_model_len} leaves no room "
-                "for output"
-            )
-        max_tokens = params.max_tokens
-        if max_tokens is None:
-            max_tokens = self.max_model_len - n
-        elif n + max_tokens > self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} tokens "
-                f"exceeds max_model_len={self.max_model_len}; lower max_tokens to at most "
-                f"{self.max_model_len - n}"
-            )
+        max_tokens = resolve_max_tokens(n, params.max_tokens, self.max_model_len)
         cap = self.kv.num_pages * self.kv.page_size
         if n + max_tokens > cap:
             raise PromptTooLongError(

@@ -7,7 +7,21 @@ class EngineQueueFull(RuntimeError):
 
 class PromptTooLongError(ValueError):
     """prompt + max_tokens does not fit max_model_len (or the KV cache); the message says by how
-    much."""
+    much, and the fields give the numbers (None where not known) for callers that word their own
+    error (the server's OpenAI-style 400)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        prompt_tokens: int | None = None,
+        max_tokens: int | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.max_model_len = max_model_len
 
 
 class EngineDeadError(RuntimeError):

@@ -26,6 +26,7 @@ from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from k2serve import __version__
+from k2serve.engine.contract import EngineClient
 from k2serve.server.auth import check_authorization, needs_key
 from k2serve.server.chat import ChatHandler, encode_prompt
 from k2serve.server.completions import CompletionHandler
@@ -206,7 +207,7 @@ def _default_sampling_params_cls():
 
 
 def build_app(
-    engine,
+    engine: EngineClient,
     *,
     served_model_names: list[str] | None = None,
     api_key: str | None = None,

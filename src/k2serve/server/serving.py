@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from k2serve.engine.contract import EngineClient, resolve_max_tokens
+from k2serve.engine.errors import PromptTooLongError
 from k2serve.server.errors import APIError, bad_request, engine_error
 from k2serve.server.finite import MIN_LOGPROB, finite_logprob
 from k2serve.server.logits_processors import LogitBias
@@ -31,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ServerState:
-    engine: Any
+    engine: EngineClient
     tokenizer: Any
     model_name: str
     served_names: list[str]
@@ -62,7 +64,17 @@ class ServerState:
             )
 
     def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None, what: str) -> int:
+        """The engine's rule (`engine.contract.resolve_max_tokens`), its error worded as
+        OpenAI / vLLM do."""
         limit = self.max_model_len
+        if max_tokens is None:  # generation_config.json's default, capped at what is left
+            default = self.default_sampling.get("max_tokens")
+            if default:
+                max_tokens = max(1, min(default, limit - prompt_len))
+        try:
+            return resolve_max_tokens(prompt_len, max_tokens, limit)
+        except PromptTooLongError:
+            pass
         if prompt_len >= limit:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens. However, your request "
@@ -70,18 +82,14 @@ class ServerState:
                 param=what,
                 code="context_length_exceeded",
             )
-        if max_tokens is None:
-            default = self.default_sampling.get("max_tokens")
-            return min(default, limit - prompt_len) if default else limit - prompt_len
-        if prompt_len + max_tokens > limit:
-            raise bad_request(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{prompt_len + max_tokens} tokens ({prompt_len} in the {what}, {max_tokens} in "
-                "the completion). Please reduce the length of the prompt or the completion.",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        return max_tokens
+        assert max_tokens is not None
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the {what}, {max_tokens} in "
+            "the completion). Please reduce the length of the prompt or the completion.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
 
     def sampling_params(self, req, max_tokens: int, **extra) -> Any:
         kw: dict[str, Any] = dict(
