@@ -119,4 +119,3 @@ class TopkRouter(nn.Module):
             self.norm_topk_prob,
             self.routed_scaling_factor,
         )
-
