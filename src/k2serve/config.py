@@ -319,9 +319,10 @@ def _from_dict(cfg: dict) -> ModelConfig:
     tc = cfg
     top_quant = cfg.get("quantization_config")
     if arch == "KimiK25ForConditionalGeneration" or cfg.get("model_type") == "kimi_k25":
-        tc = cfg.get("text_config")
-        if not isinstance(tc, dict):
+        text_config = cfg.get("text_config")
+        if not isinstance(text_config, dict):
             raise ConfigError("text_config is missing: a kimi_k25 config.json must have one")
+        tc = text_config
         prefix = "language_model."
         has_vision = "vision_config" in cfg
         if has_vision:

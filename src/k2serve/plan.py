@@ -434,6 +434,7 @@ def plan(
     devices: list[DeviceMemory] = []
     kv_tokens = 0
     if g:
+        assert gpu is not None  # checked above: num_gpus > 0 needs a gpu preset
         cap = int(gpu.memory_bytes * gpu_memory_utilization)
         act = activation_bytes(config, max_num_batched_tokens, max_num_seqs, tp)
         rows = {
@@ -646,7 +647,7 @@ def plan(
 def _suggestions(config: ModelConfig, p: Plan, gpu: GpuSpec | None) -> list[str]:
     """What would fit, each found by re-planning with settings changed (and the longest context
     that then fits, when the requested one still does not)."""
-    base = dict(
+    base: dict[str, Any] = dict(
         model=p.model,
         gpu=gpu,
         num_gpus=p.num_gpus,

@@ -150,6 +150,7 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, dict]:
 def render(p: Plan, source: dict) -> str:
     w, out = p.weights, []
     gb = format_bytes
+    gpu = p.gpu or {}  # a dict whenever num_gpus > 0
     hw = (
         "no GPU"
         if not p.num_gpus
@@ -182,7 +183,7 @@ def render(p: Plan, source: dict) -> str:
             out.append(f"  {ROW_NAMES.get(key, key):<32}{gb(val):>12}")
         out.append(
             f"  {'total / usable':<32}{gb(d.used):>12} of {gb(d.capacity)} "
-            f"({p.gpu_memory_utilization:g} x {gb(p.gpu['memory_bytes'])})"
+            f"({p.gpu_memory_utilization:g} x {gb(gpu['memory_bytes'])})"
         )
     out.append("")
     per_gpu = p.num_gpu_experts // max(p.num_gpus, 1)

@@ -204,9 +204,10 @@ def _api(args: argparse.Namespace) -> str:
             raise ValueError(f"--api {args.api} contradicts --backend {args.backend}")
     if args.api:
         return args.api
-    return {"openai-chat": "chat", "openai": "completions", "vllm": "completions"}.get(
+    # --backend is one of these (argparse choices)
+    return {"openai-chat": "chat", "openai": "completions", "vllm": "completions"}[
         args.backend or "openai-chat"
-    )
+    ]
 
 
 def _discover_model(base: str, api_key: str | None, timeout: float) -> str:

@@ -84,7 +84,7 @@ def is_good(o: RequestOutcome, slos: dict[str, float]) -> bool:
         return False
     tpot = tpot_of(o)
     measured = {"ttft": o.ttft, "tpot": 0.0 if tpot is None else tpot, "e2el": o.latency}
-    return all(measured[k] is not None and measured[k] * 1000.0 <= v for k, v in slos.items())
+    return all((m := measured[k]) is not None and m * 1000.0 <= v for k, v in slos.items())
 
 
 def summarize(
@@ -148,7 +148,8 @@ def output_tokens_timeline(ok: list[RequestOutcome], bin_s: float) -> tuple[np.n
     Each request's completion tokens are spread evenly over its content chunks (exact when the
     server sends one token per chunk).
     """
-    times, weights = [], []
+    times: list[float] = []
+    weights: list[float] = []
     for o in ok:
         if not o.chunk_times:
             continue

@@ -160,9 +160,9 @@ def sample_example(rng: random.Random) -> tuple[list[dict], list[dict] | None, b
         return msgs, tools, thinking, _answer(thinking, thought, f"In {city}: {result}.")
     if kind == "greet":
         msgs.append({"role": "user", "content": rng.choice(GREETINGS)})
-        tools = _tools(rng, []) if rng.random() < 0.4 else None
+        greet_tools = _tools(rng, []) if rng.random() < 0.4 else None
         thought = "The user greets me. I will greet back."
-        return msgs, tools or None, thinking, _answer(thinking, thought, GREETING_REPLIES)
+        return msgs, greet_tools or None, thinking, _answer(thinking, thought, GREETING_REPLIES)
     msgs.append({"role": "user", "content": rng.choice(WEATHER_QUESTIONS).format(c=city)})
     thought = "No weather tool is available."
     text = f"I cannot check the weather in {city} without a weather tool."

@@ -44,6 +44,7 @@ def chat_greedy(
     prompt = tokenizer.apply_chat_template(
         messages, tools=tools, chat_template_kwargs={"thinking": thinking}
     )
-    stop = {tokenizer.token_to_id("<|im_end|>"), tokenizer.eos_token_id}
+    ends = (tokenizer.token_to_id("<|im_end|>"), tokenizer.eos_token_id)
+    stop = {t for t in ends if t is not None}
     new, reason = greedy_generate(model, tokenizer.encode(prompt), max_new_tokens, stop)
     return tokenizer.decode(new, skip_special_tokens=True), reason

@@ -130,7 +130,9 @@ class LocalExperts(nn.Module):
     def __getitem__(self, i: int) -> nn.Module:
         if not -len(self) <= i < len(self):
             raise IndexError(f"local expert {i} of {len(self)}")
-        return list(self._modules.values())[i]
+        module = list(self._modules.values())[i]
+        assert module is not None  # add_module above never stores None
+        return module
 
     def __len__(self) -> int:
         return len(self._modules)

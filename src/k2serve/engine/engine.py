@@ -21,6 +21,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from k2serve.cache.kv_cache_manager import KVCacheManager
 from k2serve.engine.config import EngineConfig
@@ -39,6 +40,9 @@ from k2serve.engine.setup import (
     resolve_device,
     setup_rank,
 )
+
+if TYPE_CHECKING:
+    from k2serve.engine.executor import MultiprocExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +132,7 @@ class LLMEngine:
         if model is None:
             logger.info("loaded %s in %.1fs", model_dir, time.monotonic() - t0)
             if tokenizer is None:
-                tokenizer = load_tokenizer(cfg.tokenizer or model_dir)
+                tokenizer = load_tokenizer(cfg.tokenizer or os.fspath(model_dir or ""))
         model, kv_caches = rank.model, rank.kv_caches
         self.model = model
         self.model_config = model.config
@@ -144,6 +148,7 @@ class LLMEngine:
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             enable_chunked_prefill=cfg.enable_chunked_prefill,
         )
+        self.runner: ModelRunner | MultiprocExecutor
         if cfg.tensor_parallel_size > 1:
             from k2serve.engine.executor import MultiprocExecutor
 
@@ -286,11 +291,14 @@ class LLMEngine:
                 )
             return outputs
         sample_reqs, so = self.runner.execute(sched, self.kv)
-        sampled = {r.request_id: so.token_ids[i] for i, r in enumerate(sample_reqs)}
-        for i, r in enumerate(sample_reqs):
-            if so.logprobs[i] is not None:
-                r.cumulative_logprob += so.logprobs[i]
-                r.logprobs.append(self._logprob_entry(so, i))
+        sampled: dict[str, int] = {}
+        if so is not None:  # None: no sequence sampled this step (partial prefills only)
+            sampled = {r.request_id: so.token_ids[i] for i, r in enumerate(sample_reqs)}
+            for i, r in enumerate(sample_reqs):
+                lp = so.logprobs[i]
+                if lp is not None and r.logprobs is not None:
+                    r.cumulative_logprob += lp
+                    r.logprobs.append(self._logprob_entry(so, i))
         updated = self.scheduler.update_from_output(sched, sampled)
         self._generation_tokens += len(updated)
         touched: dict[str, list[Request]] = {}

@@ -106,7 +106,8 @@ def load_shard(state: WorkerState, spec: dict) -> int:
         progress=False,
     )
     state.data.update(model=rank.model, kv_caches=rank.kv_caches)
-    return sum(p.numel() * p.element_size() for p in rank.model.parameters())
+    model = rank.model
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 @torch.inference_mode()

@@ -73,7 +73,8 @@ class LLM:
         return self.llm_engine.tokenizer
 
     # ------------------------------------------------------------------------------------------
-    def _to_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def _to_ids(self, prompt: object) -> tuple[str | None, list[int]]:
+        """A Prompt (anything else is a ValueError) -> (text or None, token ids)."""
         if isinstance(prompt, dict):  # vLLM's {"prompt": ...} / {"prompt_token_ids": [...]}
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])

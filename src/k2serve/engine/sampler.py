@@ -87,7 +87,9 @@ class Sampler:
     def _generator(self, req: Request) -> torch.Generator:
         if req.generator is None:
             g = torch.Generator(device=self.device)
-            g.manual_seed(int(req.sampling_params.seed) + req.index)
+            seed = req.sampling_params.seed
+            assert seed is not None  # requests without a seed use the shared generator
+            g.manual_seed(int(seed) + req.index)
             req.generator = g
         return req.generator
 
@@ -157,10 +159,12 @@ class Sampler:
             chosen = logp.gather(1, tokens[:, None])  # [B, 1]
             ranks = (logp > chosen).sum(dim=-1) + 1  # [B]
             k = max(p.logprobs or 0 for p in params)
-            top_v, top_i = logp.topk(k, dim=-1) if k else (None, None)  # [B, k]
+            top_vl: list = []
+            top_il: list = []
+            if k:
+                top_v, top_i = logp.topk(k, dim=-1)  # [B, k]
+                top_vl, top_il = top_v.tolist(), top_i.tolist()
             chosen_l, ranks_l = chosen[:, 0].tolist(), ranks.tolist()
-            top_vl = top_v.tolist() if k else None
-            top_il = top_i.tolist() if k else None
             for i, p in enumerate(params):
                 if p.logprobs is None:
                     continue

@@ -40,8 +40,9 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    # normalised by __post_init__ (a str, a tuple or None is accepted and becomes a list)
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top logprobs per generated token (0 = only the sampled one)
     prompt_logprobs: int | None = None
@@ -50,7 +51,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    logits_processors: list[LogitsProcessor] | None = field(default=None, repr=False)
+    logits_processors: list[LogitsProcessor] = field(default_factory=list, repr=False)
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:

@@ -15,6 +15,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -256,7 +257,7 @@ def choose_backends(
 
 @dataclass
 class RankSetup:
-    model: object  # DeepseekV3ForCausalLM (or an injected test double)
+    model: Any  # DeepseekV3ForCausalLM (or an injected test double)
     kv_caches: list[torch.Tensor]
     placement: ExpertPlacement | None
 

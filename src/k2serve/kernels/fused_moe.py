@@ -83,6 +83,7 @@ def expert_dense(ew: ExpertWeights, e: int) -> tuple[torch.Tensor, torch.Tensor]
     """Expert e's (w13 [2I, D], w2 [D, I]) in float32."""
     if ew.quant == "bf16":
         return ew.w13[e].float(), ew.w2[e].float()
+    assert ew.w13_scale is not None and ew.w2_scale is not None  # int4 / fp8 carry scales
     if ew.quant == "int4":
         return dequant_int4_ref(ew.w13[e], ew.w13_scale[e]), dequant_int4_ref(
             ew.w2[e], ew.w2_scale[e]

@@ -50,7 +50,7 @@ def use_gemv(x: torch.Tensor, w: torch.Tensor, table: Mapping = _RULE) -> bool:
         and w.dtype in (torch.bfloat16, torch.float16)
         and w.is_contiguous()
         and x.shape[-1] == w.shape[1]
-        and config(*w.shape, table) is not None
+        and config(w.shape[0], w.shape[1], table) is not None
     )
 
 

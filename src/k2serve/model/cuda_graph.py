@@ -100,7 +100,7 @@ class DecodeGraphRunner:
         self.buckets = tuple(sorted(set(buckets)))
         self.with_logits = with_logits
         n, dev = self.buckets[-1], kv_caches[0].device
-        i32 = dict(dtype=torch.int32, device=dev)
+        i32: dict[str, Any] = dict(dtype=torch.int32, device=dev)
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
         self.query_start_loc = torch.arange(n + 1, **i32)

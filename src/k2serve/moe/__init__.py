@@ -64,7 +64,7 @@ def make_expert_backend(
     if name not in MOE_BACKENDS:
         raise ValueError(f"moe_backend={name!r}; expected one of {MOE_BACKENDS}")
     device = torch.device(device)
-    cpu_ids = placement.cpu_experts(layer) if placement is not None else ()
+    cpu_ids = placement.cpu_experts(layer) if placement is not None and layer is not None else ()
     if not cpu_ids:
         if device.type == "cpu" and name == "auto":  # CPU-only: every expert on the CPU kernel
             n = len(experts)

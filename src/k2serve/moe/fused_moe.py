@@ -63,8 +63,9 @@ def stack_experts(experts: nn.ModuleList) -> ExpertWeights:
     if scheme not in _SCHEMES:
         raise ValueError(f"FusedMoEBackend: expert linear scheme {scheme!r} is not supported")
     quant, wattr, sattr = _SCHEMES[scheme]
-    if quant == "fp8" and tuple(lin.block) != (128, 128):
-        raise ValueError(f"FusedMoEBackend: fp8 block {lin.block} is not 128x128")
+    block = getattr(lin, "block", None)
+    if quant == "fp8" and tuple(block or ()) != (128, 128):
+        raise ValueError(f"FusedMoEBackend: fp8 block {block} is not 128x128")
     with torch.no_grad():
         w13 = _stack(experts, ("gate_proj", "up_proj"), wattr)
         w2 = _stack(experts, ("down_proj",), wattr)

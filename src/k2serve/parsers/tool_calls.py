@@ -143,7 +143,7 @@ def normalize_arguments(raw: str) -> tuple[str, Any, str | None]:
         return "{}", {}, None
     try:
         obj = json.loads(text)
-    except ValueError as e:
+    except json.JSONDecodeError as e:
         return text, None, f"arguments are not valid JSON ({e.msg} at char {e.pos})"
     if isinstance(obj, str):
         inner = obj.strip()

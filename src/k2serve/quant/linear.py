@@ -88,7 +88,7 @@ class Fp8BlockLinear(LinearBase):
 
     def __init__(self, in_features: int, out_features: int, block: tuple[int, int]) -> None:
         super().__init__(in_features, out_features)
-        self.block = tuple(block)
+        self.block: tuple[int, int] = (block[0], block[1])
         rb, cb = -(-out_features // block[0]), -(-in_features // block[1])
         self.weight = _param(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn))
         self.weight_scale_inv = _param(torch.empty(rb, cb, dtype=torch.float32))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from typing import Any
 
 from starlette.requests import Request
 
@@ -157,7 +158,7 @@ class ChatHandler:
         _text, prompt_ids, thinking = encode_prompt(st, req)
         max_tokens = st.resolve_max_tokens(len(prompt_ids), req.effective_max_tokens(), "messages")
 
-        procs = []
+        procs: list[Any] = []
         constraint = output_constraint(req, thinking)  # (params, field) or None
         forced = tool_choice == "required" or isinstance(tool_choice, NamedToolChoice)
         forced = forced and use_tools

@@ -474,7 +474,7 @@ def run(args: argparse.Namespace) -> int:
             "KV cache: %d pages x %d tokens = %d tokens, prefix caching %s",
             ec.num_kv_pages,
             ec.page_size,
-            ec.num_kv_pages * ec.page_size,
+            (ec.num_kv_pages or 0) * ec.page_size,  # set by the engine once it has sized it
             "on" if ec.enable_prefix_caching else "off",
         )
         logger.info(

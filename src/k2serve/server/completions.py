@@ -115,7 +115,7 @@ class CompletionHandler:
         for k in range(total):
             p = k // n
             text = (prompts[p][0] if req.echo else "") + texts[k]
-            logprobs = None
+            logprobs: dict | None = None
             if req.logprobs is not None:
                 logprobs, off = (
                     {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []},
@@ -184,7 +184,8 @@ class CompletionHandler:
                 for c in out.outputs:
                     k = p * n + c.index
                     counts[k] += len(c.token_ids)
-                    text, lp = c.text, None
+                    text = c.text
+                    lp: dict | None = None
                     if req.logprobs is not None:
                         lp = {
                             "tokens": [],

@@ -361,8 +361,8 @@ class CompletionRequest(_SamplingFields):
         if isinstance(p, str):
             return [p]
         if all(isinstance(x, int) for x in p):
-            return [list(p)]
-        return list(p)
+            return [[x for x in p if isinstance(x, int)]]
+        return [x for x in p if not isinstance(x, int)]
 
 
 class CompletionLogprobs(_Out):

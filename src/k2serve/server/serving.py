@@ -159,8 +159,8 @@ class EngineStream:
         self.prompt_ids = prompt_ids
         self.timer = state.metrics.timer()
         self.params = params
-        self._it = state.engine.generate(prompt_ids, params, request_id)
-        self._first = None
+        self._it: Any = state.engine.generate(prompt_ids, params, request_id)  # async generator
+        self._first: Any = None
         self.finished = False
         self.num_cached_tokens = 0
         self._reasons: list[str | None] = []

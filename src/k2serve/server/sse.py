@@ -72,7 +72,7 @@ class SSEResponse(Response):
 
         pump_task = asyncio.ensure_future(pump())
         listen_task = asyncio.ensure_future(_wait_disconnect(receive))
-        tasks = [pump_task, listen_task]
+        tasks: list[asyncio.Future[Any]] = [pump_task, listen_task]
         if self.stop is not None:
             tasks.append(asyncio.ensure_future(self.stop.wait()))
         try:
@@ -96,7 +96,7 @@ class SSEResponse(Response):
             return
         if not pump_task.cancelled() and pump_task.exception() is not None:
             exc = pump_task.exception()
-            if not isinstance(exc, OSError):  # OSError = the client went away mid-send
+            if exc is not None and not isinstance(exc, OSError):  # OSError: the client went away
                 raise exc
 
 
@@ -110,7 +110,7 @@ async def cancel_on_disconnect(
     """Await `work`; cancel it and raise ClientDisconnected if the client disconnects first, or
     ServerStopping if `stop` is set first."""
     task = asyncio.ensure_future(work)
-    others = [asyncio.ensure_future(_wait_disconnect(request.receive))]
+    others: list[asyncio.Future[Any]] = [asyncio.ensure_future(_wait_disconnect(request.receive))]
     if stop is not None:
         others.append(asyncio.ensure_future(stop.wait()))
     try:
