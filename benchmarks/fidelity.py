@@ -37,12 +37,11 @@ def build(fmt: str, layers: int, experts: int, tiny: bool, device: str):
 
 
 def router_checks(device) -> list[str]:
-    from k2serve.kernels.router import fused_grouped_topk
-    from k2serve.model.router import grouped_topk
+    from k2serve.kernels.router import fused_grouped_topk, grouped_topk_torch
     from k2serve.testing.fidelity import check_router_topk
 
     fails = []
-    for name, fn in (("torch", grouped_topk), ("fused (Triton)", fused_grouped_topk)):
+    for name, fn in (("torch", grouped_topk_torch), ("fused (Triton)", fused_grouped_topk)):
         if name != "torch" and device != "cuda":
             continue
         for E, k, ng, tg in ((384, 8, 1, 1), (256, 8, 8, 4)):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k2serve.model.router import grouped_topk
+from k2serve.kernels.router import grouped_topk_torch
 from k2serve.moe import make_placement
 from k2serve.testing.fidelity import (
     RoutingPin,
@@ -107,13 +107,13 @@ def test_a_wrong_kernel_fails(bug):
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("groups", [(1, 1), (8, 4)])
 def test_router_topk_against_float64(ties, groups):
-    ok, why = check_router_topk(grouped_topk, 64, 64, 8, *groups, "cpu", ties=ties)
+    ok, why = check_router_topk(grouped_topk_torch, 64, 64, 8, *groups, "cpu", ties=ties)
     assert ok, why
 
 
 def test_router_check_catches_a_wrong_topk():
     def wrong(logits, bias, k, ng, tg, renorm, scale):
-        w, ids = grouped_topk(logits, bias, k + 1, ng, tg, renorm, scale)
+        w, ids = grouped_topk_torch(logits, bias, k + 1, ng, tg, renorm, scale)
         return w[:, 1:], ids[:, 1:]  # drops one of the best experts
 
     ok, why = check_router_topk(wrong, 32, 64, 8, 1, 1, "cpu")

@@ -86,3 +86,17 @@ def test_env_errors_name_the_variable(monkeypatch):
         envs.dist_timeout_s()
     monkeypatch.delenv("K2SERVE_DIST_TIMEOUT_S")
     assert envs.dist_timeout_s() == 600.0
+
+
+def test_tables_survive_copy_and_pickle():
+    """A model is deep-copied with its layers' tables (the fidelity harness does): the
+    immutable tables are shared, not copied, and pickle round-trips."""
+    import copy
+    import pickle
+
+    t = load_tables()
+    assert copy.deepcopy(t.gemv_bf16) is t.gemv_bf16
+    p = KernelPolicy.for_device("cpu")
+    assert copy.deepcopy(p) == p
+    back = pickle.loads(pickle.dumps(t.int4_decode))
+    assert dict(back) == dict(t.int4_decode) and back["w2"]["W"] == 128

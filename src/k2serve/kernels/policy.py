@@ -25,7 +25,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
-from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -36,8 +35,39 @@ DEFAULT_KIND = "h200"
 Shape = tuple[int, int]  # (N, K) of a weight [N, K]
 
 
+class FrozenMap(Mapping):
+    """A read-only mapping that copies (copy, deepcopy: a model copied with its layers' tables)
+    and pickles as itself; `types.MappingProxyType` does neither."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self, d: Mapping) -> None:
+        self._d = dict(d)
+
+    def __getitem__(self, key):
+        return self._d[key]
+
+    def __iter__(self):
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __repr__(self) -> str:
+        return f"FrozenMap({self._d!r})"
+
+    def __copy__(self) -> FrozenMap:
+        return self
+
+    def __deepcopy__(self, memo) -> FrozenMap:
+        return self
+
+    def __reduce__(self):
+        return (FrozenMap, (self._d,))
+
+
 def _frozen(d: Mapping[str, Any]) -> Mapping[str, Any]:
-    return MappingProxyType({k: _frozen(v) if isinstance(v, Mapping) else v for k, v in d.items()})
+    return FrozenMap({k: _frozen(v) if isinstance(v, Mapping) else v for k, v in d.items()})
 
 
 @dataclass(frozen=True)
@@ -67,8 +97,8 @@ class KernelTables:
             }
             return cls(
                 kind=kind,
-                gemv_bf16=MappingProxyType(gemv),
-                fp8_linear=MappingProxyType(fp8),
+                gemv_bf16=FrozenMap(gemv),
+                fp8_linear=FrozenMap(fp8),
                 fp8_kernel_max_rows=int(data["fp8_kernel_max_rows"]),
                 int4_decode=_frozen(data["int4_decode"]),
                 int4_decode_max_pairs=int(data["int4_decode_max_pairs"]),
