@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
                     o.text, thinking=thinking, truncated=o.finish_reason == "length"
                 )
             if args.json:
-                rec = {
+                rec: dict[str, object] = {
                     "prompt": r.prompt,
                     "index": o.index,
                     "text": o.text,

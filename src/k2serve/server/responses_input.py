@@ -225,7 +225,8 @@ def chat_tools(tools: list[dict] | None) -> list[dict] | None:
                 "tools such as web or file search are not available on this server)",
                 param=f"tools.{i}.type",
             )
-        fn = t.get("function") if isinstance(t.get("function"), dict) else t
+        inner = t.get("function")
+        fn = inner if isinstance(inner, dict) else t
         keys = ("name", "description", "parameters", "strict")
         out.append({"type": "function", "function": {k: fn[k] for k in keys if k in fn}})
     return out

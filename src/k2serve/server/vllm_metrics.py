@@ -45,7 +45,8 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 def token_buckets(max_model_len: int) -> list[int]:
     """vLLM's `build_1_2_5_buckets(max_model_len)`: 1, 2, 5, 10, 20, 50, ... <= max_model_len."""
-    out, exp = [], 0
+    out: list[int] = []
+    exp = 0
     while True:
         for m in (1, 2, 5):
             v = m * 10**exp
