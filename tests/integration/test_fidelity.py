@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k2serve.kernels.router import grouped_topk_torch
+from k2serve.kernels.router_torch import grouped_topk_torch
 from k2serve.moe import make_placement
 from k2serve.testing.fidelity import (
     RoutingPin,

@@ -3,8 +3,8 @@
 Owns: `grouped_topk(...)` - on CUDA (or under the interpreter) one Triton program per token
 (`fused_grouped_topk`: sigmoid, bias, group ranking, top-k, renormalise and scale in one launch;
 the torch version costs ~10 kernels and a sort per layer, ~0.1 ms of a batch-1 decode step),
-elsewhere torch ops; no host sync either way (CUDA-graph safe) - `grouped_topk_torch` (also the
-model's router off CUDA), and
+elsewhere torch ops (`router_torch.grouped_topk_torch`, also the model's router off CUDA); no
+host sync either way (CUDA-graph safe) - and
 `grouped_topk_ref`, a per-token loop written straight from the spec (shared/spec/kimi_format.md
 section 3.5) that the tests use as the oracle.
 
@@ -23,8 +23,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import HAS_TRITON, INTERPRET, tl, triton
-
-NAN_SCORE = -1.0e30  # a NaN selection score ranks here: below every real one, above "excluded"
+from .router_torch import grouped_topk_torch
 
 
 def grouped_topk(
@@ -128,37 +127,6 @@ def fused_grouped_topk(router_logits, bias, top_k, n_group=1, topk_group=1, reno
         num_warps=4,
     )  # fmt: skip
     return w, ids
-
-
-def grouped_topk_torch(
-    router_logits: torch.Tensor,  # [T, E] float32
-    bias: torch.Tensor | None,  # [E] float32
-    top_k: int,
-    n_group: int = 1,
-    topk_group: int = 1,
-    renormalize: bool = True,
-    routed_scaling_factor: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, k] float32, [T, k] int64)
-    """The torch path (the model's router off CUDA, and the kernel's fallback); ids unsorted."""
-    T, E = router_logits.shape
-    if E % n_group:
-        raise ValueError(f"n_group={n_group} does not divide num_experts={E}")
-    scores = router_logits.float().sigmoid()  # [T, E]
-    choice = scores + bias.to(scores.dtype) if bias is not None else scores  # [T, E]
-    choice = choice.nan_to_num(nan=NAN_SCORE, neginf=NAN_SCORE)  # see the module docstring
-    scores = scores.nan_to_num(nan=0.0)
-    if n_group > 1:
-        grouped = choice.view(T, n_group, E // n_group)
-        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, n_group]
-        group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()
-        expert_mask = group_mask[:, :, None].expand(T, n_group, E // n_group).reshape(T, E)
-        choice = choice.masked_fill(~expert_mask, float("-inf"))
-    topk_ids = choice.topk(top_k, dim=-1, sorted=False)[1]  # [T, k]
-    weights = scores.gather(1, topk_ids)  # [T, k]
-    if renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * routed_scaling_factor, topk_ids
 
 
 def grouped_topk_ref(router_logits, bias, top_k, n_group=1, topk_group=1, renormalize=True,

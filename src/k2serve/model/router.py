@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-logger = logging.getLogger(__name__)
+from k2serve.kernels.router_torch import grouped_topk_torch
 
-NAN_SCORE = -1.0e30  # as kernels.router.NAN_SCORE (not imported: that module imports Triton)
+logger = logging.getLogger(__name__)
 
 
 class TopkRouter(nn.Module):
@@ -108,8 +108,6 @@ class TopkRouter(nn.Module):
                 logits, self.e_score_correction_bias, self.top_k, self.n_group,
                 self.topk_group, self.norm_topk_prob, self.routed_scaling_factor, torch.int64,
             )  # fmt: skip
-        from k2serve.kernels.router import grouped_topk_torch
-
         return grouped_topk_torch(
             logits,
             self.e_score_correction_bias,
