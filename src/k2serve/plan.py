@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from k2serve import plan_commands as pc
 from k2serve.config import ModelConfig
@@ -544,6 +545,7 @@ def plan(
             hit_rate = top / tot
             gpu_routed = int(routed_tok * hit_rate)
     if g:
+        assert gpu is not None  # num_gpus > 0 needs a gpu preset (checked above)
         gpu_tok = dense_tok + gpu_routed // g
         cpu_tok = routed_tok * cpu_exp // n_exp if hit_rate is None else routed_tok - gpu_routed
         t0 = gpu_tok / gpu.bandwidth + cpu_tok / cpu_bw

@@ -151,13 +151,14 @@ def render(p: Plan, source: dict) -> str:
     w, out = p.weights, []
     gb = format_bytes
     gpu = p.gpu or {}  # a dict whenever num_gpus > 0
+    gpu = p.gpu or {}  # a dict whenever num_gpus > 0
     hw = (
         "no GPU"
         if not p.num_gpus
         else (
-            f"{p.num_gpus}x {p.gpu['name']} ({gb(p.gpu['memory_bytes'])}, "
-            f"{p.gpu['bandwidth'] / 1e12:.2f} TB/s each"
-            + (", assumed" if p.gpu.get("bandwidth_assumed") else "")
+            f"{p.num_gpus}x {gpu['name']} ({gb(gpu['memory_bytes'])}, "
+            f"{gpu['bandwidth'] / 1e12:.2f} TB/s each"
+            + (", assumed" if gpu.get("bandwidth_assumed") else "")
             + ")"
             + (f" = {p.nnodes} nodes of {p.gpus_per_node}" if p.nnodes > 1 else "")
         )
@@ -233,8 +234,8 @@ def render(p: Plan, source: dict) -> str:
             out.append(p.command)
     else:
         out.append(f"DOES NOT FIT ({len(p.reasons)} limit{'s' if len(p.reasons) > 1 else ''}):")
-        for r in p.reasons:
-            out.append(f"  - {r}")
+        for reason in p.reasons:
+            out.append(f"  - {reason}")
         for s in p.suggestions:
             out.append(f"  would fit: {s}")
     return "\n".join(out)

@@ -33,14 +33,15 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import (
-    AuthenticationError,
     Connection,
     answer_challenge,
     deliver_challenge,
 )
 
 from k2serve import envs
+from k2serve.distributed.errors import WorkerError
 
 logger = logging.getLogger(__name__)
 
@@ -264,8 +265,6 @@ class ControlServer:
     def accept_all(self, expected: set[int], check_local=None) -> dict[int, RemotePeer]:
         """Every rank in `expected` with both connections, within the join timeout; else
         WorkerError naming the missing ranks. `check_local()` may raise to abort the wait."""
-        from k2serve.distributed.workers import WorkerError
-
         spec = self.spec
         deadline = time.monotonic() + spec.join_timeout_s
         peers: dict[int, RemotePeer] = {}
@@ -389,7 +388,8 @@ class Watchdog:
         while not self._stop.wait(self.interval):
             now = time.monotonic()
             for p in self.peers:
-                why, got = _beat(p.hb)
+                hb = p.hb  # set when the peer joined, before the watchdog starts
+                why, got = _beat(hb) if hb is not None else ("it has no heartbeat link", False)
                 if got:
                     p.last_seen = now
                 if why is None and now - p.last_seen > self.timeout:

@@ -29,21 +29,19 @@ import traceback
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from k2serve import envs
+from k2serve.distributed.errors import WorkerError
 from k2serve.distributed.nodes import ControlServer, NodeSpec, Watchdog
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how often a waiting side checks that the other is alive
-
-
-class WorkerError(RuntimeError):
-    """A tensor-parallel worker died or failed; the message names its rank."""
 
 
 @dataclass
@@ -130,9 +128,9 @@ class _LocalPeer:
     """A worker process on this node, spawned by the group, talked to over two pipes."""
 
     rank: int
-    proc: object  # multiprocessing Process
-    inbox: object  # Connection we send calls on
-    outbox: object  # Connection we read replies from
+    proc: Any  # multiprocessing Process
+    inbox: Any  # Connection we send calls on
+    outbox: Any  # Connection we read replies from
 
     def describe(self) -> str:
         return f"tensor-parallel worker rank {self.rank} (pid {self.proc.pid})"
@@ -248,7 +246,8 @@ class WorkerGroup:
             self._control = ControlServer(nodes, backend, self.timeout_s)
         else:
             init_method = f"tcp://127.0.0.1:{_free_port()}"
-        self._procs, self._peers = [], []
+        self._procs: list[Any] = []
+        self._peers: list[Any] = []  # _LocalPeer, then (multi-node) RemotePeer
         for rank in range(1, local):
             in_r, in_w = ctx.Pipe(duplex=False)
             out_r, out_w = ctx.Pipe(duplex=False)
@@ -269,6 +268,7 @@ class WorkerGroup:
             for i in range(local - 1):
                 self._recv(i, start_timeout, expect="started")
             if nodes is not None:
+                assert self._control is not None  # made above for multi-node groups
                 remote = self._control.accept_all(set(range(local, world_size)), self.check)
                 self._peers.extend(remote[r] for r in sorted(remote))
                 for i in range(local - 1, world_size - 1):
@@ -286,8 +286,8 @@ class WorkerGroup:
             self.shutdown()
             raise
         if nodes is not None:
-            remote = [p for p in self._peers if not isinstance(p, _LocalPeer)]
-            self._watchdog = Watchdog(remote, self._procs, self._lost)
+            remote_peers = [p for p in self._peers if not isinstance(p, _LocalPeer)]
+            self._watchdog = Watchdog(remote_peers, self._procs, self._lost)
             self._finalizer.detach()
             self._finalizer = weakref.finalize(
                 self, _shutdown, self._peers, self._watchdog, self._control, 10.0

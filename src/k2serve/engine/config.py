@@ -195,9 +195,10 @@ class EngineConfig:
                     flag, action=argparse.BooleanOptionalAction, default=default, help=help_
                 )
                 continue
-            typ = {"max_model_len": int, "num_kv_pages": int, "max_waiting": int,
-                   "num_gpu_experts": int,
-                   "gpu_prefill_token_threshold": int}.get(f.name)  # fmt: skip
+            typ: Callable[[str], Any] | None = {
+                "max_model_len": int, "num_kv_pages": int, "max_waiting": int,
+                "num_gpu_experts": int,
+                "gpu_prefill_token_threshold": int}.get(f.name)  # fmt: skip
             if typ is None:
                 typ = type(default) if default is not None else str
             parser.add_argument(flag, type=typ, default=default, help=help_)

@@ -30,6 +30,9 @@ from k2serve.engine.request import Request
 from k2serve.engine.sampler import Sampler, SamplerOutput
 from k2serve.engine.scheduler import SchedulerOutput
 
+if TYPE_CHECKING:
+    from k2serve.model.cuda_graph import DecodeGraphRunner
+
 try:
     from k2serve.attention.base import AttentionMetadata
 except ImportError:  # NOTE: until k2serve.attention lands; same fields as docs/interfaces.md
@@ -162,7 +165,7 @@ class ModelRunner(BatchBuilder):
         self.model = model
         self.kv_caches = kv_caches
         self.sampler = Sampler(self.device, seed)
-        self.graph_runner = None
+        self.graph_runner: DecodeGraphRunner | None = None
         self.routing = None  # --record-routing / --dynamic-expert-placement (moe.dynamic)
         if hasattr(model, "setup_backends"):
             from k2serve.moe.dynamic import RoutingService

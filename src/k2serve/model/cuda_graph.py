@@ -153,7 +153,7 @@ class DecodeGraphRunner:
             raise RuntimeError("DecodeGraphRunner.capture() was already called")
         self._reserve_host_buffers()
         backends = [getattr(ly.mlp, "expert_backend", None) for ly in self.model.model.layers]
-        hybrid = [be for be in backends if hasattr(be, "dry_run")]
+        hybrid: list[Any] = [be for be in backends if hasattr(be, "dry_run")]
         for bs in reversed(self.buckets):
             for be in hybrid:  # the CPU experts are not needed to warm up the GPU pieces
                 be.dry_run = True

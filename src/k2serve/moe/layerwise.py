@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from k2serve.kernels.fused_moe import ExpertWeights, fused_moe_ref
+from k2serve.kernels.policy import triton_usable
 from k2serve.moe.base import ExpertBackend
 
 logger = logging.getLogger(__name__)
@@ -53,8 +54,6 @@ class _RefStackedBackend(ExpertBackend):
 
 
 def _backend_for(weights: ExpertWeights, device: torch.device) -> ExpertBackend:
-    from k2serve.attention import triton_usable
-
     if triton_usable(device):
         from k2serve.moe.fused_moe import FusedMoEBackend
 

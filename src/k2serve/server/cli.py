@@ -440,7 +440,11 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
         raise
     if cfg.nnodes > 1:
-        engine.engine.runner.set_on_failure(_exit_on_lost_rank)
+        from k2serve.engine.executor import MultiprocExecutor
+
+        runner = engine.engine.runner
+        assert isinstance(runner, MultiprocExecutor)  # several nodes: tensor parallel
+        runner.set_on_failure(_exit_on_lost_rank)
     try:
         if engine.tokenizer is None:
             print(f"k2serve serve: {model_dir} has no tokenizer files", file=sys.stderr)
@@ -497,7 +501,8 @@ def run(args: argparse.Namespace) -> int:
         )
         bound = "" if host == args.host else f", bound to {args.host}"
         port = sock.getsockname()[1]  # --port 0: the one the system picked
-        message = ("serving on http://%s:%d/v1 (OpenAI API; /health, /metrics%s)", host, port)
+        fmt = "serving on http://%s:%d/v1 (OpenAI API; /health, /metrics%s)"
+        message: tuple = (fmt, host, port)
         message += (bound,)
         server = _DrainingServer.make(config, state, args.drain_timeout, message)
         server.run(sockets=[sock])

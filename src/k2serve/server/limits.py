@@ -85,7 +85,7 @@ def uvicorn_http_protocol(header_timeout: float):
                 self.logger.debug("closing a connection whose request headers never arrived")
                 self.transport.close()
 
-        def connection_made(self, transport) -> None:  # type: ignore[override]
+        def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._arm()
 

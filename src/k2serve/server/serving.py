@@ -310,7 +310,7 @@ OnBad = Callable[[float], None] | None
 
 def nonfinite_warner(request_id: str) -> Callable[[float], None]:
     """`on_bad` for the logprob helpers: logs once (per request) that logprobs were replaced."""
-    warned = []
+    warned: list[float] = []
 
     def warn(value: float) -> None:
         if not warned:
