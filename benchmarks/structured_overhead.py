@@ -1,10 +1,10 @@
 """Decode step time with a JSON-schema constraint vs without, at batch 1 and 16, in one run.
 
 Run from the repo root:
-    python benchmarks/structured_overhead.py                     # dev CPU, the demo checkpoint
-    python benchmarks/structured_overhead.py --model DIR         # any checkpoint dir (e.g. a k2-slice)
-    python benchmarks/structured_overhead.py --slice --quick     # GPU: k2-slice INT4, dummy weights,
-                                                            # 163,840-token vocab, < 2 min on H100
+    python benchmarks/structured_overhead.py                  # dev CPU, the demo checkpoint
+    python benchmarks/structured_overhead.py --model DIR      # any checkpoint dir (a k2-slice)
+    python benchmarks/structured_overhead.py --slice --quick  # GPU: k2-slice INT4, dummy weights,
+                                                              # 163,840-token vocab, < 2 min on H100
 
 On a GPU box without xgrammar (and pydantic), carry the wheels: here, download them for its
 Python (3.12) into .whl/ (git-ignored),

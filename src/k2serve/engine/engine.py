@@ -248,7 +248,7 @@ class LLMEngine:
                 cache_salt=cache_salt,
                 arrival_time=arrival_time,
             )
-            if compiled is not None:
+            if compiled is not None and so is not None:
                 from k2serve.structured.state import GrammarState
 
                 req.grammar = GrammarState(self._grammar, compiled, so)  # one per sequence

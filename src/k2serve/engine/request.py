@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 import torch
 
@@ -74,7 +75,7 @@ class Request:
         # per-request noise source of seeded sampling, made by the sampler on its device
         self.generator: torch.Generator | None = None
         # structured outputs: this sequence's k2serve.structured.state.GrammarState (or None)
-        self.grammar = None
+        self.grammar: Any = None  # structured.state.GrammarState when constrained
 
     @property
     def num_tokens(self) -> int:

@@ -27,6 +27,7 @@ from p.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -50,7 +51,9 @@ class Sampler:
 
     def _apply_grammars(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
         """Mask the rows of requests with an active grammar; returns those rows."""
-        rows, matchers, backend = [], [], None
+        rows: list[int] = []
+        matchers: list = []
+        backend: Any = None  # the grammar backend of the constrained rows
         for i, r in enumerate(reqs):
             g = r.grammar
             if g is None:

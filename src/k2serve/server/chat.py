@@ -166,12 +166,12 @@ class ChatHandler:
             raise bad_request(
                 f"{constraint[1]} cannot be combined with a forced tool_choice", param=constraint[1]
             )
-        if use_tools and constraint is None:
+        if tools and use_tools and constraint is None:
             so = tool_constraint(tools, tool_choice, req.parallel_tool_calls, thinking)
             constraint = (so, "tools") if so is not None else None
         # tool_choice required / named: the grammar constrains the whole section; the prefix
         # processor also makes the call open with the canonical tokens of its prefix
-        if use_tools and tool_choice == "required":
+        if tools and use_tools and tool_choice == "required":
             names = [t["function"]["name"] for t in tools]
             procs.append(ForceToolCallPrefix(st.tokenizer, names, thinking))
         elif use_tools and isinstance(tool_choice, NamedToolChoice):

@@ -4,7 +4,7 @@ Owns: the vocabulary handed to xgrammar (`token_bytes`), compiling a `Structured
 into an xgrammar `CompiledGrammar` (with a bounded cache), making one matcher per sequence, and
 filling / applying the token bitmask of a batch.
 
-Why xgrammar (measured with bench/grammar_engines.py, see docs/structured_outputs.md): on a
+Why xgrammar (measured with benchmarks/grammar_engines.py, see docs/structured_outputs.md): on a
 163,840-token Kimi vocabulary its mask time per token is of the same order as llguidance's (tens
 of us on average, lower median), a schema compiles in tens of ms once (cached); it is the
 default of vLLM and SGLang, ships CPU, CUDA and Triton kernels that apply the bitmask in place
@@ -30,6 +30,7 @@ from __future__ import annotations
 import re
 import threading
 from collections import OrderedDict
+from typing import Any
 
 import torch
 
@@ -113,7 +114,7 @@ class GrammarBackend:
         self.tag_compiler = xgr.GrammarCompiler(infos[1], cache_enabled=False)
         self._cache: OrderedDict[str, object] = OrderedDict()
         self._lock = threading.Lock()
-        self._batch = None  # xgr.BatchGrammarMatcher, made on first use
+        self._batch: Any = None  # xgr.BatchGrammarMatcher, made on first use
 
     def marker_id(self, marker: str) -> int:
         tid = self.tokenizer.token_to_id(marker)
@@ -146,7 +147,9 @@ class GrammarBackend:
         kind = p.kind
         if kind == "json":
             return c.compile_json_schema(
-                fix_string_lengths(p.json) if isinstance(p.json, dict) else _bool_schema(p.json),
+                fix_string_lengths(p.json)
+                if isinstance(p.json, dict)
+                else _bool_schema(bool(p.json)),
                 any_whitespace=True,
                 max_whitespace_cnt=MAX_JSON_WHITESPACE,
             )
@@ -162,25 +165,24 @@ class GrammarBackend:
         from xgrammar.structural_tag import ConstStringFormat, OrFormat, StructuralTag
 
         if kind == "choice":
-            fmt = OrFormat(elements=[ConstStringFormat(value=s) for s in p.choice])
-            return c.compile_structural_tag(StructuralTag(format=fmt))
+            options: list[Any] = [ConstStringFormat(value=s) for s in p.choice or []]
+            return c.compile_structural_tag(StructuralTag(format=OrFormat(elements=options)))
         c = self.tag_compiler
         assert kind == "structural_tag"
         tag = p.structural_tag
+        assert isinstance(tag, dict)  # the params' validation made it a dict
         if "structures" in tag:  # vLLM's first form: {"structures": [...], "triggers": [...]}
             from xgrammar.structural_tag import TriggeredTagsFormat
 
-            fmt = TriggeredTagsFormat(
-                triggers=tag.get("triggers") or [],
-                tags=[
-                    {
-                        "begin": s["begin"],
-                        "content": {"type": "json_schema", "json_schema": s["schema"]},
-                        "end": s["end"],
-                    }
-                    for s in tag["structures"]
-                ],
-            )
+            tags: Any = [  # dicts: xgrammar's pydantic models validate them
+                {
+                    "begin": s["begin"],
+                    "content": {"type": "json_schema", "json_schema": s["schema"]},
+                    "end": s["end"],
+                }
+                for s in tag["structures"]
+            ]
+            fmt = TriggeredTagsFormat(triggers=tag.get("triggers") or [], tags=tags)
             return c.compile_structural_tag(StructuralTag(format=fmt))
         if "format" not in tag:
             raise ValueError(

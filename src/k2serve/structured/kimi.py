@@ -90,7 +90,7 @@ def tool_call_constraint(
         chosen = [t for t in tools if t["function"]["name"] == name]
         if not chosen:
             raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
-        fmt = {
+        fmt: dict[str, Any] = {
             "type": "sequence",
             "elements": [
                 _tok(SECTION_BEGIN),
