@@ -7,8 +7,8 @@ distinct experts it hits, at their stored size), that over the time as GB/s and 
 of the measured read bandwidth, the old per-expert torch path and KT-Kernel (the peer, when
 `kt_kernel` imports) on the same weights, and the extrapolation to 60 MoE layers (tok/s).
 
-    python benchmarks/cpu_moe.py                      # K2 sizes (needs ~10 GB of RAM for 384 experts)
-    python benchmarks/cpu_moe.py --experts 48         # a smaller pool on a small machine
+    python benchmarks/cpu_moe.py                # K2 sizes (needs ~10 GB of RAM for 384 experts)
+    python benchmarks/cpu_moe.py --experts 48   # a smaller pool on a small machine
     python benchmarks/cpu_moe.py --format fp8 --experts 32 --no-old
 
 Correctness is checked first (native vs the torch reference on a few tokens). Each timing uses

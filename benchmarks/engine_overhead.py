@@ -1,9 +1,9 @@
 """The engine's own per-step overhead (no model cost) at batch 1-256, and the HTTP path per token.
 
 Run from the repo root:
-    PYTHONPATH=src .venv/bin/python benchmarks/engine_overhead.py                 # B = 1,16,64,256
-    PYTHONPATH=src .venv/bin/python benchmarks/engine_overhead.py --batch 64 --profile   # + cProfile
-    PYTHONPATH=src .venv/bin/python benchmarks/engine_overhead.py --http          # + server per token
+    PYTHONPATH=src .venv/bin/python benchmarks/engine_overhead.py                # B = 1,16,64,256
+    PYTHONPATH=src .venv/bin/python benchmarks/engine_overhead.py --batch 64 --profile  # cProfile
+    PYTHONPATH=src .venv/bin/python benchmarks/engine_overhead.py --http         # + HTTP per token
 
 The model is `NullModel`: its forward returns a constant hidden row per token and its logits are
 one fixed row per (position mod 16), so its cost is ~nothing and every microsecond measured is

@@ -15,6 +15,10 @@ monkeypatch. Nothing else in k2serve reads `os.environ` for a `K2SERVE_*` name.
 | K2SERVE_HEARTBEAT_INTERVAL_S | float > 0 | 1 | multi-node heartbeat period |
 | K2SERVE_HEARTBEAT_TIMEOUT_S | float > 0 | 30 | multi-node: a silent node is lost after this |
 | K2SERVE_DIST_SECRET | str | unset | multi-node: the shared secret the nodes authenticate with |
+| K2SERVE_CPU_KERNEL | str | auto | CPU expert kernel mode (moe.cpu_kernel.KERNEL_MODES) |
+| K2SERVE_CPU_THREADS | int >= 1 | unset | CPU expert kernel threads (unset: all cores) |
+| K2SERVE_NUMA_TOPOLOGY | str | unset | CPU expert kernel NUMA topology override |
+| K2SERVE_CACHE_DIR | str | unset | where the CPU kernel's build / repack cache lives |
 """
 
 from __future__ import annotations
@@ -93,3 +97,32 @@ def heartbeat_timeout_s() -> float:
 def dist_secret() -> str | None:
     """K2SERVE_DIST_SECRET: the secret multi-node peers authenticate with (the same on all)."""
     return _raw("K2SERVE_DIST_SECRET")
+
+
+def cpu_kernel_mode() -> str:
+    """K2SERVE_CPU_KERNEL: the CPU expert kernel mode, lower case ("auto" when unset)."""
+    return (_raw("K2SERVE_CPU_KERNEL") or "auto").lower()
+
+
+def cpu_threads() -> int | None:
+    """K2SERVE_CPU_THREADS: threads of the CPU expert kernel (None: all cores)."""
+    raw = _raw("K2SERVE_CPU_THREADS")
+    if raw is None:
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(f"K2SERVE_CPU_THREADS={raw!r} is not an integer") from None
+    if n < 1:
+        raise ValueError(f"K2SERVE_CPU_THREADS={n} must be >= 1")
+    return n
+
+
+def numa_topology() -> str | None:
+    """K2SERVE_NUMA_TOPOLOGY: the CPU expert kernel's NUMA topology override."""
+    return _raw("K2SERVE_NUMA_TOPOLOGY")
+
+
+def cache_dir() -> str | None:
+    """K2SERVE_CACHE_DIR: the CPU kernel's build / repack cache directory."""
+    return _raw("K2SERVE_CACHE_DIR")

@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import Any
 
 _HELP = {
     "model": "checkpoint directory (default: the bundled demo checkpoint)",

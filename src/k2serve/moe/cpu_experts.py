@@ -116,7 +116,7 @@ class CpuExpertBackend(ExpertBackend):
         self.compute_dtype = compute_dtype or torch.float32
         self.local_of = _local_map(num_experts, self.expert_ids, "cpu")  # [E] int64
         self._local_of32 = self.local_of.to(torch.int32).contiguous()
-        self._pending = None
+        self._pending: tuple | None = None
         self._layer = None
         self.impl = "torch"
         settings = ck.kernel_settings()
@@ -184,9 +184,9 @@ class CpuExpertBackend(ExpertBackend):
 
     def __setstate__(self, state: dict) -> None:
         compute_dtype, kernel, threads, topology = state["init_args"]
-        self.__init__(state["experts"], state["expert_ids"], state["num_experts"],
-                      compute_dtype, kernel=kernel, threads=threads,
-                      numa_topology=topology)  # fmt: skip
+        CpuExpertBackend.__init__(self, state["experts"], state["expert_ids"],
+                                  state["num_experts"], compute_dtype, kernel=kernel,
+                                  threads=threads, numa_topology=topology)  # fmt: skip
 
     def __del__(self) -> None:
         layer, self._layer = getattr(self, "_layer", None), None

@@ -132,7 +132,7 @@ class VllmMetrics:
             self.request_success.labels(model_name, reason)
         self.prompt_tokens.labels(model_name)
         self.generation_tokens.labels(model_name)
-        self._hot = None  # (generation_tokens, itl, tpot) children of model_name
+        self._hot: tuple | None = None  # (generation_tokens, itl, tpot) children of model_name
         # server-side prefix-cache counts, used when the engine does not report its own
         self.fallback_queries = 0
         self.fallback_hits = 0

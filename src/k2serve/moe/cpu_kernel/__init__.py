@@ -32,6 +32,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from k2serve import envs
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("k2cpu.cpp")
@@ -56,23 +58,14 @@ class KernelSettings:
 
 def kernel_settings() -> KernelSettings:
     """The K2SERVE_CPU_* environment variables (see the module docstring), validated."""
-    mode = os.environ.get("K2SERVE_CPU_KERNEL", "auto").strip().lower() or "auto"
+    mode = envs.cpu_kernel_mode()
     if mode not in KERNEL_MODES:
         raise ValueError(f"K2SERVE_CPU_KERNEL={mode!r}; expected one of {KERNEL_MODES}")
-    threads = os.environ.get("K2SERVE_CPU_THREADS")
-    n = None
-    if threads:
-        try:
-            n = int(threads)
-        except ValueError:
-            raise ValueError(f"K2SERVE_CPU_THREADS={threads!r} is not an integer") from None
-        if n < 1:
-            raise ValueError(f"K2SERVE_CPU_THREADS={n} must be >= 1")
     return KernelSettings(
         mode=mode,
-        threads=n,
-        numa_topology=os.environ.get("K2SERVE_NUMA_TOPOLOGY") or None,
-        cache_dir=os.environ.get("K2SERVE_CACHE_DIR") or None,
+        threads=envs.cpu_threads(),
+        numa_topology=envs.numa_topology(),
+        cache_dir=envs.cache_dir(),
     )
 
 
