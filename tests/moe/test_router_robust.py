@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from k2serve.kernels import router as kr
-from k2serve.model.router import TopkRouter, grouped_topk
+from k2serve.kernels.router_torch import grouped_topk_torch as grouped_topk
+from k2serve.model.router import TopkRouter
 
 CASES = [(1, 1, 48, 6), (8, 4, 64, 8), (4, 2, 32, 4)]  # n_group, topk_group, E, k
 
