@@ -22,9 +22,17 @@ sys.path.insert(0, os.path.dirname(__file__))
 import model_speed as ms  # noqa: E402
 
 # Kimi-K2-Instruct's FP8 linears (out, in)
-SHAPES = {"q_a": (1536, 7168), "kv_a": (576, 7168), "q_b": (12288, 1536), "kv_b": (16384, 512),
-          "o_proj": (7168, 8192), "shared gate/up": (2048, 7168), "shared down": (7168, 2048),
-          "dense gate/up": (18432, 7168), "dense down": (7168, 18432)}
+SHAPES = {
+    "q_a": (1536, 7168),
+    "kv_a": (576, 7168),
+    "q_b": (12288, 1536),
+    "kv_b": (16384, 512),
+    "o_proj": (7168, 8192),
+    "shared gate/up": (2048, 7168),
+    "shared down": (7168, 2048),
+    "dense gate/up": (18432, 7168),
+    "dense down": (7168, 18432),
+}
 
 
 def reference(x, w, s):
@@ -66,8 +74,13 @@ def part_proj(sweep):
                 for bn in (32, 64):
                     for split in (1, 2, 4, 8, 16):
                         for st in (3, 4):
-                            cfg = dict(BLOCK_M=16 if M <= 16 else 64, BLOCK_N=bn, SPLIT_K=split,
-                                       num_warps=4, num_stages=st)
+                            cfg = dict(
+                                BLOCK_M=16 if M <= 16 else 64,
+                                BLOCK_N=bn,
+                                SPLIT_K=split,
+                                num_warps=4,
+                                num_stages=st,
+                            )
                             try:
                                 out = fl.fp8_block_matmul(x, w, s, cfg)
                                 t = gtime(lambda: fl.fp8_block_matmul(x, w, s, cfg))
@@ -91,8 +104,14 @@ def part_moe():
     E, D, I, K = 384, 7168, 2048, 8
     ew = ms._rand_experts("fp8", E, D, I, "cuda")
     per = sum(t[0].numel() * t.element_size() for t in (ew.w13, ew.w2, ew.w13_scale, ew.w2_scale))
-    cands = [(bn, bk, st, nw) for bn in (32, 64, 128) for bk in (128, 256) for st in (3, 4, 6)
-             for nw in (4, 8) if not (bn == 128 and bk == 256 and st == 6)]
+    cands = [
+        (bn, bk, st, nw)
+        for bn in (32, 64, 128)
+        for bk in (128, 256)
+        for st in (3, 4, 6)
+        for nw in (4, 8)
+        if not (bn == 128 and bk == 256 and st == 6)
+    ]
     for T in (1, 8, 32):
         routes = [ms._route(T, E, K, "cuda") for _ in range(4)]
         x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
@@ -106,11 +125,16 @@ def part_moe():
             cfg = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=st)
             try:
                 outs = [fm.fused_moe(x, ew, tw, ti, cfg) for tw, ti in routes]
-                t = ms.graph_ms([lambda tw=tw, ti=ti: fm.fused_moe(x, ew, tw, ti, cfg) for tw, ti in routes])
+                t = ms.graph_ms(
+                    [lambda tw=tw, ti=ti: fm.fused_moe(x, ew, tw, ti, cfg) for tw, ti in routes]
+                )
             except Exception as e:  # noqa: BLE001 - a config that does not fit
                 ms.log(f"  T={T} {cfg}: {type(e).__name__}")
                 continue
-            err = max(((o.float() - r.float()).norm() / r.float().norm()).item() for o, r in zip(outs, refs, strict=True))
+            err = max(
+                ((o.float() - r.float()).norm() / r.float().norm()).item()
+                for o, r in zip(outs, refs, strict=True)
+            )
             if err < 1e-2 and t < best[0]:
                 best = (t, cfg)
         ms.row("moe", f"fp8 experts T={T} best {best[1]}", best[0], nb, 0, f"{t0 / best[0]:.2f}x")
@@ -121,8 +145,14 @@ def part_model(layers):
     ms.setup(model, ms.engine_policy(fp8_gemm=False), expand=True)  # dequant pass + cuBLAS
     ms.bench_model(model, "fp8-dequant", batches=(1, 8), prefills=(1024,), expanded=True)
     ms.setup(model, expand=True)
-    ms.bench_model(model, "fp8-kernel", batches=(1, 8, 32), prefills=(1024, 8192), expanded=True,
-                   profile_batches=(1,))
+    ms.bench_model(
+        model,
+        "fp8-kernel",
+        batches=(1, 8, 32),
+        prefills=(1024, 8192),
+        expanded=True,
+        profile_batches=(1,),
+    )
 
 
 def main():
@@ -130,12 +160,17 @@ def main():
     ap.add_argument("--parts", default="proj,model")
     ap.add_argument("--layers", type=int, default=4)
     args = ap.parse_args()
-    ms.log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton "
-           f"{__import__('triton').__version__} date {time.strftime('%Y-%m-%d')}")
+    ms.log(
+        f"{torch.cuda.get_device_name()} torch {torch.__version__} triton "
+        f"{__import__('triton').__version__} date {time.strftime('%Y-%m-%d')}"
+    )
     torch.manual_seed(0)
     ms.part_ceil()
-    for name, fn in (("proj", lambda: part_proj("sweep" in args.parts)), ("moe", part_moe),
-                     ("model", lambda: part_model(args.layers))):
+    for name, fn in (
+        ("proj", lambda: part_proj("sweep" in args.parts)),
+        ("moe", part_moe),
+        ("model", lambda: part_model(args.layers)),
+    ):
         if name in args.parts:
             ms.run_part(name, fn)
     ms.print_table()

@@ -360,7 +360,9 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default="checks,decode,prefill")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        log("benchmarks/hybrid_moe.py needs a CUDA GPU (the targets are GPU + CPU figures); nothing run")
+        log(
+            "benchmarks/hybrid_moe.py needs a CUDA GPU (the targets are GPU + CPU figures); nothing run"
+        )
         return 2
     args.batches = (1,) if args.quick else (1, 4, 16)
     args.prefills = (32768,) if args.quick else (8192, 32768)

@@ -26,8 +26,12 @@ E, D, I, K = 384, 7168, 2048, 8
 # three other dequant forms (one MMA per nibble plane, per plane pair, a shift per element):
 # all slower, dropped (kernels/int4_gemm.py).
 CONFIGS = [
-    (64, 128, 8, 4, 3), (128, 128, 8, 8, 3), (32, 128, 8, 4, 3), (128, 256, 8, 8, 3),
-    (64, 128, 16, 4, 3), (16, 128, 8, 4, 4),
+    (64, 128, 8, 4, 3),
+    (128, 128, 8, 8, 3),
+    (32, 128, 8, 4, 3),
+    (128, 256, 8, 8, 3),
+    (64, 128, 16, 4, 3),
+    (16, 128, 8, 4, 4),
 ]
 
 
@@ -56,7 +60,12 @@ def part_check(ew):
         x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
         ref = int4_gemm.int4_moe_grouped_mm(x, ew, tw, ti)
         for c in (CONFIGS[0], CONFIGS[2], CONFIGS[4], CONFIGS[5]):
-            ms.check(f"int4_moe_gemm T={T} {name_of(c)}", int4_gemm.int4_moe_gemm(x, ew, tw, ti, cfg_of(c)), ref, 1e-2)
+            ms.check(
+                f"int4_moe_gemm T={T} {name_of(c)}",
+                int4_gemm.int4_moe_gemm(x, ew, tw, ti, cfg_of(c)),
+                ref,
+                1e-2,
+            )
         ms.check(f"int4_moe_gemm T={T} default", int4_gemm.int4_moe_gemm(x, ew, tw, ti), ref, 1e-2)
 
 
@@ -74,9 +83,21 @@ def part_sweep(ew, per_expert):
         tag = f"T={T}{' skew' if skew else ''} ({hit} exp)"
         it = 5 if T >= 2048 else 10
         ref = int4_gemm.int4_moe_grouped_mm(x, ew, tw, ti)
-        ms.row("base", f"{tag} dequant+grouped_mm", ms.timed(lambda: int4_gemm.int4_moe_grouped_mm(x, ew, tw, ti), iters=it), nb, fl)
+        ms.row(
+            "base",
+            f"{tag} dequant+grouped_mm",
+            ms.timed(lambda: int4_gemm.int4_moe_grouped_mm(x, ew, tw, ti), iters=it),
+            nb,
+            fl,
+        )
         c0 = _config(T * K, E, "int4")
-        ms.row("base", f"{tag} generic fused_moe", ms.timed(lambda: fm.fused_moe(x, ew, tw, ti, c0), iters=it), nb, fl)
+        ms.row(
+            "base",
+            f"{tag} generic fused_moe",
+            ms.timed(lambda: fm.fused_moe(x, ew, tw, ti, c0), iters=it),
+            nb,
+            fl,
+        )
         for c in CONFIGS:
             if c[0] > 4 * max(16, T * K // E):  # token tiles far larger than an expert's rows
                 continue
@@ -103,7 +124,9 @@ def part_model(layers, profile):
     res = {}
     for impl in ("grouped_mm", "gemm", "auto"):  # previous default, always the GEMM, default
         ms.setup(model, ms.engine_policy(int4_prefill_impl=impl), expand=True)
-        res[impl] = ms.bench_model(model, f"model-{impl}", batches=(128,), prefills=(1024, 8192), expanded=True)
+        res[impl] = ms.bench_model(
+            model, f"model-{impl}", batches=(128,), prefills=(1024, 8192), expanded=True
+        )
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as prof_ctx
@@ -119,7 +142,11 @@ def part_model(layers, profile):
                 model.compute_logits(model(ids, pos, md, kv)[-1:])
                 torch.cuda.synchronize()
         ms.log("== profile: prefill T=8192, one step, CUDA kernels (gemm path)")
-        ms.log(prof.key_averages().table(sort_by="device_time_total", row_limit=25, max_name_column_width=70))
+        ms.log(
+            prof.key_averages().table(
+                sort_by="device_time_total", row_limit=25, max_name_column_width=70
+            )
+        )
     return res
 
 
@@ -138,14 +165,21 @@ def main():
         int4_gemm.int4_moe_gemm(x, ew, tw, ti)
         torch.cuda.synchronize()
         return
-    ms.log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton "
-           f"{__import__('triton').__version__} date {time.strftime('%Y-%m-%d')}")
+    ms.log(
+        f"{torch.cuda.get_device_name()} torch {torch.__version__} triton "
+        f"{__import__('triton').__version__} date {time.strftime('%Y-%m-%d')}"
+    )
     torch.manual_seed(0)
     ms.part_ceil()
     if "check" in parts or "sweep" in parts:
         ew = ms._rand_experts("int4", E, D, I, "cuda")
-        per_expert = sum(t[0].numel() * t.element_size() for t in (ew.w13, ew.w2, ew.w13_scale, ew.w2_scale))
-        for name, fn in (("check", lambda: part_check(ew)), ("sweep", lambda: part_sweep(ew, per_expert))):
+        per_expert = sum(
+            t[0].numel() * t.element_size() for t in (ew.w13, ew.w2, ew.w13_scale, ew.w2_scale)
+        )
+        for name, fn in (
+            ("check", lambda: part_check(ew)),
+            ("sweep", lambda: part_sweep(ew, per_expert)),
+        ):
             if name in parts:
                 ms.run_part(name, fn)
         del ew

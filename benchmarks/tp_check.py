@@ -312,8 +312,12 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--no-engine", action="store_true", help="skip the engine-level check")
     ap.add_argument("--k2-only", action="store_true", help="k2-slice models only")
-    ap.add_argument("--k2-experts", type=int, default=0,
-                    help="k2-slice with this many routed experts (0: the real 384)")
+    ap.add_argument(
+        "--k2-experts",
+        type=int,
+        default=0,
+        help="k2-slice with this many routed experts (0: the real 384)",
+    )
     ap.add_argument("--k2-vocab", type=int, default=4096,
                     help="k2-slice vocabulary with --k2-experts")  # fmt: skip
     args = ap.parse_args()

@@ -135,10 +135,25 @@ def context(plan: dict, a: argparse.Namespace, target: str = "k8s") -> dict:
             shlex.quote(x) for x in ["k2serve", "download", download_name, "--dir", k8s_dir]
         )
         + f" && touch {shlex.quote(marker)}",
-        "leader_command": ["k2serve", "serve", *node, "--node-rank", "0",
-                           "--master-addr", "$(LWS_LEADER_ADDRESS)"],  # fmt: skip
-        "worker_command": ["k2serve", "serve", *node, "--node-rank", "$(LWS_WORKER_INDEX)",
-                           "--master-addr", "$(LWS_LEADER_ADDRESS)", "--headless"],  # fmt: skip
+        "leader_command": [
+            "k2serve",
+            "serve",
+            *node,
+            "--node-rank",
+            "0",
+            "--master-addr",
+            "$(LWS_LEADER_ADDRESS)",
+        ],  # fmt: skip
+        "worker_command": [
+            "k2serve",
+            "serve",
+            *node,
+            "--node-rank",
+            "$(LWS_WORKER_INDEX)",
+            "--master-addr",
+            "$(LWS_LEADER_ADDRESS)",
+            "--headless",
+        ],  # fmt: skip
         "dist_secret": f"{a.name}-dist",
         "dist_secret_value": secrets.token_hex(16),
         # inside bash -c '...' in the sbatch: a single quote must close, escape, reopen

@@ -202,8 +202,11 @@ class ModelRunner(BatchBuilder):
         runner.capture()
         self.graph_runner = runner
         pieces = max(runner.num_pieces.values())
-        logger.info("CUDA graphs: captured decode batch sizes %s%s", list(buckets),
-                    f" ({pieces} pieces per step around the CPU experts)" if pieces > 1 else "")
+        logger.info(
+            "CUDA graphs: captured decode batch sizes %s%s",
+            list(buckets),
+            f" ({pieces} pieces per step around the CPU experts)" if pieces > 1 else "",
+        )
 
     @torch.inference_mode()
     def execute(
@@ -230,4 +233,3 @@ class ModelRunner(BatchBuilder):
         """Write the routing counts (--record-routing) a last time; idempotent."""
         if self.routing is not None:
             self.routing.close()
-

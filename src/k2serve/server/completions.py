@@ -66,9 +66,7 @@ class CompletionHandler:
         plans = []
         for _text, ids in prompts:
             mt = st.resolve_max_tokens(len(ids), max_tokens, "prompt")
-            plans.append(
-                st.sampling_params(req, mt, logprobs=req.logprobs, structured_outputs=so)
-            )
+            plans.append(st.sampling_params(req, mt, logprobs=req.logprobs, structured_outputs=so))
         if plans:
             await check_compiles(st, plans[0])
         base = new_request_id("cmpl")

@@ -433,8 +433,9 @@ def gpu_variants(model: nn.Module, cpu_experts: int | None = None) -> list[Varia
         Variant("fused + CUDA graphs", fused(), graphs=True),
         Variant("fused, fp8 KV cache", fused(fp8), kv_dtype=fp8),
         Variant(f"fused, experts split {E - E // 2} GPU / {E // 2} CPU", fused(placement=split)),
-        Variant("fused, experts split + piecewise CUDA graphs", fused(placement=split),
-                graphs=True),  # fmt: skip
+        Variant(
+            "fused, experts split + piecewise CUDA graphs", fused(placement=split), graphs=True
+        ),  # fmt: skip
     ]
 
 
