@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k2serve import envs
 from k2serve.kernels.router_torch import grouped_topk_torch
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class TopkRouter(nn.Module):
         self.layer_idx: int | None = None  # set by the decoder layer; named in warnings
         self.nonfinite_count = 0  # CPU: calls whose input had a NaN / inf
         self.nonfinite_steps: torch.Tensor | None = None  # CUDA: the same count, on the device
+        self.count_nonfinite_on_device = envs.router_nonfinite_count()  # CUDA only; see envs
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:  # [T, E] float32
         """float32 logits as transformers computes them (x and weight upcast), without
@@ -81,6 +83,8 @@ class TopkRouter(nn.Module):
         return F.linear(x.to(torch.float32), self._w32)
 
     def _report_nonfinite(self, logits: torch.Tensor) -> None:
+        if logits.is_cuda and not self.count_nonfinite_on_device:
+            return  # ids stay in [0, E) regardless; the count costs launches in every step
         bad = ~torch.isfinite(logits).all()  # a NaN / inf in x reaches every logit of its row
         if logits.is_cuda:
             if self.nonfinite_steps is None or self.nonfinite_steps.device != logits.device:

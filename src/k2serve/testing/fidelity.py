@@ -407,8 +407,11 @@ def experts_home(model: nn.Module) -> None:
 
 def reference_setup(model: nn.Module, kv_dtype: torch.dtype | None = None) -> None:
     """The torch reference backends (attention, experts, RMSNorm, router; no fusions)."""
+    from k2serve.kernels.policy import KernelPolicy
+
     experts_home(model)
-    model.setup_backends("torch", "torch", "torch", kv_cache_dtype=kv_dtype)
+    model.setup_backends("torch", "torch", "torch", kv_cache_dtype=kv_dtype,
+                         policy=KernelPolicy.reference())  # fmt: skip
 
 
 def gpu_variants(model: nn.Module, cpu_experts: int | None = None) -> list[Variant]:
