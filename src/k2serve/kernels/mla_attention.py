@@ -24,7 +24,7 @@ register: the 7 exponent+mantissa bits shifted into a bf16 word and one bf16x2 m
 (the exponent bias difference; exact for sub-normals too): 2.5 integer/FMA instructions per value
 where Triton's cast takes cvt.f16x2.e4m3x2 + two cvt.bf16.f16, 1.5 per value on the conversion
 pipe (16/clk/SM in the CUDA guide's table against 64-128 for integer/FMA); `fp8_convert="cast"`
-keeps Triton's (the interpreter always casts) and bench/mla_fp8.py times both.
+keeps Triton's (the interpreter always casts) and benchmarks/mla_fp8.py times both.
 NOTE: the PTX path reads the NaN code 0x7F as 480 (like Triton's own emulation); a NaN is only
 stored for a NaN input.
 
@@ -288,7 +288,7 @@ def default_config(decode: bool, heads: int, fp8: bool) -> dict:
     NOTE: from sm_90 builds without a GPU (triton.compile + cuobjdump -res-usage, H=64): the
     bf16 decode tile (16 x 64 keys, 4 warps) spills 784 B/thread; the fp8 tile 32 x 32 / 8 warps
     spills 8 B (32 x 64 / 8 warps: 200 B, 16 x 64 / 4 warps: 1072 B, 64 rows always > 400 B).
-    bench/mla_fp8.py times the candidates."""
+    benchmarks/mla_fp8.py times the candidates."""
     if not decode:
         return dict(block_m=64, block_n=32, num_warps=8, num_stages=2)
     if fp8:
