@@ -173,12 +173,6 @@ class ModelRunner(BatchBuilder):
 
             # before the graphs are captured, so that their replays are counted too
             self.routing = RoutingService.from_config(model, cfg, max(cfg.max_num_seqs, 256))
-            if getattr(model, "has_cpu_experts", False):  # long prefills stream CPU experts
-                from k2serve.moe.layerwise import setup_layerwise_prefill
-
-                setup_layerwise_prefill(
-                    model, cfg.gpu_prefill_token_threshold, cfg.max_num_batched_tokens
-                )
         if self.device.type == "cuda":
             self._setup_graphs(cfg)
 
