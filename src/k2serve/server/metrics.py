@@ -18,7 +18,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from k2serve.server.vllm_metrics import VllmMetrics
+from k2serve.server.vllm_metrics import VllmMetrics, read_stat
 
 logger = logging.getLogger(__name__)
 
@@ -98,12 +98,9 @@ _E2E_BUCKETS = (
 
 
 def _stat(stats, *names, default=0.0) -> float:
-    """Read the first present attribute (or dict key) of an EngineStats-like object."""
-    for name in names:
-        val = stats.get(name) if isinstance(stats, dict) else getattr(stats, name, None)
-        if val is not None:
-            return float(val)
-    return float(default)
+    """`read_stat`, with `default` when none of the names is present."""
+    val = read_stat(stats, *names)
+    return float(default) if val is None else val
 
 
 class _EngineCollector:

@@ -56,7 +56,8 @@ def token_buckets(max_model_len: int) -> list[int]:
         exp += 1
 
 
-def _stat(stats, *names) -> float | None:
+def read_stat(stats, *names) -> float | None:
+    """The first present attribute (or dict key) of an EngineStats-like object, None if none."""
     for name in names:
         val = stats.get(name) if isinstance(stats, dict) else getattr(stats, name, None)
         if val is not None:
@@ -195,16 +196,16 @@ class _VllmEngineCollector:
             logger.exception("engine.get_stats() failed during a /metrics scrape")
             return
         name = [self.m.model_name]
-        used = _stat(s, "kv_pages_used", "num_used_pages", "used_pages", "kv_used_pages") or 0.0
-        total = _stat(s, "kv_pages_total", "num_total_pages", "total_pages", "kv_total_pages")
-        usage = _stat(s, "kv_cache_usage", "kv_usage")
+        used = read_stat(s, "kv_pages_used", "num_used_pages", "used_pages", "kv_used_pages") or 0.0
+        total = read_stat(s, "kv_pages_total", "num_total_pages", "total_pages", "kv_total_pages")
+        usage = read_stat(s, "kv_cache_usage", "kv_usage")
         if usage is None:
             usage = used / total if total else 0.0
         gauges = (
             ("vllm:num_requests_running", "Number of requests in model execution batches.",
-             _stat(s, "running", "num_running", "num_running_reqs")),
+             read_stat(s, "running", "num_running", "num_running_reqs")),
             ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-             _stat(s, "waiting", "num_waiting", "num_waiting_reqs")),
+             read_stat(s, "waiting", "num_waiting", "num_waiting_reqs")),
             ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage),
             ("vllm:gpu_cache_usage_perc",
              "GPU KV-cache usage. 1 means 100 percent usage (deprecated: use "
@@ -214,8 +215,8 @@ class _VllmEngineCollector:
             g = GaugeMetricFamily(metric, doc, labels=["model_name"])
             g.add_metric(name, val or 0.0)
             yield g
-        queries = _stat(s, "prefix_cache_queries")
-        hits = _stat(s, "prefix_cache_hits")
+        queries = read_stat(s, "prefix_cache_queries")
+        hits = read_stat(s, "prefix_cache_hits")
         if queries is None or hits is None:
             queries, hits = float(self.m.fallback_queries), float(self.m.fallback_hits)
         counters = (
@@ -224,7 +225,7 @@ class _VllmEngineCollector:
             ("vllm:prefix_cache_hits",
              "Prefix cache hits, in terms of number of cached tokens.", hits),
             ("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-             _stat(s, "num_preemptions") or 0.0),
+             read_stat(s, "num_preemptions") or 0.0),
         )  # fmt: skip
         for metric, doc, val in counters:
             c = CounterMetricFamily(metric, doc, labels=["model_name"])
