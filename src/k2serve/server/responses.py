@@ -347,30 +347,25 @@ class _Items:
         self.output[idx] = done
         yield self.ev.emit("response.output_item.done", output_index=idx, item=done)
 
+    def _text_delta(self, kind: str, text: str):
+        """`text` appended to the open reasoning / message item (opened if needed)."""
+        yield from self._open_text(kind)
+        assert self.text is not None  # _open_text opened it
+        _, idx, pieces = self.text
+        pieces.append(text)
+        extra: dict[str, list] = {}
+        if kind == "reasoning":
+            event = "response.reasoning_text.delta"
+        else:
+            event, extra = "response.output_text.delta", {"logprobs": []}
+        yield self.ev.emit(event, item_id=self.output[idx]["id"], output_index=idx,
+                           content_index=0, delta=text, **extra)  # fmt: skip
+
     def delta(self, d, complete_calls):
         if d.reasoning_content:
-            yield from self._open_text("reasoning")
-            _, idx, pieces = self.text
-            pieces.append(d.reasoning_content)
-            yield self.ev.emit(
-                "response.reasoning_text.delta",
-                item_id=self.output[idx]["id"],
-                output_index=idx,
-                content_index=0,
-                delta=d.reasoning_content,
-            )
+            yield from self._text_delta("reasoning", d.reasoning_content)
         if d.content:
-            yield from self._open_text("message")
-            _, idx, pieces = self.text
-            pieces.append(d.content)
-            yield self.ev.emit(
-                "response.output_text.delta",
-                item_id=self.output[idx]["id"],
-                output_index=idx,
-                content_index=0,
-                delta=d.content,
-                logprobs=[],
-            )
+            yield from self._text_delta("message", d.content)
         if complete_calls is None:
             return
         for tc in d.tool_calls:
