@@ -688,7 +688,7 @@ def bench_model(model, tag, batches=(1, 8, 32, 128), prefills=(1024, 8192), ctx=
 
     ps = 64
     ppseq = -(-(ctx + 1) // ps)
-    pages = max(max(batches) * ppseq, -(-max(prefills, default=0) // ps)) + 1
+    pages = max(batches) * ppseq + 1
     kv = allocate_kv_caches(model.config, pages, ps, torch.bfloat16, "cuda")
     for t in kv:
         t.normal_()
@@ -712,19 +712,10 @@ def bench_model(model, tag, batches=(1, 8, 32, 128), prefills=(1024, 8192), ctx=
                 row(tag, f"decode B={B} ctx={ctx} eager", ms_e, nb, 0, "no graph")
     for B in profile_batches:
         profile_step(model, kv, B, ctx)
-    del runner
+    del runner, kv
     torch.cuda.empty_cache()
-    for T in prefills:
-        ids, pos, md = prefill_inputs(T, ps)
-        with torch.inference_mode():
-            ms = timed(
-                lambda: model.compute_logits(model(ids, pos, md, kv)[-1:]), iters=5, warmup=2
-            )
-        fl = prefill_flops(model, T, expanded)
-        row(tag, f"prefill T={T}", ms, 0, fl, f"{T / ms * 1e3:.0f} tok/s")
-        res[f"prefill{T}"] = (ms, fl)
-    del kv
-    torch.cuda.empty_cache()
+    if prefills:
+        res.update(bench_prefill(model, tag, prefills, expanded, ps))
     return res
 
 
