@@ -22,25 +22,38 @@ import model_speed as ms  # noqa: E402  (timers, table, ceilings, k2-slice helpe
 
 E, D, I, K = 384, 7168, 2048, 8
 
-# (BLOCK_M tokens, BLOCK_N, W (K block = 8W), num_warps, num_stages). Runs 24 and 26 also swept
-# three other dequant forms (one MMA per nibble plane, per plane pair, a shift per element):
-# all slower, dropped (kernels/int4_gemm.py).
+# Register-operand kernel configs (BLOCK_M tokens, BLOCK_N, W2, num_warps, num_stages): those
+# that fit in shared memory and compile without spills for sm_90 (Triton 3.6). BLOCK_N < 64
+# makes Triton use mma.sync (MMAv2: no wgmma, no wait after each plane's MMA); BLOCK_N >= 64
+# wgmma with the weights from registers (Triton waits for each wgmma before the next plane).
+# The tile kernel (the previous default, TILE_CONFIG) and dequant + grouped_mm are the peers.
 CONFIGS = [
-    (64, 128, 8, 4, 3),
-    (128, 128, 8, 8, 3),
-    (32, 128, 8, 4, 3),
-    (128, 256, 8, 8, 3),
-    (64, 128, 16, 4, 3),
-    (16, 128, 8, 4, 4),
+    (16, 32, 16, 4, 3),
+    (16, 32, 16, 2, 3),
+    (16, 32, 32, 2, 3),
+    (16, 32, 32, 4, 3),
+    (16, 16, 32, 1, 3),
+    (32, 32, 16, 4, 3),
+    (32, 32, 32, 4, 3),
+    (64, 32, 16, 4, 3),
+    (16, 64, 16, 2, 3),
+    (16, 128, 16, 2, 3),
+    (32, 64, 16, 2, 3),
+    (16, 64, 16, 4, 3),
+    (16, 64, 32, 4, 2),
+    (32, 64, 16, 4, 3),
+    (64, 64, 16, 4, 3),
+    (64, 128, 16, 4, 2),
+    (128, 128, 16, 8, 2),
 ]
 
 
 def cfg_of(c):
-    return dict(BLOCK_M=c[0], BLOCK_N=c[1], W=c[2], num_warps=c[3], num_stages=c[4])
+    return dict(BLOCK_M=c[0], BLOCK_N=c[1], W2=c[2], num_warps=c[3], num_stages=c[4])
 
 
 def name_of(c):
-    return f"{c[0]}x{c[1]}x{8 * c[2]} w{c[3]} s{c[4]}"
+    return f"{c[0]}x{c[1]} k{16 * c[2]} w{c[3]} s{c[4]}"
 
 
 def route(T, skew, dev="cuda"):
@@ -59,7 +72,7 @@ def part_check(ew):
         tw, ti = route(T, skew)
         x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
         ref = int4_gemm.int4_moe_grouped_mm(x, ew, tw, ti)
-        for c in (CONFIGS[0], CONFIGS[2], CONFIGS[4], CONFIGS[5]):
+        for c in (CONFIGS[0], CONFIGS[4], CONFIGS[9], CONFIGS[12], CONFIGS[15]):
             ms.check(
                 f"int4_moe_gemm T={T} {name_of(c)}",
                 int4_gemm.int4_moe_gemm(x, ew, tw, ti, cfg_of(c)),
@@ -67,15 +80,18 @@ def part_check(ew):
                 1e-2,
             )
         ms.check(f"int4_moe_gemm T={T} default", int4_gemm.int4_moe_gemm(x, ew, tw, ti), ref, 1e-2)
+        tile = dict(int4_gemm.TILE_CONFIG, kernel="tile")
+        ms.check(
+            f"int4_moe_gemm T={T} tile", int4_gemm.int4_moe_gemm(x, ew, tw, ti, tile), ref, 1e-2
+        )
 
 
 def part_sweep(ew, per_expert):
-    from k2serve.kernels import fused_moe as fm
     from k2serve.kernels import int4_gemm
-    from k2serve.kernels.fused_moe import _config
 
     best = {}
-    for T, skew in ((128, 0), (1024, 0), (2048, 0), (8192, 0), (8192, 2.0)):
+    tile = dict(int4_gemm.TILE_CONFIG, kernel="tile")
+    for T, skew in ((40, 0), (128, 0), (512, 0), (1024, 0), (2048, 0), (8192, 0)):
         tw, ti = route(T, skew)
         x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
         hit = int(ti.unique().numel())
@@ -90,16 +106,15 @@ def part_sweep(ew, per_expert):
             nb,
             fl,
         )
-        c0 = _config(T * K, E, "int4")
         ms.row(
             "base",
-            f"{tag} generic fused_moe",
-            ms.timed(lambda: fm.fused_moe(x, ew, tw, ti, c0), iters=it),
+            f"{tag} tile kernel (previous)",
+            ms.timed(lambda: int4_gemm.int4_moe_gemm(x, ew, tw, ti, tile), iters=it),
             nb,
             fl,
         )
         for c in CONFIGS:
-            if c[0] > 4 * max(16, T * K // E):  # token tiles far larger than an expert's rows
+            if c[0] > 2 * max(16, T * K // E):  # token tiles far larger than an expert's rows
                 continue
             cfg = cfg_of(c)
             try:
@@ -156,13 +171,14 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     args = ap.parse_args()
     parts = args.parts.split(",")
-    if parts == ["probe"]:  # for ncu: the two launches of one T=1024 layer, default config
+    if parts == ["probe"]:  # for ncu: the two launches of one layer (PROBE="T,config index")
         from k2serve.kernels import int4_gemm
 
+        T, ci = (int(v) for v in os.environ.get("PROBE", "1024,-1").split(","))
         ew = ms._rand_experts("int4", E, D, I, "cuda")
-        tw, ti = route(1024, 0)
-        x = torch.randn(1024, D, device="cuda", dtype=torch.bfloat16)
-        int4_gemm.int4_moe_gemm(x, ew, tw, ti)
+        tw, ti = route(T, 0)
+        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+        int4_gemm.int4_moe_gemm(x, ew, tw, ti, cfg_of(CONFIGS[ci]) if ci >= 0 else None)
         torch.cuda.synchronize()
         return
     ms.log(

@@ -405,24 +405,30 @@ def test_gemv_silu_mul_matches_the_unfused_mlp_half():
 
 
 @pytest.mark.parametrize(
-    "cfg",
+    "cfg, hidden, inter",
     [
-        dict(BLOCK_M=16, BLOCK_N=32, W=8, num_warps=4),
-        dict(BLOCK_M=32, BLOCK_N=64, W=16, num_warps=4),
+        (dict(BLOCK_M=16, BLOCK_N=32, W=8, num_warps=4, kernel="tile"), 256, 128),
+        (dict(BLOCK_M=32, BLOCK_N=64, W=16, num_warps=4, kernel="tile"), 256, 128),
+        (dict(BLOCK_M=16, BLOCK_N=32, num_warps=4), 256, 256),
+        (dict(BLOCK_M=16, BLOCK_N=64, W2=16, num_warps=4), 256, 512),
+        (dict(BLOCK_M=16, BLOCK_N=32, W2=32, num_warps=4), 512, 512),
     ],
 )
-def test_int4_prefill_gemm_matches_reference(cfg):
-    """The prefill grouped GEMM (weights dequantized in registers, natural column order) on
-    blocks with several rows of one expert, padding rows, and an expert with no rows."""
+def test_int4_prefill_gemm_matches_reference(cfg, hidden, inter):
+    """The prefill grouped GEMMs (weights dequantized in registers: the tile kernel, and the
+    register-operand kernel over nibble planes with its gemm-order activations and its
+    gemm-order output of the first projection) on blocks with several rows of one expert,
+    padding rows, and an expert with no rows."""
     from k2serve.kernels import int4_gemm
 
-    ew = _int4_experts(4, 256, 128)
+    ew = _int4_experts(4, hidden, inter)
+    assert int4_gemm.gemm_supported(ew, cfg.get("W2", 16)) == (inter % 256 == 0)
     T, k = 9, 2
-    x = torch.randn(T, 256, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.randn(T, hidden, device=DEVICE, dtype=torch.bfloat16)
     w = torch.rand(T, k, device=DEVICE)
     ids = torch.stack([torch.randperm(3)[:k] for _ in range(T)]).int().to(DEVICE)  # expert 3: none
     out = int4_gemm.int4_moe_gemm(x, ew, w, ids, cfg)
-    assert out.shape == (T, 256) and out.dtype == torch.bfloat16
+    assert out.shape == (T, hidden) and out.dtype == torch.bfloat16
     assert rel(out, fm.fused_moe_ref(x, ew, w, ids)) < 2e-2
 
 

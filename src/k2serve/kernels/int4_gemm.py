@@ -52,7 +52,7 @@ if HAS_TRITON:
         return tl.interleave(even, odd)
 
     @triton.jit
-    def _int4_gemm_kernel(
+    def _int4_gemm_tile_kernel(
         a_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, eid_ptr, npost_ptr,
         N, K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
         A_DIV: tl.constexpr, MUL_W: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -96,17 +96,107 @@ if HAS_TRITON:
         tl.store(c_ptr + pair.to(tl.int64)[:, None] * c_stride + offs_n[None, :],
                  acc.to(c_ptr.dtype.element_ty), mask=pair_ok[:, None] & n_ok[None, :])  # fmt: skip
 
+    @triton.jit
+    def _plane_w(p, s, J: tl.constexpr):
+        """Nibble plane J of words p as bf16 (n - 8) * s: an and/or to the float bits
+        2^(23 - 4J') + n (J' = J % 4; planes 4-7 from the words shifted by 16), one exact
+        subtraction, the scale multiply, one rounding. Elementwise only: Triton keeps the
+        result in the wgmma's register operand."""
+        SH: tl.constexpr = 4 * (J % 4)
+        EXP: tl.constexpr = (150 - SH) << 23
+        if J < 4:
+            bits = (p & (0xF << SH)) | EXP
+        else:
+            bits = ((p >> 16) & (0xF << SH)) | EXP
+        base: tl.constexpr = float(2 ** (23 - SH) + 8)
+        return ((bits.to(tl.float32, bitcast=True) - base) * s).to(tl.bfloat16)
+
+    @triton.jit
+    def _planes_dot(acc, p, s, a_ptrs, ROWS: tl.constexpr, DOT_DT: tl.constexpr):
+        """acc += sum over the 8 nibble planes of words p [BN, ROWS] (scales s fp32) times
+        activation rows a_ptrs + J*ROWS ([ROWS, BLOCK_M] each, already transposed)."""
+        for J in tl.static_range(8):
+            a = tl.load(a_ptrs + J * ROWS)
+            acc = tl.dot(_plane_w(p, s, J).to(DOT_DT), a.to(DOT_DT), acc)
+        return acc
+
+    @triton.jit
+    def _int4_gemm_kernel(
+        a_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, eid_ptr, npost_ptr,
+        N, K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
+        A_DIV: tl.constexpr, MUL_W: tl.constexpr, PERM_OUT: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, W2: tl.constexpr, DOT_DT: tl.constexpr,
+    ):  # fmt: skip
+        """c[pair, n] = sum_k a[pair // A_DIV, k] * dequant(w[e, n, k]) (* tw[pair]) for one
+        aligned block of BLOCK_M pairs of expert e and BLOCK_N outputs, as the transposed tile
+        acc[n, pair] (weights = the MMA's left operand, from registers). K steps of 16 * W2
+        columns (2 * W2 words, groups of 4 words = 32 columns): the words of the even groups and
+        of the odd groups are two [BLOCK_N, W2] tiles; each of their 8 nibble planes is one MMA
+        of K = W2 against W2 rows of the activations in gemm order (`to_gemm_order`). s_ptr is
+        the bf16 scales viewed as int32: one word holds the scales of groups 2h (low half) and
+        2h + 1."""
+        # the N tiles of one row block are adjacent in launch order: the block's activation
+        # rows stay in L2 while every tile reads them; the row blocks of one expert follow
+        pid = tl.program_id(0)
+        num_n = tl.cdiv(N, BLOCK_N)
+        pid_m = pid // num_n
+        pid_n = pid % num_n
+        if pid_m * BLOCK_M >= tl.load(npost_ptr):
+            return
+        pair, pair_ok, rows, e = aligned_block(sorted_ptr, eid_ptr, pid_m, num_pairs, A_DIV,
+                                               BLOCK_M)  # fmt: skip
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        c = tl.arange(0, W2)  # column of a parity tile: group pair c // 4, word c % 4
+        w_ptrs = (w_ptr + e * w_stride_e + offs_n[:, None] * w_stride_n
+                  + ((c // 4) * 8 + c % 4)[None, :])  # fmt: skip
+        s_ptrs = s_ptr + e * s_stride_e + offs_n[:, None] * s_stride_n + (c // 4)[None, :]
+        a_ptrs = a_ptr + rows[None, :] * a_stride + c[:, None]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for _ in range(0, K // (16 * W2)):
+            p_even = tl.load(w_ptrs, mask=n_ok[:, None], other=0)
+            p_odd = tl.load(w_ptrs + 4, mask=n_ok[:, None], other=0)
+            sp = tl.load(s_ptrs, mask=n_ok[:, None], other=0)
+            s_even = (sp << 16).to(tl.float32, bitcast=True)
+            s_odd = (sp & -65536).to(tl.float32, bitcast=True)
+            acc = _planes_dot(acc, p_even, s_even, a_ptrs, W2, DOT_DT)
+            acc = _planes_dot(acc, p_odd, s_odd, a_ptrs + 8 * W2, W2, DOT_DT)
+            w_ptrs += 2 * W2
+            s_ptrs += W2 // 4
+            a_ptrs += 16 * W2
+        acc = tl.trans(acc)
+        if MUL_W:
+            acc = acc * tl.load(tw_ptr + pair, mask=pair_ok, other=0.0)[:, None]
+        if PERM_OUT:  # column n -> its place in gemm order (to_gemm_order)
+            r = offs_n % (16 * W2)
+            cols = offs_n - r + ((r // 32) % 2) * 8 * W2 + (r % 8) * W2 + (r // 64) * 4 + (r // 8) % 4
+        else:
+            cols = offs_n
+        tl.store(c_ptr + pair.to(tl.int64)[:, None] * c_stride + cols[None, :],
+                 acc.to(c_ptr.dtype.element_ty), mask=pair_ok[:, None] & n_ok[None, :])  # fmt: skip
+
+
+def to_gemm_order(x: torch.Tensor, w2: int) -> torch.Tensor:
+    """Activations [M, K] (K % (16 w2) == 0) in the order `_int4_gemm_kernel` reads them:
+    inside each block of 16 w2 columns, column 64h + 32par + 8r + j (group 2h + par, word r of
+    the group, nibble j) moves to par*8w2 + j*w2 + 4h + r, so that each nibble plane of the
+    even or the odd groups' words meets w2 contiguous activation columns."""
+    M, K = x.shape
+    return x.reshape(M, K // (16 * w2), w2 // 4, 2, 4, 8).permute(0, 1, 3, 5, 2, 4).reshape(M, K)
+
 
 # One config for every size: 32-row blocks win slightly on uniform routing but lose badly when
 # routing concentrates many rows on an expert (the k2-slice's 1k prefill). The kernel is bound
 # by shared memory, not DRAM: Triton stores the dequantized tile to shared memory and reads it
 # back in the wgmma operand layout on every K step.
-PREFILL_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, W=8, num_warps=4, num_stages=3)
+TILE_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, W=8, num_warps=4, num_stages=3)
+PREFILL_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, W2=16, num_warps=4, num_stages=2)
 
 
-def _gemm(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, cfg, group, asm):
-    """One launch."""
+def _gemm_tile(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, cfg, group, asm):
+    """One launch of the tile kernel."""
     cfg = dict(cfg)
+    cfg.pop("kernel", None)
     W = cfg.pop("W")
     while K % (8 * W) and W > group // 8:  # small test models: a K block that fits
         W //= 2
@@ -115,11 +205,31 @@ def _gemm(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, cfg, g
                          f"{group} does not divide it")  # fmt: skip
     a = a.contiguous()
     grid = (eids.shape[0] * cdiv(N, cfg["BLOCK_N"]),)
-    _int4_gemm_kernel[grid](
+    _int4_gemm_tile_kernel[grid](
         a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a.stride(0), c.stride(0),
         w.stride(0), w.stride(1), s.stride(0), s.stride(1), A_DIV=a_div, MUL_W=mul_w, W=W,
         WPG=group // 8, DOT_DT=dot_dtype(), USE_ASM=use_asm(asm), **cfg,
     )  # fmt: skip
+
+
+def _gemm(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, perm_out, cfg):
+    """One launch of the register-operand kernel; a in gemm order, s bf16 [E, N, K/32]."""
+    cfg = {k: v for k, v in cfg.items() if k != "kernel"}
+    s32 = s.view(torch.int32)
+    grid = (eids.shape[0] * cdiv(N, cfg["BLOCK_N"]),)
+    _int4_gemm_kernel[grid](
+        a, w, s32, c, tw, sorted_ids, eids, npost, N, K, M, a.stride(0), c.stride(0),
+        w.stride(0), w.stride(1), s32.stride(0), s32.stride(1), A_DIV=a_div, MUL_W=mul_w,
+        PERM_OUT=perm_out, DOT_DT=dot_dtype(), **cfg,
+    )  # fmt: skip
+
+
+def gemm_supported(ew, w2: int = 16) -> bool:
+    """Whether the register-operand kernel takes these experts with K steps of 16 w2 columns:
+    group 32 and both K (hidden, intermediate) multiples of 16 w2; otherwise the tile kernel
+    runs."""
+    step = 16 * w2
+    return ew.group_size == 32 and ew.hidden % step == 0 and ew.intermediate % step == 0
 
 
 def int4_moe_gemm(
@@ -132,23 +242,38 @@ def int4_moe_gemm(
 ) -> torch.Tensor:  # [T, D]
     """Routed-expert output: gate+up grouped GEMM, SiLU(gate) * up, down grouped GEMM scaled by
     the routing weights, sum over the top-k. No host synchronisation. `config` None:
-    PREFILL_CONFIG; `asm`: the inline-PTX dequant where it compiles (`use_asm`)."""
+    PREFILL_CONFIG; config["kernel"] == "tile" (or experts `gemm_supported` refuses): the tile
+    kernel, whose `asm` picks the inline-PTX dequant where it compiles (`use_asm`)."""
     require_triton(x)
     T, D = x.shape
     k = topk_ids.shape[1]
     I, E = ew.intermediate, ew.num_experts
-    cfg = config or PREFILL_CONFIG
+    cfg = dict(config or PREFILL_CONFIG)
+    tile = cfg.get("kernel") == "tile" or not gemm_supported(ew, cfg.get("W2", 16))
+    if tile and "W" not in cfg:
+        cfg = dict(TILE_CONFIG)
+    cfg = {k: v for k, v in cfg.items() if k not in (("W2",) if tile else ("W",))}
+    if not tile:
+        cfg.setdefault("W2", 16)
     M = T * k
     sorted_ids, eids, npost = moe_align_block_size(topk_ids, E, cfg["BLOCK_M"])
     assert eids.shape[0] == max_blocks(M, E, cfg["BLOCK_M"])
     tw = topk_weights.reshape(-1).float().contiguous()
     h = torch.empty(M, 2 * I, dtype=x.dtype, device=x.device)
-    _gemm(x, ew.w13, ew.w13_scale, h, tw, sorted_ids, eids, npost, 2 * I, D, M, k, False, cfg,
-          ew.group_size, asm)  # fmt: skip
-    act = F.silu(h[:, :I]) * h[:, I:]
     out = torch.empty(M, D, dtype=x.dtype, device=x.device)
-    _gemm(act, ew.w2, ew.w2_scale, out, tw, sorted_ids, eids, npost, D, I, M, 1, True, cfg,
-          ew.group_size, asm)  # fmt: skip
+    if tile:
+        _gemm_tile(x, ew.w13, ew.w13_scale, h, tw, sorted_ids, eids, npost, 2 * I, D, M, k,
+                   False, cfg, ew.group_size, asm)  # fmt: skip
+        act = F.silu(h[:, :I]) * h[:, I:]
+        _gemm_tile(act, ew.w2, ew.w2_scale, out, tw, sorted_ids, eids, npost, D, I, M, 1, True,
+                   cfg, ew.group_size, asm)  # fmt: skip
+    else:
+        # h comes out in gemm order (I % 256 == 0, so gate and up halves each are too)
+        _gemm(to_gemm_order(x, cfg["W2"]), ew.w13, ew.w13_scale, h, tw, sorted_ids, eids, npost, 2 * I,
+              D, M, k, False, True, cfg)  # fmt: skip
+        act = F.silu(h[:, :I]) * h[:, I:]
+        _gemm(act, ew.w2, ew.w2_scale, out, tw, sorted_ids, eids, npost, D, I, M, 1, True,
+              False, cfg)  # fmt: skip
     return out.view(T, k, D).sum(1)
 
 
