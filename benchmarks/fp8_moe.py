@@ -56,7 +56,9 @@ def make_experts(dev=None):
 
 
 def expert_bytes(ew, hit):
-    per = (ew.w13[0].numel() + ew.w2[0].numel()) * 1 + (ew.w13_scale[0].numel() + ew.w2_scale[0].numel()) * 4
+    per = (ew.w13[0].numel() + ew.w2[0].numel()) * 1 + (
+        ew.w13_scale[0].numel() + ew.w2_scale[0].numel()
+    ) * 4
     return hit * per
 
 
@@ -97,7 +99,9 @@ def part_time(ew, table):
     from k2serve.kernels import fp8_moe, fused_moe
 
     log(f"ceilings: copy {ms.CEIL['bw']:.0f} GB/s, bf16 matmul {ms.CEIL['mm']:.0f} TFLOP/s")
-    log("| T | pairs | experts hit | config (BM; w13 BNxBK; w2 BNxBK) | new ms | GB/s | % copy bw | TFLOP/s | % matmul | generic ms | generic % copy bw | speedup |")
+    log(
+        "| T | pairs | experts hit | config (BM; w13 BNxBK; w2 BNxBK) | new ms | GB/s | % copy bw | TFLOP/s | % matmul | generic ms | generic % copy bw | speedup |"
+    )
     log("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for T in TOKENS:
         x, tw, ids = inputs(T, 100 + T)
@@ -156,22 +160,58 @@ def part_sweep(ew):
             c2 = DEC2 if bm == 16 else PRE2[bm]
             r13, r2 = [], []
             for c in c13:
-                f = lambda: fp8_moe._gemm(x, ew.w13, ew.w13_scale, h, twf, *al, I, D, M, K, True, False, bm, tile(c), up_s_row=I // 128)
+                f = lambda: fp8_moe._gemm(
+                    x,
+                    ew.w13,
+                    ew.w13_scale,
+                    h,
+                    twf,
+                    *al,
+                    I,
+                    D,
+                    M,
+                    K,
+                    True,
+                    False,
+                    bm,
+                    tile(c),
+                    up_s_row=I // 128,
+                )
                 r13.append((ms.timed(f, iters=it), c))
             for c in c2:
-                f = lambda: fp8_moe._gemm(inter, ew.w2, ew.w2_scale, out, twf, *al, D, I, M, 1, False, True, bm, tile(c))
+                f = lambda: fp8_moe._gemm(
+                    inter, ew.w2, ew.w2_scale, out, twf, *al, D, I, M, 1, False, True, bm, tile(c)
+                )
                 r2.append((ms.timed(f, iters=it), c))
-            log(f"sweep T={T} BLOCK_M={bm}: gate+up " + ", ".join(f"{c[0]}x{c[1]} w{c[2]}s{c[3]}g{c[4]} {t:.3f}" for t, c in r13))
-            log(f"sweep T={T} BLOCK_M={bm}: down    " + ", ".join(f"{c[0]}x{c[1]} w{c[2]}s{c[3]}g{c[4]} {t:.3f}" for t, c in r2))
+            log(
+                f"sweep T={T} BLOCK_M={bm}: gate+up "
+                + ", ".join(f"{c[0]}x{c[1]} w{c[2]}s{c[3]}g{c[4]} {t:.3f}" for t, c in r13)
+            )
+            log(
+                f"sweep T={T} BLOCK_M={bm}: down    "
+                + ", ".join(f"{c[0]}x{c[1]} w{c[2]}s{c[3]}g{c[4]} {t:.3f}" for t, c in r2)
+            )
             b13, b2 = min(r13), min(r2)
             if best is None or b13[0] + b2[0] < best[0]:
                 best = (b13[0] + b2[0], bm, b13[1], b2[1])
         hit = int(ids.unique().numel())
         gbs = expert_bytes(ew, hit) / best[0] / 1e6
-        log(f"sweep T={T}: best BLOCK_M={best[1]} gate+up {best[2]} down {best[3]}: {best[0]:.3f} ms (two GEMMs), {100 * gbs / ms.CEIL['bw']:.0f}% of copy bw")
-        entries.append({"max_pairs": M if T != TOKENS[-1] else None, "BLOCK_M": best[1], "w13": tile(best[2]), "w2": tile(best[3])})
+        log(
+            f"sweep T={T}: best BLOCK_M={best[1]} gate+up {best[2]} down {best[3]}: {best[0]:.3f} ms (two GEMMs), {100 * gbs / ms.CEIL['bw']:.0f}% of copy bw"
+        )
+        entries.append(
+            {
+                "max_pairs": M if T != TOKENS[-1] else None,
+                "BLOCK_M": best[1],
+                "w13": tile(best[2]),
+                "w2": tile(best[3]),
+            }
+        )
     log("fp8_moe table (kernels/configs/<kind>.json):")
-    print('  "fp8_moe": [\n    ' + ",\n    ".join(json.dumps(e) for e in entries) + "\n  ]", flush=True)
+    print(
+        '  "fp8_moe": [\n    ' + ",\n    ".join(json.dumps(e) for e in entries) + "\n  ]",
+        flush=True,
+    )
 
 
 def main():
@@ -184,7 +224,9 @@ def main():
     ms.part_ceil()
     ew = make_experts()
     torch.cuda.synchronize()
-    log(f"experts: {E} x ({ew.w13[0].numel() + ew.w2[0].numel()} fp8 weights), {expert_bytes(ew, E) / 1e9:.1f} GB")
+    log(
+        f"experts: {E} x ({ew.w13[0].numel() + ew.w2[0].numel()} fp8 weights), {expert_bytes(ew, E) / 1e9:.1f} GB"
+    )
     table = load_tables().fp8_moe  # the policy's shipped table (the engine's configs)
     if "check" in parts:
         part_check(ew, table)
