@@ -19,6 +19,7 @@ def test_shipped_tables_load_and_are_read_only():
     assert t.gemv_bf16[(2112, 7168)]["BLOCK_K"] == 1024  # q_a + kv_a
     assert t.int4_decode["w2"]["W"] == 128 and t.int4_decode_max_pairs == 256
     assert t.fp8_linear[(576, 7168)][0]["SPLIT_K"] == 16
+    assert t.fp8_moe[0]["BLOCK_M"] == 16 and t.fp8_moe[-1]["max_pairs"] is None
     with pytest.raises(TypeError):
         t.gemv_bf16[(1, 1)] = None  # type: ignore[index]
     with pytest.raises(TypeError):

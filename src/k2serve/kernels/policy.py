@@ -83,6 +83,7 @@ class KernelTables:
     int4_prefill: Mapping[str, int]
     int4_prefill_min_tokens: int
     side_stream_max_tokens: int
+    fp8_moe: tuple[Mapping[str, Any], ...]  # FP8-block experts: configs by max pair count
 
     @classmethod
     def from_json(cls, kind: str, data: Mapping[str, Any]) -> KernelTables:
@@ -105,6 +106,7 @@ class KernelTables:
                 int4_prefill=_frozen(data["int4_prefill"]),
                 int4_prefill_min_tokens=int(data["int4_prefill_min_tokens"]),
                 side_stream_max_tokens=int(data["side_stream_max_tokens"]),
+                fp8_moe=tuple(_frozen(e) for e in data["fp8_moe"]),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"kernel table {kind!r} is malformed: {e!r}") from None
@@ -163,6 +165,7 @@ class KernelPolicy:
     fp8_gemm: bool = False  # FP8 block linears: the fp8 GEMM kernel for few rows
     int4_asm: bool = True  # inline-PTX INT4 dequant (where it compiles)
     int4_prefill_impl: str = "auto"  # FusedMoEBackend's prefill_impl (benchmarks compare them)
+    fp8_moe_impl: str = "gemm"  # FusedMoEBackend's fp8_impl: "gemm" (fp8_moe.py) or "kernel"
     tables: KernelTables = field(default_factory=load_tables)
 
     @classmethod
@@ -226,4 +229,6 @@ class KernelPolicy:
             prefill_config=t.int4_prefill,
             prefill_min_tokens=t.int4_prefill_min_tokens,
             asm=self.int4_asm,
+            fp8_impl=self.fp8_moe_impl,
+            fp8_table=t.fp8_moe,
         )

@@ -15,18 +15,21 @@ generic fused_moe kernel always. `prefill_impl` overrides the part above the GEM
 the grouped GEMM always, "grouped_mm" the generic fused_moe kernel below the threshold,
 "kernel" the generic kernel always (benchmarks compare them). On one K2 layer the grouped GEMM
 beats both others up to a few thousand tokens (the crossing with grouped_mm is near 5k tokens;
-benchmarks/RESULTS.md). The limits and launch configs come from the kernel policy
-(`KernelPolicy.moe_kwargs()`).
+benchmarks/RESULTS.md). FP8-block experts (`fp8_impl`): "gemm" (default) runs kernels/fp8_moe.py's
+grouped GEMMs (fp8 tiles converted in registers, configs by pair count from `fp8_table`) for
+every token count, "kernel" the generic fused_moe kernel (benchmarks compare them). The limits
+and launch configs come from the kernel policy (`KernelPolicy.moe_kwargs()`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from k2serve.kernels.fp8_moe import check_table, fp8_moe
 from k2serve.kernels.fused_moe import ExpertWeights, fused_moe
 from k2serve.kernels.int4_gemm import int4_moe_gemm, int4_moe_grouped_mm
 from k2serve.kernels.int4_gemv import int4_moe_decode
@@ -88,6 +91,8 @@ class FusedMoEBackend(ExpertBackend):
         decode_max_pairs: int | None = None,
         prefill_config: Mapping[str, int] | None = None,
         asm: bool = True,
+        fp8_impl: str = "gemm",
+        fp8_table: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         """None limits / configs: the default device kind's tuned tables (kernels/configs)."""
         if int4_impl not in ("auto", "planes", "legacy"):
@@ -96,6 +101,8 @@ class FusedMoEBackend(ExpertBackend):
             raise ValueError(
                 f"prefill_impl={prefill_impl!r}: use 'auto', 'gemm', 'kernel' or 'grouped_mm'"
             )
+        if fp8_impl not in ("gemm", "kernel"):
+            raise ValueError(f"fp8_impl={fp8_impl!r}: use 'gemm' or 'kernel'")
         self.weights = weights
         w = weights
         planes_ok = w.quant == "int4" and w.hidden % 256 == 0 and w.intermediate % 256 == 0
@@ -113,6 +120,10 @@ class FusedMoEBackend(ExpertBackend):
         )
         self.prefill_config = dict(t.int4_prefill if prefill_config is None else prefill_config)
         self.asm = asm
+        self.fp8_gemm = w.quant == "fp8" and fp8_impl == "gemm"
+        self.fp8_table = tuple(t.fp8_moe if fp8_table is None else fp8_table)
+        if self.fp8_gemm:
+            check_table(self.fp8_table)  # a bad table fails at setup, not in the first step
 
     @classmethod
     def from_experts(cls, experts: nn.ModuleList, **kw) -> FusedMoEBackend:
@@ -124,6 +135,8 @@ class FusedMoEBackend(ExpertBackend):
         topk_ids: torch.Tensor,  # [T, k]
         topk_weights: torch.Tensor,  # [T, k] float32
     ) -> torch.Tensor:  # [T, hidden]
+        if self.fp8_gemm:
+            return fp8_moe(hidden, self.weights, topk_weights, topk_ids, table=self.fp8_table)
         if self.use_planes:
             T = hidden.shape[0]
             impl = self.prefill_impl
