@@ -500,3 +500,18 @@ def test_mla_absorb_products_match_einsum(T):
     assert out.shape == (T, H, V) and rel(out, ref_o) < 1e-2
     assert not mla_absorb.usable(torch.randn(17, H, N, device=DEVICE, dtype=torch.bfloat16), w)
     assert not mla_absorb.usable(q.float(), w.float())  # float32 models keep the einsum
+
+
+def test_int4_prefill_table_picks_by_pairs():
+    """The INT4 GEMM's config table: the first entry whose max_pairs holds the pair count, the
+    last (max_pairs None) for the rest; a single mapping is used as it is; a table with no
+    catch-all entry is a clear error."""
+    from k2serve.kernels.int4_gemm import PREFILL_TABLE, pick_config
+
+    table = [dict(max_pairs=64, BLOCK_M=16), dict(max_pairs=None, BLOCK_M=64)]
+    assert pick_config(table, 64) == {"BLOCK_M": 16}
+    assert pick_config(table, 65) == {"BLOCK_M": 64}
+    assert pick_config({"BLOCK_M": 32}, 10**6) == {"BLOCK_M": 32}
+    assert "max_pairs" not in pick_config(PREFILL_TABLE, 1)
+    with pytest.raises(ValueError, match="max_pairs null"):
+        pick_config([dict(max_pairs=8, BLOCK_M=16)], 9)

@@ -31,6 +31,8 @@ expert by moe_align_block_size (padding rows read row 0 and are never stored). N
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 
@@ -97,27 +99,38 @@ if HAS_TRITON:
                  acc.to(c_ptr.dtype.element_ty), mask=pair_ok[:, None] & n_ok[None, :])  # fmt: skip
 
     @triton.jit
-    def _plane_w(p, s, J: tl.constexpr):
-        """Nibble plane J of words p as bf16 (n - 8) * s: an and/or to the float bits
-        2^(23 - 4J') + n (J' = J % 4; planes 4-7 from the words shifted by 16), one exact
-        subtraction, the scale multiply, one rounding. Elementwise only: Triton keeps the
-        result in the wgmma's register operand."""
-        SH: tl.constexpr = 4 * (J % 4)
-        EXP: tl.constexpr = (150 - SH) << 23
-        if J < 4:
-            bits = (p & (0xF << SH)) | EXP
-        else:
-            bits = ((p >> 16) & (0xF << SH)) | EXP
-        base: tl.constexpr = float(2 ** (23 - SH) + 8)
-        return ((bits.to(tl.float32, bitcast=True) - base) * s).to(tl.bfloat16)
+    def _plane_w(r, s, c, J: tl.constexpr):
+        """Nibble plane J of the words as bf16 (n - 8) * s, with r the word moved so that the
+        nibble sits at mantissa bits 8-11 (J even) or 12-15 (J odd). One and/or makes the
+        float bits of 2^E + n (E = 15 or 11), one FMA with c = -(2^E + 8) * s gives (n - 8) * s
+        exactly (c and the product fit fp32's 24 bits), one rounding to bf16. Elementwise
+        only, so Triton keeps the plane in the MMA's register operand."""
+        SH: tl.constexpr = 8 + 4 * (J % 2)
+        bits = (r & (0xF << SH)) | ((150 - SH) << 23)
+        return tl.fma(bits.to(tl.float32, bitcast=True), s, c).to(tl.bfloat16)
 
     @triton.jit
-    def _planes_dot(acc, p, s, a_ptrs, ROWS: tl.constexpr, DOT_DT: tl.constexpr):
+    def _planes_dot(acc, p, s, a_ptrs, a_ok, ROWS: tl.constexpr, DOT_DT: tl.constexpr):
         """acc += sum over the 8 nibble planes of words p [BN, ROWS] (scales s fp32) times
-        activation rows a_ptrs + J*ROWS ([ROWS, BLOCK_M] each, already transposed)."""
+        activation rows a_ptrs + J*ROWS ([ROWS, BLOCK_M] each, already transposed; columns
+        not a_ok, the block's padding, are not read)."""
+        c15 = s * -32776.0  # -(2^15 + 8) * s
+        c11 = s * -2056.0  # -(2^11 + 8) * s
         for J in tl.static_range(8):
-            a = tl.load(a_ptrs + J * ROWS)
-            acc = tl.dot(_plane_w(p, s, J).to(DOT_DT), a.to(DOT_DT), acc)
+            if J < 2:
+                r = p << 8
+            elif J < 4:
+                r = p
+            elif J < 6:
+                r = p >> 8
+            else:
+                r = p >> 16
+            if J % 2 == 0:
+                w = _plane_w(r, s, c15, J)
+            else:
+                w = _plane_w(r, s, c11, J)
+            a = tl.load(a_ptrs + J * ROWS, mask=a_ok[None, :], other=0.0)
+            acc = tl.dot(w.to(DOT_DT), a.to(DOT_DT), acc)
         return acc
 
     @triton.jit
@@ -159,8 +172,8 @@ if HAS_TRITON:
             sp = tl.load(s_ptrs, mask=n_ok[:, None], other=0)
             s_even = (sp << 16).to(tl.float32, bitcast=True)
             s_odd = (sp & -65536).to(tl.float32, bitcast=True)
-            acc = _planes_dot(acc, p_even, s_even, a_ptrs, W2, DOT_DT)
-            acc = _planes_dot(acc, p_odd, s_odd, a_ptrs + 8 * W2, W2, DOT_DT)
+            acc = _planes_dot(acc, p_even, s_even, a_ptrs, pair_ok, W2, DOT_DT)
+            acc = _planes_dot(acc, p_odd, s_odd, a_ptrs + 8 * W2, pair_ok, W2, DOT_DT)
             w_ptrs += 2 * W2
             s_ptrs += W2 // 4
             a_ptrs += 16 * W2
@@ -169,7 +182,9 @@ if HAS_TRITON:
             acc = acc * tl.load(tw_ptr + pair, mask=pair_ok, other=0.0)[:, None]
         if PERM_OUT:  # column n -> its place in gemm order (to_gemm_order)
             r = offs_n % (16 * W2)
-            cols = offs_n - r + ((r // 32) % 2) * 8 * W2 + (r % 8) * W2 + (r // 64) * 4 + (r // 8) % 4
+            cols = (
+                offs_n - r + ((r // 32) % 2) * 8 * W2 + (r % 8) * W2 + (r // 64) * 4 + (r // 8) % 4
+            )
         else:
             cols = offs_n
         tl.store(c_ptr + pair.to(tl.int64)[:, None] * c_stride + cols[None, :],
@@ -190,7 +205,27 @@ def to_gemm_order(x: torch.Tensor, w2: int) -> torch.Tensor:
 # by shared memory, not DRAM: Triton stores the dequantized tile to shared memory and reads it
 # back in the wgmma operand layout on every K step.
 TILE_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, W=8, num_warps=4, num_stages=3)
+# The register-operand kernel's configs by (token, expert) pair count (the policy's tables carry
+# the tuned ones; benchmarks/prefill_moe.py sweeps them). Few rows per expert: 16-row blocks and
+# 64-row weight tiles (BLOCK_N < 64: Triton's mma.sync form); many: 64 x 128 wgmma tiles.
 PREFILL_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, W2=16, num_warps=4, num_stages=2)
+PREFILL_TABLE = (
+    dict(max_pairs=4096, BLOCK_M=16, BLOCK_N=64, W2=16, num_warps=2, num_stages=3),
+    dict(max_pairs=8192, BLOCK_M=32, BLOCK_N=64, W2=16, num_warps=2, num_stages=3),
+    dict(max_pairs=None, **PREFILL_CONFIG),
+)
+
+
+def pick_config(config, pairs: int) -> dict:
+    """`config` itself (a mapping), or from a table (sequence of mappings with "max_pairs",
+    ascending, the last None) the first entry whose max_pairs >= pairs."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    for e in config:
+        if e["max_pairs"] is None or pairs <= e["max_pairs"]:
+            return {k: v for k, v in e.items() if k != "max_pairs"}
+    raise ValueError(f"int4 prefill table has no entry for {pairs} pairs (the last needs "
+                     "max_pairs null)")  # fmt: skip
 
 
 def _gemm_tile(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, cfg, group, asm):
@@ -237,18 +272,18 @@ def int4_moe_gemm(
     ew,  # ExpertWeights, quant "int4"
     topk_weights: torch.Tensor,  # [T, k]
     topk_ids: torch.Tensor,  # [T, k]
-    config: dict | None = None,
+    config=None,  # one launch config, or a table by pair count (pick_config)
     asm: bool = True,
 ) -> torch.Tensor:  # [T, D]
     """Routed-expert output: gate+up grouped GEMM, SiLU(gate) * up, down grouped GEMM scaled by
     the routing weights, sum over the top-k. No host synchronisation. `config` None:
-    PREFILL_CONFIG; config["kernel"] == "tile" (or experts `gemm_supported` refuses): the tile
+    PREFILL_TABLE. config["kernel"] == "tile" (or experts `gemm_supported` refuses): the tile
     kernel, whose `asm` picks the inline-PTX dequant where it compiles (`use_asm`)."""
     require_triton(x)
     T, D = x.shape
     k = topk_ids.shape[1]
     I, E = ew.intermediate, ew.num_experts
-    cfg = dict(config or PREFILL_CONFIG)
+    cfg = pick_config(PREFILL_TABLE if config is None else config, T * k)
     tile = cfg.get("kernel") == "tile" or not gemm_supported(ew, cfg.get("W2", 16))
     if tile and "W" not in cfg:
         cfg = dict(TILE_CONFIG)
@@ -269,8 +304,9 @@ def int4_moe_gemm(
                    cfg, ew.group_size, asm)  # fmt: skip
     else:
         # h comes out in gemm order (I % 256 == 0, so gate and up halves each are too)
-        _gemm(to_gemm_order(x, cfg["W2"]), ew.w13, ew.w13_scale, h, tw, sorted_ids, eids, npost, 2 * I,
-              D, M, k, False, True, cfg)  # fmt: skip
+        xg = to_gemm_order(x, cfg["W2"])
+        _gemm(xg, ew.w13, ew.w13_scale, h, tw, sorted_ids, eids, npost, 2 * I, D, M, k, False,
+              True, cfg)  # fmt: skip
         act = F.silu(h[:, :I]) * h[:, I:]
         _gemm(act, ew.w2, ew.w2_scale, out, tw, sorted_ids, eids, npost, D, I, M, 1, True,
               False, cfg)  # fmt: skip

@@ -80,7 +80,7 @@ class KernelTables:
     fp8_kernel_max_rows: int
     int4_decode: Mapping[str, Any]
     int4_decode_max_pairs: int
-    int4_prefill: Mapping[str, int]
+    int4_prefill: tuple[Mapping[str, Any], ...]  # INT4 grouped GEMM: configs by max pair count
     int4_prefill_min_tokens: int
     side_stream_max_tokens: int
     fp8_moe: tuple[Mapping[str, Any], ...]  # FP8-block experts: configs by max pair count
@@ -103,7 +103,7 @@ class KernelTables:
                 fp8_kernel_max_rows=int(data["fp8_kernel_max_rows"]),
                 int4_decode=_frozen(data["int4_decode"]),
                 int4_decode_max_pairs=int(data["int4_decode_max_pairs"]),
-                int4_prefill=_frozen(data["int4_prefill"]),
+                int4_prefill=tuple(_frozen(e) for e in data["int4_prefill"]),
                 int4_prefill_min_tokens=int(data["int4_prefill_min_tokens"]),
                 side_stream_max_tokens=int(data["side_stream_max_tokens"]),
                 fp8_moe=tuple(_frozen(e) for e in data["fp8_moe"]),

@@ -89,7 +89,7 @@ class FusedMoEBackend(ExpertBackend):
         *,
         decode_config: Mapping[str, Any] | None = None,
         decode_max_pairs: int | None = None,
-        prefill_config: Mapping[str, int] | None = None,
+        prefill_config: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
         asm: bool = True,
         fp8_impl: str = "gemm",
         fp8_table: Sequence[Mapping[str, Any]] | None = None,
@@ -118,7 +118,8 @@ class FusedMoEBackend(ExpertBackend):
         self.decode_max_pairs = (
             t.int4_decode_max_pairs if decode_max_pairs is None else decode_max_pairs
         )
-        self.prefill_config = dict(t.int4_prefill if prefill_config is None else prefill_config)
+        # one config, or a table of configs by max pair count (int4_gemm.pick_config)
+        self.prefill_config = t.int4_prefill if prefill_config is None else prefill_config
         self.asm = asm
         self.fp8_gemm = w.quant == "fp8" and fp8_impl == "gemm"
         self.fp8_table = tuple(t.fp8_moe if fp8_table is None else fp8_table)
