@@ -4,12 +4,15 @@ fp8 tiles converted in registers) against the generic fused_moe kernel it replac
 
 Run (repo root): PYTHONPATH=src python3 benchmarks/fp8_moe.py [--parts check,time,sweep]
 One K2 MoE layer: E=384, D=7168, I=2048, top-8, random float8_e4m3fn weights with random fp32
-128x128 block scales; T = 1, 8, 32, 128, 1024, 8192 tokens, uniform random routing.
+128x128 block scales; T = 1, 8, 32, 128, 256, 512, 1024, 8192 tokens, uniform random routing.
 - check: relative error of the new path against the generic kernel (and against the fp32
   reference fused_moe_ref at T = 1, 8).
 - time: ms of the new path (the shipped table's config) and of the generic kernel (the peer),
   GB/s of the expert bytes actually read (weights + scales of the experts hit), % of the copy
-  bandwidth measured in the same run, TFLOP/s and % of the bf16 matmul rate measured in the run.
+  bandwidth measured in the same run, TFLOP/s and % of the bf16 matmul rate measured in the run;
+  "auto": what the engine runs (FusedMoEBackend with the device policy: the generic kernel up to
+  the table's fp8_moe_generic_max_pairs, the new path above) and its ratio to the faster of the
+  two (>= ~1.00x when the limit is right); then the pair counts where the generic kernel won.
 - sweep: each GEMM (gate+up, down) timed alone over candidate tiles per BLOCK_M; prints the
   winners as a `fp8_moe` table for kernels/configs/<kind>.json.
 """
@@ -29,7 +32,7 @@ import model_speed as ms  # noqa: E402  (timers, ceilings, routing)
 
 E, D, I, K = 384, 7168, 2048, 8
 DEV = "cuda"
-TOKENS = (1, 8, 32, 128, 1024, 8192)
+TOKENS = (1, 8, 32, 128, 256, 512, 1024, 8192)
 T0 = time.time()
 
 
@@ -95,14 +98,21 @@ def part_check(ew, table):
             ms.FAILS.append(f"check T={T}")
 
 
-def part_time(ew, table):
+def part_time(ew, policy):
     from k2serve.kernels import fp8_moe, fused_moe
+    from k2serve.moe.fused_moe import FusedMoEBackend
 
+    table = policy.tables.fp8_moe
+    backend = FusedMoEBackend(ew, **policy.moe_kwargs())  # what the engine runs
     log(f"ceilings: copy {ms.CEIL['bw']:.0f} GB/s, bf16 matmul {ms.CEIL['mm']:.0f} TFLOP/s")
     log(
-        "| T | pairs | experts hit | config (BM; w13 BNxBK; w2 BNxBK) | new ms | GB/s | % copy bw | TFLOP/s | % matmul | generic ms | generic % copy bw | speedup |"
+        f"auto: fp8_impl={backend.fp8_impl!r}, generic kernel up to {backend.fp8_generic_max_pairs} pairs"
     )
-    log("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    log(
+        "| T | pairs | experts hit | config (BM; w13 BNxBK; w2 BNxBK) | new ms | GB/s | % copy bw | TFLOP/s | % matmul | generic ms | generic % copy bw | speedup | auto ms | auto runs | auto % copy bw | auto vs faster |"
+    )
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    generic_won = []
     for T in TOKENS:
         x, tw, ids = inputs(T, 100 + T)
         hit = int(ids.unique().numel())
@@ -111,12 +121,19 @@ def part_time(ew, table):
         it = 5 if T >= 1024 else 30
         t_new = ms.timed(lambda: fp8_moe.fp8_moe(x, ew, tw, ids, table=table), iters=it)
         t_old = ms.timed(lambda: fused_moe.fused_moe(x, ew, tw, ids), iters=it)
+        t_auto = ms.timed(lambda: backend(x, ids, tw), iters=it)
+        runs = "new" if backend.fp8_uses_gemm(T * K) else "generic"
+        if t_old < t_new:
+            generic_won.append(T * K)
         gbs, gbs_old = nb / t_new / 1e6, nb / t_old / 1e6
         tfs = fl / t_new / 1e9
         c13, c2 = cfg["w13"], cfg["w2"]
         desc = f"{cfg['BLOCK_M']}; {c13['BLOCK_N']}x{c13['BLOCK_K']} w{c13['num_warps']}s{c13['num_stages']}g{c13['GROUP_M']}; {c2['BLOCK_N']}x{c2['BLOCK_K']} w{c2['num_warps']}s{c2['num_stages']}g{c2['GROUP_M']}"
         log(f"| {T} | {T * K} | {hit} | {desc} | {t_new:.3f} | {gbs:.0f} | {100 * gbs / ms.CEIL['bw']:.0f}% | {tfs:.0f} | "
-            f"{100 * tfs / ms.CEIL['mm']:.0f}% | {t_old:.3f} | {100 * gbs_old / ms.CEIL['bw']:.0f}% | {t_old / t_new:.2f}x |")  # fmt: skip
+            f"{100 * tfs / ms.CEIL['mm']:.0f}% | {t_old:.3f} | {100 * gbs_old / ms.CEIL['bw']:.0f}% | {t_old / t_new:.2f}x | "
+            f"{t_auto:.3f} | {runs} | {100 * nb / t_auto / 1e6 / ms.CEIL['bw']:.0f}% | {min(t_new, t_old) / t_auto:.2f}x |")  # fmt: skip
+    log(f"generic kernel faster at pair counts {generic_won or 'none'} "
+        f"(table: fp8_moe_generic_max_pairs={backend.fp8_generic_max_pairs})")  # fmt: skip
 
 
 # candidate tiles (BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M), chosen so that none
@@ -133,7 +150,8 @@ PRE2 = {
     64: [(128, 64, 8, 4, 4), (128, 64, 8, 4, 1)],
     128: [(128, 64, 8, 4, 4), (128, 32, 8, 4, 4)],
 }
-BMS = {1: (16,), 8: (16,), 32: (16,), 128: (16,), 1024: (16, 32), 8192: (64, 128)}
+BMS = {1: (16,), 8: (16,), 32: (16,), 128: (16,), 256: (16,), 512: (16, 32), 1024: (16, 32),
+       8192: (64, 128)}  # fmt: skip
 
 
 def tile(c):
@@ -218,7 +236,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="check,time,sweep")
     parts = ap.parse_args().parts.split(",")
-    from k2serve.kernels.policy import load_tables
+    from k2serve.kernels.policy import KernelPolicy
 
     log(f"device {torch.cuda.get_device_name()}")
     ms.part_ceil()
@@ -227,11 +245,12 @@ def main():
     log(
         f"experts: {E} x ({ew.w13[0].numel() + ew.w2[0].numel()} fp8 weights), {expert_bytes(ew, E) / 1e9:.1f} GB"
     )
-    table = load_tables().fp8_moe  # the policy's shipped table (the engine's configs)
+    policy = KernelPolicy.for_device(DEV)  # the engine's policy (its tables: the shipped configs)
+    table = policy.tables.fp8_moe
     if "check" in parts:
         part_check(ew, table)
     if "time" in parts:
-        part_time(ew, table)
+        part_time(ew, policy)
     if "sweep" in parts:
         part_sweep(ew)
     log(f"done; failures: {ms.FAILS or 'none'}")

@@ -141,21 +141,55 @@ def test_fp8_moe_rejects_other_formats_and_shapes():
         fp8_moe.fp8_moe(x, bf, w, ids)
 
 
-@pytest.mark.parametrize("impl", ["gemm", "kernel"])
-def test_fused_moe_backend_fp8_paths(impl):
-    """FusedMoEBackend on fp8 experts: the grouped GEMM (default, the policy's table) and the
-    generic kernel both give the reference result."""
+@pytest.mark.parametrize(
+    ("impl", "T", "ran"),
+    [
+        ("auto", 5, "generic"),  # 15 pairs <= fp8_generic_max_pairs=15
+        ("auto", 6, "gemm"),  # 18 pairs > 15
+        ("gemm", 1, "gemm"),
+        ("kernel", 6, "generic"),
+    ],
+)
+def test_fused_moe_backend_fp8_routing(impl, T, ran, monkeypatch):
+    """FusedMoEBackend on fp8 experts: "auto" runs the generic kernel up to the table's
+    fp8_generic_max_pairs (token, expert) pairs and the grouped GEMMs above; "gemm" / "kernel"
+    force one; every path gives the reference result."""
+    import k2serve.moe.fused_moe as backend_mod
     from k2serve.kernels.policy import KernelPolicy
     from k2serve.moe.fused_moe import FusedMoEBackend
 
+    calls = []
+    for name, tag in (("fp8_moe", "gemm"), ("fused_moe", "generic")):
+        real = getattr(backend_mod, name)
+        monkeypatch.setattr(
+            backend_mod, name, lambda *a, _r=real, _t=tag, **k: calls.append(_t) or _r(*a, **k)
+        )
     ew = _experts(4, 256, 128)
     kw = KernelPolicy.reference().moe_kwargs()
-    assert kw["fp8_impl"] == "gemm" and kw["fp8_table"]
-    be = FusedMoEBackend(ew, **dict(kw, fp8_impl=impl))
-    assert be.fp8_gemm is (impl == "gemm")
-    ids, w = _ragged_routing(5, 3, 4)
-    x = torch.randn(5, 256, device=DEVICE, dtype=torch.bfloat16)
-    assert rel(be(x, ids, w), fm.fused_moe_ref(x, ew, w, ids)) < 2e-2
+    assert kw["fp8_impl"] == "auto" and kw["fp8_table"] and kw["fp8_generic_max_pairs"] > 0
+    be = FusedMoEBackend(ew, **dict(kw, fp8_impl=impl, fp8_generic_max_pairs=15))
+    ids, w = _ragged_routing(T, 3, 4)
+    x = torch.randn(T, 256, device=DEVICE, dtype=torch.bfloat16)
+    assert be.fp8_uses_gemm(T * 3) is (ran == "gemm")
+    out = be(x, ids, w)
+    assert calls == [ran]
+    assert rel(out, fm.fused_moe_ref(x, ew, w, ids)) < 2e-2
+
+
+def test_fused_moe_backend_fp8_limit_from_the_policy():
+    """The shipped limit reaches the backend: decode-sized batches (<= T=128 x top-8 on K2) run
+    the generic kernel, larger ones the grouped GEMMs; non-fp8 experts ignore fp8_impl."""
+    from k2serve.kernels.policy import KernelPolicy, load_tables
+    from k2serve.moe.fused_moe import FusedMoEBackend
+
+    n = load_tables().fp8_moe_generic_max_pairs
+    assert n == 1024
+    be = FusedMoEBackend(_experts(2, 128, 128), **KernelPolicy.reference().moe_kwargs())
+    assert be.fp8_generic_max_pairs == n
+    assert not be.fp8_uses_gemm(8) and not be.fp8_uses_gemm(n) and be.fp8_uses_gemm(n + 1)
+    ew = _experts(2, 128, 128)
+    bf = fm.ExpertWeights("bf16", ew.w13.bfloat16(), ew.w2.bfloat16())
+    assert FusedMoEBackend(bf, fp8_impl="gemm").fp8_impl is None
 
 
 def test_fused_moe_backend_rejects_bad_fp8_settings():
@@ -168,3 +202,5 @@ def test_fused_moe_backend_rejects_bad_fp8_settings():
         FusedMoEBackend(ew, fp8_table=[{"max_pairs": 4, **_cfg(16, 32, 128)}])
     with pytest.raises(ValueError, match="BLOCK_N=48"):
         FusedMoEBackend(ew, fp8_table=[{"max_pairs": None, **_cfg(16, 48, 128)}])
+    with pytest.raises(ValueError, match="fp8_generic_max_pairs"):
+        FusedMoEBackend(ew, fp8_generic_max_pairs=-1)

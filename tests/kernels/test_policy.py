@@ -20,6 +20,7 @@ def test_shipped_tables_load_and_are_read_only():
     assert t.int4_decode["w2"]["W"] == 128 and t.int4_decode_max_pairs == 256
     assert t.fp8_linear[(576, 7168)][0]["SPLIT_K"] == 16
     assert t.fp8_moe[0]["BLOCK_M"] == 16 and t.fp8_moe[-1]["max_pairs"] is None
+    assert t.fp8_moe_generic_max_pairs == 1024  # FP8 experts: the generic kernel up to T=128 x 8
     with pytest.raises(TypeError):
         t.gemv_bf16[(1, 1)] = None  # type: ignore[index]
     with pytest.raises(TypeError):

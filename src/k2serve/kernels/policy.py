@@ -84,6 +84,7 @@ class KernelTables:
     int4_prefill_min_tokens: int
     side_stream_max_tokens: int
     fp8_moe: tuple[Mapping[str, Any], ...]  # FP8-block experts: configs by max pair count
+    fp8_moe_generic_max_pairs: int  # FP8-block experts: the generic kernel up to this many pairs
 
     @classmethod
     def from_json(cls, kind: str, data: Mapping[str, Any]) -> KernelTables:
@@ -107,6 +108,7 @@ class KernelTables:
                 int4_prefill_min_tokens=int(data["int4_prefill_min_tokens"]),
                 side_stream_max_tokens=int(data["side_stream_max_tokens"]),
                 fp8_moe=tuple(_frozen(e) for e in data["fp8_moe"]),
+                fp8_moe_generic_max_pairs=int(data["fp8_moe_generic_max_pairs"]),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"kernel table {kind!r} is malformed: {e!r}") from None
@@ -165,7 +167,7 @@ class KernelPolicy:
     fp8_gemm: bool = False  # FP8 block linears: the fp8 GEMM kernel for few rows
     int4_asm: bool = True  # inline-PTX INT4 dequant (where it compiles)
     int4_prefill_impl: str = "auto"  # FusedMoEBackend's prefill_impl (benchmarks compare them)
-    fp8_moe_impl: str = "gemm"  # FusedMoEBackend's fp8_impl: "gemm" (fp8_moe.py) or "kernel"
+    fp8_moe_impl: str = "auto"  # FusedMoEBackend's fp8_impl: "auto", "gemm" or "kernel"
     tables: KernelTables = field(default_factory=load_tables)
 
     @classmethod
@@ -231,4 +233,5 @@ class KernelPolicy:
             asm=self.int4_asm,
             fp8_impl=self.fp8_moe_impl,
             fp8_table=t.fp8_moe,
+            fp8_generic_max_pairs=t.fp8_moe_generic_max_pairs,
         )

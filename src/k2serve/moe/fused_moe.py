@@ -15,10 +15,12 @@ generic fused_moe kernel always. `prefill_impl` overrides the part above the GEM
 the grouped GEMM always, "grouped_mm" the generic fused_moe kernel below the threshold,
 "kernel" the generic kernel always (benchmarks compare them). On one K2 layer the grouped GEMM
 beats both others up to a few thousand tokens (the crossing with grouped_mm is near 5k tokens;
-benchmarks/RESULTS.md). FP8-block experts (`fp8_impl`): "gemm" (default) runs kernels/fp8_moe.py's
-grouped GEMMs (fp8 tiles converted in registers, configs by pair count from `fp8_table`) for
-every token count, "kernel" the generic fused_moe kernel (benchmarks compare them). The limits
-and launch configs come from the kernel policy (`KernelPolicy.moe_kwargs()`).
+benchmarks/RESULTS.md). FP8-block experts (`fp8_impl`): "auto" (default) runs the generic
+fused_moe kernel up to `fp8_generic_max_pairs` (token, expert) pairs, where it is faster (decode
+and small batches: one H100, benchmarks/RESULTS.md), and kernels/fp8_moe.py's grouped GEMMs (fp8
+tiles converted in registers, configs by pair count from `fp8_table`) above; "gemm" the grouped
+GEMMs always, "kernel" the generic kernel always (benchmarks compare them). The limits and
+launch configs come from the kernel policy (`KernelPolicy.moe_kwargs()`).
 """
 
 from __future__ import annotations
@@ -91,8 +93,9 @@ class FusedMoEBackend(ExpertBackend):
         decode_max_pairs: int | None = None,
         prefill_config: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
         asm: bool = True,
-        fp8_impl: str = "gemm",
+        fp8_impl: str = "auto",
         fp8_table: Sequence[Mapping[str, Any]] | None = None,
+        fp8_generic_max_pairs: int | None = None,
     ) -> None:
         """None limits / configs: the default device kind's tuned tables (kernels/configs)."""
         if int4_impl not in ("auto", "planes", "legacy"):
@@ -101,8 +104,8 @@ class FusedMoEBackend(ExpertBackend):
             raise ValueError(
                 f"prefill_impl={prefill_impl!r}: use 'auto', 'gemm', 'kernel' or 'grouped_mm'"
             )
-        if fp8_impl not in ("gemm", "kernel"):
-            raise ValueError(f"fp8_impl={fp8_impl!r}: use 'gemm' or 'kernel'")
+        if fp8_impl not in ("auto", "gemm", "kernel"):
+            raise ValueError(f"fp8_impl={fp8_impl!r}: use 'auto', 'gemm' or 'kernel'")
         self.weights = weights
         w = weights
         planes_ok = w.quant == "int4" and w.hidden % 256 == 0 and w.intermediate % 256 == 0
@@ -121,10 +124,23 @@ class FusedMoEBackend(ExpertBackend):
         # one config, or a table of configs by max pair count (int4_gemm.pick_config)
         self.prefill_config = t.int4_prefill if prefill_config is None else prefill_config
         self.asm = asm
-        self.fp8_gemm = w.quant == "fp8" and fp8_impl == "gemm"
+        self.fp8_impl = fp8_impl if w.quant == "fp8" else None
         self.fp8_table = tuple(t.fp8_moe if fp8_table is None else fp8_table)
-        if self.fp8_gemm:
+        self.fp8_generic_max_pairs = (
+            t.fp8_moe_generic_max_pairs if fp8_generic_max_pairs is None else fp8_generic_max_pairs
+        )
+        n = self.fp8_generic_max_pairs
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"fp8_generic_max_pairs={n!r}: use an int >= 0")
+        if self.fp8_impl in ("auto", "gemm"):
             check_table(self.fp8_table)  # a bad table fails at setup, not in the first step
+
+    def fp8_uses_gemm(self, num_pairs: int) -> bool:
+        """Whether `num_pairs` (token, expert) pairs of fp8 experts run kernels/fp8_moe.py's
+        grouped GEMMs (else the generic kernel)."""
+        if self.fp8_impl == "auto":
+            return num_pairs > self.fp8_generic_max_pairs
+        return self.fp8_impl == "gemm"
 
     @classmethod
     def from_experts(cls, experts: nn.ModuleList, **kw) -> FusedMoEBackend:
@@ -136,7 +152,7 @@ class FusedMoEBackend(ExpertBackend):
         topk_ids: torch.Tensor,  # [T, k]
         topk_weights: torch.Tensor,  # [T, k] float32
     ) -> torch.Tensor:  # [T, hidden]
-        if self.fp8_gemm:
+        if self.fp8_impl is not None and self.fp8_uses_gemm(topk_ids.numel()):
             return fp8_moe(hidden, self.weights, topk_weights, topk_ids, table=self.fp8_table)
         if self.use_planes:
             T = hidden.shape[0]
