@@ -167,11 +167,38 @@ def test_fp8_options_are_checked():
             mla_attention.mla_attention(*args, fp8_convert="ptx")
 
 
-def test_fp8_decode_tiles_take_more_rows_per_program():
-    assert mla_attention.default_config(True, 64, fp8=True)["block_m"] == 32
-    assert mla_attention.default_config(True, 64, fp8=False)["block_m"] == 16
+def test_decode_tiles_hold_all_heads_of_a_sequence():
+    for fp8 in (True, False):  # one program per (sequence, split): the key tile is read once
+        assert mla_attention.default_config(True, 64, fp8=fp8)["block_m"] == 64
     assert mla_attention.default_config(True, 8, fp8=True)["block_m"] == 16  # a TP=8 shard
     assert mla_attention.default_config(False, 64, fp8=True)["block_m"] == 64
+
+
+@pytest.mark.parametrize(
+    "seqs,max_len,sms,waves,expect",
+    [
+        (1, 131072, 132, 1.0, 132),  # B=1 at 128K fills the 132 SMs of an H100
+        (1, 32768, 132, 1.0, 128),  # ... capped by 256 keys per split
+        (8, 32768, 132, 1.0, 16),  # 128 programs: rounded down, no straggler wave
+        (8, 32768, 132, 2.0, 33),
+        (64, 32768, 132, 1.0, 2),
+        (256, 4096, 132, 1.0, 1),
+        (1, 100, 132, 1.0, 1),  # short: one split, the output written directly
+        (1, 1 << 20, 132, 4.0, 256),  # max_splits
+    ],
+)
+def test_split_count_fills_the_gpu(seqs, max_len, sms, waves, expect):
+    n = mla_attention._pick_splits(seqs, 1, max_len, sms, waves, 256, 256)
+    assert n == expect
+
+
+@pytest.mark.parametrize("splits", [3, 5, 7])
+def test_split_counts_that_are_not_powers_of_two(splits):
+    (q, qp, kv), md = fp8_paged([300, 77], [1, 1], 0.5)
+    args = (q, qp, kv, md.query_start_loc, md.context_lens, md.block_table, 0.3, 1, 301)
+    out = mla_attention.mla_attention(*args, num_splits=splits, kv_scale=0.5)
+    ref = TorchMLABackend(kv_scale=0.5).forward(q, qp, kv, md, 0.3)
+    assert rel(out, ref) < 1e-2
 
 
 def test_expanded_prefill_reads_an_fp8_prefix():

@@ -34,6 +34,7 @@ Invariants: `seq_lens[b] == context_lens[b] + query_len[b]`; block_table rows co
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -227,11 +228,13 @@ if HAS_TRITON:
         out_ptr,  # [N_ROWS, L]
         L: tl.constexpr,
         SPLITS: tl.constexpr,
+        SPLITS_P2: tl.constexpr,  # next power of two (tl.arange); the rest is masked
     ):
         row = tl.program_id(0).to(tl.int64)
-        offs_s = tl.arange(0, SPLITS)
+        offs_s = tl.arange(0, SPLITS_P2)
         offs_l = tl.arange(0, L)
-        lse = tl.load(lse_ptr + row * SPLITS + offs_s)  # [S]
+        s_ok = offs_s < SPLITS
+        lse = tl.load(lse_ptr + row * SPLITS + offs_s, mask=s_ok, other=float("-inf"))  # [S]
         m = tl.max(lse, 0)
         m = tl.where(m == float("-inf"), 0.0, m)
         w = tl.exp2(lse - m)  # 0 for empty splits
@@ -243,24 +246,40 @@ if HAS_TRITON:
         tl.store(out_ptr + row * L + offs_l, o.to(out_ptr.dtype.element_ty))
 
 
-def _pick_splits(num_seqs: int, row_blocks: int, max_seq_len: int, block_n: int) -> int:
-    """Enough programs to cover the GPU (~2 waves of 132 SMs). A split covers a whole number of
-    key tiles (chunk = cdiv(cdiv(keys, splits), block_n) tiles), so at one or two sequences the
-    count is rounded UP to a power of two (tl.arange): 1025 keys in 64-key tiles are 17 tiles,
-    i.e. 9 working splits of 2 tiles at 16 splits but 17 of 1 at 32 (rounding down gives 6
-    working splits of 3 tiles, about half as fast at batch 1). Larger batches round down."""
+def _pick_splits(
+    num_seqs: int, row_blocks: int, max_seq_len: int, sms: int, waves: float,
+    min_split_keys: int, max_splits: int,
+) -> int:  # fmt: skip
+    """Split-KV count for a decode step: enough programs for `waves` x `sms` (a decode tile of
+    64 rows takes a whole SM: ~150-220 KB of shared memory, 8 warps at ~220 registers), never a
+    split of fewer than `min_split_keys` keys (each split writes a [rows, L] fp32 partial that
+    the merge reads back: at 132 splits of B=1 that is 17 MB against 38 MB of a 32K bf16
+    cache), at most `max_splits`. Rounded DOWN so the last wave is not a few stragglers (B=8 on
+    132 SMs: 16 splits = 128 programs, not 17 = 136 = a second wave of 4). Any count works:
+    the merge masks its power-of-two range. Depends only on host ints (graph-safe)."""
     programs = max(1, num_seqs * row_blocks)
-    want = max(1, 264 // programs)
-    tiles = max(1, -(-max_seq_len // block_n))
-    if num_seqs <= 2:
-        n = min(want, tiles, 64)
-        return min(64, 1 << (n - 1).bit_length())
-    n = min(want, max(1, tiles // 2), 64)
-    return 1 << (n.bit_length() - 1)
+    want = max(1, int(waves * sms) // programs)
+    by_len = max(1, max_seq_len // max(1, min_split_keys))
+    return max(1, min(want, by_len, max_splits))
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (CUDA), else 8 (the CPU interpreter: few programs
+    keep the tests fast; any count gives the same result)."""
+    if device.type != "cuda":
+        return 8
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 FP8_CONVERTS = ("ptx", "cast")
-CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
+TILE_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
+SPLIT_KEYS = ("waves", "min_split_keys", "max_splits")  # decode split-KV rule (_pick_splits)
+CONFIG_KEYS = TILE_KEYS + SPLIT_KEYS
 
 
 def default_fp8_convert() -> str:
@@ -281,19 +300,26 @@ def fp8_cache_supported(device: torch.device | str) -> bool:
 
 
 def default_config(decode: bool, heads: int, fp8: bool) -> dict:
-    """Tile sizes. Decode puts 16 (token, head) rows in a program and splits the keys; prefill
-    takes 64 rows and one split. With an fp8 cache every program widens each key tile it reads,
-    so decode takes 32 rows where there are 32+ heads (half the programs per tile, half the
-    conversions) on 8 warps with 32-key tiles.
-    NOTE: from sm_90 builds without a GPU (triton.compile + cuobjdump -res-usage, H=64): the
-    bf16 decode tile (16 x 64 keys, 4 warps) spills 784 B/thread; the fp8 tile 32 x 32 / 8 warps
-    spills 8 B (32 x 64 / 8 warps: 200 B, 16 x 64 / 4 warps: 1072 B, 64 rows always > 400 B).
-    benchmarks/mla_fp8.py times the candidates."""
+    """Tile sizes (and, for decode, the split-KV rule); the policy tables (configs/<kind>.json,
+    "mla_decode") override them per cache dtype. Prefill: 64 rows, 32-key tiles, one split.
+    Decode: ALL heads of a sequence in one program (64 rows at Kimi-K2's 64 heads), so each key
+    tile crosses L2 -> shared memory once and an fp8 tile is widened once (16-row tiles read and
+    widened it 4 times: at B=1 the kernel was L2-bound at 22-31% of the copy bandwidth); on
+    sm_90 a 64-row tile is a warpgroup MMA, the accumulator [64, 512] fp32 split over 8 warps.
+    NOTE: sm_90 builds without a GPU (Triton 3.6, ptxas -v; benchmarks/mla_fp8.py --resources):
+    64 x 32 keys / 8 warps: bf16 221-225 registers, no spill, key tiles cp.async'ed into shared
+    memory; fp8 255 registers + 180-240 B of spilled 64-bit addresses (the widened tile goes
+    registers -> shared memory for the MMA); 4 warps spill > 2 KB; the old 16 x 64 / 4 warps
+    tile spilled 100 B (bf16, Triton 3.6) and ran mma.sync, not the warpgroup MMA."""
     if not decode:
         return dict(block_m=64, block_n=32, num_warps=8, num_stages=2)
-    if fp8:
-        return dict(block_m=32 if heads >= 32 else 16, block_n=32, num_warps=8, num_stages=2)
-    return dict(block_m=16, block_n=64, num_warps=4, num_stages=2)
+    block_m = min(64, max(16, triton_next_pow2(heads)))
+    return dict(block_m=block_m, block_n=32, num_warps=8, num_stages=2,
+                waves=1.0, min_split_keys=256, max_splits=256)  # fmt: skip
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 def mla_attention(
@@ -353,7 +379,12 @@ def mla_attention(
     block_m, block_n = cfg["block_m"], cfg["block_n"]
     row_blocks = cdiv(max_query_len * H, block_m)
     if num_splits is None:
-        num_splits = _pick_splits(B, row_blocks, max_seq_len, block_n) if decode else 1
+        num_splits = 1
+        if decode:
+            num_splits = _pick_splits(
+                B, row_blocks, max_seq_len, sm_count(q_latent.device), cfg["waves"],
+                cfg["min_split_keys"], cfg["max_splits"],
+            )  # fmt: skip
     direct = num_splits == 1
     grid = (row_blocks, B, num_splits)
     if direct:
@@ -369,15 +400,19 @@ def mla_attention(
         num_stages=cfg["num_stages"],
     )  # fmt: skip
     if not direct:
-        _mla_reduce_kernel[(T * H,)](part, lse, out, L=L, SPLITS=num_splits, num_warps=4)
+        p2 = triton_next_pow2(num_splits)
+        _mla_reduce_kernel[(T * H,)](part, lse, out, L=L, SPLITS=num_splits, SPLITS_P2=p2,
+                                     num_warps=4)  # fmt: skip
     return out
 
 
 __all__ = [
+    "CONFIG_KEYS",
     "default_config",
     "default_fp8_convert",
     "fp8_cache_supported",
     "math",
     "mla_attention",
     "mla_attention_ref",
+    "sm_count",
 ]
