@@ -137,11 +137,11 @@ if HAS_TRITON:
         bt_stride,
         sm_scale,
         kv_scale,
+        SPLITS,  # a runtime int: one compiled kernel serves every split count
         H: tl.constexpr,
         L: tl.constexpr,
         R: tl.constexpr,
         PS: tl.constexpr,
-        SPLITS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         DIRECT: tl.constexpr,
@@ -183,12 +183,19 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, L], tl.float32)
+        if BLOCK_N <= PS:  # tiles start at multiples of BLOCK_N: each lies in one page
+            offs_t = tl.arange(0, BLOCK_N)[:, None] * (L + R)  # loop-invariant offsets
         for n0 in range(n_lo, n_hi, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < n_hi
-            page = tl.load(bt_ptr + b * bt_stride + offs_n // PS, mask=n_ok, other=0)
-            slot = page.to(tl.int64) * PS + offs_n % PS
-            kv_row = kv_ptr + slot[:, None] * (L + R)
+            if BLOCK_N <= PS:  # one page id per tile; the addresses are base + invariant
+                page = tl.load(bt_ptr + b * bt_stride + n0 // PS)
+                base = kv_ptr + (page.to(tl.int64) * PS + n0 % PS) * (L + R)
+                kv_row = base + offs_t
+            else:
+                page = tl.load(bt_ptr + b * bt_stride + offs_n // PS, mask=n_ok, other=0)
+                slot = page.to(tl.int64) * PS + offs_n % PS
+                kv_row = kv_ptr + slot[:, None] * (L + R)
             c = _load_kv(kv_row + offs_l[None, :], n_ok[:, None], KV_FP8, DOT_DT)  # [BN, L]
             k_r = _load_kv(kv_row + L + offs_r[None, :], n_ok[:, None], KV_FP8, DOT_DT)
             s = tl.dot(q_n, tl.trans(c)) + tl.dot(q_r, tl.trans(k_r))  # [BM, BN] fp32
@@ -215,7 +222,7 @@ if HAS_TRITON:
         else:
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # base 2
             tl.store(
-                out_ptr + (g_rows[:, None] * SPLITS + split) * L + offs_l[None, :],
+                out_ptr + (g_rows.to(tl.int64)[:, None] * SPLITS + split) * L + offs_l[None, :],
                 o,
                 mask=row_ok[:, None],
             )
@@ -226,8 +233,8 @@ if HAS_TRITON:
         part_ptr,  # [N_ROWS, SPLITS, L] fp32
         lse_ptr,  # [N_ROWS, SPLITS] fp32 (base-2)
         out_ptr,  # [N_ROWS, L]
+        SPLITS,
         L: tl.constexpr,
-        SPLITS: tl.constexpr,
         SPLITS_P2: tl.constexpr,  # next power of two (tl.arange); the rest is masked
     ):
         row = tl.program_id(0).to(tl.int64)
@@ -394,14 +401,14 @@ def mla_attention(
         lse = torch.empty(T * H, num_splits, dtype=torch.float32, device=q_latent.device)
     _mla_fwd_kernel[grid](
         q_latent, q_pe, kv_cache, query_start_loc, context_lens, block_table, part, lse,
-        block_table.stride(0), float(scale), float(kv_scale) if fp8 else 1.0,
-        H=H, L=L, R=R, PS=PS, SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n,
+        block_table.stride(0), float(scale), float(kv_scale) if fp8 else 1.0, num_splits,
+        H=H, L=L, R=R, PS=PS, BLOCK_M=block_m, BLOCK_N=block_n,
         DIRECT=direct, DOT_DT=dot_dtype(), KV_FP8=kv_fp8, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )  # fmt: skip
     if not direct:
         p2 = triton_next_pow2(num_splits)
-        _mla_reduce_kernel[(T * H,)](part, lse, out, L=L, SPLITS=num_splits, SPLITS_P2=p2,
+        _mla_reduce_kernel[(T * H,)](part, lse, out, num_splits, L=L, SPLITS_P2=p2,
                                      num_warps=4)  # fmt: skip
     return out
 
