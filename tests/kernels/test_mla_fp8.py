@@ -315,3 +315,20 @@ def test_kv_scale_only_touches_fp8_caches():
     kv = kv.float().bfloat16()
     ours = TritonMLABackend(kv_scale=0.5).forward(q, qp, kv, md, 0.3)
     assert rel(ours, TorchMLABackend(kv_scale=0.5).forward(q, qp, kv, md, 0.3)) < 1e-2
+
+
+def test_backend_decode_uses_the_tables_config():
+    """TritonMLABackend's decode step takes the policy table's config for its cache dtype (a
+    bad key there is an error, so the config does reach the kernel) and matches the torch
+    backend."""
+    from k2serve.kernels.policy import KernelPolicy
+
+    (q, qp, kv), md = fp8_paged([300, 77], [1, 1], 0.5)
+    cfgs = {f: KernelPolicy.reference().mla_decode_config(f) for f in (False, True)}
+    out = TritonMLABackend(kv_scale=0.5, decode_configs=cfgs).forward(q, qp, kv, md, 0.3)
+    ref = TorchMLABackend(kv_scale=0.5).forward(q, qp, kv, md, 0.3)
+    assert rel(out, ref) < 1e-2
+    bad = TritonMLABackend(kv_scale=0.5, decode_configs={True: {"BLOCK": 1}})
+    with pytest.raises(ValueError, match="unknown MLA config"):
+        bad.forward(q, qp, kv, md, 0.3)
+    bad.forward(q, qp, kv.float(), md, 0.3)  # a bf16/fp32 cache: its own (absent) entry

@@ -384,6 +384,8 @@ def mla_attention(
             raise ValueError(f"unknown MLA config keys {sorted(unknown)}; use {CONFIG_KEYS}")
         cfg.update(config)
     block_m, block_n = cfg["block_m"], cfg["block_n"]
+    if decode:  # a table's 64-row tile on a shard of 8 heads: 16 rows do (the MMA minimum)
+        block_m = min(block_m, max(16, triton_next_pow2(H)))
     row_blocks = cdiv(max_query_len * H, block_m)
     if num_splits is None:
         num_splits = 1
