@@ -183,17 +183,23 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, L], tl.float32)
+        bt_row = bt_ptr + b * bt_stride
         if BLOCK_N <= PS:  # tiles start at multiples of BLOCK_N: each lies in one page
             offs_t = tl.arange(0, BLOCK_N)[:, None] * (L + R)  # loop-invariant offsets
+            page_next = tl.load(bt_row + n_lo // PS, mask=n_lo < n_hi, other=0)
         for n0 in range(n_lo, n_hi, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < n_hi
             if BLOCK_N <= PS:  # one page id per tile; the addresses are base + invariant
-                page = tl.load(bt_ptr + b * bt_stride + n0 // PS)
+                # the next tile's page id is read one tile ahead: the tile's address does not
+                # wait on a load issued in the same iteration
+                page = page_next
+                n1 = n0 + BLOCK_N
+                page_next = tl.load(bt_row + n1 // PS, mask=n1 < n_hi, other=0)
                 base = kv_ptr + (page.to(tl.int64) * PS + n0 % PS) * (L + R)
                 kv_row = base + offs_t
             else:
-                page = tl.load(bt_ptr + b * bt_stride + offs_n // PS, mask=n_ok, other=0)
+                page = tl.load(bt_row + offs_n // PS, mask=n_ok, other=0)
                 slot = page.to(tl.int64) * PS + offs_n % PS
                 kv_row = kv_ptr + slot[:, None] * (L + R)
             c = _load_kv(kv_row + offs_l[None, :], n_ok[:, None], KV_FP8, DOT_DT)  # [BN, L]
@@ -275,6 +281,30 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.cache
+def _smem_per_block(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or 232448)  # sm_90's 227 KB
+
+
+def fit_stages(cfg: dict, L: int, R: int, kv_bytes: int, device: torch.device) -> int:
+    """num_stages, lowered until the kernel's shared memory fits the device (the tables are
+    tuned on sm_90's 227 KB; an A100 has 163 KB): q [block_m, L + R] bf16, one key tile
+    [block_n, L + R] per stage and, for fp8, the widened bf16 tile (an upper bound of Triton's
+    allocation: bf16 64 x 32 x 4 stages is 221184 B here and in Triton 3.6's build)."""
+    stages = cfg["num_stages"]
+    if device.type != "cuda":
+        return stages
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    limit = _smem_per_block(index)
+    q = cfg["block_m"] * (L + R) * 2
+    tile = cfg["block_n"] * (L + R)
+    widened = tile * 2 if kv_bytes == 1 else 0
+    while stages > 1 and q + stages * tile * kv_bytes + widened > limit:
+        stages -= 1
+    return stages
+
+
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of `device` (CUDA), else 8 (the CPU interpreter: few programs
     keep the tests fast; any count gives the same result)."""
@@ -308,20 +338,29 @@ def fp8_cache_supported(device: torch.device | str) -> bool:
 
 def default_config(decode: bool, heads: int, fp8: bool) -> dict:
     """Tile sizes (and, for decode, the split-KV rule); the policy tables (configs/<kind>.json,
-    "mla_decode") override them per cache dtype. Prefill: 64 rows, 32-key tiles, one split.
+    "mla_decode") override them per cache dtype. Prefill: 64 rows, 32-key tiles, one split,
+    3 stages (at 2, Triton 3.6 keeps 2 buffers but waits for the next tile's copy at once).
     Decode: ALL heads of a sequence in one program (64 rows at Kimi-K2's 64 heads), so each key
     tile crosses L2 -> shared memory once and an fp8 tile is widened once (16-row tiles read and
     widened it 4 times: at B=1 the kernel was L2-bound at 22-31% of the copy bandwidth); on
     sm_90 a 64-row tile is a warpgroup MMA, the accumulator [64, 512] fp32 split over 8 warps.
-    NOTE: sm_90 builds without a GPU (Triton 3.6, ptxas -v; benchmarks/mla_fp8.py --resources):
-    64 x 32 keys / 8 warps: bf16 221-225 registers, no spill, key tiles cp.async'ed into shared
-    memory; fp8 255 registers + 180-240 B of spilled 64-bit addresses (the widened tile goes
-    registers -> shared memory for the MMA); 4 warps spill > 2 KB; the old 16 x 64 / 4 warps
-    tile spilled 100 B (bf16, Triton 3.6) and ran mma.sync, not the warpgroup MMA."""
+    The key tiles are cp.async'ed num_stages - 1 ahead: that needs the tile's address not to
+    wait on a load of the same iteration, so the next tile's page id is read one tile ahead
+    (with the page id read in the iteration, Triton 3.6 issued the next tile's copy after the
+    MMAs and waited for it at once: no overlap at any num_stages, one memory latency exposed
+    per tile).
+    NOTE: sm_90 builds without a GPU (Triton 3.6, ptxas; benchmarks/mla_fp8.py --resources),
+    64 rows, 8 warps: bf16 32 keys x 4 stages: 228 registers, no spill, 221 KB shared memory,
+    3 tiles (108 KB) in flight; fp8 32 keys x 5 stages: 255 registers + 232 B of spilled
+    addresses (the widened tile goes registers -> shared memory for the MMA), 184 KB, 3 raw
+    tiles (54 KB) in flight; 4 warps spill > 2 KB (the [64, 512] fp32 accumulator alone is
+    256 registers a thread); bf16 64 keys x 3 stages needs 288 KB (does not fit). The old
+    16 x 64 / 4 warps tile spilled 100 B and ran mma.sync, not the warpgroup MMA.
+    benchmarks/mla_fp8.py times the candidates; the policy tables hold the pick."""
     if not decode:
-        return dict(block_m=64, block_n=32, num_warps=8, num_stages=2)
+        return dict(block_m=64, block_n=32, num_warps=8, num_stages=3)
     block_m = min(64, max(16, triton_next_pow2(heads)))
-    return dict(block_m=block_m, block_n=32, num_warps=8, num_stages=2,
+    return dict(block_m=block_m, block_n=32, num_warps=8, num_stages=5 if fp8 else 4,
                 waves=1.0, min_split_keys=256, max_splits=256)  # fmt: skip
 
 
@@ -406,7 +445,7 @@ def mla_attention(
         block_table.stride(0), float(scale), float(kv_scale) if fp8 else 1.0, num_splits,
         H=H, L=L, R=R, PS=PS, BLOCK_M=block_m, BLOCK_N=block_n,
         DIRECT=direct, DOT_DT=dot_dtype(), KV_FP8=kv_fp8, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        num_stages=fit_stages(cfg, L, R, kv_cache.element_size(), q_latent.device),
     )  # fmt: skip
     if not direct:
         p2 = triton_next_pow2(num_splits)
