@@ -229,7 +229,8 @@ def table_config(fp8: bool) -> dict:
 
 
 def tile_name(c: dict) -> str:
-    return f"{c['block_m']}x{c['block_n']} w{c['num_warps']} s{c.get('num_stages', 2)}"
+    qk = "" if c.get("split_qk", True) else " QK unsplit"
+    return f"{c['block_m']}x{c['block_n']} w{c['num_warps']} s{c.get('num_stages', 2)}{qk}"
 
 
 def old_splits(B: int, row_blocks: int, max_seq_len: int, block_n: int) -> int:
@@ -254,12 +255,14 @@ def variants(B: int, ctx: int, sweep: bool):
         if cache == "fp8" and not SMOKE:
             yield cache, "convert", "table tile, Triton's cast widening", {"config": d, "fp8_convert": "cast"}
         old = dict(block_m=16, block_n=64, num_warps=4) if cache == "bf16" else dict(block_m=32, block_n=32, num_warps=8)
+        old.update(num_stages=2, split_qk=False)
         n_old = old_splits(B, -(-H // old["block_m"]), ctx + 1, old["block_n"])
         yield cache, "before", f"before #19: {tile_name(old)}, {n_old} splits", {"config": old, "num_splits": n_old}
         if not sweep:
             continue
-        for bm, bn, w, st in SWEEP[cache]:
-            c = dict(d, block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+        tiles = [dict(d, split_qk=False)]  # the table's tile, both warpgroups computing all QK
+        tiles += [dict(d, block_m=bm, block_n=bn, num_warps=w, num_stages=st) for bm, bn, w, st in SWEEP[cache]]
+        for c in tiles:
             if tile_name(c) != tile_name(d):
                 yield cache, "tile", f"tile {tile_name(c)}", {"config": c}
         for waves, msk in SPLIT_SWEEP:
@@ -370,7 +373,7 @@ def report(rows: list, cases: list[str]) -> None:
     entry = {}
     for cache in ("bf16", "fp8"):
         c = pick.get((cache, "tile")) or tab[cache]
-        entry[cache] = {k: c[k] for k in ("block_m", "block_n", "num_warps", "num_stages")}
+        entry[cache] = {k: c[k] for k in ("block_m", "block_n", "num_warps", "num_stages", "split_qk")}
     sp = pick.get(("fp8", "splits")) or pick.get(("bf16", "splits")) or tab["fp8"]
     entry.update({k: sp[k] for k in ("waves", "min_split_keys", "max_splits")})
     log("\nwinners as configs/h200.json \"mla_decode\" (split rule: the fp8 cache's winner):")
@@ -396,13 +399,14 @@ def resources() -> None:
     log("|---|---|---|---|---|")
     for cache in ("bf16", "fp8"):
         d = table_config(cache == "fp8")
-        tiles = [(d["block_m"], d["block_n"], d["num_warps"], d["num_stages"])] + SWEEP[cache]
-        for bm, bn, w, st in dict.fromkeys(tiles):
+        tiles = [(d["block_m"], d["block_n"], d["num_warps"], d["num_stages"], True)]
+        tiles += [tiles[0][:4] + (False,)] + [t + (True,) for t in SWEEP[cache]]
+        for bm, bn, w, st, qk in dict.fromkeys(tiles):
             sig = dict(q_lat_ptr="*bf16", q_pe_ptr="*bf16", kv_ptr="*bf16" if cache == "bf16" else "*u8",
                        qsl_ptr="*i32", ctx_ptr="*i32", bt_ptr="*i32", out_ptr="*fp32", lse_ptr="*fp32",
                        bt_stride="i32", sm_scale="fp32", kv_scale="fp32", SPLITS="i32")  # fmt: skip
             cons = dict(H=H, L=L, R=R, PS=PS, BLOCK_M=bm, BLOCK_N=bn, DIRECT=False,
-                        DOT_DT=tl.bfloat16, KV_FP8=0 if cache == "bf16" else 2)  # fmt: skip
+                        DOT_DT=tl.bfloat16, KV_FP8=0 if cache == "bf16" else 2, SPLIT_QK=qk)  # fmt: skip
             sig.update({k: "constexpr" for k in cons})
             # pointers 16-byte aligned and the strides multiples of 16, as the JIT specializes
             attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items())
@@ -417,7 +421,7 @@ def resources() -> None:
                 ).stdout
             m = re.search(r"REG:(\d+).*?STACK:(\d+)", txt, re.S)
             reg, stack = m.groups() if m else ("?", "?")
-            log(f"| {cache} | {bm} x {bn}, {w} warps, {st} stages | {reg} | {stack} | {k.metadata.shared} |")
+            log(f"| {cache} | {bm} x {bn}, {w} warps, {st} stages{'' if qk else ', QK unsplit'} | {reg} | {stack} | {k.metadata.shared} |")
 
 
 def main() -> int:

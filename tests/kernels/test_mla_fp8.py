@@ -192,12 +192,15 @@ def test_split_count_fills_the_gpu(seqs, max_len, sms, waves, expect):
     assert n == expect
 
 
-@pytest.mark.parametrize("splits,block_n", [(3, 8), (5, 16), (7, 32), (None, 16)])
-def test_split_counts_that_are_not_powers_of_two(splits, block_n):
-    """Any split count; key tiles narrower than, as wide as and wider than a page (16)."""
+@pytest.mark.parametrize(
+    "splits,block_n,split_qk", [(3, 8, True), (5, 16, False), (7, 32, True), (None, 16, True)]
+)
+def test_split_counts_that_are_not_powers_of_two(splits, block_n, split_qk):
+    """Any split count; key tiles narrower than, as wide as and wider than a page (16); the
+    QK dots split between warpgroups or not (the same math)."""
     (q, qp, kv), md = fp8_paged([300, 77], [1, 1], 0.5)
     args = (q, qp, kv, md.query_start_loc, md.context_lens, md.block_table, 0.3, 1, 301)
-    cfg = {"block_n": block_n, "min_split_keys": 64}
+    cfg = {"block_n": block_n, "min_split_keys": 64, "split_qk": split_qk}
     out = mla_attention.mla_attention(*args, num_splits=splits, kv_scale=0.5, config=cfg)
     ref = TorchMLABackend(kv_scale=0.5).forward(q, qp, kv, md, 0.3)
     assert rel(out, ref) < 1e-2

@@ -147,6 +147,7 @@ if HAS_TRITON:
         DIRECT: tl.constexpr,
         DOT_DT: tl.constexpr,
         KV_FP8: tl.constexpr,
+        SPLIT_QK: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         b = tl.program_id(1)
@@ -204,9 +205,19 @@ if HAS_TRITON:
                 kv_row = kv_ptr + slot[:, None] * (L + R)
             c = _load_kv(kv_row + offs_l[None, :], n_ok[:, None], KV_FP8, DOT_DT)  # [BN, L]
             k_r = _load_kv(kv_row + L + offs_r[None, :], n_ok[:, None], KV_FP8, DOT_DT)
-            s = tl.dot(q_n, tl.trans(c)) + tl.dot(q_r, tl.trans(k_r))  # [BM, BN] fp32
+            # SPLIT_QK: Triton gives a dot whose result feeds another dot (here the scores feed
+            # p @ c) the warps [num_warps, 1]; with 64 rows and 8 warps both warpgroups then
+            # compute the SAME [64, BLOCK_N] scores (2x the QK MMAs, which at 64 heads are half
+            # the kernel's tensor work). Returned through an scf.if, the scores' forward slice
+            # ends at its yield, so the QK dots get warps [4, 2] (each warpgroup half the keys),
+            # and scaling each dot keeps Triton from folding the rope dot's add into the first
+            # dot's accumulator (a chain again). The condition is always true in the loop.
+            if SPLIT_QK and n0 < n_hi:
+                s = tl.dot(q_n, tl.trans(c)) * qk_scale + tl.dot(q_r, tl.trans(k_r)) * qk_scale
+            else:
+                s = (tl.dot(q_n, tl.trans(c)) + tl.dot(q_r, tl.trans(k_r))) * qk_scale
             vis = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
-            s = tl.where(vis, s * qk_scale, float("-inf"))
+            s = tl.where(vis, s, float("-inf"))  # [BM, BN] fp32, log2 units
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(s - m_safe[:, None])
@@ -290,8 +301,9 @@ def _smem_per_block(index: int) -> int:
 def fit_stages(cfg: dict, L: int, R: int, kv_bytes: int, device: torch.device) -> int:
     """num_stages, lowered until the kernel's shared memory fits the device (the tables are
     tuned on sm_90's 227 KB; an A100 has 163 KB): q [block_m, L + R] bf16, one key tile
-    [block_n, L + R] per stage and, for fp8, the widened bf16 tile (an upper bound of Triton's
-    allocation: bf16 64 x 32 x 4 stages is 221184 B here and in Triton 3.6's build)."""
+    [block_n, L + R] per stage, for fp8 the widened bf16 tile, and p [block_m, block_n] (an
+    upper bound of Triton 3.6's allocation: bf16 64 x 32 x 4 stages is 225280 B here, 221184
+    B in the build)."""
     stages = cfg["num_stages"]
     if device.type != "cuda":
         return stages
@@ -300,7 +312,8 @@ def fit_stages(cfg: dict, L: int, R: int, kv_bytes: int, device: torch.device) -
     q = cfg["block_m"] * (L + R) * 2
     tile = cfg["block_n"] * (L + R)
     widened = tile * 2 if kv_bytes == 1 else 0
-    while stages > 1 and q + stages * tile * kv_bytes + widened > limit:
+    p = cfg["block_m"] * cfg["block_n"] * 2  # the probabilities, restaged for the PV MMA
+    while stages > 1 and q + stages * tile * kv_bytes + widened + p > limit:
         stages -= 1
     return stages
 
@@ -314,7 +327,7 @@ def sm_count(device: torch.device) -> int:
 
 
 FP8_CONVERTS = ("ptx", "cast")
-TILE_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
+TILE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "split_qk")
 SPLIT_KEYS = ("waves", "min_split_keys", "max_splits")  # decode split-KV rule (_pick_splits)
 CONFIG_KEYS = TILE_KEYS + SPLIT_KEYS
 
@@ -349,19 +362,22 @@ def default_config(decode: bool, heads: int, fp8: bool) -> dict:
     (with the page id read in the iteration, Triton 3.6 issued the next tile's copy after the
     MMAs and waited for it at once: no overlap at any num_stages, one memory latency exposed
     per tile).
+    The QK dots are split between the two warpgroups (SPLIT_QK in the kernel; split_qk=False
+    is the plain form, kept for comparison).
     NOTE: sm_90 builds without a GPU (Triton 3.6, ptxas; benchmarks/mla_fp8.py --resources),
-    64 rows, 8 warps: bf16 32 keys x 4 stages: 228 registers, no spill, 221 KB shared memory,
-    3 tiles (108 KB) in flight; fp8 32 keys x 5 stages: 255 registers + 232 B of spilled
-    addresses (the widened tile goes registers -> shared memory for the MMA), 184 KB, 3 raw
-    tiles (54 KB) in flight; 4 warps spill > 2 KB (the [64, 512] fp32 accumulator alone is
-    256 registers a thread); bf16 64 keys x 3 stages needs 288 KB (does not fit). The old
+    64 rows, 8 warps, split QK: bf16 32 keys x 4 stages: 214 registers, no spill, 221 KB
+    shared memory, 3 tiles (108 KB) in flight, 36 + 2 warpgroup MMAs a tile; fp8 32 keys x 5
+    stages: 235 registers, no spill, 188 KB, 3 raw tiles (54 KB) in flight (the widened tile
+    goes registers -> shared memory for the MMA). Without the split QK: 72 + 2 MMAs a tile,
+    fp8 spills 232 B. 4 warps spill > 2 KB (the [64, 512] fp32 accumulator alone is 256
+    registers a thread); bf16 64 keys x 3 stages needs 288 KB (does not fit). The old
     16 x 64 / 4 warps tile spilled 100 B and ran mma.sync, not the warpgroup MMA.
     benchmarks/mla_fp8.py times the candidates; the policy tables hold the pick."""
     if not decode:
-        return dict(block_m=64, block_n=32, num_warps=8, num_stages=3)
+        return dict(block_m=64, block_n=32, num_warps=8, num_stages=3, split_qk=True)
     block_m = min(64, max(16, triton_next_pow2(heads)))
     return dict(block_m=block_m, block_n=32, num_warps=8, num_stages=5 if fp8 else 4,
-                waves=1.0, min_split_keys=256, max_splits=256)  # fmt: skip
+                split_qk=True, waves=1.0, min_split_keys=256, max_splits=256)  # fmt: skip
 
 
 def triton_next_pow2(n: int) -> int:
@@ -444,7 +460,8 @@ def mla_attention(
         q_latent, q_pe, kv_cache, query_start_loc, context_lens, block_table, part, lse,
         block_table.stride(0), float(scale), float(kv_scale) if fp8 else 1.0, num_splits,
         H=H, L=L, R=R, PS=PS, BLOCK_M=block_m, BLOCK_N=block_n,
-        DIRECT=direct, DOT_DT=dot_dtype(), KV_FP8=kv_fp8, num_warps=cfg["num_warps"],
+        DIRECT=direct, DOT_DT=dot_dtype(), KV_FP8=kv_fp8, SPLIT_QK=bool(cfg["split_qk"]),
+        num_warps=cfg["num_warps"],
         num_stages=fit_stages(cfg, L, R, kv_cache.element_size(), q_latent.device),
     )  # fmt: skip
     if not direct:
