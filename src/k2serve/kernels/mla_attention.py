@@ -301,9 +301,9 @@ def _smem_per_block(index: int) -> int:
 def fit_stages(cfg: dict, L: int, R: int, kv_bytes: int, device: torch.device) -> int:
     """num_stages, lowered until the kernel's shared memory fits the device (the tables are
     tuned on sm_90's 227 KB; an A100 has 163 KB): q [block_m, L + R] bf16, one key tile
-    [block_n, L + R] per stage, for fp8 the widened bf16 tile, and p [block_m, block_n] (an
-    upper bound of Triton 3.6's allocation: bf16 64 x 32 x 4 stages is 225280 B here, 221184
-    B in the build)."""
+    [block_n, L + R] per stage (fp8: per stage but one) and for fp8 the widened bf16 tile, and
+    p [block_m, block_n] (Triton 3.6's builds: bf16 64 x 32 x 4 stages 221184 B, 225280 here;
+    fp8 64 x 32 x 5: 188416, fp8 64 x 64 x 3: 225280, 229376 here; the limit is 232448)."""
     stages = cfg["num_stages"]
     if device.type != "cuda":
         return stages
@@ -313,7 +313,11 @@ def fit_stages(cfg: dict, L: int, R: int, kv_bytes: int, device: torch.device) -
     tile = cfg["block_n"] * (L + R)
     widened = tile * 2 if kv_bytes == 1 else 0
     p = cfg["block_m"] * cfg["block_n"] * 2  # the probabilities, restaged for the PV MMA
-    while stages > 1 and q + stages * tile * kv_bytes + widened + p > limit:
+
+    def need(st: int) -> int:  # an fp8 tile is widened from its buffer: st - 1 buffers
+        return q + (st - 1 if widened else st) * tile * kv_bytes + widened + p
+
+    while stages > 1 and need(stages) > limit:
         stages -= 1
     return stages
 
