@@ -51,7 +51,7 @@ def make_attention_backend(
     name: str, device: torch.device | str, kv_dtype: torch.dtype | None = None, policy=None
 ) -> MLABackend:
     """The MLA backend for `name` in ATTENTION_BACKENDS on `device` with a `kv_dtype` cache;
-    `policy` (a KernelPolicy; None = the device's) gives the Triton decode its tuned tiles."""
+    `policy` (a KernelPolicy; None = the default tables) gives the Triton decode its tiles."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={name!r}; expected one of {ATTENTION_BACKENDS}")
     fp8 = kv_dtype is not None and is_fp8(kv_dtype)
@@ -81,7 +81,7 @@ def make_attention_backend(
     from k2serve.attention.triton_mla import TritonMLABackend
     from k2serve.kernels.policy import KernelPolicy
 
-    policy = policy or KernelPolicy.for_device(device)
+    policy = policy or KernelPolicy()  # the default kind's tables (setup passes its policy)
     return TritonMLABackend(
         decode_configs={f: policy.mla_decode_config(f) for f in (False, True)}
     )
