@@ -253,20 +253,27 @@ if HAS_TRITON:
         SPLITS,
         L: tl.constexpr,
         SPLITS_P2: tl.constexpr,  # next power of two (tl.arange); the rest is masked
+        BLOCK_S: tl.constexpr,  # splits merged per step
+        BLOCK_L: tl.constexpr,  # output columns per program (grid axis 1)
     ):
+        """out[row, cols] = sum_s w_s * part[row, s, cols], w = softmax of the splits' lse.
+        A program takes BLOCK_L columns of one row and walks the splits BLOCK_S at a time (the
+        whole [splits, L] partial of a row in registers spilled at 64+ splits)."""
         row = tl.program_id(0).to(tl.int64)
+        offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
         offs_s = tl.arange(0, SPLITS_P2)
-        offs_l = tl.arange(0, L)
-        s_ok = offs_s < SPLITS
-        lse = tl.load(lse_ptr + row * SPLITS + offs_s, mask=s_ok, other=float("-inf"))  # [S]
+        lse = tl.load(lse_ptr + row * SPLITS + offs_s, mask=offs_s < SPLITS, other=float("-inf"))
         m = tl.max(lse, 0)
         m = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp2(lse - m)  # 0 for empty splits
-        w = w / tl.maximum(tl.sum(w, 0), 1e-30)
-        used = (lse > float("-inf"))[:, None]  # empty splits: no need to read their zeros
-        part = tl.load(part_ptr + (row * SPLITS + offs_s[:, None]) * L + offs_l[None, :],
-                       mask=used, other=0.0)  # fmt: skip
-        o = tl.sum(part * w[:, None], 0)
+        inv = 1.0 / tl.maximum(tl.sum(tl.exp2(lse - m), 0), 1e-30)  # empty splits weigh 0
+        o = tl.zeros([BLOCK_L], tl.float32)
+        for s0 in range(0, SPLITS, BLOCK_S):
+            offs = s0 + tl.arange(0, BLOCK_S)
+            ls = tl.load(lse_ptr + row * SPLITS + offs, mask=offs < SPLITS, other=float("-inf"))
+            used = ls > float("-inf")  # empty splits: no need to read their zeros
+            part = tl.load(part_ptr + (row * SPLITS + offs[:, None]) * L + offs_l[None, :],
+                           mask=used[:, None], other=0.0)  # fmt: skip
+            o += tl.sum(part * (tl.exp2(ls - m) * inv)[:, None], 0)
         tl.store(out_ptr + row * L + offs_l, o.to(out_ptr.dtype.element_ty))
 
 
@@ -470,8 +477,10 @@ def mla_attention(
     )  # fmt: skip
     if not direct:
         p2 = triton_next_pow2(num_splits)
-        _mla_reduce_kernel[(T * H,)](part, lse, out, num_splits, L=L, SPLITS_P2=p2,
-                                     num_warps=4)  # fmt: skip
+        block_l = min(L, 128)
+        _mla_reduce_kernel[(T * H, L // block_l)](part, lse, out, num_splits, L=L, SPLITS_P2=p2,
+                                                  BLOCK_S=min(p2, 16), BLOCK_L=block_l,
+                                                  num_warps=4)  # fmt: skip
     return out
 
 
