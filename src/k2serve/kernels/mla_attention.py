@@ -10,10 +10,13 @@ Token t of a sequence (0-based among its new tokens) sees cache positions n < co
 
 Kernel layout: the rows of one program are (token, head) pairs of ONE sequence, flattened
 token-major (row r -> token r // H, head r % H), which is exactly `q_latent.view(T * H, L)`. Each
-key tile [BLOCK_N, L + R] is loaded once per program and shared by all its rows. Decode splits
-the keys of a sequence into `num_splits` ranges (split-KV, flash-decoding), each writing a
-normalised partial output and its log-sum-exp, merged by a second kernel. Prefill (and mixed
-batches) uses one split and writes the output directly.
+key tile [BLOCK_N, L + R] is loaded once per program and shared by all its rows (decode: all 64
+heads of a sequence in one program). Decode splits the keys of a sequence into `num_splits`
+ranges (split-KV, flash-decoding; the count from the batch, the context and the SM count, see
+`_pick_splits`), each writing a normalised partial output and its log-sum-exp, merged by a
+second kernel. Prefill (and mixed batches) uses one split and writes the output directly.
+Launch configs (tiles, stages, the split rule) come from the policy tables ("mla_decode" in
+configs/<kind>.json) through `config`; `default_config` is the rule without a table.
 
 fp8 cache (float8_e4m3fn, the format of `attention/torch_ref.py` and `kernels/kv_store.py`):
 stored = e4m3(clamp(x / kv_scale, +-448)), read = stored * kv_scale. The kernel loads the bytes
