@@ -16,7 +16,9 @@ cubin with Triton's bundled cuobjdump).
    variant against mla_attention_ref on its own cache (rel err < 1e-2).
 3. timing, the attention alone (Kimi-K2 shapes: 64 heads, 512 latent + 64 rope, page 64), per
    case and cache: "default" = the policy table's config (configs/<kind>.json "mla_decode", what
-   the engine runs), "before" = the tile and split rule before issue 19's rework, "convert" =
+   the engine runs), "before" = the tile and split rule before issue 19's rework (run by today's kernel
+   code: its page-id prefetch and merge kernel help it; the old code measured 22-31% of the
+   copy bandwidth for bf16 and 0.59-0.71x for fp8/bf16 on an H100), "convert" =
    the table tile with Triton's fp8 cast, "tile" / "splits" = the sweep. Each case cycles over
    enough disjoint copies of the cache (> 256 MiB in all) that the 50-60 MB L2 cannot hold it,
    all calls captured in one CUDA graph: ms per step = replay time / calls. Bytes = the cache
@@ -257,7 +259,7 @@ def variants(B: int, ctx: int, sweep: bool):
         old = dict(block_m=16, block_n=64, num_warps=4) if cache == "bf16" else dict(block_m=32, block_n=32, num_warps=8)
         old.update(num_stages=2, split_qk=False)
         n_old = old_splits(B, -(-H // old["block_m"]), ctx + 1, old["block_n"])
-        yield cache, "before", f"before #19: {tile_name(old)}, {n_old} splits", {"config": old, "num_splits": n_old}
+        yield cache, "before", f"old tile + split rule: {tile_name(old)}, {n_old} splits", {"config": old, "num_splits": n_old}
         if not sweep:
             continue
         tiles = [dict(d, split_qk=False)]  # the table's tile, both warpgroups computing all QK
