@@ -167,11 +167,43 @@ def test_fp8_options_are_checked():
             mla_attention.mla_attention(*args, fp8_convert="ptx")
 
 
-def test_fp8_decode_tiles_take_more_rows_per_program():
-    assert mla_attention.default_config(True, 64, fp8=True)["block_m"] == 32
-    assert mla_attention.default_config(True, 64, fp8=False)["block_m"] == 16
+def test_decode_tiles_hold_all_heads_of_a_sequence():
+    for fp8 in (True, False):  # one program per (sequence, split): the key tile is read once
+        assert mla_attention.default_config(True, 64, fp8=fp8)["block_m"] == 64
     assert mla_attention.default_config(True, 8, fp8=True)["block_m"] == 16  # a TP=8 shard
     assert mla_attention.default_config(False, 64, fp8=True)["block_m"] == 64
+
+
+@pytest.mark.parametrize(
+    "seqs,max_len,sms,waves,expect",
+    [
+        (1, 131072, 132, 1.0, 132),  # B=1 at 128K fills the 132 SMs of an H100
+        (1, 32768, 132, 1.0, 128),  # ... capped by 256 keys per split
+        (8, 32768, 132, 1.0, 16),  # 128 programs: rounded down, no straggler wave
+        (8, 32768, 132, 2.0, 33),
+        (64, 32768, 132, 1.0, 2),
+        (256, 4096, 132, 1.0, 1),
+        (1, 100, 132, 1.0, 1),  # short: one split, the output written directly
+        (1, 1 << 20, 132, 4.0, 256),  # max_splits
+    ],
+)
+def test_split_count_fills_the_gpu(seqs, max_len, sms, waves, expect):
+    n = mla_attention._pick_splits(seqs, 1, max_len, sms, waves, 256, 256)
+    assert n == expect
+
+
+@pytest.mark.parametrize(
+    "splits,block_n,split_qk", [(3, 8, True), (5, 16, False), (7, 32, True), (None, 16, True)]
+)
+def test_split_counts_that_are_not_powers_of_two(splits, block_n, split_qk):
+    """Any split count; key tiles narrower than, as wide as and wider than a page (16); the
+    QK dots split between warpgroups or not (the same math)."""
+    (q, qp, kv), md = fp8_paged([300, 77], [1, 1], 0.5)
+    args = (q, qp, kv, md.query_start_loc, md.context_lens, md.block_table, 0.3, 1, 301)
+    cfg = {"block_n": block_n, "min_split_keys": 64, "split_qk": split_qk}
+    out = mla_attention.mla_attention(*args, num_splits=splits, kv_scale=0.5, config=cfg)
+    ref = TorchMLABackend(kv_scale=0.5).forward(q, qp, kv, md, 0.3)
+    assert rel(out, ref) < 1e-2
 
 
 def test_expanded_prefill_reads_an_fp8_prefix():
@@ -286,3 +318,20 @@ def test_kv_scale_only_touches_fp8_caches():
     kv = kv.float().bfloat16()
     ours = TritonMLABackend(kv_scale=0.5).forward(q, qp, kv, md, 0.3)
     assert rel(ours, TorchMLABackend(kv_scale=0.5).forward(q, qp, kv, md, 0.3)) < 1e-2
+
+
+def test_backend_decode_uses_the_tables_config():
+    """TritonMLABackend's decode step takes the policy table's config for its cache dtype (a
+    bad key there is an error, so the config does reach the kernel) and matches the torch
+    backend."""
+    from k2serve.kernels.policy import KernelPolicy
+
+    (q, qp, kv), md = fp8_paged([300, 77], [1, 1], 0.5)
+    cfgs = {f: KernelPolicy.reference().mla_decode_config(f) for f in (False, True)}
+    out = TritonMLABackend(kv_scale=0.5, decode_configs=cfgs).forward(q, qp, kv, md, 0.3)
+    ref = TorchMLABackend(kv_scale=0.5).forward(q, qp, kv, md, 0.3)
+    assert rel(out, ref) < 1e-2
+    bad = TritonMLABackend(kv_scale=0.5, decode_configs={True: {"BLOCK": 1}})
+    with pytest.raises(ValueError, match="unknown MLA config"):
+        bad.forward(q, qp, kv, md, 0.3)
+    bad.forward(q, qp, kv.float(), md, 0.3)  # a bf16/fp32 cache: its own (absent) entry

@@ -34,6 +34,21 @@ def test_unknown_kind_falls_back_to_the_default_table():
     assert device_kind("cpu") == "cpu"
 
 
+def test_mla_decode_table_reaches_the_triton_backend():
+    from k2serve.attention.triton_mla import TritonMLABackend
+    from k2serve.kernels.mla_attention import CONFIG_KEYS
+
+    p = KernelPolicy.reference()
+    for fp8 in (False, True):
+        cfg = p.mla_decode_config(fp8)
+        assert set(cfg) <= set(CONFIG_KEYS) and {"block_m", "waves"} <= set(cfg)
+    assert p.mla_decode_config(True) == dict(p.tables.mla_decode["fp8"]) | {
+        k: v for k, v in p.tables.mla_decode.items() if k not in ("bf16", "fp8")
+    }
+    be = TritonMLABackend(decode_configs={f: p.mla_decode_config(f) for f in (False, True)})
+    assert be.decode_configs[True]["block_n"] == p.tables.mla_decode["fp8"]["block_n"]
+
+
 def test_malformed_table_is_a_clear_error():
     data = json.loads(json.dumps({"gemv_bf16": [], "fp8_linear": []}))
     with pytest.raises(ValueError, match="kernel table 'broken' is malformed"):

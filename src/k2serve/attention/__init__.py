@@ -48,9 +48,10 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
 
 
 def make_attention_backend(
-    name: str, device: torch.device | str, kv_dtype: torch.dtype | None = None
+    name: str, device: torch.device | str, kv_dtype: torch.dtype | None = None, policy=None
 ) -> MLABackend:
-    """The MLA backend for `name` in ATTENTION_BACKENDS on `device` with a `kv_dtype` cache."""
+    """The MLA backend for `name` in ATTENTION_BACKENDS on `device` with a `kv_dtype` cache;
+    `policy` (a KernelPolicy; None = the default tables) gives the Triton decode its tiles."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={name!r}; expected one of {ATTENTION_BACKENDS}")
     fp8 = kv_dtype is not None and is_fp8(kv_dtype)
@@ -78,8 +79,12 @@ def make_attention_backend(
             )
             return TorchMLABackend()
     from k2serve.attention.triton_mla import TritonMLABackend
+    from k2serve.kernels.policy import KernelPolicy
 
-    return TritonMLABackend()
+    policy = policy or KernelPolicy()  # the default kind's tables (setup passes its policy)
+    return TritonMLABackend(
+        decode_configs={f: policy.mla_decode_config(f) for f in (False, True)}
+    )
 
 
 __all__ = [

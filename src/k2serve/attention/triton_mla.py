@@ -16,12 +16,14 @@ graph stays valid while sequence lengths change inside it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 
 from k2serve.attention.base import AttentionMetadata, MLABackend
 from k2serve.kernels.kv_store import store_latent_kv
-from k2serve.kernels.mla_attention import mla_attention
+from k2serve.kernels.mla_attention import FP8_KV_DTYPES, mla_attention
 
 
 class TritonMLABackend(MLABackend):
@@ -32,13 +34,21 @@ class TritonMLABackend(MLABackend):
     name = "triton"
     graph_safe = True
 
-    def __init__(self, prefill: str = "absorbed", kv_scale: float = 1.0) -> None:
+    def __init__(
+        self,
+        prefill: str = "absorbed",
+        kv_scale: float = 1.0,
+        decode_configs: Mapping[bool, Mapping] | None = None,
+    ) -> None:
+        """decode_configs: {fp8 cache?: mla_attention config} for decode steps, from the
+        kernel policy's tables (KernelPolicy.mla_decode_config); None = the kernel's rule."""
         if prefill not in ("absorbed", "expand"):
             raise ValueError(f"TritonMLABackend prefill={prefill!r}: use 'absorbed' or 'expand'")
         if not kv_scale > 0:
             raise ValueError(f"kv_scale={kv_scale} must be positive")
         self.prefill = prefill
         self.kv_scale = float(kv_scale)
+        self.decode_configs = {k: dict(v) for k, v in (decode_configs or {}).items()}
 
     def store(
         self,
@@ -57,6 +67,9 @@ class TritonMLABackend(MLABackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, H, L]
+        config = None
+        if metadata.max_query_len == 1:
+            config = self.decode_configs.get(kv_cache.dtype in FP8_KV_DTYPES)
         return mla_attention(
             q_latent,
             q_pe,
@@ -68,6 +81,7 @@ class TritonMLABackend(MLABackend):
             max_query_len=metadata.max_query_len,
             max_seq_len=metadata.max_seq_len,
             kv_scale=self.kv_scale,
+            config=config,
         )
 
 

@@ -10,10 +10,13 @@ Token t of a sequence (0-based among its new tokens) sees cache positions n < co
 
 Kernel layout: the rows of one program are (token, head) pairs of ONE sequence, flattened
 token-major (row r -> token r // H, head r % H), which is exactly `q_latent.view(T * H, L)`. Each
-key tile [BLOCK_N, L + R] is loaded once per program and shared by all its rows. Decode splits
-the keys of a sequence into `num_splits` ranges (split-KV, flash-decoding), each writing a
-normalised partial output and its log-sum-exp, merged by a second kernel. Prefill (and mixed
-batches) uses one split and writes the output directly.
+key tile [BLOCK_N, L + R] is loaded once per program and shared by all its rows (decode: all 64
+heads of a sequence in one program). Decode splits the keys of a sequence into `num_splits`
+ranges (split-KV, flash-decoding; the count from the batch, the context and the SM count, see
+`_pick_splits`), each writing a normalised partial output and its log-sum-exp, merged by a
+second kernel. Prefill (and mixed batches) uses one split and writes the output directly.
+Launch configs (tiles, stages, the split rule) come from the policy tables ("mla_decode" in
+configs/<kind>.json) through `config`; `default_config` is the rule without a table.
 
 fp8 cache (float8_e4m3fn, the format of `attention/torch_ref.py` and `kernels/kv_store.py`):
 stored = e4m3(clamp(x / kv_scale, +-448)), read = stored * kv_scale. The kernel loads the bytes
@@ -34,6 +37,7 @@ Invariants: `seq_lens[b] == context_lens[b] + query_len[b]`; block_table rows co
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -136,16 +140,17 @@ if HAS_TRITON:
         bt_stride,
         sm_scale,
         kv_scale,
+        SPLITS,  # a runtime int: one compiled kernel serves every split count
         H: tl.constexpr,
         L: tl.constexpr,
         R: tl.constexpr,
         PS: tl.constexpr,
-        SPLITS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         DIRECT: tl.constexpr,
         DOT_DT: tl.constexpr,
         KV_FP8: tl.constexpr,
+        SPLIT_QK: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         b = tl.program_id(1)
@@ -182,17 +187,40 @@ if HAS_TRITON:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, L], tl.float32)
+        bt_row = bt_ptr + b * bt_stride
+        if BLOCK_N <= PS:  # tiles start at multiples of BLOCK_N: each lies in one page
+            offs_t = tl.arange(0, BLOCK_N)[:, None] * (L + R)  # loop-invariant offsets
+            page_next = tl.load(bt_row + n_lo // PS, mask=n_lo < n_hi, other=0)
         for n0 in range(n_lo, n_hi, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < n_hi
-            page = tl.load(bt_ptr + b * bt_stride + offs_n // PS, mask=n_ok, other=0)
-            slot = page.to(tl.int64) * PS + offs_n % PS
-            kv_row = kv_ptr + slot[:, None] * (L + R)
+            if BLOCK_N <= PS:  # one page id per tile; the addresses are base + invariant
+                # the next tile's page id is read one tile ahead: the tile's address does not
+                # wait on a load issued in the same iteration
+                page = page_next
+                n1 = n0 + BLOCK_N
+                page_next = tl.load(bt_row + n1 // PS, mask=n1 < n_hi, other=0)
+                base = kv_ptr + (page.to(tl.int64) * PS + n0 % PS) * (L + R)
+                kv_row = base + offs_t
+            else:
+                page = tl.load(bt_row + offs_n // PS, mask=n_ok, other=0)
+                slot = page.to(tl.int64) * PS + offs_n % PS
+                kv_row = kv_ptr + slot[:, None] * (L + R)
             c = _load_kv(kv_row + offs_l[None, :], n_ok[:, None], KV_FP8, DOT_DT)  # [BN, L]
             k_r = _load_kv(kv_row + L + offs_r[None, :], n_ok[:, None], KV_FP8, DOT_DT)
-            s = tl.dot(q_n, tl.trans(c)) + tl.dot(q_r, tl.trans(k_r))  # [BM, BN] fp32
+            # SPLIT_QK: Triton gives a dot whose result feeds another dot (here the scores feed
+            # p @ c) the warps [num_warps, 1]; with 64 rows and 8 warps both warpgroups then
+            # compute the SAME [64, BLOCK_N] scores (2x the QK MMAs, which at 64 heads are half
+            # the kernel's tensor work). Returned through an scf.if, the scores' forward slice
+            # ends at its yield, so the QK dots get warps [4, 2] (each warpgroup half the keys),
+            # and scaling each dot keeps Triton from folding the rope dot's add into the first
+            # dot's accumulator (a chain again). The condition is always true in the loop.
+            if SPLIT_QK and n0 < n_hi:
+                s = tl.dot(q_n, tl.trans(c)) * qk_scale + tl.dot(q_r, tl.trans(k_r)) * qk_scale
+            else:
+                s = (tl.dot(q_n, tl.trans(c)) + tl.dot(q_r, tl.trans(k_r))) * qk_scale
             vis = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
-            s = tl.where(vis, s * qk_scale, float("-inf"))
+            s = tl.where(vis, s, float("-inf"))  # [BM, BN] fp32, log2 units
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(s - m_safe[:, None])
@@ -214,7 +242,7 @@ if HAS_TRITON:
         else:
             lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # base 2
             tl.store(
-                out_ptr + (g_rows[:, None] * SPLITS + split) * L + offs_l[None, :],
+                out_ptr + (g_rows.to(tl.int64)[:, None] * SPLITS + split) * L + offs_l[None, :],
                 o,
                 mask=row_ok[:, None],
             )
@@ -225,42 +253,97 @@ if HAS_TRITON:
         part_ptr,  # [N_ROWS, SPLITS, L] fp32
         lse_ptr,  # [N_ROWS, SPLITS] fp32 (base-2)
         out_ptr,  # [N_ROWS, L]
+        SPLITS,
         L: tl.constexpr,
-        SPLITS: tl.constexpr,
+        SPLITS_P2: tl.constexpr,  # next power of two (tl.arange); the rest is masked
+        BLOCK_S: tl.constexpr,  # splits merged per step
+        BLOCK_L: tl.constexpr,  # output columns per program (grid axis 1)
     ):
+        """out[row, cols] = sum_s w_s * part[row, s, cols], w = softmax of the splits' lse.
+        A program takes BLOCK_L columns of one row and walks the splits BLOCK_S at a time (the
+        whole [splits, L] partial of a row in registers spilled at 64+ splits)."""
         row = tl.program_id(0).to(tl.int64)
-        offs_s = tl.arange(0, SPLITS)
-        offs_l = tl.arange(0, L)
-        lse = tl.load(lse_ptr + row * SPLITS + offs_s)  # [S]
+        offs_l = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+        offs_s = tl.arange(0, SPLITS_P2)
+        lse = tl.load(lse_ptr + row * SPLITS + offs_s, mask=offs_s < SPLITS, other=float("-inf"))
         m = tl.max(lse, 0)
         m = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp2(lse - m)  # 0 for empty splits
-        w = w / tl.maximum(tl.sum(w, 0), 1e-30)
-        used = (lse > float("-inf"))[:, None]  # empty splits: no need to read their zeros
-        part = tl.load(part_ptr + (row * SPLITS + offs_s[:, None]) * L + offs_l[None, :],
-                       mask=used, other=0.0)  # fmt: skip
-        o = tl.sum(part * w[:, None], 0)
+        inv = 1.0 / tl.maximum(tl.sum(tl.exp2(lse - m), 0), 1e-30)  # empty splits weigh 0
+        o = tl.zeros([BLOCK_L], tl.float32)
+        for s0 in range(0, SPLITS, BLOCK_S):
+            offs = s0 + tl.arange(0, BLOCK_S)
+            ls = tl.load(lse_ptr + row * SPLITS + offs, mask=offs < SPLITS, other=float("-inf"))
+            used = ls > float("-inf")  # empty splits: no need to read their zeros
+            part = tl.load(part_ptr + (row * SPLITS + offs[:, None]) * L + offs_l[None, :],
+                           mask=used[:, None], other=0.0)  # fmt: skip
+            o += tl.sum(part * (tl.exp2(ls - m) * inv)[:, None], 0)
         tl.store(out_ptr + row * L + offs_l, o.to(out_ptr.dtype.element_ty))
 
 
-def _pick_splits(num_seqs: int, row_blocks: int, max_seq_len: int, block_n: int) -> int:
-    """Enough programs to cover the GPU (~2 waves of 132 SMs). A split covers a whole number of
-    key tiles (chunk = cdiv(cdiv(keys, splits), block_n) tiles), so at one or two sequences the
-    count is rounded UP to a power of two (tl.arange): 1025 keys in 64-key tiles are 17 tiles,
-    i.e. 9 working splits of 2 tiles at 16 splits but 17 of 1 at 32 (rounding down gives 6
-    working splits of 3 tiles, about half as fast at batch 1). Larger batches round down."""
+def _pick_splits(
+    num_seqs: int, row_blocks: int, max_seq_len: int, sms: int, waves: float,
+    min_split_keys: int, max_splits: int,
+) -> int:  # fmt: skip
+    """Split-KV count for a decode step: enough programs for `waves` x `sms` (a decode tile of
+    64 rows takes a whole SM: ~150-220 KB of shared memory, 8 warps at ~220 registers), never a
+    split of fewer than `min_split_keys` keys (each split writes a [rows, L] fp32 partial that
+    the merge reads back: at 132 splits of B=1 that is 17 MB against 38 MB of a 32K bf16
+    cache), at most `max_splits`. Rounded DOWN so the last wave is not a few stragglers (B=8 on
+    132 SMs: 16 splits = 128 programs, not 17 = 136 = a second wave of 4). Any count works:
+    the merge masks its power-of-two range. Depends only on host ints (graph-safe)."""
     programs = max(1, num_seqs * row_blocks)
-    want = max(1, 264 // programs)
-    tiles = max(1, -(-max_seq_len // block_n))
-    if num_seqs <= 2:
-        n = min(want, tiles, 64)
-        return min(64, 1 << (n - 1).bit_length())
-    n = min(want, max(1, tiles // 2), 64)
-    return 1 << (n.bit_length() - 1)
+    want = max(1, int(waves * sms) // programs)
+    by_len = max(1, max_seq_len // max(1, min_split_keys))
+    return max(1, min(want, by_len, max_splits))
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
+def _smem_per_block(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or 232448)  # sm_90's 227 KB
+
+
+def fit_stages(cfg: dict, L: int, R: int, kv_bytes: int, device: torch.device) -> int:
+    """num_stages, lowered until the kernel's shared memory fits the device (the tables are
+    tuned on sm_90's 227 KB; an A100 has 163 KB): q [block_m, L + R] bf16, one key tile
+    [block_n, L + R] per stage (fp8: per stage but one) and for fp8 the widened bf16 tile, and
+    p [block_m, block_n] (Triton 3.6's builds: bf16 64 x 32 x 4 stages 221184 B, 225280 here;
+    fp8 64 x 32 x 5: 188416, fp8 64 x 64 x 3: 225280, 229376 here; the limit is 232448)."""
+    stages = cfg["num_stages"]
+    if device.type != "cuda":
+        return stages
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    limit = _smem_per_block(index)
+    q = cfg["block_m"] * (L + R) * 2
+    tile = cfg["block_n"] * (L + R)
+    widened = tile * 2 if kv_bytes == 1 else 0
+    p = cfg["block_m"] * cfg["block_n"] * 2  # the probabilities, restaged for the PV MMA
+
+    def need(st: int) -> int:  # an fp8 tile is widened from its buffer: st - 1 buffers
+        return q + (st - 1 if widened else st) * tile * kv_bytes + widened + p
+
+    while stages > 1 and need(stages) > limit:
+        stages -= 1
+    return stages
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (CUDA), else 8 (the CPU interpreter: few programs
+    keep the tests fast; any count gives the same result)."""
+    if device.type != "cuda":
+        return 8
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 FP8_CONVERTS = ("ptx", "cast")
-CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
+TILE_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "split_qk")
+SPLIT_KEYS = ("waves", "min_split_keys", "max_splits")  # decode split-KV rule (_pick_splits)
+CONFIG_KEYS = TILE_KEYS + SPLIT_KEYS
 
 
 def default_fp8_convert() -> str:
@@ -281,19 +364,38 @@ def fp8_cache_supported(device: torch.device | str) -> bool:
 
 
 def default_config(decode: bool, heads: int, fp8: bool) -> dict:
-    """Tile sizes. Decode puts 16 (token, head) rows in a program and splits the keys; prefill
-    takes 64 rows and one split. With an fp8 cache every program widens each key tile it reads,
-    so decode takes 32 rows where there are 32+ heads (half the programs per tile, half the
-    conversions) on 8 warps with 32-key tiles.
-    NOTE: from sm_90 builds without a GPU (triton.compile + cuobjdump -res-usage, H=64): the
-    bf16 decode tile (16 x 64 keys, 4 warps) spills 784 B/thread; the fp8 tile 32 x 32 / 8 warps
-    spills 8 B (32 x 64 / 8 warps: 200 B, 16 x 64 / 4 warps: 1072 B, 64 rows always > 400 B).
-    benchmarks/mla_fp8.py times the candidates."""
+    """Tile sizes (and, for decode, the split-KV rule); the policy tables (configs/<kind>.json,
+    "mla_decode") override them per cache dtype. Prefill: 64 rows, 32-key tiles, one split,
+    3 stages (at 2, Triton 3.6 keeps 2 buffers but waits for the next tile's copy at once).
+    Decode: ALL heads of a sequence in one program (64 rows at Kimi-K2's 64 heads), so each key
+    tile crosses L2 -> shared memory once and an fp8 tile is widened once (16-row tiles read and
+    widened it 4 times: at B=1 the kernel was L2-bound at 22-31% of the copy bandwidth); on
+    sm_90 a 64-row tile is a warpgroup MMA, the accumulator [64, 512] fp32 split over 8 warps.
+    The key tiles are cp.async'ed num_stages - 1 ahead: that needs the tile's address not to
+    wait on a load of the same iteration, so the next tile's page id is read one tile ahead
+    (with the page id read in the iteration, Triton 3.6 issued the next tile's copy after the
+    MMAs and waited for it at once: no overlap at any num_stages, one memory latency exposed
+    per tile).
+    The QK dots are split between the two warpgroups (SPLIT_QK in the kernel; split_qk=False
+    is the plain form, kept for comparison).
+    NOTE: sm_90 builds without a GPU (Triton 3.6, ptxas; benchmarks/mla_fp8.py --resources),
+    64 rows, 8 warps, split QK: bf16 32 keys x 4 stages: 214 registers, no spill, 221 KB
+    shared memory, 3 tiles (108 KB) in flight, 36 + 2 warpgroup MMAs a tile; fp8 32 keys x 5
+    stages: 235 registers, no spill, 188 KB, 3 raw tiles (54 KB) in flight (the widened tile
+    goes registers -> shared memory for the MMA). Without the split QK: 72 + 2 MMAs a tile,
+    fp8 spills 232 B. 4 warps spill > 2 KB (the [64, 512] fp32 accumulator alone is 256
+    registers a thread); bf16 64 keys x 3 stages needs 288 KB (does not fit). The old
+    16 x 64 / 4 warps tile spilled 100 B and ran mma.sync, not the warpgroup MMA.
+    benchmarks/mla_fp8.py times the candidates; the policy tables hold the pick."""
     if not decode:
-        return dict(block_m=64, block_n=32, num_warps=8, num_stages=2)
-    if fp8:
-        return dict(block_m=32 if heads >= 32 else 16, block_n=32, num_warps=8, num_stages=2)
-    return dict(block_m=16, block_n=64, num_warps=4, num_stages=2)
+        return dict(block_m=64, block_n=32, num_warps=8, num_stages=3, split_qk=True)
+    block_m = min(64, max(16, triton_next_pow2(heads)))
+    return dict(block_m=block_m, block_n=32, num_warps=8, num_stages=5 if fp8 else 4,
+                split_qk=True, waves=1.0, min_split_keys=256, max_splits=256)  # fmt: skip
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 def mla_attention(
@@ -351,9 +453,16 @@ def mla_attention(
             raise ValueError(f"unknown MLA config keys {sorted(unknown)}; use {CONFIG_KEYS}")
         cfg.update(config)
     block_m, block_n = cfg["block_m"], cfg["block_n"]
+    if decode:  # a table's 64-row tile on a shard of 8 heads: 16 rows do (the MMA minimum)
+        block_m = min(block_m, max(16, triton_next_pow2(H)))
     row_blocks = cdiv(max_query_len * H, block_m)
     if num_splits is None:
-        num_splits = _pick_splits(B, row_blocks, max_seq_len, block_n) if decode else 1
+        num_splits = 1
+        if decode:
+            num_splits = _pick_splits(
+                B, row_blocks, max_seq_len, sm_count(q_latent.device), cfg["waves"],
+                cfg["min_split_keys"], cfg["max_splits"],
+            )  # fmt: skip
     direct = num_splits == 1
     grid = (row_blocks, B, num_splits)
     if direct:
@@ -363,21 +472,28 @@ def mla_attention(
         lse = torch.empty(T * H, num_splits, dtype=torch.float32, device=q_latent.device)
     _mla_fwd_kernel[grid](
         q_latent, q_pe, kv_cache, query_start_loc, context_lens, block_table, part, lse,
-        block_table.stride(0), float(scale), float(kv_scale) if fp8 else 1.0,
-        H=H, L=L, R=R, PS=PS, SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n,
-        DIRECT=direct, DOT_DT=dot_dtype(), KV_FP8=kv_fp8, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        block_table.stride(0), float(scale), float(kv_scale) if fp8 else 1.0, num_splits,
+        H=H, L=L, R=R, PS=PS, BLOCK_M=block_m, BLOCK_N=block_n,
+        DIRECT=direct, DOT_DT=dot_dtype(), KV_FP8=kv_fp8, SPLIT_QK=bool(cfg["split_qk"]),
+        num_warps=cfg["num_warps"],
+        num_stages=fit_stages(cfg, L, R, kv_cache.element_size(), q_latent.device),
     )  # fmt: skip
     if not direct:
-        _mla_reduce_kernel[(T * H,)](part, lse, out, L=L, SPLITS=num_splits, num_warps=4)
+        p2 = triton_next_pow2(num_splits)
+        block_l = min(L, 128)
+        _mla_reduce_kernel[(T * H, L // block_l)](part, lse, out, num_splits, L=L, SPLITS_P2=p2,
+                                                  BLOCK_S=min(p2, 16), BLOCK_L=block_l,
+                                                  num_warps=4)  # fmt: skip
     return out
 
 
 __all__ = [
+    "CONFIG_KEYS",
     "default_config",
     "default_fp8_convert",
     "fp8_cache_supported",
     "math",
     "mla_attention",
     "mla_attention_ref",
+    "sm_count",
 ]

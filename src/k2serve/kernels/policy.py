@@ -85,6 +85,9 @@ class KernelTables:
     side_stream_max_tokens: int
     fp8_moe: tuple[Mapping[str, Any], ...]  # FP8-block experts: configs by max pair count
     fp8_moe_generic_max_pairs: int  # FP8-block experts: the generic kernel up to this many pairs
+    # Triton MLA decode: {"bf16" | "fp8": tile, "waves", "min_split_keys", "max_splits"}
+    # (mla_attention.CONFIG_KEYS); empty = the kernel's own rule
+    mla_decode: Mapping[str, Any] = field(default_factory=lambda: FrozenMap({}))
 
     @classmethod
     def from_json(cls, kind: str, data: Mapping[str, Any]) -> KernelTables:
@@ -109,6 +112,9 @@ class KernelTables:
                 side_stream_max_tokens=int(data["side_stream_max_tokens"]),
                 fp8_moe=tuple(_frozen(e) for e in data["fp8_moe"]),
                 fp8_moe_generic_max_pairs=int(data["fp8_moe_generic_max_pairs"]),
+                mla_decode=_frozen(
+                    {k: v for k, v in data.get("mla_decode", {}).items() if k != "what"}
+                ),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"kernel table {kind!r} is malformed: {e!r}") from None
@@ -220,6 +226,14 @@ class KernelPolicy:
             if v
         ]
         return "+".join(on)
+
+    def mla_decode_config(self, fp8: bool) -> dict[str, Any]:
+        """The Triton MLA decode's config for a bf16 (fp8=False) or fp8 latent cache: the
+        table's tile for that cache and its split-KV rule (mla_attention's `config`)."""
+        t = self.tables.mla_decode
+        cfg = {k: v for k, v in t.items() if k not in ("bf16", "fp8")}
+        cfg.update(t.get("fp8" if fp8 else "bf16", {}))
+        return cfg
 
     def moe_kwargs(self) -> dict[str, Any]:
         """FusedMoEBackend's keyword arguments from this policy."""

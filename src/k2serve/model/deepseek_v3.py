@@ -496,7 +496,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             raise ValueError(f"norm backend 'triton' needs a CUDA device and Triton (on {dev})")
         if policy is None:
             policy = KernelPolicy.for_device(dev)
-        attn = make_attention_backend(attention, dev, kv_cache_dtype)
+        attn = make_attention_backend(attention, dev, kv_cache_dtype, policy=policy)
         self.set_attn_backend(attn)
         use_triton_norm = norm != "torch" and triton_usable(dev)
         for m in self.modules():
