@@ -50,7 +50,14 @@ SWEEP = {  # (block_m, block_n, num_warps, num_stages), beside each cache's tabl
     "fp8": [(64, 32, 8, 5), (64, 32, 8, 3), (64, 16, 8, 6), (64, 64, 8, 3), (64, 64, 8, 2)],
     "bf16": [(64, 32, 8, 4), (64, 32, 8, 3), (64, 16, 8, 6), (64, 64, 8, 2)],
 }
-SPLIT_SWEEP = [(1.0, 256), (2.0, 256), (0.5, 256), (1.0, 128), (1.0, 512), (1.0, 1024)]  # (waves, min keys)
+SPLIT_SWEEP = [
+    (1.0, 256),
+    (2.0, 256),
+    (0.5, 256),
+    (1.0, 128),
+    (1.0, 512),
+    (1.0, 1024),
+]  # (waves, min keys)
 
 
 def log(*a):
@@ -255,15 +262,32 @@ def variants(B: int, ctx: int, sweep: bool):
         d = table_config(cache == "fp8")
         yield cache, "default", f"table: {tile_name(d)}", {"config": d}
         if cache == "fp8" and not SMOKE:
-            yield cache, "convert", "table tile, Triton's cast widening", {"config": d, "fp8_convert": "cast"}
-        old = dict(block_m=16, block_n=64, num_warps=4) if cache == "bf16" else dict(block_m=32, block_n=32, num_warps=8)
+            yield (
+                cache,
+                "convert",
+                "table tile, Triton's cast widening",
+                {"config": d, "fp8_convert": "cast"},
+            )
+        old = (
+            dict(block_m=16, block_n=64, num_warps=4)
+            if cache == "bf16"
+            else dict(block_m=32, block_n=32, num_warps=8)
+        )
         old.update(num_stages=2, split_qk=False)
         n_old = old_splits(B, -(-H // old["block_m"]), ctx + 1, old["block_n"])
-        yield cache, "before", f"old tile + split rule: {tile_name(old)}, {n_old} splits", {"config": old, "num_splits": n_old}
+        yield (
+            cache,
+            "before",
+            f"old tile + split rule: {tile_name(old)}, {n_old} splits",
+            {"config": old, "num_splits": n_old},
+        )
         if not sweep:
             continue
         tiles = [dict(d, split_qk=False)]  # the table's tile, both warpgroups computing all QK
-        tiles += [dict(d, block_m=bm, block_n=bn, num_warps=w, num_stages=st) for bm, bn, w, st in SWEEP[cache]]
+        tiles += [
+            dict(d, block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+            for bm, bn, w, st in SWEEP[cache]
+        ]
         for c in tiles:
             if tile_name(c) != tile_name(d):
                 yield cache, "tile", f"tile {tile_name(c)}", {"config": c}
@@ -334,27 +358,54 @@ def report(rows: list, cases: list[str]) -> None:
         return rs[0] if rs else None
 
     def best(case, cache):
-        rs = [r for r in rows if r["case"] == case and r["cache"] == cache and r["group"] != "before"]
+        rs = [
+            r for r in rows if r["case"] == case and r["cache"] == cache and r["group"] != "before"
+        ]
         return min(rs, key=lambda r: r["ms"]) if rs else None
 
     targets = {"B=1 ctx=128K": 75.0, "B=8 ctx=32K": 65.0}
     log("\nissue 19 (attention alone, % of copy bandwidth for the latent cache bytes read):")
-    log("| case | bf16 before | bf16 table | fp8 before | fp8 table | best bf16 | best fp8 | fp8/bf16 table | fp8/bf16 best | target |")
+    log(
+        "| case | bf16 before | bf16 table | fp8 before | fp8 table | best bf16 | best fp8 | fp8/bf16 table | fp8/bf16 best | target |"
+    )
     log("|---|---|---|---|---|---|---|---|---|---|")
     for case in dict.fromkeys(r["case"] for r in rows):
-        v = {k: get(case, *k) for k in (("bf16", "before"), ("bf16", "default"), ("fp8", "before"), ("fp8", "default"))}
+        v = {
+            k: get(case, *k)
+            for k in (
+                ("bf16", "before"),
+                ("bf16", "default"),
+                ("fp8", "before"),
+                ("fp8", "default"),
+            )
+        }
         if not all(v.values()):
             continue
         bb, fb = best(case, "bf16"), best(case, "fp8")
         r_tab = v[("bf16", "default")]["ms"] / v[("fp8", "default")]["ms"]
         r_best = bb["ms"] / fb["ms"]
         t = targets.get(case)
-        tgt = "" if t is None else (f">= {t:.0f}%: " + ("met" if max(v[('bf16', 'default')]['pct'], v[('fp8', 'default')]['pct']) >= t else "MISSED"))
+        tgt = (
+            ""
+            if t is None
+            else (
+                f">= {t:.0f}%: "
+                + (
+                    "met"
+                    if max(v[("bf16", "default")]["pct"], v[("fp8", "default")]["pct"]) >= t
+                    else "MISSED"
+                )
+            )
+        )
         cells = " | ".join(f"{v[k]['pct']:.0f}% ({v[k]['ms']:.3f} ms)" for k in v)
-        log(f"| {case} | {cells} | {bb['pct']:.0f}% | {fb['pct']:.0f}% | **{r_tab:.2f}x** {'ok' if r_tab >= 0.9 else 'BELOW 0.9'} | {r_best:.2f}x | {tgt} |")
+        log(
+            f"| {case} | {cells} | {bb['pct']:.0f}% | {fb['pct']:.0f}% | **{r_tab:.2f}x** {'ok' if r_tab >= 0.9 else 'BELOW 0.9'} | {r_best:.2f}x | {tgt} |"
+        )
 
     # winners: the geometric mean over the cases of ms / the table default's ms
-    log("\nsweep (geometric mean over the cases of ms / the table's ms; < 1 = faster than the table):")
+    log(
+        "\nsweep (geometric mean over the cases of ms / the table's ms; < 1 = faster than the table):"
+    )
     pick = {}
     for cache in ("bf16", "fp8"):
         for group in ("tile", "splits"):
@@ -371,16 +422,20 @@ def report(rows: list, cases: list[str]) -> None:
             ranked = sorted(full.items(), key=lambda kv: math.prod(x for x, _ in kv[1]))
             for name, v in ranked:
                 g = math.prod(x for x, _ in v) ** (1 / len(v))
-                log(f"  {cache:4s} {group:6s} {g:6.3f}  {name}  (per case: {', '.join(f'{x:.3f}' for x, _ in v)})")
+                log(
+                    f"  {cache:4s} {group:6s} {g:6.3f}  {name}  (per case: {', '.join(f'{x:.3f}' for x, _ in v)})"
+                )
             pick[(cache, group)] = ranked[0][1][0][1].get("config", {})
     tab = {c: table_config(c == "fp8") for c in ("bf16", "fp8")}
     entry = {}
     for cache in ("bf16", "fp8"):
         c = pick.get((cache, "tile")) or tab[cache]
-        entry[cache] = {k: c[k] for k in ("block_m", "block_n", "num_warps", "num_stages", "split_qk")}
+        entry[cache] = {
+            k: c[k] for k in ("block_m", "block_n", "num_warps", "num_stages", "split_qk")
+        }
     sp = pick.get(("fp8", "splits")) or pick.get(("bf16", "splits")) or tab["fp8"]
     entry.update({k: sp[k] for k in ("waves", "min_split_keys", "max_splits")})
-    log("\nwinners as configs/h200.json \"mla_decode\" (split rule: the fp8 cache's winner):")
+    log('\nwinners as configs/h200.json "mla_decode" (split rule: the fp8 cache\'s winner):')
     for k, v in entry.items():
         log(f'    "{k}": {json.dumps(v)},')
 
@@ -399,7 +454,9 @@ def resources() -> None:
     from k2serve.kernels import mla_attention as mla
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    log("| cache | tile (rows x keys, warps, stages) | registers | spill bytes/thread | shared bytes |")
+    log(
+        "| cache | tile (rows x keys, warps, stages) | registers | spill bytes/thread | shared bytes |"
+    )
     log("|---|---|---|---|---|")
     for cache in ("bf16", "fp8"):
         d = table_config(cache == "fp8")
@@ -425,7 +482,9 @@ def resources() -> None:
                 ).stdout
             m = re.search(r"REG:(\d+).*?STACK:(\d+)", txt, re.S)
             reg, stack = m.groups() if m else ("?", "?")
-            log(f"| {cache} | {bm} x {bn}, {w} warps, {st} stages{'' if qk else ', QK unsplit'} | {reg} | {stack} | {k.metadata.shared} |")
+            log(
+                f"| {cache} | {bm} x {bn}, {w} warps, {st} stages{'' if qk else ', QK unsplit'} | {reg} | {stack} | {k.metadata.shared} |"
+            )
 
 
 def main() -> int:
