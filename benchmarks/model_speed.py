@@ -864,6 +864,15 @@ def part_overlap(layers):
                     expanded=True, profile_batches=(1,) if on else ())  # fmt: skip
 
 
+def part_long(layers):
+    """Long-context decode (issue 19): B=1 at 128K and B=8 at 32K context, bytes counting the
+    latent cache rows read (split-KV sized by the kernel policy for the context)."""
+    model = load_slice(layers)
+    setup(model, expand=True)
+    bench_model(model, "long", batches=(1,), prefills=(), ctx=131072)
+    bench_model(model, "long", batches=(8,), prefills=(), ctx=32768)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="ceil,check,model,peer")
@@ -893,6 +902,8 @@ def main(argv=None):
         run_part("model", lambda: part_model_and_peer(args.layers, "peer" in parts))
     if "overlap" in parts:
         run_part("overlap", lambda: part_overlap(args.layers))
+    if "long" in parts:
+        run_part("long", lambda: part_long(args.layers))
     print_table()
 
 
