@@ -85,7 +85,7 @@ def part_sweep(ew, per_expert):
 
     best = {}
     tile = dict(int4_gemm.TILE_CONFIG, kernel="tile")
-    for T, skew in ((40, 0), (128, 0), (512, 0), (1024, 0), (2048, 0), (8192, 0)):
+    for T, skew in ((40, 0), (128, 0), (1024, 0), (1024, 2.0), (8192, 0), (16384, 0)):
         tw, ti = route(T, skew)
         x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
         hit = int(ti.unique().numel())
