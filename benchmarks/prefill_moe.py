@@ -128,6 +128,27 @@ def part_sweep(ew, per_expert):
     return best
 
 
+def part_crossover(ew, per_expert):
+    """Where the grouped GEMM (its table) overtakes the h2 decode GEMV (the policy's config):
+    one K2 layer, uniform routing, T = 32..384 tokens (256..3072 pairs). H100, 2026-11-23: the
+    GEMV wins up to T=128 at least (6.1 against 8.0 ms at T=128; 2.0 against 4.3 at T=32)."""
+    from k2serve.kernels import int4_gemm
+    from k2serve.kernels.int4_gemv import int4_moe_decode
+
+    dcfg = ms.engine_policy().tables.int4_decode
+    for T in (32, 64, 128, 160, 192, 256, 384):
+        tw, ti = route(T, 0)
+        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+        hit = int(ti.unique().numel())
+        nb, fl = hit * per_expert + 2 * T * D * 2, 2 * 3 * D * I * T * K
+        g = ms.timed(lambda: int4_moe_decode(x, ew, tw, ti, dcfg))
+        m = ms.timed(lambda: int4_gemm.int4_moe_gemm(x, ew, tw, ti))
+        ms.row("cross", f"T={T} ({T * K} pairs, {hit} exp) h2 GEMV", g, nb, fl)
+        ms.row(
+            "cross", f"T={T} ({T * K} pairs, {hit} exp) GEMM", m, nb, fl, f"GEMM/GEMV {m / g:.2f}"
+        )
+
+
 def part_model(layers, profile):
     model = ms.load_slice(layers)
     res = {}
@@ -181,7 +202,7 @@ def main():
     )
     torch.manual_seed(0)
     ms.part_ceil()
-    if "check" in parts or "sweep" in parts:
+    if "check" in parts or "sweep" in parts or "crossover" in parts:
         ew = ms._rand_experts("int4", E, D, I, "cuda")
         per_expert = sum(
             t[0].numel() * t.element_size() for t in (ew.w13, ew.w2, ew.w13_scale, ew.w2_scale)
@@ -189,6 +210,7 @@ def main():
         for name, fn in (
             ("check", lambda: part_check(ew)),
             ("sweep", lambda: part_sweep(ew, per_expert)),
+            ("crossover", lambda: part_crossover(ew, per_expert)),
         ):
             if name in parts:
                 ms.run_part(name, fn)
