@@ -17,7 +17,7 @@ def test_shipped_tables_load_and_are_read_only():
     t = load_tables()
     assert t.kind == "h200"
     assert t.gemv_bf16[(2112, 7168)]["BLOCK_K"] == 1024  # q_a + kv_a
-    assert t.int4_decode["w2"]["W"] == 128 and t.int4_decode_max_pairs == 1024
+    assert t.int4_decode["w2"]["W"] == 128 and t.int4_decode_max_pairs == 256
     assert t.fp8_linear[(576, 7168)][0]["SPLIT_K"] == 16
     assert t.fp8_moe[0]["BLOCK_M"] == 16 and t.fp8_moe[-1]["max_pairs"] is None
     assert t.fp8_moe_generic_max_pairs == 1024  # FP8 experts: the generic kernel up to T=128 x 8
@@ -72,7 +72,7 @@ def test_policy_reads_the_environment_once_at_build(monkeypatch):
     assert KernelPolicy.for_device("cpu", int4_asm=False).int4_asm is False
     assert KernelPolicy.for_device("cpu").int4_asm is True
     kw = replace(p, int4_asm=True).moe_kwargs()
-    assert kw["asm"] is True and kw["decode_max_pairs"] == 1024
+    assert kw["asm"] is True and kw["decode_max_pairs"] == 256
 
 
 def test_gemv_config_uses_the_table_then_the_rule():
