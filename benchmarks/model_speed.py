@@ -4,7 +4,8 @@
 Run (one H200, from the repo root):  PYTHONPATH=src python3 benchmarks/model_speed.py [--parts ...]
 Parts: ceil (copy bandwidth, bf16 matmul rate), check (every Triton kernel vs its torch
 reference at real K2 sizes, fresh random inputs), h2 (decode GEMV configs against the tuned
-one; the winner is printed as the `int4_decode` entry of kernels/configs/<kind>.json), gemv16
+one; the winner is printed as the `int4_decode` entry of kernels/configs/<kind>.json), ggemv
+(the grouped decode GEMV against the per-pair one at T=16..256, with a config sweep), gemv16
 (the one-row bf16 GEMV against cuBLAS per K2 projection; printed as `gemv_bf16` entries), kern
 (kernel timings), model (k2-slice INT4, 8 layers, dummy weights: decode B=1/8/32/128 at context
 1k through decode CUDA graphs, prefill 1k/8k; "model-base" is the same model with the decode
@@ -416,6 +417,88 @@ def part_h2():
                          for tw, ti in routes])  # fmt: skip
         row("gemv", f"T={T} generic fused_moe", ms_g, nb, 0, "")
         row("gemv", f"T={T} best h2", ms_h, nb, 0, f"{ms_g / ms_h:.2f}x")
+    del ew
+    torch.cuda.empty_cache()
+
+
+# grouped decode GEMV configs: (BLOCK_M, BLOCK_N, W, num_warps) of the gate+up launch and
+# (BLOCK_N, W, num_warps) of the down launch; each compiles for sm_90 without spills
+GG_CFGS = [((4, 16, 64, 4), (16, 64, 4)), ((4, 8, 64, 4), (8, 128, 4)),
+           ((4, 32, 64, 8), (32, 128, 8)), ((8, 16, 64, 8), (16, 128, 4)),
+           ((8, 8, 64, 4), (16, 64, 4)), ((2, 16, 64, 4), (16, 128, 4)),
+           ((4, 16, 128, 8), (16, 128, 4)), ((8, 16, 64, 4), (16, 64, 4))]  # fmt: skip
+
+
+def _gg(c13, c2, skip=1):
+    return dict(BLOCK_M=c13[0], BLOCK_N=c13[1], W=c13[2], num_warps=c13[3], GS=1, SKIP=skip,
+                w2=dict(BLOCK_N=c2[0], W=c2[1], num_warps=c2[2], GS=1))  # fmt: skip
+
+
+def part_ggemv():
+    """The grouped decode GEMV (rows grouped by expert, each weight tile read once per block)
+    against the per-pair one (`int4_decode`) on one K2 layer at T = 16..256 tokens x top-8:
+    relative difference, graph-timed ms over 2 routings, % of copy bandwidth counting each hit
+    expert's weights + scales once; then a config sweep printing the best per T and the
+    `int4_decode_grouped` / `int4_decode_grouped_min_pairs` entries to use."""
+    from k2serve.kernels.int4_gemv import int4_moe_decode, int4_moe_decode_grouped
+
+    tables = engine_policy().tables
+    dev = "cuda"
+    E, D, I, k = 384, 7168, 2048, 8
+    ew = _rand_experts("int4", E, D, I, dev)
+    per_expert = sum(t[0].numel() * t.element_size()
+                     for t in (ew.w13, ew.w2, ew.w13_scale, ew.w2_scale))  # fmt: skip
+    h2 = dict(tables.int4_decode)
+    shipped = dict(tables.int4_decode_grouped) or _gg(*GG_CFGS[0])
+    cands = [("shipped", shipped)] + [(f"{a}/{b}", _gg(a, b)) for a, b in GG_CFGS[1:]]
+    cands.append(("shipped SKIP=0", {**shipped, "SKIP": 0}))
+    best_per_t, wins = {}, {}
+    for T in (16, 32, 64, 128, 192, 256):
+        routes = [_route(T, E, k, dev) for _ in range(2)]
+        x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
+        nb = sum(int(ti.unique().numel()) for _, ti in routes) / 2 * per_expert
+        refs = [int4_moe_decode(x, ew, tw, ti, h2) for tw, ti in routes]
+        ms_h = graph_ms([lambda tw=tw, ti=ti: int4_moe_decode(x, ew, tw, ti, h2)
+                         for tw, ti in routes])  # fmt: skip
+        row("ggemv", f"T={T} per-pair h2 (int4_decode)", ms_h, nb)
+        res = {}
+        for name, cfg in cands:
+            try:
+                outs = [int4_moe_decode_grouped(x, ew, tw, ti, cfg) for tw, ti in routes]
+                err = max(((o.float() - r.float()).norm() / r.float().norm()).item()
+                          for o, r in zip(outs, refs))  # fmt: skip
+                ms = graph_ms([lambda tw=tw, ti=ti, c=cfg: int4_moe_decode_grouped(x, ew, tw, ti, c)
+                               for tw, ti in routes])  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - a config that does not run is reported
+                log(f"  ggemv T={T} {name}: {type(e).__name__}: {str(e)[:300]}")
+                FAILS.append(f"ggemv T={T} {name}")
+                continue
+            row("ggemv", f"T={T} grouped {name}", ms, nb, 0,
+                f"{ms_h / ms:.2f}x h2, err vs h2 {err:.1e}")  # fmt: skip
+            if err > 4e-3:
+                FAILS.append(f"ggemv T={T} {name} err {err:.1e}")
+            else:
+                res[name] = ms
+        if res:
+            b = min(res, key=res.get)
+            best_per_t[T] = b
+            wins[T] = res[b] < ms_h
+            log(f"  ggemv T={T}: best {b} {res[b]:.3f} ms ({100 * nb / res[b] / 1e6 / CEIL['bw']:.0f}% "
+                f"of copy bw), shipped {res.get('shipped', float('nan')):.3f} ms, per-pair h2 "
+                f"{ms_h:.3f} ms ({100 * nb / ms_h / 1e6 / CEIL['bw']:.0f}%)")  # fmt: skip
+    # the pair count from which the grouped kernel wins at every larger T measured
+    gmin = None
+    for T in sorted(wins, reverse=True):
+        if not wins[T]:
+            break
+        gmin = T * k
+    names = dict(cands)
+    top = max(set(best_per_t.values()), key=list(best_per_t.values()).count, default=None)
+    log(f"  best per T: {best_per_t}")
+    if top is not None:
+        log(f"  for configs/{tables.kind}.json: \"int4_decode_grouped\": {json.dumps(names[top])}, "
+            f"\"int4_decode_grouped_min_pairs\": {gmin} (the smallest T*k measured from which "
+            f"the grouped GEMV wins at every larger T; refine between the measured T)")  # fmt: skip
     del ew
     torch.cuda.empty_cache()
 
@@ -894,7 +977,7 @@ def main(argv=None):
         f"triton {__import__('triton').__version__} date {time.strftime('%Y-%m-%d')}")  # fmt: skip
     torch.manual_seed(int(os.environ.get("SEED", "0")))
     part_ceil()
-    for name, fn in (("check", part_check), ("h2", part_h2),
+    for name, fn in (("check", part_check), ("h2", part_h2), ("ggemv", part_ggemv),
                      ("gemv16", part_gemv_bf16), ("kern", part_kern)):  # fmt: skip
         if name in parts:
             run_part(name, fn)

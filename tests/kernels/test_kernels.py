@@ -231,6 +231,70 @@ def test_int4_decode_gemv_with_the_policy_tables():
     assert rel(out, fm.fused_moe_ref(x, ew, w, ids)) < 2e-2
 
 
+@pytest.mark.parametrize(
+    "cfg, asm",
+    [
+        (dict(BLOCK_M=2, BLOCK_N=32, W=16, num_warps=4, w2=dict(BLOCK_N=64, W=8, GS=0)), True),
+        (dict(BLOCK_M=8, BLOCK_N=64, W=16, num_warps=4, SKIP=0), False),
+    ],
+)
+def test_int4_decode_grouped_matches_reference(cfg, asm):
+    """The grouped decode GEMV on ragged routing: expert 0 in every token (its rows span
+    several blocks), expert 3 in none, blocks with padding rows; rows scaled far from unit."""
+    from k2serve.kernels import int4_gemv
+
+    ew = _int4_experts(4, 256, 128)
+    T, k = 5, 2
+    x = torch.randn(T, 256, device=DEVICE, dtype=torch.bfloat16)
+    x[1] *= 1e-4
+    x[3] *= 300.0
+    w = torch.rand(T, k, device=DEVICE)
+    ids = torch.tensor([[0, 1], [2, 0], [0, 1], [0, 2], [1, 0]], device=DEVICE)
+    out = int4_gemv.int4_moe_decode_grouped(x, ew, w, ids, cfg, asm)
+    assert out.shape == (T, 256) and out.dtype == torch.bfloat16
+    assert rel(out, fm.fused_moe_ref(x, ew, w, ids)) < 2e-2
+
+
+def test_int4_decode_grouped_rejects_bad_configs():
+    from k2serve.kernels import int4_gemv
+
+    ew = _int4_experts(2, 256, 128)
+    x = torch.randn(1, 256, device=DEVICE, dtype=torch.bfloat16)
+    w, ids = torch.rand(1, 1, device=DEVICE), torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    base = dict(BLOCK_M=4, BLOCK_N=16, W=16, num_warps=4)
+    with pytest.raises(ValueError, match="BLOCK_M"):
+        int4_gemv.int4_moe_decode_grouped(x, ew, w, ids, {**base, "BLOCK_M": 3})
+    with pytest.raises(ValueError, match="one BLOCK_M"):
+        int4_gemv.int4_moe_decode_grouped(x, ew, w, ids, {**base, "w2": {"BLOCK_M": 2}})
+
+
+def test_fused_moe_backend_runs_the_grouped_gemv_in_its_range(monkeypatch):
+    """Pairs in [grouped_min_pairs, decode_max_pairs] run the grouped GEMV, fewer the
+    per-pair one; the result is the reference either way."""
+    from k2serve.kernels import int4_gemv
+    from k2serve.moe import fused_moe as be_mod
+    from k2serve.moe.fused_moe import FusedMoEBackend
+
+    calls = []
+    real = int4_gemv.int4_moe_decode_grouped
+
+    def spy(*a, **kw):
+        calls.append(a[3].shape[0])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(be_mod, "int4_moe_decode_grouped", spy)
+    ew = _int4_experts(4, 256, 256)  # sizes of 256: the planes / GEMV paths
+    cfg = dict(BLOCK_M=4, BLOCK_N=64, W=16, num_warps=4)
+    be = FusedMoEBackend(ew, grouped_config=cfg, grouped_min_pairs=6, decode_max_pairs=16)
+    for T in (2, 3):
+        x = torch.randn(T, 256, device=DEVICE, dtype=torch.bfloat16)
+        w = torch.rand(T, 2, device=DEVICE)
+        ids = torch.stack([torch.randperm(4)[:2] for _ in range(T)]).int().to(DEVICE)
+        assert rel(be(x, ids, w), fm.fused_moe_ref(x, ew, w, ids)) < 2e-2
+    assert calls == [3]  # 4 pairs: the per-pair GEMV; 6: the grouped one
+    assert FusedMoEBackend(ew, grouped_config={}).grouped_min_pairs is None  # no config: off
+
+
 def test_pack_h2_layout_and_scale():
     """pack_h2: f16x2 pairs (x[8w+j], x[8w+j+4]) in planes of W words, row scale 2^e with
     max |x| / 2^e in [256, 512)."""

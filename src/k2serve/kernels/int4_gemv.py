@@ -294,3 +294,306 @@ def int4_moe_h2(x, ew, tw, topk_ids, cfg: dict, cfg2: dict, asm: bool = True) ->
     _launch_h2(inter, ew.w2, ew.w2_scale, out, tw, ids, D, n_inter, T, 1, False, k, cfg2,
                ew.group_size, asm)  # fmt: skip
     return out
+
+
+# ------------------------------------------------------------------------ grouped decode GEMV
+# Rows grouped by expert (moe_align_block_size, blocks of BLOCK_M rows of one expert): one
+# program per (aligned block, N-block) loads each weight word tile once, dequantizes it once to
+# f16x2 registers (`_dq_h2`) and runs the f16x2 dot (`_dot_h2`) for each of the block's rows:
+# at T >= 32 tokens x top-8 the experts are hit by several pairs each and the per-pair GEMV
+# above reads (and dequantizes) every weight once per pair.
+if HAS_TRITON:
+
+    @triton.jit
+    def _dq_h2(p, USE_ASM: tl.constexpr):
+        """Word p (8 nibbles) -> 4 int32 lanes holding weights (n_j - 8, n_j+4 - 8), j = 0..3:
+        with USE_ASM as f16x2 (the first half of `_word_dot_h2`); else the raw nibble pairs
+        (p >> 4j) & 0x000F000F, which `_dot_h2`'s plain path reads."""
+        if USE_ASM:
+            return tl.inline_asm_elementwise(
+                asm="""
+                {
+                .reg .b32 q, k1032, k16, k72;
+                mov.b32 k1032, 0x64086408;
+                mov.b32 k16, 0x2C002C00;
+                mov.b32 k72, 0xD480D480;
+                lop3.b32 $0, $4, 0x000F000F, 0x64006400, 0xEA;
+                lop3.b32 $1, $4, 0x00F000F0, 0x64006400, 0xEA;
+                shr.u32 q, $4, 8;
+                lop3.b32 $2, q, 0x000F000F, 0x64006400, 0xEA;
+                lop3.b32 $3, q, 0x00F000F0, 0x64006400, 0xEA;
+                sub.f16x2 $0, $0, k1032;
+                fma.rn.f16x2 $1, $1, k16, k72;
+                sub.f16x2 $2, $2, k1032;
+                fma.rn.f16x2 $3, $3, k16, k72;
+                }
+                """,
+                constraints="=r,=r,=r,=r,r",
+                args=[p],
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            return (p & 0x000F000F, (p >> 4) & 0x000F000F, (p >> 8) & 0x000F000F,
+                    (p >> 12) & 0x000F000F)  # fmt: skip
+
+    @triton.jit
+    def _dot_h2(q0, q1, q2, q3, a0, a1, a2, a3, USE_ASM: tl.constexpr):
+        """sum_j q_j . a_j over the two halves, float32: the second half of `_word_dot_h2`
+        (the 8 products summed in fp16 as there, the two halves added in fp32)."""
+        if USE_ASM:
+            return tl.inline_asm_elementwise(
+                asm="""
+                {
+                .reg .b32 acc;
+                .reg .f16 lo, hi;
+                .reg .f32 flo, fhi;
+                mul.f16x2 acc, $1, $5;
+                fma.rn.f16x2 acc, $2, $6, acc;
+                fma.rn.f16x2 acc, $3, $7, acc;
+                fma.rn.f16x2 acc, $4, $8, acc;
+                mov.b32 {lo, hi}, acc;
+                cvt.f32.f16 flo, lo;
+                cvt.f32.f16 fhi, hi;
+                add.f32 $0, flo, fhi;
+                }
+                """,
+                constraints="=r,r,r,r,r,r,r,r,r",
+                args=[q0, q1, q2, q3, a0, a1, a2, a3],
+                dtype=tl.float32,
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            acc = _nib_term(q0, a0)
+            acc += _nib_term(q1, a1)
+            acc += _nib_term(q2, a2)
+            acc += _nib_term(q3, a3)
+            return acc
+
+    @triton.jit
+    def _nib_term(q, a):
+        """(n_lo - 8) * x_lo + (n_hi - 8) * x_hi in float32 from raw nibble pairs q."""
+        x_lo = (a & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        x_hi = ((a >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return ((q & 0xF).to(tl.float32) - 8.0) * x_lo + ((q >> 16).to(tl.float32) - 8.0) * x_hi
+
+    @triton.jit
+    def _g_sum(acc, q0, q1, q2, q3, a0, a1, a2, a3, s, GS: tl.constexpr, WPG: tl.constexpr,
+               USE_ASM: tl.constexpr):  # fmt: skip
+        """acc += scale * word sums of one row (as `_h2_sum`, weights already dequantized)."""
+        ws = _dot_h2(q0, q1, q2, q3, a0, a1, a2, a3, USE_ASM)
+        if GS:
+            BN: tl.constexpr = ws.shape[0]
+            W: tl.constexpr = ws.shape[1]
+            ws = tl.sum(tl.reshape(ws, [BN, W // WPG, WPG]), 2)
+        return acc + ws * s
+
+    @triton.jit
+    def _g_row(acc, acc_u, a_row_ptr, ok, q0, q1, q2, q3, s, u0, u1, u2, u3, su, a_off,
+               W: tl.constexpr, GATED: tl.constexpr, GS: tl.constexpr, WPG: tl.constexpr,
+               USE_ASM: tl.constexpr, SKIP: tl.constexpr):  # fmt: skip
+        """One row of the block: its 4 activation planes of this K-block (loaded whether or
+        not the row is real: padding rows read row 0), then with SKIP the products only for a
+        real row (`ok`: uniform over the program, a branch), else always."""
+        BN: tl.constexpr = q0.shape[0]
+        ab = a_row_ptr + a_off
+        a0 = tl.broadcast_to(tl.load(ab)[None, :], [BN, W])
+        a1 = tl.broadcast_to(tl.load(ab + W)[None, :], [BN, W])
+        a2 = tl.broadcast_to(tl.load(ab + 2 * W)[None, :], [BN, W])
+        a3 = tl.broadcast_to(tl.load(ab + 3 * W)[None, :], [BN, W])
+        if SKIP:
+            if ok:
+                acc = _g_sum(acc, q0, q1, q2, q3, a0, a1, a2, a3, s, GS, WPG, USE_ASM)
+                if GATED:
+                    acc_u = _g_sum(acc_u, u0, u1, u2, u3, a0, a1, a2, a3, su, GS, WPG, USE_ASM)
+        else:
+            acc = _g_sum(acc, q0, q1, q2, q3, a0, a1, a2, a3, s, GS, WPG, USE_ASM)
+            if GATED:
+                acc_u = _g_sum(acc_u, u0, u1, u2, u3, a0, a1, a2, a3, su, GS, WPG, USE_ASM)
+        return acc, acc_u
+
+    @triton.jit
+    def _g_pair(sorted_ptr, i, num_pairs, a_ptr, a_stride, A_DIV: tl.constexpr):
+        """Row i of the block: (pair id, real?, its activation row's pointer; padding: row 0)."""
+        pair = tl.load(sorted_ptr + i)
+        ok = pair < num_pairs
+        row = tl.where(ok, pair // A_DIV, 0).to(tl.int64)
+        return pair, ok, a_ptr + row * a_stride
+
+    @triton.jit
+    def _g_out(acc, acc_u, pair, ok, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok,
+               A_DIV: tl.constexpr, GATED: tl.constexpr):  # fmt: skip
+        """Row epilogue: GATED: silu(gate) * up of the activation row's scale; else times the
+        pair's activation scale and top-k weight. Padding rows store nothing."""
+        y = tl.sum(acc, 1)
+        if GATED:
+            rs = tl.load(rs_ptr + tl.where(ok, pair // A_DIV, 0))
+            y = y * rs
+            u = tl.sum(acc_u, 1) * rs
+            y = y / (1.0 + tl.exp(-y)) * u
+        else:
+            pr = tl.where(ok, pair, 0)
+            y = y * (tl.load(rs_ptr + pr) * tl.load(tw_ptr + pr))
+        rr = tl.zeros([1], tl.int32) + pair
+        rok = (tl.zeros([1], tl.int32) + ok.to(tl.int32)) > 0
+        store_rows(c_ptr, c_stride, rr, rok, offs_n, n_ok, y[None, :], 0)
+
+    @triton.jit
+    def _int4_gemv_h2_grouped_kernel(
+        a_ptr, rs_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, eid_ptr, npost_ptr,
+        N, K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
+        A_DIV: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, W: tl.constexpr, WPG: tl.constexpr, USE_ASM: tl.constexpr,
+        GS: tl.constexpr, SKIP: tl.constexpr,
+    ):  # fmt: skip
+        """Grouped decode GEMV: a program per (aligned block of BLOCK_M <= 8 rows of one
+        expert, N-block). c[pair] = W_e a[pair // A_DIV] for each real pair of the block:
+        GATED: silu(gate) * up (w rows n and N + n); else times the pair's top-k weight (the
+        caller sums the top-k). Each weight word is loaded and dequantized once per program.
+        N-blocks are innermost in the grid (one expert's programs read adjacent memory);
+        blocks past the alignment's rows in use return at once."""
+        pid = tl.program_id(0)
+        nbn = tl.cdiv(N, BLOCK_N)
+        pid_m = pid // nbn
+        pid_n = pid % nbn
+        if pid_m * BLOCK_M >= tl.load(npost_ptr):
+            return
+        e = tl.load(eid_ptr + pid_m).to(tl.int64)
+        sb = sorted_ptr + pid_m * BLOCK_M
+        p0, ok0, ar0 = _g_pair(sb, 0, num_pairs, a_ptr, a_stride, A_DIV)
+        p1, ok1, ar1 = p0, ok0, ar0
+        p2, ok2, ar2 = p0, ok0, ar0
+        p3, ok3, ar3 = p0, ok0, ar0
+        p4, ok4, ar4 = p0, ok0, ar0
+        p5, ok5, ar5 = p0, ok0, ar0
+        p6, ok6, ar6 = p0, ok0, ar0
+        p7, ok7, ar7 = p0, ok0, ar0
+        if BLOCK_M > 1:
+            p1, ok1, ar1 = _g_pair(sb, 1, num_pairs, a_ptr, a_stride, A_DIV)
+        if BLOCK_M > 2:
+            p2, ok2, ar2 = _g_pair(sb, 2, num_pairs, a_ptr, a_stride, A_DIV)
+            p3, ok3, ar3 = _g_pair(sb, 3, num_pairs, a_ptr, a_stride, A_DIV)
+        if BLOCK_M > 4:
+            p4, ok4, ar4 = _g_pair(sb, 4, num_pairs, a_ptr, a_stride, A_DIV)
+            p5, ok5, ar5 = _g_pair(sb, 5, num_pairs, a_ptr, a_stride, A_DIV)
+            p6, ok6, ar6 = _g_pair(sb, 6, num_pairs, a_ptr, a_stride, A_DIV)
+            p7, ok7, ar7 = _g_pair(sb, 7, num_pairs, a_ptr, a_stride, A_DIV)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        w_base = w_ptr + e * w_stride_e
+        s_base = s_ptr + e * s_stride_e
+        AW: tl.constexpr = W // WPG if GS else W
+        z = tl.zeros([BLOCK_N, AW], tl.float32)
+        c0, c1, c2, c3, c4, c5, c6, c7 = z, z, z, z, z, z, z, z
+        u0, u1, u2, u3, u4, u5, u6, u7 = z, z, z, z, z, z, z, z
+        for kb in range(0, K // (8 * W)):
+            p, s = _load_words(w_base, s_base, offs_n, n_ok, kb, w_stride_n, s_stride_n, W,
+                               WPG, GS)  # fmt: skip
+            s = s.to(tl.float32)
+            q0, q1, q2, q3 = _dq_h2(p, USE_ASM)
+            su = s
+            g0, g1, g2, g3 = q0, q1, q2, q3
+            if GATED:
+                pu, su = _load_words(w_base, s_base, offs_n + N, n_ok, kb, w_stride_n,
+                                     s_stride_n, W, WPG, GS)  # fmt: skip
+                su = su.to(tl.float32)
+                g0, g1, g2, g3 = _dq_h2(pu, USE_ASM)
+            a_off = kb * 4 * W + tl.arange(0, W)
+            c0, u0 = _g_row(c0, u0, ar0, ok0, q0, q1, q2, q3, s, g0, g1, g2, g3, su, a_off,
+                            W, GATED, GS, WPG, USE_ASM, False)  # fmt: skip
+            if BLOCK_M > 1:
+                c1, u1 = _g_row(c1, u1, ar1, ok1, q0, q1, q2, q3, s, g0, g1, g2, g3, su,
+                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP)  # fmt: skip
+            if BLOCK_M > 2:
+                c2, u2 = _g_row(c2, u2, ar2, ok2, q0, q1, q2, q3, s, g0, g1, g2, g3, su,
+                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP)  # fmt: skip
+                c3, u3 = _g_row(c3, u3, ar3, ok3, q0, q1, q2, q3, s, g0, g1, g2, g3, su,
+                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP)  # fmt: skip
+            if BLOCK_M > 4:
+                c4, u4 = _g_row(c4, u4, ar4, ok4, q0, q1, q2, q3, s, g0, g1, g2, g3, su,
+                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP)  # fmt: skip
+                c5, u5 = _g_row(c5, u5, ar5, ok5, q0, q1, q2, q3, s, g0, g1, g2, g3, su,
+                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP)  # fmt: skip
+                c6, u6 = _g_row(c6, u6, ar6, ok6, q0, q1, q2, q3, s, g0, g1, g2, g3, su,
+                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP)  # fmt: skip
+                c7, u7 = _g_row(c7, u7, ar7, ok7, q0, q1, q2, q3, s, g0, g1, g2, g3, su,
+                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP)  # fmt: skip
+        _g_out(c0, u0, p0, ok0, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
+        if BLOCK_M > 1:
+            _g_out(c1, u1, p1, ok1, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
+        if BLOCK_M > 2:
+            _g_out(c2, u2, p2, ok2, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
+            _g_out(c3, u3, p3, ok3, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
+        if BLOCK_M > 4:
+            _g_out(c4, u4, p4, ok4, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
+            _g_out(c5, u5, p5, ok5, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
+            _g_out(c6, u6, p6, ok6, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
+            _g_out(c7, u7, p7, ok7, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
+
+
+GROUPED_BLOCK_M = (1, 2, 4, 8)
+
+
+def _launch_grouped(a, rs, w, s, c, tw, sorted_ids, expert_ids, npost, N, K, num_pairs, a_div,
+                    gated, cfg, group, asm):  # fmt: skip
+    bm = cfg["BLOCK_M"]
+    grid = (expert_ids.numel() * cdiv(N, cfg["BLOCK_N"]),)
+    _int4_gemv_h2_grouped_kernel[grid](
+        a, rs, w, s, c, tw, sorted_ids, expert_ids, npost, N, K, num_pairs, a.stride(0),
+        c.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), A_DIV=a_div,
+        GATED=gated, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], W=cfg["W"], WPG=group // 8,
+        USE_ASM=use_asm(asm), GS=cfg.get("GS", 1), SKIP=cfg.get("SKIP", 1),
+        num_warps=cfg["num_warps"],
+    )  # fmt: skip
+
+
+def int4_moe_decode_grouped(
+    x: torch.Tensor,  # [T, D] bf16
+    ew,  # ExpertWeights, quant "int4"
+    topk_weights: torch.Tensor,  # [T, k] float
+    topk_ids: torch.Tensor,  # [T, k] int
+    config: dict,
+    asm: bool = True,
+) -> torch.Tensor:  # [T, D]
+    """Routed-expert output with the grouped h2 GEMV (rows grouped by expert, each weight tile
+    read and dequantized once per block of BLOCK_M rows); no host synchronisation. `config`:
+    BLOCK_M (1, 2, 4 or 8), BLOCK_N, W, num_warps, optionally GS (default 1) and SKIP (default
+    1: padding rows skip their products) of the gate+up launch, and optionally "w2": overrides
+    for the down launch (the kernel policy's `int4_decode_grouped`). W is halved for models
+    too small for it."""
+    from .moe_align import moe_align_block_size
+
+    require_triton(x)
+    T, D = x.shape
+    I = ew.intermediate  # noqa: E741
+    k = topk_ids.shape[1]
+    cfg = {key: v for key, v in config.items() if key != "w2"}
+    cfg2 = {**cfg, **config.get("w2", {})}
+    if cfg2["BLOCK_M"] != cfg["BLOCK_M"]:
+        raise ValueError("int4_moe_decode_grouped: one BLOCK_M for both launches (one alignment)")
+    if cfg["BLOCK_M"] not in GROUPED_BLOCK_M:
+        raise ValueError(f"int4_moe_decode_grouped: BLOCK_M={cfg['BLOCK_M']}: use one of "
+                         f"{GROUPED_BLOCK_M}")  # fmt: skip
+    for c in (cfg, cfg2):
+        W = c["W"]
+        while (D % (8 * W) or I % (8 * W)) and W > 16:
+            W //= 2
+        c["W"] = W
+        pb = 8 * W
+        if D % pb or I % pb or ew.group_size % 8 or W % (ew.group_size // 8):
+            raise ValueError(f"int4_moe_decode_grouped: D={D}, I={I} must be multiples of {pb} "
+                             f"and group {ew.group_size} must divide it")  # fmt: skip
+    M = T * k
+    tw = topk_weights.reshape(-1).float().contiguous()
+    sorted_ids, expert_ids, npost = moe_align_block_size(topk_ids, ew.num_experts, cfg["BLOCK_M"])
+    inter = torch.empty(M, I, dtype=torch.float32, device=x.device)
+    a, rs = pack_h2(x, cfg["W"])
+    _launch_grouped(a, rs, ew.w13, ew.w13_scale, inter, tw, sorted_ids, expert_ids, npost, I, D,
+                    M, k, True, cfg, ew.group_size, asm)  # fmt: skip
+    a2, rs2 = pack_h2(inter, cfg2["W"])
+    out = torch.empty(M, D, dtype=torch.float32, device=x.device)
+    _launch_grouped(a2, rs2, ew.w2, ew.w2_scale, out, tw, sorted_ids, expert_ids, npost, D, I,
+                    M, 1, False, cfg2, ew.group_size, asm)  # fmt: skip
+    return out.view(T, k, D).sum(1).to(x.dtype)

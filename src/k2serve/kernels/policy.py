@@ -88,6 +88,11 @@ class KernelTables:
     # Triton MLA decode: {"bf16" | "fp8": tile, "waves", "min_split_keys", "max_splits"}
     # (mla_attention.CONFIG_KEYS); empty = the kernel's own rule
     mla_decode: Mapping[str, Any] = field(default_factory=lambda: FrozenMap({}))
+    # INT4 grouped decode GEMV (int4_gemv.int4_moe_decode_grouped): its config, and the pair
+    # count from which it runs instead of the per-pair GEMV (up to int4_decode_max_pairs);
+    # absent from a table: off
+    int4_decode_grouped: Mapping[str, Any] = field(default_factory=lambda: FrozenMap({}))
+    int4_decode_grouped_min_pairs: int | None = None
 
     @classmethod
     def from_json(cls, kind: str, data: Mapping[str, Any]) -> KernelTables:
@@ -114,6 +119,12 @@ class KernelTables:
                 fp8_moe_generic_max_pairs=int(data["fp8_moe_generic_max_pairs"]),
                 mla_decode=_frozen(
                     {k: v for k, v in data.get("mla_decode", {}).items() if k != "what"}
+                ),
+                int4_decode_grouped=_frozen(data.get("int4_decode_grouped", {})),
+                int4_decode_grouped_min_pairs=(
+                    None
+                    if data.get("int4_decode_grouped_min_pairs") is None
+                    else int(data["int4_decode_grouped_min_pairs"])
                 ),
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -242,6 +253,8 @@ class KernelPolicy:
             prefill_impl=self.int4_prefill_impl,
             decode_config=t.int4_decode,
             decode_max_pairs=t.int4_decode_max_pairs,
+            grouped_config=t.int4_decode_grouped,
+            grouped_min_pairs=t.int4_decode_grouped_min_pairs,
             prefill_config=t.int4_prefill,
             prefill_min_tokens=t.int4_prefill_min_tokens,
             asm=self.int4_asm,

@@ -34,7 +34,7 @@ from torch import nn
 from k2serve.kernels.fp8_moe import check_table, fp8_moe
 from k2serve.kernels.fused_moe import ExpertWeights, fused_moe
 from k2serve.kernels.int4_gemm import int4_moe_gemm, int4_moe_grouped_mm
-from k2serve.kernels.int4_gemv import int4_moe_decode
+from k2serve.kernels.int4_gemv import int4_moe_decode, int4_moe_decode_grouped
 from k2serve.kernels.policy import load_tables
 from k2serve.moe.base import ExpertBackend
 
@@ -91,6 +91,8 @@ class FusedMoEBackend(ExpertBackend):
         *,
         decode_config: Mapping[str, Any] | None = None,
         decode_max_pairs: int | None = None,
+        grouped_config: Mapping[str, Any] | None = None,
+        grouped_min_pairs: int | None = None,
         prefill_config: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
         asm: bool = True,
         fp8_impl: str = "auto",
@@ -121,6 +123,14 @@ class FusedMoEBackend(ExpertBackend):
         self.decode_max_pairs = (
             t.int4_decode_max_pairs if decode_max_pairs is None else decode_max_pairs
         )
+        # the grouped decode GEMV for pairs in [grouped_min_pairs, decode_max_pairs]; None or
+        # no config: off (the per-pair GEMV up to decode_max_pairs)
+        self.grouped_config = dict(
+            t.int4_decode_grouped if grouped_config is None else grouped_config
+        )
+        if grouped_min_pairs is None:
+            grouped_min_pairs = t.int4_decode_grouped_min_pairs
+        self.grouped_min_pairs = grouped_min_pairs if self.grouped_config else None
         # one config, or a table of configs by max pair count (int4_gemm.pick_config)
         self.prefill_config = t.int4_prefill if prefill_config is None else prefill_config
         self.asm = asm
@@ -160,7 +170,13 @@ class FusedMoEBackend(ExpertBackend):
             w = self.weights
             if impl in ("auto", "grouped_mm") and T >= self.prefill_min_tokens:
                 return int4_moe_grouped_mm(hidden, w, topk_weights, topk_ids)
-            if T * topk_ids.shape[1] <= self.decode_max_pairs:
+            pairs = T * topk_ids.shape[1]
+            gmin = self.grouped_min_pairs
+            if gmin is not None and gmin <= pairs <= self.decode_max_pairs:
+                return int4_moe_decode_grouped(
+                    hidden, w, topk_weights, topk_ids, self.grouped_config, self.asm
+                )
+            if pairs <= self.decode_max_pairs:
                 return int4_moe_decode(
                     hidden, w, topk_weights, topk_ids, self.decode_config, self.asm
                 )
