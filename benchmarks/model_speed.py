@@ -421,16 +421,19 @@ def part_h2():
     torch.cuda.empty_cache()
 
 
-# grouped decode GEMV configs: (BLOCK_M, BLOCK_N, W, num_warps) of the gate+up launch and
-# (BLOCK_N, W, num_warps) of the down launch; each compiles for sm_90 without spills
-GG_CFGS = [((4, 16, 64, 4), (16, 64, 4)), ((4, 8, 64, 4), (8, 128, 4)),
-           ((4, 32, 64, 8), (32, 128, 8)), ((8, 16, 64, 8), (16, 128, 4)),
-           ((8, 8, 64, 4), (16, 64, 4)), ((2, 16, 64, 4), (16, 128, 4)),
-           ((4, 16, 128, 8), (16, 128, 4)), ((8, 16, 64, 4), (16, 64, 4))]  # fmt: skip
+# grouped decode GEMV configs: (BLOCK_M, BLOCK_N, W, num_warps) of the gate+up launch,
+# (BLOCK_N, W, num_warps) of the down launch, options of both (PREFETCH: next K-block's loads
+# in registers; F16SUM: a word's two halves added in fp16; SKIP=0: padding rows computed);
+# each compiles for sm_90 without spills (at most 192 registers)
+GG_CFGS = [((4, 16, 64, 4), (16, 64, 4), {}), ((4, 16, 64, 4), (16, 64, 4), {"PREFETCH": 1}),
+           ((4, 16, 64, 4), (16, 64, 4), {"F16SUM": 1}), ((4, 16, 64, 4), (16, 64, 4), {"SKIP": 0}),
+           ((4, 8, 64, 4), (8, 128, 4), {}), ((4, 32, 64, 8), (32, 128, 8), {}),
+           ((8, 16, 64, 8), (16, 128, 4), {}), ((2, 16, 64, 4), (16, 128, 4), {}),
+           ((4, 16, 128, 8), (16, 128, 4), {}), ((8, 16, 64, 4), (16, 64, 4), {})]  # fmt: skip
 
 
-def _gg(c13, c2, skip=1):
-    return dict(BLOCK_M=c13[0], BLOCK_N=c13[1], W=c13[2], num_warps=c13[3], GS=1, SKIP=skip,
+def _gg(c13, c2, opts):
+    return dict(BLOCK_M=c13[0], BLOCK_N=c13[1], W=c13[2], num_warps=c13[3], GS=1, **opts,
                 w2=dict(BLOCK_N=c2[0], W=c2[1], num_warps=c2[2], GS=1))  # fmt: skip
 
 
@@ -450,8 +453,9 @@ def part_ggemv():
                      for t in (ew.w13, ew.w2, ew.w13_scale, ew.w2_scale))  # fmt: skip
     h2 = dict(tables.int4_decode)
     shipped = dict(tables.int4_decode_grouped) or _gg(*GG_CFGS[0])
-    cands = [("shipped", shipped)] + [(f"{a}/{b}", _gg(a, b)) for a, b in GG_CFGS[1:]]
-    cands.append(("shipped SKIP=0", {**shipped, "SKIP": 0}))
+    cands = [("shipped", shipped)]
+    cands += [(f"{a}/{b}{''.join(f' {o_k}={o_v}' for o_k, o_v in o.items())}", _gg(a, b, o))
+              for a, b, o in GG_CFGS]  # fmt: skip
     best_per_t, wins = {}, {}
     for T in (16, 32, 64, 128, 192, 256):
         routes = [_route(T, E, k, dev) for _ in range(2)]

@@ -236,6 +236,7 @@ def test_int4_decode_gemv_with_the_policy_tables():
     [
         (dict(BLOCK_M=2, BLOCK_N=32, W=16, num_warps=4, w2=dict(BLOCK_N=64, W=8, GS=0)), True),
         (dict(BLOCK_M=8, BLOCK_N=64, W=16, num_warps=4, SKIP=0), False),
+        (dict(BLOCK_M=4, BLOCK_N=64, W=16, num_warps=4, PREFETCH=1), True),
     ],
 )
 def test_int4_decode_grouped_matches_reference(cfg, asm):

@@ -339,10 +339,33 @@ if HAS_TRITON:
                     (p >> 12) & 0x000F000F)  # fmt: skip
 
     @triton.jit
-    def _dot_h2(q0, q1, q2, q3, a0, a1, a2, a3, USE_ASM: tl.constexpr):
+    def _dot_h2(q0, q1, q2, q3, a0, a1, a2, a3, USE_ASM: tl.constexpr, F16SUM: tl.constexpr):
         """sum_j q_j . a_j over the two halves, float32: the second half of `_word_dot_h2`
-        (the 8 products summed in fp16 as there, the two halves added in fp32)."""
-        if USE_ASM:
+        (4 products per half summed in fp16 as there, the two halves added in fp32; F16SUM:
+        the halves added in fp16, all 8 products of the word in fp16 (the same overflow
+        bound), one conversion instead of two)."""
+        if USE_ASM and F16SUM:
+            return tl.inline_asm_elementwise(
+                asm="""
+                {
+                .reg .b32 acc;
+                .reg .f16 lo, hi;
+                mul.f16x2 acc, $1, $5;
+                fma.rn.f16x2 acc, $2, $6, acc;
+                fma.rn.f16x2 acc, $3, $7, acc;
+                fma.rn.f16x2 acc, $4, $8, acc;
+                mov.b32 {lo, hi}, acc;
+                add.rn.f16 lo, lo, hi;
+                cvt.f32.f16 $0, lo;
+                }
+                """,
+                constraints="=r,r,r,r,r,r,r,r,r",
+                args=[q0, q1, q2, q3, a0, a1, a2, a3],
+                dtype=tl.float32,
+                is_pure=True,
+                pack=1,
+            )
+        elif USE_ASM:
             return tl.inline_asm_elementwise(
                 asm="""
                 {
@@ -381,19 +404,24 @@ if HAS_TRITON:
 
     @triton.jit
     def _g_sum(acc, q0, q1, q2, q3, a0, a1, a2, a3, s, GS: tl.constexpr, WPG: tl.constexpr,
-               USE_ASM: tl.constexpr):  # fmt: skip
-        """acc += scale * word sums of one row (as `_h2_sum`, weights already dequantized)."""
-        ws = _dot_h2(q0, q1, q2, q3, a0, a1, a2, a3, USE_ASM)
+               USE_ASM: tl.constexpr, F16SUM: tl.constexpr):  # fmt: skip
+        """acc += scale * word sums of one row (as `_h2_sum`, weights already dequantized).
+        GS: s is the group scale as [BN, W // WPG, 1] (`_g_scales`), multiplied before the
+        in-thread group sum so that acc stays in that sum's layout (no layout conversion per
+        row)."""
+        ws = _dot_h2(q0, q1, q2, q3, a0, a1, a2, a3, USE_ASM, F16SUM)
         if GS:
             BN: tl.constexpr = ws.shape[0]
             W: tl.constexpr = ws.shape[1]
-            ws = tl.sum(tl.reshape(ws, [BN, W // WPG, WPG]), 2)
-        return acc + ws * s
+            acc = acc + tl.sum(tl.reshape(ws, [BN, W // WPG, WPG]) * s, 2)
+        else:
+            acc = acc + ws * s
+        return acc
 
     @triton.jit
     def _g_row(acc, acc_u, a_row_ptr, ok, q0, q1, q2, q3, s, u0, u1, u2, u3, su, a_off,
                W: tl.constexpr, GATED: tl.constexpr, GS: tl.constexpr, WPG: tl.constexpr,
-               USE_ASM: tl.constexpr, SKIP: tl.constexpr):  # fmt: skip
+               USE_ASM: tl.constexpr, SKIP: tl.constexpr, F16SUM: tl.constexpr):  # fmt: skip
         """One row of the block: its 4 activation planes of this K-block (loaded whether or
         not the row is real: padding rows read row 0), then with SKIP the products only for a
         real row (`ok`: uniform over the program, a branch), else always."""
@@ -405,14 +433,24 @@ if HAS_TRITON:
         a3 = tl.broadcast_to(tl.load(ab + 3 * W)[None, :], [BN, W])
         if SKIP:
             if ok:
-                acc = _g_sum(acc, q0, q1, q2, q3, a0, a1, a2, a3, s, GS, WPG, USE_ASM)
+                acc = _g_sum(acc, q0, q1, q2, q3, a0, a1, a2, a3, s, GS, WPG, USE_ASM, F16SUM)
                 if GATED:
-                    acc_u = _g_sum(acc_u, u0, u1, u2, u3, a0, a1, a2, a3, su, GS, WPG, USE_ASM)
+                    acc_u = _g_sum(acc_u, u0, u1, u2, u3, a0, a1, a2, a3, su, GS, WPG,
+                                   USE_ASM, F16SUM)  # fmt: skip
         else:
-            acc = _g_sum(acc, q0, q1, q2, q3, a0, a1, a2, a3, s, GS, WPG, USE_ASM)
+            acc = _g_sum(acc, q0, q1, q2, q3, a0, a1, a2, a3, s, GS, WPG, USE_ASM, F16SUM)
             if GATED:
-                acc_u = _g_sum(acc_u, u0, u1, u2, u3, a0, a1, a2, a3, su, GS, WPG, USE_ASM)
+                acc_u = _g_sum(acc_u, u0, u1, u2, u3, a0, a1, a2, a3, su, GS, WPG, USE_ASM,
+                               F16SUM)  # fmt: skip
         return acc, acc_u
+
+    @triton.jit
+    def _g_scales(s, GS: tl.constexpr):
+        """Scales as `_g_sum` reads them: float32, GS: [BN, W // WPG, 1]."""
+        s = s.to(tl.float32)
+        if GS:
+            s = s[:, :, None]
+        return s
 
     @triton.jit
     def _g_pair(sorted_ptr, i, num_pairs, a_ptr, a_stride, A_DIV: tl.constexpr):
@@ -446,7 +484,7 @@ if HAS_TRITON:
         N, K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
         A_DIV: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, W: tl.constexpr, WPG: tl.constexpr, USE_ASM: tl.constexpr,
-        GS: tl.constexpr, SKIP: tl.constexpr,
+        GS: tl.constexpr, SKIP: tl.constexpr, PREFETCH: tl.constexpr, F16SUM: tl.constexpr,
     ):  # fmt: skip
         """Grouped decode GEMV: a program per (aligned block of BLOCK_M <= 8 rows of one
         expert, N-block). c[pair] = W_e a[pair // A_DIV] for each real pair of the block:
@@ -488,38 +526,54 @@ if HAS_TRITON:
         z = tl.zeros([BLOCK_N, AW], tl.float32)
         c0, c1, c2, c3, c4, c5, c6, c7 = z, z, z, z, z, z, z, z
         u0, u1, u2, u3, u4, u5, u6, u7 = z, z, z, z, z, z, z, z
-        for kb in range(0, K // (8 * W)):
-            p, s = _load_words(w_base, s_base, offs_n, n_ok, kb, w_stride_n, s_stride_n, W,
-                               WPG, GS)  # fmt: skip
-            s = s.to(tl.float32)
-            q0, q1, q2, q3 = _dq_h2(p, USE_ASM)
-            su = s
+        nk = K // (8 * W)
+        p, s = _load_words(w_base, s_base, offs_n, n_ok, 0, w_stride_n, s_stride_n, W, WPG, GS)
+        pu, su = p, s
+        if GATED:
+            pu, su = _load_words(w_base, s_base, offs_n + N, n_ok, 0, w_stride_n, s_stride_n,
+                                 W, WPG, GS)  # fmt: skip
+        for kb in range(0, nk):
+            pc, sc, puc, suc = p, s, pu, su
+            if PREFETCH:  # the next K-block's loads in flight during this one's products
+                kn = tl.minimum(kb + 1, nk - 1)
+                p, s = _load_words(w_base, s_base, offs_n, n_ok, kn, w_stride_n, s_stride_n,
+                                   W, WPG, GS)  # fmt: skip
+                if GATED:
+                    pu, su = _load_words(w_base, s_base, offs_n + N, n_ok, kn, w_stride_n,
+                                         s_stride_n, W, WPG, GS)  # fmt: skip
+            else:
+                pc, sc = _load_words(w_base, s_base, offs_n, n_ok, kb, w_stride_n, s_stride_n,
+                                     W, WPG, GS)  # fmt: skip
+                if GATED:
+                    puc, suc = _load_words(w_base, s_base, offs_n + N, n_ok, kb, w_stride_n,
+                                           s_stride_n, W, WPG, GS)  # fmt: skip
+            sg = _g_scales(sc, GS)
+            q0, q1, q2, q3 = _dq_h2(pc, USE_ASM)
+            sug = sg
             g0, g1, g2, g3 = q0, q1, q2, q3
             if GATED:
-                pu, su = _load_words(w_base, s_base, offs_n + N, n_ok, kb, w_stride_n,
-                                     s_stride_n, W, WPG, GS)  # fmt: skip
-                su = su.to(tl.float32)
-                g0, g1, g2, g3 = _dq_h2(pu, USE_ASM)
+                sug = _g_scales(suc, GS)
+                g0, g1, g2, g3 = _dq_h2(puc, USE_ASM)
             a_off = kb * 4 * W + tl.arange(0, W)
-            c0, u0 = _g_row(c0, u0, ar0, ok0, q0, q1, q2, q3, s, g0, g1, g2, g3, su, a_off,
-                            W, GATED, GS, WPG, USE_ASM, False)  # fmt: skip
+            c0, u0 = _g_row(c0, u0, ar0, ok0, q0, q1, q2, q3, sg, g0, g1, g2, g3, sug, a_off,
+                            W, GATED, GS, WPG, USE_ASM, False, F16SUM)  # fmt: skip
             if BLOCK_M > 1:
-                c1, u1 = _g_row(c1, u1, ar1, ok1, q0, q1, q2, q3, s, g0, g1, g2, g3, su,
-                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP)  # fmt: skip
+                c1, u1 = _g_row(c1, u1, ar1, ok1, q0, q1, q2, q3, sg, g0, g1, g2, g3, sug,
+                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP, F16SUM)  # fmt: skip
             if BLOCK_M > 2:
-                c2, u2 = _g_row(c2, u2, ar2, ok2, q0, q1, q2, q3, s, g0, g1, g2, g3, su,
-                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP)  # fmt: skip
-                c3, u3 = _g_row(c3, u3, ar3, ok3, q0, q1, q2, q3, s, g0, g1, g2, g3, su,
-                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP)  # fmt: skip
+                c2, u2 = _g_row(c2, u2, ar2, ok2, q0, q1, q2, q3, sg, g0, g1, g2, g3, sug,
+                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP, F16SUM)  # fmt: skip
+                c3, u3 = _g_row(c3, u3, ar3, ok3, q0, q1, q2, q3, sg, g0, g1, g2, g3, sug,
+                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP, F16SUM)  # fmt: skip
             if BLOCK_M > 4:
-                c4, u4 = _g_row(c4, u4, ar4, ok4, q0, q1, q2, q3, s, g0, g1, g2, g3, su,
-                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP)  # fmt: skip
-                c5, u5 = _g_row(c5, u5, ar5, ok5, q0, q1, q2, q3, s, g0, g1, g2, g3, su,
-                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP)  # fmt: skip
-                c6, u6 = _g_row(c6, u6, ar6, ok6, q0, q1, q2, q3, s, g0, g1, g2, g3, su,
-                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP)  # fmt: skip
-                c7, u7 = _g_row(c7, u7, ar7, ok7, q0, q1, q2, q3, s, g0, g1, g2, g3, su,
-                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP)  # fmt: skip
+                c4, u4 = _g_row(c4, u4, ar4, ok4, q0, q1, q2, q3, sg, g0, g1, g2, g3, sug,
+                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP, F16SUM)  # fmt: skip
+                c5, u5 = _g_row(c5, u5, ar5, ok5, q0, q1, q2, q3, sg, g0, g1, g2, g3, sug,
+                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP, F16SUM)  # fmt: skip
+                c6, u6 = _g_row(c6, u6, ar6, ok6, q0, q1, q2, q3, sg, g0, g1, g2, g3, sug,
+                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP, F16SUM)  # fmt: skip
+                c7, u7 = _g_row(c7, u7, ar7, ok7, q0, q1, q2, q3, sg, g0, g1, g2, g3, sug,
+                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP, F16SUM)  # fmt: skip
         _g_out(c0, u0, p0, ok0, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
         if BLOCK_M > 1:
             _g_out(c1, u1, p1, ok1, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
@@ -545,7 +599,7 @@ def _launch_grouped(a, rs, w, s, c, tw, sorted_ids, expert_ids, npost, N, K, num
         c.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), A_DIV=a_div,
         GATED=gated, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], W=cfg["W"], WPG=group // 8,
         USE_ASM=use_asm(asm), GS=cfg.get("GS", 1), SKIP=cfg.get("SKIP", 1),
-        num_warps=cfg["num_warps"],
+        PREFETCH=cfg.get("PREFETCH", 0), F16SUM=cfg.get("F16SUM", 0), num_warps=cfg["num_warps"],
     )  # fmt: skip
 
 
