@@ -270,8 +270,8 @@ def test_int4_decode_grouped_rejects_bad_configs():
 
 
 def test_fused_moe_backend_runs_the_grouped_gemv_in_its_range(monkeypatch):
-    """Pairs in [grouped_min_pairs, decode_max_pairs] run the grouped GEMV, fewer the
-    per-pair one; the result is the reference either way."""
+    """Pairs in [grouped_min_pairs, grouped_max_pairs] run the grouped GEMV, fewer the
+    per-pair one, more the generic kernel here; the result is the reference either way."""
     from k2serve.kernels import int4_gemv
     from k2serve.moe import fused_moe as be_mod
     from k2serve.moe.fused_moe import FusedMoEBackend
@@ -286,13 +286,14 @@ def test_fused_moe_backend_runs_the_grouped_gemv_in_its_range(monkeypatch):
     monkeypatch.setattr(be_mod, "int4_moe_decode_grouped", spy)
     ew = _int4_experts(4, 256, 256)  # sizes of 256: the planes / GEMV paths
     cfg = dict(BLOCK_M=4, BLOCK_N=64, W=16, num_warps=4)
-    be = FusedMoEBackend(ew, grouped_config=cfg, grouped_min_pairs=6, decode_max_pairs=16)
-    for T in (2, 3):
+    be = FusedMoEBackend(ew, "auto", "kernel", grouped_config=cfg, grouped_min_pairs=6,
+                         grouped_max_pairs=8, decode_max_pairs=4)  # fmt: skip
+    for T in (2, 3, 5):
         x = torch.randn(T, 256, device=DEVICE, dtype=torch.bfloat16)
         w = torch.rand(T, 2, device=DEVICE)
         ids = torch.stack([torch.randperm(4)[:2] for _ in range(T)]).int().to(DEVICE)
         assert rel(be(x, ids, w), fm.fused_moe_ref(x, ew, w, ids)) < 2e-2
-    assert calls == [3]  # 4 pairs: the per-pair GEMV; 6: the grouped one
+    assert calls == [3]  # 4 pairs: the per-pair GEMV; 6: the grouped one; 10: the generic kernel
     assert FusedMoEBackend(ew, grouped_config={}).grouped_min_pairs is None  # no config: off
 
 

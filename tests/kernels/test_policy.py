@@ -19,7 +19,7 @@ def test_shipped_tables_load_and_are_read_only():
     assert t.gemv_bf16[(2112, 7168)]["BLOCK_K"] == 1024  # q_a + kv_a
     assert t.int4_decode["w2"]["W"] == 128 and t.int4_decode_max_pairs == 256
     assert t.int4_decode_grouped["BLOCK_M"] in (1, 2, 4, 8)
-    assert 0 < t.int4_decode_grouped_min_pairs
+    assert 0 < t.int4_decode_grouped_min_pairs <= t.int4_decode_grouped_max_pairs
     assert t.fp8_linear[(576, 7168)][0]["SPLIT_K"] == 16
     assert t.fp8_moe[0]["BLOCK_M"] == 16 and t.fp8_moe[-1]["max_pairs"] is None
     assert t.fp8_moe_generic_max_pairs == 1024  # FP8 experts: the generic kernel up to T=128 x 8
@@ -77,6 +77,7 @@ def test_policy_reads_the_environment_once_at_build(monkeypatch):
     assert kw["asm"] is True and kw["decode_max_pairs"] == 256
     assert kw["grouped_config"]["BLOCK_M"] == p.tables.int4_decode_grouped["BLOCK_M"]
     assert kw["grouped_min_pairs"] == p.tables.int4_decode_grouped_min_pairs
+    assert kw["grouped_max_pairs"] == p.tables.int4_decode_grouped_max_pairs
 
 
 def test_gemv_config_uses_the_table_then_the_rule():

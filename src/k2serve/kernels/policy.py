@@ -70,6 +70,10 @@ def _frozen(d: Mapping[str, Any]) -> Mapping[str, Any]:
     return FrozenMap({k: _frozen(v) if isinstance(v, Mapping) else v for k, v in d.items()})
 
 
+def _opt_int(data: Mapping[str, Any], key: str) -> int | None:
+    return None if data.get(key) is None else int(data[key])
+
+
 @dataclass(frozen=True)
 class KernelTables:
     """Tuned launch configs of one device kind (see configs/h200.json for the fields)."""
@@ -88,11 +92,12 @@ class KernelTables:
     # Triton MLA decode: {"bf16" | "fp8": tile, "waves", "min_split_keys", "max_splits"}
     # (mla_attention.CONFIG_KEYS); empty = the kernel's own rule
     mla_decode: Mapping[str, Any] = field(default_factory=lambda: FrozenMap({}))
-    # INT4 grouped decode GEMV (int4_gemv.int4_moe_decode_grouped): its config, and the pair
-    # count from which it runs instead of the per-pair GEMV (up to int4_decode_max_pairs);
+    # INT4 grouped decode GEMV (int4_gemv.int4_moe_decode_grouped): its config and the range
+    # of (token, expert) pair counts it runs for, ahead of the per-pair GEMV and the GEMM;
     # absent from a table: off
     int4_decode_grouped: Mapping[str, Any] = field(default_factory=lambda: FrozenMap({}))
     int4_decode_grouped_min_pairs: int | None = None
+    int4_decode_grouped_max_pairs: int | None = None
 
     @classmethod
     def from_json(cls, kind: str, data: Mapping[str, Any]) -> KernelTables:
@@ -121,11 +126,8 @@ class KernelTables:
                     {k: v for k, v in data.get("mla_decode", {}).items() if k != "what"}
                 ),
                 int4_decode_grouped=_frozen(data.get("int4_decode_grouped", {})),
-                int4_decode_grouped_min_pairs=(
-                    None
-                    if data.get("int4_decode_grouped_min_pairs") is None
-                    else int(data["int4_decode_grouped_min_pairs"])
-                ),
+                int4_decode_grouped_min_pairs=_opt_int(data, "int4_decode_grouped_min_pairs"),
+                int4_decode_grouped_max_pairs=_opt_int(data, "int4_decode_grouped_max_pairs"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"kernel table {kind!r} is malformed: {e!r}") from None
@@ -255,6 +257,7 @@ class KernelPolicy:
             decode_max_pairs=t.int4_decode_max_pairs,
             grouped_config=t.int4_decode_grouped,
             grouped_min_pairs=t.int4_decode_grouped_min_pairs,
+            grouped_max_pairs=t.int4_decode_grouped_max_pairs,
             prefill_config=t.int4_prefill,
             prefill_min_tokens=t.int4_prefill_min_tokens,
             asm=self.int4_asm,

@@ -93,6 +93,7 @@ class FusedMoEBackend(ExpertBackend):
         decode_max_pairs: int | None = None,
         grouped_config: Mapping[str, Any] | None = None,
         grouped_min_pairs: int | None = None,
+        grouped_max_pairs: int | None = None,
         prefill_config: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
         asm: bool = True,
         fp8_impl: str = "auto",
@@ -123,14 +124,19 @@ class FusedMoEBackend(ExpertBackend):
         self.decode_max_pairs = (
             t.int4_decode_max_pairs if decode_max_pairs is None else decode_max_pairs
         )
-        # the grouped decode GEMV for pairs in [grouped_min_pairs, decode_max_pairs]; None or
-        # no config: off (the per-pair GEMV up to decode_max_pairs)
+        # the grouped decode GEMV for pairs in [grouped_min_pairs, grouped_max_pairs] (ahead
+        # of the per-pair GEMV and the GEMM); no config or no min: off
         self.grouped_config = dict(
             t.int4_decode_grouped if grouped_config is None else grouped_config
         )
         if grouped_min_pairs is None:
             grouped_min_pairs = t.int4_decode_grouped_min_pairs
+        if grouped_max_pairs is None:
+            grouped_max_pairs = t.int4_decode_grouped_max_pairs
         self.grouped_min_pairs = grouped_min_pairs if self.grouped_config else None
+        self.grouped_max_pairs = (
+            self.decode_max_pairs if grouped_max_pairs is None else grouped_max_pairs
+        )
         # one config, or a table of configs by max pair count (int4_gemm.pick_config)
         self.prefill_config = t.int4_prefill if prefill_config is None else prefill_config
         self.asm = asm
@@ -172,7 +178,7 @@ class FusedMoEBackend(ExpertBackend):
                 return int4_moe_grouped_mm(hidden, w, topk_weights, topk_ids)
             pairs = T * topk_ids.shape[1]
             gmin = self.grouped_min_pairs
-            if gmin is not None and gmin <= pairs <= self.decode_max_pairs:
+            if gmin is not None and gmin <= pairs <= self.grouped_max_pairs:
                 return int4_moe_decode_grouped(
                     hidden, w, topk_weights, topk_ids, self.grouped_config, self.asm
                 )
