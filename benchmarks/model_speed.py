@@ -439,10 +439,13 @@ def _gg(c13, c2, opts):
 
 def part_ggemv():
     """The grouped decode GEMV (rows grouped by expert, each weight tile read once per block)
-    against the per-pair one (`int4_decode`) on one K2 layer at T = 16..256 tokens x top-8:
-    relative difference, graph-timed ms over 2 routings, % of copy bandwidth counting each hit
-    expert's weights + scales once; then a config sweep printing the best per T and the
-    `int4_decode_grouped` / `int4_decode_grouped_min_pairs` entries to use."""
+    against the per-pair one (`int4_decode`) and the INT4 GEMM (`int4_prefill`, what the
+    backend runs above int4_decode_max_pairs) on one K2 layer at T = 16..256 tokens x top-8,
+    uniform routing, and T = 64, 128 with experts drawn with weights exp(2 N(0, 1))
+    (concentrated, as in the k2-slice model): relative difference from the per-pair GEMV,
+    graph-timed ms over 2 routings, % of copy bandwidth counting each hit expert's weights +
+    scales once; a config sweep prints the best per case and the table entries to use."""
+    from k2serve.kernels.int4_gemm import int4_moe_gemm
     from k2serve.kernels.int4_gemv import int4_moe_decode, int4_moe_decode_grouped
 
     tables = engine_policy().tables
@@ -451,20 +454,36 @@ def part_ggemv():
     ew = _rand_experts("int4", E, D, I, dev)
     per_expert = sum(t[0].numel() * t.element_size()
                      for t in (ew.w13, ew.w2, ew.w13_scale, ew.w2_scale))  # fmt: skip
-    h2 = dict(tables.int4_decode)
+    h2, gemm_cfg = dict(tables.int4_decode), tables.int4_prefill
     shipped = dict(tables.int4_decode_grouped) or _gg(*GG_CFGS[0])
     cands = [("shipped", shipped)]
     cands += [(f"{a}/{b}{''.join(f' {o_k}={o_v}' for o_k, o_v in o.items())}", _gg(a, b, o))
               for a, b, o in GG_CFGS]  # fmt: skip
-    best_per_t, wins = {}, {}
-    for T in (16, 32, 64, 128, 192, 256):
-        routes = [_route(T, E, k, dev) for _ in range(2)]
+
+    def route(T, skew):
+        if skew == 0:
+            return _route(T, E, k, dev)
+        p = torch.exp(skew * torch.randn(E, device=dev))
+        return torch.rand(T, k, device=dev), torch.multinomial(p.expand(T, E), k).int()
+
+    def pct(nb, ms):
+        return 100 * nb / ms / 1e6 / CEIL["bw"]
+
+    best, summary = {}, {}
+    cases = [(T, 0.0) for T in (16, 32, 64, 128, 192, 256)] + [(64, 2.0), (128, 2.0)]
+    for T, skew in cases:
+        tag = f"T={T}{' skew' if skew else ''}"
+        routes = [route(T, skew) for _ in range(2)]
         x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
-        nb = sum(int(ti.unique().numel()) for _, ti in routes) / 2 * per_expert
+        hit = sum(int(ti.unique().numel()) for _, ti in routes) / 2
+        nb = hit * per_expert
         refs = [int4_moe_decode(x, ew, tw, ti, h2) for tw, ti in routes]
         ms_h = graph_ms([lambda tw=tw, ti=ti: int4_moe_decode(x, ew, tw, ti, h2)
                          for tw, ti in routes])  # fmt: skip
-        row("ggemv", f"T={T} per-pair h2 (int4_decode)", ms_h, nb)
+        row("ggemv", f"{tag} per-pair GEMV ({hit:.0f} exp)", ms_h, nb)
+        ms_g = graph_ms([lambda tw=tw, ti=ti: int4_moe_gemm(x, ew, tw, ti, gemm_cfg)
+                         for tw, ti in routes])  # fmt: skip
+        row("ggemv", f"{tag} INT4 GEMM", ms_g, nb)
         res = {}
         for name, cfg in cands:
             try:
@@ -474,35 +493,43 @@ def part_ggemv():
                 ms = graph_ms([lambda tw=tw, ti=ti, c=cfg: int4_moe_decode_grouped(x, ew, tw, ti, c)
                                for tw, ti in routes])  # fmt: skip
             except Exception as e:  # noqa: BLE001 - a config that does not run is reported
-                log(f"  ggemv T={T} {name}: {type(e).__name__}: {str(e)[:300]}")
-                FAILS.append(f"ggemv T={T} {name}")
+                log(f"  ggemv {tag} {name}: {type(e).__name__}: {str(e)[:300]}")
+                FAILS.append(f"ggemv {tag} {name}")
                 continue
-            row("ggemv", f"T={T} grouped {name}", ms, nb, 0,
-                f"{ms_h / ms:.2f}x h2, err vs h2 {err:.1e}")  # fmt: skip
+            row("ggemv", f"{tag} grouped {name}", ms, nb, 0,
+                f"{ms_h / ms:.2f}x per-pair, {ms_g / ms:.2f}x GEMM, diff {err:.1e}")  # fmt: skip
             if err > 4e-3:
-                FAILS.append(f"ggemv T={T} {name} err {err:.1e}")
+                FAILS.append(f"ggemv {tag} {name} diff {err:.1e}")
             else:
                 res[name] = ms
         if res:
             b = min(res, key=res.get)
-            best_per_t[T] = b
-            wins[T] = res[b] < ms_h
-            log(f"  ggemv T={T}: best {b} {res[b]:.3f} ms ({100 * nb / res[b] / 1e6 / CEIL['bw']:.0f}% "
-                f"of copy bw), shipped {res.get('shipped', float('nan')):.3f} ms, per-pair h2 "
-                f"{ms_h:.3f} ms ({100 * nb / ms_h / 1e6 / CEIL['bw']:.0f}%)")  # fmt: skip
-    # the pair count from which the grouped kernel wins at every larger T measured
+            best[(T, skew)] = b
+            summary[(T, skew)] = (ms_h, ms_g, res[b], res.get("shipped", float("nan")))
+            log(f"  ggemv {tag}: grouped best {b} {res[b]:.3f} ms ({pct(nb, res[b]):.0f}% of copy "
+                f"bw), shipped {summary[(T, skew)][3]:.3f}; per-pair {ms_h:.3f} ms "
+                f"({pct(nb, ms_h):.0f}%), GEMM {ms_g:.3f} ms ({pct(nb, ms_g):.0f}%)")  # fmt: skip
+    # the table entries: the config best most often; min pairs = the smallest uniform T*k
+    # from which the grouped GEMV beats the per-pair one at every larger T; max pairs = the
+    # largest T*k up to which it beats the GEMM in every case (uniform and concentrated)
+    names = dict(cands)
+    vals = list(best.values())
+    top = max(set(vals), key=vals.count, default=None)
     gmin = None
-    for T in sorted(wins, reverse=True):
-        if not wins[T]:
+    for T in sorted((T for T, sk in summary if sk == 0), reverse=True):
+        if summary[(T, 0.0)][2] >= summary[(T, 0.0)][0]:
             break
         gmin = T * k
-    names = dict(cands)
-    top = max(set(best_per_t.values()), key=list(best_per_t.values()).count, default=None)
-    log(f"  best per T: {best_per_t}")
+    gmax = None
+    for T in sorted({T for T, _ in summary}):
+        if any(v[2] >= v[1] for (t, _), v in summary.items() if t == T):
+            break
+        gmax = T * k
+    log(f"  best per case: {best}")
     if top is not None:
-        log(f"  for configs/{tables.kind}.json: \"int4_decode_grouped\": {json.dumps(names[top])}, "
-            f"\"int4_decode_grouped_min_pairs\": {gmin} (the smallest T*k measured from which "
-            f"the grouped GEMV wins at every larger T; refine between the measured T)")  # fmt: skip
+        log(f"  for configs/{tables.kind}.json: \"int4_decode_grouped\": {json.dumps(names[top], default=dict)}, "
+            f"\"int4_decode_grouped_min_pairs\": {gmin}, \"int4_decode_grouped_max_pairs\": "
+            f"{json.dumps(gmax)} (measured T*k only: refine between them)")  # fmt: skip
     del ew
     torch.cuda.empty_cache()
 
