@@ -528,7 +528,7 @@ def part_ggemv():
     log(f"  best per case: {best}")
     if top is not None:
         log(f"  for configs/{tables.kind}.json: \"int4_decode_grouped\": {json.dumps(names[top], default=dict)}, "
-            f"\"int4_decode_grouped_min_pairs\": {gmin}, \"int4_decode_grouped_max_pairs\": "
+            f"\"int4_decode_grouped_min_pairs\": {json.dumps(gmin)}, \"int4_decode_grouped_max_pairs\": "
             f"{json.dumps(gmax)} (measured T*k only: refine between them)")  # fmt: skip
     del ew
     torch.cuda.empty_cache()
