@@ -2,8 +2,11 @@
 
 Owns: `int4_moe_decode` (the routed-expert output of a decode step: both projections, the
 SiLU-and-mul and the weighted top-k sum in two launches), `pack_h2` (the activation layout the
-kernel reads) and `_int4_gemv_h2_kernel`. The MoE backend runs it up to the kernel policy's
-`int4_decode_max_pairs` (token, expert) pairs; above, the grouped GEMM of int4_gemm.py.
+kernel reads) and `_int4_gemv_h2_kernel`; `int4_moe_decode_grouped`, the same arithmetic with
+the pairs grouped by expert (`_int4_gemv_h2_grouped_kernel`: each weight tile loaded and
+dequantized once per block of up to 8 rows). The MoE backend runs the grouped one for the
+kernel policy's `int4_decode_grouped_min_pairs..max_pairs` (token, expert) pairs, else the
+per-pair one up to `int4_decode_max_pairs`; above, the grouped GEMM of int4_gemm.py.
 
 Weights are compressed-tensors pack-quantized (int4_dequant.py) (w int32 [E, N, K/8], lowest
 nibble = lowest column, value + 8; scale bf16 [E, N, K/group]), read in their natural layout.
