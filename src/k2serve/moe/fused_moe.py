@@ -7,15 +7,17 @@ to views of the stacked tensors, so memory is not doubled and the torch referenc
 state_dict) still see the same values.
 Supported schemes: bf16, int4_group (compressed-tensors, group 32), fp8_block (128x128).
 INT4 dispatch (`int4_impl`): "planes" (default when hidden and intermediate sizes are multiples
-of 256) runs kernels/int4_gemv.py's decode GEMV up to `decode_max_pairs` (token, expert) pairs,
-kernels/int4_gemm.py's grouped GEMM (INT4 tiles dequantized on chip, no host sync) above, and
-from `prefill_min_tokens` tokens chunk-wise dequant + torch._grouped_mm (one host sync; never
-inside a decode graph, since decode steps are far below the threshold); "legacy" runs the
-generic fused_moe kernel always. `prefill_impl` overrides the part above the GEMV range: "gemm"
-the grouped GEMM always, "grouped_mm" the generic fused_moe kernel below the threshold,
+of 256) runs kernels/int4_gemv.py's per-pair decode GEMV up to `decode_max_pairs` (token,
+expert) pairs, its grouped decode GEMV (each expert's tile dequantized once per block of rows) in
+[grouped_min_pairs, grouped_max_pairs], kernels/int4_gemm.py's grouped GEMM (the INT4 words
+dequantized into the MMA's register operand, launch configs by pair count, no host sync)
+otherwise, and from `prefill_min_tokens` tokens chunk-wise dequant + torch._grouped_mm (one host
+sync; never inside a decode graph, since decode steps are far below the threshold); "legacy"
+runs the generic fused_moe kernel always. `prefill_impl` overrides the part above the GEMV range:
+"gemm" the grouped GEMM always, "grouped_mm" the generic fused_moe kernel below the threshold,
 "kernel" the generic kernel always (benchmarks compare them). On one K2 layer the grouped GEMM
-beats both others up to a few thousand tokens (the crossing with grouped_mm is near 5k tokens;
-benchmarks/RESULTS.md). FP8-block experts (`fp8_impl`): "auto" (default) runs the generic
+beats both others up to 8192 tokens (dequant + grouped_mm wins at 16384; benchmarks/RESULTS.md).
+FP8-block experts (`fp8_impl`): "auto" (default) runs the generic
 fused_moe kernel up to `fp8_generic_max_pairs` (token, expert) pairs, where it is faster (decode
 and small batches: one H100, benchmarks/RESULTS.md), and kernels/fp8_moe.py's grouped GEMMs (fp8
 tiles converted in registers, configs by pair count from `fp8_table`) above; "gemm" the grouped
