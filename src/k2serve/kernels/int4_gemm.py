@@ -1,32 +1,43 @@
 # ruff: noqa: E741
-"""INT4 W4A16 grouped GEMM for prefill: tensor cores, weights dequantized in registers.
+"""INT4 W4A16 grouped GEMM for prefill and large decode batches: tensor cores, the weights
+dequantized into the MMA's register operand.
 
-Owns: `int4_moe_gemm` (routed-expert output of a prefill step: two grouped GEMM launches, the
-SiLU-and-mul between them in torch, the weighted top-k sum), `PREFILL_CONFIG`, and
+Owns: `int4_moe_gemm` (routed-expert output: two grouped GEMM launches, the SiLU-and-mul between
+them in torch, the weighted top-k sum), its configs (`PREFILL_TABLE` by pair count,
+`pick_config`, `gemm_supported`, `to_gemm_order`), the previous tile kernel (`TILE_CONFIG`, the
+fallback for shapes the new one does not take and the benchmarks' peer), and
 `int4_moe_grouped_mm`, the path for long prefills: experts dequantized to bf16 chunk-wise, then
 torch._grouped_mm (one host sync).
 
 Why: dequant + torch._grouped_mm writes and re-reads 4x the INT4 bytes (34 GB of bf16 per K2
-layer when all 384 experts are hit). Here each program dequantizes one [BLOCK_N, 8W] weight
-tile in registers (int4_dequant's lop3/bf16x2 PTX: 15 instructions per 8 weights) right before
-the MMA, so the experts are read once, as INT4. From a few thousand tokens on, cuBLAS's grouped
-GEMM on the dequantized copy wins (the caller picks by token count).
+layer when all 384 experts are hit); here the experts are read once, as INT4.
 
 Layout: compressed-tensors words w int32 [E, N, K/8] (nibble j of word i = column 8i + j, value
-+ 8), scales bf16 [E, N, K/group]. The PTX yields nibble pairs (j, j + 4) of each word as one
-bf16x2; three levels of `tl.interleave` put the 8 planes back in natural column order, so the
-activations are used as they are (no plane permutation).
++ 8), scales bf16 [E, N, K/group] (group 32). The weights are the MMA's left operand (tokens are
+its N: few tokens per expert waste less of a tile, and Hopper's wgmma takes a register left
+operand).
 
-The kernel computes the transposed tile (weights as the MMA's left operand, tokens as its N):
-Hopper's wgmma may take its left operand from registers, and few tokens per expert waste less
-of a tile. Triton 3.6 still converts the interleaved tile through shared memory (see
-PREFILL_CONFIG); the weights-as-right-operand form does not compile (TritonGPUOptimizeDotOperands
-fails on the interleave). One MMA per nibble plane or per plane pair, and shifting each element
-out of a redundantly loaded word, were slower (benchmarks/RESULTS.md, runs 23-27).
+`_int4_gemm_kernel` (the default): a K step of 256 columns is two [BLOCK_N, 16] word tiles, the
+words of the even groups and of the odd groups, cp.async'ed to shared memory as they are and
+loaded in the MMA operand layout; each of their 8 nibble planes is one MMA of K = 16, its operand
+made by elementwise ops only (`_plane_w`: one and/or, one exact FMA, one rounding). Elementwise
+chains are what Triton 3.6 hoists into the register operand: a reshape / join / interleave of
+the dequantized tile, a 16-bit load in the chain (hence the scales read as int32 pairs) or a
+two-input inline asm make it store the tile to shared memory and read it back instead (the tile
+kernel's bottleneck: ncu showed L1 88% busy). The activations are permuted once per call so each
+plane meets contiguous columns (`to_gemm_order`); the first GEMM writes its output in that order
+for the second. BLOCK_N < 64 gives Triton's mma.sync form, >= 64 wgmma (Triton waits for each
+register-operand wgmma before the next plane: the limit at large T). Figures: RESULTS.md
+("INT4 MoE GEMM with the dequantized weights in registers").
 
-Invariants: K % (8W) == 0, W % (group / 8) == 0. Rows are the (token, slot) pairs aligned per
-expert by moe_align_block_size (padding rows read row 0 and are never stored). No host sync
-(the grid is bounded on the host), so it is CUDA-graph safe.
+`_int4_gemm_tile_kernel` (previous): one [BLOCK_N, 8W] tile per K step, dequantized by
+int4_dequant's lop3/bf16x2 PTX and put back in natural column order by three `tl.interleave`
+levels, which Triton converts through shared memory.
+
+Invariants: rows are the (token, slot) pairs aligned per expert by moe_align_block_size (padding
+rows are not read by the default kernel and never stored). No host sync (the grid is bounded on
+the host), so both are CUDA-graph safe. Default kernel: group 32, hidden and intermediate
+multiples of 16 W2 (256 with W2 = 16); tile kernel: K % (8W) == 0, W % (group / 8) == 0.
 """
 
 from __future__ import annotations
