@@ -193,17 +193,27 @@ def test_split_count_fills_the_gpu(seqs, max_len, sms, waves, expect):
 
 
 @pytest.mark.parametrize(
-    "splits,block_n,split_qk", [(3, 8, True), (5, 16, False), (7, 32, True), (None, 16, True)]
+    "splits,block_n,split_qk", [(3, 16, True), (5, 32, False), (7, 64, True), (None, 32, True)]
 )
 def test_split_counts_that_are_not_powers_of_two(splits, block_n, split_qk):
-    """Any split count; key tiles narrower than, as wide as and wider than a page (16); the
+    """Any split count; key tiles narrower than, as wide as and wider than a page (32); the
     QK dots split between warpgroups or not (the same math)."""
-    (q, qp, kv), md = fp8_paged([300, 77], [1, 1], 0.5)
+    (q, qp, kv), md = fp8_paged([300, 77], [1, 1], 0.5, ps=32)
     args = (q, qp, kv, md.query_start_loc, md.context_lens, md.block_table, 0.3, 1, 301)
     cfg = {"block_n": block_n, "min_split_keys": 64, "split_qk": split_qk}
     out = mla_attention.mla_attention(*args, num_splits=splits, kv_scale=0.5, config=cfg)
     ref = TorchMLABackend(kv_scale=0.5).forward(q, qp, kv, md, 0.3)
     assert rel(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("block_n", [8, 24])
+def test_key_tiles_below_the_mma_minimum_are_refused(block_n):
+    """A key tile is the K of the P @ V MMA (>= 16 on a GPU, a power of two for tl.arange): a
+    config outside that is a clear error, not a compile failure inside Triton."""
+    (q, qp, kv), md = fp8_paged([40], [1], 0.5)
+    args = (q, qp, kv, md.query_start_loc, md.context_lens, md.block_table, 0.3, 1, 41)
+    with pytest.raises(ValueError, match="block_n"):
+        mla_attention.mla_attention(*args, kv_scale=0.5, config={"block_n": block_n})
 
 
 def test_expanded_prefill_reads_an_fp8_prefix():

@@ -456,6 +456,9 @@ def mla_attention(
             raise ValueError(f"unknown MLA config keys {sorted(unknown)}; use {CONFIG_KEYS}")
         cfg.update(config)
     block_m, block_n = cfg["block_m"], cfg["block_n"]
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"MLA block_n={block_n}: a power of two >= 16 (the key tile is the K "
+                         "of the P @ V MMA, whose minimum is 16)")  # fmt: skip
     if decode:  # a table's 64-row tile on a shard of 8 heads: 16 rows do (the MMA minimum)
         block_m = min(block_m, max(16, triton_next_pow2(H)))
     row_blocks = cdiv(max_query_len * H, block_m)
