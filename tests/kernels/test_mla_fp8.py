@@ -289,37 +289,39 @@ def test_fp8_ptx_and_cast_widening_agree_and_a_decode_graph_replays():
 def test_model_with_the_triton_backend_on_an_fp8_cache_matches_the_torch_backend():
     """The tiny model (2 layers, H=4, L=128, R=64) through prefill, a chunk over a cached
     prefix and decodes: the Triton backend and the torch backend, each on its own fp8 cache, write
-    the same first-layer bytes and give the same logits (float32 model)."""
+    the same first-layer bytes and give the same logits (float32 model; on a GPU the Triton
+    kernel's dots are bf16, hence the looser bound there)."""
     from k2serve.attention import allocate_kv_caches
     from k2serve.config import ModelConfig
     from k2serve.weights.loader import load_model
     from k2serve.weights.presets import preset_config
 
     cfg = ModelConfig.from_hf(preset_config("tiny", "bf16", layers=2))
-    model = load_model(None, load_format="dummy", config=cfg, device="cpu", dtype=torch.float32)
+    model = load_model(None, load_format="dummy", config=cfg, device=DEVICE, dtype=torch.float32)
     ids = torch.randint(0, cfg.vocab_size, (19,), generator=torch.Generator().manual_seed(3))
     ps = 8
     steps = [(0, 9), (9, 14), (14, 15), (15, 16), (16, 17)]  # prefill, cached-prefix chunk, decodes
     logits, caches = {}, {}
     for name, be in (("triton", TritonMLABackend(kv_scale=0.5)), ("torch", TorchMLABackend(0.5))):
         model.set_attn_backend(be)
-        kv = allocate_kv_caches(cfg, 3, ps, FP8, "cpu")
+        kv = allocate_kv_caches(cfg, 3, ps, FP8, DEVICE)
         rows = []
         for s, e in steps:
             md = AttentionMetadata(
-                query_start_loc=torch.tensor([0, e - s], dtype=torch.int32),
-                seq_lens=torch.tensor([e], dtype=torch.int32),
-                context_lens=torch.tensor([s], dtype=torch.int32),
-                block_table=torch.tensor([[2, 0, 1]], dtype=torch.int32),
-                slot_mapping=torch.tensor([[2, 0, 1][p // ps] * ps + p % ps for p in range(s, e)]),
+                query_start_loc=torch.tensor([0, e - s], dtype=torch.int32, device=DEVICE),
+                seq_lens=torch.tensor([e], dtype=torch.int32, device=DEVICE),
+                context_lens=torch.tensor([s], dtype=torch.int32, device=DEVICE),
+                block_table=torch.tensor([[2, 0, 1]], dtype=torch.int32, device=DEVICE),
+                slot_mapping=torch.tensor([[2, 0, 1][p // ps] * ps + p % ps for p in range(s, e)],
+                                          device=DEVICE),
                 max_query_len=e - s, max_seq_len=e, page_size=ps, num_decodes=int(e - s == 1),
             )  # fmt: skip
-            h = model(ids[s:e], torch.arange(s, e), md, kv)
+            h = model(ids[s:e].to(DEVICE), torch.arange(s, e, device=DEVICE), md, kv)
             rows.append(model.compute_logits(h))
         logits[name], caches[name] = torch.cat(rows), kv
     assert caches["triton"][0].float().abs().sum() > 0
     assert torch.equal(caches["triton"][0].view(torch.uint8), caches["torch"][0].view(torch.uint8))
-    assert rel(logits["triton"], logits["torch"]) < 1e-3
+    assert rel(logits["triton"], logits["torch"]) < (1e-3 if DEVICE == "cpu" else 2e-2)
 
 
 def test_kv_scale_only_touches_fp8_caches():
