@@ -513,8 +513,15 @@ def test_fused_moe_backend_prefill_paths_agree(impl, min_tokens):
     x = torch.randn(T, 256, device=DEVICE, dtype=torch.bfloat16)
     w = torch.rand(T, k, device=DEVICE)
     ids = torch.stack([torch.randperm(4)[:k] for _ in range(T)]).int().to(DEVICE)
-    be = FusedMoEBackend(ew, prefill_impl=impl, prefill_min_tokens=min_tokens, decode_max_pairs=256)
-    assert T * k > be.decode_max_pairs
+    # both decode GEMVs off: 320 pairs must reach the prefill paths under test
+    be = FusedMoEBackend(
+        ew,
+        prefill_impl=impl,
+        prefill_min_tokens=min_tokens,
+        decode_max_pairs=256,
+        grouped_config={},
+    )
+    assert T * k > be.decode_max_pairs and be.grouped_min_pairs is None
     assert rel(be(x, ids, w), fm.fused_moe_ref(x, ew, w, ids)) < 2e-2
 
 
