@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     model = llm.llm_engine.model
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     print(f"# loaded in {time.perf_counter() - t0:.0f}s; dtype {dtype}; "
-          f"{torch.get_num_threads()} threads; {model.backend_settings['moe']} experts backend "
+          f"{torch.get_num_threads()} threads; {llm.llm_engine.spec.backends.moe} experts backend "
           f"{model.model.layers[-1].mlp.expert_backend.name}")  # fmt: skip
     per_token, total = token_bytes(model)
     prompt = list(range(100, 116))

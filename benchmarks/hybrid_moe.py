@@ -382,7 +382,7 @@ def main(argv=None) -> int:
     # outside inference mode (it re-points parameters); calibrates the threshold (logged)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     t = time.time()
-    setup_layerwise_prefill(hyb, None)
+    setup_layerwise_prefill(hyb, None, fused=True)  # the engine's choice on CUDA
     log(f"layer-wise prefill set up in {time.time() - t:.0f}s")
     parts = args.parts.split(",")
     t0 = time.time()

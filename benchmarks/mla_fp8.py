@@ -160,11 +160,13 @@ def checks() -> None:
     from k2serve.attention.base import AttentionMetadata
     from k2serve.kernels.kv_store import store_latent_kv
     from k2serve.kernels.mla_attention import mla_attention_ref
+    from k2serve.model.backends import resolve_backends
 
     log("checks")
     if not SMOKE:
-        be = make_attention_backend("auto", "cuda", FP8)
-        check("make_attention_backend('auto', cuda, fp8) is Triton, graph-safe",
+        choice = resolve_backends("cuda", kv_cache_dtype=FP8)
+        be = make_attention_backend(choice.attention, FP8, choice.policy)
+        check("resolve_backends(cuda, fp8 cache) takes Triton, graph-safe",
               be.name == "triton" and be.graph_safe, be.name)  # fmt: skip
     # store: the Triton kernel's bytes == the torch backend's, edge values included
     for scale in (1.0, 0.37):

@@ -597,10 +597,12 @@ def engine_policy(**changes):
 
 def setup(model, policy=None, expand=False):
     """Set the engine's GPU backends up on `model` with `policy` (None: the engine's), as the
-    engine does (`setup_backends`); expand: pure prefills take the expanded attention path."""
+    engine does (`k2serve.model.backends`); expand: pure prefills take the expanded attention
+    path."""
     from k2serve.attention.triton_mla import TritonMLABackend, install_prefill_expand
+    from k2serve.model.backends import setup_backends
 
-    model.setup_backends("triton", "triton", "triton", policy=policy or engine_policy())
+    setup_backends(model, "triton", "triton", "triton", policy=policy or engine_policy())
     model.set_attn_backend(TritonMLABackend(prefill="expand" if expand else "absorbed"))
     if not getattr(model, "_expand_installed", False):
         install_prefill_expand(model)

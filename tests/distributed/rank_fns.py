@@ -76,10 +76,10 @@ def echo_rank(state) -> int:
 
 def backend_settings(state) -> dict:
     """This rank's model backends and KV cache dtype (as strings: they travel back by pipe)."""
-    s = state.data["model"].backend_settings
+    s = state.data["spec"]
     return dict(
-        attention=s["attention"],
-        moe=s["moe"],
-        kv=str(s["kv"]),
+        attention=s.backends.attention,
+        moe=s.backends.moe,
+        kv=str(s.kv_cache_dtype),
         cache=str(state.data["kv_caches"][0].dtype),
     )

@@ -58,6 +58,12 @@ def reference_greedy(prompt: list[int], max_tokens: int, eos: bool = True) -> li
 
 
 class FakeModel:
+    """The runtime's model interface (`install_backends`, `moe_blocks`, `device`, forward and
+    `compute_logits`) around the history-hash oracle."""
+
+    device = torch.device("cpu")
+    decode_graph_safe = False
+
     def __init__(self) -> None:
         self.config = FakeConfig()
         self.calls = 0
@@ -92,6 +98,12 @@ class FakeModel:
 
     def compute_logits(self, hidden):
         return _logits_from_hash(hidden[:, 0])
+
+    def install_backends(self, attention, experts, triton_norm, policy, placement=None) -> str:
+        return ""  # it reads its cache itself: nothing to wire
+
+    def moe_blocks(self) -> list:
+        return []
 
 
 def fake_kv_caches(num_pages, page_size, dtype, device):

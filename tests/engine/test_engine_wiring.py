@@ -47,7 +47,8 @@ def test_kv_cache_dtype_sizes_and_allocates_the_cache(ckpt):
         assert caches[0].shape[0] == llm.llm_engine.get_stats().kv_pages_total
         if kv == "fp8":
             # the model reads the fp8 cache (backend chosen for it), and generates
-            assert llm.llm_engine.model.backend_settings["kv"] == torch.float8_e4m3fn
+            spec = llm.llm_engine.spec
+            assert spec.kv_cache_dtype == spec.backends.kv_cache_dtype == torch.float8_e4m3fn
             outs = llm.generate(PROMPTS, GREEDY)
             for o in outs:
                 assert len(o.outputs[0].token_ids) == GREEDY.max_tokens
@@ -88,10 +89,17 @@ def test_num_gpu_experts_reaches_the_loader_and_the_model(ckpt, monkeypatch):
     assert seen["placement"] is None
 
 
-def test_runner_gets_the_engine_config(ckpt):
+def test_runner_gets_the_resolved_spec(ckpt):
     llm = _llm(ckpt, num_kv_pages=16, attention_backend="torch", moe_backend="torch")
-    s = llm.llm_engine.model.backend_settings
-    assert (s["attention"], s["moe"]) == ("torch", "torch")
+    s = llm.llm_engine.spec.backends
+    assert (s.attention, s.moe) == ("torch", "torch")
+    assert llm.llm_engine.runner.spec is llm.llm_engine.spec
+    # no --max-model-len: resolved once (the model's maximum, within the cache) and what the
+    # runner reads, so graph block tables are sized from it, not from None
+    eng = _llm(ckpt, max_model_len=None, num_kv_pages=3).llm_engine
+    want = min(eng.model_config.max_position_embeddings, 3 * 16)
+    assert eng.runner.spec.max_model_len == eng.max_model_len == want
+    assert eng.runner.spec.max_pages_per_seq == -(-want // 16)
     with pytest.raises(ValueError, match="triton"):  # asked for, so tried, and refused on CPU
         _llm(ckpt, num_kv_pages=16, attention_backend="triton")
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from k2serve.attention import allocate_kv_caches
 from k2serve.engine.config import EngineConfig
 from k2serve.kernels.policy import KernelPolicy
+from k2serve.model.backends import resolve_backends, restrict_policy, setup_backends
 
 from .conftest import load_tiny, needs_cuda, paged_logits
 
@@ -19,8 +20,8 @@ from .conftest import load_tiny, needs_cuda, paged_logits
 def test_cpu_defaults_to_torch_references_and_says_so(caplog):
     """On the CPU: torch attention / norm, the CPU expert backend for the routed experts."""
     model = load_tiny()
-    with caplog.at_level("INFO", logger="k2serve.model.deepseek_v3"):
-        line = model.setup_backends()
+    with caplog.at_level("INFO", logger="k2serve.model.backends"):
+        line = setup_backends(model)
     assert "attention=torch" in line and "moe=cpu" in line and "rms_norm=torch" in line
     assert line in caplog.text
     assert all(layer.self_attn.backend.name == "torch" for layer in model.model.layers)
@@ -30,12 +31,24 @@ def test_cpu_defaults_to_torch_references_and_says_so(caplog):
 def test_forcing_triton_without_cuda_is_a_clear_error(kw):
     model = load_tiny()
     with pytest.raises(ValueError, match="CUDA"):
-        model.setup_backends(**kw)
+        setup_backends(model, **kw)
 
 
 def test_unknown_backend_name_is_rejected():
     with pytest.raises(ValueError, match="attention_backend='flash'"):
-        load_tiny().setup_backends(attention="flash")
+        setup_backends(load_tiny(), attention="flash")
+
+
+def test_auto_resolves_to_concrete_names_and_a_restricted_policy():
+    """One place resolves "auto": on the CPU the torch references and the CPU expert kernel,
+    and the policy keeps nothing that needs Triton or CUDA."""
+    wanted = KernelPolicy(fused_rope=True, triton_router=True, decode_gemv=True, shared_stream=True)
+    choice = resolve_backends("cpu", policy=wanted)
+    assert (choice.attention, choice.moe, choice.rms_norm, choice.linear) == (
+        "torch", "cpu", "torch", "torch")  # fmt: skip
+    p = choice.policy
+    assert not (p.fused_rope or p.triton_router or p.decode_gemv or p.shared_stream)
+    assert resolve_backends("cpu", moe="torch").moe == "torch"
 
 
 def test_router_logits_float32_from_a_cached_weight_copy():
@@ -87,12 +100,12 @@ def test_engine_config_flags_for_backends_placement_and_kv_dtype():
 @pytest.mark.parametrize("fmt", ["bf16", "int4"])
 def test_cuda_defaults_to_triton_and_matches_the_torch_backends(fmt):
     model = load_tiny(fmt, dtype=torch.bfloat16, device="cuda")
-    line = model.setup_backends()
+    line = setup_backends(model)
     assert "attention=triton" in line and "moe=fused_moe" in line and "rms_norm=triton" in line
     ids = torch.randint(0, 500, (24,), generator=torch.Generator().manual_seed(0)).tolist()
     caches = allocate_kv_caches(model.config, 8, 16, torch.bfloat16, "cuda")
     fast = paged_logits(model, caches, ids, 16, n_prefill=20)
-    model.setup_backends("torch", "torch", "torch")
+    setup_backends(model, "torch", "torch", "torch")
     caches = allocate_kv_caches(model.config, 8, 16, torch.bfloat16, "cuda")
     ref = paged_logits(model, caches, ids, 16, n_prefill=20)
     # bf16 activations: different kernels round differently; 3 layers stay well under 3%
@@ -101,8 +114,8 @@ def test_cuda_defaults_to_triton_and_matches_the_torch_backends(fmt):
     assert (fast.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
 
 
-# rope and router need Triton on CUDA: on the CPU apply_kernel_policy leaves them off
-UNFUSED = KernelPolicy(fused_rope=True, triton_router=True)
+# rope and router need Triton on CUDA: on the CPU restrict_policy turns them off
+UNFUSED = restrict_policy(KernelPolicy(fused_rope=True, triton_router=True), "cpu")
 FUSED = replace(UNFUSED, fused_projections=True)
 
 
@@ -140,7 +153,8 @@ def test_shared_expert_stream_is_cuda_only():
     from k2serve.model.deepseek_v3 import MoE
 
     model = load_tiny()
-    assert model.apply_kernel_policy(replace(UNFUSED, shared_stream=True)) == ""
+    policy = restrict_policy(replace(UNFUSED, shared_stream=True), model.device)
+    assert model.apply_kernel_policy(policy) == ""
     assert all(m.side_stream is None for m in model.modules() if isinstance(m, MoE))
 
 
@@ -152,7 +166,7 @@ def test_shared_expert_on_a_side_stream_gives_the_same_logits_eager_and_in_a_gra
     from k2serve.model.deepseek_v3 import MoE
 
     model = load_tiny("int4", dtype=torch.bfloat16, device="cuda")
-    assert "shared-expert stream" in model.setup_backends()
+    assert "shared-expert stream" in setup_backends(model)
     assert any(m.side_stream is not None for m in model.modules() if isinstance(m, MoE))
     ids = torch.randint(
         0, 500, (6,), device="cuda", generator=torch.Generator("cuda").manual_seed(3)
@@ -167,7 +181,7 @@ def test_shared_expert_on_a_side_stream_gives_the_same_logits_eager_and_in_a_gra
             graphed = model.compute_logits(model(ids, pos))
         g.replay()
         torch.cuda.synchronize()
-        model.apply_kernel_policy(replace(FUSED, decode_gemv=True))  # in order
+        model.apply_kernel_policy(replace(model.kernel_policy, shared_stream=False))  # in order
         assert all(m.side_stream is None for m in model.modules() if isinstance(m, MoE))
         off = model.compute_logits(model(ids, pos))
     assert torch.equal(on, off)

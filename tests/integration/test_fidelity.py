@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from k2serve.kernels.router_torch import grouped_topk_torch
+from k2serve.model.backends import setup_backends
 from k2serve.moe import make_placement
 from k2serve.testing.fidelity import (
     RoutingPin,
@@ -72,7 +73,7 @@ def test_hybrid_experts_within_bf16_rounding_with_pinned_routing(fmt):
     variants = [
         Variant(
             "hybrid 3/8 on the GPU side",
-            lambda m: m.setup_backends("torch", "torch", "torch", placement=split),
+            lambda m: setup_backends(m, "torch", "torch", "torch", placement=split),
         )
     ]
     res = check_model(

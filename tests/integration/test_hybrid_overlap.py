@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from k2serve.model.backends import setup_backends
 from k2serve.moe import make_placement
 
 from .conftest import load_tiny
@@ -125,7 +126,7 @@ def test_layerwise_prefill_follows_rebuilt_backends():
     p = make_placement(load_tiny("int4").config, 3)
     model = load_tiny("int4", expert_placement=p)
     old = setup_layerwise_prefill(model, 16)
-    model.setup_backends("torch", "torch", "torch", placement=p)  # new hybrid backends
+    setup_backends(model, "torch", "torch", "torch", placement=p)  # new hybrid backends
     new = setup_layerwise_prefill(model, 16)
     assert new is not old and old.threshold == 0 and model.layerwise_prefill is new
     assert all(be.layerwise is new for be in new.backends)

@@ -7,13 +7,15 @@ import logging
 import pytest
 import torch
 
-import k2serve.attention as attention
+import k2serve.model.backends as backends
 from k2serve.attention import (
     TorchMLABackend,
     allocate_kv_caches,
     kv_cache_torch_dtype,
     make_attention_backend,
 )
+from k2serve.kernels.policy import KernelPolicy
+from k2serve.model.backends import setup_backends
 from k2serve.plan import kv_bytes_per_token
 
 from .conftest import load_tiny, paged_logits, tiny_config
@@ -26,7 +28,7 @@ def test_fp8_cache_gives_close_logits(fmt):
     model = load_tiny(fmt)
     ids = torch.randint(0, 500, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     ref = paged_logits(model, allocate_kv_caches(model.config, 12, 4, torch.float32), ids, 4, 30)
-    model.setup_backends(kv_cache_dtype=FP8)
+    setup_backends(model, kv_cache_dtype=FP8)
     caches = allocate_kv_caches(model.config, 12, 4, FP8)
     got = paged_logits(model, caches, ids, 4, 30)
     assert caches[0].dtype == FP8 and caches[0].float().abs().sum() > 0
@@ -79,15 +81,17 @@ def test_fp8_cache_takes_triton_where_its_kernel_reads_fp8(monkeypatch, caplog):
     the Triton backend (graph-safe); elsewhere the torch backend, with a warning."""
     import k2serve.kernels.mla_attention as mla
 
-    monkeypatch.setattr(attention, "triton_usable", lambda device: True)
+    monkeypatch.setattr(backends, "triton_usable", lambda device: True)
     monkeypatch.setattr(mla, "fp8_cache_supported", lambda device: True)
-    be = make_attention_backend("auto", "cuda", FP8)
+    choice = backends.resolve_backends("cuda", kv_cache_dtype=FP8, policy=KernelPolicy())
+    assert choice.attention == "triton" and choice.kv_cache_dtype == FP8
+    be = make_attention_backend(choice.attention, FP8)
     assert be.name == "triton" and be.graph_safe
     monkeypatch.setattr(mla, "fp8_cache_supported", lambda device: False)
-    with caplog.at_level(logging.WARNING, logger="k2serve.attention"):
-        be = make_attention_backend("auto", "cuda", FP8)
-    assert be.name == "torch" and "fp8" in caplog.text
+    with caplog.at_level(logging.WARNING, logger="k2serve.model.backends"):
+        choice = backends.resolve_backends("cuda", kv_cache_dtype=FP8, policy=KernelPolicy())
+    assert choice.attention == "torch" and "fp8" in caplog.text
     with pytest.raises(ValueError, match="fp8"):
-        make_attention_backend("triton", "cuda", FP8)
+        backends.resolve_backends("cuda", attention="triton", kv_cache_dtype=FP8)
     monkeypatch.undo()
-    assert make_attention_backend("auto", "cpu", FP8).name == "torch"
+    assert backends.resolve_backends("cpu", kv_cache_dtype=FP8).attention == "torch"

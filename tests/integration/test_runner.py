@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k2serve.attention import allocate_kv_caches
 from k2serve.engine.config import EngineConfig
 from k2serve.engine.runner import ModelRunner
 from k2serve.engine.setup import expert_placement, setup_rank
@@ -17,11 +16,13 @@ from .conftest import load_tiny, needs_cuda
 def test_setup_applies_the_configured_placement_and_the_cpu_runner_is_eager():
     model = load_tiny("int4")
     cfg = EngineConfig(device="cpu", num_gpu_experts=3, moe_backend="torch", page_size=4)
-    rank = setup_rank(cfg, torch.device("cpu"), model_dir=None, num_pages=lambda m, dt: 8,
+    rank = setup_rank(cfg.replace(num_kv_pages=8), torch.device("cpu"), model_dir=None,
                       model=model)  # fmt: skip
     assert rank.model is model and len(rank.kv_caches) == model.config.num_hidden_layers
     assert rank.kv_caches[0].shape[:2] == (8, 4)
-    runner = ModelRunner(model, rank.kv_caches, 4, "cpu", engine_config=cfg)
+    assert (rank.spec.num_kv_pages, rank.spec.max_model_len) == (8, 32)  # shrunk to the cache
+    assert rank.spec.placement is model.expert_placement
+    runner = ModelRunner(model, rank.kv_caches, rank.spec)
     assert runner.graph_runner is None
     assert model.has_cpu_experts
     for i in model.config.moe_layers:
@@ -72,9 +73,9 @@ def test_decode_graphs_give_the_eager_tokens_and_are_replayed():
 @needs_cuda
 def test_enforce_eager_captures_nothing():
     model = load_tiny(dtype=torch.bfloat16, device="cuda")
-    caches = allocate_kv_caches(model.config, 8, 16, torch.bfloat16, "cuda")
-    cfg = EngineConfig(device="cuda", enforce_eager=True)
-    assert ModelRunner(model, caches, 16, "cuda", engine_config=cfg).graph_runner is None
+    cfg = EngineConfig(device="cuda", enforce_eager=True, num_kv_pages=8, page_size=16)
+    rank = setup_rank(cfg, torch.device("cuda"), model_dir=None, model=model)
+    assert ModelRunner(model, rank.kv_caches, rank.spec).graph_runner is None
 
 
 def test_decode_graph_safe_follows_the_attention_backend():

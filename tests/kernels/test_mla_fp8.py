@@ -258,9 +258,12 @@ def test_expanded_prefill_reads_an_fp8_prefix():
 @pytest.mark.gpu
 @needs_cuda
 def test_fp8_cache_picks_the_triton_backend_on_cuda():
-    be = make_attention_backend("auto", "cuda", FP8)
+    from k2serve.model.backends import resolve_backends
+
+    choice = resolve_backends("cuda", kv_cache_dtype=FP8)
+    be = make_attention_backend(choice.attention, FP8, choice.policy)
     assert be.name == "triton" and be.graph_safe
-    assert make_attention_backend("triton", "cuda", FP8).name == "triton"
+    assert resolve_backends("cuda", attention="triton", kv_cache_dtype=FP8).attention == "triton"
 
 
 @pytest.mark.gpu

@@ -33,13 +33,7 @@ from k2serve.engine.request import Request, RequestStatus
 from k2serve.engine.runner import ModelRunner
 from k2serve.engine.sampling_params import SamplingParams
 from k2serve.engine.scheduler import Scheduler
-from k2serve.engine.setup import (
-    eos_token_ids,
-    load_tokenizer,
-    num_kv_pages,
-    resolve_device,
-    setup_rank,
-)
+from k2serve.engine.setup import eos_token_ids, load_tokenizer, resolve_device, setup_rank
 
 if TYPE_CHECKING:
     from k2serve.engine.executor import MultiprocExecutor
@@ -110,21 +104,11 @@ class LLMEngine:
             from k2serve.demo import demo_path
 
             model_dir = os.fspath(demo_path())
-        sized = {}
-
-        def num_pages(model, kv_dtype) -> int:  # from the memory budget, after the load
-            max_len = cfg.max_model_len or model.config.max_position_embeddings
-            sized["pages"], sized["max_model_len"] = num_kv_pages(
-                cfg, model.config, kv_dtype, self.device, max_len, cfg.max_model_len is None
-            )
-            return sized["pages"]
-
         t0 = time.monotonic()
         rank = setup_rank(  # place experts -> load and shard -> backends -> KV cache, once each
             cfg,
             self.device,
             model_dir=model_dir,
-            num_pages=num_pages,
             model=model,
             tp_size=cfg.tensor_parallel_size,  # tensor parallel: rank 0's shard only
             kv_cache_factory=kv_cache_factory,
@@ -133,30 +117,31 @@ class LLMEngine:
             logger.info("loaded %s in %.1fs", model_dir, time.monotonic() - t0)
             if tokenizer is None:
                 tokenizer = load_tokenizer(cfg.tokenizer or os.fspath(model_dir or ""))
-        model, kv_caches = rank.model, rank.kv_caches
+        model, kv_caches, spec = rank.model, rank.kv_caches, rank.spec
+        self.spec = spec  # what was resolved: every component below reads it
         self.model = model
         self.model_config = model.config
         self.tokenizer = tokenizer
         self.model_dir = model_dir
-        pages, max_model_len = sized["pages"], sized["max_model_len"]
-        self.config = cfg.replace(max_model_len=max_model_len, num_kv_pages=pages)
-        self.max_model_len = max_model_len
-        self.kv = KVCacheManager(pages, cfg.page_size, cfg.enable_prefix_caching)
+        # the config with the resolved length and page count (tensor-parallel workers get it)
+        self.config = cfg.replace(max_model_len=spec.max_model_len, num_kv_pages=spec.num_kv_pages)
+        self.max_model_len = spec.max_model_len
+        self.kv = KVCacheManager(spec.num_kv_pages, spec.page_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_seqs=spec.max_num_seqs,
+            max_num_batched_tokens=spec.max_num_batched_tokens,
             enable_chunked_prefill=cfg.enable_chunked_prefill,
         )
         self.runner: ModelRunner | MultiprocExecutor
-        if cfg.tensor_parallel_size > 1:
+        if spec.parallel.tensor_parallel_size > 1:
             from k2serve.engine.executor import MultiprocExecutor
 
-            self.runner = MultiprocExecutor(cfg, model, kv_caches, self.device, model_dir=model_dir)
-        else:
-            self.runner = ModelRunner(
-                model, kv_caches, cfg.page_size, self.device, cfg.seed, engine_config=cfg
+            self.runner = MultiprocExecutor(
+                spec, self.config, model, kv_caches, model_dir=model_dir
             )
+        else:
+            self.runner = ModelRunner(model, kv_caches, spec)
         self.eos_token_ids = eos_token_ids(self.model_config, tokenizer, model_dir)
         self.vocab_size = self.model_config.vocab_size
         self._requests: dict[str, Request] = {}  # child id -> request (unfinished)

@@ -3,8 +3,9 @@
 The engine process is rank 0: it holds its shard of the model (loaded with `load_model(...,
 tp_rank=0, tp_size=N)`) and its KV caches, and drives N - 1 worker processes
 (k2serve.distributed.workers.WorkerGroup) that run the same setup pipeline as rank 0
-(`k2serve.engine.setup.setup_rank`: load their shard, place experts, allocate KV caches of rank
-0's page count, choose backends), so all ranks run the same backends. Each step:
+(`k2serve.engine.setup.setup_rank` on a config that pins rank 0's page count and
+max_model_len: load their shard, place experts, choose backends, allocate KV caches), so all
+ranks run the same backends. Each step:
 1. rank 0 builds the flat batch on the CPU (`BatchBuilder.prepare`), packs it into ONE int64 array
    (`pack_model_input`) and sends it to every worker;
 2. every rank copies the array to its device once, unpacks views (`unpack_model_input`) and
@@ -33,6 +34,7 @@ from k2serve.engine.request import Request
 from k2serve.engine.runner import BatchBuilder, ModelInput
 from k2serve.engine.sampler import Sampler, SamplerOutput
 from k2serve.engine.scheduler import SchedulerOutput
+from k2serve.engine.spec import RuntimeSpec
 
 logger = logging.getLogger(__name__)
 
@@ -95,17 +97,16 @@ def load_shard(state: WorkerState, spec: dict) -> int:
 
     if state.device.type == "cpu" and spec.get("cpu_threads"):
         torch.set_num_threads(spec["cpu_threads"])
-    cfg: EngineConfig = spec["engine_config"]
+    cfg: EngineConfig = spec["engine_config"]  # rank 0's pages and max_model_len pinned
     rank = setup_rank(
         cfg,
         state.device,
         model_dir=state.data.get("model_dir") or spec["model_dir"],  # a node's own copy
-        num_pages=lambda model, kv_dtype: spec["num_pages"],  # rank 0's count
         tp_rank=state.rank,
         tp_size=state.world_size,
         progress=False,
     )
-    state.data.update(model=rank.model, kv_caches=rank.kv_caches)
+    state.data.update(model=rank.model, kv_caches=rank.kv_caches, spec=rank.spec)
     model = rank.model
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -124,16 +125,20 @@ class MultiprocExecutor:
 
     def __init__(
         self,
+        spec: RuntimeSpec,
         engine_config: EngineConfig,
         model,
         kv_caches: list[torch.Tensor],
-        device: torch.device | str,
         *,
         model_dir: str | None,
     ) -> None:
-        """`model` / `kv_caches`: rank 0's, from `setup_rank` (backends chosen)."""
+        """`spec` / `model` / `kv_caches`: rank 0's, from `setup_rank` (backends installed);
+        `engine_config`: the config with rank 0's page count and max_model_len pinned (the
+        workers run `setup_rank` on it) and the distributed settings."""
         cfg = engine_config
-        W = cfg.tensor_parallel_size
+        if cfg.num_kv_pages != spec.num_kv_pages or cfg.max_model_len != spec.max_model_len:
+            raise ValueError("engine_config must pin rank 0's num_kv_pages and max_model_len")
+        W = spec.parallel.tensor_parallel_size
         plan = getattr(model, "tp_plan", None)
         if plan is None or plan.world_size != W or plan.rank != 0:
             raise ValueError(
@@ -145,23 +150,23 @@ class MultiprocExecutor:
             raise ValueError(f"tensor_parallel_size={W} needs a model directory for the workers")
         self.model = model
         self.kv_caches = kv_caches
-        self.page_size = cfg.page_size
-        self.device = torch.device(device)
+        self.spec = spec
+        self.page_size = spec.page_size
+        self.device = spec.device
         # NOTE: the flat batch is built on the CPU (then packed); the sampler runs on rank 0.
-        self._batch = BatchBuilder(cfg.page_size, "cpu")
-        self.sampler = Sampler(self.device, cfg.seed)
+        self._batch = BatchBuilder(spec.page_size, "cpu")
+        self.sampler = Sampler(self.device, spec.seed)
         self.group = WorkerGroup(
             W, self.device, cfg.distributed_backend, nodes=NodeSpec.from_engine_config(cfg)
         )
-        self.group.state.data.update(model=model, kv_caches=kv_caches)
-        spec = dict(
+        self.group.state.data.update(model=model, kv_caches=kv_caches, spec=spec)
+        args = dict(
             engine_config=cfg,
             model_dir=os.fspath(model_dir),
-            num_pages=kv_caches[0].shape[0],
             cpu_threads=torch.get_num_threads(),
         )
         try:
-            sizes = self.group.run(load_shard, spec, on_rank0=False)[1:]
+            sizes = self.group.run(load_shard, args, on_rank0=False)[1:]
         except BaseException:
             self.group.shutdown()
             raise
@@ -170,7 +175,7 @@ class MultiprocExecutor:
             "tensor parallel: %d ranks (%s), expert parallel %s; weights per rank %s GiB",
             W,
             self.group.backend,
-            "on" if cfg.enable_expert_parallel else "off",
+            "on" if spec.parallel.expert_parallel else "off",
             ", ".join(f"{b / 2**30:.2f}" for b in [mine, *sizes]),
         )
 

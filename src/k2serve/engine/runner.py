@@ -24,31 +24,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from k2serve.attention.base import AttentionMetadata
 from k2serve.cache.kv_cache_manager import KVCacheManager
-from k2serve.engine.config import EngineConfig
 from k2serve.engine.input_batch import BlockTables, to_device
 from k2serve.engine.request import Request
 from k2serve.engine.sampler import Sampler, SamplerOutput
 from k2serve.engine.scheduler import SchedulerOutput
+from k2serve.engine.spec import RuntimeSpec
+from k2serve.moe.dynamic import RoutingService
 
 if TYPE_CHECKING:
     from k2serve.model.cuda_graph import DecodeGraphRunner
-
-try:
-    from k2serve.attention.base import AttentionMetadata
-except ImportError:  # NOTE: until k2serve.attention lands; same fields as docs/interfaces.md
-
-    @dataclass
-    class AttentionMetadata:  # type: ignore[no-redef]
-        query_start_loc: torch.Tensor
-        seq_lens: torch.Tensor
-        context_lens: torch.Tensor
-        block_table: torch.Tensor
-        slot_mapping: torch.Tensor
-        max_query_len: int
-        max_seq_len: int
-        page_size: int
-        num_decodes: int
 
 
 logger = logging.getLogger(__name__)
@@ -148,51 +134,43 @@ class BatchBuilder:
 
 
 class ModelRunner(BatchBuilder):
-    def __init__(
-        self,
-        model,
-        kv_caches: list[torch.Tensor],
-        page_size: int,
-        device: torch.device | str,
-        seed: int = 0,
-        *,
-        engine_config: EngineConfig | None = None,
-    ) -> None:
-        """Runs a model whose backends are chosen already (`engine.setup.setup_rank`): the
-        last step of the setup pipeline, decode CUDA graphs, happens here. `engine_config`:
-        enforce_eager / max_model_len / max_num_seqs (None: the defaults)."""
-        super().__init__(page_size, device)
-        cfg = engine_config or EngineConfig()
+    def __init__(self, model, kv_caches: list[torch.Tensor], spec: RuntimeSpec) -> None:
+        """Runs a model whose backends are installed already (`engine.setup.setup_rank`, which
+        resolved `spec`): the last step of the setup pipeline, decode CUDA graphs, happens
+        here."""
+        super().__init__(spec.page_size, spec.device)
+        self.spec = spec
         self.model = model
         self.kv_caches = kv_caches
-        self.sampler = Sampler(self.device, seed)
+        self.sampler = Sampler(self.device, spec.seed)
         self.graph_runner: DecodeGraphRunner | None = None
-        self.routing = None  # --record-routing / --dynamic-expert-placement (moe.dynamic)
-        if hasattr(model, "setup_backends"):
-            from k2serve.moe.dynamic import RoutingService
-
-            # before the graphs are captured, so that their replays are counted too
-            self.routing = RoutingService.from_config(model, cfg, max(cfg.max_num_seqs, 256))
+        # --record-routing / --dynamic-expert-placement (moe.dynamic); made before the graphs
+        # are captured, so that their replays are counted too
+        self.routing = RoutingService.from_settings(
+            model,
+            record_routing=spec.record_routing,
+            dynamic=spec.dynamic_expert_placement,
+            interval=spec.expert_placement_interval,
+            max_tokens=max(spec.max_num_seqs, 256),
+        )
         if self.device.type == "cuda":
-            self._setup_graphs(cfg)
+            self._setup_graphs()
 
-    def _setup_graphs(self, cfg: EngineConfig) -> None:
-        if cfg.enforce_eager:
+    def _setup_graphs(self) -> None:
+        spec = self.spec
+        if spec.enforce_eager:
             logger.info("CUDA graphs: off (--enforce-eager)")
             return
-        if not getattr(self.model, "decode_graph_safe", True):
+        if not self.model.decode_graph_safe:
             logger.info("CUDA graphs: off (the attention backend syncs with the host)")
             return
         from k2serve.model.cuda_graph import DEFAULT_BUCKETS, DecodeGraphRunner
 
-        max_seqs = cfg.max_num_seqs or DEFAULT_BUCKETS[-1]
+        max_seqs = spec.max_num_seqs
         buckets = tuple(b for b in DEFAULT_BUCKETS if b <= max_seqs) or (1,)
         if max_seqs <= DEFAULT_BUCKETS[-1] and buckets[-1] < max_seqs:
             buckets += (max_seqs,)
-        num_pages = self.kv_caches[0].shape[0]
-        max_len = cfg.max_model_len
-        max_pages = min(num_pages, -(-max_len // self.page_size)) if max_len else num_pages
-        runner = DecodeGraphRunner(self.model, self.kv_caches, max_pages, buckets)
+        runner = DecodeGraphRunner(self.model, self.kv_caches, spec.max_pages_per_seq, buckets)
         runner.capture()
         self.graph_runner = runner
         pieces = max(runner.num_pieces.values())

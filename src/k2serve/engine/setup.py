@@ -1,10 +1,11 @@
-"""Engine setup: one rank's setup pipeline and its helpers.
+"""Engine setup: one rank's setup pipeline, which resolves the config into a `RuntimeSpec`.
 
-Owns: `setup_rank` (load -> shard -> place experts -> size and allocate the KV cache -> choose
-backends and kernels, each exactly once, for the engine's rank 0 and every tensor-parallel
-worker alike; CUDA graphs are captured last, by the runner), `expert_placement` (the routed
-experts' devices, decided once from the config), `choose_backends` (the model's attention /
-expert / norm backends and its `KernelPolicy`), and the helpers: device / dtype resolution,
+Owns: `setup_rank` (place experts -> load and shard -> choose and install backends and kernels
+-> size and allocate the KV cache, each exactly once, for the engine's rank 0 and every
+tensor-parallel worker alike, returning the frozen `RuntimeSpec` that the runner, executor and
+server read; CUDA graphs are captured last, by the runner), `expert_placement` (the routed
+experts' devices, decided once from the config), `choose_backends` (the config's backend
+names and `KernelPolicy` resolved for the device), and the helpers: device / dtype resolution,
 tokenizer loading, the EOS set, and the KV cache size from the memory budget (through
 `k2serve.plan.kv_bytes_per_token`, so the engine and `k2serve plan` never disagree)."""
 
@@ -21,7 +22,9 @@ import torch
 
 from k2serve.config import ModelConfig
 from k2serve.engine.config import EngineConfig
+from k2serve.engine.spec import ParallelLayout, RuntimeSpec
 from k2serve.kernels.policy import KernelPolicy
+from k2serve.model.backends import BackendChoice, install_backends, resolve_backends
 from k2serve.moe.placement import ExpertPlacement
 
 logger = logging.getLogger(__name__)
@@ -223,43 +226,28 @@ def expert_placement(cfg: EngineConfig, model_config: ModelConfig) -> ExpertPlac
     return make_placement(model_config, n, path)
 
 
-def kernel_policy(cfg: EngineConfig, device: torch.device) -> KernelPolicy:
-    """The kernels the engine runs on `device` (typed K2SERVE_* variables read here, once)."""
-    return KernelPolicy.for_device(device)
-
-
 def choose_backends(
-    model,
-    cfg: EngineConfig,
-    placement: ExpertPlacement | None,
-    kv_cache_dtype: torch.dtype | None,
-) -> None:
-    """Choose `model`'s attention / expert / RMSNorm backends and kernel policy for the engine
-    config, the expert `placement` and the dtype the KV cache was allocated with (an fp8 cache
-    takes the torch attention backend). Called once per rank by `setup_rank`."""
-    if kv_cache_dtype != torch.float8_e4m3fn:
-        if cfg.kv_cache_dtype == "fp8" and kv_cache_dtype is not None:
-            logger.warning(
-                "kv_cache_dtype fp8 was asked for but the KV cache was allocated as %s "
-                "(allocate it with k2serve.attention.kv_cache_torch_dtype)",
-                kv_cache_dtype,
-            )
-        kv_cache_dtype = None  # only an fp8 cache changes the choice
-    model.setup_backends(
-        cfg.attention_backend,
-        cfg.moe_backend,
-        "auto",
-        placement,
-        kv_cache_dtype,
-        policy=kernel_policy(cfg, model.device),
+    cfg: EngineConfig, device: torch.device, kv_cache_dtype: torch.dtype, sharded: bool
+) -> BackendChoice:
+    """The backends the config asks for, resolved for `device` and a KV cache of
+    `kv_cache_dtype` (`model.backends.resolve_backends`: Triton on CUDA, fp8 caches included
+    where the Triton kernel reads them, NVIDIA sm_80+; torch references elsewhere), with the
+    device's `KernelPolicy` (typed K2SERVE_* variables read there, once)."""
+    return resolve_backends(
+        device,
+        attention=cfg.attention_backend,
+        moe=cfg.moe_backend,
+        kv_cache_dtype=kv_cache_dtype,
+        policy=KernelPolicy.for_device(device),
+        sharded=sharded,
     )
 
 
 @dataclass
 class RankSetup:
-    model: Any  # DeepseekV3ForCausalLM (or an injected test double)
+    model: Any  # DeepseekV3ForCausalLM (or an injected test double with its interface)
     kv_caches: list[torch.Tensor]
-    placement: ExpertPlacement | None
+    spec: RuntimeSpec
 
 
 def setup_rank(
@@ -267,7 +255,6 @@ def setup_rank(
     device: torch.device,
     *,
     model_dir: str | None,
-    num_pages: Callable[[object, torch.dtype], int],
     model=None,
     tp_rank: int = 0,
     tp_size: int = 1,
@@ -279,11 +266,12 @@ def setup_rank(
     1. place experts: `expert_placement` from the config (an injected model keeps its own);
     2. load and shard: this rank's slice of every tensor (tensor parallel), CPU-placed experts
        straight into host memory, no backends chosen yet (`load_model(setup_backends=False)`);
-    3. choose backends and kernels (`choose_backends`) for the placement and the cache dtype;
-       with experts on the CPU (one rank), the layer-wise prefill's device buffers are taken
-       here, before the KV cache takes the free memory;
-    4. size and allocate the KV cache: `num_pages(model, kv_dtype)` pages (rank 0 measures the
-       memory budget; workers take rank 0's count).
+    3. resolve the dtypes and the backends (`choose_backends`) for the placement and the cache
+       dtype, and install them; with experts on the CPU (one rank), the layer-wise prefill's
+       device buffers are taken here, before the KV cache takes the free memory;
+    4. size and allocate the KV cache (`num_kv_pages`; tensor-parallel workers get a config
+       with rank 0's page count and max_model_len pinned);
+    5. return the `RuntimeSpec` of all that, which everything downstream reads.
     CUDA graphs come last, captured by the runner (rank 0) on the finished model."""
     if model is None:
         if model_dir is None:
@@ -311,26 +299,48 @@ def setup_rank(
             placement = expert_placement(cfg, model.config)
     from k2serve.attention import allocate_kv_caches, kv_cache_torch_dtype
 
-    kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, activation_dtype(model, cfg, device))
-    if hasattr(model, "setup_backends"):
-        choose_backends(model, cfg, placement, kv_dtype)
-        if tp_size == 1 and getattr(model, "has_cpu_experts", False):
-            from k2serve.moe.layerwise import setup_layerwise_prefill
+    dtype = activation_dtype(model, cfg, device)
+    kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, dtype)
+    backends = choose_backends(cfg, device, kv_dtype, sharded=tp_size > 1)
+    install_backends(model, backends, placement)
+    if tp_size == 1 and placement is not None and not placement.all_on_gpu:
+        from k2serve.moe.layerwise import setup_layerwise_prefill
 
-            setup_layerwise_prefill(
-                model, cfg.gpu_prefill_token_threshold, cfg.max_num_batched_tokens
-            )
-    pages = num_pages(model, kv_dtype)
+        setup_layerwise_prefill(
+            model, cfg.gpu_prefill_token_threshold, cfg.max_num_batched_tokens,
+            fused=backends.moe == "triton",
+        )  # fmt: skip
+    max_len = cfg.max_model_len or model.config.max_position_embeddings
+    pages, max_len = num_kv_pages(
+        cfg, model.config, kv_dtype, device, max_len, cfg.max_model_len is None
+    )
     if kv_cache_factory is None:
-
-        def kv_cache_factory(n, ps, dt, dev):
-            return allocate_kv_caches(model.config, n, ps, dt, dev)
-
-    kv_caches = kv_cache_factory(pages, cfg.page_size, kv_dtype, device)
-    fp8 = torch.float8_e4m3fn
-    if kv_caches and (kv_caches[0].dtype == fp8) != (kv_dtype == fp8):
+        kv_caches = allocate_kv_caches(model.config, pages, cfg.page_size, kv_dtype, device)
+    else:
+        kv_caches = kv_cache_factory(pages, cfg.page_size, kv_dtype, device)
+    if kv_caches and kv_caches[0].dtype != kv_dtype:
         # NOTE: only an injected kv_cache_factory allocates another dtype than asked for; the
-        # attention backend must match the cache it reads, so it is chosen again for that one
-        if hasattr(model, "setup_backends"):
-            choose_backends(model, cfg, placement, kv_caches[0].dtype)
-    return RankSetup(model, kv_caches, placement)
+        # attention backend must match the cache it reads, so it is chosen for that one
+        kv_dtype = kv_caches[0].dtype
+        backends = choose_backends(cfg, device, kv_dtype, sharded=tp_size > 1)
+        install_backends(model, backends, placement)
+    spec = RuntimeSpec(
+        device=device,
+        dtype=dtype,
+        kv_cache_dtype=kv_dtype,
+        max_model_len=max_len,
+        num_kv_pages=pages,
+        page_size=cfg.page_size,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        backends=backends,
+        placement=placement,
+        parallel=ParallelLayout(tp_size, cfg.enable_expert_parallel, cfg.nnodes),
+        enforce_eager=cfg.enforce_eager,
+        seed=cfg.seed,
+        record_routing=cfg.record_routing,
+        dynamic_expert_placement=cfg.dynamic_expert_placement,
+        expert_placement_interval=cfg.expert_placement_interval,
+        gpu_prefill_token_threshold=cfg.gpu_prefill_token_threshold,
+    )
+    return RankSetup(model, kv_caches, spec)

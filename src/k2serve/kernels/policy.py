@@ -7,7 +7,8 @@ run Triton kernels at all; the backends' choice of attention / experts / norm as
 
 How it is used: setup builds one policy from the engine config, the device and the typed
 `K2SERVE_*` variables (`KernelPolicy.for_device`) and hands it to the model
-(`DeepseekV3ForCausalLM.setup_backends(policy=)`), which gives each layer the part it needs.
+(`k2serve.model.backends`, which restricts it to what the device runs, and the model's
+`install_backends`, which gives each layer the part it needs).
 Kernels take their launch configs as arguments; nothing here or in the kernels is a mutable
 module global. A benchmark compares variants by building policies (`dataclasses.replace`) and
 setting each up on the model, never by patching modules.

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +32,7 @@ from torch import nn
 from k2serve.attention.base import AttentionMetadata, MLABackend
 from k2serve.attention.torch_ref import TorchMLABackend
 from k2serve.config import ModelConfig
-from k2serve.kernels.policy import KernelPolicy, triton_usable
+from k2serve.kernels.policy import KernelPolicy
 from k2serve.model.layers import RMSNorm, YarnRotaryEmbedding
 from k2serve.model.router import TopkRouter
 from k2serve.moe import ExpertBackend, TorchExpertBackend
@@ -461,9 +460,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.model = DeepseekV3Model(b)
         self.lm_head = b.linear("lm_head", config.hidden_size, config.vocab_size)
         self.expert_placement: ExpertPlacement | None = None  # None = all on self.device
-        self.backend_settings: dict | None = None  # set by setup_backends
         self.routing_recorder = None  # moe.placement.RoutingRecorder while recording
-        self.kernel_policy = KernelPolicy.reference()  # set by apply_kernel_policy
+        self.kernel_policy = KernelPolicy.reference()  # set by install_backends
 
     @property
     def device(self) -> torch.device:
@@ -473,96 +471,42 @@ class DeepseekV3ForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.backend = backend
 
-    def setup_backends(
-        self,
-        attention: str = "auto",
-        moe: str = "auto",
-        norm: str = "auto",
-        placement: ExpertPlacement | None = None,
-        kv_cache_dtype: torch.dtype | None = None,
-        policy: KernelPolicy | None = None,
-    ) -> str:
-        """Choose the attention, expert and RMSNorm implementations ("auto": Triton on CUDA,
-        torch references elsewhere), place the routed experts (None: all on the model's
-        device) and apply the kernel `policy` (None: `KernelPolicy.for_device` of the model's
-        device). Logs and returns one line saying what was chosen."""
-        from k2serve.attention import make_attention_backend
-        from k2serve.moe import make_expert_backend
+    def moe_blocks(self) -> list[MoE]:
+        return [ly.mlp for ly in self.model.layers if isinstance(ly.mlp, MoE)]
 
-        if norm not in ("auto", "torch", "triton"):
-            raise ValueError(f"norm_backend={norm!r}; expected auto, torch or triton")
-        dev = self.device
-        if norm == "triton" and not triton_usable(dev):
-            raise ValueError(f"norm backend 'triton' needs a CUDA device and Triton (on {dev})")
-        if policy is None:
-            policy = KernelPolicy.for_device(dev)
-        attn = make_attention_backend(attention, dev, kv_cache_dtype, policy=policy)
-        self.set_attn_backend(attn)
-        use_triton_norm = norm != "torch" and triton_usable(dev)
+    def install_backends(
+        self,
+        attention: MLABackend,
+        experts: Callable[[int, nn.ModuleList], ExpertBackend],
+        triton_norm: bool,
+        policy: KernelPolicy,
+        placement: ExpertPlacement | None = None,
+    ) -> str:
+        """Wire concrete backends in (chosen by `k2serve.model.backends`): `attention` for every
+        layer, `experts(layer_idx, experts)` for each MoE layer's routed experts, the Triton
+        RMSNorm on or off, the kernel `policy` (`apply_kernel_policy`) and the expert
+        `placement` they were built for (None: every expert on the model's device). Returns
+        what `apply_kernel_policy` returns."""
+        self.set_attn_backend(attention)
         for m in self.modules():
             if isinstance(m, RMSNorm):
-                m.use_triton = use_triton_norm
-        # NOTE: the fused RoPE kernel is off on tensor-parallel shards: with it TP=2 logits
-        # differ from TP=1 by 0.12-0.16 on 2 H200s, without it by 0.008, although the kernel
-        # alone is within one rounding of the torch code; the cause is open (RESULTS.md, TP)
-        sharded = getattr(self, "tp_plan", None) is not None
-        fast = self.apply_kernel_policy(
-            replace(
-                policy,
-                fused_rope=policy.fused_rope and attn.name == "triton" and not sharded,
-                triton_router=policy.triton_router and moe != "torch",
-            )
-        )
-        moe_names = set()
+                m.use_triton = triton_norm
+        fused = self.apply_kernel_policy(policy)
         for layer in self.model.layers:
             if isinstance(layer.mlp, MoE):
-                layer.mlp.expert_backend = make_expert_backend(
-                    layer.mlp.experts,
-                    moe,
-                    dev,
-                    layer=layer.layer_idx,
-                    placement=placement,
-                    policy=policy,
-                )
-                moe_names.add(layer.mlp.expert_backend.name)
+                layer.mlp.expert_backend = experts(layer.layer_idx, layer.mlp.experts)
         self.expert_placement = placement
-        self.backend_settings = dict(
-            attention=attention,
-            moe=moe,
-            norm=norm,
-            placement=placement,
-            kv=kv_cache_dtype,
-        )
-        from k2serve.moe.placement import describe_placement
+        return fused
 
-        line = (
-            f"backends on {dev}: attention={attn.name}, moe={'/'.join(sorted(moe_names)) or '-'}"
-            f", rms_norm={'triton' if use_triton_norm else 'torch'}"
-            + (f", fused: {fast}" if fast else "")
-            + "; "
-            + describe_placement(self)
-        )
-        logger.info("%s", line)
-        return line
-
-    def apply_kernel_policy(self, policy: KernelPolicy) -> str:
-        """Hand each layer its part of `policy` (kernels that need Triton stay off when the
-        device cannot run them): the Triton RoPE for q_pe + k_pe, the Triton router top-k, one
-        GEMM for q_a_proj + kv_a_proj_with_mqa and for each dense/shared MLP's gate + up (bf16
-        weights; re-pointed as views of the fused weight, so memory and state_dict are
-        unchanged; off goes back to one GEMM each), the one-row GEMV for the bf16 projections
-        and the router at batch 1 with the policy's tuned configs, the shared expert on a
-        second stream, and the FP8 GEMM kernel with its tuned configs. Returns a short
-        description of what is on."""
-        ok = triton_usable(self.device)
-        p = replace(
-            policy,
-            fused_rope=policy.fused_rope and ok,
-            triton_router=policy.triton_router and ok,
-            decode_gemv=policy.decode_gemv and ok,
-            fp8_gemm=policy.fp8_gemm and ok,
-            shared_stream=policy.shared_stream and self.device.type == "cuda",
-        )
+    def apply_kernel_policy(self, p: KernelPolicy) -> str:
+        """Hand each layer its part of the policy `p` (restricted to what the device runs by
+        `model.backends.restrict_policy`): the Triton RoPE for q_pe + k_pe, the Triton router
+        top-k, one GEMM for q_a_proj + kv_a_proj_with_mqa and for each dense/shared MLP's
+        gate + up (bf16 weights; re-pointed as views of the fused weight, so memory and
+        state_dict are unchanged; off goes back to one GEMM each), the one-row GEMV for the bf16
+        projections and the router at batch 1 with the policy's tuned configs, the shared
+        expert on a second stream, and the FP8 GEMM kernel with its tuned configs. Returns a
+        short description of what is on."""
         tables = p.tables
         side = torch.cuda.Stream(device=self.device) if p.shared_stream else None  # not in a
         for m in self.modules():  # capture: made here, at setup

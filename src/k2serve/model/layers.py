@@ -23,7 +23,7 @@ from torch import nn
 class RMSNorm(nn.Module):
     """`forward(x)` -> norm(x); `add_norm(x, residual)` -> (norm(x + residual), x + residual).
 
-    `use_triton` (set by `DeepseekV3ForCausalLM.setup_backends`) runs the fused Triton kernel
+    `use_triton` (set by `DeepseekV3ForCausalLM.install_backends`) runs the fused Triton kernel
     (k2serve.kernels.rmsnorm) for CUDA inputs; `add_norm` then updates `residual` IN PLACE
     (vLLM's fused_add_rms_norm), so callers must treat the residual they pass as consumed.
     """

@@ -1,9 +1,10 @@
 """Routed-expert computation behind a small interface (`ExpertBackend`), and its choice.
 
 `make_expert_backend(experts, name, device, layer=, placement=)` builds one MoE layer's
-backend: "auto" = the fused Triton MoE on CUDA (when Triton imports and the weight format is
-supported), on the CPU the CPU expert backend (native kernel, one call per layer-step; it
-falls back to the torch path itself), else the torch reference; "torch" / "triton" force one.
+backend by name (chosen for the device in `k2serve.model.backends`): "triton" = the fused
+Triton MoE (with `fallback`, the torch one for a weight format it does not take), "cpu" = the
+CPU expert backend (native kernel, one call per layer-step; it falls back to the torch path
+itself), "torch" = the reference.
 With a placement that puts some of the layer's experts on the CPU, those experts' weights are
 moved to host memory (if they are not there already) and the layer gets a
 `HybridExpertBackend`.
@@ -16,7 +17,7 @@ import logging
 import torch
 from torch import nn
 
-from k2serve.kernels.policy import KernelPolicy, triton_usable
+from k2serve.kernels.policy import KernelPolicy
 from k2serve.moe.base import ExpertBackend
 from k2serve.moe.cpu_experts import CpuExpertBackend, HybridExpertBackend
 from k2serve.moe.placement import ExpertPlacement, describe_placement, make_placement
@@ -24,18 +25,13 @@ from k2serve.moe.torch_ref import TorchExpertBackend
 
 logger = logging.getLogger(__name__)
 
-MOE_BACKENDS = ("auto", "torch", "triton")
+MOE_BACKENDS = ("torch", "triton", "cpu")
 
 
 def _gpu_backend(
-    experts: nn.ModuleList, name: str, device: torch.device, policy: KernelPolicy | None
+    experts: nn.ModuleList, name: str, policy: KernelPolicy | None, fallback: bool
 ) -> ExpertBackend:
-    if name == "triton" and not triton_usable(device):
-        raise ValueError(
-            f"moe_backend='triton' needs a CUDA device and Triton (device is {device}); use "
-            "'auto' or 'torch'"
-        )
-    if name == "torch" or not triton_usable(device):
+    if name != "triton":
         return TorchExpertBackend(experts)
     from k2serve.moe.fused_moe import FusedMoEBackend
 
@@ -43,7 +39,7 @@ def _gpu_backend(
         kw = policy.moe_kwargs() if policy is not None else {}
         return FusedMoEBackend.from_experts(experts, **kw)
     except ValueError as e:  # a weight format the fused kernel does not take
-        if name == "triton":
+        if not fallback:
             raise
         logger.warning("fused MoE unavailable (%s); using the torch expert backend", e)
         return TorchExpertBackend(experts)
@@ -58,24 +54,28 @@ def make_expert_backend(
     placement: ExpertPlacement | None = None,
     cpu_compute_dtype: torch.dtype = torch.float32,
     policy: KernelPolicy | None = None,
+    fallback: bool = False,
 ) -> ExpertBackend:
-    """The backend of one MoE layer's routed `experts` (see the module docstring); `policy`:
-    the fused backend's dispatch limits and launch configs (None: the default tables)."""
+    """The backend of one MoE layer's routed `experts` (see the module docstring); `name` is
+    one of MOE_BACKENDS as `model.backends.resolve_backends` chose it for the device; `policy`:
+    the fused backend's dispatch limits and launch configs (None: the default tables);
+    `fallback`: a weight format the fused kernel rejects takes the torch backend (else raises)."""
     if name not in MOE_BACKENDS:
-        raise ValueError(f"moe_backend={name!r}; expected one of {MOE_BACKENDS}")
+        raise ValueError(f"expert backend {name!r}; expected one of {MOE_BACKENDS}")
     device = torch.device(device)
+    gpu_name = "torch" if name == "cpu" else name  # experts on a GPU never run the CPU kernel
     cpu_ids = placement.cpu_experts(layer) if placement is not None and layer is not None else ()
     if not cpu_ids:
-        if device.type == "cpu" and name == "auto":  # CPU-only: every expert on the CPU kernel
+        if name == "cpu":  # CPU-only: every expert on the CPU kernel
             n = len(experts)
             return CpuExpertBackend(list(experts), range(n), n, cpu_compute_dtype)
-        return _gpu_backend(experts, name, device, policy)
+        return _gpu_backend(experts, gpu_name, policy, fallback)
     gpu_ids = [e for e in range(len(experts)) if e not in set(cpu_ids)]
     for e in cpu_ids:
         experts[e].to("cpu")  # no-op when the loader already put them in host memory
     cpu = CpuExpertBackend([experts[e] for e in cpu_ids], cpu_ids, len(experts), cpu_compute_dtype)
     gpu = (
-        _gpu_backend(nn.ModuleList(experts[e] for e in gpu_ids), name, device, policy)
+        _gpu_backend(nn.ModuleList(experts[e] for e in gpu_ids), gpu_name, policy, fallback)
         if gpu_ids
         else None
     )

@@ -131,26 +131,31 @@ class DynamicPlacer:
             gpu[i] = tuple(sorted(moe.expert_backend.gpu_expert_ids))
         new = ExpertPlacement(old.num_experts, gpu, "dynamic, from measured routing")
         self.model.expert_placement = new
-        if self.model.backend_settings is not None:  # the backends already match it
-            self.model.backend_settings = dict(self.model.backend_settings, placement=new)
 
 
 class RoutingService:
     """The runner's hook: the recorder (`--record-routing FILE`) and the dynamic placer."""
 
-    def __init__(self, model, cfg, max_tokens: int = 256) -> None:
-        path = getattr(cfg, "record_routing", None)
-        self.recorder = RoutingRecorder(model, path, max_tokens=max_tokens)
-        self.placer = None
-        if getattr(cfg, "dynamic_expert_placement", False):
-            self.placer = DynamicPlacer(model, self.recorder, cfg.expert_placement_interval)
+    def __init__(
+        self, model, record_routing: str | None, dynamic: bool, interval: int, max_tokens: int
+    ) -> None:
+        self.recorder = RoutingRecorder(model, record_routing, max_tokens=max_tokens)
+        self.placer = DynamicPlacer(model, self.recorder, interval) if dynamic else None
 
     @classmethod
-    def from_config(cls, model, cfg, max_tokens: int = 256) -> RoutingService | None:
-        if not (getattr(cfg, "record_routing", None) or getattr(cfg, "dynamic_expert_placement",
-                                                                False)):  # fmt: skip
+    def from_settings(
+        cls,
+        model,
+        *,
+        record_routing: str | None,
+        dynamic: bool,
+        interval: int = 1000,
+        max_tokens: int = 256,
+    ) -> RoutingService | None:
+        """None when neither recording nor dynamic placement is on."""
+        if not (record_routing or dynamic):
             return None
-        return cls(model, cfg, max_tokens)
+        return cls(model, record_routing, dynamic, interval, max_tokens)
 
     def after_step(self) -> None:
         self.recorder.maybe_flush()

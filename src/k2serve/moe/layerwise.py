@@ -35,7 +35,6 @@ import torch
 from torch import nn
 
 from k2serve.kernels.fused_moe import ExpertWeights, fused_moe_ref
-from k2serve.kernels.policy import triton_usable
 from k2serve.moe.base import ExpertBackend
 
 logger = logging.getLogger(__name__)
@@ -53,8 +52,8 @@ class _RefStackedBackend(ExpertBackend):
         return fused_moe_ref(hidden, self.weights, topk_weights, topk_ids)
 
 
-def _backend_for(weights: ExpertWeights, device: torch.device) -> ExpertBackend:
-    if triton_usable(device):
+def _backend_for(weights: ExpertWeights, fused: bool) -> ExpertBackend:
+    if fused:
         from k2serve.moe.fused_moe import FusedMoEBackend
 
         return FusedMoEBackend(weights)
@@ -79,13 +78,17 @@ def _unpin(ptrs: list[int]) -> None:
 
 
 class LayerwisePrefill:
-    def __init__(self, backends: list, device: torch.device | str, threshold: int) -> None:
-        """`backends`: the model's HybridExpertBackends in layer order."""
+    def __init__(
+        self, backends: list, device: torch.device | str, threshold: int, fused: bool = False
+    ) -> None:
+        """`backends`: the model's HybridExpertBackends in layer order; `fused`: the streamed
+        experts run the fused Triton MoE (else the torch reference over the stacked weights)."""
         from k2serve.moe.cpu_experts import _local_map
         from k2serve.moe.fused_moe import stack_experts
 
         self.device = torch.device(device)
         self.threshold = int(threshold)
+        self.fused = fused
         self.backends = list(backends)
         self.host: list[ExpertWeights] = []
         cuda = self.device.type == "cuda"
@@ -185,7 +188,7 @@ class LayerwisePrefill:
         on = local >= 0
         ids = torch.where(on, local, torch.zeros_like(local))
         wts = torch.where(on, topk_weights, torch.zeros_like(topk_weights))
-        out = _backend_for(w, self.device)(hidden, ids, wts)
+        out = _backend_for(w, self.fused)(hidden, ids, wts)
         self.release(i)
         return out
 
@@ -243,9 +246,10 @@ def _cpu_expert_bytes(be) -> int:
 
 
 def setup_layerwise_prefill(
-    model, threshold: int | None, max_num_batched_tokens: int | None = None
+    model, threshold: int | None, max_num_batched_tokens: int | None = None, fused: bool = False
 ) -> LayerwisePrefill | None:
-    """Attach layer-wise GPU prefill to `model`'s hybrid layers. threshold None = calibrated
+    """Attach layer-wise GPU prefill to `model`'s hybrid layers (`fused`: the streamed experts
+    run the fused Triton MoE, as the engine's backend choice says). threshold None = calibrated
     (CUDA only; CPU devices: off), 0 = off. Off, too, when the two slots do not fit in free
     device memory (a warning says so). Called again on the same layers, it keeps the stacks
     and the slots and only sets the threshold."""
@@ -276,7 +280,7 @@ def setup_layerwise_prefill(
                 "(lower --gpu-memory-utilization to leave room)", need / 2**30, free / 2**30,
             )  # fmt: skip
             return None
-    lw = LayerwisePrefill(layers, dev, threshold or 1)
+    lw = LayerwisePrefill(layers, dev, threshold or 1, fused)
     if threshold is None:
         c = model.config
         lw.threshold = calibrate_threshold(lw, c.hidden_size, c.num_experts_per_tok, model.dtype)

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from k2serve.attention.base import AttentionMetadata
+from k2serve.model.backends import setup_backends
 
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
@@ -410,8 +411,8 @@ def reference_setup(model: nn.Module, kv_dtype: torch.dtype | None = None) -> No
     from k2serve.kernels.policy import KernelPolicy
 
     experts_home(model)
-    model.setup_backends("torch", "torch", "torch", kv_cache_dtype=kv_dtype,
-                         policy=KernelPolicy.reference())  # fmt: skip
+    setup_backends(model, "torch", "torch", "torch", kv_cache_dtype=kv_dtype,
+                   policy=KernelPolicy.reference())  # fmt: skip
 
 
 def gpu_variants(model: nn.Module, cpu_experts: int | None = None) -> list[Variant]:
@@ -427,7 +428,7 @@ def gpu_variants(model: nn.Module, cpu_experts: int | None = None) -> list[Varia
     def fused(kv_dtype=None, placement=None):
         def setup(m):
             experts_home(m)
-            m.setup_backends("auto", "auto", "auto", placement=placement, kv_cache_dtype=kv_dtype)
+            setup_backends(m, placement=placement, kv_cache_dtype=kv_dtype)
 
         return setup
 

@@ -15,9 +15,9 @@ Invariants:
   memory as they are read (never on the GPU); `tensor_device(name)` is the general per-tensor
   device map (None = `device`). Dummy weights are generated on `device` one tensor at a time and
   then moved (at most one tensor transiently). A standalone `load_model` call gets default
-  backends (`model.setup_backends(placement=expert_placement)`: Triton on CUDA, torch
-  elsewhere); the engine passes `setup_backends=False` and chooses them once, for its config and
-  KV cache, in its setup pipeline (k2serve.engine.setup.setup_rank).
+  backends (`k2serve.model.backends.setup_backends(model, placement=expert_placement)`:
+  Triton on CUDA, torch elsewhere); the engine passes `setup_backends=False` and chooses them
+  once, for its config and KV cache, in its setup pipeline (k2serve.engine.setup.setup_rank).
 """
 
 from __future__ import annotations
@@ -182,7 +182,9 @@ def load_model(
                   _device_map(device, expert_placement, tensor_device),
                   (tp_rank, tp_size, expert_parallel))  # fmt: skip
     if setup_backends:
-        model.setup_backends(placement=expert_placement)
+        from k2serve.model.backends import setup_backends as choose_and_install
+
+        choose_and_install(model, placement=expert_placement)
     return model
 
 
