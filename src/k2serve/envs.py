@@ -20,6 +20,7 @@ monkeypatch. Nothing else in k2serve reads `os.environ` for a `K2SERVE_*` name.
 | K2SERVE_NUMA_TOPOLOGY | str | unset | CPU expert kernel NUMA topology override |
 | K2SERVE_CACHE_DIR | str | unset | where the CPU kernel's build / repack cache lives |
 | K2SERVE_ROUTER_NONFINITE_COUNT | bool | false | CUDA: count NaN / inf router inputs on device |
+| K2SERVE_SIMULATED_DEVICE_MEMORY | bytes | unset | CPU: size the KV cache as on a GPU this big |
 """
 
 from __future__ import annotations
@@ -134,3 +135,21 @@ def numa_topology() -> str | None:
 def cache_dir() -> str | None:
     """K2SERVE_CACHE_DIR: the CPU kernel's build / repack cache directory."""
     return _raw("K2SERVE_CACHE_DIR")
+
+
+def simulated_device_memory() -> int | None:
+    """K2SERVE_SIMULATED_DEVICE_MEMORY: bytes of a GPU that a CPU engine sizes its KV cache as
+    if it ran on (weights measured, activations / graphs / runtime from k2serve.memory's
+    formulas, as `k2serve plan` computes them); None: the CPU budget rules."""
+    raw = _raw("K2SERVE_SIMULATED_DEVICE_MEMORY")
+    if raw is None:
+        return None
+    try:
+        n = int(float(raw))
+    except ValueError:
+        raise ValueError(
+            f"K2SERVE_SIMULATED_DEVICE_MEMORY={raw!r} is not a number of bytes"
+        ) from None
+    if n < 1:
+        raise ValueError(f"K2SERVE_SIMULATED_DEVICE_MEMORY={raw!r} must be positive")
+    return n

@@ -8,7 +8,8 @@ place experts.
 Invariants:
 - No torch import: `k2serve plan` must answer in well under a second.
 - Every byte figure is computed from a shape times a dtype size; the only constants are the
-  dtype sizes and the allowances named in `RUNTIME_RESERVE_BYTES`.
+  dtype sizes and the allowances named in `RUNTIME_RESERVE_BYTES`. The KV cache, activation
+  and graph formulas are `k2serve.memory`'s, which the engine sizes its cache with too.
 - Pure: same inputs, same `Plan`; no I/O, no environment reads.
 """
 
@@ -21,44 +22,16 @@ from typing import Any
 from k2serve import plan_commands as pc
 from k2serve.config import ModelConfig
 from k2serve.hardware import GPU_PRESETS, GpuSpec
+from k2serve.memory import (  # the formulas the engine sizes its cache with
+    RUNTIME_RESERVE_BYTES,
+    activation_bytes,
+    dtype_bytes,
+    graph_pool_bytes,
+    kv_bytes_per_token,
+    kv_cache_pages,
+)
 
-DTYPE_BYTES: dict[str, float] = {
-    "float32": 4,
-    "fp32": 4,
-    "bfloat16": 2,
-    "bf16": 2,
-    "float16": 2,
-    "fp16": 2,
-    "auto": 2,
-    "fp8": 1,
-    "fp8_e4m3": 1,
-    "float8_e4m3fn": 1,
-    "int4": 0.5,
-}
-KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
-
-
-def _dtype_bytes(name: str) -> float:
-    key = str(name).lower().removeprefix("torch.")
-    if key not in DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {name!r}; known: {', '.join(DTYPE_BYTES)}")
-    return DTYPE_BYTES[key]
-
-
-# --------------------------------------------------------------------------------------------
-# KV cache
-
-
-def kv_bytes_per_token(config: ModelConfig, kv_cache_dtype: str = "bf16") -> int:
-    """Bytes of latent MLA cache one token occupies across all layers (on one TP rank).
-
-    Absorbed MLA caches the normed latent (kv_lora_rank) and the roped key (qk_rope_head_dim)
-    per token per layer: 61 * (512 + 64) * 2 = 70,272 bytes for Kimi-K2 in bf16.
-    """
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}; expected one of {KV_CACHE_DTYPES}")
-    elem = 1 if kv_cache_dtype == "fp8" else int(_dtype_bytes(config.torch_dtype))
-    return config.num_hidden_layers * config.kv_cache_dim * elem
+_dtype_bytes = dtype_bytes
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,10 +211,6 @@ def weight_bytes(config: ModelConfig, include_vision: bool = True) -> int:
 # --------------------------------------------------------------------------------------------
 # Runtime memory
 
-MiB = 2**20
-# Allowance per GPU for what lives outside the tensor allocator: CUDA context, cuBLAS
-# workspaces, NCCL buffers (measured CUDA contexts are 0.3-0.6 GiB; NCCL adds buffers per peer).
-RUNTIME_RESERVE_BYTES = 768 * MiB
 # Usable DRAM bandwidth assumed when --cpu-bandwidth is not given (a 12-channel DDR5 socket reads
 # ~250-300 GB/s in practice; field.md §0).
 DEFAULT_CPU_BANDWIDTH = 250e9
@@ -253,36 +222,6 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_PAGE_SIZE = 16
 # Suggestions do not offer contexts shorter than this.
 MIN_USEFUL_CONTEXT = 4096
-
-
-def activation_bytes(config: ModelConfig, num_tokens: int, num_seqs: int, tp: int) -> int:
-    """Peak activation bytes on one GPU for a step of `num_tokens` tokens and `num_seqs` logits.
-
-    Residual stream (hidden, residual, normed) + the largest of attention / dense MLP / MoE
-    working sets + float32 logits and probabilities. The MoE term counts every routed copy of
-    every token on this GPU (the worst case of expert-parallel imbalance).
-    """
-    t, h, b = num_tokens, config.hidden_size, int(_dtype_bytes(config.torch_dtype))
-    heads = max(1, config.num_attention_heads // tp)
-    residual = 3 * t * h * b
-    attention = (
-        t
-        * (
-            (config.q_lora_rank or 0)
-            + config.kv_cache_dim
-            + heads * config.qk_head_dim  # q
-            + heads * (config.qk_head_dim + config.v_head_dim)  # k, v expanded for prefill
-            + heads * max(config.v_head_dim, config.kv_cache_dim)  # attention output / absorbed q
-            + h  # o_proj output
-        )
-        * b
-    )
-    dense = t * 3 * (config.intermediate_size // tp) * b if config.first_k_dense_replace else 0
-    k = config.num_experts_per_tok
-    moe = t * config.n_routed_experts * 4 + t * k * 8  # router logits, top-k ids and weights
-    moe += t * k * (3 * config.moe_intermediate_size + h) * b  # gate_up, act, down per copy
-    logits = 2 * num_seqs * config.vocab_size * 4
-    return residual + max(attention, dense, moe) + logits
 
 
 # --------------------------------------------------------------------------------------------
@@ -448,7 +387,7 @@ def plan(
             "vision": w.vision,
             "activations": act,
             # decode graphs share one pool sized by the largest captured batch
-            "cuda_graphs": activation_bytes(config, max_num_seqs, max_num_seqs, tp),
+            "cuda_graphs": graph_pool_bytes(config, max_num_seqs, tp),
             "runtime": RUNTIME_RESERVE_BYTES,
             # one GPU with CPU experts: serve's layer-wise prefill double buffer (two layers'
             # CPU experts), allocated before the KV cache (k2serve.moe.layerwise)
@@ -477,7 +416,7 @@ def plan(
                 )
         left = cap - sum(rows.values())
         rows["kv_cache"] = max(0, left)
-        kv_tokens = rows["kv_cache"] // kvt // DEFAULT_PAGE_SIZE * DEFAULT_PAGE_SIZE
+        kv_tokens = kv_cache_pages(rows["kv_cache"], kvt, DEFAULT_PAGE_SIZE) * DEFAULT_PAGE_SIZE
         devices = [DeviceMemory(f"cuda:{i}", cap, dict(rows)) for i in range(g)]
         if fixed > cap:
             reasons.append(

@@ -14,8 +14,7 @@ import torch
 
 from k2serve.attention.base import AttentionMetadata, MLABackend
 from k2serve.attention.torch_ref import TorchMLABackend
-
-KV_CACHE_DTYPES = ("auto", "bf16", "fp8")  # as k2serve.plan
+from k2serve.memory import KV_CACHE_DTYPES, check_kv_cache_dtype
 
 
 def allocate_kv_caches(
@@ -31,14 +30,10 @@ def allocate_kv_caches(
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """`--kv-cache-dtype` -> the cache tensors' dtype ("auto" = the model's compute dtype)."""
-    if kv_cache_dtype == "auto":
-        return model_dtype
-    if kv_cache_dtype == "bf16":
-        return torch.bfloat16
-    if kv_cache_dtype == "fp8":
-        return torch.float8_e4m3fn
-    raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}; expected one of {KV_CACHE_DTYPES}")
+    """`--kv-cache-dtype` (a `k2serve.memory.KV_CACHE_DTYPES` name, validated there) -> the
+    cache tensors' dtype ("auto" = the model's compute dtype)."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    return {"auto": model_dtype, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[kv_cache_dtype]
 
 
 def make_attention_backend(

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
+from k2serve.memory import check_kv_cache_dtype
+
 _HELP = {
     "model": "checkpoint directory (default: the bundled demo checkpoint)",
     "tokenizer": "tokenizer directory (default: the model directory)",
@@ -159,8 +161,7 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r} is not one of auto, bfloat16, float16, float32")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format={self.load_format!r} is not auto, safetensors or dummy")
-        if self.kv_cache_dtype not in ("auto", "bf16", "fp8"):
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not auto, bf16 or fp8")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         for name in ("attention_backend", "moe_backend"):
             if getattr(self, name) not in ("auto", "torch", "triton"):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not auto, torch or triton")

@@ -6,8 +6,8 @@ tensor-parallel worker alike, returning the frozen `RuntimeSpec` that the runner
 server read; CUDA graphs are captured last, by the runner), `expert_placement` (the routed
 experts' devices, decided once from the config), `choose_backends` (the config's backend
 names and `KernelPolicy` resolved for the device), and the helpers: device / dtype resolution,
-tokenizer loading, the EOS set, and the KV cache size from the memory budget (through
-`k2serve.plan.kv_bytes_per_token`, so the engine and `k2serve plan` never disagree)."""
+tokenizer loading, the EOS set, and the KV cache size from the memory budget (with
+`k2serve.memory`'s formulas, the planner's, so the engine and `k2serve plan` agree)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,12 @@ from typing import Any
 
 import torch
 
+from k2serve import envs
 from k2serve.config import ModelConfig
 from k2serve.engine.config import EngineConfig
 from k2serve.engine.spec import ParallelLayout, RuntimeSpec
 from k2serve.kernels.policy import KernelPolicy
+from k2serve.memory import DeviceBudget, kv_cache_pages, kv_values_per_token
 from k2serve.model.backends import BackendChoice, install_backends, resolve_backends
 from k2serve.moe.placement import ExpertPlacement
 
@@ -127,14 +129,9 @@ def eos_token_ids(model_config, tokenizer, model_dir: str | None) -> frozenset[i
 
 def kv_bytes_per_token(model_config, cache_dtype: torch.dtype) -> int:
     """Bytes one token takes in a KV cache of `cache_dtype` (float8_e4m3fn / bfloat16 /
-    float16 / float32), from the planner's formula (`k2serve.plan.kv_bytes_per_token`), so the
-    engine and `k2serve plan` never disagree. The planner names only the cache dtypes a
-    checkpoint is served with (bf16, fp8); its fp8 figure is one byte per cached value, so the
-    values per token times the element size sizes any cache (fp32 / fp16 ones on the CPU too)."""
-    from k2serve.plan import kv_bytes_per_token as plan_kv_bytes
-
-    values_per_token = int(plan_kv_bytes(model_config, "fp8"))  # 1 byte per value
-    return values_per_token * torch.empty(0, dtype=cache_dtype).element_size()
+    float16 / float32): `k2serve.memory`'s values per token (the planner's formula) times the
+    element size."""
+    return kv_values_per_token(model_config) * torch.empty(0, dtype=cache_dtype).element_size()
 
 
 def num_kv_pages(
@@ -144,9 +141,12 @@ def num_kv_pages(
     device: torch.device,
     max_model_len: int,
     may_shrink_max_model_len: bool,
+    budget: DeviceBudget | None = None,
 ) -> tuple[int, int]:
-    """(number of pages, max_model_len) from the memory budget for a cache of `cache_dtype`
-    (`kv_cache_torch_dtype(cfg.kv_cache_dtype, model dtype)`). Logs how many tokens fit."""
+    """(number of pages, max_model_len) for a cache of `cache_dtype`
+    (`kv_cache_torch_dtype(cfg.kv_cache_dtype, model dtype)`), from, in this order: the
+    config's page count or KV memory, the device `budget` (`profiling.device_budget`: a GPU's,
+    measured, or a simulated one), the CPU rules. Logs how many tokens fit."""
     ps = cfg.page_size
     per_token = kv_bytes_per_token(model_config, cache_dtype)
     per_page = per_token * ps
@@ -155,22 +155,26 @@ def num_kv_pages(
         source = "num_kv_pages"
     else:
         if cfg.kv_cache_memory is not None:
-            budget, source = cfg.kv_cache_memory, "kv_cache_memory"
+            kv_bytes, source = cfg.kv_cache_memory, "kv_cache_memory"
+        elif budget is not None:
+            logger.info("KV cache budget: %s", budget.describe())
+            kv_bytes, source = (
+                budget.kv_cache,
+                f"gpu_memory_utilization={cfg.gpu_memory_utilization}",
+            )
         elif device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            budget = int(total * cfg.gpu_memory_utilization) - (total - free)
-            source = f"gpu_memory_utilization={cfg.gpu_memory_utilization}"
+            raise ValueError("a CUDA device needs its measured budget to size the KV cache")
         elif not may_shrink_max_model_len:  # CPU, --max-model-len given: room for that context
             want = cfg.max_num_seqs * cdiv(max_model_len, ps) * per_page
             avail = available_memory_bytes()
             cap = int(avail * CPU_KV_MAX_RAM_FRACTION) if avail is not None else want
-            budget = min(want, cap)
+            kv_bytes = min(want, cap)
             source = f"max_model_len={max_model_len} x max_num_seqs={cfg.max_num_seqs}"
             if cap < want:
                 source += f", bounded by {CPU_KV_MAX_RAM_FRACTION:.0%} of available RAM"
         else:
-            budget, source = DEFAULT_CPU_KV_CACHE_MEMORY, "CPU default"
-        pages = max(0, budget) // per_page
+            kv_bytes, source = DEFAULT_CPU_KV_CACHE_MEMORY, "CPU default"
+        pages = kv_cache_pages(kv_bytes, per_token, ps)
         # never more than every sequence at full length needs
         pages = min(pages, cfg.max_num_seqs * cdiv(max_model_len, ps))
     if pages < 1:
@@ -269,8 +273,10 @@ def setup_rank(
     3. resolve the dtypes and the backends (`choose_backends`) for the placement and the cache
        dtype, and install them; with experts on the CPU (one rank), the layer-wise prefill's
        device buffers are taken here, before the KV cache takes the free memory;
-    4. size and allocate the KV cache (`num_kv_pages`; tensor-parallel workers get a config
-       with rank 0's page count and max_model_len pinned);
+    4. size and allocate the KV cache (`num_kv_pages`, from the device budget that
+       `profiling.device_budget` measures with a profiling pass of the largest steps;
+       tensor-parallel workers get a config with rank 0's page count and max_model_len
+       pinned);
     5. return the `RuntimeSpec` of all that, which everything downstream reads.
     CUDA graphs come last, captured by the runner (rank 0) on the finished model."""
     if model is None:
@@ -311,8 +317,19 @@ def setup_rank(
             fused=backends.moe == "triton",
         )  # fmt: skip
     max_len = cfg.max_model_len or model.config.max_position_embeddings
+    budget = None
+    if cfg.num_kv_pages is None and cfg.kv_cache_memory is None:
+        from k2serve.engine.profiling import device_budget
+
+        budget = device_budget(
+            model, model.config, kv_dtype, device,
+            gpu_memory_utilization=cfg.gpu_memory_utilization, page_size=cfg.page_size,
+            max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+            max_model_len=max_len, cuda_graphs=not cfg.enforce_eager, tp_size=tp_size,
+            simulated_memory=envs.simulated_device_memory(),
+        )  # fmt: skip
     pages, max_len = num_kv_pages(
-        cfg, model.config, kv_dtype, device, max_len, cfg.max_model_len is None
+        cfg, model.config, kv_dtype, device, max_len, cfg.max_model_len is None, budget
     )
     if kv_cache_factory is None:
         kv_caches = allocate_kv_caches(model.config, pages, cfg.page_size, kv_dtype, device)
