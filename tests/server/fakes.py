@@ -166,6 +166,7 @@ class FakeAsyncEngine:
         self.aborted: list[str] = []
         self.started: list[str] = []
         self.healthy = True
+        self.errored = False
         self._slots = asyncio.Semaphore(max_num_seqs)
 
     def get_stats(self) -> dict:
@@ -183,6 +184,9 @@ class FakeAsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self.live.pop(request_id, None)
+
+    def check_structured_outputs(self, structured_outputs) -> None:
+        pass  # the fake's script ignores constraints
 
     def shutdown(self) -> None:
         pass

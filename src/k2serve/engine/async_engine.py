@@ -30,6 +30,7 @@ from k2serve.engine.engine import EngineStats, LLMEngine
 from k2serve.engine.errors import EngineDeadError, EngineQueueFull
 from k2serve.engine.outputs import RequestOutput
 from k2serve.engine.sampling_params import SamplingParams
+from k2serve.engine.spec import RuntimeSpec
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,20 @@ class AsyncLLMEngine:
 
     @property
     def config(self) -> EngineConfig:
+        """The engine config with the resolved max_model_len and page count."""
         return self.engine.config
+
+    @property
+    def spec(self) -> RuntimeSpec:
+        return self.engine.spec
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.spec.max_model_len
+
+    @property
+    def model(self):
+        return self.engine.model
 
     @property
     def errored(self) -> bool:
@@ -148,9 +162,16 @@ class AsyncLLMEngine:
 
     def check_health(self) -> None:
         """Raise if the runner reports a failed rank (tensor / multi-node parallel); /health."""
-        check = getattr(getattr(self.engine, "runner", None), "check_health", None)
-        if check is not None:
-            check()
+        self.engine.runner.check_health()
+
+    def set_on_failure(self, fn) -> None:
+        """`fn(message)` when a rank is lost while idle or busy (multi-node watchdog)."""
+        self.engine.runner.set_on_failure(fn)
+
+    def check_structured_outputs(self, structured_outputs) -> None:
+        """Compile (and cache for the engine) a constraint; ValueError when it is bad. Any
+        thread: the grammar backend is built under a lock and compiles are cached."""
+        self.engine.grammar_backend().compile(structured_outputs)
 
     def get_stats(self) -> EngineStats:
         """Snapshot taken by the engine thread after its latest step."""

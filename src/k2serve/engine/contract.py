@@ -46,10 +46,29 @@ def resolve_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: i
 
 
 class EngineClient(Protocol):
-    """What the server calls on the engine (`AsyncLLMEngine`)."""
+    """What the server calls on the engine (`AsyncLLMEngine`), and all it calls: the server
+    reaches nothing behind it."""
 
     @property
     def tokenizer(self) -> Any: ...
+
+    @property
+    def max_model_len(self) -> int:
+        """The resolved context length (the engine's `RuntimeSpec`)."""
+        ...
+
+    @property
+    def errored(self) -> bool:
+        """True once the engine's step loop has died (every request then fails)."""
+        ...
+
+    def check_health(self) -> None:
+        """Raise if a part of the engine is lost (a tensor-parallel rank, a node)."""
+        ...
+
+    def check_structured_outputs(self, structured_outputs: Any) -> None:
+        """Compile (and cache) a request's constraint; ValueError saying why it is bad."""
+        ...
 
     def generate(
         self, prompt_token_ids: list[int], params: Any, request_id: str

@@ -201,6 +201,12 @@ class ModelRunner(BatchBuilder):
         logits = self.model.compute_logits(hidden[inp.logits_indices])  # [S, vocab] float32
         return inp.sample_reqs, self.sampler(logits, inp.sample_reqs)
 
+    def check_health(self) -> None:
+        """One process: no rank to lose (MultiprocExecutor checks its workers)."""
+
+    def set_on_failure(self, fn) -> None:
+        """One process: no rank to lose, so `fn` is never called."""
+
     def shutdown(self) -> None:
         """Write the routing counts (--record-routing) a last time; idempotent."""
         if self.routing is not None:

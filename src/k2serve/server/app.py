@@ -185,21 +185,6 @@ def log_rejected(method: str, path: str, status: int, body: bytes) -> None:
     logger.info("rejected %s %s: %d %s", method, path, status, message)
 
 
-def _max_model_len(engine) -> int:
-    for path in (
-        "max_model_len",
-        "engine_config.max_model_len",
-        "config.max_model_len",
-        "model_config.max_position_embeddings",
-    ):
-        obj = engine
-        for part in path.split("."):
-            obj = getattr(obj, part, None)
-        if isinstance(obj, int) and obj > 0:
-            return obj
-    raise ValueError("cannot tell the engine's max_model_len; pass max_model_len=")
-
-
 def _default_sampling_params_cls():
     from k2serve.engine.sampling_params import SamplingParams
 
@@ -237,7 +222,7 @@ def build_app(
     if default_thinking is None:
         template = getattr(tok, "chat_template", None)
         default_thinking = template is None or "<think>" in template
-    max_len = max_model_len or _max_model_len(engine)
+    max_len = max_model_len or engine.max_model_len
     state = ServerState(
         engine=engine,
         tokenizer=tok,
@@ -355,16 +340,12 @@ def build_app(
     async def health():
         if state.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
-        if getattr(engine, "errored", False):
+        if engine.errored:
             raise APIError(503, "the engine has stopped; see the server log", code="engine_dead")
-        check = getattr(engine, "check_health", None)
-        if check is not None:
-            try:
-                res = check()
-                if hasattr(res, "__await__"):
-                    await res
-            except Exception as e:
-                raise APIError(503, f"the engine is unhealthy: {e}", code="engine_dead") from None
+        try:
+            engine.check_health()
+        except Exception as e:
+            raise APIError(503, f"the engine is unhealthy: {e}", code="engine_dead") from None
         return Response(status_code=200)
 
     @app.get("/version")

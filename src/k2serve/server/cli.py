@@ -239,8 +239,7 @@ def _describe_weights(engine) -> tuple[str, str]:
     """(weight formats, where experts live) for the start-up log."""
     import torch
 
-    inner = getattr(engine, "engine", engine)
-    model = getattr(inner, "model", None)
+    model = engine.model
     cfg = engine.model_config
     by_dtype: dict[str, int] = {}
     devices: set[str] = set()
@@ -440,11 +439,7 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
         raise
     if cfg.nnodes > 1:
-        from k2serve.engine.executor import MultiprocExecutor
-
-        runner = engine.engine.runner
-        assert isinstance(runner, MultiprocExecutor)  # several nodes: tensor parallel
-        runner.set_on_failure(_exit_on_lost_rank)
+        engine.set_on_failure(_exit_on_lost_rank)  # several nodes: tensor parallel
     try:
         if engine.tokenizer is None:
             print(f"k2serve serve: {model_dir} has no tokenizer files", file=sys.stderr)

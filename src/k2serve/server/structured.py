@@ -34,7 +34,10 @@ def _make(param: str, thinking: bool, **kw) -> tuple[StructuredOutputsParams, st
     try:
         return StructuredOutputsParams(after_reasoning=thinking, source=param, **kw), param
     except ValueError as e:
-        raise bad_request(f"{param}: {e}", param=param) from None
+        msg = str(e)
+        raise bad_request(
+            msg if msg.startswith(param) else f"{param}: {msg}", param=param
+        ) from None
 
 
 def output_constraint(req, thinking: bool) -> tuple[StructuredOutputsParams, str] | None:
@@ -68,14 +71,9 @@ def output_constraint(req, thinking: bool) -> tuple[StructuredOutputsParams, str
         kw = {k: so[k] for k in _SO_KEYS if so.get(k) is not None and so[k] is not False}
         if so.get("json") is False:
             kw["json"] = False  # the schema `false`: compiled, and refused with its reason
-        if len(kw) != 1:  # (StructuredOutputsParams says the same, without the field names)
-            raise bad_request(
-                "structured_outputs must set exactly one of "
-                f"{', '.join(_SO_KEYS)}; got {sorted(kw) or 'none'}",
-                param="structured_outputs",
-            )
-        ((key, _),) = kw.items()
-        found.append(_make(f"structured_outputs.{key}", thinking, **kw))
+        # exactly one kind: StructuredOutputsParams checks it (and names what was given)
+        param = f"structured_outputs.{next(iter(kw))}" if len(kw) == 1 else "structured_outputs"
+        found.append(_make(param, thinking, **kw))
     extra: dict[str, Any] = getattr(req, "model_extra", None) or {}
     for field, kind in _GUIDED.items():
         val = getattr(req, field, None) if field in type(req).model_fields else extra.get(field)
@@ -106,9 +104,9 @@ def tool_constraint(
     return so
 
 
-def _compile(backend, so: StructuredOutputsParams) -> None:
+def _compile(engine, so: StructuredOutputsParams) -> None:
     try:
-        backend().compile(so)
+        engine.check_structured_outputs(so)
     except ValueError as e:
         raise bad_request(str(e), param=so.source) from None
 
@@ -118,8 +116,5 @@ async def check_compiles(state, params) -> None:
     of ms; the event loop keeps streaming meanwhile) and cache it for the engine, so a bad
     schema is a 400 that names its field."""
     so = getattr(params, "structured_outputs", None)
-    engine = getattr(state.engine, "engine", state.engine)  # AsyncLLMEngine wraps LLMEngine
-    backend = getattr(engine, "grammar_backend", None)
-    if so is None or backend is None:
-        return
-    await asyncio.to_thread(_compile, backend, so)
+    if so is not None:
+        await asyncio.to_thread(_compile, state.engine, so)
