@@ -126,7 +126,7 @@ def add_requests(engine, batch: int, prompt_len: int, max_tokens: int, tag: str)
     vocab = engine.vocab_size
     procs = []
     if _chat_bans:  # what the chat endpoint adds to every request without tools
-        from k2serve.server.logits_processors import BanTokens
+        from k2serve.engine.logits_processors import BanTokens
 
         procs = [BanTokens([vocab - 2, vocab - 1])]
     params = SamplingParams(

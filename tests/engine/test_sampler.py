@@ -139,9 +139,9 @@ def test_callers_logits_stay_intact_and_plain_rows_match_modified_batch():
 
 
 def test_static_bans_are_batched_and_equal_the_per_row_call():
-    """A processor with `banned_token_ids` is applied by the sampler in one write (not called);
+    """A BanTokens processor is applied by the sampler in one write (not called);
     the tokens come out as if each row had been processed on its own."""
-    from k2serve.server.logits_processors import BanTokens
+    from k2serve.engine.logits_processors import BanTokens
 
     class Counting(BanTokens):
         calls = 0

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from k2serve.server.reasoning_budget import ThinkingBudget
+from k2serve.engine.reasoning_budget import ThinkingBudget
 
 from .fakes import FakeTokenizer
 from .helpers import WEATHER_TOOL, _err, _msgs, _post

@@ -321,7 +321,7 @@ def test_preemption_and_abort_keep_grammars_right(small_engine):
     }
     tok = eng.tokenizer
     close = tok.encode('"') + tok.encode("}")
-    from k2serve.server.logits_processors import LogitBias
+    from k2serve.engine.logits_processors import LogitBias
 
     before = eng.get_stats().num_preemptions
     for i in range(3):

@@ -9,10 +9,9 @@ host (xgrammar, all rows at once), copied to the logits' device without blocking
 place by xgrammar's kernel, so the mask adds no host sync to the step. When min_tokens would ban
 every token the grammar allows (the grammar is complete and only EOS remains), the grammar wins.
 
-A logits processor with a `banned_token_ids` attribute (a history-independent ban, such as the
-server's BanTokens) is not called: the sampler sets those tokens to -inf for all rows in one
-indexed write, and the min_tokens bans in another after the grammar mask (a per-row call would
-cost a few device ops per request per step).
+A `logits_processors.BanTokens` (a history-independent ban) is not called: the sampler sets
+those tokens to -inf for all rows in one indexed write, and the min_tokens bans in another
+after the grammar mask (a per-row call would cost a few device ops per request per step).
 
 Logprobs are those of the processed logits before temperature (so a token forced by a logits
 processor has a finite logprob), as `Logprob(logprob, rank)` with rank 1 = most likely.
@@ -31,6 +30,7 @@ from typing import Any
 
 import torch
 
+from k2serve.engine.logits_processors import BanTokens
 from k2serve.engine.request import Request
 
 
@@ -116,10 +116,9 @@ class Sampler:
         ban_cols: list[int] = []
         for i, (r, p) in enumerate(zip(reqs, params, strict=True) if modifies else ()):
             for proc in p.logits_processors:
-                static = getattr(proc, "banned_token_ids", None)
-                if static is not None:  # a history-independent ban: batched below
-                    ban_cols.extend(static)
-                    ban_rows.extend([i] * len(static))
+                if isinstance(proc, BanTokens):  # a history-independent ban: batched below
+                    ban_cols.extend(proc.token_ids)
+                    ban_rows.extend([i] * len(proc.token_ids))
                     continue
                 logits[i] = proc(list(r.output_token_ids), logits[i])
         # NOTE: the processors' bans land before the grammar mask, the min_tokens bans after,

@@ -19,12 +19,12 @@ from typing import Any
 
 from starlette.requests import Request
 
+from k2serve.engine.logits_processors import BanTokens, ForceToolCallPrefix
+from k2serve.engine.reasoning_budget import ThinkingBudget
 from k2serve.parsers import StreamingOutputParser, parse_output
 from k2serve.parsers.markers import CALL_BEGIN, SECTION_BEGIN
 from k2serve.server.errors import APIError, bad_request
-from k2serve.server.logits_processors import BanTokens, ForceToolCallPrefix
 from k2serve.server.protocol import ChatCompletionRequest, ChatMessageParam, NamedToolChoice
-from k2serve.server.reasoning_budget import ThinkingBudget
 from k2serve.server.serving import (
     EngineStream,
     MergedStreams,

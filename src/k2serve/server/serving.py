@@ -22,9 +22,9 @@ from typing import Any
 
 from k2serve.engine.contract import EngineClient, resolve_max_tokens
 from k2serve.engine.errors import PromptTooLongError
+from k2serve.engine.logits_processors import LogitBias
 from k2serve.server.errors import APIError, bad_request, engine_error
 from k2serve.server.finite import MIN_LOGPROB, finite_logprob
-from k2serve.server.logits_processors import LogitBias
 from k2serve.server.metrics import ServerMetrics
 from k2serve.server.offload import CpuPool
 

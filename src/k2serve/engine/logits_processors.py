@@ -1,8 +1,10 @@
-"""The server's logits processors (vLLM-v0 style `(output_token_ids, logits_row) -> logits_row`).
+"""Logits processors beside the sampler (vLLM-v0 style `(output_token_ids, logits_row) ->
+logits_row`, the `LogitsProcessor` of `SamplingParams.logits_processors`).
 
 Owns: `ForceToolCallPrefix` (tool_choice "required" / named: the output opens a tool call for an
 allowed function), `BanTokens` (tool_choice "none" or no tools: the model cannot open a tool-call
-section) and `LogitBias` (OpenAI `logit_bias`).
+section; the sampler applies every request's bans in one batched write instead of calling it)
+and `LogitBias` (OpenAI `logit_bias`). `reasoning_budget.ThinkingBudget` is the fourth.
 
 Invariants:
 - The forced text is `tool_call_prefix(name, 0)` tokenized with the real tokenizer, one candidate
@@ -65,12 +67,12 @@ class ForceToolCallPrefix:
 
 
 class BanTokens:
-    """The sampler applies every request's `banned_token_ids` in one batched write per step
-    instead of calling this per row (a per-row call is a few device ops per request per step)."""
+    """A history-independent ban of `token_ids`. The sampler applies every request's BanTokens
+    in one batched write per step instead of calling this per row (a per-row call is a few
+    device ops per request per step); calling it gives the same row."""
 
     def __init__(self, token_ids: list[int]):
         self.token_ids = sorted(set(token_ids))
-        self.banned_token_ids = tuple(self.token_ids)
 
     def __call__(self, output_token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
         # logits: [vocab] float32
