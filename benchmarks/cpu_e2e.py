@@ -35,7 +35,7 @@ def read_bandwidth(gib: float, reps: int = 5) -> float:
         buf.sum()
         best = min(best, time.perf_counter() - t0)
     try:  # the CPU expert kernel's own threads, when it builds
-        from k2serve.moe import cpu_kernel as ck
+        from k2serve.kernels import cpu as ck
 
         lib = ck.load_kernel()
         if lib is not None:

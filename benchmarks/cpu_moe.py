@@ -28,7 +28,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from k2serve.moe import cpu_kernel as ck  # noqa: E402
+from k2serve.kernels import cpu as ck  # noqa: E402
 from k2serve.moe.cpu_experts import CpuExpertBackend  # noqa: E402
 from k2serve.quant.linear import Fp8BlockLinear, Int4GroupLinear, UnquantizedLinear  # noqa: E402
 

@@ -15,7 +15,7 @@ monkeypatch. Nothing else in k2serve reads `os.environ` for a `K2SERVE_*` name.
 | K2SERVE_HEARTBEAT_INTERVAL_S | float > 0 | 1 | multi-node heartbeat period |
 | K2SERVE_HEARTBEAT_TIMEOUT_S | float > 0 | 30 | multi-node: a silent node is lost after this |
 | K2SERVE_DIST_SECRET | str | unset | multi-node: the shared secret the nodes authenticate with |
-| K2SERVE_CPU_KERNEL | str | auto | CPU expert kernel mode (moe.cpu_kernel.KERNEL_MODES) |
+| K2SERVE_CPU_KERNEL | str | auto | CPU expert kernel mode (kernels.cpu.KERNEL_MODES) |
 | K2SERVE_CPU_THREADS | int >= 1 | unset | CPU expert kernel threads (unset: all cores) |
 | K2SERVE_NUMA_TOPOLOGY | str | unset | CPU expert kernel NUMA topology override |
 | K2SERVE_CACHE_DIR | str | unset | where the CPU kernel's build / repack cache lives |

@@ -16,7 +16,7 @@ CPU = torch.device("cpu")
 
 @pytest.mark.parametrize("has_bf16", [True, False])
 def test_dtype_auto_on_cpu_follows_bf16_support(monkeypatch, has_bf16):
-    import k2serve.moe.cpu_kernel as ck
+    import k2serve.kernels.cpu as ck
 
     monkeypatch.setattr(ck, "cpu_has_bf16", lambda: has_bf16)
     want = torch.bfloat16 if has_bf16 else torch.float32

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from k2serve.moe import cpu_kernel as ck
+from k2serve.kernels import cpu as ck
 from k2serve.moe.cpu_experts import CpuExpertBackend, HybridExpertBackend
 from k2serve.moe.torch_ref import TorchExpertBackend
 from k2serve.quant.fp8 import quantize_fp8_block

@@ -1,4 +1,4 @@
-"""The CPU kernel's dense GEMV (moe.cpu_kernel.cpu_linear, used by quant.linear.linear on the
+"""The CPU kernel's dense GEMV (kernels.cpu.cpu_linear, used by quant.linear.linear on the
 CPU for decode-sized batches) against F.linear."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k2serve.moe import cpu_kernel as ck
+from k2serve.kernels import cpu as ck
 from k2serve.quant.linear import linear
 
 native = pytest.mark.skipif(ck.load_kernel("auto") is None, reason="no C++ compiler")

@@ -62,7 +62,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16
-        from k2serve.moe.cpu_kernel import cpu_has_bf16
+        from k2serve.kernels.cpu import cpu_has_bf16
 
         return torch.bfloat16 if cpu_has_bf16() else torch.float32
     return _DTYPES[dtype]

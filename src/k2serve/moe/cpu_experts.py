@@ -14,11 +14,11 @@ CpuExpertBackend interface (what the hybrid / overlap code drives):
   nothing overlaps). One submit in flight per backend.
 
 Implementations (`impl`):
-- "native": moe/cpu_kernel (C++ built on first use): every CPU expert of the layer in one call,
+- "native": kernels/cpu (C++ built on first use): every CPU expert of the layer in one call,
   reading the weights in their checkpoint format (INT4 pack-quantized, FP8 128x128 blocks, bf16;
   float32 for bf16-format experts of a float32 model): no per-expert Python, no dequantized copy,
   activations as given (bf16 or float32), float32 accumulation. Threads from one shared pool
-  (K2SERVE_CPU_THREADS), grouped by NUMA node (see cpu_kernel.numa_topology).
+  (K2SERVE_CPU_THREADS), grouped by NUMA node (see kernels.cpu.numa_topology).
 - "torch": the fallback when the kernel cannot be built (no compiler), or the shapes are not
   multiples of 32: a loop over the hit experts, each dequantized per call in `compute_dtype`.
 
@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k2serve.moe import cpu_kernel as ck
+from k2serve.kernels import cpu as ck
 from k2serve.moe.base import ExpertBackend
 
 logger = logging.getLogger(__name__)

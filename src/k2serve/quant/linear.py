@@ -31,14 +31,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, gemv_table: Mapping | None = None) 
     """F.linear, or the one-row GEMV kernel (kernels/gemv.py) for a single row on CUDA when
     `gemv_table` is given (the kernel policy's tuned configs; set by
     DeepseekV3ForCausalLM.apply_kernel_policy when the policy's decode_gemv is on), or on the CPU
-    the CPU kernel's GEMV for decode-sized batches (moe.cpu_kernel.cpu_linear)."""
+    the CPU kernel's GEMV for decode-sized batches (kernels.cpu.cpu_linear)."""
     if gemv_table is not None:  # NOTE: imported here: importing k2serve never imports Triton
         from k2serve.kernels.gemv import gemv, use_gemv
 
         if use_gemv(x, w, gemv_table):
             return gemv(x, w, table=gemv_table)
     if x.device.type == "cpu":
-        from k2serve.moe.cpu_kernel import cpu_linear
+        from k2serve.kernels.cpu import cpu_linear
 
         y = cpu_linear(x, w)
         if y is not None:

@@ -1,7 +1,7 @@
 // k2serve CPU expert kernel: all CPU-resident routed experts of one MoE layer for one step in
 // one call, reading the weights in their checkpoint format at the DRAM limit.
 //
-// Built on first use by k2serve.moe.cpu_kernel (g++ -O3 -march=native -shared), loaded through
+// Built on first use by k2serve.kernels.cpu (g++ -O3 -march=native -shared), loaded through
 // ctypes (which releases the GIL for the whole call). No torch headers, no OpenMP: a small
 // persistent thread pool per NUMA node, threads pinned to their node's CPUs when there is more
 // than one node.
