@@ -123,6 +123,9 @@ class FakeTokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return "".join(self.piece(i) for i in ids if not (skip_special_tokens and i == EOS))
 
+    def decode_bytes(self, ids, skip_special_tokens: bool = False) -> bytes:
+        return self.decode(ids, skip_special_tokens).encode()
+
     def encode(self, text: str, allow_special: bool = True) -> list[int]:
         # only used for prompts in tests: one token per character
         return [1 + (ord(c) % (VOCAB - 1)) for c in text]

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 from k2serve.cache.kv_cache_manager import KVCacheManager
 from k2serve.engine.config import EngineConfig
 from k2serve.engine.contract import resolve_max_tokens
-from k2serve.engine.detokenizer import make_detokenizer
 from k2serve.engine.errors import PromptTooLongError
 from k2serve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from k2serve.engine.request import Request, RequestStatus
@@ -34,6 +33,7 @@ from k2serve.engine.runner import ModelRunner
 from k2serve.engine.sampling_params import SamplingParams
 from k2serve.engine.scheduler import Scheduler
 from k2serve.engine.setup import eos_token_ids, load_tokenizer, resolve_device, setup_rank
+from k2serve.tokenizer.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from k2serve.engine.executor import MultiprocExecutor
@@ -70,7 +70,7 @@ class _OutputState:
 
     def __init__(self, req: Request, tokenizer) -> None:
         p = req.sampling_params
-        self.detok = make_detokenizer(tokenizer, p.skip_special_tokens) if tokenizer else None
+        self.detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens) if tokenizer else None
         self.text = ""
         self.text_sent = 0
         self.tokens_sent = 0
@@ -219,8 +219,8 @@ class LLMEngine:
         max_tokens = self.validate(prompt_token_ids, params)
         ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         children = []
-        so = params.structured_outputs
-        compiled = self.grammar_backend().compile(so) if so is not None else None
+        constraint = params.structured_outputs
+        compiled = self.grammar_backend().compile(constraint) if constraint is not None else None
         for i, cid in enumerate(ids):
             req = Request(
                 cid,
@@ -233,10 +233,10 @@ class LLMEngine:
                 cache_salt=cache_salt,
                 arrival_time=arrival_time,
             )
-            if compiled is not None and so is not None:
+            if compiled is not None and constraint is not None:
                 from k2serve.structured.state import GrammarState
 
-                req.grammar = GrammarState(self._grammar, compiled, so)  # one per sequence
+                req.grammar = GrammarState(self._grammar, compiled, constraint)  # one per sequence
             children.append(req)
             self._requests[cid] = req
             self._states[cid] = _OutputState(req, self.tokenizer)
@@ -275,15 +275,15 @@ class LLMEngine:
                     f"{self.kv.pool.num_free_pages} free pages"
                 )
             return outputs
-        sample_reqs, so = self.runner.execute(sched, self.kv)
+        sample_reqs, samples = self.runner.execute(sched, self.kv)
         sampled: dict[str, int] = {}
-        if so is not None:  # None: no sequence sampled this step (partial prefills only)
-            sampled = {r.request_id: so.token_ids[i] for i, r in enumerate(sample_reqs)}
+        if samples is not None:  # None: no sequence sampled this step (partial prefills only)
+            sampled = {r.request_id: samples.token_ids[i] for i, r in enumerate(sample_reqs)}
             for i, r in enumerate(sample_reqs):
-                lp = so.logprobs[i]
+                lp = samples.logprobs[i]
                 if lp is not None and r.logprobs is not None:
                     r.cumulative_logprob += lp
-                    r.logprobs.append(self._logprob_entry(so, i))
+                    r.logprobs.append(self._logprob_entry(samples, i))
         updated = self.scheduler.update_from_output(sched, sampled)
         self._generation_tokens += len(updated)
         touched: dict[str, list[Request]] = {}
@@ -296,11 +296,11 @@ class LLMEngine:
                 outputs.append(out)
         return outputs
 
-    def _logprob_entry(self, so, i: int) -> dict[int, Logprob]:
-        tok = so.token_ids[i]
+    def _logprob_entry(self, samples, i: int) -> dict[int, Logprob]:
+        tok = samples.token_ids[i]
         dec = self._decode_one
-        entry = {tok: Logprob(so.logprobs[i], so.ranks[i], dec(tok))}
-        for rank, (t, lp) in enumerate(so.top_logprobs[i] or [], start=1):
+        entry = {tok: Logprob(samples.logprobs[i], samples.ranks[i], dec(tok))}
+        for rank, (t, lp) in enumerate(samples.top_logprobs[i] or [], start=1):
             if t not in entry:
                 entry[t] = Logprob(lp, rank, dec(t))
         return entry

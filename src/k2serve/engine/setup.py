@@ -93,11 +93,8 @@ def activation_dtype(model, cfg: EngineConfig, device: torch.device) -> torch.dt
 
 def load_tokenizer(path: str):
     """The checkpoint's KimiTokenizer, or None (with a warning) when it has no tokenizer files."""
-    try:
-        from k2serve.tokenizer import KimiTokenizer
-    except ImportError:
-        logger.warning("k2serve.tokenizer is not available: no text output")
-        return None
+    from k2serve.tokenizer import KimiTokenizer
+
     try:
         return KimiTokenizer.from_dir(path)
     except (FileNotFoundError, OSError, ValueError) as e:

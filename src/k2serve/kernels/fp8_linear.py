@@ -61,12 +61,11 @@ if HAS_TRITON:
     def _fp8_block_mm_kernel(
         x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, x_stride, y_stride, s_stride, kb_per_split,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SB: tl.constexpr, DOT_DT: tl.constexpr,
-        SPLIT_K: tl.constexpr,
     ):  # fmt: skip
         """y[m, n] = sum_k x[m, k] w[n, k] s[n // SB, k // SB]; one [BLOCK_M, BLOCK_N] tile,
-        K in steps of SB (one scale per weight tile: BLOCK_N divides SB). SPLIT_K > 1: this
-        program's kb_per_split K-blocks into its own float32 slice y[split] (summed after, in
-        a fixed order: the result does not depend on scheduling)."""
+        K in steps of SB (one scale per weight tile: BLOCK_N divides SB). With K split over
+        the grid's third axis: this program's kb_per_split K-blocks into its own float32 slice
+        y[split] (summed after, in a fixed order: the result does not depend on scheduling)."""
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         kb0 = tl.program_id(2) * kb_per_split
@@ -88,7 +87,7 @@ if HAS_TRITON:
             acc += part * tl.load(s_row + kb)
             x_ptrs += SB
             w_ptrs += SB
-        y_ptr += tl.program_id(2).to(tl.int64) * M * y_stride  # SPLIT_K > 1: this split's slice
+        y_ptr += tl.program_id(2).to(tl.int64) * M * y_stride  # K split: this split's slice
         out = y_ptr + offs_m.to(tl.int64)[:, None] * y_stride + offs_n[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -136,8 +135,7 @@ def fp8_block_matmul(
     y = torch.empty(split, M, N, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
     _fp8_block_mm_kernel[(cdiv(N, bn), cdiv(M, bm), split)](
         x2, w.contiguous(), scale_inv.contiguous(), y, M, N, K, x2.stride(0), y.stride(1),
-        scale_inv.stride(0), per, BLOCK_M=bm, BLOCK_N=bn, SB=BLOCK, DOT_DT=dot_dtype(),
-        SPLIT_K=split, **cfg,
+        scale_inv.stride(0), per, BLOCK_M=bm, BLOCK_N=bn, SB=BLOCK, DOT_DT=dot_dtype(), **cfg,
     )  # fmt: skip
     y = y[0] if split == 1 else y.sum(0).to(x.dtype)
     return y.view(*x.shape[:-1], N)

@@ -14,13 +14,18 @@ Invariants:
 from __future__ import annotations
 
 import codecs
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
-from k2serve.tokenizer.kimi import KimiTokenizer
+
+class BytesDecoder(Protocol):
+    """What the detokenizer needs of a tokenizer (KimiTokenizer has it)."""
+
+    def decode_bytes(self, ids: Sequence[int], skip_special_tokens: bool = False) -> bytes: ...
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: KimiTokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: BytesDecoder, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
