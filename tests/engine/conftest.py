@@ -51,31 +51,7 @@ def fake_engine():
         e.check_integrity()
 
 
-# the tiny preset made smaller still (CI time): 2 layers (1 dense + 1 MoE), 4 experts top-2
-SMALLER = dict(
-    num_hidden_layers=2,
-    hidden_size=128,
-    intermediate_size=256,
-    moe_intermediate_size=64,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    q_lora_rank=64,
-    kv_lora_rank=64,
-    qk_nope_head_dim=32,
-    qk_rope_head_dim=32,
-    v_head_dim=32,
-)
-
-
 @pytest.fixture(scope="session")
-def ckpt(tmp_path_factory):
-    from k2serve.weights.make_checkpoint import make_checkpoint
-    from k2serve.weights.presets import preset_config
-
-    out = tmp_path_factory.mktemp("tiny-bf16")
-    cfg = preset_config("tiny", "bf16")
-    cfg.update(SMALLER)
-    make_checkpoint(out, cfg, progress=False, seed=3)
-    return str(out)
+def ckpt(tiny_ckpt):
+    """The tiny model made smaller still (CI time): 2 layers (1 dense + 1 MoE), 4 experts."""
+    return tiny_ckpt("bf16", seed=3, num_hidden_layers=2, n_routed_experts=4)

@@ -13,14 +13,6 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0
 PROMPTS = [[5, 17, 99, 3, 100, 42], [11, 12, 13]]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _llm(ckpt, **kw):
     args = dict(dtype="float32", device="cpu", max_model_len=64, page_size=16)
     args.update(kw)

@@ -6,43 +6,19 @@ GPU). One intra-op thread: the tensors are tiny and CI has 2 busy cores.
 
 from __future__ import annotations
 
-import pytest
 import torch
 
+from conftest import SMALL_VOCAB, needs_cuda, tiny_hf_config  # tests/conftest.py
 from k2serve.config import ModelConfig
-from k2serve.weights.presets import preset_config
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-# 3 layers (1 dense + 2 MoE), 8 experts top-2 with 2 groups; sizes multiples of 32 (INT4 groups)
-TINY = dict(
-    hidden_size=128,
-    intermediate_size=256,
-    moe_intermediate_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    q_lora_rank=64,
-    kv_lora_rank=64,
-    qk_nope_head_dim=32,
-    qk_rope_head_dim=32,
-    v_head_dim=32,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    n_group=2,
-    topk_group=2,
-    n_shared_experts=1,
-    first_k_dense_replace=1,
-    vocab_size=512,
-    bos_token_id=256,
-    eos_token_id=257,
-)
+__all__ = ["load_tiny", "needs_cuda", "paged_logits", "tiny_config"]
 
 
 def tiny_config(fmt: str = "bf16", **changes) -> ModelConfig:
-    cfg = preset_config("tiny", fmt)
-    cfg.update(TINY, **changes)
-    return ModelConfig.from_hf(cfg)
+    """The tiny model (3 layers: 1 dense + 2 MoE, 8 experts top-2) with 2 expert groups."""
+    return ModelConfig.from_hf(
+        tiny_hf_config(fmt, n_group=2, topk_group=2, **{**SMALL_VOCAB, **changes})
+    )
 
 
 def load_tiny(fmt="bf16", dtype=torch.float32, device="cpu", seed=5, **kw):
@@ -50,14 +26,6 @@ def load_tiny(fmt="bf16", dtype=torch.float32, device="cpu", seed=5, **kw):
 
     return load_model(None, dtype=dtype, device=device, load_format="dummy",
                       config=tiny_config(fmt), seed=seed, progress=False, **kw)  # fmt: skip
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def paged_logits(model, kv_caches, ids: list[int], page_size: int, n_prefill: int):

@@ -99,14 +99,9 @@ def test_loader_puts_cpu_experts_in_host_memory(tmp_path):
     into host memory, everything else goes to `device`."""
     from k2serve.weights.loader import load_model
     from k2serve.weights.make_checkpoint import make_checkpoint
-    from k2serve.weights.presets import preset_config
 
-    from .conftest import TINY
-
-    raw = preset_config("tiny", "int4")
-    raw.update(TINY)
-    make_checkpoint(tmp_path, raw, seed=1, tokenizer=False, progress=False)
     cfg = tiny_config("int4")
+    make_checkpoint(tmp_path, cfg.to_hf(), seed=1, tokenizer=False, progress=False)
     p = make_placement(cfg, 5)
     model = load_model(tmp_path, dtype=torch.float32, device="meta", expert_placement=p,
                        setup_backends=False, progress=False)  # fmt: skip
