@@ -1,5 +1,9 @@
 """Model configuration: one frozen dataclass read from a checkpoint's config.json.
 
+Over 500 lines on purpose: the built-in configs of the real models (Kimi-K2, K2.5, DeepSeek-V3,
+as data) and the field-by-field checks of every config.json variant belong with the dataclass
+they fill; the parsing itself is short.
+
 Owns: parsing of the Kimi-K2 / Kimi-K2.5 / DeepSeek-V3 config.json variants into `ModelConfig`
 and `QuantConfig`, the built-in configs of the real models (used by `plan`, `make-checkpoint
 --preset k2-slice` and tests), and the checks that refuse fields k2serve cannot honour.

@@ -1,5 +1,9 @@
 """INT4 W4A16 decode GEMV for the fused MoE with f16x2 arithmetic ("h2"), for few tokens.
 
+Over 500 lines on purpose: two Triton kernels (per pair, grouped by expert) that share the
+inline-PTX word dot, its plain-Triton twin for the interpreter and ROCm, and the activation
+packing; split, the arithmetic argument below would have to be read across files.
+
 Owns: `int4_moe_decode` (the routed-expert output of a decode step: both projections, the
 SiLU-and-mul and the weighted top-k sum in two launches), `pack_h2` (the activation layout the
 kernel reads) and `_int4_gemv_h2_kernel`; `int4_moe_decode_grouped`, the same arithmetic with

@@ -1,6 +1,8 @@
 """Paged MLA attention in the absorbed form (decode with split-KV, prefill with a cached prefix).
 
 Owns: `mla_attention(...)` (Triton) and `mla_attention_ref(...)` (torch reference, the oracle).
+Just over 500 lines: the decode kernel, its split merge and the prefill kernel share the tile
+rules and the fp8 widening, and the reference sits beside them as their oracle.
 
 Math (absorbed MLA, DeepSeek-V3 `inference/model.py`): the cache holds per token the normed
 latent c [L] and the roped key k_pe [R]; every head shares them (MQA with one 576-wide key):

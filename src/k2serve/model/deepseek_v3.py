@@ -1,5 +1,10 @@
 """The DeepSeek-V3 / Kimi-K2 text model in PyTorch, with the checkpoint's module names.
 
+Over 500 lines on purpose: the whole forward of the one architecture k2serve serves (MLA in its
+naive and absorbed forms, the MoE block with its host round trip, the layers) reads top to bottom
+in one file, as the DeepSeek reference and HF's modeling file do; the backends it calls live
+elsewhere (attention/, moe/, quant/; chosen in model/backends.py).
+
 Owns: MLA attention (naive form without a cache; absorbed form over the paged latent cache),
 dense MLP, MoE block (router + routed experts via an ExpertBackend + shared experts), decoder
 layers, the model and the untied lm_head.

@@ -1,5 +1,9 @@
 """Fidelity harness: every fused path against the torch reference, with the routing pinned.
 
+Over 500 lines on purpose: the routing pin, the gold pass, the tolerance rule and the variants
+are one argument (below); it is a test harness that the GPU benchmark and the tests share, not
+a serving path.
+
 A mixture-of-experts model amplifies rounding: a one-ulp change in a router logit can flip a
 top-8 choice, and from then on two paths compute different functions. Comparing the logits of a
 fused path with the reference then says nothing about the kernels. So the harness
