@@ -175,7 +175,7 @@ class LLMEngine:
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} tokens "
                 f"exceeds the KV cache ({cap} tokens)"
             )
-        budget = self.config.max_num_batched_tokens
+        budget = self.spec.max_num_batched_tokens
         if not self.config.enable_chunked_prefill and n > budget:
             raise PromptTooLongError(
                 f"the prompt has {n} tokens but max_num_batched_tokens={budget} and chunked "

@@ -458,7 +458,7 @@ def run(args: argparse.Namespace) -> int:
             read_timeout=args.request_read_timeout or None,
         )
         state = app.state.k2
-        ec = engine.config
+        spec = engine.spec
         formats, experts = _describe_weights(engine)
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
         logger.info(
@@ -471,10 +471,10 @@ def run(args: argparse.Namespace) -> int:
         logger.info("experts: %s", experts)
         logger.info(
             "KV cache: %d pages x %d tokens = %d tokens, prefix caching %s",
-            ec.num_kv_pages,
-            ec.page_size,
-            (ec.num_kv_pages or 0) * ec.page_size,  # set by the engine once it has sized it
-            "on" if ec.enable_prefix_caching else "off",
+            spec.num_kv_pages,
+            spec.page_size,
+            spec.kv_cache_tokens,
+            "on" if engine.config.enable_prefix_caching else "off",
         )
         logger.info(
             "thinking by default: %s; api key: %s",
