@@ -13,12 +13,22 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from k2serve.cache.block_pool import BlockPool, hash_page
 
-if TYPE_CHECKING:
-    from k2serve.engine.request import Request
+
+class Request(Protocol):
+    """A request as the cache sees it (`engine.request.Request` is one): the cache knows no
+    engine type, so nothing here imports upward."""
+
+    request_id: str
+    all_token_ids: list[int]
+    num_computed_tokens: int
+    cache_salt: str | None
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 def cdiv(a: int, b: int) -> int:
