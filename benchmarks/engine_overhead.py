@@ -66,6 +66,8 @@ class _NullConfig:
 class NullModel:
     """Forward ~free: hidden = positions, logits = a fixed row chosen by position % 16."""
 
+    device = torch.device("cpu")
+
     def __init__(self, vocab_size: int, step_s: float = 0.0) -> None:
         self.config = _NullConfig(vocab_size)
         self.step_s = step_s  # sleep per forward: a GPU step's wait, with the GIL released
@@ -79,6 +81,12 @@ class NullModel:
 
     def compute_logits(self, hidden):
         return self.table[hidden[:, 0] % 16]  # [S, vocab]
+
+    def install_backends(self, attention, experts, triton_norm, policy, placement=None) -> str:
+        return ""  # no layers: nothing to wire
+
+    def moe_blocks(self) -> list:
+        return []
 
 
 def null_kv_caches(num_pages, page_size, dtype, device):
