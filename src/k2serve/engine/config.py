@@ -30,7 +30,9 @@ _HELP = {
     "page_size": "tokens per KV cache page",
     "enable_prefix_caching": "reuse the KV of shared prompt prefixes",
     "enable_chunked_prefill": "split long prompts over steps, mixed with decodes",
-    "gpu_memory_utilization": "fraction of GPU memory for weights + KV cache (CUDA)",
+    "gpu_memory_utilization": "fraction of GPU memory the engine may use (CUDA): weights, the "
+    "largest step's activations (measured by a profiling pass at start-up), the decode graphs, "
+    "and the KV cache, which gets the rest",
     "kv_cache_memory": "KV cache size in bytes or like '4GiB' (CPU default 1GiB; overrides the "
     "GPU fraction)",
     "num_kv_pages": "exact number of KV pages (overrides the memory budget)",
