@@ -5,7 +5,8 @@ intra-op thread.
 preset at CI size: 3 layers, 1 dense + 2 MoE, 8 experts top-2, 1 shared expert, sizes multiples
 of 32 for the INT4 groups); a package states only what it changes (fewer layers, more heads,
 partial FP8 blocks). `tiny_ckpt(fmt, **changes)` writes it as a checkpoint once per session.
-Import the function with `from conftest import tiny_hf_config` (this file's module name).
+Import the function with `from tests.conftest import tiny_hf_config` (pytest runs from the
+repository root, as `tests.model.conftest` is imported elsewhere).
 """
 
 from __future__ import annotations

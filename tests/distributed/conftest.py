@@ -2,8 +2,7 @@ import os
 
 import pytest
 import torch
-
-from conftest import tiny_hf_config  # tests/conftest.py
+from tests.conftest import tiny_hf_config
 
 
 def small_config(fmt: str = "bf16", **overrides) -> dict:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.conftest import needs_cuda
 
-from conftest import needs_cuda
 from k2serve.attention import allocate_kv_caches
 from k2serve.engine.profiling import _metadata, _prefill_lens, profile_run
 

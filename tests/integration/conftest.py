@@ -7,8 +7,8 @@ GPU). One intra-op thread: the tensors are tiny and CI has 2 busy cores.
 from __future__ import annotations
 
 import torch
+from tests.conftest import SMALL_VOCAB, needs_cuda, tiny_hf_config
 
-from conftest import SMALL_VOCAB, needs_cuda, tiny_hf_config  # tests/conftest.py
 from k2serve.config import ModelConfig
 
 __all__ = ["load_tiny", "needs_cuda", "paged_logits", "tiny_config"]

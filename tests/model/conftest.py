@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from conftest import SMALL_VOCAB, tiny_hf_config  # tests/conftest.py
+from tests.conftest import SMALL_VOCAB, tiny_hf_config
 
 # hidden 192 = 128 + 64 gives partial FP8 column blocks; kv_a_proj has 64 + 32 = 96 rows
 _COMMON = dict(hidden_size=192, q_lora_rank=96, **SMALL_VOCAB)
