@@ -67,6 +67,7 @@ class NullModel:
     """Forward ~free: hidden = positions, logits = a fixed row chosen by position % 16."""
 
     device = torch.device("cpu")
+    expert_placement = None
 
     def __init__(self, vocab_size: int, step_s: float = 0.0) -> None:
         self.config = _NullConfig(vocab_size)
@@ -87,6 +88,9 @@ class NullModel:
 
     def moe_blocks(self) -> list:
         return []
+
+    def parameters(self) -> list:
+        return [self.table]
 
 
 def null_kv_caches(num_pages, page_size, dtype, device):

@@ -63,6 +63,7 @@ class FakeModel:
 
     device = torch.device("cpu")
     decode_graph_safe = False
+    expert_placement = None
 
     def __init__(self) -> None:
         self.config = FakeConfig()
@@ -104,6 +105,9 @@ class FakeModel:
 
     def moe_blocks(self) -> list:
         return []
+
+    def parameters(self) -> list:
+        return []  # no weights: the dtype comes from the config / the device
 
 
 def fake_kv_caches(num_pages, page_size, dtype, device):

@@ -85,7 +85,7 @@ def activation_dtype(model, cfg: EngineConfig, device: torch.device) -> torch.dt
     first bf16 / fp16 / fp32 parameter (quantized weights are int / fp8 and do not count)."""
     if cfg.dtype != "auto":
         return _DTYPES[cfg.dtype]
-    for p in getattr(model, "parameters", lambda: [])():
+    for p in model.parameters():
         if p.dtype in (torch.bfloat16, torch.float16, torch.float32):
             return p.dtype
     return resolve_dtype("auto", device)
@@ -297,7 +297,7 @@ def setup_rank(
             expert_parallel=cfg.enable_expert_parallel,
         )
     else:
-        placement = getattr(model, "expert_placement", None)
+        placement = model.expert_placement
         if placement is None:
             placement = expert_placement(cfg, model.config)
     from k2serve.attention import allocate_kv_caches, kv_cache_torch_dtype
