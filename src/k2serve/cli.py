@@ -17,9 +17,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("k2serve.server.cli", "run the OpenAI-compatible server"),
     "chat": ("k2serve.engine.chat_cli", "chat with a model in the terminal"),
     "generate": ("k2serve.engine.generate_cli", "generate a completion offline"),
-    "plan": ("k2serve.plan_cli", "what fits on given hardware, how much context, what speed"),
+    "plan": ("k2serve.plan.cli", "what fits on given hardware, how much context, what speed"),
     "deploy": ("k2serve.deploy.cli", "write Kubernetes / SLURM / systemd files from a plan"),
-    "download": ("k2serve.download", "download a checkpoint from the Hugging Face hub"),
+    "download": ("k2serve.plan.download", "download a checkpoint from the Hugging Face hub"),
     "bench": ("k2serve.bench.cli", "benchmark an OpenAI-compatible server"),
     "make-checkpoint": (
         "k2serve.weights.make_checkpoint",

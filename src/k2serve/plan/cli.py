@@ -12,17 +12,17 @@ import os
 import sys
 
 from k2serve.config import KNOWN_MODELS, ConfigError, ModelConfig, known_model_config
-from k2serve.hardware import GPU_PRESETS, format_bytes, parse_bandwidth, parse_gpus, parse_size
-from k2serve.plan import (
+from k2serve.plan.commands import (
+    DEFAULT_GPUS_PER_NODE,
+    DEFAULT_MASTER_PORT,
+    MASTER_ADDR_PLACEHOLDER,
+)
+from k2serve.plan.hardware import GPU_PRESETS, format_bytes, parse_bandwidth, parse_gpus, parse_size
+from k2serve.plan.planner import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     Plan,
     plan,
-)
-from k2serve.plan_commands import (
-    DEFAULT_GPUS_PER_NODE,
-    DEFAULT_MASTER_PORT,
-    MASTER_ADDR_PLACEHOLDER,
 )
 
 DEFAULT_GPUS = "8xH200"

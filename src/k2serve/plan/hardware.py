@@ -19,6 +19,10 @@ from dataclasses import asdict, dataclass, replace
 MiB = 2**20
 
 
+# Share of host RAM the CPU experts may take; the rest is the OS, page cache and pinned buffers.
+CPU_MEMORY_UTILIZATION = 0.9
+
+
 @dataclass(frozen=True)
 class GpuSpec:
     name: str
