@@ -378,6 +378,8 @@ def plan(
         )
     if g and gpu and not gpu.nvlink and g > 1:
         notes.append(f"{gpu.name} GPUs talk over PCIe: TP all-reduces cost more than on NVLink")
+    if g > 2 and gpu and gpu.name == "H100NVL":
+        notes.append("H100 NVL: NVLink bridges join pairs; TP over more than 2 crosses PCIe")
     if g and gpu and not gpu.fp8 and config.quant and config.quant.method == "fp8_block":
         notes.append(f"{gpu.name} has no FP8 tensor cores: FP8 weights run through dequantization")
     fits = not reasons
@@ -386,6 +388,7 @@ def plan(
     args = pc.serve_args(
         model, g, ctx, max_num_seqs, kv_cache_dtype, gpu_memory_utilization,
         nnodes=nnodes, master_port=master_port, cpu_kv_cache_bytes=cpu_kv,
+        max_num_batched_tokens=max_num_batched_tokens,
     )  # fmt: skip
     if g and cpu_exp:
         args += ["--num-gpu-experts", str(gpu_exp)]

@@ -251,6 +251,16 @@ def missing_model_message(model: str) -> str:
         return f"--model {model!r} is not a directory"
     key = model.lower()
     hub = re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", model) is not None
+    # a path whose last part names a known checkpoint (models/Kimi-K2.5): download it there
+    leaf = os.path.basename(os.path.normpath(model))
+    known = {repo.split("/")[-1].lower(): name for name, (_, repo) in KNOWN_MODELS.items()}
+    if leaf.lower() in known and model.lower() not in {r.lower() for _, r in KNOWN_MODELS.values()}:
+        if leaf != model:
+            return (
+                f"--model {model!r} does not exist yet; fetch it there first:\n"
+                f"    k2serve download {known[leaf.lower()]} --dir {model}\n"
+                f"then run:\n    k2serve serve {model}"
+            )
     if not hub and key not in KNOWN_MODELS:
         return f"--model {model!r} is not a directory (no such path)"
     target = "./" + (model.rsplit("/", 1)[-1] if hub else KNOWN_MODELS[key][1].split("/")[-1])
