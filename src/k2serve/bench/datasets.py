@@ -261,8 +261,8 @@ def hf_dataset(
             raise DatasetError(f"{where}: a record must be a JSON object")
         if "conversations" in rec:
             s = _from_conversation(rec["conversations"], where, output_len)
-        elif isinstance(rec.get("conversation", rec.get("messages")), list):
-            turns = [t for t in rec.get("conversation", rec.get("messages")) if isinstance(t, dict)]
+        elif isinstance(msgs := rec.get("conversation", rec.get("messages")), list):
+            turns = [t for t in msgs if isinstance(t, dict)]
             conv = [{"from": t.get("role"), "value": _text(t.get("content"))} for t in turns]
             s = _from_conversation(conv, where, output_len) if conv else None
         else:
