@@ -42,6 +42,9 @@ def _build_parser(chosen: str | None):
         p = sub.add_parser(name, help=help_, description=help_)
         if name == chosen:
             importlib.import_module(module).add_arguments(p)
+            # also after the subcommand, as SGLang / vLLM take it (unset: the one above wins)
+            if "--log-level" not in p._option_string_actions:
+                p.add_argument("--log-level", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
             chosen_parser = p
     return parser, chosen_parser
 

@@ -103,10 +103,17 @@ def _check_alias(args, f: GuideFlag) -> None:
         assert args.num_kv_pages == int(f.example) // args.page_size
     elif f.convert == "ep_size":
         assert args.enable_expert_parallel is False  # --ep 1 with -tp 1
+    elif f.convert == "off":
+        assert getattr(args, dest.removeprefix("no_")) is False
     elif f.switch:
         assert getattr(args, dest) is True
     else:
         assert str(getattr(args, dest)) == f.example
+
+
+def test_log_level_after_the_subcommand(capsys):
+    assert main(["serve", "--log-level", "warning", "--tp", "8"]) == 2  # parsed; no GPU here
+    assert "add --device cpu" in capsys.readouterr().err
 
 
 def test_value_spellings(parser):
@@ -126,6 +133,10 @@ def test_value_spellings(parser):
         apply_guide_flags(parser.parse_args(["--tp", "4", "--ep-size", "2"]), [])
     with pytest.raises(ValueError, match="e4m3"):
         apply_guide_flags(parser.parse_args(["--kv-cache-dtype", "fp8_e5m2"]), [])
+    args = parser.parse_args(["--attention-backend", "flashinfer", "--cuda-graph-bs", "1", "2"])
+    warnings = apply_guide_flags(args, [])
+    assert args.attention_backend == "auto" and "auto|torch|triton" in warnings[0]
+    assert warnings[1].startswith("--cuda-graph-bs 1 2 changes nothing here")
     with pytest.raises(ValueError, match="whole number"):
         apply_guide_flags(parser.parse_args(["--dp-size", "two"]), [])
 

@@ -95,7 +95,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's maximum")
     p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
     p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
-    p.add_argument("--kv-cache-dtype", choices=("auto", "bf16", "fp8"), default="bf16")
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "bf16", "fp8", "fp8_e4m3"),
+        default="bf16",
+        help="fp8_e4m3 (vLLM / SGLang spelling) = fp8",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument(
         "--num-gpu-experts", type=int, default=None, help="routed experts per layer on the GPUs"
@@ -159,7 +164,7 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, dict]:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype="fp8" if args.kv_cache_dtype == "fp8_e4m3" else args.kv_cache_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_experts=args.num_gpu_experts,
         **_routing(args, config),

@@ -34,7 +34,9 @@ def add_guide_arguments(parser: argparse.ArgumentParser) -> None:
         if f.switch:
             g.add_argument(*names, dest=f.dest, action="store_true", default=None, help=help_)
         else:
-            g.add_argument(*names, dest=f.dest, default=None, metavar="VALUE", help=help_)
+            g.add_argument(
+                *names, dest=f.dest, default=None, metavar="VALUE", nargs=f.nargs, help=help_
+            )
 
 
 def _int(flag: str, value: str) -> int:
@@ -62,6 +64,13 @@ def apply_guide_flags(args: argparse.Namespace, argv: list[str] | None = None) -
         args.kv_cache_dtype = _KV_DTYPES[kv]  # vLLM / SGLang spell e4m3 out
     elif kv == "fp8_e5m2":
         raise ValueError("--kv-cache-dtype fp8_e5m2: k2serve's fp8 cache is e4m3; use fp8")
+    backend = getattr(args, "attention_backend", None)
+    if backend not in (None, "auto", "torch", "triton"):  # SGLang / vLLM backend names
+        warnings.append(
+            f"--attention-backend {backend}: k2serve's MLA backends are auto|torch|triton; "
+            "using auto (Triton on CUDA)"
+        )
+        args.attention_backend = "auto"
     if getattr(args, "load_format", None) in ("compressed-tensors", "fastsafetensors"):
         warnings.append(f"--load-format {args.load_format}: {_INT4}; reading safetensors")
         args.load_format = "auto"
@@ -70,6 +79,8 @@ def apply_guide_flags(args: argparse.Namespace, argv: list[str] | None = None) -
         if value is None or f.status == "implemented":
             continue
         flag = _given_spelling(f, argv)
+        if isinstance(value, list):
+            value = " ".join(value)
         shown = flag if f.switch else f"{flag} {value}"
         if f.status == "alias":
             _alias(args, f, flag, value, warnings)
@@ -90,7 +101,9 @@ def apply_guide_flags(args: argparse.Namespace, argv: list[str] | None = None) -
 
 def _alias(args, f: GuideFlag, flag: str, value, warnings: list[str]) -> None:
     dest = f.target.lstrip("-").replace("-", "_")
-    if f.switch:
+    if f.convert == "off":  # --disable-X = --no-enable-X
+        setattr(args, dest.removeprefix("no_"), False)
+    elif f.switch:
         setattr(args, dest, True)
     elif f.convert == "ep_size":
         n, tp = _int(flag, value), args.tensor_parallel_size

@@ -33,7 +33,8 @@ class GuideFlag:
     why: str = ""  # warn / refuse / one / pending: the reason, naming what to use instead
     switch: bool = False  # takes no value
     example: str = "1"  # a value for the test that walks the table
-    convert: str = ""  # alias: the name of a value mapping in `_CONVERT`
+    convert: str = ""  # alias: how the value maps (k2serve.server.guide_args._alias)
+    nargs: str | None = None  # "+": several values, as the guide's engine takes them
 
     @property
     def dest(self) -> str:
@@ -44,6 +45,19 @@ _INT4 = "the format (INT4 compressed-tensors, FP8 block, bf16) is read from conf
 _DP = "data parallelism is not built yet: k2serve runs one engine (tensor parallel)"
 _DP_EQ = "; use --tensor-parallel-size N (and --nnodes / --node-rank across nodes)"
 _GPU_EXPERTS = "use --num-gpu-experts N (routed experts per MoE layer on the GPU)"
+
+
+def _w(src: str, flags: str, why: str, ex: str = "1", switch: bool = False) -> GuideFlag:
+    return GuideFlag(tuple(flags.split()), "warn", src, why=why, example=ex, switch=switch)
+
+
+def _a(src: str, flags: str, target: str, ex: str = "1", **kw) -> GuideFlag:
+    return GuideFlag(tuple(flags.split()), "alias", src, target=target, example=ex, **kw)
+
+
+def _r(src: str, flags: str, why: str, ex: str = "1", switch: bool = False) -> GuideFlag:
+    return GuideFlag(tuple(flags.split()), "refuse", src, why=why, example=ex, switch=switch)
+
 
 FLAGS: tuple[GuideFlag, ...] = (
     # ---- vLLM: implemented under the same name -----------------------------------------------
@@ -84,112 +98,83 @@ FLAGS: tuple[GuideFlag, ...] = (
     ),
     GuideFlag(("-tp",), "implemented", "vLLM", target="--tensor-parallel-size"),
     # ---- vLLM: accepted, nothing to change here ----------------------------------------------
-    GuideFlag(("--quantization", "-q"), "warn", "vLLM", why=_INT4, example="fp8"),
-    GuideFlag(
-        ("--tokenizer-mode",),
-        "warn",
+    _w("vLLM", "--quantization -q", _INT4, "fp8"),
+    _w(
         "vLLM",
-        why="k2serve always uses the checkpoint's tiktoken tokenizer",
-        example="auto",
+        "--tokenizer-mode",
+        "k2serve always uses the checkpoint's tiktoken tokenizer",
+        "auto",
     ),
-    GuideFlag(
-        ("--skip-non-local-expert-weights",),
-        "warn",
+    _w(
         "vLLM",
+        "--skip-non-local-expert-weights",
+        "always so: each expert-parallel rank reads only its own experts",
         switch=True,
-        why="always so: each expert-parallel rank reads only its own experts",
     ),
-    GuideFlag(
-        ("--quantization-param-path",),
-        "warn",
+    _w(
         "vLLM",
-        example="scales.json",
-        why="k2serve's fp8 KV cache needs no scaling-factor file",
+        "--quantization-param-path",
+        "k2serve's fp8 KV cache needs no scaling-factor file",
+        "scales.json",
     ),
-    GuideFlag(
-        ("--no-async-scheduling", "--async-scheduling"),
-        "warn",
+    _w(
         "vLLM",
+        "--no-async-scheduling --async-scheduling",
+        "k2serve schedules each step after the previous one; there is no switch",
         switch=True,
-        why="k2serve schedules each step after the previous one; there is no switch",
     ),
-    GuideFlag(
-        ("--enable-reasoning",),
-        "warn",
+    _w(
         "vLLM",
+        "--enable-reasoning",
+        "reasoning is split by --reasoning-parser kimi_k2, which is always on",
         switch=True,
-        why="reasoning is split by --reasoning-parser kimi_k2, which is always on",
     ),
-    GuideFlag(
-        ("--disable-log-requests", "--enable-log-requests", "--disable-log-stats"),
-        "warn",
+    _w(
         "vLLM",
+        "--disable-log-requests --enable-log-requests --disable-log-stats",
+        "k2serve never logs request contents; statistics are on /metrics",
         switch=True,
-        why="k2serve never logs request contents; statistics are on /metrics",
     ),
-    GuideFlag(
-        ("--disable-uvicorn-access-log",),
-        "warn",
+    _w("vLLM", "--disable-uvicorn-access-log", "the access log is always off", switch=True),
+    _w(
         "vLLM",
-        switch=True,
-        why="the access log is always off",
+        "--distributed-executor-backend",
+        "k2serve starts its own worker processes (one per GPU); no Ray",
+        "mp",
     ),
-    GuideFlag(
-        ("--distributed-executor-backend",),
-        "warn",
+    _w(
         "vLLM",
-        example="mp",
-        why="k2serve starts its own worker processes (one per GPU); no Ray",
+        "--compilation-config -O",
+        "no torch.compile; CUDA graphs are captured unless --enforce-eager",
+        "{}",
     ),
-    GuideFlag(
-        ("--compilation-config", "-O"),
-        "warn",
+    _w(
         "vLLM",
-        example="{}",
-        why="no torch.compile; CUDA graphs are captured unless --enforce-eager",
-    ),
-    GuideFlag(
-        ("--enable-eplb",),
-        "warn",
-        "vLLM",
-        switch=True,
-        why="expert load balancing is not built; with experts in host RAM, "
+        "--enable-eplb",
+        "expert load balancing is not built; with experts in host RAM, "
         "--dynamic-expert-placement moves the most-routed ones to the GPU",
+        switch=True,
     ),
-    GuideFlag(
-        ("--eplb-config",),
-        "warn",
-        "vLLM",
-        example="{}",
-        why="expert load balancing is not built (see --enable-eplb)",
-    ),
+    _w("vLLM", "--eplb-config", "expert load balancing is not built (see --enable-eplb)", "{}"),
     GuideFlag(("--tokenizer",), "implemented", "vLLM", target="--tokenizer", example="/m"),
     # ---- vLLM: limited to 1, refused --------------------------------------------------------
     GuideFlag(("--data-parallel-size", "-dp"), "one", "vLLM", why=_DP + _DP_EQ),
     GuideFlag(("--data-parallel-size-local", "-dpl"), "one", "vLLM", why=_DP + _DP_EQ),
-    GuideFlag(
-        ("--data-parallel-start-rank", "-dpr"),
-        "warn",
+    _w(
         "vLLM",
-        example="0",
-        why=_DP + " (one engine, so no data-parallel ranks)",
+        "--data-parallel-start-rank -dpr",
+        _DP + " (one engine, so no data-parallel ranks)",
+        "0",
     ),
-    GuideFlag(
-        ("--data-parallel-address", "-dpa"),
-        "warn",
+    _w(
         "vLLM",
-        example="10.0.0.1",
-        why=_DP + "; node 0's address is --master-addr",
+        "--data-parallel-address -dpa",
+        _DP + "; node 0's address is --master-addr",
+        "10.0.0.1",
     ),
-    GuideFlag(
-        ("--data-parallel-rpc-port", "-dpp"),
-        "warn",
-        "vLLM",
-        example="13345",
-        why=_DP + "; node 0's port is --master-port",
-    ),
-    GuideFlag(("--data-parallel-backend", "-dpb"), "warn", "vLLM", example="mp", why=_DP),
-    GuideFlag(("--data-parallel-hybrid-lb",), "warn", "vLLM", switch=True, why=_DP),
+    _w("vLLM", "--data-parallel-rpc-port -dpp", _DP + "; node 0's port is --master-port", "13345"),
+    _w("vLLM", "--data-parallel-backend -dpb", _DP, "mp"),
+    _w("vLLM", "--data-parallel-hybrid-lb", _DP, switch=True),
     GuideFlag(
         ("--pipeline-parallel-size", "-pp"),
         "one",
@@ -204,52 +189,29 @@ FLAGS: tuple[GuideFlag, ...] = (
         why="decode context parallelism is not built: every TP rank holds the whole "
         "latent cache; use --kv-cache-dtype fp8 for twice the tokens",
     ),
-    GuideFlag(
-        ("--cpu-offload-gb",),
-        "refuse",
+    _r(
         "vLLM",
-        example="100",
-        why="k2serve offloads whole experts, not bytes: " + _GPU_EXPERTS,
+        "--cpu-offload-gb",
+        "k2serve offloads whole experts, not bytes: " + _GPU_EXPERTS,
+        "100",
     ),
     # ---- SGLang spellings -------------------------------------------------------------------
-    GuideFlag(("--model-path",), "alias", "SGLang", target="--model", example="/m"),
-    GuideFlag(("--tp", "--tp-size"), "alias", "SGLang", target="--tensor-parallel-size"),
+    _a("SGLang", "--model-path", "--model", "/m"),
+    _a("SGLang", "--tp --tp-size", "--tensor-parallel-size"),
     GuideFlag(("--dp-size", "--dp"), "one", "SGLang", why=_DP + _DP_EQ),
-    GuideFlag(
-        ("--ep-size", "--ep"),
-        "alias",
+    _a("SGLang", "--ep-size --ep", "--enable-expert-parallel", convert="ep_size"),
+    _a("SGLang", "--context-length", "--max-model-len", "8192"),
+    _a("SGLang", "--mem-fraction-static", "--gpu-memory-utilization", "0.85"),
+    _a(
         "SGLang",
-        target="--enable-expert-parallel",
-        convert="ep_size",
-    ),
-    GuideFlag(("--context-length",), "alias", "SGLang", target="--max-model-len", example="8192"),
-    GuideFlag(
-        ("--mem-fraction-static",),
-        "alias",
-        "SGLang",
-        target="--gpu-memory-utilization",
-        example="0.85",
-    ),
-    GuideFlag(
-        ("--chunked-prefill-size",),
-        "alias",
-        "SGLang",
-        target="--max-num-batched-tokens",
+        "--chunked-prefill-size",
+        "--max-num-batched-tokens",
+        "8192",
         convert="chunked_prefill",
-        example="8192",
     ),
-    GuideFlag(
-        ("--max-running-requests",), "alias", "SGLang", target="--max-num-seqs", example="32"
-    ),
-    GuideFlag(
-        ("--max-total-tokens",),
-        "alias",
-        "SGLang",
-        target="--num-kv-pages",
-        convert="tokens_to_pages",
-        example="65536",
-    ),
-    GuideFlag(("--disable-cuda-graph",), "alias", "SGLang", target="--enforce-eager", switch=True),
+    _a("SGLang", "--max-running-requests", "--max-num-seqs", "32"),
+    _a("SGLang", "--max-total-tokens", "--num-kv-pages", "65536", convert="tokens_to_pages"),
+    _a("SGLang", "--disable-cuda-graph", "--enforce-eager", switch=True),
     GuideFlag(
         ("--dist-init-addr",),
         "implemented",
@@ -257,40 +219,30 @@ FLAGS: tuple[GuideFlag, ...] = (
         target="--dist-init-addr",
         example="10.0.0.1:5000",
     ),
-    GuideFlag(
-        ("--enable-dp-attention",),
-        "refuse",
+    _r(
         "SGLang",
+        "--enable-dp-attention",
+        "DP attention is not built; attention is tensor-parallel (--tensor-parallel-size)",
         switch=True,
-        why="DP attention is not built; attention is tensor-parallel (--tensor-parallel-size)",
     ),
-    GuideFlag(
-        ("--cuda-graph-max-bs",),
-        "warn",
+    _w("SGLang", "--cuda-graph-max-bs", "decode graphs are captured up to --max-num-seqs", "64"),
+    _w(
         "SGLang",
-        example="64",
-        why="decode graphs are captured up to --max-num-seqs",
+        "--moe-a2a-backend",
+        "expert parallelism here combines experts with one all-reduce",
+        "deepep",
     ),
-    GuideFlag(
-        ("--moe-a2a-backend",),
-        "warn",
+    _w(
         "SGLang",
-        example="deepep",
-        why="expert parallelism here combines experts with one all-reduce",
-    ),
-    GuideFlag(
-        ("--enable-mixed-chunk",),
-        "warn",
-        "SGLang",
+        "--enable-mixed-chunk",
+        "always so: prefill chunks and decodes share each step",
         switch=True,
-        why="always so: prefill chunks and decodes share each step",
     ),
-    GuideFlag(
-        ("--watchdog-timeout",),
-        "warn",
+    _w(
         "SGLang",
-        example="1000",
-        why="collective timeouts come from K2SERVE_DIST_TIMEOUT_S",
+        "--watchdog-timeout",
+        "collective timeouts come from K2SERVE_DIST_TIMEOUT_S",
+        "1000",
     ),
     *(
         GuideFlag(
@@ -309,89 +261,139 @@ FLAGS: tuple[GuideFlag, ...] = (
         )
     ),
     # ---- KTransformers / KT-Kernel (SGLang + kt-kernel) -------------------------------------
-    GuideFlag(
-        ("--kt-num-gpu-experts",), "alias", "KT-Kernel", target="--num-gpu-experts", example="8"
-    ),
-    GuideFlag(
-        ("--kt-cpuinfer",),
-        "alias",
+    _a("KT-Kernel", "--kt-num-gpu-experts", "--num-gpu-experts", "8"),
+    _a("KT-Kernel", "--kt-cpuinfer", "K2SERVE_CPU_THREADS", convert="cpu_threads"),
+    _a("KT-Kernel", "--kt-threadpool-count", "(NUMA nodes)", convert="numa_nodes"),
+    _a("KT-Kernel", "--kt-gpu-prefill-token-threshold", "--gpu-prefill-token-threshold", "4096"),
+    _a("KT-Kernel", "--kt-enable-dynamic-expert-update", "--dynamic-expert-placement", switch=True),
+    _w(
         "KT-Kernel",
-        target="K2SERVE_CPU_THREADS",
-        convert="cpu_threads",
+        "--kt-method",
+        _INT4 + "; the CPU kernel follows it (K2SERVE_CPU_KERNEL picks native / torch)",
+        "RAWINT4",
     ),
-    GuideFlag(
-        ("--kt-threadpool-count",),
-        "alias",
+    _w(
         "KT-Kernel",
-        target="(NUMA nodes)",
-        convert="numa_nodes",
+        "--kt-weight-path",
+        "the CPU experts are read from the --model checkpoint itself",
+        "/m",
     ),
-    GuideFlag(
-        ("--kt-gpu-prefill-token-threshold",),
-        "alias",
+    _w(
         "KT-Kernel",
-        target="--gpu-prefill-token-threshold",
-        example="4096",
+        "--kt-amx-weight-path",
+        "the CPU experts are read from the --model checkpoint itself",
+        "/m",
     ),
-    GuideFlag(
-        ("--kt-enable-dynamic-expert-update",),
-        "alias",
+    _w(
         "KT-Kernel",
+        "--kt-max-deferred-experts-per-token",
+        "expert deferral is not built: every routed expert is computed in its layer "
+        "(exact outputs)",
+        "2",
+    ),
+    _w(
+        "KT-Kernel",
+        "--kt-expert-placement-strategy",
+        "the GPU gets experts 0..N-1, or the most-routed ones with --expert-placement-file "
+        "(written by --record-routing)",
+        "frequency",
+    ),
+    _r(
+        "KT-Kernel",
+        "--kt-gpu-experts-ratio",
+        _GPU_EXPERTS + ", e.g. ratio 0.1 of 384 = --num-gpu-experts 38",
+        "0.1",
+    ),
+    _r(
+        "KT-Kernel",
+        "--init-expert-location",
+        "use --expert-placement-file COUNTS.json (the file --record-routing writes)",
+        "stats.pt",
+    ),
+    _r("llama.cpp", "--n-cpu-moe --cpu-moe", _GPU_EXPERTS, "30"),
+)
+
+
+_ONE_AR = "one all-reduce combines the experts of all ranks"
+_XGR = "structured outputs always use xgrammar"
+_KT_DIR = "the CPU experts are read from the --model checkpoint itself"
+_THINK = "thinking follows the chat template; off with --default-chat-template-kwargs "
+MORE_FLAGS: tuple[GuideFlag, ...] = (
+    # vLLM
+    _w("vLLM", "--all2all-backend", _ONE_AR, "deepep_low_latency"),
+    _w("vLLM", "--disable-custom-all-reduce", "all-reduces are torch.distributed's", switch=True),
+    _w("vLLM", "--max-log-len", "k2serve never logs prompts", "100"),
+    _w("vLLM", "--enable-prompt-tokens-details", "usage reports prompt tokens", switch=True),
+    _w("vLLM", "--guided-decoding-backend --structured-outputs-config", _XGR, "xgrammar"),
+    _w("vLLM", "--mm-processor-cache-gb --media-io-kwargs", "for images (the vision encoder)", "4"),
+    _w("vLLM", "--safetensors-load-strategy", "shards are read tensor by tensor", "lazy"),
+    _r(
+        "vLLM",
+        "--download-dir --revision",
+        "serve reads a local directory: fetch it first "
+        "with k2serve download MODEL --dir DIR [--revision REV]",
+        "/data",
+    ),
+    _r("vLLM", "--hf-overrides", "edit the checkpoint's config.json", "{}"),
+    _r(
+        "vLLM",
+        "--override-generation-config",
+        "use --generation-config DIR (a directory with a generation_config.json)",
+        "{}",
+    ),
+    # SGLang
+    _a("SGLang", "--disable-radix-cache", "--no-enable-prefix-caching", convert="off", switch=True),
+    _w("SGLang", "--deepep-mode", _ONE_AR, "auto"),
+    GuideFlag(
+        ("--cuda-graph-bs",),
+        "warn",
+        "SGLang",
+        nargs="+",
+        example="8",
+        why="decode graphs are captured up to --max-num-seqs",
+    ),
+    _w(
+        "SGLang",
+        "--disable-shared-experts-fusion --enable-p2p-check",
+        "nothing to switch here",
         switch=True,
-        target="--dynamic-expert-placement",
     ),
-    GuideFlag(
-        ("--kt-method",),
-        "warn",
-        "KT-Kernel",
-        example="RAWINT4",
-        why=_INT4 + "; the CPU kernel follows it (K2SERVE_CPU_KERNEL picks native / torch)",
+    _w(
+        "SGLang",
+        "--enable-torch-compile",
+        "no torch.compile; CUDA graphs unless --enforce-eager",
+        switch=True,
     ),
-    GuideFlag(
-        ("--kt-weight-path",),
-        "warn",
-        "KT-Kernel",
-        example="/m",
-        why="the CPU experts are read from the --model checkpoint itself",
+    _w("SGLang", "--grammar-backend", _XGR, "xgrammar"),
+    _w("SGLang", "--fp8-gemm-backend", "FP8 GEMMs are k2serve's Triton kernels", "triton"),
+    # KT-Kernel / KTransformers (older spellings included)
+    _a("KT-Kernel", "--cpuinfer", "K2SERVE_CPU_THREADS", convert="cpu_threads"),
+    _a("KT-Kernel", "--threadpool-count", "(NUMA nodes)", convert="numa_nodes"),
+    _w("KT-Kernel", "--kt-amx-method --amx-method", _INT4, "AMXINT4"),
+    _w("KT-Kernel", "--amx-weight-path", _KT_DIR, "/m"),
+    _a("KTransformers", "--model_path", "--model", "/m"),
+    _a("KTransformers", "--cpu_infer", "K2SERVE_CPU_THREADS", convert="cpu_threads"),
+    _a("KTransformers", "--cache_lens", "--num-kv-pages", "65536", convert="tokens_to_pages"),
+    _a("KTransformers", "--max_batch_size", "--max-num-seqs", "8"),
+    _a("KTransformers", "--chunk_size", "--max-num-batched-tokens", "8192"),
+    _r(
+        "KTransformers",
+        "--gguf_path",
+        "GGUF is not read: serve the Hugging Face safetensors "
+        "checkpoint (INT4 / FP8 / bf16) with --model DIR",
+        "/g",
     ),
-    GuideFlag(
-        ("--kt-amx-weight-path",),
-        "warn",
-        "KT-Kernel",
-        example="/m",
-        why="the CPU experts are read from the --model checkpoint itself",
+    _w("KTransformers", "--optimize_config_path", "placement comes from --num-gpu-experts", "x"),
+    _w("KTransformers", "--max_new_tokens", "each request's max_tokens sets it", "512"),
+    _w("KTransformers", "--force_think", _THINK + "'{\"thinking\": false}'", switch=True),
+    _w(
+        "KTransformers",
+        "--use_cuda_graph",
+        "CUDA graphs are on unless --enforce-eager",
+        switch=True,
     ),
-    GuideFlag(
-        ("--kt-max-deferred-experts-per-token",),
-        "warn",
-        "KT-Kernel",
-        example="2",
-        why="expert deferral is not built: every routed expert is computed in its "
-        "layer (exact outputs)",
-    ),
-    GuideFlag(
-        ("--kt-expert-placement-strategy",),
-        "warn",
-        "KT-Kernel",
-        example="frequency",
-        why="the GPU gets experts 0..N-1, or the most-routed ones with "
-        "--expert-placement-file (written by --record-routing)",
-    ),
-    GuideFlag(
-        ("--kt-gpu-experts-ratio",),
-        "refuse",
-        "KT-Kernel",
-        example="0.1",
-        why=_GPU_EXPERTS + ", e.g. ratio 0.1 of 384 = --num-gpu-experts 38",
-    ),
-    GuideFlag(
-        ("--init-expert-location",),
-        "refuse",
-        "KT-Kernel",
-        example="stats.pt",
-        why="use --expert-placement-file COUNTS.json (the file --record-routing writes)",
-    ),
-    GuideFlag(("--n-cpu-moe", "--cpu-moe"), "refuse", "llama.cpp", example="30", why=_GPU_EXPERTS),
+    _w("KTransformers", "--backend_type", "one engine, k2serve's", "balance_serve"),
+    _w("KTransformers", "--web", "the OpenAI API is served; no web UI", switch=True),
 )
 
 # Built on other branches (speculative decoding, host KV tier, vision): accepted, inactive here.
@@ -409,7 +411,7 @@ PENDING: tuple[GuideFlag, ...] = tuple(
     )
 )
 
-ALL_FLAGS = FLAGS + PENDING
+ALL_FLAGS = FLAGS + MORE_FLAGS + PENDING
 
 # Environment variables of the guides: (name, status, what k2serve does with it).
 ENV_VARS: tuple[tuple[str, str, str], ...] = (
@@ -433,6 +435,9 @@ ENV_VARS: tuple[tuple[str, str, str], ...] = (
     ("VLLM_HOST_IP", "warn", "use --master-addr"),
     ("SGLANG_ENABLE_JIT_DEEPGEMM", "warn", "k2serve's FP8 GEMMs are its own Triton kernels"),
     ("SGL_ENABLE_JIT_DEEPGEMM", "warn", "k2serve's FP8 GEMMs are its own Triton kernels"),
+    ("VLLM_USE_V1", "warn", "k2serve has one engine"),
+    ("VLLM_MLA_DISABLE", "warn", "MLA is always absorbed for decode"),
+    ("PYTORCH_CUDA_ALLOC_CONF", "implemented", "read by torch's CUDA allocator"),
     (
         "USE_NUMA",
         "warn",
