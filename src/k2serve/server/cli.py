@@ -1,4 +1,9 @@
-"""`k2serve serve`: flags (vLLM names), engine start-up, the start-up log, uvicorn, SIGTERM drain.
+"""`k2serve serve`: flags (vLLM names, plus the guides' spellings), then start-up by phase.
+
+`run` goes: `_parse` (flags, guide spellings, EngineConfig) -> `_check` (this machine's
+hardware, `k2serve.server.machine`; the checkpoint directory; sampling defaults) -> a worker
+node (`--node-rank` > 0) runs its ranks headless, node 0 goes on: `launch.bind` (the port,
+before anything loads) -> `launch.load_engine` -> `launch.serve` (app, start-up log, uvicorn).
 
 Invariants:
 - Engine flags come from `EngineConfig.add_cli_args`, so serve / generate / chat agree on names
@@ -19,7 +24,7 @@ import re
 import sys
 
 from k2serve import envs
-from k2serve.server.launch import _Exit, bind, load_engine, serve
+from k2serve.server.launch import StartupError, bind, load_engine, serve
 
 logger = logging.getLogger("k2serve.server")
 
@@ -313,7 +318,9 @@ def _parse(args: argparse.Namespace):
     argv = list(getattr(args, "cli_argv", None) or sys.argv[1:])
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
-            raise _Exit(f"MODEL {args.model_tag!r} and --model {args.model!r} differ; give one")
+            raise StartupError(
+                f"MODEL {args.model_tag!r} and --model {args.model!r} differ; give one"
+            )
         args.model = args.model_tag
     try:
         apply_guide_flags(args, argv)
@@ -325,7 +332,7 @@ def _parse(args: argparse.Namespace):
         cfg = EngineConfig.from_cli_args(args)
         chat_template = _read_chat_template(args.chat_template)
     except ValueError as e:
-        raise _Exit(str(e)) from None
+        raise StartupError(str(e)) from None
     args.given_fields = _given_fields(args, argv)
     return cfg, chat_template
 
@@ -338,7 +345,7 @@ def _check(args: argparse.Namespace, cfg):
     try:
         cfg = check_machine(cfg, args.given_fields, getattr(args, "guide_numa_nodes", None))
     except ValueError as e:
-        raise _Exit(str(e)) from None
+        raise StartupError(str(e)) from None
     model_dir = cfg.model
     if model_dir is None:
         from k2serve.demo import demo_path
@@ -346,10 +353,10 @@ def _check(args: argparse.Namespace, cfg):
         try:
             model_dir = os.fspath(demo_path())
         except FileNotFoundError as e:
-            raise _Exit(str(e)) from None
+            raise StartupError(str(e)) from None
         cfg = cfg.replace(model=model_dir)
     if not os.path.isdir(model_dir):
-        raise _Exit(missing_model_message(model_dir))
+        raise StartupError(missing_model_message(model_dir))
     if cfg.node_rank > 0:
         return cfg, model_dir, None  # a worker node: node 0 owns the sampling defaults
     from k2serve.server.generation_config import load_generation_defaults
@@ -357,7 +364,7 @@ def _check(args: argparse.Namespace, cfg):
     try:
         sampling_defaults = load_generation_defaults(args.generation_config, model_dir)
     except ValueError as e:
-        raise _Exit(str(e)) from None
+        raise StartupError(str(e)) from None
     return cfg, model_dir, sampling_defaults
 
 
@@ -372,12 +379,12 @@ def run(args: argparse.Namespace) -> int:
             return _run_headless(args, cfg)
         sock = bind(args)
         engine = load_engine(cfg, model_dir, sock)
-    except _Exit as e:
+    except StartupError as e:
         print(f"k2serve serve: {e.message}", file=sys.stderr)
         return e.code
     try:
         return serve(args, engine, model_dir, chat_template, sampling_defaults, sock)
-    except _Exit as e:
+    except StartupError as e:
         print(f"k2serve serve: {e.message}", file=sys.stderr)
         return e.code
     finally:

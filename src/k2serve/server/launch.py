@@ -107,7 +107,7 @@ class _DrainingServer:
         return Server(config)
 
 
-class _Exit(Exception):
+class StartupError(Exception):
     """A start-up phase failed: print `message` (if any) and exit with `code`."""
 
     def __init__(self, message: str, code: int = 2):
@@ -125,10 +125,10 @@ def load_engine(cfg, model_dir: str, sock):
         engine = AsyncLLMEngine(cfg)
     except (ValueError, FileNotFoundError, OSError) as e:  # ConfigError is a ValueError
         sock.close()
-        raise _Exit(f"cannot load {model_dir}: {e}") from None
+        raise StartupError(f"cannot load {model_dir}: {e}") from None
     except WorkerError as e:  # a rank failed to start, or a node never joined
         sock.close()
-        raise _Exit(str(e), 1) from None
+        raise StartupError(str(e), 1) from None
     except BaseException:
         sock.close()
         raise
@@ -146,7 +146,7 @@ def bind(args: argparse.Namespace):
         return bind_port(args.host, args.port)
     except OSError as e:
         why = "address already in use" if e.errno == errno.EADDRINUSE else e.strerror or str(e)
-        raise _Exit(
+        raise StartupError(
             f"cannot listen on {args.host}:{args.port}: {why} (another server running? "
             "choose --port)"
         ) from None
@@ -163,7 +163,7 @@ def serve(args, engine, model_dir, chat_template, sampling_defaults, sock) -> in
     base = os.path.basename(os.path.normpath(model_dir))
     names = args.served_model_name or list(dict.fromkeys([args.model or base, base]))
     if engine.tokenizer is None:
-        raise _Exit(f"{model_dir} has no tokenizer files")
+        raise StartupError(f"{model_dir} has no tokenizer files")
     if chat_template is not None:
         engine.tokenizer.chat_template = chat_template
     app = build_app(
@@ -199,7 +199,7 @@ def serve(args, engine, model_dir, chat_template, sampling_defaults, sock) -> in
     server = _DrainingServer.make(config, state, args.drain_timeout, (fmt, host, port, bound))
     server.run(sockets=[sock])
     if not server.started:
-        raise _Exit(f"could not start on {args.host}:{args.port}", 1)
+        raise StartupError(f"could not start on {args.host}:{args.port}", 1)
     logger.info("stopped")
     return 0
 
