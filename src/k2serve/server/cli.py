@@ -229,12 +229,12 @@ def _run_headless(args: argparse.Namespace, cfg) -> int:
         spec = NodeSpec.from_engine_config(cfg)
         host, port = spec.control_address
         logger.info(
-            "worker node %d of %d%s: no HTTP server here; checkpoint %s found; waiting up to "
+            "worker node %d of %d%s: no HTTP server here; checkpoint %s; waiting up to "
             "%ds for node 0 at %s:%d (node 0 listens once it has loaded its own shard)",
             cfg.node_rank,
             cfg.nnodes,
             "" if args.headless else " (--node-rank > 0: runs as --headless)",
-            cfg.model,
+            f"{cfg.model} found" if cfg.model else "at node 0's --model path",
             cfg.dist_join_timeout,
             host,
             port,
@@ -347,6 +347,8 @@ def _check(args: argparse.Namespace, cfg):
     except ValueError as e:
         raise StartupError(str(e)) from None
     model_dir = cfg.model
+    if model_dir is None and cfg.node_rank > 0:
+        return cfg, None, None  # a worker without --model reads node 0's path when it joins
     if model_dir is None:
         from k2serve.demo import demo_path
 
