@@ -91,7 +91,7 @@ def apply_guide_flags(args: argparse.Namespace, argv: list[str] | None = None) -
         elif f.status == "one":
             if _int(flag, value) != 1:
                 raise ValueError(f"{shown}: {f.why}")
-            warnings.append(f"{shown}: one engine, as k2serve always runs")
+            warnings.append(f"{shown} changes nothing here: 1 is what k2serve runs")
         else:  # refuse
             raise ValueError(f"{flag} is not supported: {f.why}")
     for w in warnings:
