@@ -139,6 +139,11 @@ def test_slurm_site_options_and_absolute_paths(plans, tmp_path, monkeypatch):
         model_dir = next(x for x in text.splitlines() if x.startswith("MODEL_DIR="))
         assert model_dir == f"MODEL_DIR=${{MODEL_DIR:-{tmp_path}/models/Kimi-K2-Thinking}}"
     serve = (tmp_path / "out" / "serve.sbatch").read_text()
+    assert deploy("slurm", plans["tp8"], tmp_path / "env", "--module", "cuda/12.4", "--conda-env",
+                  "k2", "--venv", "venv") == 0  # fmt: skip
+    text = (tmp_path / "env" / "serve.sbatch").read_text()
+    assert (f"module load cuda/12.4\neval \"$(conda shell.bash hook)\"\nconda activate k2\n"
+            f"source {tmp_path}/venv/bin/activate\n") in text  # fmt: skip
     assert "export K2SERVE_CPU_THREADS=${K2SERVE_CPU_THREADS:-96}" in serve
     assert "#SBATCH --cpus-per-task=96" in serve and "--max-num-batched-tokens 8192" in serve
 

@@ -87,6 +87,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "'source /opt/k2serve/.venv/bin/activate', 'conda activate k2' (repeatable)",
     )
     p.add_argument(
+        "--module", action="append", default=[], metavar="NAME",
+        help="SLURM: 'module load NAME' before k2serve (repeatable)",
+    )  # fmt: skip
+    p.add_argument("--conda-env", default=None, help="SLURM: 'conda activate ENV' before k2serve")
+    p.add_argument("--venv", default=None, help="SLURM: 'source VENV/bin/activate' before k2serve")
+    p.add_argument(
         "--hf-home",
         default=None,
         help="HF_HOME for the download job (SLURM, systemd; default: huggingface_hub's)",
@@ -102,6 +108,17 @@ def _serve_args(plan: dict, model_path: str, port: str) -> list[str]:
     if "--model" in args:
         args[args.index("--model") + 1] = model_path
     return args + ["--host", "0.0.0.0", "--port", port]
+
+
+def _setup_lines(a: argparse.Namespace) -> list[str]:
+    """The environment set-up lines of the SLURM jobs: modules, conda, venv, then --setup."""
+    lines = [f"module load {shlex.quote(m)}" for m in getattr(a, "module", None) or []]
+    if getattr(a, "conda_env", None):
+        lines += ['eval "$(conda shell.bash hook)"', f"conda activate {shlex.quote(a.conda_env)}"]
+    if getattr(a, "venv", None):
+        venv = os.path.abspath(a.venv)
+        lines.append(f"source {shlex.quote(os.path.join(venv, 'bin', 'activate'))}")
+    return lines + list(getattr(a, "setup", None) or [])
 
 
 def context(plan: dict, a: argparse.Namespace, target: str = "k8s") -> dict:
@@ -214,7 +231,7 @@ def context(plan: dict, a: argparse.Namespace, target: str = "k8s") -> dict:
         "cpus": cpus,
         "env": env,
         "qos": getattr(a, "qos", None),
-        "setup_lines": list(getattr(a, "setup", None) or []),
+        "setup_lines": _setup_lines(a),
         "hf_home": os.path.abspath(a.hf_home) if getattr(a, "hf_home", None) else None,
         "time_limit": a.time,
         "partition": a.partition,

@@ -78,6 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-memory", default="0", help="host RAM for CPU experts, e.g. 1TB (0: none)")
     p.add_argument(
         "--cpu-bandwidth",
+        "--memory-bandwidth",
         default=None,
         help="usable DRAM bandwidth, e.g. 300GB/s, or 'measure' (this machine; default 250GB/s)",
     )
@@ -89,9 +90,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="'this': read cores, sockets, NUMA nodes and RAM from this machine; else the CPU "
         "model's name, for the record",
     )
-    g.add_argument("--cpu-cores", type=int, default=None, help="physical cores, all sockets")
-    g.add_argument("--cpu-sockets", type=int, default=None)
-    g.add_argument("--numa-nodes", type=int, default=None)
+    g.add_argument("--cpu-model", dest="cpu", default=None, help=argparse.SUPPRESS)
+    g.add_argument(
+        "--cpu-cores", "--cores", type=int, default=None, help="physical cores, all sockets"
+    )
+    g.add_argument("--cpu-sockets", "--sockets", type=int, default=None)
+    g.add_argument("--numa-nodes", "--cpu-numa-nodes", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's maximum")
     p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
     p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
