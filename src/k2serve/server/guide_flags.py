@@ -355,7 +355,7 @@ MORE_FLAGS: tuple[GuideFlag, ...] = (
     _w(
         "SGLang",
         "--disable-shared-experts-fusion --enable-p2p-check",
-        "nothing to switch here",
+        "k2serve has no such switch (its kernels are fixed per format)",
         switch=True,
     ),
     _w(
