@@ -205,8 +205,11 @@ def serve(args, engine, model_dir, chat_template, sampling_defaults, sock) -> in
 
 
 def _log_startup(engine, state, model_dir: str, names: list[str], args) -> None:
+    from k2serve import version_string
+
     ec = engine.config
     formats, experts = _describe_weights(engine)
+    logger.info("%s", version_string())
     logger.info(
         "model: %s (served as %s), max_model_len %d", model_dir, ", ".join(names),
         state.max_model_len,
