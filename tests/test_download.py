@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from k2serve import download as dl
+from k2serve.plan import download as dl
 
 
 def _cli(*args, env=None, timeout=60):

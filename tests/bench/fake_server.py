@@ -32,6 +32,7 @@ class Behavior:
     model: str = "fake-model"
     api_key: str | None = None
     tokens_per_word: int = 1
+    check_model: bool = False  # 404 for another model name, as vLLM / k2serve
 
 
 class FakeOpenAIServer:
@@ -132,6 +133,10 @@ class FakeOpenAIServer:
         self.arrivals.append(time.perf_counter())
         req = json.loads(body)
         self.bodies.append(req)
+        if b.check_model and req.get("model") != b.model:
+            msg = f"The model `{req.get('model')}` does not exist."
+            await self._respond(writer, 404, {"error": {"message": msg, "code": 404}})
+            return
         self._in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self._in_flight)
         try:

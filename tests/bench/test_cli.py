@@ -236,3 +236,37 @@ def test_calibrated_prompts_hit_the_token_target(fake_server, tmp_path, capsys):
     assert doc["config"]["calibration"]["tokens_per_word"] == pytest.approx(3.0)
     assert all(abs(r["prompt_tokens"] - 100) <= 2 for r in doc["requests"])
     assert len(server.bodies) == 2 + 3  # two probes, then the measured requests
+
+
+def test_a_wrong_model_prints_the_servers_message(fake_server, tmp_path, capsys):
+    server = fake_server(check_model=True)
+    rc, out, _ = _bench(capsys, server.base_url, tmp_path, "m.json", "--num-prompts", "3",
+                        "--model", "kimi-k2", "--random-input-len", "5", "--random-output-len",
+                        "2")  # fmt: skip
+    assert rc == 1
+    assert "http_404:" in out
+    assert "server said: The model `kimi-k2` does not exist." in out
+    assert load_result(tmp_path / "m.json")["error_examples"]["http_404"].startswith("{")
+
+
+def test_hf_dataset_from_a_local_file_and_trust_remote_code(fake_server, tmp_path, capsys):
+    rows = [
+        {"conversations": [{"from": "human", "value": "hello there"},
+                           {"from": "gpt", "value": "hi " * 40}]},
+        {"conversation": [{"role": "user", "content": [{"type": "image_url", "image_url": {}},
+                                                       {"type": "text", "text": "what is it"}]},
+                          {"role": "assistant", "content": "a cat"}]},
+    ]  # fmt: skip
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    server = fake_server()
+    rc, out, err = _bench(capsys, server.base_url, tmp_path, "h.json", "--dataset-name", "hf",
+                          "--dataset-path", str(path), "--num-prompts", "4",
+                          "--trust-remote-code")  # fmt: skip
+    assert rc == 0, err
+    assert "--trust-remote-code changes nothing here" in err
+    prompts = sorted({b["messages"][0]["content"] for b in server.bodies})
+    assert prompts == ["hello there", "what is it"]
+    rc, _, err = _bench(capsys, server.base_url, tmp_path, "x.json", "--dataset-name", "hf",
+                        "--dataset-path", "lmarena-ai/VisionArena-Chat")  # fmt: skip
+    assert rc == 2 and "looks like a hub dataset id" in err and "local files only" in err

@@ -226,7 +226,7 @@ def test_a_node_with_another_secret_or_layout_is_refused_with_the_reason(ckpts):
     assert not torch.distributed.is_initialized()
 
 
-def test_node_layout_errors_name_the_flag(capsys):
+def test_node_layout_errors_name_the_flag(capsys, tmp_path):
     from k2serve.cli import main
     from k2serve.engine.config import EngineConfig
 
@@ -236,8 +236,10 @@ def test_node_layout_errors_name_the_flag(capsys):
         EngineConfig(tensor_parallel_size=2, nnodes=2, node_rank=2)
     assert NodeSpec(2, 1, "10.0.0.1", 29500, 16).local_ranks() == range(8, 16)
     assert NodeSpec(2, 0, "::1", 29500, 2).init_method == "tcp://[::1]:29500"
-    assert main(["serve", "--device", "cpu", "-tp", "2", "--nnodes", "2", "--node-rank", "1"]) == 2
-    assert "add --headless" in capsys.readouterr().err
+    # a worker node needs no --headless (as SGLang), and checks its checkpoint before joining
+    worker = ["serve", "--device", "cpu", "-tp", "2", "--nnodes", "2", "--node-rank", "1"]
+    assert main([*worker, "--model", str(tmp_path / "missing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
     assert main(["serve", "--headless", "--device", "cpu"]) == 2
     assert "--nnodes N" in capsys.readouterr().err
     assert main(["serve", "--dist-init-addr", "nohost", "--device", "cpu"]) == 2

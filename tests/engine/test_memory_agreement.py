@@ -9,9 +9,9 @@ import pytest
 
 from k2serve import LLM
 from k2serve.config import ModelConfig
-from k2serve.hardware import GpuSpec
 from k2serve.memory import RUNTIME_RESERVE_BYTES
 from k2serve.plan import plan
+from k2serve.plan.hardware import GpuSpec
 
 MiB = 2**20
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from k2serve.cli import main
-from k2serve.hardware import gpu_preset, parse_bandwidth, parse_gpus, parse_size
+from k2serve.plan.hardware import gpu_preset, parse_bandwidth, parse_gpus, parse_size
 
 
 def test_parse_gpus():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from k2serve.config import ModelConfig, known_model_config
-from k2serve.hardware import parse_gpus
 from k2serve.plan import plan
+from k2serve.plan.hardware import parse_gpus
 
 GiB, TiB = 2**30, 2**40
 # One INT4 K2 expert: 3 x 7168 x 2048 weights at 4 bits + a bf16 scale per 32 + int32 shapes.

@@ -9,8 +9,8 @@ import pytest
 
 from k2serve.cli import main
 from k2serve.config import ModelConfig, known_model_config
-from k2serve.hardware import GPU_PRESETS, gpu_preset, parse_gpus
 from k2serve.plan import plan
+from k2serve.plan.hardware import GPU_PRESETS, gpu_preset, parse_gpus
 
 
 def run(name: str, gpus: str, **kw):

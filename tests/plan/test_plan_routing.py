@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 from k2serve.config import ModelConfig, known_model_config
-from k2serve.hardware import parse_gpus
 from k2serve.plan import plan
+from k2serve.plan.hardware import parse_gpus
 
 TiB = 2**40
 
@@ -33,7 +33,7 @@ def test_skewed_counts_raise_the_hit_rate_and_the_decode_estimate(tmp_path):
 
 
 def test_plan_cli_reads_the_recorded_file(tmp_path, capsys):
-    from k2serve.plan_cli import add_arguments, make_plan
+    from k2serve.plan.cli import add_arguments, make_plan
 
     cfg = ModelConfig.from_hf(known_model_config("kimi-k2-thinking"))
     f = tmp_path / "routing.json"

@@ -85,6 +85,11 @@ def test_serve_hub_id_says_how_to_download(capsys):
     assert "k2serve serve ./Kimi-K2-Instruct" in err
     assert main(["serve", "--model", "kimi-k2-thinking"]) == 2
     assert "k2serve download kimi-k2-thinking --dir ./Kimi-K2-Thinking" in capsys.readouterr().err
+    # a path naming a known checkpoint: download by name into that path (not the path as a repo)
+    assert main(["serve", "models/Kimi-K2.5"]) == 2
+    err = capsys.readouterr().err
+    assert "k2serve download kimi-k2.5 --dir models/Kimi-K2.5" in err
+    assert "k2serve serve models/Kimi-K2.5" in err
 
 
 def test_generation_config_flag(tmp_path, capsys):

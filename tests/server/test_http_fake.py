@@ -255,6 +255,8 @@ def test_models_health_version_metrics(fake_server, client):
     import k2serve
 
     assert v["version"] == k2serve.__version__
+    assert v["git_revision"] == k2serve.git_revision()  # this checkout's commit
+    assert v["git_revision"] is None or len(v["git_revision"]) >= 12
     text = httpx.get(fake_server.url + "/metrics").text
     for name in (
         "k2serve:time_to_first_token_seconds_bucket",

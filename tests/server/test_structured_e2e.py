@@ -473,3 +473,38 @@ def test_response_format_structural_tag_is_accepted(client, server):
         )
     assert ei.value.body["param"] == "response_format"
     _check_integrity(server)
+
+
+def test_tgi_grammar_forms_constrain_as_tgi(client, server):
+    """huggingface_hub's InferenceClient sends TGI's grammar: {"type": "json_object" | "json",
+    "value": SCHEMA} and {"type": "regex", "value": ...}; each constrains the reply."""
+    from huggingface_hub import InferenceClient
+
+    hf = InferenceClient(base_url=server.url, api_key="sk-so", timeout=120)
+    for fmt in (
+        {"type": "json_object", "value": PERSON},
+        {"type": "json", "value": PERSON},
+        {"type": "json", "value": json.dumps(PERSON)},  # the schema as a string
+    ):
+        out = hf.chat_completion(
+            _user("Describe someone."), model="demo", response_format=fmt, max_tokens=300,
+            temperature=1.0, seed=2, extra_body=NO_THINK,
+        )  # fmt: skip
+        ch = out.choices[0]
+        assert ch.finish_reason == "stop", (fmt, ch)
+        jsonschema.validate(json.loads(ch.message.content), PERSON)
+    r = client.chat.completions.create(
+        model="demo", messages=_user("Hi"), max_tokens=20, temperature=1.0,
+        response_format={"type": "regex", "value": "(yes|no)"}, extra_body=NO_THINK,
+    )  # fmt: skip
+    assert r.choices[0].message.content in ("yes", "no")
+    for bad, param in (
+        ({"type": "json"}, "response_format.value"),
+        ({"type": "json", "value": "{not json"}, "response_format.value"),
+        ({"type": "regex", "value": 3}, "response_format.value"),
+    ):
+        with pytest.raises(openai.BadRequestError) as ei:
+            client.chat.completions.create(model="demo", messages=_user("Hi"),
+                                           response_format=bad, max_tokens=5)  # fmt: skip
+        assert ei.value.body["param"] == param
+    _check_integrity(server)

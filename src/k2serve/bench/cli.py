@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("k2serve.bench.compare_cli", "side-by-side table of two result JSON files"),
 }
 DATASETS = {"random": "random", "sharegpt": "sharegpt", "jsonl": "jsonl", "custom": "jsonl"}
+DATASETS |= {"hf": "hf"}  # vLLM's hub datasets, read here from a local file (no hub access)
 DATASETS |= {"prefix": "prefix", "prefix_repetition": "prefix"}
 
 
@@ -75,9 +76,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--dataset-name",
         default="random",
         choices=sorted(DATASETS),
-        help="random | sharegpt | jsonl (alias custom) | prefix (alias prefix_repetition)",
+        help="random | sharegpt | jsonl (alias custom) | prefix (alias prefix_repetition) | "
+        "hf (a local copy of a hub dataset: ShareGPT or VisionArena records, JSON or JSONL)",
     )
-    g.add_argument("--dataset-path", default=None, help="file for sharegpt / jsonl")
+    g.add_argument("--dataset-path", default=None, help="file for sharegpt / jsonl / hf")
+    g.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted for `vllm bench serve` command lines; k2serve bench runs no model code "
+        "(token counts come from the server)",
+    )
     g.add_argument("--num-prompts", type=int, default=1000, help="requests to send")
     g.add_argument(
         "--duration",
@@ -234,7 +242,7 @@ def _samples(args: argparse.Namespace):
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     n = args.num_prompts
-    if name in ("sharegpt", "jsonl") and not args.dataset_path:
+    if name in ("sharegpt", "jsonl", "hf") and not args.dataset_path:
         raise ValueError(f"--dataset-name {args.dataset_name} needs --dataset-path")
     if name == "random":
         return ds.random_dataset(
@@ -258,6 +266,8 @@ def _samples(args: argparse.Namespace):
         )
     if name == "sharegpt":
         return ds.sharegpt_dataset(args.dataset_path, n, args.output_len, args.seed)
+    if name == "hf":
+        return ds.hf_dataset(args.dataset_path, n, args.output_len, args.seed)
     return ds.jsonl_dataset(args.dataset_path, n, args.output_len)
 
 
@@ -406,6 +416,9 @@ def run(args: argparse.Namespace) -> int:
     cmd = getattr(args, "bench_command", None)
     if cmd:
         return int(importlib.import_module(SUBCOMMANDS[cmd][0]).run(args) or 0)
+    if getattr(args, "trust_remote_code", False):
+        print("k2serve bench: --trust-remote-code changes nothing here: no model code runs on "
+              "the client (token counts come from the server)", file=sys.stderr)  # fmt: skip
     try:
         res = run_benchmark(args)
     except (ValueError, ConnectionError, FileNotFoundError) as e:

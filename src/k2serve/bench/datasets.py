@@ -227,3 +227,50 @@ def jsonl_dataset(
         else:
             raise DatasetError(f"{where}: needs 'prompt', 'messages' or 'conversations'")
     return _cycle(samples, num_prompts, path)
+
+
+def _text(content: object) -> str:
+    """An OpenAI message's content: the string, or the text parts of a part list."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(
+            str(p.get("text", ""))
+            for p in content
+            if isinstance(p, dict) and p.get("type") == "text"
+        )
+    return ""
+
+
+def hf_dataset(
+    path: str | Path, num_prompts: int, output_len: int | None = None, seed: int = 0
+) -> list[SampleRequest]:
+    """`--dataset-name hf` from a local file: ShareGPT records (`conversations` of from/value)
+    or VisionArena / OpenAI ones (`conversation` or `messages` of role/content; images are
+    left out: the first user turn's text is the prompt). Shuffled by seed, cycled if short."""
+    p = Path(path)
+    if not p.exists() and "/" in str(path) and not str(path).startswith((".", "/")):
+        raise DatasetError(
+            f"--dataset-path {str(path)!r} looks like a hub dataset id: k2serve bench reads "
+            "local files only; download it (huggingface-cli download --repo-type dataset "
+            f"{path}) and pass the JSON / JSONL file"
+        )
+    samples = []
+    for where, rec in _read_records(p):
+        if not isinstance(rec, dict):
+            raise DatasetError(f"{where}: a record must be a JSON object")
+        if "conversations" in rec:
+            s = _from_conversation(rec["conversations"], where, output_len)
+        elif isinstance(msgs := rec.get("conversation", rec.get("messages")), list):
+            turns = [t for t in msgs if isinstance(t, dict)]
+            conv = [{"from": t.get("role"), "value": _text(t.get("content"))} for t in turns]
+            s = _from_conversation(conv, where, output_len) if conv else None
+        else:
+            raise DatasetError(
+                f"{where}: needs 'conversations' (ShareGPT) or 'conversation' / 'messages' "
+                "(VisionArena, OpenAI)"
+            )
+        if s is not None:
+            samples.append(s)
+    order = np.random.default_rng(seed).permutation(len(samples))
+    return _cycle([samples[i] for i in order], num_prompts, p)

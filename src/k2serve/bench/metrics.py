@@ -115,6 +115,11 @@ def summarize(
         "completed": len(ok),
         "failed": len(failed),
         "errors_by_kind": dict(sorted(Counter(o.error for o in failed).items())),
+        # the server's own words for each kind (the first one seen), e.g. a 404's message
+        "error_examples": {
+            kind: next(o.error_detail for o in failed if o.error == kind)
+            for kind in sorted({o.error for o in failed if o.error})
+        },
         "token_counts": source,
         "requests_with_usage": with_usage,
         "total_input_tokens": total_in,

@@ -82,10 +82,26 @@ def format_table(res: dict[str, Any]) -> str:
         lines.append(_row("Requests meeting all SLOs:", res["good_requests"]))
     if res["errors_by_kind"]:
         lines.append(_rule("Errors"))
+        examples = res.get("error_examples") or {}
         for kind, n in res["errors_by_kind"].items():
             lines.append(_row(f"{kind}:", n))
+            if examples.get(kind):
+                lines.append(f"  server said: {_server_message(examples[kind])}")
     lines.append("=" * WIDTH)
     return "\n".join(lines)
+
+
+def _server_message(detail: str) -> str:
+    """The `message` of an OpenAI error body, else the text, on one line."""
+    try:
+        body = json.loads(detail)
+        err = body.get("error", body) if isinstance(body, dict) else body
+        msg = err.get("message") if isinstance(err, dict) else None
+        if msg:
+            return str(msg)[:300]
+    except (ValueError, AttributeError):
+        pass
+    return " ".join(detail.split())[:300]
 
 
 def _clean(v: Any) -> Any:

@@ -77,6 +77,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--download-partition", default=None, help="SLURM partition of the download job (no GPU)"
     )
     p.add_argument("--account", default=None, help="SLURM account")
+    p.add_argument("--qos", default=None, help="SLURM quality of service (--qos)")
+    p.add_argument(
+        "--setup",
+        action="append",
+        default=[],
+        metavar="LINE",
+        help="a shell line run before k2serve in the SLURM jobs, e.g. 'module load cuda/12.4', "
+        "'source /opt/k2serve/.venv/bin/activate', 'conda activate k2' (repeatable)",
+    )
+    p.add_argument(
+        "--module", action="append", default=[], metavar="NAME",
+        help="SLURM: 'module load NAME' before k2serve (repeatable)",
+    )  # fmt: skip
+    p.add_argument("--conda-env", default=None, help="SLURM: 'conda activate ENV' before k2serve")
+    p.add_argument("--venv", default=None, help="SLURM: 'source VENV/bin/activate' before k2serve")
+    p.add_argument(
+        "--hf-home",
+        default=None,
+        help="HF_HOME for the download job (SLURM, systemd; default: huggingface_hub's)",
+    )
     p.add_argument("--time", default="24:00:00", help="SLURM time limit")
     p.add_argument("--user", default="k2serve", help="systemd User=")
     p.add_argument("--k2serve-bin", default="/usr/local/bin/k2serve", help="systemd ExecStart")
@@ -88,6 +108,17 @@ def _serve_args(plan: dict, model_path: str, port: str) -> list[str]:
     if "--model" in args:
         args[args.index("--model") + 1] = model_path
     return args + ["--host", "0.0.0.0", "--port", port]
+
+
+def _setup_lines(a: argparse.Namespace) -> list[str]:
+    """The environment set-up lines of the SLURM jobs: modules, conda, venv, then --setup."""
+    lines = [f"module load {shlex.quote(m)}" for m in getattr(a, "module", None) or []]
+    if getattr(a, "conda_env", None):
+        lines += ['eval "$(conda shell.bash hook)"', f"conda activate {shlex.quote(a.conda_env)}"]
+    if getattr(a, "venv", None):
+        venv = os.path.abspath(a.venv)
+        lines.append(f"source {shlex.quote(os.path.join(venv, 'bin', 'activate'))}")
+    return lines + list(getattr(a, "setup", None) or [])
 
 
 def context(plan: dict, a: argparse.Namespace, target: str = "k8s") -> dict:
@@ -108,16 +139,26 @@ def context(plan: dict, a: argparse.Namespace, target: str = "k8s") -> dict:
     local_dir = local_dir or name_dir
     if target == "systemd" and not os.path.isabs(local_dir):
         local_dir = os.path.join("/var/lib/k2serve/models", name_dir)  # units need absolute paths
+    # jobs run from another directory than `deploy`: the path the plan named, made absolute here
+    local_dir = os.path.abspath(local_dir)
     serve_k8s = ["k2serve", "serve", *_serve_args(plan, k8s_dir, port)]
     serve_local = _serve_args(plan, "$MODEL_DIR", "$PORT")
     quoted = " ".join(f'"{x}"' if x.startswith("$") else shlex.quote(x) for x in serve_local)
-    # RAM: CPU experts plus 10% and 32 GiB for the process; SLURM --mem=0 asks for the node's all
+    # RAM: CPU experts plus 10% and 32 GiB for the process (a CPU-only plan: all it counted)
+    if not plan["num_gpus"]:
+        cpu_gib = math.ceil(plan["cpu_memory_needed"] / 2**30)
     mem_gib = math.ceil(cpu_gib * 1.1) + 32 if cpu_gib else 0
     nnodes = int(plan.get("nnodes", 1))
     num_gpus = int(plan["num_gpus"])
     gpus_per_pod = num_gpus // nnodes
     # a pod's request: the CPU experts' RAM as above, else room to stream the weights in
     pod_mem_gib = mem_gib or 64
+    # CPU threads: the plan's (one per physical core), else the CPUs the job asks for
+    host = src.get("host") or {}
+    env = dict(src.get("env") or {})
+    cpus = min(64, max(8, 8 * gpus_per_pod)) if not cpu_gib else int(host.get("cores") or 64)
+    if cpu_gib and "K2SERVE_CPU_THREADS" not in env:
+        env["K2SERVE_CPU_THREADS"] = str(cpus)
     node = _serve_args(plan, k8s_dir, port)
     master_port = int(plan.get("master_port", 29500))
     marker = f"{k8s_dir}/{DOWNLOAD_MARKER}"
@@ -183,11 +224,15 @@ def context(plan: dict, a: argparse.Namespace, target: str = "k8s") -> dict:
         "pvc_gib": math.ceil(model_gib * 1.1),
         "cpu_gib": cpu_gib,
         "memory_gib": pod_mem_gib,
-        "slurm_mem": f"{mem_gib}G" if mem_gib else "0",
+        "slurm_mem": f"{pod_mem_gib}G",
         "shm_gib": 16 if num_gpus > 1 else 4,
         # ~1 GiB/s from local NVMe: allow load time of the weights plus 10 minutes, in 10 s steps
         "startup_failures": max(60, math.ceil((model_gib + 600) / 10)),
-        "cpus": min(64, max(8, 8 * gpus_per_pod)) if not cpu_gib else 64,
+        "cpus": cpus,
+        "env": env,
+        "qos": getattr(a, "qos", None),
+        "setup_lines": _setup_lines(a),
+        "hf_home": os.path.abspath(a.hf_home) if getattr(a, "hf_home", None) else None,
         "time_limit": a.time,
         "partition": a.partition,
         "account": a.account,

@@ -163,6 +163,8 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r} is not one of auto, bfloat16, float16, float32")
         if self.load_format not in ("auto", "safetensors", "dummy"):
             raise ValueError(f"load_format={self.load_format!r} is not auto, safetensors or dummy")
+        if self.kv_cache_dtype in ("fp8_e4m3", "float8_e4m3fn"):  # vLLM / SGLang spellings
+            object.__setattr__(self, "kv_cache_dtype", "fp8")
         check_kv_cache_dtype(self.kv_cache_dtype)
         for name in ("attention_backend", "moe_backend"):
             if getattr(self, name) not in ("auto", "torch", "triton"):

@@ -25,7 +25,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from k2serve import __version__
+from k2serve import __version__, git_revision
 from k2serve.engine.contract import EngineClient
 from k2serve.server.auth import check_authorization, needs_key
 from k2serve.server.chat import ChatHandler, encode_prompt
@@ -348,9 +348,11 @@ def build_app(
             raise APIError(503, f"the engine is unhealthy: {e}", code="engine_dead") from None
         return Response(status_code=200)
 
+    revision = git_revision()  # once: a checkout's commit, None from a wheel
+
     @app.get("/version")
     async def version():
-        return {"version": __version__}
+        return {"version": __version__, "git_revision": revision}
 
     @app.get("/metrics")
     async def metrics():

@@ -1,4 +1,9 @@
-"""`k2serve serve`: flags (vLLM names), engine start-up, the start-up log, uvicorn, SIGTERM drain.
+"""`k2serve serve`: flags (vLLM names, plus the guides' spellings), then start-up by phase.
+
+`run` goes: `_parse` (flags, guide spellings, EngineConfig) -> `_check` (this machine's
+hardware, `k2serve.server.machine`; the checkpoint directory; sampling defaults) -> a worker
+node (`--node-rank` > 0) runs its ranks headless, node 0 goes on: `launch.bind` (the port,
+before anything loads) -> `launch.load_engine` -> `launch.serve` (app, start-up log, uvicorn).
 
 Invariants:
 - Engine flags come from `EngineConfig.add_cli_args`, so serve / generate / chat agree on names
@@ -12,15 +17,14 @@ Invariants:
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import logging
 import os
 import re
-import signal
 import sys
 
 from k2serve import envs
+from k2serve.server.launch import StartupError, bind, load_engine, serve
 
 logger = logging.getLogger("k2serve.server")
 
@@ -176,6 +180,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
     _add_multinode_arguments(parser)
+    from k2serve.server.guide_args import add_guide_arguments
+
+    add_guide_arguments(parser)  # last: it skips the spellings defined above
 
 
 # ---- multi-node (issue #17): --headless, --dist-init-addr; see k2serve.distributed.nodes ------
@@ -184,7 +191,8 @@ def _add_multinode_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--headless",
         action="store_true",
-        help="a worker node (--node-rank >= 1): run this node's ranks for node 0, no HTTP server",
+        help="a worker node (--node-rank >= 1): run this node's ranks for node 0, no HTTP "
+        "server (implied by --node-rank >= 1, as SGLang)",
     )
     g.add_argument(
         "--dist-init-addr",
@@ -218,105 +226,26 @@ def _run_headless(args: argparse.Namespace, cfg) -> int:
         )
         return 2
     try:
-        return run_headless(NodeSpec.from_engine_config(cfg), cfg.device, cfg.model)
+        spec = NodeSpec.from_engine_config(cfg)
+        host, port = spec.control_address
+        logger.info(
+            "worker node %d of %d%s: no HTTP server here; checkpoint %s; waiting up to "
+            "%ds for node 0 at %s:%d (node 0 listens once it has loaded its own shard)",
+            cfg.node_rank,
+            cfg.nnodes,
+            "" if args.headless else " (--node-rank > 0: runs as --headless)",
+            f"{cfg.model} found" if cfg.model else "at node 0's --model path",
+            cfg.dist_join_timeout,
+            host,
+            port,
+        )
+        return run_headless(spec, cfg.device, cfg.model)
     except ValueError as e:
         print(f"k2serve serve: {e}", file=sys.stderr)
         return 2
 
 
-def _exit_on_lost_rank(message: str) -> None:
-    """A multi-node group cannot go on without a rank: say why and exit (the orchestrator
-    restarts the group), instead of leaving a server that hangs or answers 503 forever."""
-    logger.critical("%s; exiting: a multi-node server cannot continue without every rank", message)
-    print(f"k2serve serve: {message}; exiting", file=sys.stderr, flush=True)
-    os._exit(1)
-
-
 # ---- end multi-node -----------------------------------------------------------------------------
-
-
-def _describe_weights(engine) -> tuple[str, str]:
-    """(weight formats, where experts live) for the start-up log."""
-    import torch
-
-    model = engine.model
-    cfg = engine.model_config
-    by_dtype: dict[str, int] = {}
-    devices: set[str] = set()
-    expert_devices: set[str] = set()
-    if isinstance(model, torch.nn.Module):
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            key = str(t.dtype).replace("torch.", "")
-            by_dtype[key] = by_dtype.get(key, 0) + t.numel() * t.element_size()
-            devices.add(str(t.device))
-            if ".experts." in name:
-                expert_devices.add(str(t.device))
-    quant = cfg.quant.method if cfg.quant else "bf16 (unquantized)"
-    if cfg.quant and cfg.quant.method == "int4_group":
-        quant = f"int4_group (group {cfg.quant.group_size})"
-    elif cfg.quant and cfg.quant.method == "fp8_block":
-        quant = f"fp8_block {cfg.quant.block_size[0]}x{cfg.quant.block_size[1]}"
-    tensors = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(by_dtype.items()))
-    formats = f"{quant}; tensors: {tensors or 'unknown'}"
-    where = ", ".join(sorted(expert_devices or devices)) or "unknown"
-    experts = f"{cfg.n_routed_experts} routed x {len(cfg.moe_layers)} MoE layers on {where}"
-    return formats, experts
-
-
-def bind_port(host: str, port: int):
-    """A TCP socket bound to (host, port), not yet listening (uvicorn listens on it once the
-    app is ready; until then connections are refused rather than left hanging).
-
-    Done before the model loads, so a busy port costs nothing. Raises OSError."""
-    import socket
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        # as uvicorn: reuse a port in TIME_WAIT; a port someone listens on still fails
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
-
-
-class _DrainingServer:
-    """A uvicorn.Server whose signal handler drains instead of re-raising the signal, and that
-    logs "serving on" once its socket really accepts connections."""
-
-    @staticmethod
-    def make(config, state, drain_timeout: float, serving_message: tuple = ()):
-        import uvicorn
-
-        class Server(uvicorn.Server):
-            async def startup(self, sockets=None):
-                await super().startup(sockets=sockets)
-                if self.started and serving_message:
-                    logger.info(*serving_message)
-
-            def handle_exit(self, sig, frame):  # noqa: ARG002 - uvicorn's signature
-                if not state.draining:
-                    name = signal.Signals(sig).name
-                    logger.info(
-                        "received %s: draining for up to %gs (no new connections)",
-                        name,
-                        drain_timeout,
-                    )
-                    loop = state.loop
-                    if loop is not None:
-                        loop.call_soon_threadsafe(
-                            loop.call_later, drain_timeout, state.stop_event.set
-                        )
-                state.draining = True
-                if self.should_exit and sig == signal.SIGINT:
-                    self.force_exit = True
-                else:
-                    self.should_exit = True
-
-        return Server(config)
 
 
 def missing_model_message(model: str) -> str:
@@ -327,6 +256,16 @@ def missing_model_message(model: str) -> str:
         return f"--model {model!r} is not a directory"
     key = model.lower()
     hub = re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", model) is not None
+    # a path whose last part names a known checkpoint (models/Kimi-K2.5): download it there
+    leaf = os.path.basename(os.path.normpath(model))
+    known = {repo.split("/")[-1].lower(): name for name, (_, repo) in KNOWN_MODELS.items()}
+    if leaf.lower() in known and model.lower() not in {r.lower() for _, r in KNOWN_MODELS.values()}:
+        if leaf != model:
+            return (
+                f"--model {model!r} does not exist yet; fetch it there first:\n"
+                f"    k2serve download {known[leaf.lower()]} --dir {model}\n"
+                f"then run:\n    k2serve serve {model}"
+            )
     if not hub and key not in KNOWN_MODELS:
         return f"--model {model!r} is not a directory (no such path)"
     target = "./" + (model.rsplit("/", 1)[-1] if hub else KNOWN_MODELS[key][1].split("/")[-1])
@@ -356,156 +295,100 @@ def _read_chat_template(value: str | None) -> str | None:
     return text
 
 
-def run(args: argparse.Namespace) -> int:
-    import uvicorn
+def _given_fields(args: argparse.Namespace, argv: list[str]) -> set[str]:
+    """EngineConfig fields set on the command line: changed from the default, or spelled out."""
+    from dataclasses import fields
 
-    from k2serve.distributed.workers import WorkerError
-    from k2serve.engine.async_engine import AsyncLLMEngine
     from k2serve.engine.config import EngineConfig
-    from k2serve.server.app import build_app
-    from k2serve.server.limits import uvicorn_http_protocol
 
+    defaults = EngineConfig()
+    named = {a.split("=", 1)[0].lstrip("-").replace("-", "_") for a in argv if a.startswith("--")}
+    return {
+        f.name
+        for f in fields(EngineConfig)
+        if f.name in named or getattr(args, f.name, None) != getattr(defaults, f.name)
+    }
+
+
+def _parse(args: argparse.Namespace):
+    """Phase 1, flags: guide spellings, MODEL vs --model, EngineConfig. -> (cfg, chat template)."""
+    from k2serve.engine.config import EngineConfig
+    from k2serve.server.guide_args import apply_guide_flags, env_warnings
+
+    argv = list(getattr(args, "cli_argv", None) or sys.argv[1:])
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
-            print(
-                f"k2serve serve: MODEL {args.model_tag!r} and --model {args.model!r} differ; "
-                "give one",
-                file=sys.stderr,
+            raise StartupError(
+                f"MODEL {args.model_tag!r} and --model {args.model!r} differ; give one"
             )
-            return 2
         args.model = args.model_tag
     try:
+        apply_guide_flags(args, argv)
+        if args.trust_remote_code:
+            logger.info("--trust-remote-code: k2serve runs no code from the checkpoint")
+        for line in env_warnings():
+            logger.warning("%s", line)
         _apply_dist_init_addr(args)
         cfg = EngineConfig.from_cli_args(args)
         chat_template = _read_chat_template(args.chat_template)
     except ValueError as e:
-        print(f"k2serve serve: {e}", file=sys.stderr)
-        return 2
-    if args.headless:
-        return _run_headless(args, cfg)
-    if cfg.node_rank != 0:
-        print(
-            f"k2serve serve: --node-rank {cfg.node_rank} is a worker node: add --headless "
-            "(node 0 serves HTTP)",
-            file=sys.stderr,
-        )
-        return 2
+        raise StartupError(str(e)) from None
+    args.given_fields = _given_fields(args, argv)
+    return cfg, chat_template
+
+
+def _check(args: argparse.Namespace, cfg):
+    """Phase 2, this machine and the model: the hardware the flags ask for, the checkpoint
+    directory, its sampling defaults. -> (cfg, model_dir, sampling defaults)."""
+    from k2serve.server.machine import check_machine
+
+    try:
+        cfg = check_machine(cfg, args.given_fields, getattr(args, "guide_numa_nodes", None))
+    except ValueError as e:
+        raise StartupError(str(e)) from None
     model_dir = cfg.model
+    if model_dir is None and cfg.node_rank > 0:
+        return cfg, None, None  # a worker without --model reads node 0's path when it joins
     if model_dir is None:
         from k2serve.demo import demo_path
 
         try:
             model_dir = os.fspath(demo_path())
         except FileNotFoundError as e:
-            print(f"k2serve serve: {e}", file=sys.stderr)
-            return 2
+            raise StartupError(str(e)) from None
         cfg = cfg.replace(model=model_dir)
     if not os.path.isdir(model_dir):
-        print(f"k2serve serve: {missing_model_message(model_dir)}", file=sys.stderr)
-        return 2
+        raise StartupError(missing_model_message(model_dir))
+    if cfg.node_rank > 0:
+        return cfg, model_dir, None  # a worker node: node 0 owns the sampling defaults
     from k2serve.server.generation_config import load_generation_defaults
 
     try:
         sampling_defaults = load_generation_defaults(args.generation_config, model_dir)
     except ValueError as e:
-        print(f"k2serve serve: {e}", file=sys.stderr)
-        return 2
-    # vLLM reports the --model string; the directory's name is accepted too
-    base = os.path.basename(os.path.normpath(model_dir))
-    names = args.served_model_name or list(dict.fromkeys([args.model or base, base]))
+        raise StartupError(str(e)) from None
+    return cfg, model_dir, sampling_defaults
 
+
+def run(args: argparse.Namespace) -> int:
+    """`k2serve serve`, phase by phase: flags, machine and model, engine, HTTP server."""
     try:
-        sock = bind_port(args.host, args.port)
-    except OSError as e:
-        why = "address already in use" if e.errno == errno.EADDRINUSE else e.strerror or str(e)
-        print(
-            f"k2serve serve: cannot listen on {args.host}:{args.port}: {why} "
-            "(another server running? choose --port)",
-            file=sys.stderr,
-        )
-        return 2
-    logger.info("loading %s", model_dir)
+        cfg, chat_template = _parse(args)
+        if args.headless and cfg.node_rank == 0:
+            return _run_headless(args, cfg)  # says what --headless needs
+        cfg, model_dir, sampling_defaults = _check(args, cfg)
+        if cfg.node_rank > 0:  # a worker node, with or without --headless (as SGLang)
+            return _run_headless(args, cfg)
+        sock = bind(args)
+        engine = load_engine(cfg, model_dir, sock)
+    except StartupError as e:
+        print(f"k2serve serve: {e.message}", file=sys.stderr)
+        return e.code
     try:
-        engine = AsyncLLMEngine(cfg)
-    except (ValueError, FileNotFoundError, OSError) as e:  # ConfigError is a ValueError
-        sock.close()
-        print(f"k2serve serve: cannot load {model_dir}: {e}", file=sys.stderr)
-        return 2
-    except WorkerError as e:  # a rank failed to start, or a node never joined
-        sock.close()
-        print(f"k2serve serve: {e}", file=sys.stderr)
-        return 1
-    except BaseException:
-        sock.close()
-        raise
-    if cfg.nnodes > 1:
-        engine.set_on_failure(_exit_on_lost_rank)  # several nodes: tensor parallel
-    try:
-        if engine.tokenizer is None:
-            print(f"k2serve serve: {model_dir} has no tokenizer files", file=sys.stderr)
-            return 2
-        if chat_template is not None:
-            engine.tokenizer.chat_template = chat_template
-        app = build_app(
-            engine,
-            served_model_names=names,
-            api_key=args.api_key,
-            max_body_bytes=args.max_request_body_bytes,
-            default_chat_template_kwargs=args.default_chat_template_kwargs,
-            allowed_origins=args.allowed_origins,
-            default_sampling_params=sampling_defaults,
-            allow_special_tokens_in_chat=args.allow_special_tokens_in_chat,
-            read_timeout=args.request_read_timeout or None,
-        )
-        state = app.state.k2
-        spec = engine.spec
-        formats, experts = _describe_weights(engine)
-        host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-        logger.info(
-            "model: %s (served as %s), max_model_len %d",
-            model_dir,
-            ", ".join(names),
-            state.max_model_len,
-        )
-        logger.info("weights: %s", formats)
-        logger.info("experts: %s", experts)
-        logger.info(
-            "KV cache: %d pages x %d tokens = %d tokens, prefix caching %s",
-            spec.num_kv_pages,
-            spec.page_size,
-            spec.kv_cache_tokens,
-            "on" if engine.config.enable_prefix_caching else "off",
-        )
-        logger.info(
-            "thinking by default: %s; api key: %s",
-            state.default_thinking,
-            "required" if args.api_key else "none",
-        )
-        timeouts = {}
-        if args.request_read_timeout:
-            timeouts["http"] = uvicorn_http_protocol(args.request_read_timeout)
-        config = uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.uvicorn_log_level,
-            **timeouts,
-            # backstop only: at --drain-timeout the app itself ends what is still running
-            timeout_graceful_shutdown=args.drain_timeout + 5,
-            access_log=False,
-        )
-        bound = "" if host == args.host else f", bound to {args.host}"
-        port = sock.getsockname()[1]  # --port 0: the one the system picked
-        fmt = "serving on http://%s:%d/v1 (OpenAI API; /health, /metrics%s)"
-        message: tuple = (fmt, host, port)
-        message += (bound,)
-        server = _DrainingServer.make(config, state, args.drain_timeout, message)
-        server.run(sockets=[sock])
-        if not server.started:
-            print(f"k2serve serve: could not start on {args.host}:{args.port}", file=sys.stderr)
-            return 1
-        logger.info("stopped")
-        return 0
+        return serve(args, engine, model_dir, chat_template, sampling_defaults, sock)
+    except StartupError as e:
+        print(f"k2serve serve: {e.message}", file=sys.stderr)
+        return e.code
     finally:
         sock.close()
         engine.shutdown()

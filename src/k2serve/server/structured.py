@@ -15,6 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from k2serve.server.errors import bad_request
@@ -40,12 +41,43 @@ def _make(param: str, thinking: bool, **kw) -> tuple[StructuredOutputsParams, st
         ) from None
 
 
+def _tgi_schema(value):
+    """TGI's `value`: a schema object (or bool), or the schema as a JSON string."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise bad_request(
+                "response_format.value must be a JSON schema (an object, or one as a string)",
+                param="response_format.value",
+            ) from None
+    if not isinstance(value, (dict, bool)):
+        raise bad_request("response_format.value must be a JSON schema object",
+                          param="response_format.value")  # fmt: skip
+    return value
+
+
 def output_constraint(req, thinking: bool) -> tuple[StructuredOutputsParams, str] | None:
     """The request's output constraint and the field it came from, or None."""
     found: list[tuple[StructuredOutputsParams, str]] = []
     rf = getattr(req, "response_format", None)
     if rf is not None and rf.type != "text":
-        if rf.type == "json_object":
+        tgi = (rf.model_extra or {}).get("value")  # TGI's grammar: {"type": ..., "value": ...}
+        if rf.type in ("json", "json_object") and tgi is not None:
+            found.append(_make("response_format", thinking, json=_tgi_schema(tgi)))
+        elif rf.type == "json":
+            raise bad_request(
+                "response_format type 'json' (TGI's grammar) needs 'value': a JSON schema",
+                param="response_format.value",
+            )
+        elif rf.type == "regex":  # TGI's grammar
+            if not isinstance(tgi, str):
+                raise bad_request(
+                    "response_format type 'regex' (TGI's grammar) needs 'value': a regex string",
+                    param="response_format.value",
+                )
+            found.append(_make("response_format", thinking, regex=tgi))
+        elif rf.type == "json_object":
             found.append(_make("response_format", thinking, json_object=True))
         elif rf.type == "json_schema":
             js = rf.json_schema
@@ -61,7 +93,8 @@ def output_constraint(req, thinking: bool) -> tuple[StructuredOutputsParams, str
         else:
             raise bad_request(
                 f"response_format.type={rf.type!r} is not supported "
-                "(use 'text', 'json_object', 'json_schema' or 'structural_tag')",
+                "(use 'text', 'json_object', 'json_schema' or 'structural_tag'; TGI's 'json' "
+                "and 'regex' with 'value')",
                 param="response_format.type",
             )
     so = getattr(req, "structured_outputs", None)

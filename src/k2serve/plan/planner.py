@@ -1,9 +1,9 @@
 """The memory and speed planner: what fits where, derived from tensor shapes and dtypes.
 
-Owns: the byte count of every weight group of a DeepSeek-V3 / Kimi-K2 checkpoint (from
-`ModelConfig` shapes and its quantization), the latent KV bytes per token, and `plan(...)`, the
+Owns: the latent KV bytes per token, the activation and runtime allowances, and `plan(...)`, the
 one pure function that `k2serve plan` prints and `k2serve serve` uses to size its KV cache and
-place experts.
+place experts. Weight bytes come from `k2serve.plan.weights`; what to change when a plan does not
+fit, from `k2serve.plan.suggest`.
 
 Invariants:
 - No torch import: `k2serve plan` must answer in well under a second.
@@ -17,211 +17,30 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
-from k2serve import plan_commands as pc
 from k2serve.config import ModelConfig
-from k2serve.hardware import GPU_PRESETS, GpuSpec
 from k2serve.memory import (  # the formulas the engine sizes its cache with
     RUNTIME_RESERVE_BYTES,
     activation_bytes,
-    dtype_bytes,
     graph_pool_bytes,
     kv_bytes_per_token,
     kv_cache_pages,
 )
-
-_dtype_bytes = dtype_bytes
-
-
-# --------------------------------------------------------------------------------------------
-# Weights
-
-
-def linear_bytes(
-    config: ModelConfig, module: str, out_features: int, in_features: int, quantized: bool = True
-) -> int:
-    """Bytes of one Linear weight as stored in the checkpoint (weight plus its scales).
-
-    `module` is the checkpoint module name (with the K2.5 "language_model." prefix) so the
-    compressed-tensors ignore list applies as it does at load time. `quantized=False` marks
-    modules the format never quantizes (router, embeddings; lm_head under fp8).
-    """
-    q = config.quant
-    base = int(_dtype_bytes(config.torch_dtype))
-    if q is None or not quantized:
-        return out_features * in_features * base
-    if q.method == "fp8_block":
-        # float8_e4m3fn weight + float32 weight_scale_inv [ceil(out/b0), ceil(in/b1)]
-        b0, b1 = q.block_size
-        return out_features * in_features + 4 * math.ceil(out_features / b0) * math.ceil(
-            in_features / b1
-        )
-    if q.method == "int4_group":
-        if q.is_ignored(module):
-            return out_features * in_features * base
-        # int32 weight_packed [out, in/8] + bf16 weight_scale [out, in/group] + int32 shape [2]
-        packed = out_features * math.ceil(in_features / 8) * 4
-        scales = out_features * math.ceil(in_features / q.group_size) * 2
-        return packed + scales + 2 * 4
-    raise ValueError(f"unknown quantization method {q.method!r}")
-
-
-def _mlp_bytes(config: ModelConfig, module: str, inter: int) -> int:
-    h = config.hidden_size
-    return (
-        linear_bytes(config, f"{module}.gate_proj", inter, h)
-        + linear_bytes(config, f"{module}.up_proj", inter, h)
-        + linear_bytes(config, f"{module}.down_proj", h, inter)
-    )
-
-
-@dataclass(frozen=True)
-class WeightBreakdown:
-    """Bytes per weight group, whole model (all layers), as stored.
-
-    Attention is split into what tensor parallelism shards (q_b_proj, kv_b_proj, o_proj; or
-    q_proj without q-LoRA) and what every TP rank replicates (q_a_proj, kv_a_proj_with_mqa,
-    their norms and the layer norms), as vLLM's DeepseekV2 attention does.
-    """
-
-    attention_sharded: int
-    attention_replicated: int
-    dense_mlp: int
-    shared_experts: int
-    router: int
-    routed_experts: int
-    embeddings: int  # embed_tokens + lm_head + final norm
-    lm_head: int  # the part of `embeddings` read for every decoded token
-    vision: int  # K2.5 vision tower + mm_projector (bf16)
-    expert_bytes: int  # one routed expert (gate + up + down with scales)
-    num_moe_layers: int
-
-    @property
-    def attention(self) -> int:
-        return self.attention_sharded + self.attention_replicated
-
-    @property
-    def non_expert(self) -> int:
-        return self.total - self.routed_experts
-
-    @property
-    def total(self) -> int:
-        return (
-            self.attention
-            + self.dense_mlp
-            + self.shared_experts
-            + self.router
-            + self.routed_experts
-            + self.embeddings
-            + self.vision
-        )
-
-
-def _attention_bytes(config: ModelConfig, layer: int) -> tuple[int, int]:
-    """(TP-sharded, replicated) bytes of one decoder layer's attention and layer norms."""
-    p = f"{config.weight_prefix}model.layers.{layer}.self_attn"
-    h, nh = config.hidden_size, config.num_attention_heads
-    base = int(_dtype_bytes(config.torch_dtype))
-    lin = lambda name, o, i: linear_bytes(config, f"{p}.{name}", o, i)
-    kv_b_out = nh * (config.qk_nope_head_dim + config.v_head_dim)
-    sharded = lin("kv_b_proj", kv_b_out, config.kv_lora_rank)
-    sharded += lin("o_proj", h, nh * config.v_head_dim)
-    replicated = lin("kv_a_proj_with_mqa", config.kv_lora_rank + config.qk_rope_head_dim, h)
-    replicated += config.kv_lora_rank * base  # kv_a_layernorm
-    if config.q_lora_rank:
-        replicated += lin("q_a_proj", config.q_lora_rank, h) + config.q_lora_rank * base
-        sharded += lin("q_b_proj", nh * config.qk_head_dim, config.q_lora_rank)
-    else:
-        sharded += lin("q_proj", nh * config.qk_head_dim, h)
-    replicated += 2 * h * base  # input_layernorm, post_attention_layernorm
-    return sharded, replicated
-
-
-def vision_bytes(config: ModelConfig) -> int:
-    """K2.5 MoonViT tower + patch-merger projector, bf16, from `vision_config` shapes."""
-    vc = config.raw.get("vision_config") if config.has_vision else None
-    if not vc:
-        return 0
-    d, inter, p = int(vc["vt_hidden_size"]), int(vc["vt_intermediate_size"]), int(vc["patch_size"])
-    layers = int(vc["vt_num_hidden_layers"])
-    mk = vc.get("merge_kernel_size") or [2, 2]
-    merged = d * int(mk[0]) * int(mk[1])  # 4608 for a 2x2 merge of 1152
-    text = int(vc.get("text_hidden_size") or config.hidden_size)
-    params = d * 3 * p * p + d  # patch_embed.proj weight [d, 3, p, p] + bias
-    params += int(vc.get("init_pos_emb_height", 64)) * int(vc.get("init_pos_emb_width", 64)) * d
-    block = 4 * d  # norm0, norm1 weight + bias
-    block += 3 * d * d + 3 * d  # wqkv
-    block += d * d + d  # wo
-    block += inter * d + inter + d * inter + d  # mlp fc0, fc1
-    params += layers * block + 2 * d  # + final_layernorm
-    params += 2 * d + merged * merged + merged + text * merged + text  # mm_projector
-    return params * 2
-
-
-def weight_breakdown(config: ModelConfig) -> WeightBreakdown:
-    """Every weight of the checkpoint, grouped as the planner places them."""
-    pre = config.weight_prefix
-    h = config.hidden_size
-    base = int(_dtype_bytes(config.torch_dtype))
-    att_s = att_r = dense = shared = router = routed = 0
-    expert = 0
-    moe_layers = config.moe_layers
-    for i in range(config.num_hidden_layers):
-        s, r = _attention_bytes(config, i)
-        att_s, att_r = att_s + s, att_r + r
-        mlp = f"{pre}model.layers.{i}.mlp"
-        if i in moe_layers:
-            # router: gate.weight [E, hidden] bf16 + e_score_correction_bias [E] fp32
-            router += config.n_routed_experts * h * base + config.n_routed_experts * 4
-            if config.n_shared_experts:
-                inter = config.n_shared_experts * config.moe_intermediate_size
-                shared += _mlp_bytes(config, f"{mlp}.shared_experts", inter)
-            expert = _mlp_bytes(config, f"{mlp}.experts.0", config.moe_intermediate_size)
-            routed += config.n_routed_experts * expert
-        else:
-            dense += _mlp_bytes(config, mlp, config.intermediate_size)
-    emb = config.vocab_size * h * base + h * base  # embed_tokens + final norm
-    lm_head = config.vocab_size * h * base  # tied: the embedding matrix is read
-    if not config.tie_word_embeddings:
-        lm_q = config.quant is not None and config.quant.method == "int4_group"
-        lm_head = linear_bytes(config, f"{pre}lm_head", config.vocab_size, h, quantized=lm_q)
-        emb += lm_head
-    return WeightBreakdown(
-        attention_sharded=att_s,
-        attention_replicated=att_r,
-        dense_mlp=dense,
-        shared_experts=shared,
-        router=router,
-        routed_experts=routed,
-        embeddings=emb,
-        lm_head=lm_head,
-        vision=vision_bytes(config),
-        expert_bytes=expert,
-        num_moe_layers=len(moe_layers),
-    )
-
-
-def weight_bytes(config: ModelConfig, include_vision: bool = True) -> int:
-    """Bytes of all weights as stored (= the checkpoint's tensor bytes)."""
-    b = weight_breakdown(config)
-    return b.total if include_vision else b.total - b.vision
-
+from k2serve.plan import commands as pc
+from k2serve.plan.hardware import CPU_MEMORY_UTILIZATION, GpuSpec
+from k2serve.plan.suggest import suggestions
+from k2serve.plan.weights import weight_breakdown
 
 # --------------------------------------------------------------------------------------------
-# Runtime memory
+# Runtime memory (the KV, activation and graph formulas are k2serve.memory's)
 
 # Usable DRAM bandwidth assumed when --cpu-bandwidth is not given (a 12-channel DDR5 socket reads
 # ~250-300 GB/s in practice; field.md §0).
 DEFAULT_CPU_BANDWIDTH = 250e9
-# Share of host RAM the CPU experts may take; the rest is the OS, page cache and pinned buffers.
-CPU_MEMORY_UTILIZATION = 0.9
 # Defaults mirrored from k2serve.engine.config.EngineConfig.
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_PAGE_SIZE = 16
-# Suggestions do not offer contexts shorter than this.
-MIN_USEFUL_CONTEXT = 4096
 
 
 # --------------------------------------------------------------------------------------------
@@ -515,6 +334,8 @@ def plan(
         )
     if g and gpu and not gpu.nvlink and g > 1:
         notes.append(f"{gpu.name} GPUs talk over PCIe: TP all-reduces cost more than on NVLink")
+    if g > 2 and gpu and gpu.name == "H100NVL":
+        notes.append("H100 NVL: NVLink bridges join pairs; TP over more than 2 crosses PCIe")
     if g and gpu and not gpu.fp8 and config.quant and config.quant.method == "fp8_block":
         notes.append(f"{gpu.name} has no FP8 tensor cores: FP8 weights run through dequantization")
     fits = not reasons
@@ -523,6 +344,7 @@ def plan(
     args = pc.serve_args(
         model, g, ctx, max_num_seqs, kv_cache_dtype, gpu_memory_utilization,
         nnodes=nnodes, master_port=master_port, cpu_kv_cache_bytes=cpu_kv,
+        max_num_batched_tokens=max_num_batched_tokens,
     )  # fmt: skip
     if g and cpu_exp:
         args += ["--num-gpu-experts", str(gpu_exp)]
@@ -581,94 +403,5 @@ def plan(
         node_commands=pc.node_commands(args, nnodes, master_addr),
     )
     if not fits and suggest:
-        p.suggestions = _suggestions(config, p, gpu)
+        p.suggestions = suggestions(config, p, gpu, replan=plan)
     return p
-
-
-def _suggestions(config: ModelConfig, p: Plan, gpu: GpuSpec | None) -> list[str]:
-    """What would fit, each found by re-planning with settings changed (and the longest context
-    that then fits, when the requested one still does not)."""
-    base: dict[str, Any] = dict(
-        model=p.model,
-        gpu=gpu,
-        num_gpus=p.num_gpus,
-        cpu_memory=p.cpu_memory,
-        cpu_bandwidth=p.cpu_bandwidth,
-        max_model_len=p.max_model_len,
-        max_num_seqs=p.max_num_seqs,
-        max_num_batched_tokens=p.max_num_batched_tokens,
-        kv_cache_dtype=p.kv_cache_dtype,
-        gpu_memory_utilization=p.gpu_memory_utilization,
-        suggest=False,
-        gpus_per_node=p.gpus_per_node,
-    )
-
-    def longest(**changes) -> int:
-        """Largest max_model_len <= the requested one that fits (0 if none); fit is monotone."""
-        lo, hi = 0, p.max_model_len
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            ok = plan(config, **{**base, **changes, "max_model_len": mid}).fits
-            lo, hi = (mid, hi) if ok else (lo, mid - 1)
-        return lo
-
-    def say(what: str, flags: str, **changes) -> int:
-        n = longest(**changes)
-        if n >= p.max_model_len:
-            out.append(f"{what}: {flags}")
-        elif n >= MIN_USEFUL_CONTEXT:
-            out.append(f"{what}, shorter context: " + f"{flags} --max-model-len {n}".strip())
-        return n
-
-    out: list[str] = []
-    say("this hardware", "")  # only ever the shorter-context line: the plan did not fit
-    if p.kv_cache_dtype != "fp8":
-        say(
-            "an fp8 KV cache (half the bytes per token)",
-            "--kv-cache-dtype fp8",
-            kv_cache_dtype="fp8",
-        )
-    if gpu and p.gpu_memory_utilization < 0.95:
-        say("larger memory share", "--gpu-memory-utilization 0.95", gpu_memory_utilization=0.95)
-    counts = pc.valid_counts(lambda n: _valid_tp(config, n), p.gpus_per_node)
-    if gpu:  # the fewest GPUs that fit some useful context, then the requested one
-        for n in (n for n in counts if n > p.num_gpus):
-            if say("more GPUs", f"--gpus {n}x{gpu.name}", num_gpus=n) >= p.max_model_len:
-                break
-            if out and out[-1].startswith("more GPUs"):
-                more = [m for m in counts if m > n]
-                full = next((m for m in more if longest(num_gpus=m) >= p.max_model_len), None)
-                if full:
-                    out.append(f"more GPUs: --gpus {full}x{gpu.name}")
-                break
-    bigger = _bigger_gpu(config, base, counts, gpu, p.max_model_len)
-    if bigger:
-        out.append(f"GPUs with more memory: --gpus {bigger}")
-    q = plan(config, **{**base, "cpu_memory": 2**60})
-    if q.fits and q.num_cpu_experts:
-        need = math.ceil(q.cpu_memory_needed / CPU_MEMORY_UTILIZATION / 2**30)
-        what = "routed experts in host RAM" if p.cpu_memory == 0 else "more host RAM"
-        out.append(f"{what}: --cpu-memory {need}GB or more")
-    if not out:
-        out.append(
-            f"nothing within {pc.MAX_NODES_SUGGESTED} nodes of {p.gpus_per_node} GPUs fits; "
-            "lower --max-model-len or add --cpu-memory"
-        )
-    return out
-
-
-def _bigger_gpu(config, base: dict, counts: list[int], gpu, ctx: int) -> str | None:
-    """The fewest GPUs of a model in the table with more memory than `gpu` (any model when
-    CPU only) that fit `ctx` within the suggested node counts: 'COUNTxNAME' or None."""
-    have = gpu.memory_bytes if gpu else 0
-    best = None
-    for spec in sorted(GPU_PRESETS.values(), key=lambda s: (s.memory_bytes, s.bandwidth)):
-        if spec.memory_bytes <= have:
-            continue
-        for n in counts:
-            q = plan(config, **{**base, "gpu": spec, "num_gpus": n, "max_model_len": ctx})
-            if q.fits and not q.num_cpu_experts:
-                if best is None or n < best[0]:
-                    best = (n, spec.name)
-                break
-    return f"{best[0]}x{best[1]}" if best else None

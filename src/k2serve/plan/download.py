@@ -57,7 +57,7 @@ def resolve_repo(model: str) -> tuple[str, int | None]:
     """(repo id, expected weight bytes or None) for a known name or an owner/name repo id."""
     key = model.lower()
     if key in KNOWN_MODELS:
-        from k2serve.plan import weight_bytes
+        from k2serve.plan.weights import weight_bytes
 
         cfg, repo = KNOWN_MODELS[key]
         return repo, weight_bytes(ModelConfig.from_hf(cfg))

@@ -54,10 +54,13 @@ def serve_args(
     nnodes: int = 1,
     master_port: int = DEFAULT_MASTER_PORT,
     cpu_kv_cache_bytes: int | None = None,
+    max_num_batched_tokens: int | None = None,
 ) -> list[str]:
     """The flags every node gets (node rank, node 0's address and --headless come on top)."""
     args = ["--model", model, "--max-model-len", str(max_model_len)]
     args += ["--max-num-seqs", str(max_num_seqs)]
+    if max_num_batched_tokens is not None:  # the step budget the activations were sized for
+        args += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
     if num_gpus:
         args += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
     else:

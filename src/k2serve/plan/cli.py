@@ -10,19 +10,21 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 
 from k2serve.config import KNOWN_MODELS, ConfigError, ModelConfig, known_model_config
-from k2serve.hardware import GPU_PRESETS, format_bytes, parse_bandwidth, parse_gpus, parse_size
-from k2serve.plan import (
+from k2serve.plan.commands import (
+    DEFAULT_GPUS_PER_NODE,
+    DEFAULT_MASTER_PORT,
+    MASTER_ADDR_PLACEHOLDER,
+)
+from k2serve.plan.hardware import GPU_PRESETS, format_bytes, parse_bandwidth, parse_gpus, parse_size
+from k2serve.plan.host import HostCpu, detect_host, measure_bandwidth
+from k2serve.plan.planner import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     Plan,
     plan,
-)
-from k2serve.plan_commands import (
-    DEFAULT_GPUS_PER_NODE,
-    DEFAULT_MASTER_PORT,
-    MASTER_ADDR_PLACEHOLDER,
 )
 
 DEFAULT_GPUS = "8xH200"
@@ -75,12 +77,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT)
     p.add_argument("--cpu-memory", default="0", help="host RAM for CPU experts, e.g. 1TB (0: none)")
     p.add_argument(
-        "--cpu-bandwidth", default=None, help="usable DRAM bandwidth, e.g. 300GB/s (default 250)"
+        "--cpu-bandwidth",
+        "--memory-bandwidth",
+        default=None,
+        help="usable DRAM bandwidth, e.g. 300GB/s, or 'measure' (this machine; default 250GB/s)",
     )
+    g = p.add_argument_group("host CPU (CPU-only and hybrid plans)")
+    g.add_argument(
+        "--cpu",
+        default=None,
+        metavar="this|MODEL",
+        help="'this': read cores, sockets, NUMA nodes and RAM from this machine; else the CPU "
+        "model's name, for the record",
+    )
+    g.add_argument("--cpu-model", dest="cpu", default=None, help=argparse.SUPPRESS)
+    g.add_argument(
+        "--cpu-cores", "--cores", type=int, default=None, help="physical cores, all sockets"
+    )
+    g.add_argument("--cpu-sockets", "--sockets", type=int, default=None)
+    g.add_argument("--numa-nodes", "--cpu-numa-nodes", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's maximum")
     p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
     p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
-    p.add_argument("--kv-cache-dtype", choices=("auto", "bf16", "fp8"), default="bf16")
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "bf16", "fp8", "fp8_e4m3"),
+        default="bf16",
+        help="fp8_e4m3 (vLLM / SGLang spelling) = fp8",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument(
         "--num-gpu-experts", type=int, default=None, help="routed experts per layer on the GPUs"
@@ -100,6 +124,10 @@ def resolve_model(name_or_dir: str) -> tuple[ModelConfig, str, str | None]:
         return ModelConfig.from_hf(known_model_config(key)), key, KNOWN_MODELS[key][1]
     if os.path.exists(name_or_dir):
         return ModelConfig.from_hf(name_or_dir), name_or_dir, None
+    leaf = os.path.basename(os.path.normpath(name_or_dir)).lower()
+    for key, (_, repo) in KNOWN_MODELS.items():  # models/Kimi-K2.5, not downloaded yet
+        if leaf == repo.split("/")[-1].lower():
+            return ModelConfig.from_hf(known_model_config(key)), key, repo
     raise ConfigError(
         f"--model {name_or_dir!r} is neither a known model ({', '.join(KNOWN_MODELS)}) "
         "nor an existing checkpoint directory"
@@ -121,7 +149,13 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, dict]:
     if gpus is None and (args.gpu_memory or args.gpu_bandwidth):
         raise ValueError("--gpu-memory / --gpu-bandwidth need --gpus COUNT (e.g. --gpus 2)")
     num_gpus, gpu = parse_gpus(gpus or DEFAULT_GPUS, args.gpu_memory, args.gpu_bandwidth)
+    host = _host(args)
+    if host.memory_bytes and args.cpu_memory == "0" and getattr(args, "cpu", None) == "this":
+        args.cpu_memory = str(host.memory_bytes)
     model_dir = args.model_dir
+    if model_dir is None and name != args.model and not os.path.exists(args.model):
+        if args.model.lower() not in KNOWN_MODELS:
+            model_dir = args.model  # a path naming a known checkpoint: it goes there
     if model_dir is None:
         model_dir = f"models/{repo.split('/')[-1]}" if repo else name
     p = plan(
@@ -130,11 +164,11 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, dict]:
         gpu=gpu,
         num_gpus=num_gpus,
         cpu_memory=parse_size(args.cpu_memory),
-        cpu_bandwidth=parse_bandwidth(args.cpu_bandwidth) if args.cpu_bandwidth else None,
+        cpu_bandwidth=host.bandwidth,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype="fp8" if args.kv_cache_dtype == "fp8_e4m3" else args.kv_cache_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_experts=args.num_gpu_experts,
         **_routing(args, config),
@@ -144,7 +178,31 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, dict]:
     )
     source = {"name": name, "hf_repo": repo, "model_dir": model_dir}
     source["gpus_assumed"] = gpus is None
+    source["host"] = host.to_dict()
+    if host.cores and (p.num_cpu_experts or not p.num_gpus):
+        # the CPU kernel's threads: one per physical core (serve reads K2SERVE_CPU_THREADS)
+        source["env"] = {"K2SERVE_CPU_THREADS": str(host.cores)}
     return p, source
+
+
+def _host(args: argparse.Namespace) -> HostCpu:
+    """The host CPU facts from --cpu / --cpu-cores / --cpu-sockets / --numa-nodes /
+    --cpu-bandwidth (given values win over what --cpu this reads)."""
+    cpu = getattr(args, "cpu", None)
+    host = detect_host() if cpu == "this" else HostCpu(model=cpu)
+    for key, flag in (("cores", "--cpu-cores"), ("sockets", "--cpu-sockets"),
+                      ("numa_nodes", "--numa-nodes")):  # fmt: skip
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None:
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+            host = replace(host, **{key: value})
+    bw = args.cpu_bandwidth
+    if bw == "measure":
+        host = replace(host, bandwidth=measure_bandwidth(), bandwidth_source="measured")
+    elif bw:
+        host = replace(host, bandwidth=parse_bandwidth(bw), bandwidth_source="given")
+    return host
 
 
 def render(p: Plan, source: dict) -> str:
@@ -166,7 +224,20 @@ def render(p: Plan, source: dict) -> str:
     if source.get("gpus_assumed"):
         hw += " (assumed: no --gpus given; --gpus none plans for the CPU alone)"
     out.append(f"model    {source['name']} ({p.quantization})")
-    out.append(f"hardware {hw}; host RAM {gb(p.cpu_memory)}, {p.cpu_bandwidth / 1e9:.0f} GB/s")
+    host = source.get("host") or {}
+    bw_src = host.get("bandwidth_source", "assumed")
+    out.append(
+        f"hardware {hw}; host RAM {gb(p.cpu_memory)}, {p.cpu_bandwidth / 1e9:.0f} GB/s ({bw_src})"
+    )
+    cpu_plan = bool(p.num_cpu_experts or not p.num_gpus)
+    if cpu_plan:
+        facts = HostCpu(**host).describe() if host else "CPU model not given"
+        out.append(f"host CPU {facts}")
+        if not host.get("cores") or bw_src == "assumed":
+            out.append(
+                "         the CPU estimate needs the box's facts: --cpu this (this machine), or "
+                "--cpu-cores / --cpu-sockets / --numa-nodes and --cpu-bandwidth GB/s|measure"
+            )
     n_exp = p.num_routed_experts * p.num_moe_layers
     out.append(
         f"weights  {gb(w['total'])}: routed experts {gb(w['routed_experts'])} "
@@ -207,12 +278,23 @@ def render(p: Plan, source: dict) -> str:
         f"sequences, or {p.max_num_seqs} sequences of "
         f"{p.kv_cache_tokens // p.max_num_seqs:,} tokens on average"
     )
+    if p.devices:
+        out.append(_kv_arithmetic(p))
     out.append(
         f"decode   roofline at batch 1: {p.decode_tokens_per_s:.0f} tok/s "
         f"({p.decode_tokens_per_s_full_context:.0f} at {p.max_model_len:,} tokens of context); "
         f"reads {gb(p.gpu_bytes_per_token)}/token per GPU + {gb(p.cpu_bytes_per_token)}/token "
         "from RAM (an upper bound: it leaves out kernel launches and all-reduce latency)"
     )
+    if cpu_plan:
+        out.append(
+            f"         = {gb(p.cpu_bytes_per_token)} read from RAM per token / "
+            f"{p.cpu_bandwidth / 1e9:.0f} GB/s ({bw_src}); CPU decode is usually slower than "
+            "this roofline (compute, NUMA traffic), and measured CPU-only K2 serving is 2-4 tok/s"
+            if not p.num_gpus
+            else f"         the CPU experts' share: {gb(p.cpu_bytes_per_token)}/token at "
+            f"{p.cpu_bandwidth / 1e9:.0f} GB/s ({bw_src})"
+        )
     for note in p.notes:
         out.append(f"note     {note}")
     out.append("")
@@ -231,7 +313,8 @@ def render(p: Plan, source: dict) -> str:
                 out.append(f"# node {r} of {p.nnodes} ({role}):")
                 out.append(cmd)
         else:
-            out.append(p.command)
+            env = " ".join(f"{k}={v}" for k, v in (source.get("env") or {}).items())
+            out.append((env + " " if env else "") + p.command)
     else:
         out.append(f"DOES NOT FIT ({len(p.reasons)} limit{'s' if len(p.reasons) > 1 else ''}):")
         for reason in p.reasons:
@@ -241,6 +324,23 @@ def render(p: Plan, source: dict) -> str:
     return "\n".join(out)
 
 
+def _kv_arithmetic(p: Plan) -> str:
+    """How the KV token count follows from one GPU's budget (every TP rank holds every token's
+    latent, so this is also the whole server's capacity)."""
+    gb = format_bytes
+    d = p.devices[0]
+    kv = d.rows.get("kv_cache", 0)
+    other = d.used - kv
+    return (
+        f"KV math  per GPU: {p.gpu_memory_utilization:g} x memory = {gb(d.capacity)}, minus "
+        f"weights + activations + graphs + runtime {gb(other)} = {gb(kv)} for the cache; "
+        f"{gb(kv)} / {p.kv_bytes_per_token:,} bytes/token = {p.kv_cache_tokens:,} tokens "
+        f"(whole pages of 16). Activations are sized for --max-num-batched-tokens "
+        f"{p.max_num_batched_tokens} and --max-num-seqs {p.max_num_seqs}: larger budgets, or an "
+        f"engine that profiles at its own, leave fewer tokens"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         p, source = make_plan(args)
@@ -248,7 +348,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"k2serve plan: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({**p.to_dict(), "source": source}, indent=2))
+        d = {**p.to_dict(), "source": source}
+        env = " ".join(f"{k}={v}" for k, v in (source.get("env") or {}).items())
+        if env and p.nnodes == 1:
+            d["command"] = f"{env} {d['command']}"
+        print(json.dumps(d, indent=2))
     else:
         print(render(p, source))
     return 0 if p.fits else 1

@@ -19,6 +19,10 @@ from dataclasses import asdict, dataclass, replace
 MiB = 2**20
 
 
+# Share of host RAM the CPU experts may take; the rest is the OS, page cache and pinned buffers.
+CPU_MEMORY_UTILIZATION = 0.9
+
+
 @dataclass(frozen=True)
 class GpuSpec:
     name: str
@@ -42,9 +46,10 @@ GPU_PRESETS: dict[str, GpuSpec] = {
     "L20": GpuSpec("L20", 46068 * MiB, 0.864e12, False, True),  # L20 48GB
     "RTX4090": GpuSpec("RTX4090", 24564 * MiB, 1.008e12, False, True),  # GeForce RTX 4090 24GB
     "RTX6000PRO": GpuSpec("RTX6000PRO", 97887 * MiB, 1.792e12, False, True),  # RTX PRO 6000 96GB
-    # H100 NVL 94GB HBM3, 3.9 TB/s; PCIe cards, NVLink bridges join pairs only (not NVSwitch)
+    # H100 NVL 94GB HBM3, 3.9 TB/s; PCIe cards sold in NVLink-bridged pairs (600 GB/s), which
+    # is how the guides run them: NVLink (more than 2 talk over PCIe between the pairs)
     # https://www.nvidia.com/en-us/data-center/h100/ (datasheet, "H100 NVL" column)
-    "H100NVL": GpuSpec("H100NVL", 95830 * MiB, 3.9e12, False, True),
+    "H100NVL": GpuSpec("H100NVL", 95830 * MiB, 3.9e12, True, True),
     # H100 PCIe 80GB HBM2e, 2.0 TB/s (same datasheet, "H100 PCIe" column)
     "H100PCIE": GpuSpec("H100PCIE", 81559 * MiB, 2.0e12, False, True),
     # L40S 48GB GDDR6, 864 GB/s: https://www.nvidia.com/en-us/data-center/l40s/
