@@ -45,7 +45,12 @@ class LLM:
             seed=seed,
             **engine_args,
         )
-        self.llm_engine = LLMEngine(cfg)
+        if cfg.data_parallel_size > 1:  # one engine per data-parallel rank (issue 29)
+            from k2serve.engine.dp import DPEngine
+
+            self.llm_engine = DPEngine(cfg)
+        else:
+            self.llm_engine = LLMEngine(cfg)
         self._ids = itertools.count()
 
     # ---- lifetime: `with LLM(...) as llm:` / `llm.close()` stop tensor-parallel workers -------
