@@ -4,6 +4,7 @@ middle of the run, requests spread over both ranks, no page leaked."""
 
 import pytest
 
+from k2serve.distributed.errors import WorkerError
 from k2serve.engine.llm import LLM
 from k2serve.engine.sampling_params import SamplingParams
 
@@ -38,3 +39,39 @@ def test_dp2_greedy_equals_one_process_with_eplb_midrun(reference):
         )
     # both engines served requests (the front end spreads them by load)
     assert all(s.num_finished > 0 for s in stats)
+
+
+def test_dp_dead_rank_is_detected():
+    with LLM(data_parallel_size=2, **COMMON) as llm:
+        proc = llm.llm_engine.group._procs[0]  # rank 1
+        proc.kill()
+        proc.join(10)
+        with pytest.raises(WorkerError, match="rank 1"):
+            llm.generate(PROMPTS[:3], SamplingParams(max_tokens=3))
+
+
+@pytest.mark.slow
+def test_dp_two_nodes_of_two_ranks_greedy_equals_one_process(reference, monkeypatch):
+    """-dp 4 over two 'nodes' (this process + a `serve --headless` subprocess), EPLB on."""
+    from .test_multinode import _env, _free_port_pair, _k2serve, _rank_pids, _stop
+
+    port = _free_port_pair()
+    dp = ["--data-parallel-size", "4", "--data-parallel-size-local", "2",
+          "--data-parallel-rpc-port", str(port)]  # fmt: skip
+    node1 = _k2serve("--headless", "--device", "cpu", *dp, "--data-parallel-start-rank", "2",
+                     env=_env(K2SERVE_DIST_SECRET="s3cret"))  # fmt: skip
+    monkeypatch.setenv("K2SERVE_DIST_SECRET", "s3cret")
+    eplb = {"window_size": 8, "step_interval": 4, "num_redundant_experts": 4}
+    try:
+        _rank_pids(node1)
+        with LLM(data_parallel_size=4, data_parallel_size_local=2, data_parallel_rpc_port=port,
+                 enable_eplb=True, eplb_config=eplb, dist_join_timeout=120,
+                 **COMMON) as llm:  # fmt: skip
+            got = _greedy(llm)
+            status = llm.llm_engine.eplb_status()
+            llm.llm_engine.check_integrity()
+        assert node1.wait(30) == 0
+    finally:
+        _stop(node1)
+    assert got == reference
+    assert all(n >= 1 for n, _, _ in status)

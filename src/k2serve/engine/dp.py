@@ -231,6 +231,11 @@ class DPEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._rank_of) or bool(self._work)
 
+    def grammar_backend(self):
+        """Rank 0's structured-output backend: the server compiles a constraint there first,
+        so a bad schema is a 400 before the request reaches a rank."""
+        return self.local.grammar_backend()
+
     def get_num_unfinished_requests(self) -> int:
         return len(self._rank_of)
 

@@ -210,6 +210,21 @@ def _run_headless(args: argparse.Namespace, cfg) -> int:
     from k2serve.distributed.headless import run_headless
     from k2serve.distributed.nodes import NodeSpec
 
+    # ---- issue 29 (data parallel): a headless node holds data-parallel ranks ----
+    if cfg.data_parallel_size > 1:
+        from k2serve.distributed.dp_layout import dp_node_spec
+
+        spec = dp_node_spec(cfg)
+        if spec is None or spec.node_rank == 0:
+            print(
+                "k2serve serve: --headless with --data-parallel-size runs the ranks of another "
+                "node: give --data-parallel-size-local L (< the size) and "
+                "--data-parallel-start-rank R (R >= L); rank 0's node serves HTTP",
+                file=sys.stderr,
+            )
+            return 2
+        return run_headless(spec, cfg.device, cfg.model)
+    # ---- end issue 29 ----
     if cfg.nnodes < 2 or cfg.node_rank == 0:
         print(
             "k2serve serve: --headless runs a worker node: give --nnodes N (N >= 2) and "
@@ -391,6 +406,13 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if cfg.data_parallel_start_rank != 0:  # issue 29
+        print(
+            f"k2serve serve: --data-parallel-start-rank {cfg.data_parallel_start_rank} holds "
+            "the ranks of another node: add --headless (rank 0's node serves HTTP)",
+            file=sys.stderr,
+        )
+        return 2
     model_dir = cfg.model
     if model_dir is None:
         from k2serve.demo import demo_path
@@ -439,11 +461,9 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:
         sock.close()
         raise
-    if cfg.nnodes > 1:
-        from k2serve.engine.executor import MultiprocExecutor
-
-        runner = engine.engine.runner
-        assert isinstance(runner, MultiprocExecutor)  # several nodes: tensor parallel
+    dp_nodes = (cfg.data_parallel_size_local or cfg.data_parallel_size) < cfg.data_parallel_size
+    if cfg.nnodes > 1 or dp_nodes:  # several nodes: tensor parallel, or data parallel (issue 29)
+        runner = engine.engine.runner  # MultiprocExecutor or DPEngine
         runner.set_on_failure(_exit_on_lost_rank)
     try:
         if engine.tokenizer is None:
