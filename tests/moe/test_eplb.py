@@ -124,3 +124,13 @@ def test_load_window_slides():
         w.record(torch.tensor([[step, 1]]))
     assert w.load().tolist() == [[2 + 3 + 4, 3]]  # only the last three steps
     assert w.filled == 3
+
+
+def test_identity_map_is_contiguous_with_replicas_at_the_end():
+    emap = ExpertMap.identity(2, 8, 2, 2)  # 10 slots, 5 per rank
+    check_map(emap, 8)
+    assert emap.rank_slots(0, 0) == [0, 1, 2, 3, 4]
+    assert emap.rank_slots(1, 1) == [5, 6, 7, 0, 1]
+    assert ExpertMap.contiguous(1, 8, 4).rank_slots(0, 3) == [6, 7]
+    with pytest.raises(EplbError, match="split evenly"):
+        ExpertMap.identity(1, 8, 4, 1)

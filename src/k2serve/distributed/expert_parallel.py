@@ -52,6 +52,7 @@ class EPContext:
     load: torch.Tensor | None = None  # [L, E] int64 pairs per logical expert (real tokens)
     recording: bool = True  # False while a dummy batch runs
     num_dispatches: int = 0  # MoE-layer dispatches run by this rank (lock-step checks)
+    num_received: int = 0  # (token, expert) pairs this rank's experts computed (its load)
     moe_layers: list[int] = field(default_factory=list)  # decoder index of MoE layer i
 
     def take_load(self) -> torch.Tensor:  # [L, E] since the last call, then zeroed
@@ -155,6 +156,7 @@ def dispatch_combine(
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
     sc, rc = send_counts.tolist(), recv_counts.tolist()
+    ctx.num_received += sum(rc)
     send_x = x[order // k]  # [Ps, hidden]
     send_slot = flat_phys[order] - dest[order] * slots_per_rank  # [Ps] slot on its rank
     recv_x = x.new_empty(sum(rc), H)  # [Pr, hidden]

@@ -210,21 +210,39 @@ class ExpertMap:
     num_ranks: int
 
     @classmethod
+    def from_phy2log(cls, phy2log: torch.Tensor, num_ranks: int) -> ExpertMap:
+        """The map whose slot p holds logical expert phy2log[:, p] ([L, P])."""
+        L, P = phy2log.shape
+        E = int(phy2log.max()) + 1
+        logcnt = torch.zeros(L, E, dtype=torch.int64)
+        logcnt.scatter_add_(1, phy2log, torch.ones_like(phy2log))
+        max_rep = int(logcnt.max())
+        log2phy = torch.full((L, E, max_rep), -1, dtype=torch.int64)
+        for layer in range(L):
+            seen = [0] * E
+            for p, e in enumerate(phy2log[layer].tolist()):
+                log2phy[layer, e, seen[e]] = p
+                seen[e] += 1
+        return cls(phy2log.clone(), log2phy, logcnt, num_ranks)
+
+    @classmethod
     def identity(cls, num_layers: int, num_experts: int, num_ranks: int, num_redundant: int = 0):
-        """The starting map: expert e in slot e; the R extra slots replicate experts 0..R-1
-        (replicate_experts on a uniform load). P must split evenly over the ranks."""
-        phy2log, log2phy, logcnt = rebalance_experts(
-            torch.ones(num_layers, num_experts), num_experts + num_redundant, num_ranks
-        )
-        return cls(phy2log, log2phy, logcnt, num_ranks)
+        """The starting map (vLLM's): slot p holds expert p mod E, so rank r holds a contiguous
+        range of experts and the R extra slots (the last ranks') replicate experts 0..R-1.
+        P = E + R must split evenly over the ranks."""
+        P = num_experts + num_redundant
+        if P % num_ranks:
+            raise EplbError(
+                f"{P} physical experts (n_routed_experts + num_redundant_experts) do not split "
+                f"evenly over {num_ranks} expert-parallel ranks"
+            )
+        phy2log = (torch.arange(P, dtype=torch.int64) % num_experts).repeat(num_layers, 1)
+        return cls.from_phy2log(phy2log, num_ranks)
 
     @classmethod
     def contiguous(cls, num_layers: int, num_experts: int, num_ranks: int):
         """No redundancy, expert e in slot e (rank e // (E / W)): plain expert parallelism."""
-        phy2log = torch.arange(num_experts).repeat(num_layers, 1)
-        log2phy = phy2log.clone().unsqueeze(-1)
-        logcnt = torch.ones(num_layers, num_experts, dtype=torch.int64)
-        return cls(phy2log, log2phy, logcnt, num_ranks)
+        return cls.identity(num_layers, num_experts, num_ranks)
 
     @classmethod
     def balanced(cls, load: torch.Tensor, num_physical: int, num_ranks: int, **kw) -> ExpertMap:
