@@ -247,8 +247,15 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # ConfigError is a ValueError
         print(f"k2serve plan: {e}", file=sys.stderr)
         return 2
+    # ---- issue 29: the DP+EP alternative and the recommendation (k2serve.plan_dp) ----
+    from k2serve.plan_dp import dp_ep_plan
+    from k2serve.plan_dp import render as render_dp
+
+    dp = dp_ep_plan(resolve_model(args.model)[0], p) if p.num_gpus > 1 else None
+    # ---- end issue 29 ----
     if args.json:
-        print(json.dumps({**p.to_dict(), "source": source}, indent=2))
+        extra = {"dp_ep": dp.to_dict()} if dp is not None else {}
+        print(json.dumps({**p.to_dict(), **extra, "source": source}, indent=2))
     else:
-        print(render(p, source))
+        print(render(p, source) + ("\n" + "\n".join(render_dp(dp, p)) if dp else ""))
     return 0 if p.fits else 1

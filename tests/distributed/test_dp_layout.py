@@ -27,6 +27,17 @@ def test_vllm_flags_and_node_layout():
     assert dp_node_spec(short).node_rank == 1
 
 
+def test_torchrun_style_node_flags_map_to_the_dp_layout():
+    c = _cfg("-dp", "16", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.2",
+             "--master-port", "12000")  # fmt: skip
+    assert (c.data_parallel_size_local, c.data_parallel_start_rank) == (8, 8)
+    assert (c.nnodes, c.node_rank) == (1, 0)
+    spec = dp_node_spec(c)
+    assert (spec.node_rank, spec.master_addr, spec.master_port) == (1, "10.0.0.2", 12000)
+    with pytest.raises(ValueError, match="disagrees"):
+        _cfg("-dp", "16", "--nnodes", "2", "--node-rank", "1", "-dpl", "4")
+
+
 def test_sglang_aliases():
     c = _cfg("-tp", "8", "--dp-size", "8", "--enable-dp-attention")
     assert (c.data_parallel_size, c.tensor_parallel_size) == (8, 1)

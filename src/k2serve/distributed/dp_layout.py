@@ -45,10 +45,7 @@ def check_data_parallel(cfg) -> None:
             f"--data-parallel-size {dp * tp} instead"
         )
     if dp > 1 and cfg.nnodes > 1:
-        raise ValueError(
-            "--nnodes / --node-rank are tensor parallel's; with --data-parallel-size use "
-            "--data-parallel-size-local, --data-parallel-start-rank and --headless"
-        )
+        _from_torchrun_flags(cfg)
     local = cfg.data_parallel_size_local if cfg.data_parallel_size_local is not None else dp
     _int("data_parallel_size_local", local, 1)
     if dp % local:
@@ -69,6 +66,34 @@ def check_data_parallel(cfg) -> None:
         eplb_config(cfg)  # raises EplbError (a ValueError) naming the key
     if (cfg.enable_eplb or eplb is not None) and dp == 1:
         raise ValueError("--enable-eplb / --eplb-config need --data-parallel-size > 1")
+
+
+def _from_torchrun_flags(cfg) -> None:
+    """`-dp N --nnodes K --node-rank R --master-addr A --master-port P` (what the deploy
+    templates pass every node) -> N / K ranks per node, this node's first rank R * N / K, node 0
+    at A:P; the data-parallel spellings, if given too, must agree."""
+    dp, nnodes, node_rank = cfg.data_parallel_size, cfg.nnodes, cfg.node_rank
+    if dp % nnodes:
+        raise ValueError(f"data_parallel_size={dp} is not a multiple of nnodes={nnodes}")
+    local = dp // nnodes
+    if cfg.data_parallel_size_local not in (None, local):
+        raise ValueError(
+            f"data_parallel_size_local={cfg.data_parallel_size_local} disagrees with "
+            f"data_parallel_size={dp} over nnodes={nnodes}"
+        )
+    if not isinstance(node_rank, int) or not 0 <= node_rank < nnodes:
+        raise ValueError(f"node_rank={node_rank!r} must be in [0, nnodes={nnodes})")
+    if cfg.data_parallel_start_rank not in (0, node_rank * local):
+        raise ValueError(
+            f"data_parallel_start_rank={cfg.data_parallel_start_rank} disagrees with "
+            f"node_rank={node_rank} x {local} ranks per node"
+        )
+    for k, v in (("data_parallel_size_local", local),
+                 ("data_parallel_start_rank", node_rank * local),
+                 ("data_parallel_address", cfg.data_parallel_address or cfg.master_addr),
+                 ("data_parallel_rpc_port", cfg.master_port),
+                 ("nnodes", 1), ("node_rank", 0)):  # fmt: skip
+        object.__setattr__(cfg, k, v)
 
 
 def eplb_config(cfg):

@@ -159,12 +159,11 @@ class EngineConfig:
             raise ValueError(
                 f"distributed_backend={self.distributed_backend!r} is not auto, nccl or gloo"
             )
+        from k2serve.distributed.dp_layout import check_data_parallel
         from k2serve.distributed.nodes import check_nodes
 
+        check_data_parallel(self)  # may rewrite SGLang's / torchrun's spellings (issue 29)
         check_nodes(self.nnodes, self.node_rank, self.tensor_parallel_size, self.master_port)
-        from k2serve.distributed.dp_layout import check_data_parallel
-
-        check_data_parallel(self)  # may turn SGLang's --tp N --dp-size N into -dp N
         positive("dist_join_timeout")
         for name in ("max_model_len", "kv_cache_memory", "num_kv_pages", "max_waiting"):
             positive(name, allow_none=True)

@@ -27,7 +27,7 @@ everything here is pure tensor code on the CPU (no process group), so it is unit
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -208,6 +208,7 @@ class ExpertMap:
     log2phy: torch.Tensor  # [L, E, R] slots of each logical expert, -1 padded
     logcnt: torch.Tensor  # [L, E] replicas of each logical expert
     num_ranks: int
+    _on_device: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_phy2log(cls, phy2log: torch.Tensor, num_ranks: int) -> ExpertMap:
@@ -266,10 +267,14 @@ class ExpertMap:
     ) -> torch.Tensor:  # [T, k] logical -> [T, k] physical slot
         """Round-robin over each expert's replicas by flat pair index (+ offset)."""
         dev = topk_ids.device
+        maps = self._on_device.get(dev)
+        if maps is None:  # one copy per device, not one per layer call
+            maps = self._on_device[dev] = (self.logcnt.to(dev), self.log2phy.to(dev))
+        logcnt, log2phy = maps
         flat = topk_ids.reshape(-1)  # [T * k]
-        cnt = self.logcnt[layer].to(dev)[flat]  # [T * k]
+        cnt = logcnt[layer][flat]  # [T * k]
         which = (torch.arange(flat.numel(), device=dev) + offset) % cnt
-        return self.log2phy[layer].to(dev)[flat, which].view_as(topk_ids)
+        return log2phy[layer][flat, which].view_as(topk_ids)
 
 
 def rank_loads(emap: ExpertMap, load: torch.Tensor) -> torch.Tensor:
