@@ -61,6 +61,15 @@ def check_data_parallel(cfg) -> None:
     port = cfg.data_parallel_rpc_port
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65534:
         raise ValueError(f"data_parallel_rpc_port={port!r} must be in 1..65534")
+    if dp > 1:
+        for name in ("num_gpu_experts", "expert_placement_file", "record_routing"):
+            if getattr(cfg, name, None) is not None:
+                raise ValueError(f"{name} (experts in host RAM) is not supported with "
+                                 f"data_parallel_size={dp}: the experts are spread over the "
+                                 "data-parallel ranks' GPUs")  # fmt: skip
+        if getattr(cfg, "dynamic_expert_placement", False):
+            raise ValueError("dynamic_expert_placement is for one GPU with host-RAM experts; with "
+                             "--data-parallel-size use --enable-eplb")  # fmt: skip
     eplb = cfg.eplb_config
     if eplb is not None:
         eplb_config(cfg)  # raises EplbError (a ValueError) naming the key

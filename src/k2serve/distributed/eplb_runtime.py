@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ def _tensors(module: nn.Module) -> list[torch.Tensor]:
     return list(module.state_dict(keep_vars=True).values())
 
 
-def apply_expert_map(model: nn.Module, new_map: ExpertMap, backend: str = "auto") -> int:
+def apply_expert_map(model: Any, new_map: ExpertMap, backend: str = "auto") -> int:
     """Move expert weights so that every rank holds its slots of `new_map`; -> experts this
     rank received. Every rank of the group must call it with the same map."""
     ctx = model.ep_context
@@ -83,7 +84,7 @@ def apply_expert_map(model: nn.Module, new_map: ExpertMap, backend: str = "auto"
 class EplbRunner:
     """One rank's EPLB state: the load window and the rebalance schedule (module doc)."""
 
-    def __init__(self, model: nn.Module, config: EplbConfig, num_nodes: int = 1) -> None:
+    def __init__(self, model: Any, config: EplbConfig, num_nodes: int = 1) -> None:
         self.model, self.config, self.num_nodes = model, config, num_nodes
         ctx = model.ep_context
         L, E = ctx.expert_map.logcnt.shape

@@ -19,6 +19,7 @@ import os
 import re
 import signal
 import sys
+from typing import Any
 
 from k2serve import envs
 
@@ -463,7 +464,7 @@ def run(args: argparse.Namespace) -> int:
         raise
     dp_nodes = (cfg.data_parallel_size_local or cfg.data_parallel_size) < cfg.data_parallel_size
     if cfg.nnodes > 1 or dp_nodes:  # several nodes: tensor parallel, or data parallel (issue 29)
-        runner = engine.engine.runner  # MultiprocExecutor or DPEngine
+        runner: Any = engine.engine.runner  # MultiprocExecutor or DPEngine: set_on_failure
         runner.set_on_failure(_exit_on_lost_rank)
     try:
         if engine.tokenizer is None:
