@@ -41,9 +41,28 @@ def test_dp2_greedy_equals_one_process_with_eplb_midrun(reference):
     assert all(s.num_finished > 0 for s in stats)
 
 
-def test_dp_dead_rank_is_detected():
+def test_dp_aborts_then_dead_rank_is_detected():
     with LLM(data_parallel_size=2, **COMMON) as llm:
-        proc = llm.llm_engine.group._procs[0]  # rank 1
+        eng = llm.llm_engine
+        sp = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+        for i in range(4):
+            eng.add_request(f"r{i}", [5, 6, 7, 8 + i], sp)
+        eng.abort_request("r0")  # before it reached its rank
+        outs = {o.request_id: o for o in eng.step()}
+        assert outs["r0"].finished and outs["r0"].outputs[0].finish_reason == "abort"
+        eng.step()
+        eng.abort_request(["r1", "r2", "r3"])  # mid-run, on both ranks
+        outs = {o.request_id: o for o in eng.step()}
+        assert all(outs[r].finished for r in ("r1", "r2", "r3"))
+        assert not eng.has_unfinished_requests()
+        eng.check_integrity()  # every page came back on every rank
+        with pytest.raises(ValueError, match="already in use"):
+            eng.add_request("x", [1, 2], sp)
+            eng.add_request("x", [1, 2], sp)
+        eng.abort_request("x")
+        while eng.has_unfinished_requests():
+            eng.step()
+        proc = eng.group._procs[0]  # rank 1
         proc.kill()
         proc.join(10)
         with pytest.raises(WorkerError, match="rank 1"):

@@ -37,7 +37,7 @@ from k2serve.distributed.dp_layout import dp_node_spec, eplb_config
 from k2serve.distributed.workers import WorkerGroup, WorkerState
 from k2serve.engine.config import EngineConfig
 from k2serve.engine.engine import EngineStats, LLMEngine
-from k2serve.engine.outputs import RequestOutput
+from k2serve.engine.outputs import CompletionOutput, RequestOutput
 from k2serve.engine.sampling_params import SamplingParams
 from k2serve.engine.setup import load_tokenizer, resolve_device, resolve_dtype
 
@@ -129,20 +129,31 @@ def rank_step(state: WorkerState, work: dict[int, _Work]) -> tuple[list, EngineS
     dummy batch), record EPLB load. -> (its outputs, its stats, its unfinished requests)."""
     engine: LLMEngine = state.data["engine"]
     mine = work.get(state.rank)
+    failed: list[RequestOutput] = []
     if mine is not None:
+        for rid, ids, params, kw in mine.adds:  # adds first: an abort may follow its add
+            try:
+                engine.add_request(rid, ids, params, **kw)
+            except ValueError as e:  # checked by the front end already; never kill the rank
+                logger.warning("rank %d: request %s refused: %s", state.rank, rid, e)
+                failed.append(_aborted(rid, ids, kw.get("prompt"), params))
         for rid in mine.aborts:
             engine.abort_request(rid)
-        for rid, ids, params, kw in mine.adds:
-            engine.add_request(rid, ids, params, **kw)
     ctx = engine.model.ep_context
     before = ctx.num_dispatches
-    outputs = engine.step() if engine.has_unfinished_requests() else []
+    outputs = failed + (engine.step() if engine.has_unfinished_requests() else [])
     if ctx.num_dispatches == before:
         dummy_forward(engine.model)
     runner = state.data.get("eplb")
     if runner is not None:
         runner.after_step()
     return outputs, engine.get_stats(), engine.get_num_unfinished_requests()
+
+
+def _aborted(rid: str, ids: list[int], prompt, params) -> RequestOutput:
+    n = getattr(params, "n", 1) or 1
+    outs = [CompletionOutput(index=i, finish_reason="abort") for i in range(n)]
+    return RequestOutput(rid, prompt, list(ids), outs, finished=True)
 
 
 def rank_eplb(state: WorkerState):
@@ -215,7 +226,10 @@ class DPEngine:
         params = params or SamplingParams()
         if request_id in self._rank_of:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self.local.validate(prompt_token_ids, params)  # errors here, not on a rank mid-step
+        # errors here, not on a rank mid-step: the checks LLMEngine.add_request makes
+        self.local.validate(prompt_token_ids, params)
+        if params.structured_outputs is not None:
+            self.local.grammar_backend().compile(params.structured_outputs)
         r = self._pick_rank()
         self._rank_of[request_id] = r
         self._work.setdefault(r, _Work()).adds.append(
