@@ -14,21 +14,25 @@ def skewed_map(config, world: int, redundant: int) -> ExpertMap:
     return ExpertMap.balanced(load, E + redundant, world)
 
 
-def moe_vs_single(state, ckpt: str, redundant: int, tokens: list[int], ids: list[list[int]]):
+def moe_vs_single(
+    state, ckpt: str, redundant: int, tokens: list[int], ids: list[list[int]], device="cpu"
+):
     """Rank r: its MoE layers' output on tokens[r] random rows and the model's logits on
     ids[r], single-process (whole model) and expert-parallel. -> (max |diff| per layer,
     bitwise equal per layer, logits max rel diff, logits of the EP model)."""
     torch.set_num_threads(1)
     r, W = state.rank, state.world_size
-    model = load_model(ckpt, dtype=torch.float32, progress=False, setup_backends=False)
+    dev = state.device if device != "cpu" else torch.device("cpu")
+    model = load_model(ckpt, dtype=torch.float32, device=dev, progress=False,
+                       setup_backends=False)  # fmt: skip
     g = torch.Generator().manual_seed(100 + r)
     xs = {}
     refs = {}
     for i in model.config.moe_layers:
-        x = torch.randn(tokens[r], model.config.hidden_size, generator=g)
+        x = torch.randn(tokens[r], model.config.hidden_size, generator=g).to(dev)
         xs[i], refs[i] = x, model.model.layers[i].mlp(x)
-    t = torch.tensor(ids[r], dtype=torch.int64)
-    ref_logits = model.compute_logits(model(t, torch.arange(len(t))))
+    t = torch.tensor(ids[r], dtype=torch.int64, device=dev)
+    ref_logits = model.compute_logits(model(t, torch.arange(len(t), device=dev)))
     emap = (
         skewed_map(model.config, W, redundant)
         if redundant
@@ -36,13 +40,14 @@ def moe_vs_single(state, ckpt: str, redundant: int, tokens: list[int], ids: list
     )
     ctx = EPContext(r, W, emap)
     plan = shard_model_ep(model, ctx)
+    ctx.load = ctx.load.to(dev)
     assert plan.dropped, "every rank drops the experts of the other ranks"
     diffs, equal = [], []
     for i in model.config.moe_layers:
         out = model.model.layers[i].mlp(xs[i])
         diffs.append(float((out - refs[i]).abs().max()) if out.numel() else 0.0)
         equal.append(bool(torch.equal(out, refs[i])))
-    logits = model.compute_logits(model(t, torch.arange(len(t))))
+    logits = model.compute_logits(model(t, torch.arange(len(t), device=dev)))
     rel = float((logits - ref_logits).abs().max() / ref_logits.abs().max()) if len(t) else 0.0
     return diffs, equal, rel, ctx.take_load().sum().item()
 
