@@ -197,6 +197,7 @@ class DPEngine:
         self.config = self.local.config.replace(
             data_parallel_size=W, tensor_parallel_size=1, device=cfg.device
         )
+        self.model = self.local.model  # rank 0's shard (start-up logs, introspection)
         self.model_config = self.local.model_config
         self.tokenizer = self.local.tokenizer
         self.max_model_len = self.local.max_model_len
