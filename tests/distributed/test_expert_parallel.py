@@ -36,8 +36,9 @@ def test_ep_moe_equals_single_process_2_ranks(group2, ckpts, redundant, tokens):
     check(out, tokens, ids, 2)
 
 
-def test_eplb_rebalance_moves_weights_mid_run(group2, ckpts):
-    out = group2.run(rank_fns_ep.rebalance_mid_run, ckpts["bf16"], 2, 6)
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_eplb_rebalance_moves_weights_mid_run(group2, ckpts, fmt):
+    out = group2.run(rank_fns_ep.rebalance_mid_run, ckpts[fmt], 2, 6)
     for r, (eq, n, (before, after), held) in enumerate(out):
         assert max(eq) <= 1e-6, f"rank {r}: output changed across the rebalance: {eq}"
         assert n == 1

@@ -35,6 +35,25 @@ def _tensors(module: nn.Module) -> list[torch.Tensor]:
     return list(module.state_dict(keep_vars=True).values())
 
 
+def _empty_like(module: nn.Module) -> nn.Module:
+    """A module of the same structure with fresh, uninitialised tensors (to receive into).
+    NOTE: not deepcopy: an expert's parameters may be views of the layer's stacked weights
+    (FusedMoEBackend), and deepcopy would copy the whole stack."""
+    new = copy.copy(module)
+    new.__dict__ = dict(module.__dict__)
+    for k, v in list(new.__dict__.items()):
+        if isinstance(v, torch.Tensor):  # e.g. a fused-weight view: not valid for the copy
+            new.__dict__[k] = None
+    new._parameters = {
+        k: None if p is None else nn.Parameter(torch.empty_like(p), requires_grad=False)
+        for k, p in module._parameters.items()
+    }
+    new._buffers = {k: None if b is None else torch.empty_like(b)
+                    for k, b in module._buffers.items()}  # fmt: skip
+    new._modules = {k: None if m is None else _empty_like(m) for k, m in module._modules.items()}
+    return new
+
+
 def apply_expert_map(model: Any, new_map: ExpertMap, backend: str = "auto") -> int:
     """Move expert weights so that every rank holds its slots of `new_map`; -> experts this
     rank received. Every rank of the group must call it with the same map."""
@@ -57,7 +76,7 @@ def apply_expert_map(model: Any, new_map: ExpertMap, backend: str = "auto") -> i
                     for t in _tensors(mine[e]):
                         ops.append(dist.P2POp(dist.isend, t.detach().contiguous(), dst))
                 if me == dst:
-                    module = copy.deepcopy(next(iter(moe.experts)))
+                    module = _empty_like(next(iter(moe.experts)))
                     received[(m, e)] = module
                     for t in _tensors(module):
                         buf = t.detach() if t.is_contiguous() else torch.empty_like(t)
