@@ -63,7 +63,9 @@ class _Work:
 def rank_config(cfg: EngineConfig, device: torch.device) -> EngineConfig:
     """One rank's engine settings: one GPU, no CUDA graphs, no tensor parallel."""
     return cfg.replace(device=str(device), tensor_parallel_size=1, enforce_eager=True,
-                       enable_dp_attention=False)  # fmt: skip
+                       enable_dp_attention=False, data_parallel_size=1,
+                       data_parallel_size_local=None, data_parallel_start_rank=0,
+                       enable_eplb=False, eplb_config=None)  # fmt: skip
 
 
 def build_rank(state: WorkerState, cfg: EngineConfig, model_dir: str) -> int:
