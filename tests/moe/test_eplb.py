@@ -134,3 +134,20 @@ def test_identity_map_is_contiguous_with_replicas_at_the_end():
     assert ExpertMap.contiguous(1, 8, 4).rank_slots(0, 3) == [6, 7]
     with pytest.raises(EplbError, match="split evenly"):
         ExpertMap.identity(1, 8, 4, 1)
+
+
+def test_eplb_load_feeds_the_hybrid_placement(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    from k2serve.moe.eplb import routing_counts
+    from k2serve.moe.placement import make_placement
+
+    load = skewed_load(2, 16, seed=3)
+    path = tmp_path / "counts.json"
+    path.write_text(json.dumps(routing_counts(load, [1, 2])))
+    cfg = SimpleNamespace(n_routed_experts=16, moe_layers=[1, 2])
+    p = make_placement(cfg, num_gpu_experts=4, placement_file=path)
+    for m, layer in enumerate((1, 2)):
+        hottest = sorted(torch.argsort(load[m], descending=True)[:4].tolist())
+        assert list(p.gpu_experts[layer]) == hottest

@@ -291,3 +291,10 @@ def imbalance(emap: ExpertMap, load: torch.Tensor) -> float:
     mean = rl.mean(-1)
     ratio = torch.where(mean > 0, rl.max(-1).values / mean.clamp_min(1e-12), torch.ones_like(mean))
     return float(ratio.mean())
+
+
+def routing_counts(load: torch.Tensor, moe_layers: list[int]) -> dict:
+    """load [L, E] (MoE-layer order) -> the routing-counts file of `--expert-placement-file`
+    ({"layers": {"<decoder layer>": [count per expert]}}, moe.placement), so the statistics
+    EPLB gathers also place the hot experts of a hybrid GPU + CPU deployment."""
+    return {"layers": {str(i): load[m].tolist() for m, i in enumerate(moe_layers)}}
