@@ -139,8 +139,8 @@ def test_value_spellings(parser):
     warnings = apply_guide_flags(args, [])
     assert args.attention_backend == "auto" and "auto|torch|triton" in warnings[0]
     assert warnings[1].startswith("--cuda-graph-bs 1 2 changes nothing here")
-    with pytest.raises(ValueError, match="whole number"):
-        apply_guide_flags(parser.parse_args(["--dp-size", "two"]), [])
+    with pytest.raises(SystemExit):  # --dp-size is the parser's own int option (issue 29)
+        parser.parse_args(["--dp-size", "two"])
 
 
 def test_env_vars_of_the_guides_warn():
@@ -232,8 +232,9 @@ def test_gpu_counts_threads_and_numa_beyond_the_machine_are_errors(monkeypatch, 
 def test_serve_refuses_before_loading_anything(capsys):
     assert main(["serve", "--tp", "8"]) == 2  # no GPU here
     assert "add --device cpu" in capsys.readouterr().err
-    assert main(["serve", "--data-parallel-size", "2"]) == 2
-    assert "data parallelism is not built" in capsys.readouterr().err
+    assert main(["serve", "--data-parallel-size", "2"]) == 2  # issue 29: DP ranks are GPUs
+    err = capsys.readouterr().err
+    assert "--data-parallel-size 2 asks for GPUs" in err and "add --device cpu" in err
     assert main(["serve", "--kt-gpu-experts-ratio", "0.1"]) == 2
     assert "--num-gpu-experts" in capsys.readouterr().err
 

@@ -101,6 +101,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--user", default="k2serve", help="systemd User=")
     p.add_argument("--k2serve-bin", default="/usr/local/bin/k2serve", help="systemd ExecStart")
     p.add_argument("--force", action="store_true", help="write files for a plan that does not fit")
+    # ---- issue 29: which layout the files launch ----
+    p.add_argument(
+        "--parallel", choices=("auto", "tp", "dp-ep"), default="tp",
+        help="tp (default): the plan's tensor-parallel launch; dp-ep: its data-parallel + "
+        "expert-parallel alternative (`plan --json` field dp_ep); auto: the plan's "
+        "recommendation",
+    )  # fmt: skip
+
+
+def choose_layout(plan: dict, parallel: str) -> dict:
+    """The plan with the serve flags of the chosen layout (issue 29)."""
+    dp = plan.get("dp_ep")
+    want = parallel if parallel != "auto" else ("dp-ep" if dp and dp["recommend"] == "dp+ep"
+                                                else "tp")  # fmt: skip
+    if want == "tp":
+        return plan
+    if not dp:
+        raise ValueError("--parallel dp-ep: the plan has no dp_ep field (one GPU, or written "
+                         "by an older `k2serve plan --json`)")  # fmt: skip
+    return {**plan, "serve_args": dp["serve_args"], "fits": dp["fits"],
+            "reasons": dp["reasons"] or plan.get("reasons", [])}  # fmt: skip
+    # ---- end issue 29 ----
 
 
 def _serve_args(plan: dict, model_path: str, port: str) -> list[str]:
@@ -276,6 +298,7 @@ def run(args: argparse.Namespace) -> int:
                 f"--plan {args.plan!r} is not a plan (no 'fits' field); "
                 "write one with `k2serve plan --json`"
             )
+        plan = choose_layout(plan, getattr(args, "parallel", "tp"))  # issue 29
         if not plan.get("fits") and not args.force:
             why = "; ".join(plan.get("reasons") or [])
             print(f"k2serve deploy: the plan does not fit ({why}); use --force", file=sys.stderr)

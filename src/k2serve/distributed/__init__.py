@@ -26,7 +26,12 @@ Design (see docs/interfaces.md for the model contract it wraps):
 - Several nodes (`nodes.py`, `headless.py`): `--nnodes N --node-rank R --master-addr/--port`;
   node 0 drives every rank as above (remote ones over authenticated sockets, with heartbeats),
   the other nodes run `serve --headless`. Tensor (and expert) parallelism spans all GPUs of all
-  nodes. Not yet: attention data parallelism (`--data-parallel-size`).
+  nodes.
+- Data-parallel attention with expert-parallel MoE (`--data-parallel-size`, issue 29):
+  `expert_parallel` (the MoE block's all-to-all dispatch/combine over physical expert slots),
+  `eplb_runtime` (load window, rebalancing with weights moved between ranks; the algorithm is
+  k2serve.moe.eplb), `dp_layout` (flags -> node layout); the ranks are whole engines driven by
+  k2serve.engine.dp.DPEngine.
 """
 
 from k2serve.distributed.parallel import ShardingError, ShardPlan, TPContext, shard_model

@@ -37,6 +37,15 @@ logger = logging.getLogger(__name__)
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "EngineQueueFull"]
 
 
+def _make_engine(cfg: EngineConfig | None, **kwargs):
+    """LLMEngine, or one engine per data-parallel rank behind DPEngine (issue 29)."""
+    if cfg is not None and cfg.data_parallel_size > 1:
+        from k2serve.engine.dp import create_engine
+
+        return create_engine(cfg, **kwargs)
+    return LLMEngine(cfg, **kwargs)
+
+
 class AsyncLLMEngine:
     def __init__(
         self,
@@ -47,7 +56,7 @@ class AsyncLLMEngine:
     ) -> None:
         """Build an LLMEngine from `engine_config` (or wrap a given `engine`) and start the loop."""
         self.engine = (
-            engine if engine is not None else LLMEngine(engine_config, **llm_engine_kwargs)
+            engine if engine is not None else _make_engine(engine_config, **llm_engine_kwargs)
         )
         self.max_waiting = self.engine.config.max_waiting
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()

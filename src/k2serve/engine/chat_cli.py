@@ -67,11 +67,11 @@ def stream_reply(engine, prompt_ids: list[int], params, out=sys.stdout) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from k2serve.engine.engine import LLMEngine
+    from k2serve.engine.dp import create_engine  # LLMEngine, or DPEngine with -dp N
 
     try:
         params = sampling_params_from_args(args).clone(n=1)
-        engine = LLMEngine(EngineConfig.from_cli_args(args))
+        engine = create_engine(EngineConfig.from_cli_args(args))
     except ValueError as e:
         print(f"k2serve chat: {e}", file=sys.stderr)
         return 2

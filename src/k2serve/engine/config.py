@@ -67,6 +67,24 @@ _HELP = {
     "master_port": "torch.distributed port on node 0; node 0 also listens on master_port + 1",
     "dist_join_timeout": "seconds node 0 waits for every node to join; a worker node waits as "
     "long for node 0 (which listens once it has loaded its own shard)",
+    # ---- data parallel + expert parallel (issue 29, k2serve.engine.dp); vLLM's names ----
+    "data_parallel_size": "data-parallel ranks (GPUs), each a whole engine with its own scheduler "
+    "and latent cache; the MoE experts are spread over them (expert parallel, all-to-all) (-dp, "
+    "SGLang --dp-size)",
+    "data_parallel_size_local": "data-parallel ranks on this node (default: all of them)",
+    "data_parallel_address": "address of the node with data-parallel rank 0 (default: "
+    "--master-addr)",
+    "data_parallel_rpc_port": "port on that node for joining the data-parallel group (it also "
+    "listens on port + 1)",
+    "data_parallel_start_rank": "first data-parallel rank on this node (a --headless node)",
+    "enable_dp_attention": "SGLang's spelling: with --tp N --dp-size N, N data-parallel "
+    "attention ranks with expert-parallel MoE (the same as --data-parallel-size N)",
+    "enable_eplb": "expert-parallel load balancing: replicate and move hot experts between the "
+    "data-parallel ranks while serving",
+    "eplb_config": 'JSON: {"window_size": steps of load kept, "step_interval": steps between '
+    'rebalances, "num_redundant_experts": extra expert slots, "log_balancedness": bool}',
+    "skip_non_local_expert_weights": "each data-parallel rank reads only its own experts from "
+    "disk (always the case here; accepted for vLLM compatibility)",
 }
 
 
@@ -118,6 +136,15 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     dist_join_timeout: int = 600
+    data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None
+    data_parallel_address: str | None = None
+    data_parallel_rpc_port: int = 29550
+    data_parallel_start_rank: int = 0
+    enable_dp_attention: bool = False
+    enable_eplb: bool = False
+    eplb_config: str | None = None
+    skip_non_local_expert_weights: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):
@@ -136,8 +163,10 @@ class EngineConfig:
             raise ValueError(
                 f"distributed_backend={self.distributed_backend!r} is not auto, nccl or gloo"
             )
+        from k2serve.distributed.dp_layout import check_data_parallel
         from k2serve.distributed.nodes import check_nodes
 
+        check_data_parallel(self)  # may rewrite SGLang's / torchrun's spellings (issue 29)
         check_nodes(self.nnodes, self.node_rank, self.tensor_parallel_size, self.master_port)
         positive("dist_join_timeout")
         for name in ("max_model_len", "kv_cache_memory", "num_kv_pages", "max_waiting"):
@@ -204,7 +233,7 @@ class EngineConfig:
                 continue
             typ: Callable[[str], Any] | None = {
                 "max_model_len": int, "num_kv_pages": int, "max_waiting": int,
-                "num_gpu_experts": int,
+                "num_gpu_experts": int, "data_parallel_size_local": int,
                 "gpu_prefill_token_threshold": int}.get(f.name)  # fmt: skip
             if typ is None:
                 typ = type(default) if default is not None else str
@@ -215,6 +244,14 @@ class EngineConfig:
             parser.add_argument(
                 "-tp", dest="tensor_parallel_size", type=int, help=argparse.SUPPRESS
             )
+        # data parallel: vLLM's short forms and SGLang's --dp-size
+        for short, dest in (("-dp", "data_parallel_size"), ("--dp-size", "data_parallel_size"),
+                            ("-dpl", "data_parallel_size_local"),
+                            ("-dpa", "data_parallel_address"), ("-dpp", "data_parallel_rpc_port"),
+                            ("-dpr", "data_parallel_start_rank")):  # fmt: skip
+            if dest not in skip:
+                typ = str if dest == "data_parallel_address" else int
+                parser.add_argument(short, dest=dest, type=typ, help=argparse.SUPPRESS)
 
     @staticmethod
     def from_cli_args(args: argparse.Namespace, **overrides) -> EngineConfig:

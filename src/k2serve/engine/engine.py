@@ -98,6 +98,9 @@ class LLMEngine:
         """`model` / `tokenizer` / `kv_cache_factory(num_pages, page_size, dtype, device)` are
         injected by tests; by default they come from `engine_config.model`."""
         cfg = engine_config or EngineConfig()
+        if cfg.data_parallel_size > 1:  # issue 29: one engine per rank, behind a front end
+            raise ValueError("data_parallel_size > 1 needs k2serve.engine.dp.DPEngine (what LLM, "
+                             "AsyncLLMEngine and `serve` build), not one LLMEngine")  # fmt: skip
         self.device = resolve_device(cfg.device)
         model_dir = cfg.model
         if model is None and model_dir is None:

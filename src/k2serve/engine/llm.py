@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from k2serve.engine.config import EngineConfig
 from k2serve.engine.engine import LLMEngine
 from k2serve.engine.outputs import RequestOutput
 from k2serve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from k2serve.engine.dp import DPEngine
 
 Prompt = str | list[int] | dict
 
@@ -45,7 +48,13 @@ class LLM:
             seed=seed,
             **engine_args,
         )
-        self.llm_engine = LLMEngine(cfg)
+        self.llm_engine: LLMEngine | DPEngine
+        if cfg.data_parallel_size > 1:  # one engine per data-parallel rank (issue 29)
+            from k2serve.engine.dp import DPEngine
+
+            self.llm_engine = DPEngine(cfg)
+        else:
+            self.llm_engine = LLMEngine(cfg)
         self._ids = itertools.count()
 
     # ---- lifetime: `with LLM(...) as llm:` / `llm.close()` stop tensor-parallel workers -------

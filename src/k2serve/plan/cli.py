@@ -347,12 +347,20 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # ConfigError is a ValueError
         print(f"k2serve plan: {e}", file=sys.stderr)
         return 2
+    # ---- issue 29: the DP+EP alternative and the recommendation (k2serve.plan.dp) ----
+    from k2serve.plan.dp import dp_ep_plan
+    from k2serve.plan.dp import render as render_dp
+
+    dp = dp_ep_plan(resolve_model(args.model)[0], p) if p.num_gpus > 1 else None
+    # ---- end issue 29 ----
     if args.json:
         d = {**p.to_dict(), "source": source}
+        if dp is not None:
+            d["dp_ep"] = dp.to_dict()
         env = " ".join(f"{k}={v}" for k, v in (source.get("env") or {}).items())
         if env and p.nnodes == 1:
             d["command"] = f"{env} {d['command']}"
         print(json.dumps(d, indent=2))
     else:
-        print(render(p, source))
+        print(render(p, source) + ("\n" + "\n".join(render_dp(dp, p)) if dp else ""))
     return 0 if p.fits else 1

@@ -218,6 +218,21 @@ def _run_headless(args: argparse.Namespace, cfg) -> int:
     from k2serve.distributed.headless import run_headless
     from k2serve.distributed.nodes import NodeSpec
 
+    # ---- issue 29 (data parallel): a headless node holds data-parallel ranks ----
+    if cfg.data_parallel_size > 1:
+        from k2serve.distributed.dp_layout import dp_node_spec
+
+        spec = dp_node_spec(cfg)
+        if spec is None or spec.node_rank == 0:
+            print(
+                "k2serve serve: --headless with --data-parallel-size runs the ranks of another "
+                "node: give --data-parallel-size-local L (< the size) and "
+                "--data-parallel-start-rank R (R >= L); rank 0's node serves HTTP",
+                file=sys.stderr,
+            )
+            return 2
+        return run_headless(spec, cfg.device, cfg.model)
+    # ---- end issue 29 ----
     if cfg.nnodes < 2 or cfg.node_rank == 0:
         print(
             "k2serve serve: --headless runs a worker node: give --nnodes N (N >= 2) and "
@@ -377,7 +392,9 @@ def run(args: argparse.Namespace) -> int:
         if args.headless and cfg.node_rank == 0:
             return _run_headless(args, cfg)  # says what --headless needs
         cfg, model_dir, sampling_defaults = _check(args, cfg)
-        if cfg.node_rank > 0:  # a worker node, with or without --headless (as SGLang)
+        if cfg.node_rank > 0 or cfg.data_parallel_start_rank != 0:
+            # a worker node, with or without --headless (as SGLang): tensor-parallel ranks of
+            # node N > 0, or data-parallel ranks from --data-parallel-start-rank on (issue 29)
             return _run_headless(args, cfg)
         sock = bind(args)
         engine = load_engine(cfg, model_dir, sock)

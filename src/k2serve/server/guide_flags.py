@@ -42,8 +42,7 @@ class GuideFlag:
 
 
 _INT4 = "the format (INT4 compressed-tensors, FP8 block, bf16) is read from config.json"
-_DP = "data parallelism is not built yet: k2serve runs one engine (tensor parallel)"
-_DP_EQ = "; use --tensor-parallel-size N (and --nnodes / --node-rank across nodes)"
+_DP = "k2serve starts one process per data-parallel rank itself (--data-parallel-size)"
 _GPU_EXPERTS = "use --num-gpu-experts N (routed experts per MoE layer on the GPU)"
 
 
@@ -94,7 +93,31 @@ FLAGS: tuple[GuideFlag, ...] = (
             ("--master-addr", False, "127.0.0.1"),
             ("--master-port", False, "29500"),
             ("--headless", True, ""),
+            # data parallel attention + expert-parallel MoE, EPLB (issue 29)
+            ("--data-parallel-size", False, "1"),
+            ("--data-parallel-size-local", False, "1"),
+            ("--data-parallel-address", False, "127.0.0.1"),
+            ("--data-parallel-rpc-port", False, "13345"),
+            ("--data-parallel-start-rank", False, "0"),
+            ("--enable-eplb", True, ""),
+            ("--eplb-config", False, '{"window_size": 1000}'),
+            ("--skip-non-local-expert-weights", True, ""),
         )
+    ),
+    *(
+        GuideFlag((short,), "implemented", "vLLM", target=long)
+        for short, long in (
+            ("-dp", "--data-parallel-size"),
+            ("-dpl", "--data-parallel-size-local"),
+            ("-dpr", "--data-parallel-start-rank"),
+        )
+    ),
+    GuideFlag(
+        ("--enable-dp-attention",),
+        "implemented",
+        "SGLang",
+        target="--enable-dp-attention",
+        switch=True,
     ),
     GuideFlag(("-tp",), "implemented", "vLLM", target="--tensor-parallel-size"),
     # ---- vLLM: accepted, nothing to change here ----------------------------------------------
@@ -104,12 +127,6 @@ FLAGS: tuple[GuideFlag, ...] = (
         "--tokenizer-mode",
         "k2serve always uses the checkpoint's tiktoken tokenizer",
         "auto",
-    ),
-    _w(
-        "vLLM",
-        "--skip-non-local-expert-weights",
-        "always so: each expert-parallel rank reads only its own experts",
-        switch=True,
     ),
     _w(
         "vLLM",
@@ -148,31 +165,8 @@ FLAGS: tuple[GuideFlag, ...] = (
         "no torch.compile; CUDA graphs are captured unless --enforce-eager",
         "{}",
     ),
-    _w(
-        "vLLM",
-        "--enable-eplb",
-        "expert load balancing is not built; with experts in host RAM, "
-        "--dynamic-expert-placement moves the most-routed ones to the GPU",
-        switch=True,
-    ),
-    _w("vLLM", "--eplb-config", "expert load balancing is not built (see --enable-eplb)", "{}"),
     GuideFlag(("--tokenizer",), "implemented", "vLLM", target="--tokenizer", example="/m"),
     # ---- vLLM: limited to 1, refused --------------------------------------------------------
-    GuideFlag(("--data-parallel-size", "-dp"), "one", "vLLM", why=_DP + _DP_EQ),
-    GuideFlag(("--data-parallel-size-local", "-dpl"), "one", "vLLM", why=_DP + _DP_EQ),
-    _w(
-        "vLLM",
-        "--data-parallel-start-rank -dpr",
-        _DP + " (one engine, so no data-parallel ranks)",
-        "0",
-    ),
-    _w(
-        "vLLM",
-        "--data-parallel-address -dpa",
-        _DP + "; node 0's address is --master-addr",
-        "10.0.0.1",
-    ),
-    _w("vLLM", "--data-parallel-rpc-port -dpp", _DP + "; node 0's port is --master-port", "13345"),
     _w("vLLM", "--data-parallel-backend -dpb", _DP, "mp"),
     _w("vLLM", "--data-parallel-hybrid-lb", _DP, switch=True),
     GuideFlag(
@@ -198,7 +192,7 @@ FLAGS: tuple[GuideFlag, ...] = (
     # ---- SGLang spellings -------------------------------------------------------------------
     _a("SGLang", "--model-path", "--model", "/m"),
     _a("SGLang", "--tp --tp-size", "--tensor-parallel-size"),
-    GuideFlag(("--dp-size", "--dp"), "one", "SGLang", why=_DP + _DP_EQ),
+    _a("SGLang", "--dp-size --dp", "--data-parallel-size"),
     _a("SGLang", "--ep-size --ep", "--enable-expert-parallel", convert="ep_size"),
     _a("SGLang", "--context-length", "--max-model-len", "8192"),
     _a("SGLang", "--mem-fraction-static", "--gpu-memory-utilization", "0.85"),
@@ -218,12 +212,6 @@ FLAGS: tuple[GuideFlag, ...] = (
         "SGLang",
         target="--dist-init-addr",
         example="10.0.0.1:5000",
-    ),
-    _r(
-        "SGLang",
-        "--enable-dp-attention",
-        "DP attention is not built; attention is tensor-parallel (--tensor-parallel-size)",
-        switch=True,
     ),
     _w("SGLang", "--cuda-graph-max-bs", "decode graphs are captured up to --max-num-seqs", "64"),
     _w(

@@ -131,8 +131,9 @@ def load_engine(cfg, model_dir: str, sock):
     except BaseException:
         sock.close()
         raise
-    if cfg.nnodes > 1:
-        engine.set_on_failure(_exit_on_lost_rank)  # several nodes: tensor parallel
+    dp_nodes = (cfg.data_parallel_size_local or cfg.data_parallel_size) < cfg.data_parallel_size
+    if cfg.nnodes > 1 or dp_nodes:  # several nodes: tensor parallel, or data parallel (issue 29)
+        engine.set_on_failure(_exit_on_lost_rank)
     return engine
 
 

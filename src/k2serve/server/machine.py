@@ -63,6 +63,8 @@ def _gpu_flags(cfg, given: set[str]) -> list[str]:
     out = []
     if cfg.tensor_parallel_size > 1:
         out.append(f"--tensor-parallel-size {cfg.tensor_parallel_size}")
+    if cfg.data_parallel_size > 1:
+        out.append(f"--data-parallel-size {cfg.data_parallel_size}")
     if cfg.enable_expert_parallel and "enable_expert_parallel" in given:
         out.append("--enable-expert-parallel")
     if cfg.num_gpu_experts is not None:
@@ -130,8 +132,8 @@ def check_machine(cfg, given: set[str], guide_numa_nodes: int | None = None, mac
                 f"{' '.join(flags)} asks for GPUs, and this machine has none (no CUDA device "
                 "visible); add --device cpu to run it on the CPU"
                 + (
-                    f" ({cfg.tensor_parallel_size} ranks over gloo, for testing)"
-                    if cfg.tensor_parallel_size > 1
+                    f" ({ranks} ranks over gloo, for testing)"
+                    if (ranks := cfg.tensor_parallel_size * cfg.data_parallel_size) > 1
                     else ""
                 )
             )
@@ -142,7 +144,13 @@ def check_machine(cfg, given: set[str], guide_numa_nodes: int | None = None, mac
             f"{ranks_here} GPUs on this node; {machine.num_gpus} visible "
             "(CUDA_VISIBLE_DEVICES?)"
         )
-    if cfg.enable_expert_parallel and cfg.tensor_parallel_size == 1:
+    dp_here = cfg.data_parallel_size_local or cfg.data_parallel_size
+    if not on_cpu and machine.num_gpus < dp_here:
+        raise ValueError(
+            f"--data-parallel-size {cfg.data_parallel_size} needs {dp_here} GPUs on this node; "
+            f"{machine.num_gpus} visible (CUDA_VISIBLE_DEVICES? --data-parallel-size-local?)"
+        )
+    if cfg.enable_expert_parallel and cfg.tensor_parallel_size == cfg.data_parallel_size == 1:
         logger.warning(
             "--enable-expert-parallel changes nothing with one rank: experts are split over "
             "the tensor-parallel ranks (give --tensor-parallel-size N)"

@@ -172,15 +172,18 @@ def load_model(
     tp_rank: int = 0,
     tp_size: int = 1,
     expert_parallel: bool = False,
+    shard=None,
 ) -> DeepseekV3ForCausalLM:
     """Load (or, with load_format="dummy", randomly initialise) the model on `device`.
 
     With `tp_size > 1`: only tensor-parallel rank `tp_rank`'s shard (k2serve.distributed), each
     tensor's slice read on its own so the full model is never in memory; the model gets
-    `.tp_plan` and runs only together with the other ranks in a torch.distributed group."""
+    `.tp_plan` and runs only together with the other ranks in a torch.distributed group.
+    `shard(meta_model) -> ShardPlan`: another sharding of the meta model instead (data-parallel
+    ranks: k2serve.distributed.expert_parallel.shard_model_ep)."""
+    tp = shard if shard is not None else (tp_rank, tp_size, expert_parallel)
     model = _load(model_dir, dtype, device, load_format, config, seed, progress,
-                  _device_map(device, expert_placement, tensor_device),
-                  (tp_rank, tp_size, expert_parallel))  # fmt: skip
+                  _device_map(device, expert_placement, tensor_device), tp)  # fmt: skip
     if setup_backends:
         from k2serve.model.backends import setup_backends as choose_and_install
 
@@ -216,7 +219,7 @@ def _load(model_dir, dtype, device, load_format, config, seed, progress, device_
     model_dir = os.fspath(model_dir)
     weight_map = _weight_map(model_dir)
     model = build_meta_model(config, dtype, frozenset(weight_map))
-    plan = _shard(model, *tp)  # None without tensor parallel
+    plan = tp(model) if callable(tp) else _shard(model, *tp)  # None without tensor parallel
     expected = dict(model.state_dict(keep_vars=True))  # name -> meta tensor (this rank's shape)
 
     by_shard: dict[str, list[tuple[str, str]]] = {}
@@ -290,13 +293,13 @@ def _load_dummy(
     seed: int,
     progress: bool,
     device_of=None,
-    tp: tuple[int, int, bool] = (0, 1, False),
+    tp=(0, 1, False),  # (tp_rank, tp_size, expert_parallel) or a shard(model) callable
 ) -> DeepseekV3ForCausalLM:
     from k2serve.weights.random_init import random_tensors
 
     model = build_meta_model(config, dtype)
     n = len(model.state_dict())
-    plan = _shard(model, *tp)
+    plan = tp(model) if callable(tp) else _shard(model, *tp)
     # NOTE: with tensor parallel each tensor is generated whole from the unsharded meta model
     # (so every rank sees a single-process load's values), then sliced.
     it = random_tensors(build_meta_model(config, dtype) if plan else model, seed, device)
