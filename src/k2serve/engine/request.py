@@ -108,7 +108,8 @@ class Request:
                 self.status = RequestStatus.FINISHED_STOPPED
                 self.stop_reason = None
                 return True
-        if self.num_output_tokens >= params.min_tokens:
+        pending = self.grammar is not None and self.grammar.pending  # see GrammarState.pending
+        if self.num_output_tokens >= params.min_tokens and not pending:
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
                 self.stop_reason = None
