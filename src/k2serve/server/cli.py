@@ -100,10 +100,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="model name(s) clients use; the first is reported in responses "
         "(default: the model directory's name)",
     )
+    env_key = envs.api_key()
     g.add_argument(
         "--api-key",
-        default=envs.api_key(),
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: $K2SERVE_API_KEY)",
+        nargs="+",
+        default=[env_key] if env_key else None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1/*; several keys (as vLLM) are each "
+        "accepted, and a stored response belongs to the key that created it "
+        "(default: $K2SERVE_API_KEY)",
+    )
+    g.add_argument(
+        "--disable-access-log",
+        "--disable-uvicorn-access-log",
+        dest="disable_access_log",
+        action="store_true",
+        help="no per-request INFO line (client, method, path, status, tokens, latency); "
+        "rejections (4xx) and client disconnects are still logged",
     )
     g.add_argument(
         "--tool-call-parser",
@@ -415,6 +428,13 @@ def run(args: argparse.Namespace) -> int:
     base = os.path.basename(os.path.normpath(model_dir))
     names = args.served_model_name or list(dict.fromkeys([args.model or base, base]))
 
+    try:  # a bad checkpoint is reported as such, before the port is even looked at
+        from k2serve.config import ModelConfig
+
+        ModelConfig.from_hf(model_dir)
+    except (ValueError, OSError) as e:
+        print(f"k2serve serve: cannot load {model_dir}: {e}", file=sys.stderr)
+        return 2
     try:
         sock = bind_port(args.host, args.port)
     except OSError as e:
@@ -461,6 +481,7 @@ def run(args: argparse.Namespace) -> int:
             default_sampling_params=sampling_defaults,
             allow_special_tokens_in_chat=args.allow_special_tokens_in_chat,
             read_timeout=args.request_read_timeout or None,
+            access_log=not args.disable_access_log,
         )
         state = app.state.k2
         ec = engine.config

@@ -59,7 +59,9 @@ class APIError(Exception):
         return ErrorResponse(error=info).model_dump()
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        from k2serve.server.finite import SafeJSONResponse
+
+        return SafeJSONResponse(self.body(), status_code=self.status)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -166,7 +168,7 @@ def install_error_handlers(app: FastAPI) -> None:
             msg = f"no route {request.method} {request.url.path}"
         if exc.status_code == 405:
             msg = f"method {request.method} is not allowed on {request.url.path}"
-        resp = APIError(exc.status_code, msg).response()
+        resp = APIError(exc.status_code, msg, param=getattr(exc, "param", None)).response()
         for name, value in (exc.headers or {}).items():  # 405 carries Allow (RFC 9110)
             resp.headers[name] = value
         return resp
