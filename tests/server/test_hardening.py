@@ -273,3 +273,48 @@ def test_strings_and_booleans_are_not_coerced(srv, field, value):
 def test_numbers_where_a_float_is_expected_accept_integers(srv):
     r = _post(srv, "/v1/chat/completions", {"messages": _msgs(), "temperature": 1, "max_tokens": 2})
     assert r.status_code == 200, r.text
+
+
+# ---- E at the body limit: parse and validation in pieces, /health keeps answering ------------
+def test_pieces_parse_like_json_loads():
+    from k2serve.server.big_body import loads_in_pieces
+
+    for text in ['{"a": [1, {"b": [2]}, "x"], "c": {"d": []}, "e": [] , "f": null}', "[1, 2]",
+                 '  {"k": "\\u00e9\\ud83d\\ude00", "l": [ ]}  ', '{"a": NaN}', "{}"]:  # fmt: skip
+        assert loads_in_pieces(text.encode()) == json.loads(text)
+    for bad in ['{"a": [1,]}', '{"a": 1', '{"a": 1} x', '{"a" 1}', ""]:
+        with pytest.raises(json.JSONDecodeError):
+            loads_in_pieces(bad.encode())
+
+
+def test_big_bodies_do_not_stall_the_event_loop():
+    engine = FakeAsyncEngine(max_model_len=10**9)
+    app = build_app(engine, served_model_names=["fake"], max_body_bytes=32 * 2**20)
+    tools = [
+        {"type": "function", "function": {"name": f"t{i}", "description": "d" * 40,
+         "parameters": {"type": "object", "properties": {f"x{i}": {"type": "integer"}}}}}
+        for i in range(6_000)
+    ]  # fmt: skip
+    body = json.dumps({"messages": _msgs(), "tools": tools, "tool_choice": "none", "max_tokens": 1})
+    bad = json.dumps({"messages": _msgs(), "tools": [*tools[:999], {"type": "function"}]})
+    with ServerThread(app) as s:
+        done: list = []
+
+        def send():
+            done.append(httpx.post(s.url + "/v1/chat/completions", content=body, timeout=120,
+                                   headers={"Content-Type": "application/json"}))  # fmt: skip
+
+        worst = 0.0
+        th = threading.Thread(target=send)
+        th.start()
+        while th.is_alive():
+            t = time.perf_counter()
+            assert httpx.get(s.url + "/health", timeout=30).status_code == 200
+            worst = max(worst, time.perf_counter() - t)
+            time.sleep(0.02)
+        th.join()
+        r = httpx.post(s.url + "/v1/chat/completions", content=bad, timeout=60,
+                       headers={"Content-Type": "application/json"})  # fmt: skip
+    assert done and done[0].status_code == 200, done[0].text[:300]
+    assert worst < 1.0, worst
+    assert _err(r, 400)["param"] == "tools.999.function"

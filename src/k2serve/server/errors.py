@@ -163,6 +163,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
+        errors = getattr(exc, "errors", None)  # big_body.BodyInvalid: validated in the pool
+        if isinstance(errors, list):
+            msg, param = _validation_message(RequestValidationError(errors))
+            return APIError(400, msg, param=param, code="invalid_value").response()
         msg = str(exc.detail) if exc.detail else "error"
         if exc.status_code == 404:
             msg = f"no route {request.method} {request.url.path}"

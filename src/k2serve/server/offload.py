@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from fastapi.exceptions import HTTPException
+from pydantic import BaseModel
 
 T = TypeVar("T")
 
@@ -85,15 +86,25 @@ def _find_surrogate(value: Any, path: list[str]) -> list[str] | None:
     return None
 
 
-def parse_json(body: bytes) -> Any:
+def parse_json(body: bytes, loads=json.loads) -> Any:
     """json.loads, refusing (LoneSurrogate, a 400) a body with a lone surrogate anywhere: one
     regex scan of the bytes, and a walk only when it finds a candidate."""
-    value = json.loads(body)
+    value = loads(body)
     if _MAYBE_SURROGATE.search(body) is not None:
         path = _find_surrogate(value, [])
         if path is not None:
             raise LoneSurrogate(".".join(p for p in path if p != "<key>"))
     return value
+
+
+def _parse_big(body: bytes, model: Any) -> Any:
+    """A large body: parsed, then (for a route with a body model) validated, both in pieces so
+    the event loop gets the GIL between pieces. Returns the model instance, which FastAPI then
+    takes as already valid."""
+    from k2serve.server.big_body import loads_in_pieces, validate_in_pieces
+
+    value = parse_json(body, loads_in_pieces)
+    return validate_in_pieces(model, value) if model is not None else value
 
 
 # Bodies smaller than this are parsed in place: a thread hop costs more than the parse.
@@ -108,21 +119,28 @@ def offload_json_route(pool: CpuPool):
     from starlette.requests import Request
 
     class PoolJSONRequest(Request):
+        body_model: Any = None  # the route's body model: a large body is validated here too
+
         async def json(self):
             if not hasattr(self, "_json"):
                 body = await self.body()
                 if len(body) < OFFLOAD_JSON_BYTES:
                     self._json = parse_json(body)
-                else:
-                    self._json = await pool.run(parse_json, body)
+                else:  # parsed and validated in pieces in the pool (see server/big_body.py)
+                    self._json = await pool.run(_parse_big, body, self.body_model)
             return self._json
 
     class PoolJSONRoute(APIRoute):
         def get_route_handler(self):
             handler = super().get_route_handler()
+            model = getattr(self.body_field, "type_", None) if self.body_field else None
+            if not (isinstance(model, type) and issubclass(model, BaseModel)):
+                model = None
 
             async def route_handler(request: Request):
-                return await handler(PoolJSONRequest(request.scope, request.receive))
+                req = PoolJSONRequest(request.scope, request.receive)
+                req.body_model = model
+                return await handler(req)
 
             return route_handler
 
