@@ -225,6 +225,8 @@ class _Prepare:
             out[k] = max(out[k], v)
         elif k in _UPPER and all(isinstance(x, (int, float)) for x in (out[k], v)):
             out[k] = min(out[k], v)
+        elif k == "const":
+            raise unsatisfiable(where, f"allOf consts {out[k]!r} and {v!r} differ")
         elif k == "enum" and isinstance(v, list):
             out[k] = [x for x in out[k] if x in v]
         else:
