@@ -179,7 +179,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
-        logger.exception("internal error on %s %s", request.method, request.url.path)
+        from k2serve.server.access_log import printable
+
+        logger.exception(
+            "internal error on %s %s", printable(request.method), printable(request.url.path)
+        )
         return APIError(
             500, f"internal server error ({type(exc).__name__}); see the server log"
         ).response()
