@@ -64,14 +64,38 @@ def _feed(tok, backend, p, text) -> GrammarState:
             }
         ),  # fmt: skip
         P(grammar="root ::= root"),
+        P(grammar='root ::= "a" root'),
+        P(grammar='root ::= x\nx ::= "(" x ")" | "[" x'),
+        P(json={"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}),
         P(json={"type": "string", "enum": [1, 2]}),
         P(json={"type": "integer", "const": "a"}),
     ],
-    ids=["ref-root", "defs-loop", "no-base-case", "ebnf-loop", "enum-vs-type", "const-vs-type"],
+    ids=[
+        "ref-root",
+        "defs-loop",
+        "no-base-case",
+        "ebnf-loop",
+        "ebnf-endless",
+        "ebnf-endless-2",
+        "required-self",
+        "enum-vs-type",
+        "const-vs-type",
+    ],  # fmt: skip
 )
 def test_unsatisfiable_constraints_are_refused(backend, p):
     with pytest.raises(ValueError, match="matches nothing|no value|unsatisfiable"):
         backend.compile(p)
+
+
+@pytest.mark.parametrize(
+    "p",
+    [P(grammar='root ::= "a" | "b" root'), P(grammar='root ::= ("a" root)*'),
+     P(grammar='root ::= x\nx ::= "(" x ")" | [a-z]+ y?\ny ::= "q"{2,3}'),
+     P(regex="[a-z]+@x"), P(choice=["a", "b"]), P(json_object=True),
+     P(json={"anyOf": [{"type": "integer"}, {"type": "array", "items": {"$ref": "#"}}]})],
+)  # fmt: skip
+def test_grammars_that_can_finish_compile(backend, p):
+    backend.compile(p)
 
 
 def test_recursive_schema_with_a_base_case_is_fine(tok, backend):

@@ -43,6 +43,7 @@ from k2serve.parsers.markers import (
     THINK_END,
     THINK_START,
 )
+from k2serve.structured.grammar_check import check_grammar_finishes
 from k2serve.structured.params import StructuredOutputsParams
 from k2serve.structured.schema import prepare_json_schema
 
@@ -146,7 +147,8 @@ class GrammarBackend:
 
     def _check_not_empty(self, compiled, kind: str) -> None:
         """ValueError when the grammar allows no first token at all (`root ::= root`, a schema
-        whose every branch loops): generation would have nothing to sample."""
+        whose every branch loops: generation would have nothing to sample), or when no string
+        it allows can ever end (`root ::= "a" root`; see grammar_check.py)."""
         matcher = self.matcher(compiled)
         bitmask = self.allocate_bitmask(1)
         matcher.fill_next_token_bitmask(bitmask, 0)
@@ -154,6 +156,12 @@ class GrammarBackend:
             raise ValueError(
                 f"invalid {_what(kind)}: it matches nothing (no output can satisfy it)"
             )
+        grammar = getattr(compiled, "grammar", None)
+        if grammar is not None:
+            try:
+                check_grammar_finishes(str(grammar))
+            except ValueError as e:
+                raise ValueError(f"invalid {_what(kind)}: {e}") from None
 
     def _compile(self, p: StructuredOutputsParams):
         c = self.compiler
