@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import MutableMapping
+from typing import Any
 
 access_logger = logging.getLogger("k2serve.server.access")
 app_logger = logging.getLogger("k2serve.server.app")
@@ -42,7 +44,7 @@ def printable(text: str, limit: int = MAX_LOGGED_CHARS) -> str:
     return out + "..." if len(text) > limit else out
 
 
-def request_usage(scope: dict) -> list[int]:
+def request_usage(scope: MutableMapping[str, Any]) -> list[int]:
     """The request's token counts, shared by its engine streams (see EngineStream)."""
     return scope.setdefault(USAGE_SCOPE_KEY, [0, 0])
 
@@ -59,7 +61,11 @@ def log_rejected(method: str, path: str, status: int, body: bytes) -> None:
 
 
 def log_finished(
-    scope: dict, status: int, seconds: float, error_body: bytes, access: bool = True
+    scope: MutableMapping[str, Any],
+    status: int,
+    seconds: float,
+    error_body: bytes,
+    access: bool = True,
 ) -> None:
     """The request's one line (see the module docstring); `access` False: rejections and
     disconnects only."""

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ValidationError
 
 _WS = " \t\n\r"
 _DECODER = json.JSONDecoder()
+_scanstring: Any = getattr(json.decoder, "scanstring")  # noqa: B009 (untyped in typeshed)
 _MIN_PIECES = 64  # a list shorter than this is validated in one call
 
 
@@ -77,7 +78,7 @@ def _object(text: str, i: int) -> tuple[dict, int]:
         i = _skip(text, i)
         if i >= len(text) or text[i] != '"':
             raise _Fallback()
-        key, i = json.decoder.scanstring(text, i + 1)
+        key, i = _scanstring(text, i + 1)
         i = _skip(text, _expect(text, i, ":"))
         if i < len(text) and text[i] == "[":
             out[key], i = _array(text, i)

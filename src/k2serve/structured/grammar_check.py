@@ -82,11 +82,13 @@ class _Expr:
 
     def item(self) -> tuple:
         node = self.primary()
-        while self.peek() is not None and (self.peek()[0] == "rep" or self.peek()[1] in "*+?"):
+        while True:
+            tok = self.peek()
+            if tok is None or not (tok[0] == "rep" or tok[1] in ("*", "+", "?")):
+                return node
             kind, text = self.take()
             lo = int(re.findall(r"-?\d+", text)[0]) if kind == "rep" else int(text == "+")
             node = ("opt", node) if lo <= 0 else node
-        return node
 
     def primary(self) -> tuple:
         kind, text = self.take()
