@@ -113,6 +113,7 @@ def test_recursive_schema_with_a_base_case_is_fine(tok, backend):
         ({"not": {"type": "string"}}, "not"),
         ({"if": {"type": "integer"}, "then": {"minimum": 5}}, "if"),
         ({"type": "array", "uniqueItems": True}, "uniqueItems"),
+        ({"type": "array", "contains": {"type": "integer"}}, "contains"),
         ({"type": "number", "multipleOf": 0.5}, "multipleOf"),
         ({"type": "string", "pattern": "^a+$", "minLength": 3}, "minLength"),
         ({"type": "string", "pattern": "^a\\\\b$"}, "backslash"),
@@ -143,6 +144,18 @@ def test_all_of_is_honoured_by_merging(tok, backend):
     rng = {"allOf": [{"type": "integer", "minimum": 3}, {"maximum": 5}]}
     assert _feed(tok, backend, P(json=rng), "7").failed
     assert not _feed(tok, backend, P(json=rng), "4").failed
+
+
+def test_siblings_of_any_of_and_ref_are_honoured(tok, backend):
+    # xgrammar takes anyOf / $ref alone; their siblings still apply (fuzzing found '"x"' here)
+    p = P(json={"type": "object", "properties": {"a": {"type": "integer"}},
+                "anyOf": [{"type": "string"}, {"required": ["a"]}]})  # fmt: skip
+    assert _feed(tok, backend, p, '"x"').failed
+    assert not _feed(tok, backend, p, '{"a": 1}').failed
+    p = P(json={"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "maxLength": 2})
+    assert _feed(tok, backend, p, '"abc').failed
+    with pytest.raises(ValueError, match="not"):  # $defs under an anyOf are checked too
+        backend.compile(P(json={"$defs": {"x": {"not": {}}}, "anyOf": [{"$ref": "#/$defs/x"}]}))
 
 
 def test_disjoint_one_of_is_accepted(tok, backend):

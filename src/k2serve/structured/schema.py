@@ -22,6 +22,7 @@ Rewrites (equivalent schemas):
   characters (invalid JSON) through, its pattern path does not.
 
 Refused (ValueError "... is not supported"): `not`, `if`/`then`/`else`, `uniqueItems: true`,
+`contains`,
 `multipleOf` other than an integer on integers, `minLength`/`maxLength` together with `pattern`
 or `format`, a `pattern` matching a backslash (xgrammar writes it unescaped).
 
@@ -61,6 +62,8 @@ _SUB_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependen
 _LOWER = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties")
 _UPPER = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties")
 _PRODUCTIVE_BUDGET = 20_000
+_WALK_BUDGET = 20_000  # schema nodes visited (allOf x anyOf expansion can multiply them)
+_DEFS = frozenset({"$defs", "definitions"})
 
 
 def unsupported(where: str, what: str) -> ValueError:
@@ -71,9 +74,13 @@ def unsupported(where: str, what: str) -> ValueError:
     )
 
 
-def unsatisfiable(where: str, why: str) -> ValueError:
+class Unsatisfiable(ValueError):
+    pass
+
+
+def unsatisfiable(where: str, why: str) -> Unsatisfiable:
     at = f" at {where!r}" if where else ""
-    return ValueError(f"invalid JSON schema: the schema{at} matches no value ({why})")
+    return Unsatisfiable(f"invalid JSON schema: the schema{at} matches no value ({why})")
 
 
 def _join(where: str, key: Any) -> str:
@@ -106,6 +113,7 @@ def _resolve(root: Any, ref: Any) -> Any:
 class _Prepare:
     def __init__(self, root: dict):
         self.root = root
+        self.steps = 0
 
     # ---- the walk -------------------------------------------------------------------------
     def walk(self, node: Any, where: str) -> Any:
@@ -119,13 +127,31 @@ class _Prepare:
                 raise unsupported(where, f"{k!r} (conditional schemas)")
         if node.get("uniqueItems") is True:
             raise unsupported(where, "'uniqueItems'")
+        if "contains" in node:  # xgrammar would allow only `[]`, which contains nothing
+            raise unsupported(where, "'contains'")
+        self.steps += 1
+        if self.steps > _WALK_BUDGET:
+            raise unsupported(where, "a schema this large once its allOf / anyOf are expanded")
         if "allOf" in node:  # merged, then walked as a whole (a branch may bring `not`...)
             return self.walk(self.merge_all_of(node, where), where)
         if "oneOf" in node:
+            if "anyOf" in node:
+                raise unsupported(where, "anyOf and oneOf in one schema")
             branches = [self.walk(b, _join(where, f"oneOf.{i}"))
                         for i, b in enumerate(node.pop("oneOf"))]  # fmt: skip
             self.check_disjoint(branches, where)
-            node["anyOf"] = [*node.get("anyOf", []), *branches] if "anyOf" in node else branches
+            node["anyOf"] = branches
+        # xgrammar takes `$ref` and `anyOf` alone, ignoring their siblings: fold the siblings in
+        rest = {k: v for k, v in node.items() if k not in _ANNOTATIONS | _DEFS}
+        kept = {k: v for k, v in node.items() if k in _ANNOTATIONS | _DEFS}
+        if "$ref" in rest and len(rest) > 1:
+            ref = rest.pop("$ref")
+            return self.walk({**kept, "allOf": [{"$ref": ref}, rest]}, where)
+        if "anyOf" in rest and len(rest) > 1:
+            branches = rest.pop("anyOf")
+            return self.any_of(kept, [{"allOf": [rest, b]} for b in branches], where)
+        if "anyOf" in rest:
+            return self.any_of(kept, rest["anyOf"], where)
         if "enum" in node or "const" in node:
             return self.filter_values(node, where)
         split = self.split_types(node)
@@ -147,6 +173,21 @@ class _Prepare:
         if _types(node) == ["string"]:
             self.fix_string(node, where)
         return node
+
+    def any_of(self, kept: dict, branches: list, where: str) -> dict:
+        """anyOf of the walked branches; a branch that matches no value is dropped."""
+        out, why = [], None
+        for i, b in enumerate(branches):
+            try:
+                out.append(self.walk(b, _join(where, f"anyOf.{i}")))
+            except Unsatisfiable as e:
+                why = e
+        if not out:
+            raise why or unsatisfiable(where, "anyOf has no branch")
+        for k in _DEFS & set(kept):
+            if isinstance(kept[k], dict):
+                kept[k] = {n: self.walk(v, _join(where, f"{k}.{n}")) for n, v in kept[k].items()}
+        return {**kept, "anyOf": out}
 
     # ---- allOf ----------------------------------------------------------------------------
     def _deref(self, branch: Any, where: str) -> Any:
