@@ -56,12 +56,30 @@ _NUMBER = st.one_of(
     st.just({"type": "number", "maximum": 3.5}),
     st.just({"type": "integer", "multipleOf": 3}),
 )
+_MORE = st.sampled_from([
+    {"type": "object", "minProperties": 1, "additionalProperties": {"type": "integer"}},
+    {"type": "object", "patternProperties": {"^k": {"type": "boolean"}}},
+    {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "items": False},
+    {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+    {"type": "string", "format": "email"}, {"type": "string", "format": "date-time"},
+    {"type": "string", "pattern": "^[0-9]{2}-[a-z]+$"},
+    {"enum": [{"a": 1}, [1, 2], "s"]}, {"const": {"k": [1]}},
+    {"type": ["integer", "string"], "minimum": 2, "maxLength": 2},
+    {"type": ["array", "null"], "maxItems": 1, "items": {"type": "integer"}},
+    {"type": ["object", "null"], "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+    {"$defs": {"n": {"anyOf": [{"type": "null"},
+                               {"type": "array", "items": {"$ref": "#/$defs/n"}, "maxItems": 2}]}},
+     "$ref": "#/$defs/n"},
+    {"type": "array", "contains": {"type": "integer"}},
+    {"type": "array", "uniqueItems": True, "items": {"type": "integer"}},
+])  # fmt: skip
 _LEAF = st.one_of(
     _STRING,
     _NUMBER,
     st.sampled_from([{"type": "boolean"}, {"type": "null"}]),
     st.lists(_SCALARS, min_size=1, max_size=3).map(lambda v: {"enum": v}),
     _SCALARS.map(lambda v: {"const": v}),
+    _MORE,
 )
 
 
@@ -79,6 +97,9 @@ def _extend(inner):
         obj,
         arr,
         st.lists(inner, min_size=2, max_size=2).map(lambda b: {"anyOf": b}),
+        st.tuples(inner, st.lists(inner, min_size=1, max_size=2)).map(
+            lambda t: {**t[0], "anyOf": t[1]} if isinstance(t[0], dict) else {"anyOf": t[1]}
+        ),
         st.lists(inner, min_size=2, max_size=2).map(lambda b: {"oneOf": b}),
         st.lists(inner, min_size=2, max_size=2).map(lambda b: {"allOf": b}),
         inner.map(lambda s: {"not": s}),
@@ -138,6 +159,63 @@ def test_random_schemas_stop_only_with_valid_json(engine, schema):
         if reasons[i] == "stop":
             value = json.loads(text)  # invalid JSON fails here
             jsonschema.validate(value, schema)  # so does a value outside the schema
+
+
+@pytest.fixture(scope="module")
+def walker():
+    """A grammar random walk on the demo vocabulary (no model): many schemas per second."""
+    import random
+
+    import torch
+
+    from k2serve.demo import demo_path
+    from k2serve.structured.backend import GrammarBackend
+    from k2serve.tokenizer import KimiTokenizer
+
+    tok = KimiTokenizer.from_dir(demo_path())
+    backend = GrammarBackend(tok, tok.vocab_size, [tok.eos_token_id])
+    closers = set(tok.encode('"') + tok.encode("}") + tok.encode("]") + tok.encode(","))
+    rng = random.Random(0)
+    bits = torch.arange(32)
+
+    def walk(compiled) -> str | None:
+        m, out = backend.matcher(compiled), []
+        bm = backend.allocate_bitmask(1)
+        for _ in range(60):
+            if m.is_terminated():
+                return tok.decode(out)
+            m.fill_next_token_bitmask(bm, 0)
+            allowed = torch.nonzero(((bm[0].unsqueeze(1) >> bits) & 1).flatten()).flatten()
+            allowed = [t for t in allowed.tolist() if t < tok.vocab_size]
+            assert allowed, "the grammar reached a dead end"
+            pref = [t for t in allowed if t in closers or t == tok.eos_token_id]
+            t = rng.choice(pref if pref and rng.random() < 0.6 else allowed)
+            assert m.accept_token(t)
+            if t != tok.eos_token_id:
+                out.append(t)
+        return tok.decode(out) if m.is_terminated() else None
+
+    return backend, walk
+
+
+@settings(
+    max_examples=int(os.environ.get("K2SERVE_SCHEMA_EXAMPLES", "40")),
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(schema=SCHEMAS)
+def test_random_schemas_random_walks_are_valid(walker, schema):
+    backend, walk = walker
+    try:
+        compiled = backend.compile(P(json=schema))
+    except ValueError as e:
+        assert str(e).startswith("invalid JSON schema"), e
+        return
+    for _ in range(2):
+        text = walk(compiled)
+        if text is not None:  # the grammar completed: what it allowed must be valid
+            jsonschema.validate(json.loads(text), schema)
 
 
 def test_random_schemas_exercised_both_paths():
