@@ -243,6 +243,19 @@ def test_access_log_can_be_turned_off(caplog):
     assert not [r for r in caplog.records if r.name == "k2serve.server.access"]
 
 
+def test_access_log_flags_parse():
+    import argparse
+
+    from k2serve.server.cli import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args([]).disable_access_log is False
+    for flag in ("--disable-access-log", "--disable-uvicorn-access-log", "--disable-log-requests"):
+        assert p.parse_args([flag]).disable_access_log is True
+    assert p.parse_args(["--api-key", "a", "b"]).api_key == ["a", "b"]
+
+
 def test_a_disconnect_is_logged_as_a_disconnect(caplog):
     engine = FakeAsyncEngine(delay=0.05)
     app = build_app(engine, served_model_names=["fake"])

@@ -113,10 +113,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--disable-access-log",
         "--disable-uvicorn-access-log",
+        "--disable-log-requests",
         dest="disable_access_log",
         action="store_true",
         help="no per-request INFO line (client, method, path, status, tokens, latency); "
-        "rejections (4xx) and client disconnects are still logged",
+        "rejections (4xx) and client disconnects are still logged. The vLLM names are "
+        "aliases (k2serve never logs prompts)",
     )
     g.add_argument(
         "--tool-call-parser",
