@@ -24,14 +24,7 @@ from k2serve.parsers.markers import CALL_BEGIN, SECTION_BEGIN
 from k2serve.server.access_log import request_usage
 from k2serve.server.errors import APIError, bad_request
 from k2serve.server.logits_processors import BanTokens, ForceToolCallPrefix
-from k2serve.server.protocol import (
-    ChatCompletionRequest,
-    ChatMessageParam,
-    NamedToolChoice,
-    ToolSchemaError,
-    check_forced_tool_names,
-    check_tool_schemas,
-)
+from k2serve.server.protocol import ChatCompletionRequest, ChatMessageParam, NamedToolChoice
 from k2serve.server.reasoning_budget import ThinkingBudget
 from k2serve.server.serving import (
     EngineStream,
@@ -43,6 +36,11 @@ from k2serve.server.serving import (
 )
 from k2serve.server.sse import SSE_DONE, SSEResponse, cancel_on_disconnect, sse_event
 from k2serve.server.structured import check_compiles, output_constraint, tool_constraint
+from k2serve.server.tool_checks import (
+    ToolSchemaError,
+    check_forced_tool_names,
+    check_tool_schemas,
+)
 from k2serve.tokenizer.safe import guard_for, render_and_encode
 
 logger = logging.getLogger(__name__)
