@@ -272,6 +272,22 @@ def test_a_disconnect_is_logged_as_a_disconnect(caplog):
     assert not any(m.startswith("rejected") and "499" in m for m in msgs), msgs
 
 
+def test_a_streaming_disconnect_is_logged_as_a_disconnect(caplog):
+    engine = FakeAsyncEngine(delay=0.05)
+    app = build_app(engine, served_model_names=["fake"])
+    body = {"messages": _msgs("x " * 40), "max_tokens": 200, "stream": True}
+    with ServerThread(app) as s, caplog.at_level(logging.INFO, logger="k2serve.server"):
+        with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=10) as r:
+            next(r.iter_lines())  # the first event arrived: the stream is under way
+        deadline = time.monotonic() + 5
+        while engine.running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+    msgs = [r.getMessage() for r in caplog.records if r.name == "k2serve.server.access"]
+    line = [m for m in msgs if "/v1/chat/completions" in m]
+    assert len(line) == 1 and "disconnected" in line[0], msgs
+
+
 # ---- strict integer / boolean fields (as OpenAI) ---------------------------------------------
 @pytest.mark.parametrize(
     "field, value",
