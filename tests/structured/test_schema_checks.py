@@ -215,3 +215,10 @@ def test_after_reasoning_closes_the_end_of_turn_follows_the_grammar(tok, eos, ba
     logits[0, eos] = 1000.0
     got = Sampler("cpu", seed=0)(logits, [r]).token_ids[0]
     assert got in eos  # the integer is complete: the turn may end
+
+
+def test_a_rejected_token_ends_the_request_as_abort_not_stop(tok, eos, backend):
+    r = _req(tok, eos, backend, P(json={"type": "integer"}))
+    r.append_output_token(tok.encode("x")[0])  # a token the grammar rejects
+    assert r.check_stop_token() and r.grammar.failed
+    assert r.status == RequestStatus.FINISHED_ABORTED

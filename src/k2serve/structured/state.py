@@ -16,8 +16,9 @@ Invariants:
   stop tokens meanwhile and `Request.check_stop_token` does not stop on them, so a reply cannot
   end inside its reasoning and skip the constraint.
 - `terminated`: the grammar accepted a stop token (or can accept nothing more); the request
-  ends with finish_reason "stop". `failed`: a token the grammar rejects was appended (only
-  possible if a mask was overridden); the request ends too, and the error is logged.
+  ends with finish_reason "stop". `failed`: a token the grammar rejects was appended (a mask
+  overridden, or a grammar with a dead end); the request ends with finish_reason "abort" (its
+  text is not valid for the constraint), and the error is logged.
 """
 
 from __future__ import annotations
