@@ -124,9 +124,9 @@ def engine():
 SEEN: dict[str, int] = {"stop": 0, "length": 0, "refused": 0}
 
 
-# K2SERVE_SCHEMA_EXAMPLES=200 explores further (CI keeps 12: the CPU budget is tight)
+# K2SERVE_SCHEMA_EXAMPLES=200 explores further (CI: 6 on the model, 40 walks; CPU budget)
 @settings(
-    max_examples=int(os.environ.get("K2SERVE_SCHEMA_EXAMPLES", "12")),
+    max_examples=int(os.environ.get("K2SERVE_SCHEMA_EXAMPLES", "6")),
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
