@@ -54,6 +54,7 @@ def test_normalize_arguments(raw, text, valid):
         ("get_time", {}, "W", "get_time", False),  # a bare declared name
         ("toolu_01abc", {"anything": 1}, ["only_tool"], "only_tool", True),  # single tool
         ("", {"city": "X"}, "W", "get_weather", True),
+        ("functions.ns.get_time:0", {}, ["ns.get_time"], "ns.get_time", False),  # issue 31
     ],
 )
 def test_resolve_name(call_id, args, tools, name, warned):

@@ -8,12 +8,26 @@ from k2serve.cli import main
 
 
 def test_bad_model_dirs_fail_cleanly(tmp_path, capsys):
-    assert main(["serve", "--model", str(tmp_path / "missing")]) == 2
+    free = ["--host", "127.0.0.1", "--port", "0"]  # never the default 8000 (issue 31)
+    assert main(["serve", "--model", str(tmp_path / "missing"), *free]) == 2
     assert "is not a directory" in capsys.readouterr().err
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    assert main(["serve", "--model", str(tmp_path)]) == 2
+    assert main(["serve", "--model", str(tmp_path), *free]) == 2
     err = capsys.readouterr().err
     assert "LlamaForCausalLM" in err and "Traceback" not in err
+
+
+def test_a_bad_model_dir_is_reported_before_a_busy_port(tmp_path, capsys):
+    import socket
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = str(s.getsockname()[1])
+        assert main(["serve", "--model", str(tmp_path), "--host", "127.0.0.1", "--port", port]) == 2
+    err = capsys.readouterr().err
+    assert "LlamaForCausalLM" in err and "in use" not in err, err
 
 
 def test_flags_parse_with_vllm_names(monkeypatch):
@@ -27,7 +41,7 @@ def test_flags_parse_with_vllm_names(monkeypatch):
     a = p.parse_args([])
     assert (a.port, a.api_key, a.tool_call_parser, a.reasoning_parser) == (
         8000,
-        "from-env",
+        ["from-env"],
         "kimi_k2",
         "kimi_k2",
     )
@@ -72,7 +86,7 @@ def test_flags_parse_with_vllm_names(monkeypatch):
         ]
     )
     assert a.allowed_origins == ["*"] and a.max_request_body_bytes == 32 * 1024 * 1024
-    assert a.served_model_name == ["a", "b"] and a.api_key == "k" and a.max_waiting == 5
+    assert a.served_model_name == ["a", "b"] and a.api_key == ["k"] and a.max_waiting == 5
     assert a.enable_prefix_caching is False and a.default_chat_template_kwargs == {
         "thinking": False
     }

@@ -57,7 +57,9 @@ def _lines(err: str) -> list[str]:
 
 
 def _serve(d: str, *extra: str) -> list[str]:
-    return ["serve", "--model", d, "--device", "cpu", "--num-kv-pages", "16", *extra]
+    # --port 0: a free port (never the default 8000, which a running server may hold)
+    return ["serve", "--model", d, "--device", "cpu", "--num-kv-pages", "16",
+            "--host", "127.0.0.1", "--port", "0", *extra]  # fmt: skip
 
 
 @pytest.mark.parametrize("keep", [0.5, 0.0001])  # cut in the tensor data / in the header

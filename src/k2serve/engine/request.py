@@ -105,10 +105,16 @@ class Request:
         if self.grammar is not None:
             self.grammar.sync(self.output_token_ids)
             if self.grammar.finished:  # the grammar is complete: the reply is too
-                self.status = RequestStatus.FINISHED_STOPPED
+                # a token the grammar rejected (a dead end): the reply is not valid, so it is
+                # never reported as a normal "stop"
+                failed = self.grammar.failed
+                self.status = (
+                    RequestStatus.FINISHED_ABORTED if failed else RequestStatus.FINISHED_STOPPED
+                )
                 self.stop_reason = None
                 return True
-        if self.num_output_tokens >= params.min_tokens:
+        pending = self.grammar is not None and self.grammar.pending  # see GrammarState.pending
+        if self.num_output_tokens >= params.min_tokens and not pending:
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
                 self.stop_reason = None

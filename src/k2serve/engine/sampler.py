@@ -8,6 +8,8 @@ Structured outputs: the rows whose request has an active grammar get one bitmask
 host (xgrammar, all rows at once), copied to the logits' device without blocking and applied in
 place by xgrammar's kernel, so the mask adds no host sync to the step. When min_tokens would ban
 every token the grammar allows (the grammar is complete and only EOS remains), the grammar wins.
+A constraint that has not started yet (thinking on, the reply still reasoning) bans EOS and the
+stop tokens like min_tokens does, so the turn cannot end before the constrained part.
 
 A `logits_processors.BanTokens` (a history-independent ban) is not called: the sampler sets
 those tokens to -inf for all rows in one indexed write, and the min_tokens bans in another
@@ -127,7 +129,9 @@ class Sampler:
         grammar_rows = set(self._apply_grammars(logits, reqs)) if modifies else set()
         ban_rows, ban_cols = [], []
         for i, (r, p) in enumerate(zip(reqs, params, strict=True) if modifies else ()):
-            if r.num_output_tokens < p.min_tokens:
+            # a pending constraint (still reasoning) must not be skipped by ending the turn
+            pending = r.grammar is not None and r.grammar.pending
+            if r.num_output_tokens < p.min_tokens or pending:
                 banned = list(p.stop_token_ids)
                 if not p.ignore_eos:
                     banned += list(r.eos_token_ids)

@@ -5,7 +5,8 @@ streaming parser so both report identical calls:
 
 - **id**: returned as the model wrote it (stripped), e.g. `functions.get_weather:0`; an empty id
   becomes `functions.{name}:{index}`.
-- **name**: the part before the first `:`, after the last `.` (`functions.x:0` and `x:0` -> `x`).
+- **name**: the part before the first `:`, after the last `.` (`functions.x:0` and `x:0` -> `x`),
+  unless the part after `functions.` is a declared tool's name (`functions.ns.x:0` -> `ns.x`).
   An id without `:` (`call00003`, `call_3`, `0`, `toolu_...`, or a bare `functions.x`) is
   resolved, in order: (1) the part after the last `.` if it is a declared tool; (2) with declared
   tools, the ONE tool whose parameter schema accepts the argument object, or the only declared
@@ -183,7 +184,11 @@ def resolve_name(
 ) -> tuple[str, str | None]:
     """(function name, warning or None) for a call id (see the module docstring)."""
     if ":" in raw_id:
-        return raw_id.split(":", 1)[0].rsplit(".", 1)[-1].strip(), None
+        head = raw_id.split(":", 1)[0].strip()
+        full = head.removeprefix("functions.")
+        if tools is not None and full in tools:  # a declared name with dots (`ns.tool`)
+            return full, None
+        return head.rsplit(".", 1)[-1].strip(), None
     bare = raw_id.rsplit(".", 1)[-1].strip()
     if tools is not None and bare in tools:
         return bare, None

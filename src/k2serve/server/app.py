@@ -27,7 +27,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from k2serve import __version__, git_revision
 from k2serve.engine.contract import EngineClient
-from k2serve.server.auth import check_authorization, needs_key
+from k2serve.server.access_log import log_finished, printable
+from k2serve.server.auth import OWNER_SCOPE_KEY, check_authorization, needs_key
 from k2serve.server.chat import ChatHandler, encode_prompt
 from k2serve.server.completions import CompletionHandler
 from k2serve.server.errors import APIError, bad_request, install_error_handlers
@@ -67,15 +68,17 @@ class GuardMiddleware:
         self,
         app: ASGIApp,
         state: ServerState,
-        api_key: str | None,
+        api_key: list[str] | None,
         max_body: int,
         read_timeout: float | None = None,
+        access_log: bool = True,
     ):
         self.app = app
         self.state = state
-        self.api_key = api_key
+        self.api_keys = list(api_key or [])
         self.max_body = max_body
         self.read_timeout = read_timeout
+        self.access_log = access_log
 
     async def _reply(self, send: Send, err: APIError) -> None:
         body = json.dumps(err.body()).encode()
@@ -101,6 +104,7 @@ class GuardMiddleware:
         label = path if path in _ROUTES else "other"
         status = {"code": 500, "started": False}
         error_body: list[bytes] = []  # an error response's body, for the log line
+        t0 = time.monotonic()
 
         async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -121,15 +125,18 @@ class GuardMiddleware:
                 return
             await self.app(scope, limited, send_wrapper)
         except Exception:
-            logger.exception("unhandled error on %s %s", scope.get("method"), path)
+            logger.exception(
+                "unhandled error on %s %s", printable(scope.get("method", "")), printable(path)
+            )
             if not status["started"]:
                 await self._reply(
                     send_wrapper, APIError(500, "internal server error; see the server log")
                 )
         finally:
             self.state.metrics.http_requests.labels(path=label, status=str(status["code"])).inc()
-            if 400 <= status["code"] < 500:
-                log_rejected(scope.get("method", ""), path, status["code"], b"".join(error_body))
+            log_finished(
+                scope, status["code"], time.monotonic() - t0, b"".join(error_body), self.access_log
+            )
 
     def _too_large(self) -> APIError:
         return APIError(
@@ -140,11 +147,12 @@ class GuardMiddleware:
 
     def _precheck(self, scope: Scope, path: str) -> APIError | None:
         headers = dict(scope.get("headers") or [])
-        if self.api_key and needs_key(path):
+        if self.api_keys and needs_key(path):
             raw = headers.get(b"authorization")
-            why = check_authorization(raw.decode("latin-1") if raw else None, self.api_key)
+            why, owner = check_authorization(raw.decode("latin-1") if raw else None, self.api_keys)
             if why is not None:
                 return APIError(401, why, code="invalid_api_key")
+            scope[OWNER_SCOPE_KEY] = owner
         if self.state.draining and needs_key(path):
             return APIError(503, "the server is shutting down", code="shutting_down")
         length = headers.get(b"content-length")
@@ -176,15 +184,6 @@ class GuardMiddleware:
         return replay
 
 
-def log_rejected(method: str, path: str, status: int, body: bytes) -> None:
-    """One INFO line per rejected (4xx) request: method, path, status and the error message."""
-    try:
-        message = json.loads(body)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        message = body.decode("utf-8", "replace").strip() or "-"
-    logger.info("rejected %s %s: %d %s", method, path, status, message)
-
-
 def _default_sampling_params_cls():
     from k2serve.engine.sampling_params import SamplingParams
 
@@ -195,7 +194,7 @@ def build_app(
     engine: EngineClient,
     *,
     served_model_names: list[str] | None = None,
-    api_key: str | None = None,
+    api_key: str | list[str] | None = None,
     max_model_len: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     default_thinking: bool | None = None,
@@ -206,6 +205,7 @@ def build_app(
     default_sampling_params: dict | None = None,
     allow_special_tokens_in_chat: bool = False,
     read_timeout: float | None = DEFAULT_READ_TIMEOUT,
+    access_log: bool = True,
 ) -> FastAPI:
     """An OpenAI-compatible app over an `AsyncLLMEngine`-like engine (see docs/interfaces.md).
 
@@ -216,7 +216,10 @@ def build_app(
     `allow_special_tokens_in_chat`: encode special-token strings in chat messages as control
     tokens (vLLM's behaviour; off: they are text, so a client cannot forge turns).
     `read_timeout`: seconds a request body may take to arrive after its headers (408 after).
+    `api_key`: one key or several (any of them is accepted; stored responses belong to the key
+    that created them). `access_log`: one INFO line per finished request (server/access_log.py).
     """
+    api_keys = [api_key] if isinstance(api_key, str) else [k for k in api_key or [] if k]
     names = list(served_model_names or ["k2serve"])
     tok = tokenizer if tokenizer is not None else engine.tokenizer
     if default_thinking is None:
@@ -279,15 +282,15 @@ def build_app(
         out = await responses.create(body, request)
         return out if isinstance(out, Response) else await state.cpu.run(SafeJSONResponse, out)
 
-    @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str):
-        return responses.get(response_id)
+    # one route for both methods, so a 405 / OPTIONS lists both in its Allow header
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    async def response_by_id(response_id: str, request: Request):
+        owner = request.scope.get(OWNER_SCOPE_KEY)
+        if request.method == "DELETE":
+            return responses.delete(response_id, owner)
+        return responses.get(response_id, owner)
 
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str):
-        return responses.delete(response_id)
-
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         data = [
             {
@@ -302,7 +305,7 @@ def build_app(
         ]
         return {"object": "list", "data": data}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
     async def model(model_id: str):
         state.check_model(model_id)
         return (await models())["data"][names.index(model_id)]
@@ -336,7 +339,7 @@ def build_app(
         state.check_model(body.model)
         return await state.cpu.run(_detokenize, body)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if state.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
@@ -350,23 +353,24 @@ def build_app(
 
     revision = git_revision()  # once: a checkout's commit, None from a wheel
 
-    @app.get("/version")
+    @app.api_route("/version", methods=["GET", "HEAD"])
     async def version():
         return {"version": __version__, "git_revision": revision}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics():
         return Response(
             state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
         )
 
-    install_openapi(app, api_key_required=bool(api_key))
+    install_openapi(app, api_key_required=bool(api_keys))
     app.add_middleware(
         GuardMiddleware,
         state=state,
-        api_key=api_key,
+        api_key=api_keys,
         max_body=max_body_bytes,
         read_timeout=read_timeout,
+        access_log=access_log,
     )
     if allowed_origins:  # outermost, so browser preflights (OPTIONS) never need the key
         app.add_middleware(

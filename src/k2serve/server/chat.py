@@ -23,6 +23,7 @@ from k2serve.engine.logits_processors import BanTokens, ForceToolCallPrefix
 from k2serve.engine.reasoning_budget import ThinkingBudget
 from k2serve.parsers import StreamingOutputParser, parse_output
 from k2serve.parsers.markers import CALL_BEGIN, SECTION_BEGIN
+from k2serve.server.access_log import request_usage
 from k2serve.server.errors import APIError, bad_request
 from k2serve.server.protocol import ChatCompletionRequest, ChatMessageParam, NamedToolChoice
 from k2serve.server.serving import (
@@ -35,6 +36,11 @@ from k2serve.server.serving import (
 )
 from k2serve.server.sse import SSE_DONE, SSEResponse, cancel_on_disconnect, sse_event
 from k2serve.server.structured import check_compiles, output_constraint, tool_constraint
+from k2serve.server.tool_checks import (
+    ToolSchemaError,
+    check_forced_tool_names,
+    check_tool_schemas,
+)
 from k2serve.tokenizer.safe import guard_for, render_and_encode
 
 logger = logging.getLogger(__name__)
@@ -153,6 +159,14 @@ class ChatHandler:
         st = self.state
         st.check_model(req.model)
         tool_choice = req.tool_choice or ("auto" if req.tools else "none")
+        try:  # here, in the CPU pool: not on the event loop, each distinct schema once
+            check_tool_schemas(req.tools)
+            if req.tools and tool_choice == "required":
+                check_forced_tool_names(req.tools, [t.function.name for t in req.tools])
+            elif isinstance(tool_choice, NamedToolChoice):
+                check_forced_tool_names(req.tools, [tool_choice.function.name])
+        except ToolSchemaError as e:
+            raise bad_request(str(e), param=e.param) from None
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         use_tools = bool(tools) and tool_choice != "none"
         _text, prompt_ids, thinking = encode_prompt(st, req)
@@ -199,7 +213,9 @@ class ChatHandler:
     async def create(self, req: ChatCompletionRequest, raw: Request):
         prompt_ids, params, thinking, tools = await self.state.cpu.run(self._prepare, req)
         await check_compiles(self.state, params)
-        stream = EngineStream(self.state, prompt_ids, params, new_request_id("chatcmpl"))
+        stream = EngineStream(
+            self.state, prompt_ids, params, new_request_id("chatcmpl"), request_usage(raw.scope)
+        )
         await cancel_on_disconnect(raw, stop=self.state.stop_event, work=stream.start())
         if req.stream:
             return SSEResponse(self._stream(req, stream, thinking, tools), self.state.stop_event)

@@ -104,10 +104,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="model name(s) clients use; the first is reported in responses "
         "(default: the model directory's name)",
     )
+    env_key = envs.api_key()
     g.add_argument(
         "--api-key",
-        default=envs.api_key(),
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: $K2SERVE_API_KEY)",
+        nargs="+",
+        default=[env_key] if env_key else None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1/*; several keys (as vLLM) are each "
+        "accepted, and a stored response belongs to the key that created it "
+        "(default: $K2SERVE_API_KEY)",
+    )
+    g.add_argument(
+        "--disable-access-log",
+        "--disable-uvicorn-access-log",
+        "--disable-log-requests",
+        dest="disable_access_log",
+        action="store_true",
+        help="no per-request INFO line (client, method, path, status, tokens, latency); "
+        "rejections (4xx) and client disconnects are still logged. The vLLM names are "
+        "aliases (k2serve never logs prompts)",
     )
     g.add_argument(
         "--tool-call-parser",
@@ -382,6 +397,12 @@ def _check(args: argparse.Namespace, cfg):
         sampling_defaults = load_generation_defaults(args.generation_config, model_dir)
     except ValueError as e:
         raise StartupError(str(e)) from None
+    try:  # a bad checkpoint is reported as such, before the port is even looked at
+        from k2serve.config import ModelConfig
+
+        ModelConfig.from_hf(model_dir)
+    except (ValueError, OSError) as e:
+        raise StartupError(f"cannot load {model_dir}: {e}") from None
     return cfg, model_dir, sampling_defaults
 
 

@@ -16,6 +16,7 @@ import time
 
 from starlette.requests import Request
 
+from k2serve.server.access_log import request_usage
 from k2serve.server.errors import APIError, bad_request
 from k2serve.server.protocol import CompletionRequest
 from k2serve.server.serving import (
@@ -71,7 +72,7 @@ class CompletionHandler:
             await check_compiles(st, plans[0])
         base = new_request_id("cmpl")
         streams = [
-            EngineStream(st, ids, params, f"{base}-{i}")
+            EngineStream(st, ids, params, f"{base}-{i}", request_usage(raw.scope))
             for i, ((_t, ids), params) in enumerate(zip(prompts, plans, strict=True))
         ]
         merged = MergedStreams(streams)

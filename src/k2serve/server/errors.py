@@ -59,7 +59,9 @@ class APIError(Exception):
         return ErrorResponse(error=info).model_dump()
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        from k2serve.server.finite import SafeJSONResponse
+
+        return SafeJSONResponse(self.body(), status_code=self.status)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -161,19 +163,27 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
+        errors = getattr(exc, "errors", None)  # big_body.BodyInvalid: validated in the pool
+        if isinstance(errors, list):
+            msg, param = _validation_message(RequestValidationError(errors))
+            return APIError(400, msg, param=param, code="invalid_value").response()
         msg = str(exc.detail) if exc.detail else "error"
         if exc.status_code == 404:
             msg = f"no route {request.method} {request.url.path}"
         if exc.status_code == 405:
             msg = f"method {request.method} is not allowed on {request.url.path}"
-        resp = APIError(exc.status_code, msg).response()
+        resp = APIError(exc.status_code, msg, param=getattr(exc, "param", None)).response()
         for name, value in (exc.headers or {}).items():  # 405 carries Allow (RFC 9110)
             resp.headers[name] = value
         return resp
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
-        logger.exception("internal error on %s %s", request.method, request.url.path)
+        from k2serve.server.access_log import printable
+
+        logger.exception(
+            "internal error on %s %s", printable(request.method), printable(request.url.path)
+        )
         return APIError(
             500, f"internal server error ({type(exc).__name__}); see the server log"
         ).response()

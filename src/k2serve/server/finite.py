@@ -58,6 +58,17 @@ def dumps(obj: Any, **kw: Any) -> str:
         return json.dumps(_scrub(obj), allow_nan=False, **kw)
 
 
+def dumps_utf8(obj: Any) -> str:
+    """Compact JSON text that encodes as UTF-8: non-ASCII as is, but a lone surrogate (which
+    UTF-8 cannot carry) makes the whole text ASCII-escaped instead of failing to encode."""
+    text = dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = dumps(obj, ensure_ascii=True, separators=(",", ":"))
+    return text
+
+
 class SafeJSONResponse(JSONResponse):
     def render(self, content: Any) -> bytes:
-        return dumps(content, ensure_ascii=False, indent=None, separators=(",", ":")).encode()
+        return dumps_utf8(content).encode()

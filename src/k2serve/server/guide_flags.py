@@ -148,11 +148,14 @@ FLAGS: tuple[GuideFlag, ...] = (
     ),
     _w(
         "vLLM",
-        "--disable-log-requests --enable-log-requests --disable-log-stats",
+        "--enable-log-requests --disable-log-stats",
         "k2serve never logs request contents; statistics are on /metrics",
         switch=True,
     ),
-    _w("vLLM", "--disable-uvicorn-access-log", "the access log is always off", switch=True),
+    *(
+        GuideFlag((f,), "implemented", "vLLM", target="--disable-access-log", switch=True)
+        for f in ("--disable-log-requests", "--disable-uvicorn-access-log")
+    ),
     _w(
         "vLLM",
         "--distributed-executor-backend",

@@ -172,6 +172,7 @@ def serve(args, engine, model_dir, chat_template, sampling_defaults, sock) -> in
         default_sampling_params=sampling_defaults,
         allow_special_tokens_in_chat=args.allow_special_tokens_in_chat,
         read_timeout=args.request_read_timeout or None,
+        access_log=not args.disable_access_log,
     )
     state = app.state.k2
     _log_startup(engine, state, model_dir, names, args)

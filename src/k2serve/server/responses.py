@@ -20,7 +20,6 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -29,8 +28,11 @@ from starlette.requests import Request
 
 from k2serve.parsers import StreamingOutputParser, parse_output
 from k2serve.parsers.markers import THINK_END
+from k2serve.server.access_log import request_usage
+from k2serve.server.auth import OWNER_SCOPE_KEY
 from k2serve.server.chat import ChatHandler, may_stream_arguments
 from k2serve.server.errors import APIError
+from k2serve.server.finite import dumps_utf8
 from k2serve.server.responses_input import (
     ResponsesRequest,
     ResponseStore,
@@ -101,14 +103,14 @@ class ResponsesHandler:
         self.store = store if store is not None else ResponseStore()
 
     # -- GET / DELETE -------------------------------------------------------------------------
-    def get(self, response_id: str) -> dict:
-        got = self.store.get(response_id)
+    def get(self, response_id: str, owner: str | None = None) -> dict:
+        got = self.store.get(response_id, owner)
         if got is None:
             raise not_found(response_id)
         return got[0]
 
-    def delete(self, response_id: str) -> dict:
-        if not self.store.delete(response_id):
+    def delete(self, response_id: str, owner: str | None = None) -> dict:
+        if not self.store.delete(response_id, owner):
             raise not_found(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
@@ -118,7 +120,7 @@ class ResponsesHandler:
         st.check_model(req.model)
         history: list[dict] = []
         if req.previous_response_id is not None:
-            got = self.store.get(req.previous_response_id)
+            got = self.store.get(req.previous_response_id, raw.scope.get(OWNER_SCOPE_KEY))
             if got is None:
                 raise not_found(req.previous_response_id, param="previous_response_id")
             history = got[1]
@@ -131,9 +133,10 @@ class ResponsesHandler:
             e.message = e.message.replace("the messages", "the input")
             raise
         rid = _id("resp")
-        stream = EngineStream(st, prompt_ids, params, rid)
+        stream = EngineStream(st, prompt_ids, params, rid, request_usage(raw.scope))
         await cancel_on_disconnect(raw, stop=st.stop_event, work=stream.start())
         run = _Run(self, req, stream, thinking, tools, conversation)
+        run.owner = raw.scope.get(OWNER_SCOPE_KEY)
         if req.stream:
             return SSEResponse(run.events(), st.stop_event)
         try:
@@ -150,6 +153,7 @@ class _Run:
         self.h, self.req, self.stream = h, req, stream
         self.thinking, self.tools, self.conversation = thinking, tools, conversation
         self.created = int(time.time())
+        self.owner: str | None = None  # the API key that made it (see ResponseStore)
         self.ids: list[int] = []
         tok = h.state.tokenizer
         self.think_end = tok.token_to_id(THINK_END) if thinking else None
@@ -213,7 +217,7 @@ class _Run:
                      "function": {"name": c.name, "arguments": c.arguments}}
                     for c in calls
                 ]  # fmt: skip
-            self.h.store.put(resp, [*self.conversation, turn])
+            self.h.store.put(resp, [*self.conversation, turn], self.owner)
         return resp
 
     # -- whole ---------------------------------------------------------------------------------
@@ -296,7 +300,7 @@ class _Events:
     def emit(self, kind: str, **fields) -> str:
         body = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
-        data = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+        data = dumps_utf8(body)
         return f"event: {kind}\ndata: {data}\n\n"
 
 

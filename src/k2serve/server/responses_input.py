@@ -34,10 +34,12 @@ from collections import OrderedDict
 from typing import Any, Literal
 
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from k2serve.server.errors import APIError, _validation_message, bad_request
-from k2serve.server.protocol import ChatCompletionRequest
+from k2serve.server.protocol import Bool, ChatCompletionRequest, Float, Int
+
+METADATA_MAX_PAIRS, METADATA_MAX_KEY, METADATA_MAX_VALUE = 16, 64, 512
 
 # vLLM / sampling extras a Responses request may carry and the chat path understands
 _PASSTHROUGH = (
@@ -67,19 +69,43 @@ class ResponsesRequest(BaseModel):
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
-    max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    stream: bool = False
-    store: bool = True
+    parallel_tool_calls: Bool = True
+    max_output_tokens: Int | None = Field(default=None, ge=1)
+    temperature: Float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
+    stream: Bool = False
+    store: Bool = True
     previous_response_id: str | None = None
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
-    background: bool = False
+    background: Bool = False
     truncation: str | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _check_metadata(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        """OpenAI's limits: at most 16 pairs, string keys of at most 64 characters, string
+        values of at most 512 (the metadata is kept in the response store)."""
+        if v is None:
+            return v
+        if len(v) > METADATA_MAX_PAIRS:
+            raise ValueError(f"metadata has {len(v)} pairs; at most {METADATA_MAX_PAIRS}")
+        for key, value in v.items():
+            if len(key) > METADATA_MAX_KEY:
+                raise ValueError(
+                    f"metadata key {key[:16]!r}... is {len(key)} characters long; "
+                    f"at most {METADATA_MAX_KEY}"
+                )
+            if not isinstance(value, str):
+                raise ValueError(f"metadata[{key!r}] must be a string")
+            if len(value) > METADATA_MAX_VALUE:
+                raise ValueError(
+                    f"metadata[{key!r}] is {len(value)} characters long; "
+                    f"at most {METADATA_MAX_VALUE}"
+                )
+        return v
 
 
 class ResponseStore:
@@ -87,23 +113,29 @@ class ResponseStore:
 
     def __init__(self, capacity: int = 1000):
         self.capacity = capacity
-        self._items: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[dict, list[dict], str | None]] = OrderedDict()
 
-    def put(self, response: dict, messages: list[dict]) -> None:
-        self._items[response["id"]] = (copy.deepcopy(response), copy.deepcopy(messages))
+    def put(self, response: dict, messages: list[dict], owner: str | None = None) -> None:
+        """`owner`: the API key (its digest) that made the response; only it can read it."""
+        item = (copy.deepcopy(response), copy.deepcopy(messages), owner)
+        self._items[response["id"]] = item
         self._items.move_to_end(response["id"])
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)
 
-    def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
+    def get(self, response_id: str, owner: str | None = None) -> tuple[dict, list[dict]] | None:
         item = self._items.get(response_id)
-        if item is None:
+        if item is None or item[2] != owner:  # another key's response: as if it did not exist
             return None
         self._items.move_to_end(response_id)
         return copy.deepcopy(item[0]), copy.deepcopy(item[1])
 
-    def delete(self, response_id: str) -> bool:
-        return self._items.pop(response_id, None) is not None
+    def delete(self, response_id: str, owner: str | None = None) -> bool:
+        item = self._items.get(response_id)
+        if item is None or item[2] != owner:
+            return False
+        del self._items[response_id]
+        return True
 
     def __len__(self) -> int:
         return len(self._items)

@@ -153,8 +153,19 @@ def new_request_id(prefix: str) -> str:
 class EngineStream:
     """One engine request: `await start()` (raises APIError), then `async for out in stream`."""
 
-    def __init__(self, state: ServerState, prompt_ids: list[int], params, request_id: str):
+    def __init__(
+        self,
+        state: ServerState,
+        prompt_ids: list[int],
+        params,
+        request_id: str,
+        usage: list[int] | None = None,
+    ):
+        """`usage`: [prompt, completion] token counts of the HTTP request, added to as the
+        request runs (for its access-log line)."""
         self.state = state
+        self.usage = usage if usage is not None else [0, 0]
+        self.usage[0] += len(prompt_ids)
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.timer = state.metrics.timer()
@@ -185,7 +196,9 @@ class EngineStream:
         if cached and not self.num_cached_tokens:
             self.timer.cached(cached)
         self.num_cached_tokens = cached
-        self.timer.tokens(sum(len(c.token_ids) for c in out.outputs))
+        num = sum(len(c.token_ids) for c in out.outputs)
+        self.timer.tokens(num)
+        self.usage[1] += num
         for c in out.outputs:
             if c.finish_reason is not None:
                 self._reasons.append(c.finish_reason)

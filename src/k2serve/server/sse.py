@@ -20,11 +20,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from k2serve.server.finite import dumps
+from k2serve.server.access_log import DISCONNECT_SCOPE_KEY
+from k2serve.server.finite import dumps_utf8
 
 
 def sse_event(obj: Any) -> str:
-    return f"data: {dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {dumps_utf8(obj)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -80,6 +81,8 @@ class SSEResponse(Response):
         finally:
             stopped = len(tasks) == 3 and tasks[2].done() and not pump_task.done()
             disconnected = listen_task.done()
+            if disconnected and not pump_task.done():
+                scope[DISCONNECT_SCOPE_KEY] = True  # for the access log
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -96,7 +99,9 @@ class SSEResponse(Response):
             return
         if not pump_task.cancelled() and pump_task.exception() is not None:
             exc = pump_task.exception()
-            if exc is not None and not isinstance(exc, OSError):  # OSError: the client went away
+            if isinstance(exc, OSError):  # the client went away
+                scope[DISCONNECT_SCOPE_KEY] = True
+            elif exc is not None:
                 raise exc
 
 

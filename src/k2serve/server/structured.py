@@ -125,6 +125,16 @@ def tool_constraint(
 ) -> StructuredOutputsParams | None:
     """The tool-call section constraint for tool_choice required / named / auto with a
     `strict: true` tool; None when the output is free."""
+    try:
+        so = _tool_constraint(tools, tool_choice, parallel, thinking)
+    except ValueError as e:  # a tool schema the grammar engine cannot enforce
+        raise bad_request(f"tools: {e}", param="tools") from None
+    if so is not None:
+        so.source = "tools"
+    return so
+
+
+def _tool_constraint(tools, tool_choice, parallel: bool, thinking: bool):
     so = None
     if tool_choice == "required":
         so = tool_call_constraint(tools, "required", parallel=parallel, thinking=thinking)
@@ -132,8 +142,6 @@ def tool_constraint(
         so = tool_call_constraint(tools, "named", name=tool_choice.function.name, thinking=thinking)
     elif tool_choice == "auto" and any(t["function"].get("strict") for t in tools):
         so = tool_call_constraint(tools, "auto", parallel=parallel, thinking=thinking)
-    if so is not None:
-        so.source = "tools"
     return so
 
 

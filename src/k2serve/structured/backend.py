@@ -43,7 +43,9 @@ from k2serve.parsers.markers import (
     THINK_END,
     THINK_START,
 )
+from k2serve.structured.grammar_check import check_grammar_finishes
 from k2serve.structured.params import StructuredOutputsParams
+from k2serve.structured.schema import prepare_json_schema
 
 DIALECT_MARKERS = (
     THINK_START,
@@ -136,18 +138,37 @@ class GrammarBackend:
             raise
         except Exception as e:  # xgrammar raises RuntimeError / pydantic errors
             raise ValueError(f"invalid {_what(params.kind)}: {clean_error(e)}") from None
+        self._check_not_empty(compiled, params.kind)
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled
 
+    def _check_not_empty(self, compiled, kind: str) -> None:
+        """ValueError when the grammar allows no first token at all (`root ::= root`, a schema
+        whose every branch loops: generation would have nothing to sample), or when no string
+        it allows can ever end (`root ::= "a" root`; see grammar_check.py)."""
+        matcher = self.matcher(compiled)
+        bitmask = self.allocate_bitmask(1)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        if not bool(bitmask.any()):
+            raise ValueError(
+                f"invalid {_what(kind)}: it matches nothing (no output can satisfy it)"
+            )
+        grammar = getattr(compiled, "grammar", None)
+        if grammar is not None:
+            try:
+                check_grammar_finishes(str(grammar))
+            except ValueError as e:
+                raise ValueError(f"invalid {_what(kind)}: {e}") from None
+
     def _compile(self, p: StructuredOutputsParams):
         c = self.compiler
         kind = p.kind
         if kind == "json":
             return c.compile_json_schema(
-                fix_string_lengths(p.json)
+                prepare_json_schema(p.json)
                 if isinstance(p.json, dict)
                 else _bool_schema(bool(p.json)),
                 any_whitespace=True,
@@ -216,41 +237,8 @@ class GrammarBackend:
         _xgr().apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows)
 
 
-# NOTE: xgrammar 0.2.8 turns a string with minLength / maxLength into `[^"\\\r\n]{min,max}`,
-# which lets raw control characters (invalid JSON) through. The same bounds as a pattern go
-# through its regex path, which keeps them out.
-_STRING_BODY = r'[^\x00-\x1f"\\]'
-_SUBSCHEMA_KEYS = ("items", "additionalProperties", "not", "contains", "if", "then", "else")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-
-
-def fix_string_lengths(schema):
-    """A copy of `schema` whose length-bounded strings are patterns (see the note above)."""
-    if isinstance(schema, list):
-        return [fix_string_lengths(x) for x in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for k in _SUBSCHEMA_KEYS:
-        if isinstance(out.get(k), (dict, list)):
-            out[k] = fix_string_lengths(out[k])
-    for k in _SUBSCHEMA_LISTS:
-        if isinstance(out.get(k), list):
-            out[k] = [fix_string_lengths(x) for x in out[k]]
-    for k in _SUBSCHEMA_MAPS:
-        if isinstance(out.get(k), dict):
-            out[k] = {name: fix_string_lengths(v) for name, v in out[k].items()}
-    is_string = out.get("type") == "string"
-    bounded = "minLength" in out or "maxLength" in out
-    plain = not any(k in out for k in ("pattern", "format", "enum", "const"))
-    if is_string and bounded and plain:
-        lo, hi = out.pop("minLength", 0), out.pop("maxLength", None)
-        if isinstance(lo, int) and (hi is None or isinstance(hi, int)):
-            out["pattern"] = f"^{_STRING_BODY}{{{lo},{'' if hi is None else hi}}}$"
-        else:  # not integers: leave it to the compiler to reject
-            out["minLength"], out["maxLength"] = lo, hi
-    return out
+# exact JSON schemas for xgrammar (refusing what it would ignore): see structured/schema.py
+fix_string_lengths = prepare_json_schema
 
 
 def _bool_schema(b: bool) -> dict:

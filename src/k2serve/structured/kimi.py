@@ -30,8 +30,9 @@ from k2serve.parsers.markers import (
     SECTION_BEGIN,
     SECTION_END,
 )
-from k2serve.structured.backend import MAX_JSON_WHITESPACE, fix_string_lengths
+from k2serve.structured.backend import MAX_JSON_WHITESPACE
 from k2serve.structured.params import StructuredOutputsParams
+from k2serve.structured.schema import prepare_json_schema
 
 # marker text never allowed inside a JSON string of the arguments (the parser would cut there)
 _ARG_EXCLUDES = ["<|tool_call", "<|tool_calls_section"]
@@ -52,7 +53,7 @@ def _call(name: str, schema: Any) -> dict:
             _tok(ARG_BEGIN),
             {
                 "type": "json_schema",
-                "json_schema": fix_string_lengths(schema),
+                "json_schema": prepare_json_schema(schema),
                 "excludes": _ARG_EXCLUDES,
                 "max_whitespace_cnt": MAX_JSON_WHITESPACE,
             },

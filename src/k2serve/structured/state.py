@@ -12,9 +12,13 @@ Invariants:
 - Thinking: with `after_reasoning` the constraint starts after the first `</think>` of the
   output (or at a `<|tool_calls_section_begin|>` written while reasoning, with
   `open_on_tool_section`); until then the sequence is unconstrained.
+- `pending`: the constraint has not started (still reasoning); the sampler bans EOS and the
+  stop tokens meanwhile and `Request.check_stop_token` does not stop on them, so a reply cannot
+  end inside its reasoning and skip the constraint.
 - `terminated`: the grammar accepted a stop token (or can accept nothing more); the request
-  ends with finish_reason "stop". `failed`: a token the grammar rejects was appended (only
-  possible if a mask was overridden); the request ends too, and the error is logged.
+  ends with finish_reason "stop". `failed`: a token the grammar rejects was appended (a mask
+  overridden, or a grammar with a dead end); the request ends with finish_reason "abort" (its
+  text is not valid for the constraint), and the error is logged.
 """
 
 from __future__ import annotations
@@ -79,6 +83,13 @@ class GrammarState:
     def active(self) -> bool:
         """Whether the next token must follow the grammar."""
         return self.start is not None and not self.failed and not self.matcher.is_terminated()
+
+    @property
+    def pending(self) -> bool:
+        """The constraint has not started yet (thinking on, still reasoning): the turn must not
+        end here, or the constrained part would be skipped (the engine bans the end-of-turn
+        tokens until it starts; the request may still finish "length")."""
+        return self.start is None
 
     @property
     def terminated(self) -> bool:
