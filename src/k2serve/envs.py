@@ -20,6 +20,7 @@ monkeypatch. Nothing else in k2serve reads `os.environ` for a `K2SERVE_*` name.
 | K2SERVE_NUMA_TOPOLOGY | str | unset | CPU expert kernel NUMA topology override |
 | K2SERVE_CACHE_DIR | str | unset | where the CPU kernel's build / repack cache lives |
 | K2SERVE_ROUTER_NONFINITE_COUNT | bool | false | CUDA: count NaN / inf router inputs on device |
+| K2SERVE_KV_HOST_TIER_ON_CPU | bool | false | test/debug: a KV host tier on a CPU-only engine |
 """
 
 from __future__ import annotations
@@ -134,3 +135,10 @@ def numa_topology() -> str | None:
 def cache_dir() -> str | None:
     """K2SERVE_CACHE_DIR: the CPU kernel's build / repack cache directory."""
     return _raw("K2SERVE_CACHE_DIR")
+
+
+def kv_host_tier_on_cpu() -> bool:
+    """K2SERVE_KV_HOST_TIER_ON_CPU: a test / debug knob. On a CPU-only engine the KV cache is
+    host memory already, so the host tier is off; this turns it on anyway (plain copies between
+    two host buffers) so that its bookkeeping and copy path can be tested without a GPU."""
+    return env_bool("K2SERVE_KV_HOST_TIER_ON_CPU", False)

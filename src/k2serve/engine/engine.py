@@ -28,6 +28,7 @@ from k2serve.engine.config import EngineConfig
 from k2serve.engine.contract import resolve_max_tokens
 from k2serve.engine.detokenizer import make_detokenizer
 from k2serve.engine.errors import PromptTooLongError
+from k2serve.engine.kv_tier import make_host_tier, num_host_pages
 from k2serve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from k2serve.engine.request import Request, RequestStatus
 from k2serve.engine.runner import ModelRunner
@@ -59,6 +60,22 @@ class EngineStats:
     prompt_tokens: int  # totals since start
     generation_tokens: int
     num_finished: int
+    # K2 host KV tier (issue 27); zeros when it is off
+    kv_host_pages_used: int = 0
+    kv_host_pages_total: int = 0
+    host_cache_hits: int = 0  # prompt tokens restored from host RAM (also in prefix_cache_hits)
+    kv_offload_bytes_d2h: int = 0
+    kv_offload_bytes_h2d: int = 0
+    kv_offload_seconds_d2h: float = 0.0
+    kv_offload_seconds_h2d: float = 0.0
+    num_swap_outs: int = 0
+    num_swap_ins: int = 0
+    num_swapped: int = 0  # requests whose KV is in host RAM now
+    kv_copy_stalls: int = 0  # forwards that waited for a write-back to finish
+
+    @property
+    def host_cache_usage(self) -> float:
+        return self.kv_host_pages_used / self.kv_host_pages_total if self.kv_host_pages_total else 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -141,7 +158,10 @@ class LLMEngine:
         pages, max_model_len = sized["pages"], sized["max_model_len"]
         self.config = cfg.replace(max_model_len=max_model_len, num_kv_pages=pages)
         self.max_model_len = max_model_len
-        self.kv = KVCacheManager(pages, cfg.page_size, cfg.enable_prefix_caching)
+        host_pages = num_host_pages(cfg, self.device, kv_caches, model)  # K2 host KV tier
+        self.kv = KVCacheManager(
+            pages, cfg.page_size, cfg.enable_prefix_caching, make_host_tier(host_pages, kv_caches)
+        )
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=cfg.max_num_seqs,
@@ -152,10 +172,18 @@ class LLMEngine:
         if cfg.tensor_parallel_size > 1:
             from k2serve.engine.executor import MultiprocExecutor
 
-            self.runner = MultiprocExecutor(cfg, model, kv_caches, self.device, model_dir=model_dir)
+            self.runner = MultiprocExecutor(
+                cfg, model, kv_caches, self.device, model_dir=model_dir, kv_host_pages=host_pages
+            )
         else:
             self.runner = ModelRunner(
-                model, kv_caches, cfg.page_size, self.device, cfg.seed, engine_config=cfg
+                model,
+                kv_caches,
+                cfg.page_size,
+                self.device,
+                cfg.seed,
+                engine_config=cfg,
+                kv_host_pages=host_pages,
             )
         self.eos_token_ids = eos_token_ids(self.model_config, tokenizer, model_dir)
         self.vocab_size = self.model_config.vocab_size
@@ -283,6 +311,9 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            if sched.transfers is not None:  # K2 host tier: copies in only; they compute next
+                self.runner.apply_kv_transfers(sched.transfers)
+                return outputs
             if self.scheduler.running or self.scheduler.waiting:
                 raise RuntimeError(
                     f"scheduler made no progress: {len(self.scheduler.running)} running, "
@@ -432,6 +463,27 @@ class LLMEngine:
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
             num_finished=self._num_finished,
+            **self._host_tier_stats(),
+        )
+
+    def _host_tier_stats(self) -> dict:
+        host = self.kv.host
+        if host is None:
+            return {}
+        copier = getattr(self.runner, "kv_copier", None)
+        c = copier.stats() if copier is not None else {}
+        return dict(
+            kv_host_pages_used=round(host.usage * host.num_pages),
+            kv_host_pages_total=host.num_pages,
+            host_cache_hits=host.hit_tokens,
+            kv_offload_bytes_d2h=c.get("bytes_d2h", 0),
+            kv_offload_bytes_h2d=c.get("bytes_h2d", 0),
+            kv_offload_seconds_d2h=c.get("seconds_d2h", 0.0),
+            kv_offload_seconds_h2d=c.get("seconds_h2d", 0.0),
+            num_swap_outs=host.num_swap_outs,
+            num_swap_ins=host.num_swap_ins,
+            num_swapped=len(host.swapped),
+            kv_copy_stalls=c.get("stall_waits", 0),
         )
 
     def check_integrity(self) -> None:

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from k2serve.attention.base import AttentionMetadata
+from k2serve.cache.host_tier import KVCopier, KVTransfers, apply_on_rank
 from k2serve.cache.kv_cache_manager import KVCacheManager
 from k2serve.distributed.nodes import NodeSpec
 from k2serve.distributed.workers import WorkerGroup, WorkerState
@@ -106,14 +107,20 @@ def load_shard(state: WorkerState, spec: dict) -> int:
         progress=False,
     )
     state.data.update(model=rank.model, kv_caches=rank.kv_caches)
+    if spec.get("kv_host_pages"):  # K2 host KV tier: each rank copies its own cache replica
+        state.data["kv_copier"] = KVCopier(rank.kv_caches, spec["kv_host_pages"])
     model = rank.model
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 @torch.inference_mode()
-def forward_step(state: WorkerState, packed: np.ndarray) -> torch.Tensor:
-    """Every rank: run its shard on the packed flat batch. -> hidden of the sampling rows."""
+def forward_step(
+    state: WorkerState, packed: np.ndarray, transfers: KVTransfers | None = None
+) -> torch.Tensor:
+    """Every rank: run its shard on the packed flat batch (after the step's host-tier copies).
+    -> hidden of the sampling rows."""
     ids, pos, md, logits_idx = unpack_model_input(packed, state.device)
+    apply_on_rank(state, transfers)
     model = state.data["model"]
     hidden = model(ids, pos, attn_metadata=md, kv_caches=state.data["kv_caches"])  # [T, hidden]
     return hidden[logits_idx]  # [S, hidden]
@@ -130,8 +137,10 @@ class MultiprocExecutor:
         device: torch.device | str,
         *,
         model_dir: str | None,
+        kv_host_pages: int = 0,
     ) -> None:
-        """`model` / `kv_caches`: rank 0's, from `setup_rank` (backends chosen)."""
+        """`model` / `kv_caches`: rank 0's, from `setup_rank` (backends chosen);
+        `kv_host_pages`: each rank's host KV tier (0: none)."""
         cfg = engine_config
         W = cfg.tensor_parallel_size
         plan = getattr(model, "tp_plan", None)
@@ -154,7 +163,11 @@ class MultiprocExecutor:
             W, self.device, cfg.distributed_backend, nodes=NodeSpec.from_engine_config(cfg)
         )
         self.group.state.data.update(model=model, kv_caches=kv_caches)
+        self.kv_copier = KVCopier(kv_caches, kv_host_pages) if kv_host_pages else None
+        if self.kv_copier is not None:
+            self.group.state.data["kv_copier"] = self.kv_copier
         spec = dict(
+            kv_host_pages=kv_host_pages,
             engine_config=cfg,
             model_dir=os.fspath(model_dir),
             num_pages=kv_caches[0].shape[0],
@@ -180,11 +193,17 @@ class MultiprocExecutor:
         """Run one step on every rank; returns the requests that sampled and their samples."""
         inp = self._batch.prepare(sched, kv)
         packed = pack_model_input(inp)
-        hidden = self.group.run(forward_step, packed, reply=False)[0]  # [S, hidden]
+        hidden = self.group.run(forward_step, packed, sched.transfers, reply=False)[
+            0
+        ]  # [S, hidden]
         if not inp.sample_reqs:
             return [], None
         logits = self.model.compute_logits(hidden)  # [S, vocab] float32
         return inp.sample_reqs, self.sampler(logits, inp.sample_reqs)
+
+    def apply_kv_transfers(self, transfers: KVTransfers) -> None:
+        """A step with host-tier copies and nothing to compute: every rank copies."""
+        self.group.run(apply_on_rank, transfers, reply=False)
 
     def check_health(self) -> None:
         """Raise WorkerError if a worker has died (reads no connection: any thread)."""

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from k2serve.cache.host_tier import KVCopier, KVTransfers
 from k2serve.cache.kv_cache_manager import KVCacheManager
 from k2serve.engine.config import EngineConfig
 from k2serve.engine.input_batch import BlockTables, to_device
@@ -157,11 +158,14 @@ class ModelRunner(BatchBuilder):
         seed: int = 0,
         *,
         engine_config: EngineConfig | None = None,
+        kv_host_pages: int = 0,
     ) -> None:
         """Runs a model whose backends are chosen already (`engine.setup.setup_rank`): the
         last step of the setup pipeline, decode CUDA graphs, happens here. `engine_config`:
-        enforce_eager / max_model_len / max_num_seqs (None: the defaults)."""
+        enforce_eager / max_model_len / max_num_seqs (None: the defaults). `kv_host_pages`:
+        the host KV tier's pages (0: none; k2serve.cache.host_tier)."""
         super().__init__(page_size, device)
+        self.kv_copier = KVCopier(kv_caches, kv_host_pages) if kv_host_pages else None
         cfg = engine_config or EngineConfig()
         self.model = model
         self.kv_caches = kv_caches
@@ -209,6 +213,8 @@ class ModelRunner(BatchBuilder):
         """Run one step; returns the requests that sampled and their samples (same order)."""
         inp = self.prepare(sched, kv)
         md = inp.attn_metadata
+        if self.kv_copier is not None:  # K2 host tier: this step's copies, then the forward
+            self.kv_copier.apply(sched.transfers)
         if self.graph_runner is not None and md.num_decodes == md.num_seqs:
             # decode-only: a captured graph when one fits, else eager inside run()
             hidden = self.graph_runner.run(inp.input_ids, inp.positions, md)  # [T, hidden]
@@ -222,6 +228,11 @@ class ModelRunner(BatchBuilder):
             return [], None
         logits = self.model.compute_logits(hidden[inp.logits_indices])  # [S, vocab] float32
         return inp.sample_reqs, self.sampler(logits, inp.sample_reqs)
+
+    def apply_kv_transfers(self, transfers: KVTransfers) -> None:
+        """A step with host-tier copies and nothing to compute."""
+        if self.kv_copier is not None:
+            self.kv_copier.apply(transfers)
 
     def shutdown(self) -> None:
         """Write the routing counts (--record-routing) a last time; idempotent."""

@@ -1,0 +1,285 @@
+"""The host-memory tier under the paged latent cache (design decision 17: one cache, two tiers).
+
+Two halves, split along the engine / rank line:
+- `HostTier` (the engine, next to `KVCacheManager`): the bookkeeping. A second `BlockPool` of
+  host pages keyed by the same chained block hashes. A hashed device page that drops to no
+  reference is written back to host (once per hash), so by the time the device pool evicts it
+  its content is already in RAM; a prefix hit in host RAM gets fresh device pages and a copy
+  back; a preempted request's pages are swapped out to host pages it holds (ref counted, like
+  the device's) and back in. Every copy is queued as an op in `KVTransfers`, handed to the
+  ranks with the step that follows.
+- `KVCopier` (every rank, each on its own replica of the cache): owns the host buffers (one
+  `[num_host_pages, page_size, kv_cache_dim]` per layer, pinned on CUDA) and issues a step's
+  ops in order on a side CUDA stream (plain copies on the CPU).
+
+Ordering invariants (why no step waits on the host for a copy):
+- All copies of a rank run on one stream, in the order the bookkeeping planned them, so a host
+  page is never read before it is written nor overwritten before it is read.
+- The copy stream waits (GPU side) for the compute stream before each step's copies, so a
+  write-back sees every KV the earlier steps wrote.
+- A request restored from host (prefix hit or swap-in) computes in the *next* step, whose
+  compute stream waits (GPU side) for the loads issued earlier: the copy overlaps a step.
+  Restored device pages join the device prefix cache only then (`begin_step`).
+- The compute stream waits for a write-back only if it is about to overwrite a page whose
+  write-back may still be in flight (`KVTransfers.fresh`): rare, since a written-back page sits
+  at the back of the device LRU; the count is `stall_waits`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from k2serve.cache.block_pool import BlockPool
+
+logger = logging.getLogger(__name__)
+
+D2H, H2D = "d2h", "h2d"
+
+
+@dataclass
+class KVTransfers:
+    """The copies of one step, run in order on every rank before its forward."""
+
+    ops: list[tuple[str, list[int], list[int]]] = field(default_factory=list)  # (kind, src, dst)
+    fresh: list[int] = field(default_factory=list)  # device pages handed out since the last step
+
+    def __bool__(self) -> bool:
+        return bool(self.ops)
+
+    def add(self, kind: str, src: int, dst: int) -> None:
+        if self.ops and self.ops[-1][0] == kind:
+            self.ops[-1][1].append(src)
+            self.ops[-1][2].append(dst)
+        else:
+            self.ops.append((kind, [src], [dst]))
+
+    def num_pages(self, kind: str) -> int:
+        return sum(len(s) for k, s, _ in self.ops if k == kind)
+
+
+class HostTier:
+    """Host pages' bookkeeping (the engine's side); see the module docstring."""
+
+    def __init__(self, num_pages: int, page_size: int, bytes_per_page: int) -> None:
+        self.pool = BlockPool(num_pages, enable_prefix_caching=True)
+        self.page_size = page_size
+        self.bytes_per_page = bytes_per_page
+        self.pending = KVTransfers()
+        self.swapped: dict[str, list[int]] = {}  # request id -> host pages it holds
+        # counters (since start)
+        self.hit_tokens = 0  # prompt tokens restored from host instead of computed
+        self.pages_offloaded = 0  # device -> host (write-back and swap-out)
+        self.pages_loaded = 0  # host -> device (prefix hits and swap-in)
+        self.num_swap_outs = 0
+        self.num_swap_ins = 0
+
+    @property
+    def num_pages(self) -> int:
+        return self.pool.num_pages
+
+    @property
+    def usage(self) -> float:
+        """Fraction of host pages holding content (cached or held by a swapped request)."""
+        free = sum(1 for p in self.pool.free_queue if self.pool.page_hash[p] is None)
+        return 1.0 - free / self.pool.num_pages
+
+    def take(self) -> KVTransfers | None:
+        """The ops planned since the last step (None if there are none), for this step."""
+        t, self.pending = self.pending, KVTransfers()
+        return t if t.ops else None
+
+    # ---- prefix cache ------------------------------------------------------------------------
+    def lookup(self, page_hash: bytes) -> int | None:
+        return self.pool.lookup(page_hash)
+
+    def refresh(self, page_hash: bytes) -> None:
+        """A device hit on `page_hash`: its host copy becomes most recently used too (one LRU
+        order across both tiers)."""
+        page = self.pool.hash_to_page.get(page_hash)
+        if page is not None and self.pool.ref_count[page] == 0:
+            self.pool.free_queue.move_to_end(page)
+
+    def write_back(self, device_page: int, page_hash: bytes) -> None:
+        """Queue a copy of a device page that just became unreferenced (a cached prefix page).
+        Once per hash; skipped when every host page is held by swapped requests."""
+        if page_hash in self.pool.hash_to_page:
+            self.refresh(page_hash)
+            return
+        if not self.pool.num_free_pages:
+            return
+        (hp,) = self.pool.allocate(1)  # LRU eviction in host RAM
+        self.pool.cache_page(hp, page_hash)
+        self.pool.free([hp])  # cached, unreferenced: evictable like any other
+        self.pending.add(D2H, device_page, hp)
+        self.pages_offloaded += 1
+
+    def load(self, host_pages: list[int], device_pages: list[int]) -> None:
+        """Queue host -> device copies (the host pages may be evicted afterwards: the copy
+        stream runs in order)."""
+        for hp, dp in zip(host_pages, device_pages, strict=True):
+            self.pending.add(H2D, hp, dp)
+        self.pages_loaded += len(host_pages)
+
+    # ---- swap (preemption) -------------------------------------------------------------------
+    def swap_out(
+        self, request_id: str, device_pages: list[int], hashes: list[bytes | None]
+    ) -> bool:
+        """Copy a preempted request's computed pages to host pages it holds (a hashed page
+        already in host RAM is shared, not copied). False, changing nothing, if host RAM has
+        too few pages that are free or evictable."""
+        found = [self.pool.lookup(h) if h is not None else None for h in hashes]
+        shared = [hp for hp in found if hp is not None]  # distinct: the hashes are chained
+        reclaimed = sum(1 for hp in shared if self.pool.ref_count[hp] == 0)
+        if found.count(None) > self.pool.num_free_pages - reclaimed:
+            return False
+        self.pool.touch(shared)  # first, so the allocations below cannot evict them
+        held = []
+        for dp, h, hp in zip(device_pages, hashes, found, strict=True):
+            if hp is None:
+                (hp,) = self.pool.allocate(1)
+                if h is not None:
+                    self.pool.cache_page(hp, h)
+                self.pending.add(D2H, dp, hp)
+                self.pages_offloaded += 1
+            held.append(hp)
+        self.swapped[request_id] = held
+        self.num_swap_outs += 1
+        return True
+
+    def release(self, request_id: str) -> list[int]:
+        """Drop a swapped request's host pages (swapped in, or finished while swapped)."""
+        held = self.swapped.pop(request_id, [])
+        self.pool.free(held[::-1])
+        return held
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        held: dict[int, int] = {}
+        for pages in self.swapped.values():
+            for p in pages:
+                held[p] = held.get(p, 0) + 1
+        for p in range(self.pool.num_pages):
+            if self.pool.ref_count[p] != held.get(p, 0):
+                raise AssertionError(
+                    f"host page {p}: ref_count {self.pool.ref_count[p]} but held by "
+                    f"{held.get(p, 0)} swapped requests"
+                )
+
+
+def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) of the runs where both sides are consecutive."""
+    out: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((s, d, 1))
+    return out
+
+
+class KVCopier:
+    """One rank's host buffers and copy engine; see the module docstring."""
+
+    def __init__(self, kv_caches: list[torch.Tensor], num_host_pages: int) -> None:
+        device = kv_caches[0].device
+        self.device = device
+        self.cuda = device.type == "cuda"
+        # byte views: fp8 / bf16 / fp32 caches copy alike
+        self.device_caches = [c.view(torch.uint8) for c in kv_caches]  # [P, page_size, dim*elt]
+        shape = (num_host_pages, *self.device_caches[0].shape[1:])
+        self.host_caches = [
+            torch.empty(shape, dtype=torch.uint8, pin_memory=self.cuda) for _ in kv_caches
+        ]  # [H, page_size, dim*elt] per layer
+        self.bytes_per_page = self.device_caches[0][0].numel() * len(kv_caches)
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self._pending_d2h: dict[int, torch.cuda.Event] = {}  # device page -> its write-back
+        self._loads: list[torch.cuda.Event] = []  # loads the next forward must wait for
+        self._timed: list[tuple[str, int, object, object]] = []  # (kind, bytes, start, end)
+        self.bytes_moved = {D2H: 0, H2D: 0}
+        self.seconds = {D2H: 0.0, H2D: 0.0}  # time the copies took (CUDA events / wall on CPU)
+        self.stall_waits = 0  # forwards that waited for a write-back to finish
+
+    def _copy(self, kind: str, src: list[int], dst: list[int]) -> int:
+        a, b = (self.device_caches, self.host_caches) if kind == D2H else (
+            self.host_caches, self.device_caches)  # fmt: skip
+        for s, d, n in _runs(src, dst):
+            for x, y in zip(a, b, strict=True):
+                y[d : d + n].copy_(x[s : s + n], non_blocking=self.cuda)
+        return len(src) * self.bytes_per_page
+
+    def apply(self, t: KVTransfers | None) -> None:
+        """Issue a step's copies, and make this step's compute wait (on the GPU) for what it
+        needs: earlier loads, and write-backs of pages it is about to overwrite."""
+        if not self.cuda:
+            for kind, src, dst in t.ops if t is not None else ():
+                t0 = time.perf_counter()
+                self.bytes_moved[kind] += self._copy(kind, src, dst)
+                self.seconds[kind] += time.perf_counter() - t0
+            return
+        compute = torch.cuda.current_stream(self.device)
+        for ev in self._loads:  # loads of earlier steps: this step computes their requests
+            compute.wait_event(ev)
+        self._loads = []
+        self._collect()
+        if t is None:
+            return
+        stream = self.stream
+        assert stream is not None
+        stream.wait_stream(compute)  # write-backs see the KV the earlier steps wrote
+        with torch.cuda.stream(stream):
+            for kind, src, dst in t.ops:
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                nbytes = self._copy(kind, src, dst)
+                end.record(stream)
+                self._timed.append((kind, nbytes, start, end))
+                if kind == D2H:
+                    for p in src:
+                        self._pending_d2h[p] = end
+                else:
+                    self._loads.append(end)
+        waits = {id(e): e for p in t.fresh if (e := self._pending_d2h.get(p)) is not None}
+        for ev in waits.values():
+            compute.wait_event(ev)
+        self.stall_waits += bool(waits)
+
+    def _collect(self) -> None:
+        """Account finished copies (non-blocking event queries)."""
+        left = []
+        for kind, nbytes, start, end in self._timed:
+            if end.query():  # type: ignore[attr-defined]
+                self.bytes_moved[kind] += nbytes
+                self.seconds[kind] += start.elapsed_time(end) / 1e3  # type: ignore[attr-defined]
+            else:
+                left.append((kind, nbytes, start, end))
+        self._timed = left
+        if self._pending_d2h:
+            self._pending_d2h = {p: e for p, e in self._pending_d2h.items() if not e.query()}
+
+    def synchronize(self) -> None:
+        """Wait for every copy issued (benchmarks, tests, shutdown)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+            self._collect()
+
+    def stats(self) -> dict:
+        self._collect() if self.cuda else None
+        return dict(
+            bytes_d2h=self.bytes_moved[D2H],
+            bytes_h2d=self.bytes_moved[H2D],
+            seconds_d2h=self.seconds[D2H],
+            seconds_h2d=self.seconds[H2D],
+            stall_waits=self.stall_waits,
+        )
+
+
+def apply_on_rank(state, transfers: KVTransfers | None) -> None:
+    """A tensor-parallel rank: issue a step's copies on its own cache replica (no forward)."""
+    copier = state.data.get("kv_copier")
+    if copier is not None:
+        copier.apply(transfers)
