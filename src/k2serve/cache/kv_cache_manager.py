@@ -79,8 +79,9 @@ class KVCacheManager:
             if page is None:
                 break
             hits.append(page)
-            if self.host is not None:
-                self.host.refresh(h)  # one LRU order across both tiers
+        if self.host is not None:  # one LRU order across both tiers (tail first, as free())
+            for h in self._page_hashes(req)[: len(hits)][::-1]:
+                self.host.refresh(h)
         self.prefix_query_tokens += req.num_tokens
         self.prefix_hit_tokens += len(hits) * self.page_size
         return hits
