@@ -211,3 +211,38 @@ def test_tiny_model_tier_on_off_identical(ckpt, tier_on_cpu, kv_cache_dtype):
     assert on == off
     s = eng.get_stats()
     assert s.host_cache_hits > 0 and s.kv_offload_bytes_h2d > 0
+
+
+def test_metrics_scraped_with_vllm_names(fake_engine, tier_on_cpu):
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from k2serve.server.metrics import ServerMetrics
+
+    off = {f.name for f in text_string_to_metric_families(
+        generate_latest(ServerMetrics(fake_engine(), "m").registry).decode())}  # fmt: skip
+    assert "vllm:kv_offload_total_bytes" not in off  # nothing while the tier is off
+    eng = fake_engine(num_kv_pages=24, max_model_len=96, kv_offloading_size=gib(400))
+    rng = random.Random(6)
+    shared = [rng.randrange(1, 60) for _ in range(40)]
+    agent_turns(eng, [shared + [i] for i in range(6)], 2, 4, rng)
+    text = generate_latest(ServerMetrics(eng, "m").registry).decode()
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    s = eng.get_stats()
+
+    def value(name, sample, **labels):
+        (v,) = [x.value for x in fams[name].samples if x.name == sample
+                and all(x.labels.get(k) == w for k, w in labels.items())]  # fmt: skip
+        return v
+
+    kw = dict(model_name="m")
+    assert value("vllm:kv_offload_total_bytes", "vllm:kv_offload_total_bytes_total",
+                 transfer_type="CPU_to_GPU", **kw) == s.kv_offload_bytes_h2d > 0  # fmt: skip
+    assert value("vllm:kv_offload_total_bytes", "vllm:kv_offload_total_bytes_total",
+                 transfer_type="GPU_to_CPU", **kw) == s.kv_offload_bytes_d2h > 0  # fmt: skip
+    assert value("vllm:external_prefix_cache_hits", "vllm:external_prefix_cache_hits_total",
+                 **kw) == s.host_cache_hits > 0  # fmt: skip
+    usage = value("vllm:cpu_cache_usage_perc", "vllm:cpu_cache_usage_perc", **kw)
+    assert 0 < usage == s.host_cache_usage
+    assert fams["vllm:num_requests_swapped"].type == "gauge"
+    assert fams["k2serve:kv_swap_outs"].type == "counter"
