@@ -89,6 +89,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--expert-placement-file", default=None,
         help="routing counts (serve --record-routing): the GPU experts' measured hit rate",
     )  # fmt: skip
+    p.add_argument(
+        "--kv-offloading-size", type=float, default=None,
+        help="GiB of host RAM for the KV host tier, over all GPUs (default: half the RAM the "
+        "CPU experts leave of --cpu-memory; 0: none)",
+    )  # fmt: skip  # K2 host KV tier (issue 27)
     p.add_argument("--model-dir", default=None, help="checkpoint path used in the serve command")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -141,6 +146,7 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, dict]:
         gpus_per_node=args.gpus_per_node,
         master_addr=args.master_addr,
         master_port=args.master_port,
+        kv_offloading_size=getattr(args, "kv_offloading_size", None),  # K2 host KV tier
     )
     source = {"name": name, "hf_repo": repo, "model_dir": model_dir}
     source["gpus_assumed"] = gpus is None

@@ -112,12 +112,14 @@ def context(plan: dict, a: argparse.Namespace, target: str = "k8s") -> dict:
     serve_local = _serve_args(plan, "$MODEL_DIR", "$PORT")
     quoted = " ".join(f'"{x}"' if x.startswith("$") else shlex.quote(x) for x in serve_local)
     # RAM: CPU experts plus 10% and 32 GiB for the process; SLURM --mem=0 asks for the node's all
-    mem_gib = math.ceil(cpu_gib * 1.1) + 32 if cpu_gib else 0
     nnodes = int(plan.get("nnodes", 1))
+    # K2 host KV tier (issue 27): its pinned RAM (per node) on top of the experts'
+    tier_gib = math.ceil(int(plan.get("kv_offloading_bytes", 0)) / nnodes / 2**30)
+    mem_gib = math.ceil(cpu_gib * 1.1) + 32 + tier_gib if cpu_gib else 0
     num_gpus = int(plan["num_gpus"])
     gpus_per_pod = num_gpus // nnodes
     # a pod's request: the CPU experts' RAM as above, else room to stream the weights in
-    pod_mem_gib = mem_gib or 64
+    pod_mem_gib = mem_gib or 64 + tier_gib
     node = _serve_args(plan, k8s_dir, port)
     master_port = int(plan.get("master_port", 29500))
     marker = f"{k8s_dir}/{DOWNLOAD_MARKER}"
