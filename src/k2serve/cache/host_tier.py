@@ -268,7 +268,8 @@ class KVCopier:
             self._collect()
 
     def stats(self) -> dict:
-        self._collect() if self.cuda else None
+        """Copies accounted so far (finished ones, seen at a step's `apply` or `synchronize`).
+        NOTE: read-only, so the server's metrics thread may call it while the engine steps."""
         return dict(
             bytes_d2h=self.bytes_moved[D2H],
             bytes_h2d=self.bytes_moved[H2D],
