@@ -8,8 +8,8 @@ Two halves, split along the engine / rank line:
   back; a preempted request's pages are swapped out to host pages it holds (ref counted, like
   the device's) and back in. Every copy is queued as an op in `KVTransfers`, handed to the
   ranks with the step that follows.
-- `KVCopier` (every rank, each on its own replica of the cache): owns the host buffers (one
-  `[num_host_pages, page_size, kv_cache_dim]` per layer, pinned on CUDA) and issues a step's
+- `KVCopier` (every rank, each on its own replica of the cache): owns the host buffer
+  (`[num_host_pages, num_layers, page_size, kv_cache_dim]`, pinned on CUDA) and issues a step's
   ops in order on a side CUDA stream (plain copies on the CPU).
 
 Ordering invariants (why no step waits on the host for a copy):
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -170,31 +171,58 @@ class HostTier:
                 )
 
 
-def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
-    """(src start, dst start, length) of the runs where both sides are consecutive."""
+def _runs(idx: list[int]) -> list[tuple[int, int, int]]:
+    """(position in idx, first value, length) of the runs of consecutive values in idx."""
     out: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst, strict=True):
-        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
+    for j, v in enumerate(idx):
+        if out and out[-1][1] + out[-1][2] == v:
             out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
         else:
-            out.append((s, d, 1))
+            out.append((j, v, 1))
     return out
 
 
-class KVCopier:
-    """One rank's host buffers and copy engine; see the module docstring."""
+def _pin(t: torch.Tensor) -> None:
+    """Page-lock a host tensor in place (cudaHostRegister: unlike pin_memory=True, whose
+    caching allocator rounds a request up to a power of two, it pins exactly these bytes)."""
+    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    if int(rc) != 0:
+        raise RuntimeError(f"cudaHostRegister of {t.nbytes / 2**30:.1f} GiB failed ({rc})")
 
-    def __init__(self, kv_caches: list[torch.Tensor], num_host_pages: int) -> None:
+
+def _unpin(t: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
+STAGING_BYTES = 64 << 20  # device staging buffer of the copies
+
+
+class KVCopier:
+    """One rank's host buffer and copy engine; see the module docstring.
+
+    Host layout `[num_host_pages, num_layers, page_size, width]` bytes (one allocation, pinned
+    on CUDA): a host page is contiguous, so a page moves in one memcpy for all layers. Copies
+    go through a device staging buffer of whole pages, in chunks: device -> host gathers the
+    pages of every layer into it (one `index_select` per layer), then copies each run of
+    consecutive host pages; host -> device the other way round (`index_copy_` per layer). So a
+    batch of n pages costs ~n / chunk x (layers + runs) launches, not n x layers."""
+
+    def __init__(
+        self, kv_caches: list[torch.Tensor], num_host_pages: int, staging_bytes: int = STAGING_BYTES
+    ) -> None:
         device = kv_caches[0].device
         self.device = device
         self.cuda = device.type == "cuda"
         # byte views: fp8 / bf16 / fp32 caches copy alike
-        self.device_caches = [c.view(torch.uint8) for c in kv_caches]  # [P, page_size, dim*elt]
-        shape = (num_host_pages, *self.device_caches[0].shape[1:])
-        self.host_caches = [
-            torch.empty(shape, dtype=torch.uint8, pin_memory=self.cuda) for _ in kv_caches
-        ]  # [H, page_size, dim*elt] per layer
-        self.bytes_per_page = self.device_caches[0][0].numel() * len(kv_caches)
+        self.device_caches = [c.view(torch.uint8) for c in kv_caches]  # [P, page_size, width]
+        page = (len(kv_caches), *self.device_caches[0].shape[1:])  # [L, page_size, width]
+        self.host = torch.empty((num_host_pages, *page), dtype=torch.uint8)  # [H, L, ps, width]
+        self.bytes_per_page = self.host[0].numel()
+        if self.cuda:
+            _pin(self.host)
+            weakref.finalize(self, _unpin, self.host)
+        chunk = max(1, min(1024, num_host_pages, staging_bytes // self.bytes_per_page))
+        self.staging = torch.empty((chunk, *page), dtype=torch.uint8, device=device)
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self._pending_d2h: dict[int, torch.cuda.Event] = {}  # device page -> its write-back
         self._loads: list[torch.cuda.Event] = []  # loads the next forward must wait for
@@ -203,12 +231,34 @@ class KVCopier:
         self.seconds = {D2H: 0.0, H2D: 0.0}  # time the copies took (CUDA events / wall on CPU)
         self.stall_waits = 0  # forwards that waited for a write-back to finish
 
+    @property
+    def host_caches(self) -> list[torch.Tensor]:
+        """Per layer `[H, page_size, width]` views of the host buffer."""
+        return [self.host[:, layer] for layer in range(self.host.shape[1])]
+
+    def _index(self, pages: list[int]) -> torch.Tensor:
+        t = torch.tensor(pages, dtype=torch.int64)  # [n]
+        if self.cuda:  # pinned + non_blocking: a pageable copy would wait for the copy stream
+            t = t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
     def _copy(self, kind: str, src: list[int], dst: list[int]) -> int:
-        a, b = (self.device_caches, self.host_caches) if kind == D2H else (
-            self.host_caches, self.device_caches)  # fmt: skip
-        for s, d, n in _runs(src, dst):
-            for x, y in zip(a, b, strict=True):
-                y[d : d + n].copy_(x[s : s + n], non_blocking=self.cuda)
+        dev_pages, host_pages = (src, dst) if kind == D2H else (dst, src)
+        dev_idx = self._index(dev_pages)  # [n]
+        k = self.staging.shape[0]
+        nb = self.cuda
+        for c in range(0, len(src), k):
+            idx = dev_idx[c : c + k]
+            stage = self.staging[: idx.numel()]  # [k, L, page_size, width]
+            if kind == D2H:
+                torch.stack([d.index_select(0, idx) for d in self.device_caches], 1, out=stage)
+                for j, h, n in _runs(host_pages[c : c + k]):
+                    self.host[h : h + n].copy_(stage[j : j + n], non_blocking=nb)
+            else:
+                for j, h, n in _runs(host_pages[c : c + k]):
+                    stage[j : j + n].copy_(self.host[h : h + n], non_blocking=nb)
+                for layer, d in enumerate(self.device_caches):
+                    d.index_copy_(0, idx, stage[:, layer])
         return len(src) * self.bytes_per_page
 
     def apply(self, t: KVTransfers | None) -> None:
@@ -259,7 +309,9 @@ class KVCopier:
                 left.append((kind, nbytes, start, end))
         self._timed = left
         if self._pending_d2h:
-            self._pending_d2h = {p: e for p, e in self._pending_d2h.items() if not e.query()}
+            events = {id(e): e for e in self._pending_d2h.values()}
+            done = {i for i, e in events.items() if e.query()}
+            self._pending_d2h = {p: e for p, e in self._pending_d2h.items() if id(e) not in done}
 
     def synchronize(self) -> None:
         """Wait for every copy issued (benchmarks, tests, shutdown)."""
