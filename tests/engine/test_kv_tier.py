@@ -246,3 +246,15 @@ def test_metrics_scraped_with_vllm_names(fake_engine, tier_on_cpu):
     assert 0 < usage == s.host_cache_usage
     assert fams["vllm:num_requests_swapped"].type == "gauge"
     assert fams["k2serve:kv_swap_outs"].type == "counter"
+
+
+def test_a_tier_bigger_than_the_free_ram_is_refused(tier_on_cpu, monkeypatch):
+    import k2serve.engine.kv_tier as kt
+
+    monkeypatch.setattr(kt, "available_memory_bytes", lambda: 10 * 2**30)
+    caches = [torch.zeros(4, 16, 576, dtype=torch.bfloat16) for _ in range(2)]
+    cfg = EngineConfig(kv_offloading_size=12, tensor_parallel_size=1)
+    with pytest.raises(ValueError, match=r"needs 12.0 GiB of host RAM.*10.0 GiB is available"):
+        kt.num_host_pages(cfg, torch.device("cpu"), caches)
+    pages = kt.num_host_pages(EngineConfig(swap_space=1), torch.device("cpu"), caches)
+    assert pages == 2**30 // (2 * 16 * 576 * 2)
