@@ -48,9 +48,9 @@ def host_tier_bytes_per_rank(cfg: EngineConfig) -> tuple[int, str]:
 
 def host_bytes_of(model) -> int:
     """Bytes of the model's parameters and buffers in host memory (CPU-placed experts)."""
-    params = getattr(model, "parameters", lambda: [])()
-    bufs = getattr(model, "buffers", lambda: [])()
-    return sum(t.nbytes for t in [*params, *bufs] if t.device.type == "cpu")
+    tensors: list[torch.Tensor] = [*getattr(model, "parameters", list)()]
+    tensors += getattr(model, "buffers", list)()
+    return sum(t.nbytes for t in tensors if t.device.type == "cpu")
 
 
 def num_host_pages(
