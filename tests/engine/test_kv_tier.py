@@ -258,3 +258,33 @@ def test_a_tier_bigger_than_the_free_ram_is_refused(tier_on_cpu, monkeypatch):
         kt.num_host_pages(cfg, torch.device("cpu"), caches)
     pages = kt.num_host_pages(EngineConfig(swap_space=1), torch.device("cpu"), caches)
     assert pages == 2**30 // (2 * 16 * 576 * 2)
+
+
+def test_a_restored_request_computes_only_once_its_copy_is_done(fake_engine, tier_on_cpu):
+    """No step waits for a load: the request waits (holding its pages) until the copier says
+    its loads are done; with nothing else to do the engine waits for the copy itself."""
+    rng = random.Random(7)
+    eng = fake_engine(num_kv_pages=16, max_model_len=64, kv_offloading_size=gib(100))
+    prompt = [rng.randrange(1, 60) for _ in range(33)]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    eng.add_request("warm", prompt, params)
+    run_to_completion(eng)
+    eng.add_request("evict", [rng.randrange(1, 60) for _ in range(60)], params)
+    run_to_completion(eng)
+    done, waits = {"seq": 0}, []
+    eng.runner.kv_loads_done = lambda: done["seq"]  # the copy "is still in flight"
+    eng.runner.wait_kv_loads = lambda: waits.append(1)
+    eng.add_request("other", [rng.randrange(1, 60) for _ in range(5)], params)
+    eng.add_request("load", prompt, params)
+    outs = {}
+    for _ in range(6):
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
+        eng.check_integrity()
+    req = eng._requests["load"]
+    assert req.num_computed_tokens == 32 and req.num_output_tokens == 0  # restored, waiting
+    assert len(outs["other"]) == 3 and waits  # the other request went on; then idle waits
+    done["seq"] = eng.kv.host.seq
+    out = run_to_completion(eng)
+    assert out["load"].outputs[0].token_ids == reference_greedy(prompt, 3, eos=False)
+    assert out["load"].num_cached_tokens == 32

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +48,8 @@ class KVTransfers:
 
     ops: list[tuple[str, list[int], list[int]]] = field(default_factory=list)  # (kind, src, dst)
     fresh: list[int] = field(default_factory=list)  # device pages handed out since the last step
+    seq: int = 0  # numbers the steps that copy (their loads complete in this order)
+    wait_seq: int = 0  # this step computes requests whose loads came with seq <= wait_seq
 
     def __bool__(self) -> bool:
         return bool(self.ops)
@@ -71,6 +74,10 @@ class HostTier:
         self.bytes_per_page = bytes_per_page
         self.pending = KVTransfers()
         self.swapped: dict[str, list[int]] = {}  # request id -> host pages it holds
+        self.loading: dict[str, int] = {}  # request id -> seq of the step copying its pages in
+        self.seq = 0  # of the last transfers with ops handed out
+        self.loads_done_seq = 0  # loads of every step up to this seq are done (rank 0's copier)
+        self._sent_wait_seq = 0
         # counters (since start)
         self.hit_tokens = 0  # prompt tokens restored from host instead of computed
         self.pages_offloaded = 0  # device -> host (write-back and swap-out)
@@ -89,9 +96,28 @@ class HostTier:
         return 1.0 - free / self.pool.num_pages
 
     def take(self) -> KVTransfers | None:
-        """The ops planned since the last step (None if there are none), for this step."""
+        """What the ranks need this step: the ops planned since the last one, the fresh pages
+        (a write-back of one may be in flight) and the loads to wait for (None: nothing)."""
         t, self.pending = self.pending, KVTransfers()
-        return t if t.ops else None
+        t.wait_seq = self.loads_done_seq
+        if not (t.ops or t.fresh or t.wait_seq != self._sent_wait_seq):
+            return None
+        self._sent_wait_seq = t.wait_seq
+        if t.ops:
+            self.seq += 1
+            t.seq = self.seq
+        return t
+
+    def ready(self, request_id: str) -> bool:
+        """False while the pages of a restored request are still being copied in (it waits,
+        holding them, instead of making a step wait for the copy)."""
+        seq = self.loading.get(request_id)
+        if seq is None:
+            return True
+        if seq > self.loads_done_seq:
+            return False
+        del self.loading[request_id]
+        return True
 
     # ---- prefix cache ------------------------------------------------------------------------
     def lookup(self, page_hash: bytes) -> int | None:
@@ -118,12 +144,13 @@ class HostTier:
         self.pending.add(D2H, device_page, hp)
         self.pages_offloaded += 1
 
-    def load(self, host_pages: list[int], device_pages: list[int]) -> None:
-        """Queue host -> device copies (the host pages may be evicted afterwards: the copy
-        stream runs in order)."""
+    def load(self, request_id: str, host_pages: list[int], device_pages: list[int]) -> None:
+        """Queue host -> device copies for a request (the host pages may be evicted afterwards:
+        the copy stream runs in order); it is `ready` once they are done."""
         for hp, dp in zip(host_pages, device_pages, strict=True):
             self.pending.add(H2D, hp, dp)
         self.pages_loaded += len(host_pages)
+        self.loading[request_id] = self.seq + 1  # the seq `take` gives these ops
 
     # ---- swap (preemption) -------------------------------------------------------------------
     def swap_out(
@@ -150,6 +177,10 @@ class HostTier:
         self.swapped[request_id] = held
         self.num_swap_outs += 1
         return True
+
+    def forget(self, request_id: str) -> None:
+        """The request's device pages are gone (finished, aborted, preempted)."""
+        self.loading.pop(request_id, None)
 
     def release(self, request_id: str) -> list[int]:
         """Drop a swapped request's host pages (swapped in, or finished while swapped)."""
@@ -230,7 +261,8 @@ class KVCopier:
         self.staging = torch.empty((chunk, *page), dtype=word, device=device)
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self._pending_d2h: dict[int, torch.cuda.Event] = {}  # device page -> its write-back
-        self._loads: list[torch.cuda.Event] = []  # loads the next forward must wait for
+        self._loads: deque[tuple[int, torch.cuda.Event]] = deque()  # (seq, end) of loads issued
+        self._applied_seq = 0  # seq of the last transfers issued
         self._timed: list[tuple[str, int, object, object]] = []  # (kind, bytes, start, end)
         self.bytes_moved = {D2H: 0, H2D: 0}
         self.seconds = {D2H: 0.0, H2D: 0.0}  # time the copies took (CUDA events / wall on CPU)
@@ -268,20 +300,23 @@ class KVCopier:
 
     def apply(self, t: KVTransfers | None) -> None:
         """Issue a step's copies, and make this step's compute wait (on the GPU) for what it
-        needs: earlier loads, and write-backs of pages it is about to overwrite."""
+        needs: the loads of the requests it computes, and the write-backs of pages it is about
+        to overwrite."""
+        if t is None:
+            if self.cuda:
+                self._collect()
+            return
+        self._applied_seq = max(self._applied_seq, t.seq)
         if not self.cuda:
-            for kind, src, dst in t.ops if t is not None else ():
+            for kind, src, dst in t.ops:
                 t0 = time.perf_counter()
                 self.bytes_moved[kind] += self._copy(kind, src, dst)
                 self.seconds[kind] += time.perf_counter() - t0
             return
         compute = torch.cuda.current_stream(self.device)
-        for ev in self._loads:  # loads of earlier steps: this step computes their requests
-            compute.wait_event(ev)
-        self._loads = []
+        while self._loads and self._loads[0][0] <= t.wait_seq:  # done on rank 0 already
+            compute.wait_event(self._loads.popleft()[1])
         self._collect()
-        if t is None:
-            return
         stream = self.stream
         assert stream is not None
         stream.wait_stream(compute)  # write-backs see the KV the earlier steps wrote
@@ -297,11 +332,17 @@ class KVCopier:
                     for p in src:
                         self._pending_d2h[p] = end
                 else:
-                    self._loads.append(end)
+                    self._loads.append((t.seq, end))
         waits = {id(e): e for p in t.fresh if (e := self._pending_d2h.get(p)) is not None}
         for ev in waits.values():
             compute.wait_event(ev)
         self.stall_waits += bool(waits)
+
+    def loads_done(self) -> int:
+        """The seq up to which every load issued here is done (a non-blocking poll)."""
+        while self._loads and self._loads[0][1].query():
+            self._loads.popleft()
+        return self._loads[0][0] - 1 if self._loads else self._applied_seq
 
     def _collect(self) -> None:
         """Account finished copies (non-blocking event queries)."""

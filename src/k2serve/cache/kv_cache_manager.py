@@ -140,6 +140,8 @@ class KVCacheManager:
             self.host.release(req.request_id)
 
     def _free_device(self, req: Request) -> None:
+        if self.host is not None:
+            self.host.forget(req.request_id)
         pages = self.req_pages.pop(req.request_id, None)
         self._hashes.pop(req.request_id, None)
         self._num_registered.pop(req.request_id, None)
@@ -192,7 +194,7 @@ class KVCacheManager:
         self.pool.touch(device_hits)
         pages.extend(device_hits)
         fresh = self._allocate(pages, need)
-        self.host.load(host_hits, fresh[: len(host_hits)])
+        self.host.load(req.request_id, host_hits, fresh[: len(host_hits)])
         hashes = self._page_hashes(req)
         self._to_register += zip(
             fresh[: len(host_hits)], hashes[len(device_hits) : num_hit], strict=True
@@ -200,6 +202,10 @@ class KVCacheManager:
         self._num_registered[req.request_id] = num_hit
         self.host.hit_tokens += len(host_hits) * ps
         return True
+
+    def ready(self, req: Request) -> bool:
+        """False while a restored request's pages are still being copied in."""
+        return self.host is None or self.host.ready(req.request_id)
 
     def is_swapped(self, req: Request) -> bool:
         return self.host is not None and req.request_id in self.host.swapped
@@ -229,7 +235,7 @@ class KVCacheManager:
             return False
         pages = self.req_pages.setdefault(req.request_id, [])
         fresh = self._allocate(pages, need)
-        self.host.load(held, fresh[: len(held)])
+        self.host.load(req.request_id, held, fresh[: len(held)])
         self.host.release(req.request_id)
         self.host.num_swap_ins += 1
         num_full = req.num_computed_tokens // ps

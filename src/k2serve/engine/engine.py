@@ -309,10 +309,15 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        if self.kv.host is not None:  # K2 host tier: restored requests whose copy is done
+            self.kv.host.loads_done_seq = self.runner.kv_loads_done()
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            if sched.transfers is not None:  # K2 host tier: copies in only; they compute next
+            if sched.transfers is not None:  # K2 host tier: copies only this step
                 self.runner.apply_kv_transfers(sched.transfers)
+                return outputs
+            if self.kv.host is not None and self.kv.host.loading:  # nothing to do but wait
+                self.runner.wait_kv_loads()
                 return outputs
             if self.scheduler.running or self.scheduler.waiting:
                 raise RuntimeError(

@@ -229,6 +229,15 @@ class ModelRunner(BatchBuilder):
         logits = self.model.compute_logits(hidden[inp.logits_indices])  # [S, vocab] float32
         return inp.sample_reqs, self.sampler(logits, inp.sample_reqs)
 
+    def kv_loads_done(self) -> int:
+        """Host tier: the seq up to which loads are done here (rank 0; a non-blocking poll)."""
+        return self.kv_copier.loads_done() if self.kv_copier is not None else 0
+
+    def wait_kv_loads(self) -> None:
+        """Host tier: wait for the copies in flight (only when no step has work)."""
+        if self.kv_copier is not None:
+            self.kv_copier.synchronize()
+
     def apply_kv_transfers(self, transfers: KVTransfers) -> None:
         """A step with host-tier copies and nothing to compute."""
         if self.kv_copier is not None:

@@ -13,8 +13,8 @@ room, swapped out to host RAM and back. A step that preempted admits no waiting 
 
 Host KV tier (k2serve.cache.host_tier): a waiting request whose prefix continues in host RAM,
 or a swapped-out one, is admitted with its pages copied in during this step and computes from
-the next one (the copy overlaps this step's compute). `SchedulerOutput.transfers` carries the
-step's copies to the runner.
+a later one: the first step after its copy is done (the copy overlaps compute; no step waits
+for it). `SchedulerOutput.transfers` carries the step's copies to the runner.
 
 Invariants:
 - Every request that leaves (finished, aborted, preempted) returns all its pages.
@@ -99,6 +99,8 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if not self.kv.ready(req):
+                continue  # K2 host tier: its pages are still being copied in
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             assert num_new > 0, req
             while not self.kv.allocate_slots(req, num_new):
@@ -149,7 +151,7 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 if swapped or host_hits:
-                    continue  # its pages are being copied in: it computes from the next step
+                    continue  # its pages are being copied in: it computes once they are
                 scheduled.append((req, num_new))
                 budget -= num_new
 
