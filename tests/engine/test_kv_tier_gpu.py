@@ -37,8 +37,14 @@ def test_cuda_copier_round_trip_is_exact_and_async(dtype):
     cp.synchronize()
     for c in caches:
         c.zero_()
-    cp.apply(_transfers(H2D, [(511 - p, p) for p in range(256)]))
-    cp.apply(None)  # the next step: its compute waits (on the GPU) for the loads
+    load = _transfers(H2D, [(511 - p, p) for p in range(256)])
+    load.seq = 1
+    cp.apply(load)
+    deadline = time.monotonic() + 30
+    while cp.loads_done() < 1:  # a non-blocking poll, as the engine's
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    cp.apply(KVTransfers(wait_seq=1))  # the step that computes the restored request
     torch.cuda.current_stream().synchronize()
     for c, o in zip(caches, orig, strict=True):
         assert torch.equal(c[:256].view(torch.uint8), o[:256].view(torch.uint8))
