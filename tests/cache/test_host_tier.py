@@ -89,12 +89,28 @@ def test_host_hit_after_device_eviction_is_loaded_and_registered_next_step():
     assert kv.load_prefix(b, 3, [], host_hits)
     t = kv.take_transfers()
     assert t.ops[-1][0] == H2D and t.ops[-1][1] == host_hits
+    assert t.seq == kv.host.seq and not kv.ready(b)
+    kv.begin_step()
     assert kv.pool.num_cached_pages == 0  # not findable before the copy is done ...
-    kv.begin_step()  # ... the next step
+    kv.host.loads_done_seq = t.seq
+    kv.begin_step()  # ... but once it is
+    assert kv.ready(b)
     assert kv.get_computed_pages(req("c", list(range(1, 14)))) == kv.req_pages["b"][:3]
     assert kv.host.hit_tokens == 12
     kv.check_integrity()
     kv.free(b)
+    kv.check_integrity()
+    # a request freed before its load is done: its pages are never cached under its hashes
+    filler2 = req("f2", list(range(70, 86)))
+    compute(kv, filler2)
+    kv.free(filler2)
+    d = req("d", list(range(1, 14)) + [97])
+    assert kv.load_prefix(d, 2, [], kv.get_host_hits(d, 0))
+    t = kv.take_transfers()
+    kv.free(d)
+    kv.host.loads_done_seq = t.seq
+    kv.begin_step()
+    assert kv.get_computed_pages(req("e", list(range(1, 14)))) == []
     kv.check_integrity()
 
 

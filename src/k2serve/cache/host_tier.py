@@ -17,12 +17,15 @@ Ordering invariants (why no step waits on the host for a copy):
   page is never read before it is written nor overwritten before it is read.
 - The copy stream waits (GPU side) for the compute stream before each step's copies, so a
   write-back sees every KV the earlier steps wrote.
-- A request restored from host (prefix hit or swap-in) computes in the *next* step, whose
-  compute stream waits (GPU side) for the loads issued earlier: the copy overlaps a step.
-  Restored device pages join the device prefix cache only then (`begin_step`).
-- The compute stream waits for a write-back only if it is about to overwrite a page whose
-  write-back may still be in flight (`KVTransfers.fresh`): rare, since a written-back page sits
-  at the back of the device LRU; the count is `stall_waits`.
+- A request restored from host (prefix hit or swap-in) holds its pages and computes from the
+  first step after rank 0's copy stream reports its loads done (`loads_done`, a non-blocking
+  event poll); that step's compute waits (GPU side) for the same loads on every rank, which on
+  rank 0 is free. So the copy overlaps compute and no step waits for it. Restored device pages
+  join the device prefix cache at the same point (`KVCacheManager.begin_step`).
+- The compute stream waits for a copy only if it is about to overwrite a page that copy may
+  still touch (`KVTransfers.fresh`: a write-back in flight, rare since a written-back page sits
+  at the back of the device LRU, or the load of a request aborted meanwhile); the count is
+  `stall_waits`.
 """
 
 from __future__ import annotations
@@ -260,13 +263,13 @@ class KVCopier:
         chunk = max(1, min(1024, num_host_pages, staging_bytes // self.bytes_per_page))
         self.staging = torch.empty((chunk, *page), dtype=word, device=device)
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self._pending_d2h: dict[int, torch.cuda.Event] = {}  # device page -> its write-back
+        self._busy: dict[int, torch.cuda.Event] = {}  # device page -> last copy touching it
         self._loads: deque[tuple[int, torch.cuda.Event]] = deque()  # (seq, end) of loads issued
         self._applied_seq = 0  # seq of the last transfers issued
         self._timed: list[tuple[str, int, object, object]] = []  # (kind, bytes, start, end)
         self.bytes_moved = {D2H: 0, H2D: 0}
         self.seconds = {D2H: 0.0, H2D: 0.0}  # time the copies took (CUDA events / wall on CPU)
-        self.stall_waits = 0  # forwards that waited for a write-back to finish
+        self.stall_waits = 0  # forwards that waited for a copy to finish
 
     @property
     def host_caches(self) -> list[torch.Tensor]:
@@ -328,12 +331,13 @@ class KVCopier:
                 nbytes = self._copy(kind, src, dst)
                 end.record(stream)
                 self._timed.append((kind, nbytes, start, end))
-                if kind == D2H:
-                    for p in src:
-                        self._pending_d2h[p] = end
-                else:
+                for p in src if kind == D2H else dst:
+                    self._busy[p] = end
+                if kind == H2D:
                     self._loads.append((t.seq, end))
-        waits = {id(e): e for p in t.fresh if (e := self._pending_d2h.get(p)) is not None}
+        # a page handed out again may still be read by a write-back, or written by the load of
+        # a request that was aborted: the forward that writes it waits for that copy
+        waits = {id(e): e for p in t.fresh if (e := self._busy.get(p)) is not None}
         for ev in waits.values():
             compute.wait_event(ev)
         self.stall_waits += bool(waits)
@@ -354,10 +358,10 @@ class KVCopier:
             else:
                 left.append((kind, nbytes, start, end))
         self._timed = left
-        if self._pending_d2h:
-            events = {id(e): e for e in self._pending_d2h.values()}
+        if self._busy:
+            events = {id(e): e for e in self._busy.values()}
             done = {i for i, e in events.items() if e.query()}
-            self._pending_d2h = {p: e for p, e in self._pending_d2h.items() if id(e) not in done}
+            self._busy = {p: e for p, e in self._busy.items() if id(e) not in done}
 
     def synchronize(self) -> None:
         """Wait for every copy issued (benchmarks, tests, shutdown)."""

@@ -51,7 +51,8 @@ class KVCacheManager:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.host = host
-        self._to_register: list[tuple[int, bytes]] = []  # restored pages, cached next step
+        # restored device pages -> (seq of their load, hash): cached once the load is done
+        self._to_register: dict[int, tuple[int, bytes]] = {}
 
     @property
     def num_pages(self) -> int:
@@ -146,6 +147,8 @@ class KVCacheManager:
         self._hashes.pop(req.request_id, None)
         self._num_registered.pop(req.request_id, None)
         if pages:
+            for p in pages:  # a restored page freed before its load is done is not cached
+                self._to_register.pop(p, None)
             self.pool.free(pages[::-1])
             if self.host is not None:  # write back the cached pages nobody holds any more
                 for p in pages[::-1]:
@@ -155,11 +158,14 @@ class KVCacheManager:
 
     # ---- host tier -----------------------------------------------------------------------------
     def begin_step(self) -> None:
-        """Pages restored in the previous step join the device prefix cache (the step that
-        follows waits for their copy before computing)."""
-        for page, h in self._to_register:
-            self.pool.cache_page(page, h)
-        self._to_register = []
+        """Restored pages whose copy is done join the device prefix cache."""
+        if not self._to_register or self.host is None:
+            return
+        done = self.host.loads_done_seq
+        for page, (seq, h) in list(self._to_register.items()):
+            if seq <= done:
+                self.pool.cache_page(page, h)
+                del self._to_register[page]
 
     def take_transfers(self) -> KVTransfers | None:
         return self.host.take() if self.host is not None else None
@@ -196,9 +202,9 @@ class KVCacheManager:
         fresh = self._allocate(pages, need)
         self.host.load(req.request_id, host_hits, fresh[: len(host_hits)])
         hashes = self._page_hashes(req)
-        self._to_register += zip(
-            fresh[: len(host_hits)], hashes[len(device_hits) : num_hit], strict=True
-        )
+        seq = self.host.loading[req.request_id]
+        for page, h in zip(fresh, hashes[len(device_hits) : num_hit], strict=False):
+            self._to_register[page] = (seq, h)  # zip stops at the host hits' pages
         self._num_registered[req.request_id] = num_hit
         self.host.hit_tokens += len(host_hits) * ps
         return True
@@ -239,7 +245,9 @@ class KVCacheManager:
         self.host.release(req.request_id)
         self.host.num_swap_ins += 1
         num_full = req.num_computed_tokens // ps
-        self._to_register += zip(fresh[:num_full], self._page_hashes(req)[:num_full], strict=True)
+        seq = self.host.loading[req.request_id]
+        for page, h in zip(fresh[:num_full], self._page_hashes(req)[:num_full], strict=True):
+            self._to_register[page] = (seq, h)
         self._num_registered[req.request_id] = num_full
         return True
 
