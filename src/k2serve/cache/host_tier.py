@@ -95,7 +95,8 @@ class HostTier:
     @property
     def usage(self) -> float:
         """Fraction of host pages holding content (cached or held by a swapped request)."""
-        free = sum(1 for p in self.pool.free_queue if self.pool.page_hash[p] is None)
+        queue = list(self.pool.free_queue)  # a snapshot (atomic under the GIL): any thread
+        free = sum(1 for p in queue if self.pool.page_hash[p] is None)
         return 1.0 - free / self.pool.num_pages
 
     def take(self) -> KVTransfers | None:
