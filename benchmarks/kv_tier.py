@@ -169,7 +169,7 @@ def main() -> None:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--fmt", default="bf16")
     ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--sessions", type=int, default=10)
     ap.add_argument("--shared", type=int, default=64, help="prefix tokens common to all sessions")
     ap.add_argument("--context", type=int, default=384, help="each session's own context")
     ap.add_argument("--turn", type=int, default=48, help="new user tokens per turn")

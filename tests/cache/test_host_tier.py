@@ -17,8 +17,8 @@ def req(rid, tokens):
     return Request(rid, tokens, SamplingParams(max_tokens=4), max_tokens=4)
 
 
-def manager(num_pages=8, host_pages=16):
-    return KVCacheManager(num_pages, PS, True, HostTier(host_pages, PS, 64))
+def manager(num_pages=8, host_pages=16, immediate_bytes=0):
+    return KVCacheManager(num_pages, PS, True, HostTier(host_pages, PS, 64, immediate_bytes))
 
 
 def compute(kv, r, n=None):
@@ -89,7 +89,7 @@ def test_host_hit_after_device_eviction_is_loaded_and_registered_next_step():
     assert kv.load_prefix(b, 3, [], host_hits)
     t = kv.take_transfers()
     assert t.ops[-1][0] == H2D and t.ops[-1][1] == host_hits
-    assert t.seq == kv.host.seq and not kv.ready(b)
+    assert t.seq == kv.host.seq and not kv.ready(b) and not t.wait_now
     kv.begin_step()
     assert kv.pool.num_cached_pages == 0  # not findable before the copy is done ...
     kv.host.loads_done_seq = t.seq
@@ -168,3 +168,21 @@ def test_copier_round_trip_exact(dtype, staging_pages):
             assert torch.equal(c[dst].view(torch.uint8), o[src].view(torch.uint8))
     page = caches[0][0].numel() * caches[0].element_size() * 3
     assert cp.stats()["bytes_d2h"] == 4 * page == cp.stats()["bytes_h2d"]
+
+
+def test_a_small_load_goes_with_the_step_that_needs_it():
+    kv = manager(num_pages=4, host_pages=16, immediate_bytes=3 * 64)
+    a = req("a", list(range(1, 14)))
+    compute(kv, a)
+    kv.free(a)
+    filler = req("f", list(range(50, 66)))
+    compute(kv, filler)
+    kv.free(filler)
+    kv.take_transfers()
+    b = req("b", list(range(1, 14)) + [99])
+    assert kv.load_prefix(b, 2, [], kv.get_host_hits(b, 0))  # 3 pages = 192 bytes
+    assert kv.ready(b)
+    t = kv.take_transfers()
+    assert t.wait_now and t.num_pages(H2D) == 3
+    kv.free(b)
+    kv.check_integrity()

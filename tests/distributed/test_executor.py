@@ -98,6 +98,7 @@ def test_tp2_host_kv_tier_copies_on_every_rank(ckpts, monkeypatch):
 
     ref = run(LLM(ckpts["bf16"], **small))
     llm = LLM(ckpts["bf16"], tensor_parallel_size=2, kv_offloading_size=1 / 2**10, **small)
+    llm.llm_engine.kv.host.immediate_bytes = 0  # restored requests wait for their copy
     try:
         got = run(llm)
         eng = llm.llm_engine

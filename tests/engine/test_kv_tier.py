@@ -49,7 +49,8 @@ def agent_turns(engine, sessions, turns, max_tokens, rng, check=None):
     return outs
 
 
-def test_fake_sessions_restored_from_host_equal_oracle(fake_engine, tier_on_cpu):
+@pytest.mark.parametrize("immediate_bytes", [float("inf"), 0])
+def test_fake_sessions_restored_from_host_equal_oracle(fake_engine, tier_on_cpu, immediate_bytes):
     rng = random.Random(0)
     shared = [rng.randrange(1, 60) for _ in range(40)]
     sessions = [shared + [rng.randrange(1, 60) for _ in range(12)] for _ in range(6)]
@@ -57,6 +58,7 @@ def test_fake_sessions_restored_from_host_equal_oracle(fake_engine, tier_on_cpu)
         num_kv_pages=24, max_model_len=96, max_num_seqs=4, kv_offloading_size=gib(400)
     )
     assert eng.kv.host is not None and eng.kv.host.num_pages == 400
+    eng.kv.host.immediate_bytes = immediate_bytes  # 0: every restored request waits a step
 
     def check(prompt, toks):
         assert toks == reference_greedy(prompt, 6, eos=False)
@@ -85,11 +87,13 @@ def test_tier_on_and_off_identical_fake(fake_engine, tier_on_cpu):
     assert eng_off.kv.host is None and eng_on.get_stats().host_cache_hits > 0
 
 
-def test_preemption_swaps_out_and_in_exactly(fake_engine, tier_on_cpu):
+@pytest.mark.parametrize("immediate_bytes", [float("inf"), 0])
+def test_preemption_swaps_out_and_in_exactly(fake_engine, tier_on_cpu, immediate_bytes):
     rng = random.Random(2)
     prompts = [[rng.randrange(1, 60) for _ in range(10)] for _ in range(6)]
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
     eng = fake_engine(num_kv_pages=16, max_model_len=64, kv_offloading_size=gib(200))
+    eng.kv.host.immediate_bytes = immediate_bytes
     for i, p in enumerate(prompts):
         eng.add_request(str(i), p, params)
     done = run_to_completion(eng)
@@ -118,6 +122,7 @@ def test_cancelling_swapped_and_loading_requests_frees_both_tiers(fake_engine, t
     rng = random.Random(4)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     eng = fake_engine(num_kv_pages=16, max_model_len=64, kv_offloading_size=gib(200))
+    eng.kv.host.immediate_bytes = 0  # a restored request waits a step: cancel it then
     for i in range(6):
         eng.add_request(str(i), [rng.randrange(1, 60) for _ in range(10)], params)
     for _ in range(200):
@@ -265,6 +270,7 @@ def test_a_restored_request_computes_only_once_its_copy_is_done(fake_engine, tie
     its loads are done; with nothing else to do the engine waits for the copy itself."""
     rng = random.Random(7)
     eng = fake_engine(num_kv_pages=16, max_model_len=64, kv_offloading_size=gib(100))
+    eng.kv.host.immediate_bytes = 0  # every load is "large"
     prompt = [rng.randrange(1, 60) for _ in range(33)]
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     eng.add_request("warm", prompt, params)

@@ -17,7 +17,9 @@ Ordering invariants (why no step waits on the host for a copy):
   page is never read before it is written nor overwritten before it is read.
 - The copy stream waits (GPU side) for the compute stream before each step's copies, so a
   write-back sees every KV the earlier steps wrote.
-- A request restored from host (prefix hit or swap-in) holds its pages and computes from the
+- A request restored from host (prefix hit or swap-in) computes in the same step when its load
+  is small (`IMMEDIATE_LOAD_BYTES`: that step's compute waits for it, on the GPU; on the CPU
+  every copy is synchronous anyway); else it holds its pages and computes from the
   first step after rank 0's copy stream reports its loads done (`loads_done`, a non-blocking
   event poll); that step's compute waits (GPU side) for the same loads on every rank, which on
   rank 0 is free. So the copy overlaps compute and no step waits for it. Restored device pages
@@ -43,6 +45,8 @@ from k2serve.cache.block_pool import BlockPool
 logger = logging.getLogger(__name__)
 
 D2H, H2D = "d2h", "h2d"
+# a load this small is waited for by the step that needs it (~0.3 ms at PCIe 4 x16 speed)
+IMMEDIATE_LOAD_BYTES = 8 << 20
 
 
 @dataclass
@@ -53,6 +57,7 @@ class KVTransfers:
     fresh: list[int] = field(default_factory=list)  # device pages handed out since the last step
     seq: int = 0  # numbers the steps that copy (their loads complete in this order)
     wait_seq: int = 0  # this step computes requests whose loads came with seq <= wait_seq
+    wait_now: bool = False  # and requests whose (small) loads come with this very step
 
     def __bool__(self) -> bool:
         return bool(self.ops)
@@ -71,8 +76,15 @@ class KVTransfers:
 class HostTier:
     """Host pages' bookkeeping (the engine's side); see the module docstring."""
 
-    def __init__(self, num_pages: int, page_size: int, bytes_per_page: int) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        bytes_per_page: int,
+        immediate_bytes: float = IMMEDIATE_LOAD_BYTES,
+    ) -> None:
         self.pool = BlockPool(num_pages, enable_prefix_caching=True)
+        self.immediate_bytes = immediate_bytes  # loads up to this size go with the step
         self.page_size = page_size
         self.bytes_per_page = bytes_per_page
         self.pending = KVTransfers()
@@ -148,13 +160,19 @@ class HostTier:
         self.pending.add(D2H, device_page, hp)
         self.pages_offloaded += 1
 
-    def load(self, request_id: str, host_pages: list[int], device_pages: list[int]) -> None:
+    def load(self, request_id: str, host_pages: list[int], device_pages: list[int]) -> int:
         """Queue host -> device copies for a request (the host pages may be evicted afterwards:
-        the copy stream runs in order); it is `ready` once they are done."""
+        the copy stream runs in order). -> the seq `take` will give them. A load of at most
+        `immediate_bytes` is waited for by this step's compute (cheaper than a step's delay);
+        a larger one makes the request wait, holding its pages, until `ready`."""
         for hp, dp in zip(host_pages, device_pages, strict=True):
             self.pending.add(H2D, hp, dp)
         self.pages_loaded += len(host_pages)
-        self.loading[request_id] = self.seq + 1  # the seq `take` gives these ops
+        if len(host_pages) * self.bytes_per_page <= self.immediate_bytes:
+            self.pending.wait_now = True
+        else:
+            self.loading[request_id] = self.seq + 1
+        return self.seq + 1
 
     # ---- swap (preemption) -------------------------------------------------------------------
     def swap_out(
@@ -338,6 +356,10 @@ class KVCopier:
                     self._loads.append((t.seq, end))
         # a page handed out again may still be read by a write-back, or written by the load of
         # a request that was aborted: the forward that writes it waits for that copy
+        if t.wait_now:  # small loads of requests computed in this very step
+            for seq, ev in self._loads:
+                if seq == t.seq:
+                    compute.wait_event(ev)
         waits = {id(e): e for p in t.fresh if (e := self._busy.get(p)) is not None}
         for ev in waits.values():
             compute.wait_event(ev)

@@ -200,9 +200,8 @@ class KVCacheManager:
         self.pool.touch(device_hits)
         pages.extend(device_hits)
         fresh = self._allocate(pages, need)
-        self.host.load(req.request_id, host_hits, fresh[: len(host_hits)])
+        seq = self.host.load(req.request_id, host_hits, fresh[: len(host_hits)])
         hashes = self._page_hashes(req)
-        seq = self.host.loading[req.request_id]
         for page, h in zip(fresh, hashes[len(device_hits) : num_hit], strict=False):
             self._to_register[page] = (seq, h)  # zip stops at the host hits' pages
         self._num_registered[req.request_id] = num_hit
@@ -241,11 +240,10 @@ class KVCacheManager:
             return False
         pages = self.req_pages.setdefault(req.request_id, [])
         fresh = self._allocate(pages, need)
-        self.host.load(req.request_id, held, fresh[: len(held)])
+        seq = self.host.load(req.request_id, held, fresh[: len(held)])
         self.host.release(req.request_id)
         self.host.num_swap_ins += 1
         num_full = req.num_computed_tokens // ps
-        seq = self.host.loading[req.request_id]
         for page, h in zip(fresh[:num_full], self._page_hashes(req)[:num_full], strict=True):
             self._to_register[page] = (seq, h)
         self._num_registered[req.request_id] = num_full

@@ -100,8 +100,12 @@ def num_host_pages(
 
 
 def make_host_tier(num_pages: int, kv_caches: list[torch.Tensor]) -> HostTier | None:
-    """The engine's bookkeeping half of the tier (None when it is off)."""
+    """The engine's bookkeeping half of the tier (None when it is off). On the CPU (the test
+    knob) every copy is synchronous, so every load goes with the step that needs it."""
     if not num_pages:
         return None
     per_page = sum(c[0].numel() * c.element_size() for c in kv_caches)
-    return HostTier(num_pages, kv_caches[0].shape[1], per_page)
+    tier = HostTier(num_pages, kv_caches[0].shape[1], per_page)
+    if kv_caches[0].device.type != "cuda":
+        tier.immediate_bytes = float("inf")
+    return tier

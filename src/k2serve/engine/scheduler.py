@@ -12,9 +12,10 @@ goes back to the front of the waiting queue, by recompute, or, with a host KV ti
 room, swapped out to host RAM and back. A step that preempted admits no waiting request.
 
 Host KV tier (k2serve.cache.host_tier): a waiting request whose prefix continues in host RAM,
-or a swapped-out one, is admitted with its pages copied in during this step and computes from
-a later one: the first step after its copy is done (the copy overlaps compute; no step waits
-for it). `SchedulerOutput.transfers` carries the step's copies to the runner.
+or a swapped-out one, is admitted with its pages copied in during this step; it computes in
+this step if the copy is small, else from the first step after the copy is done (the copy
+overlaps compute; no step waits for it). `SchedulerOutput.transfers` carries the step's
+copies to the runner.
 
 Invariants:
 - Every request that leaves (finished, aborted, preempted) returns all its pages.
@@ -150,8 +151,8 @@ class Scheduler:
                 req.num_computed_tokens = num_computed
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-                if swapped or host_hits:
-                    continue  # its pages are being copied in: it computes once they are
+                if not self.kv.ready(req):
+                    continue  # K2 host tier: a large copy in: it computes once it is done
                 scheduled.append((req, num_new))
                 budget -= num_new
 
