@@ -71,7 +71,8 @@ def test_write_back_before_overwrite_waits_on_the_gpu():
     assert cp.stats()["stall_waits"] == 1
 
 
-def test_engine_on_cuda_tier_on_off_identical(ckpt):
+@pytest.mark.parametrize("immediate_bytes", [None, 0])  # default: small loads go with the step
+def test_engine_on_cuda_tier_on_off_identical(ckpt, immediate_bytes):
     from k2serve.engine.config import EngineConfig
     from k2serve.engine.engine import LLMEngine
     from k2serve.engine.sampling_params import SamplingParams
@@ -79,6 +80,8 @@ def test_engine_on_cuda_tier_on_off_identical(ckpt):
     def run(**kw):
         cfg = dict(num_kv_pages=12, page_size=8, max_model_len=96, max_num_batched_tokens=32)
         eng = LLMEngine(EngineConfig(model=ckpt, device="cuda", **cfg, **kw))
+        if eng.kv.host is not None and immediate_bytes is not None:
+            eng.kv.host.immediate_bytes = immediate_bytes  # 0: every restore waits for its copy
         rng = random.Random(5)
         shared = [rng.randrange(10, 1700) for _ in range(24)]
         sessions = [shared + [rng.randrange(10, 1700) for _ in range(10)] for _ in range(4)]
