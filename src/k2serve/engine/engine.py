@@ -28,7 +28,7 @@ from k2serve.engine.config import EngineConfig
 from k2serve.engine.contract import resolve_max_tokens
 from k2serve.engine.detokenizer import make_detokenizer
 from k2serve.engine.errors import PromptTooLongError
-from k2serve.engine.kv_tier import make_host_tier, num_host_pages
+from k2serve.engine.kv_tier import host_tier_stats, make_host_tier, num_host_pages
 from k2serve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from k2serve.engine.request import Request, RequestStatus
 from k2serve.engine.runner import ModelRunner
@@ -468,27 +468,7 @@ class LLMEngine:
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
             num_finished=self._num_finished,
-            **self._host_tier_stats(),
-        )
-
-    def _host_tier_stats(self) -> dict:
-        host = self.kv.host
-        if host is None:
-            return {}
-        copier = getattr(self.runner, "kv_copier", None)
-        c = copier.stats() if copier is not None else {}
-        return dict(
-            kv_host_pages_used=round(host.usage * host.num_pages),
-            kv_host_pages_total=host.num_pages,
-            host_cache_hits=host.hit_tokens,
-            kv_offload_bytes_d2h=c.get("bytes_d2h", 0),
-            kv_offload_bytes_h2d=c.get("bytes_h2d", 0),
-            kv_offload_seconds_d2h=c.get("seconds_d2h", 0.0),
-            kv_offload_seconds_h2d=c.get("seconds_h2d", 0.0),
-            num_swap_outs=host.num_swap_outs,
-            num_swap_ins=host.num_swap_ins,
-            num_swapped=len(host.swapped),
-            kv_copy_stalls=c.get("stall_waits", 0),
+            **host_tier_stats(self.kv.host, self.runner),  # K2 host KV tier
         )
 
     def check_integrity(self) -> None:

@@ -193,9 +193,8 @@ class MultiprocExecutor:
         """Run one step on every rank; returns the requests that sampled and their samples."""
         inp = self._batch.prepare(sched, kv)
         packed = pack_model_input(inp)
-        hidden = self.group.run(forward_step, packed, sched.transfers, reply=False)[
-            0
-        ]  # [S, hidden]
+        results = self.group.run(forward_step, packed, sched.transfers, reply=False)
+        hidden = results[0]  # [S, hidden]
         if not inp.sample_reqs:
             return [], None
         logits = self.model.compute_logits(hidden)  # [S, vocab] float32

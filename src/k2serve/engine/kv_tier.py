@@ -109,3 +109,24 @@ def make_host_tier(num_pages: int, kv_caches: list[torch.Tensor]) -> HostTier | 
     if kv_caches[0].device.type != "cuda":
         tier.immediate_bytes = float("inf")
     return tier
+
+
+def host_tier_stats(host: HostTier | None, runner) -> dict:
+    """The tier's fields of `EngineStats` (none when it is off); rank 0's copier's counts."""
+    if host is None:
+        return {}
+    copier = getattr(runner, "kv_copier", None)
+    c = copier.stats() if copier is not None else {}
+    return dict(
+        kv_host_pages_used=round(host.usage * host.num_pages),
+        kv_host_pages_total=host.num_pages,
+        host_cache_hits=host.hit_tokens,
+        kv_offload_bytes_d2h=c.get("bytes_d2h", 0),
+        kv_offload_bytes_h2d=c.get("bytes_h2d", 0),
+        kv_offload_seconds_d2h=c.get("seconds_d2h", 0.0),
+        kv_offload_seconds_h2d=c.get("seconds_h2d", 0.0),
+        num_swap_outs=host.num_swap_outs,
+        num_swap_ins=host.num_swap_ins,
+        num_swapped=len(host.swapped),
+        kv_copy_stalls=c.get("stall_waits", 0),
+    )
