@@ -62,3 +62,11 @@ def test_deploy_passes_the_tier_and_requests_its_ram(tmp_path, capsys):
     assert main(["deploy", "k8s", "--plan", str(path), "--out", str(tmp_path / "k")]) == 0
     k8s = "".join(f.read_text() for f in (tmp_path / "k").rglob("*") if f.is_file())
     assert "--kv-offloading-size" in k8s and "320Gi" in k8s  # 64 GiB + the tier's 256
+
+
+def test_swap_space_is_per_gpu(capsys):
+    assert main(["plan", "--model", "kimi-k2-thinking", "--gpus", "8xH200", "--cpu-memory", "2TB",
+                 "--swap-space", "32", "--json"]) == 0  # fmt: skip
+    p = json.loads(capsys.readouterr().out)
+    assert p["kv_offloading_bytes"] == 8 * 32 * GiB
+    assert "--kv-offloading-size 256" in p["command"]
