@@ -88,7 +88,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        self.kv.begin_step()  # K2 host tier: pages restored last step join the prefix cache
+        self.kv.begin_step()  # K2 host tier: restored pages whose copy is done get cached
 
         # decodes first (a decode never waits behind another request's long prefill chunk),
         # then unfinished prefills, each in running order
