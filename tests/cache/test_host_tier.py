@@ -22,7 +22,9 @@ def manager(num_pages=8, host_pages=16, immediate_bytes=0):
 
 
 def compute(kv, r, n=None):
-    """Admit `r` with its device prefix hits and compute its whole prompt (no host hits)."""
+    """A step: admit `r` with its device prefix hits and compute its whole prompt (no host
+    hits)."""
+    kv.begin_step()
     hits = kv.get_computed_pages(r)
     r.num_computed_tokens = len(hits) * PS
     n = r.num_tokens - r.num_computed_tokens if n is None else n
@@ -58,7 +60,8 @@ def test_write_back_once_per_hash_and_lru_across_tiers():
     assert not t.ops and t.fresh  # only the pages b was given (a write-back may be in flight)
     e = req("e", list(range(100, 105)))
     compute(kv, e)
-    kv.free(e)  # host RAM full now: a's 3 pages (older), e's page
+    kv.free(e)
+    kv.take_transfers()  # host RAM full now: a's 3 pages (older), e's page
     kv.check_integrity()
     # a device hit on a's prefix makes its host copies most recently used too, so the next
     # write-back evicts e's page from host RAM, not a's oldest
@@ -66,6 +69,7 @@ def test_write_back_once_per_hash_and_lru_across_tiers():
     d = req("d", list(range(200, 205)))
     compute(kv, d)
     kv.free(d)
+    kv.take_transfers()  # the write-back is issued with the next step's transfers
     hashes = kv._page_hashes(req("x", list(range(1, 14))))
     assert all(kv.host.lookup(h) is not None for h in hashes)
     assert kv.host.lookup(kv._page_hashes(req("y", list(range(100, 105))))[0]) is None
@@ -185,4 +189,27 @@ def test_a_small_load_goes_with_the_step_that_needs_it():
     t = kv.take_transfers()
     assert t.wait_now and t.num_pages(H2D) == 3
     kv.free(b)
+    kv.check_integrity()
+
+
+def test_write_backs_are_bounded_per_step_and_dropped_when_the_page_is_reused():
+    kv = KVCacheManager(4, PS, True, HostTier(16, PS, 64, 0, write_back_bytes=2 * 64))
+    a = req("a", list(range(1, 14)))  # 3 full pages + 1 token
+    compute(kv, a)
+    kv.free(a)
+    assert kv.take_transfers().num_pages(D2H) == 2  # 2 pages a step
+    kv.begin_step()  # the next step issues the third first
+    assert kv.take_transfers().num_pages(D2H) == 1 and not kv.host.intents
+    b = req("b", list(range(30, 43)))
+    compute(kv, b)
+    kv.free(b)  # 3 intents; the next step hands out all 4 pages before issuing them
+    t = kv.take_transfers()
+    assert t.num_pages(D2H) == 2 and len(kv.host.intents) == 1
+    left = kv._page_hashes(b)[0]  # freed last (tail first), so queued last
+    assert list(kv.host.intents.values()) == [left]
+    c = req("c", list(range(60, 76)))  # 4 pages (within one step): b's cached pages go
+    assert kv.allocate_slots(c, 16)
+    assert not kv.host.intents  # b's last write-back was dropped: its page is c's now
+    kv.begin_step()
+    assert kv.host.lookup(left) is None and kv.take_transfers().num_pages(D2H) == 0
     kv.check_integrity()

@@ -3,14 +3,14 @@
 Two halves, split along the engine / rank line:
 - `HostTier` (the engine, next to `KVCacheManager`): the bookkeeping. A second `BlockPool` of
   host pages keyed by the same chained block hashes. A hashed device page that drops to no
-  reference is written back to host (once per hash), so by the time the device pool evicts it
-  its content is already in RAM; a prefix hit in host RAM gets fresh device pages and a copy
-  back; a preempted request's pages are swapped out to host pages it holds (ref counted, like
-  the device's) and back in. Every copy is queued as an op in `KVTransfers`, handed to the
-  ranks with the step that follows.
+  reference is written back to host (once per hash, a bounded number of pages a step), so by
+  the time the device pool evicts it its content is already in RAM; a prefix hit in host RAM
+  gets fresh device pages and a copy back; a preempted request's pages are swapped out to host
+  pages it holds (ref counted, like the device's) and back in. Every copy is queued as an op
+  in `KVTransfers`, handed to the ranks with the step that follows.
 - `KVCopier` (every rank, each on its own replica of the cache): owns the host buffer
-  (`[num_host_pages, num_layers, page]`, pinned on CUDA) and issues a step's
-  ops in order on a side CUDA stream (plain copies on the CPU).
+  (`[num_host_pages, num_layers, page]`, pinned on CUDA) and issues a step's ops in order on
+  a side CUDA stream (plain copies on the CPU).
 
 Ordering invariants (why no step waits on the host for a copy):
 - All copies of a rank run on one stream, in the order the bookkeeping planned them, so a host
@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +47,8 @@ logger = logging.getLogger(__name__)
 D2H, H2D = "d2h", "h2d"
 # a load this small is waited for by the step that needs it (~0.3 ms at PCIe 4 x16 speed)
 IMMEDIATE_LOAD_BYTES = 8 << 20
+# write-backs issued per step at most (bounds the copy launches a step's host work pays)
+WRITE_BACK_BYTES_PER_STEP = 128 << 20
 
 
 @dataclass
@@ -82,9 +84,13 @@ class HostTier:
         page_size: int,
         bytes_per_page: int,
         immediate_bytes: float = IMMEDIATE_LOAD_BYTES,
+        write_back_bytes: int = WRITE_BACK_BYTES_PER_STEP,
     ) -> None:
         self.pool = BlockPool(num_pages, enable_prefix_caching=True)
         self.immediate_bytes = immediate_bytes  # loads up to this size go with the step
+        self.write_back_bytes = write_back_bytes
+        self.intents: OrderedDict[int, bytes] = OrderedDict()  # device page -> hash, to copy
+        self._write_back_left = max(1, int(write_back_bytes // bytes_per_page))  # this step
         self.page_size = page_size
         self.bytes_per_page = bytes_per_page
         self.pending = KVTransfers()
@@ -114,6 +120,7 @@ class HostTier:
     def take(self) -> KVTransfers | None:
         """What the ranks need this step: the ops planned since the last one, the fresh pages
         (a write-back of one may be in flight) and the loads to wait for (None: nothing)."""
+        self._issue_write_backs()  # what the budget has left (after this step's loads: in order)
         t, self.pending = self.pending, KVTransfers()
         t.wait_seq = self.loads_done_seq
         if not (t.ops or t.fresh or t.wait_seq != self._sent_wait_seq):
@@ -147,18 +154,40 @@ class HostTier:
             self.pool.free_queue.move_to_end(page)
 
     def write_back(self, device_page: int, page_hash: bytes) -> None:
-        """Queue a copy of a device page that just became unreferenced (a cached prefix page).
-        Once per hash; skipped when every host page is held by swapped requests."""
+        """A device page that just became unreferenced (a cached prefix page): queue its copy
+        to host RAM, once per hash. The copies are issued by `take`, at most
+        `write_back_bytes` a step (bounded host work per step); one whose device page is
+        handed out before that is dropped (`drop`)."""
         if page_hash in self.pool.hash_to_page:
             self.refresh(page_hash)
-            return
-        if not self.pool.num_free_pages:
-            return
-        (hp,) = self.pool.allocate(1)  # LRU eviction in host RAM
-        self.pool.cache_page(hp, page_hash)
-        self.pool.free([hp])  # cached, unreferenced: evictable like any other
-        self.pending.add(D2H, device_page, hp)
-        self.pages_offloaded += 1
+        else:
+            self.intents[device_page] = page_hash
+
+    def drop(self, device_pages: list[int]) -> None:
+        """These device pages are handed out again: their content is no longer to be copied."""
+        for p in device_pages:
+            self.intents.pop(p, None)
+
+    def begin_step(self) -> None:
+        """A new step: its write-back budget, and the write-backs queued since the last one
+        issued first (before this step hands out any device page)."""
+        self._write_back_left = max(1, int(self.write_back_bytes // self.bytes_per_page))
+        self._issue_write_backs()
+
+    def _issue_write_backs(self) -> None:
+        while self.intents and self._write_back_left > 0:
+            device_page, page_hash = self.intents.popitem(last=False)
+            if page_hash in self.pool.hash_to_page:
+                continue  # copied meanwhile (a swap-out)
+            if not self.pool.num_free_pages:
+                self.intents.clear()  # every host page is held by swapped requests
+                return
+            (hp,) = self.pool.allocate(1)  # LRU eviction in host RAM
+            self.pool.cache_page(hp, page_hash)
+            self.pool.free([hp])  # cached, unreferenced: evictable like any other
+            self.pending.add(D2H, device_page, hp)
+            self.pages_offloaded += 1
+            self._write_back_left -= 1
 
     def load(self, request_id: str, host_pages: list[int], device_pages: list[int]) -> int:
         """Queue host -> device copies for a request (the host pages may be evicted afterwards:

@@ -115,7 +115,8 @@ class KVCacheManager:
     def _allocate(self, pages: list[int], n: int) -> list[int]:
         new = self.pool.allocate(n)
         pages.extend(new)
-        if self.host is not None:  # a write-back of these may still be in flight
+        if self.host is not None:  # a write-back of these may be queued or in flight
+            self.host.drop(new)
             self.host.pending.fresh.extend(new)
         return new
 
@@ -158,9 +159,11 @@ class KVCacheManager:
 
     # ---- host tier -----------------------------------------------------------------------------
     def begin_step(self) -> None:
-        """Restored pages whose copy is done join the device prefix cache."""
-        if not self._to_register or self.host is None:
+        """A new step: the write-backs queued since the last one are issued before any page is
+        handed out, and restored pages whose copy is done join the device prefix cache."""
+        if self.host is None:
             return
+        self.host.begin_step()
         done = self.host.loads_done_seq
         for page, (seq, h) in list(self._to_register.items()):
             if seq <= done:
