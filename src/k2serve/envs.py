@@ -21,6 +21,7 @@ monkeypatch. Nothing else in k2serve reads `os.environ` for a `K2SERVE_*` name.
 | K2SERVE_CACHE_DIR | str | unset | where the CPU kernel's build / repack cache lives |
 | K2SERVE_ROUTER_NONFINITE_COUNT | bool | false | CUDA: count NaN / inf router inputs on device |
 | K2SERVE_SIMULATED_DEVICE_MEMORY | bytes | unset | CPU: size the KV cache as on a GPU this big |
+| K2SERVE_KV_HOST_TIER_ON_CPU | bool | false | test/debug: a KV host tier on a CPU-only engine |
 """
 
 from __future__ import annotations
@@ -153,3 +154,10 @@ def simulated_device_memory() -> int | None:
     if n < 1:
         raise ValueError(f"K2SERVE_SIMULATED_DEVICE_MEMORY={raw!r} must be positive")
     return n
+
+
+def kv_host_tier_on_cpu() -> bool:
+    """K2SERVE_KV_HOST_TIER_ON_CPU: a test / debug knob. On a CPU-only engine the KV cache is
+    host memory already, so the host tier is off; this turns it on anyway (plain copies between
+    two host buffers) so that its bookkeeping and copy path can be tested without a GPU."""
+    return env_bool("K2SERVE_KV_HOST_TIER_ON_CPU", False)

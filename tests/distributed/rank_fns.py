@@ -83,3 +83,11 @@ def backend_settings(state) -> dict:
         kv=str(s.kv_cache_dtype),
         cache=str(state.data["kv_caches"][0].dtype),
     )
+
+
+def kv_tier_state(state, pages: list[int]) -> dict:
+    """A rank's host KV tier: bytes moved each way, and a checksum of host `pages`."""
+    copier = state.data["kv_copier"]
+    stats = {k: v for k, v in copier.stats().items() if k.startswith("bytes")}
+    stats["host_sum"] = sum(int(h[pages].to(torch.int64).sum()) for h in copier.host_caches)
+    return stats

@@ -79,3 +79,35 @@ def test_tp_needs_the_engine_to_load_the_shards(ckpts):
     with pytest.raises(ValueError, match="tensor_parallel_size=2 needs rank 0's shard"):
         LLMEngine(cfg, model=model)
     assert not torch.distributed.is_initialized()
+
+
+def test_tp2_host_kv_tier_copies_on_every_rank(ckpts, monkeypatch):
+    """TP=2 with a host KV tier (forced on the CPU) and a device pool of 10 pages of 4 tokens
+    under sessions sharing 24 tokens: outputs equal TP=1 without the tier, and the worker rank
+    moved the same bytes into the same host pages as rank 0."""
+    monkeypatch.setenv("K2SERVE_KV_HOST_TIER_ON_CPU", "1")
+    shared = [300 + i for i in range(24)]
+    sessions = [shared + [7 * i + j for j in range(1, 6)] for i in range(4)]
+    filler = [[900 + 36 * i + j for j in range(36)] for i in range(2)]  # evicts the device pool
+    turns = [sessions, filler, sessions]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    small = dict(ENGINE, num_kv_pages=10, max_model_len=40)
+
+    def run(llm):
+        return [[o.outputs[0].token_ids for o in llm.generate(t, params)] for t in turns]
+
+    ref = run(LLM(ckpts["bf16"], **small))
+    llm = LLM(ckpts["bf16"], tensor_parallel_size=2, kv_offloading_size=1 / 2**10, **small)
+    llm.llm_engine.kv.host.immediate_bytes = 0  # restored requests wait for their copy
+    try:
+        got = run(llm)
+        eng = llm.llm_engine
+        eng.check_integrity()
+        host = eng.kv.host.pool
+        held = [p for p in range(host.num_pages) if host.page_hash[p] or host.ref_count[p]]
+        r0, r1 = eng.runner.group.run(rank_fns.kv_tier_state, held)
+    finally:
+        llm.llm_engine.runner.shutdown()
+    assert got == ref
+    assert eng.get_stats().host_cache_hits > 0
+    assert r0["bytes_h2d"] > 0 and r0 == r1

@@ -169,12 +169,14 @@ def context(plan: dict, a: argparse.Namespace, target: str = "k8s") -> dict:
     # RAM: CPU experts plus 10% and 32 GiB for the process (a CPU-only plan: all it counted)
     if not plan["num_gpus"]:
         cpu_gib = math.ceil(plan["cpu_memory_needed"] / 2**30)
-    mem_gib = math.ceil(cpu_gib * 1.1) + 32 if cpu_gib else 0
     nnodes = int(plan.get("nnodes", 1))
+    # K2 host KV tier (issue 27): its pinned RAM (per node) on top of the experts'
+    tier_gib = math.ceil(int(plan.get("kv_offloading_bytes", 0)) / nnodes / 2**30)
+    mem_gib = math.ceil(cpu_gib * 1.1) + 32 + tier_gib if cpu_gib else 0
     num_gpus = int(plan["num_gpus"])
     gpus_per_pod = num_gpus // nnodes
     # a pod's request: the CPU experts' RAM as above, else room to stream the weights in
-    pod_mem_gib = mem_gib or 64
+    pod_mem_gib = mem_gib or 64 + tier_gib
     # CPU threads: the plan's (one per physical core), else the CPUs the job asks for
     host = src.get("host") or {}
     env = dict(src.get("env") or {})

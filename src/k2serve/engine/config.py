@@ -55,6 +55,14 @@ _HELP = {
     "the GPU every --expert-placement-interval steps (needs --num-gpu-experts)",
     "expert_placement_interval": "steps between two dynamic expert re-placements",
     "max_waiting": "most requests waiting before new ones get EngineQueueFull (None: no limit)",
+    "kv_offloading_size": "GiB of host RAM for a second tier of the KV cache (summed over the "
+    "tensor-parallel ranks, as vLLM): prefix pages evicted from the GPU and preempted requests "
+    "are kept there and copied back instead of recomputed (pinned memory; off on a CPU-only "
+    "engine, whose cache is host memory already)",
+    "kv_offloading_backend": "native (k2serve's host tier; the default when a size is given); "
+    "lmcache is not supported",
+    "swap_space": "GiB of host RAM per GPU for the KV host tier (vLLM's older spelling; "
+    "--kv-offloading-size wins when both are given)",
     "seed": "seed of unseeded sampling",
     "tensor_parallel_size": "number of GPUs (processes) the model is sharded over (-tp)",
     "enable_expert_parallel": "with -tp N, give each rank 1/N of the routed experts instead of "
@@ -127,6 +135,10 @@ class EngineConfig:
     dynamic_expert_placement: bool = False
     expert_placement_interval: int = 1000
     max_waiting: int | None = None
+    # K2 host KV tier (issue 27): k2serve.engine.kv_tier
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str | None = None
+    swap_space: float | None = None
     seed: int = 0
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
@@ -199,6 +211,16 @@ class EngineConfig:
             if getattr(self, name) not in ("auto", "torch", "triton"):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not auto, torch or triton")
         positive("expert_placement_interval")
+        for name in ("kv_offloading_size", "swap_space"):  # K2 host KV tier
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or v < 0):
+                raise ValueError(f"{name}={v!r} must be a non-negative number of GiB")
+        if self.kv_offloading_backend not in (None, "native"):
+            raise ValueError(
+                f"kv_offloading_backend={self.kv_offloading_backend!r}: only 'native' (k2serve's "
+                "own host tier) is available; LMCache is not integrated, use --kv-offloading-"
+                "backend native or leave it out"
+            )
         t = self.gpu_prefill_token_threshold
         if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 0):
             raise ValueError(f"gpu_prefill_token_threshold={t!r} must be a non-negative integer")
@@ -234,7 +256,8 @@ class EngineConfig:
             typ: Callable[[str], Any] | None = {
                 "max_model_len": int, "num_kv_pages": int, "max_waiting": int,
                 "num_gpu_experts": int, "data_parallel_size_local": int,
-                "gpu_prefill_token_threshold": int}.get(f.name)  # fmt: skip
+                "gpu_prefill_token_threshold": int,
+                "kv_offloading_size": float, "swap_space": float}.get(f.name)  # fmt: skip
             if typ is None:
                 typ = type(default) if default is not None else str
             parser.add_argument(flag, type=typ, default=default, help=help_)

@@ -27,6 +27,7 @@ from k2serve.cache.kv_cache_manager import KVCacheManager
 from k2serve.engine.config import EngineConfig
 from k2serve.engine.contract import resolve_max_tokens
 from k2serve.engine.errors import PromptTooLongError
+from k2serve.engine.kv_tier import host_tier_stats, make_host_tier, num_host_pages
 from k2serve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from k2serve.engine.request import Request, RequestStatus
 from k2serve.engine.runner import ModelRunner
@@ -53,6 +54,22 @@ class EngineStats:
     prompt_tokens: int  # totals since start
     generation_tokens: int
     num_finished: int
+    # K2 host KV tier (issue 27); zeros when it is off
+    kv_host_pages_used: int = 0
+    kv_host_pages_total: int = 0
+    host_cache_hits: int = 0  # prompt tokens restored from host RAM (also in prefix_cache_hits)
+    kv_offload_bytes_d2h: int = 0
+    kv_offload_bytes_h2d: int = 0
+    kv_offload_seconds_d2h: float = 0.0
+    kv_offload_seconds_h2d: float = 0.0
+    num_swap_outs: int = 0
+    num_swap_ins: int = 0
+    num_swapped: int = 0  # requests whose KV is in host RAM now
+    kv_copy_stalls: int = 0  # forwards that waited for a write-back to finish
+
+    @property
+    def host_cache_usage(self) -> float:
+        return self.kv_host_pages_used / self.kv_host_pages_total if self.kv_host_pages_total else 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -129,7 +146,13 @@ class LLMEngine:
         # the config with the resolved length and page count (tensor-parallel workers get it)
         self.config = cfg.replace(max_model_len=spec.max_model_len, num_kv_pages=spec.num_kv_pages)
         self.max_model_len = spec.max_model_len
-        self.kv = KVCacheManager(spec.num_kv_pages, spec.page_size, cfg.enable_prefix_caching)
+        host_pages = num_host_pages(cfg, spec.device, kv_caches, model)  # K2 host KV tier
+        self.kv = KVCacheManager(
+            spec.num_kv_pages,
+            spec.page_size,
+            cfg.enable_prefix_caching,
+            make_host_tier(host_pages, kv_caches),
+        )
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=spec.max_num_seqs,
@@ -141,10 +164,10 @@ class LLMEngine:
             from k2serve.engine.executor import MultiprocExecutor
 
             self.runner = MultiprocExecutor(
-                spec, self.config, model, kv_caches, model_dir=model_dir
+                spec, self.config, model, kv_caches, model_dir=model_dir, kv_host_pages=host_pages
             )
         else:
-            self.runner = ModelRunner(model, kv_caches, spec)
+            self.runner = ModelRunner(model, kv_caches, spec, kv_host_pages=host_pages)
         self.eos_token_ids = eos_token_ids(self.model_config, tokenizer, model_dir)
         self.vocab_size = self.model_config.vocab_size
         self._requests: dict[str, Request] = {}  # child id -> request (unfinished)
@@ -269,8 +292,16 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        if self.kv.host is not None:  # K2 host tier: restored requests whose copy is done
+            self.kv.host.loads_done_seq = self.runner.kv_loads_done()
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            if sched.transfers is not None:  # K2 host tier: copies only this step
+                self.runner.apply_kv_transfers(sched.transfers)
+                return outputs
+            if self.kv.host is not None and self.kv.host.loading:  # nothing to do but wait
+                self.runner.wait_kv_loads()
+                return outputs
             if self.scheduler.running or self.scheduler.waiting:
                 raise RuntimeError(
                     f"scheduler made no progress: {len(self.scheduler.running)} running, "
@@ -420,6 +451,7 @@ class LLMEngine:
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
             num_finished=self._num_finished,
+            **host_tier_stats(self.kv.host, self.runner),  # K2 host KV tier
         )
 
     def check_integrity(self) -> None:

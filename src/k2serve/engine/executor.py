@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from k2serve.attention.base import AttentionMetadata
+from k2serve.cache.host_tier import KVCopier, KVTransfers, apply_on_rank
 from k2serve.cache.kv_cache_manager import KVCacheManager
 from k2serve.distributed.nodes import NodeSpec
 from k2serve.distributed.workers import WorkerGroup, WorkerState
@@ -107,14 +108,20 @@ def load_shard(state: WorkerState, spec: dict) -> int:
         progress=False,
     )
     state.data.update(model=rank.model, kv_caches=rank.kv_caches, spec=rank.spec)
+    if spec.get("kv_host_pages"):  # K2 host KV tier: each rank copies its own cache replica
+        state.data["kv_copier"] = KVCopier(rank.kv_caches, spec["kv_host_pages"])
     model = rank.model
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 @torch.inference_mode()
-def forward_step(state: WorkerState, packed: np.ndarray) -> torch.Tensor:
-    """Every rank: run its shard on the packed flat batch. -> hidden of the sampling rows."""
+def forward_step(
+    state: WorkerState, packed: np.ndarray, transfers: KVTransfers | None = None
+) -> torch.Tensor:
+    """Every rank: run its shard on the packed flat batch (after the step's host-tier copies).
+    -> hidden of the sampling rows."""
     ids, pos, md, logits_idx = unpack_model_input(packed, state.device)
+    apply_on_rank(state, transfers)
     model = state.data["model"]
     hidden = model(ids, pos, attn_metadata=md, kv_caches=state.data["kv_caches"])  # [T, hidden]
     return hidden[logits_idx]  # [S, hidden]
@@ -131,10 +138,12 @@ class MultiprocExecutor:
         kv_caches: list[torch.Tensor],
         *,
         model_dir: str | None,
+        kv_host_pages: int = 0,
     ) -> None:
         """`spec` / `model` / `kv_caches`: rank 0's, from `setup_rank` (backends installed);
         `engine_config`: the config with rank 0's page count and max_model_len pinned (the
-        workers run `setup_rank` on it) and the distributed settings."""
+        workers run `setup_rank` on it) and the distributed settings.
+        `kv_host_pages`: each rank's host KV tier (0: none)."""
         cfg = engine_config
         if cfg.num_kv_pages != spec.num_kv_pages or cfg.max_model_len != spec.max_model_len:
             raise ValueError("engine_config must pin rank 0's num_kv_pages and max_model_len")
@@ -160,7 +169,11 @@ class MultiprocExecutor:
             W, self.device, cfg.distributed_backend, nodes=NodeSpec.from_engine_config(cfg)
         )
         self.group.state.data.update(model=model, kv_caches=kv_caches, spec=spec)
+        self.kv_copier = KVCopier(kv_caches, kv_host_pages) if kv_host_pages else None
+        if self.kv_copier is not None:
+            self.group.state.data["kv_copier"] = self.kv_copier
         args = dict(
+            kv_host_pages=kv_host_pages,
             engine_config=cfg,
             model_dir=os.fspath(model_dir),
             cpu_threads=torch.get_num_threads(),
@@ -185,11 +198,25 @@ class MultiprocExecutor:
         """Run one step on every rank; returns the requests that sampled and their samples."""
         inp = self._batch.prepare(sched, kv)
         packed = pack_model_input(inp)
-        hidden = self.group.run(forward_step, packed, reply=False)[0]  # [S, hidden]
+        results = self.group.run(forward_step, packed, sched.transfers, reply=False)
+        hidden = results[0]  # [S, hidden]
         if not inp.sample_reqs:
             return [], None
         logits = self.model.compute_logits(hidden)  # [S, vocab] float32
         return inp.sample_reqs, self.sampler(logits, inp.sample_reqs)
+
+    def kv_loads_done(self) -> int:
+        """Host tier: the seq up to which loads are done here (rank 0; a non-blocking poll)."""
+        return self.kv_copier.loads_done() if self.kv_copier is not None else 0
+
+    def wait_kv_loads(self) -> None:
+        """Host tier: wait for the copies in flight (only when no step has work)."""
+        if self.kv_copier is not None:
+            self.kv_copier.synchronize()
+
+    def apply_kv_transfers(self, transfers: KVTransfers) -> None:
+        """A step with host-tier copies and nothing to compute: every rank copies."""
+        self.group.run(apply_on_rank, transfers, reply=False)
 
     def check_health(self) -> None:
         """Raise WorkerError if a worker has died (reads no connection: any thread)."""

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from k2serve.attention.base import AttentionMetadata
+from k2serve.cache.host_tier import KVCopier, KVTransfers
 from k2serve.cache.kv_cache_manager import KVCacheManager
 from k2serve.engine.input_batch import BlockTables, to_device
 from k2serve.engine.request import Request
@@ -134,12 +135,15 @@ class BatchBuilder:
 
 
 class ModelRunner(BatchBuilder):
-    def __init__(self, model, kv_caches: list[torch.Tensor], spec: RuntimeSpec) -> None:
+    def __init__(
+        self, model, kv_caches: list[torch.Tensor], spec: RuntimeSpec, *, kv_host_pages: int = 0
+    ) -> None:
         """Runs a model whose backends are installed already (`engine.setup.setup_rank`, which
         resolved `spec`): the last step of the setup pipeline, decode CUDA graphs, happens
-        here."""
+        here. `kv_host_pages`: the host KV tier's pages (0: none; k2serve.cache.host_tier)."""
         super().__init__(spec.page_size, spec.device)
         self.spec = spec
+        self.kv_copier = KVCopier(kv_caches, kv_host_pages) if kv_host_pages else None
         self.model = model
         self.kv_caches = kv_caches
         self.sampler = Sampler(self.device, spec.seed)
@@ -187,6 +191,8 @@ class ModelRunner(BatchBuilder):
         """Run one step; returns the requests that sampled and their samples (same order)."""
         inp = self.prepare(sched, kv)
         md = inp.attn_metadata
+        if self.kv_copier is not None:  # K2 host tier: this step's copies, then the forward
+            self.kv_copier.apply(sched.transfers)
         if self.graph_runner is not None and md.num_decodes == md.num_seqs:
             # decode-only: a captured graph when one fits, else eager inside run()
             hidden = self.graph_runner.run(inp.input_ids, inp.positions, md)  # [T, hidden]
@@ -206,6 +212,20 @@ class ModelRunner(BatchBuilder):
 
     def set_on_failure(self, fn) -> None:
         """One process: no rank to lose, so `fn` is never called."""
+
+    def kv_loads_done(self) -> int:
+        """Host tier: the seq up to which loads are done here (rank 0; a non-blocking poll)."""
+        return self.kv_copier.loads_done() if self.kv_copier is not None else 0
+
+    def wait_kv_loads(self) -> None:
+        """Host tier: wait for the copies in flight (only when no step has work)."""
+        if self.kv_copier is not None:
+            self.kv_copier.synchronize()
+
+    def apply_kv_transfers(self, transfers: KVTransfers) -> None:
+        """A step with host-tier copies and nothing to compute."""
+        if self.kv_copier is not None:
+            self.kv_copier.apply(transfers)
 
     def shutdown(self) -> None:
         """Write the routing counts (--record-routing) a last time; idempotent."""

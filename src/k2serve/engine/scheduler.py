@@ -7,9 +7,15 @@ the prompt or what is left of the budget), then waiting requests FCFS (after a p
 lookup). In the flat batch the one-token sequences (decodes) come first.
 
 When pages run out for a running request, the most recently admitted running request is
-preempted by recompute (un-scheduled if it was already given tokens this step): its pages are
-freed and it goes back to the front of the waiting queue. A step that preempted admits no
-waiting request.
+preempted (un-scheduled if it was already given tokens this step): its pages are freed and it
+goes back to the front of the waiting queue, by recompute, or, with a host KV tier that has
+room, swapped out to host RAM and back. A step that preempted admits no waiting request.
+
+Host KV tier (k2serve.cache.host_tier): a waiting request whose prefix continues in host RAM,
+or a swapped-out one, is admitted with its pages copied in during this step; it computes in
+this step if the copy is small, else from the first step after the copy is done (the copy
+overlaps compute; no step waits for it). `SchedulerOutput.transfers` carries the step's
+copies to the runner.
 
 Invariants:
 - Every request that leaves (finished, aborted, preempted) returns all its pages.
@@ -24,6 +30,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from k2serve.cache.host_tier import KVTransfers
 from k2serve.cache.kv_cache_manager import KVCacheManager
 from k2serve.engine.request import Request, RequestStatus
 
@@ -35,6 +42,7 @@ class SchedulerOutput:
     num_decodes: int = 0
     num_batched_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
+    transfers: KVTransfers | None = None  # host KV tier copies, run before this step's forward
 
     @property
     def is_empty(self) -> bool:
@@ -80,6 +88,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        self.kv.begin_step()  # K2 host tier: restored pages whose copy is done get cached
 
         # decodes first (a decode never waits behind another request's long prefill chunk),
         # then unfinished prefills, each in running order
@@ -91,6 +100,8 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if not self.kv.ready(req):
+                continue  # K2 host tier: its pages are still being copied in
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             assert num_new > 0, req
             while not self.kv.allocate_slots(req, num_new):
@@ -110,14 +121,25 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
-                hit_pages = self.kv.get_computed_pages(req) if req.num_computed_tokens == 0 else []
-                num_computed = req.num_computed_tokens + len(hit_pages) * self.kv.page_size
+                # K2 host tier: a swapped-out request comes back, a prefix may continue in RAM
+                swapped = self.kv.is_swapped(req)
+                fresh = req.num_computed_tokens == 0
+                hit_pages = self.kv.get_computed_pages(req) if fresh else []
+                host_hits = self.kv.get_host_hits(req, len(hit_pages)) if fresh else []
+                num_hit = len(hit_pages) + len(host_hits)
+                num_computed = req.num_computed_tokens + num_hit * self.kv.page_size
                 num_new = req.num_tokens - num_computed
                 if num_new > budget:
                     if not self.enable_chunked_prefill and req.num_output_tokens == 0:
                         break
                     num_new = budget
-                if not self.kv.allocate_slots(req, num_new, hit_pages):
+                if swapped:
+                    ok = self.kv.swap_in(req, num_new)
+                elif host_hits:
+                    ok = self.kv.load_prefix(req, num_new, hit_pages, host_hits)
+                else:
+                    ok = self.kv.allocate_slots(req, num_new, hit_pages)
+                if not ok:
                     break
                 self.waiting.popleft()
                 if req.num_cached_tokens < 0:
@@ -129,6 +151,8 @@ class Scheduler:
                 req.num_computed_tokens = num_computed
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
+                if not self.kv.ready(req):
+                    continue  # K2 host tier: a large copy in: it computes once it is done
                 scheduled.append((req, num_new))
                 budget -= num_new
 
@@ -136,11 +160,13 @@ class Scheduler:
         out.scheduled = decodes + [s for s in scheduled if s[1] != 1]
         out.num_decodes = len(decodes)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
+        out.transfers = self.kv.take_transfers()
         return out
 
     def _preempt(self, req: Request) -> None:
-        self.kv.free(req)
-        req.num_computed_tokens = 0
+        if not self.kv.swap_out(req):  # K2 host tier: swap when it has room, else recompute
+            self.kv.free(req)
+            req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1
@@ -175,6 +201,9 @@ class Scheduler:
         ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
         if len(ids) != len(set(ids)):
             raise AssertionError("a request is queued twice")
+        swapped = self.kv.host.swapped if self.kv.host is not None else {}
+        if not set(swapped) <= {r.request_id for r in self.waiting}:
+            raise AssertionError(f"host pages held by requests not waiting: {set(swapped)}")
         for r in self.waiting:
             if self.kv.num_pages_of(r):
                 raise AssertionError(f"waiting {r} holds pages")

@@ -113,6 +113,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--expert-placement-file", default=None,
         help="routing counts (serve --record-routing): the GPU experts' measured hit rate",
     )  # fmt: skip
+    p.add_argument(
+        "--kv-offloading-size", type=float, default=None,
+        help="GiB of host RAM for the KV host tier, over all GPUs (default: half the RAM the "
+        "CPU experts leave of --cpu-memory; 0: none)",
+    )  # fmt: skip  # K2 host KV tier (issue 27)
+    p.add_argument(
+        "--swap-space", type=float, default=None,
+        help="GiB of host RAM per GPU for the KV host tier (vLLM's older spelling)",
+    )  # fmt: skip
     p.add_argument("--model-dir", default=None, help="checkpoint path used in the serve command")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -141,6 +150,13 @@ def _routing(args: argparse.Namespace, config) -> dict:
     from k2serve.moe.placement import load_routing_counts
 
     return dict(routing_counts=load_routing_counts(path, config), expert_placement_file=path)
+
+
+def _kv_offloading_size(args: argparse.Namespace, num_gpus: int) -> float | None:
+    """GiB over all GPUs: --kv-offloading-size, else --swap-space x GPUs (None: the plan's)."""
+    size = getattr(args, "kv_offloading_size", None)
+    swap = getattr(args, "swap_space", None)
+    return swap * max(num_gpus, 1) if size is None and swap is not None else size
 
 
 def make_plan(args: argparse.Namespace) -> tuple[Plan, dict]:
@@ -175,6 +191,7 @@ def make_plan(args: argparse.Namespace) -> tuple[Plan, dict]:
         gpus_per_node=args.gpus_per_node,
         master_addr=args.master_addr,
         master_port=args.master_port,
+        kv_offloading_size=_kv_offloading_size(args, num_gpus),  # K2 host KV tier
     )
     source = {"name": name, "hf_repo": repo, "model_dir": model_dir}
     source["gpus_assumed"] = gpus is None

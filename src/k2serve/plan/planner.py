@@ -28,6 +28,7 @@ from k2serve.memory import (  # the formulas the engine sizes its cache with
 )
 from k2serve.plan import commands as pc
 from k2serve.plan.hardware import CPU_MEMORY_UTILIZATION, GpuSpec
+from k2serve.plan.kv_tier import host_kv_tier
 from k2serve.plan.suggest import suggestions
 from k2serve.plan.weights import weight_breakdown
 
@@ -111,6 +112,9 @@ class Plan:
     gpus_per_node: int = pc.DEFAULT_GPUS_PER_NODE
     master_port: int = pc.DEFAULT_MASTER_PORT
     node_commands: list[str] = field(default_factory=list)  # one full command per node
+    # K2 host KV tier (issue 27, k2serve.plan.kv_tier): --kv-offloading-size, all ranks
+    kv_offloading_bytes: int = 0
+    host_kv_tokens: int = 0  # tokens each rank's host tier holds
 
     @property
     def command(self) -> str:
@@ -148,6 +152,7 @@ def plan(
     gpus_per_node: int = pc.DEFAULT_GPUS_PER_NODE,
     master_addr: str = pc.MASTER_ADDR_PLACEHOLDER,
     master_port: int = pc.DEFAULT_MASTER_PORT,
+    kv_offloading_size: float | None = None,
 ) -> Plan:
     """Place weights, KV cache and experts on `num_gpus` x `gpu` plus `cpu_memory` bytes of RAM.
 
@@ -160,6 +165,8 @@ def plan(
     experts are each layer's most-routed ones and the decode estimate uses their hit rate.
     More GPUs than `gpus_per_node` span whole nodes (one command per node, TP over all of
     them). Every limit that fails is listed in `reasons`, with its numbers.
+    `kv_offloading_size` (GiB over all ranks; None: sized from the RAM the CPU experts leave,
+    0: none): the host KV tier (k2serve.plan.kv_tier).
     """
     kv_cache_dtype = "bf16" if kv_cache_dtype == "auto" else kv_cache_dtype
     ctx = config.max_position_embeddings if max_model_len is None else int(max_model_len)
@@ -338,6 +345,14 @@ def plan(
         notes.append("H100 NVL: NVLink bridges join pairs; TP over more than 2 crosses PCIe")
     if g and gpu and not gpu.fp8 and config.quant and config.quant.method == "fp8_block":
         notes.append(f"{gpu.name} has no FP8 tensor cores: FP8 weights run through dequantization")
+    # ---- K2 host KV tier (issue 27): sized by k2serve.plan.kv_tier ----
+    tier = host_kv_tier(
+        kv_offloading_size, num_gpus=g, nnodes=nnodes, cpu_memory=cpu_memory,
+        usable_ram=usable_ram, cpu_need=cpu_need if g else 0, kv_bytes_per_token=kvt,
+        gpu_kv_tokens=kv_tokens,
+    )  # fmt: skip
+    notes += [tier.note] if tier.note else []
+    reasons += [tier.reason] if tier.reason else []
     fits = not reasons
     full = kv_tokens // ctx if ctx else 0
     cpu_kv = -(-ctx // DEFAULT_PAGE_SIZE) * DEFAULT_PAGE_SIZE * kvt  # whole pages
@@ -346,6 +361,7 @@ def plan(
         nnodes=nnodes, master_port=master_port, cpu_kv_cache_bytes=cpu_kv,
         max_num_batched_tokens=max_num_batched_tokens,
     )  # fmt: skip
+    args += tier.serve_args()  # K2 host KV tier
     if g and cpu_exp:
         args += ["--num-gpu-experts", str(gpu_exp)]
         if expert_placement_file:
@@ -401,6 +417,8 @@ def plan(
         gpus_per_node=gpus_per_node,
         master_port=master_port,
         node_commands=pc.node_commands(args, nnodes, master_addr),
+        kv_offloading_bytes=tier.total_bytes,
+        host_kv_tokens=tier.tokens_per_rank,
     )
     if not fits and suggest:
         p.suggestions = suggestions(config, p, gpu, replan=plan)

@@ -388,13 +388,20 @@ MORE_FLAGS: tuple[GuideFlag, ...] = (
 )
 
 # Built on other branches (speculative decoding, host KV tier, vision): accepted, inactive here.
+# Flags of the features built beside this table (host KV tier, speculative decoding, vision):
+# the parser defines them itself.
+FEATURE_FLAGS: tuple[GuideFlag, ...] = tuple(
+    GuideFlag((f,), "implemented", "vLLM", target=f, example=ex)
+    for f, ex in (
+        ("--swap-space", "16"),
+        ("--kv-offloading-size", "64"),
+        ("--kv-offloading-backend", "native"),
+    )
+)
 PENDING: tuple[GuideFlag, ...] = tuple(
     GuideFlag((f,), "pending", "vLLM", why=why, example=ex)
     for f, why, ex in (
         ("--speculative-config", "speculative decoding", '{"method": "eagle3"}'),
-        ("--swap-space", "the host KV tier", "16"),
-        ("--kv-offloading-size", "the host KV tier", "64"),
-        ("--kv-offloading-backend", "the host KV tier", "native"),
         ("--mm-encoder-tp-mode", "the vision encoder", "data"),
         ("--limit-mm-per-prompt", "the vision encoder", '{"image": 2}'),
         ("--allowed-media-domains", "the vision encoder", "example.com"),
@@ -402,7 +409,7 @@ PENDING: tuple[GuideFlag, ...] = tuple(
     )
 )
 
-ALL_FLAGS = FLAGS + MORE_FLAGS + PENDING
+ALL_FLAGS = FLAGS + MORE_FLAGS + FEATURE_FLAGS + PENDING
 
 # Environment variables of the guides: (name, status, what k2serve does with it).
 ENV_VARS: tuple[tuple[str, str, str], ...] = (

@@ -18,6 +18,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from k2serve.server.kv_tier_metrics import KVTierCollector
 from k2serve.server.vllm_metrics import VllmMetrics, read_stat
 
 logger = logging.getLogger(__name__)
@@ -191,6 +192,7 @@ class ServerMetrics:
         )
         r.register(_EngineCollector(engine))
         self.vllm = VllmMetrics(r, engine, model_name, max_model_len)
+        r.register(KVTierCollector(engine, model_name))  # host KV tier (issue 27)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
