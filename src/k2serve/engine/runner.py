@@ -5,6 +5,8 @@ The flat batch concatenates each scheduled sequence's new tokens (decodes first,
 `seq_lens [B]`, `context_lens [B]`, `block_table [B, max_pages]`, `slot_mapping [T]`.
 Logits are computed only for the last new token of the sequences that sample this step (those
 whose new tokens reach the end of their known tokens); a partial prefill chunk does not sample.
+A sequence carrying drafts (speculative decoding) has its last token and its K drafts as new
+tokens and gets logits at all 1 + K positions (sampler rows: the request, then `DraftRow`s).
 
 Invariant: token j of sequence b sits at position context_lens[b] + j and is written to slot
 `block_table[b, pos // page_size] * page_size + pos % page_size`.
@@ -30,6 +32,7 @@ from k2serve.engine.input_batch import BlockTables, to_device
 from k2serve.engine.request import Request
 from k2serve.engine.sampler import Sampler, SamplerOutput
 from k2serve.engine.scheduler import SchedulerOutput
+from k2serve.engine.spec_decode.verify import DraftRow
 
 if TYPE_CHECKING:
     from k2serve.model.cuda_graph import DecodeGraphRunner
@@ -103,6 +106,13 @@ class BatchBuilder:
             if end == req.num_tokens:
                 logits_idx.append(num_tokens - 1)
                 sample_reqs.append(req)
+            elif end > req.num_tokens:  # spec decode: the drafts, and logits at each position
+                drafts = req.spec_token_ids
+                assert len(drafts) == end - req.num_tokens, (req, drafts)
+                input_ids.extend(drafts)
+                logits_idx.extend(range(num_tokens - len(drafts) - 1, num_tokens))
+                sample_reqs.append(req)
+                sample_reqs.extend(DraftRow(req, drafts[:j]) for j in range(1, len(drafts) + 1))
         ends = starts + counts
         qsl = np.zeros(num_seqs + 1, dtype=np.int32)
         np.cumsum(counts, out=qsl[1:])

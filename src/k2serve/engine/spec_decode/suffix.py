@@ -1,0 +1,172 @@
+"""Suffix decoding (Arctic Inference's SuffixDecoding, `method: "suffix"`), model-free drafting.
+
+Two suffix tries of bounded depth D (`suffix_decoding_max_tree_depth`):
+- one per running request over its prompt and output, extended token by token (O(D) a token);
+- one global over the outputs of the last `suffix_decoding_max_cached_requests` finished
+  requests (the oldest is removed when a new one comes in: its counts are subtracted).
+
+Each trie holds every substring of length <= D of its sequences as a path from the root, each
+node counting how often its path occurred. To draft for a request: find the longest suffix of the
+request's last D tokens that is a path in the trie (the match length m), then walk down taking
+the most frequent child while the path's estimated probability (product of child count / node
+count) stays >= `suffix_decoding_min_token_prob`, for at most min(K, max_spec_factor * m +
+max_spec_offset) tokens. Of the two tries' drafts the one with the higher expected number of
+accepted tokens (sum of path probabilities) wins. Drafts are one chain (no token tree).
+
+Memory: a request's trie has at most D nodes per token (freed when it finishes); the global trie
+at most D per output token of the cached requests.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class _Node:
+    __slots__ = ("count", "children")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.children: dict[int, _Node] = {}
+
+
+class SuffixTrie:
+    def __init__(self, max_depth: int) -> None:
+        self.root = _Node()
+        self.max_depth = max_depth
+        self.num_nodes = 0
+
+    def add(self, tokens: list[int], active: list[_Node] | None = None) -> list[_Node]:
+        """Append `tokens` to a sequence whose open suffix paths are `active` (the nodes of its
+        last < D suffixes); returns the new open paths."""
+        act = list(active or [])
+        for t in tokens:
+            act.append(self.root)
+            nxt = []
+            for node in act:
+                child = node.children.get(t)
+                if child is None:
+                    child = node.children[t] = _Node()
+                    self.num_nodes += 1
+                child.count += 1
+                nxt.append(child)
+            act = nxt[-(self.max_depth - 1) :] if self.max_depth > 1 else []
+        return act
+
+    def remove(self, tokens: list[int]) -> None:
+        """Subtract one sequence added earlier with `add(tokens)` (its counts; empty nodes go)."""
+        d = self.max_depth
+        for i in range(len(tokens)):
+            node = self.root
+            for t in tokens[i : i + d]:
+                child = node.children[t]
+                child.count -= 1
+                if child.count == 0:
+                    self.num_nodes -= _size(child)
+                    del node.children[t]
+                    break
+                node = child
+
+    def match(self, context: list[int]) -> tuple[_Node | None, int]:
+        """The node of the longest suffix of `context` (its last < D tokens) present in the trie,
+        and that suffix's length (0: none)."""
+        ctx = context[-(self.max_depth - 1) :] if self.max_depth > 1 else []
+        for i in range(len(ctx)):
+            node: _Node | None = self.root
+            for t in ctx[i:]:
+                node = node.children.get(t)  # type: ignore[union-attr]
+                if node is None:
+                    break
+            if node is not None and node.children:
+                return node, len(ctx) - i
+        return None, 0
+
+    @staticmethod
+    def speculate(node: _Node, max_tokens: int, min_prob: float) -> tuple[list[int], float]:
+        """Greedy most-frequent path below `node`: (tokens, expected accepted = sum of probs)."""
+        out: list[int] = []
+        prob, score = 1.0, 0.0
+        while len(out) < max_tokens and node.children:
+            tok, child = max(node.children.items(), key=lambda kv: kv[1].count)
+            total = sum(c.count for c in node.children.values())
+            prob *= child.count / total
+            if prob < min_prob:
+                break
+            out.append(tok)
+            score += prob
+            node = child
+        return out, score
+
+
+def _size(node: _Node) -> int:
+    n, stack = 0, [node]
+    while stack:
+        x = stack.pop()
+        n += 1
+        stack.extend(x.children.values())
+    return n
+
+
+class _ReqState:
+    __slots__ = ("active", "num_added")
+
+    def __init__(self) -> None:
+        self.active: list[_Node] = []
+        self.num_added = 0
+
+
+class SuffixDecoder:
+    """Per-request tries plus the global trie over recent outputs."""
+
+    def __init__(
+        self,
+        max_depth: int,
+        max_cached_requests: int,
+        max_spec_factor: float,
+        max_spec_offset: float,
+        min_token_prob: float,
+    ) -> None:
+        self.max_depth = max_depth
+        self.max_cached = max_cached_requests
+        self.factor = max_spec_factor
+        self.offset = max_spec_offset
+        self.min_prob = min_token_prob
+        self.global_trie = SuffixTrie(max_depth)
+        self._cached: deque[list[int]] = deque()  # outputs in the global trie, oldest first
+        self._tries: dict[str, tuple[SuffixTrie, _ReqState]] = {}
+
+    def propose(self, req_id: str, tokens: list[int], k: int) -> list[int]:
+        """Up to k draft tokens for the request whose prompt + output so far is `tokens`."""
+        entry = self._tries.get(req_id)
+        if entry is None:
+            entry = self._tries[req_id] = (SuffixTrie(self.max_depth), _ReqState())
+        trie, st = entry
+        if st.num_added > len(tokens):  # outputs shrank (cannot happen today): start again
+            trie, st = self._tries[req_id] = (SuffixTrie(self.max_depth), _ReqState())
+        st.active = trie.add(tokens[st.num_added :], st.active)
+        st.num_added = len(tokens)
+        best: tuple[list[int], float] = ([], 0.0)
+        for t in (trie, self.global_trie):
+            node, m = t.match(tokens)
+            if node is None:
+                continue
+            limit = min(k, int(self.factor * m + self.offset))
+            draft = t.speculate(node, limit, self.min_prob)
+            if draft[1] > best[1]:
+                best = draft
+        return best[0]
+
+    def finish(self, req_id: str, output_token_ids: list[int]) -> None:
+        """The request ended: drop its trie, cache its output in the global trie."""
+        self._tries.pop(req_id, None)
+        if self.max_cached == 0 or not output_token_ids:
+            return
+        out = list(output_token_ids)
+        self.global_trie.add(out)
+        self._cached.append(out)
+        while len(self._cached) > self.max_cached:
+            self.global_trie.remove(self._cached.popleft())
+
+    @property
+    def num_live(self) -> int:
+        return len(self._tries)
