@@ -54,23 +54,52 @@ class SpecDecodingStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
+class NgramProposer:
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        return propose_ngram(req.all_token_ids, self.min_n, self.max_n, k)
+
+    def finish(self, req: Request) -> None:
+        pass  # stateless
+
+
+class SuffixProposer:
+    def __init__(self, spec: SpeculativeConfig) -> None:
+        from k2serve.engine.spec_decode.suffix import SuffixDecoder
+
+        self.decoder = SuffixDecoder(
+            spec.suffix_decoding_max_tree_depth,
+            spec.suffix_decoding_max_cached_requests,
+            spec.suffix_decoding_max_spec_factor,
+            spec.suffix_decoding_max_spec_offset,
+            spec.suffix_decoding_min_token_prob,
+        )
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        return self.decoder.propose(req.request_id, req.all_token_ids, k)
+
+    def finish(self, req: Request) -> None:
+        self.decoder.finish(req.request_id, req.output_token_ids)
+
+
+def model_free_proposer(spec: SpeculativeConfig):
+    if spec.method == "suffix":
+        return SuffixProposer(spec)
+    assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
+    return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+
 class Drafter:
     def __init__(self, spec: SpeculativeConfig, max_model_len: int, eagle=None) -> None:
         self.spec = spec
         self.k = spec.num_speculative_tokens
         self.max_model_len = max_model_len
-        self.eagle = eagle  # spec_decode.eagle.EagleProposer for method eagle3
-        self.suffix = None
-        if spec.method == "suffix":
-            from k2serve.engine.spec_decode.suffix import SuffixDecoder
-
-            self.suffix = SuffixDecoder(
-                spec.suffix_decoding_max_tree_depth,
-                spec.suffix_decoding_max_cached_requests,
-                spec.suffix_decoding_max_spec_factor,
-                spec.suffix_decoding_max_spec_offset,
-                spec.suffix_decoding_min_token_prob,
-            )
+        # a model-free proposer: .propose(req, k) -> drafts, .finish(req); or the EAGLE-3
+        # proposer (spec_decode.eagle.EagleProposer: .propose([(req, k)]), .finish(req))
+        self.eagle = eagle
+        self.proposer = None if eagle is not None else model_free_proposer(spec)
         self.stats = SpecDecodingStats(self.k)
         self._logged = (time.monotonic(), 0, 0, 0)  # time, drafts, draft tokens, accepted
 
@@ -103,23 +132,14 @@ class Drafter:
         if self.eagle is not None:
             self.eagle.propose(want)
             return
-        s = self.spec
+        assert self.proposer is not None
         for req, k in want:
-            if self.suffix is not None:
-                req.spec_token_ids = self.suffix.propose(req.request_id, req.all_token_ids, k)
-            else:
-                assert s.prompt_lookup_min is not None and s.prompt_lookup_max is not None
-                req.spec_token_ids = propose_ngram(
-                    req.all_token_ids, s.prompt_lookup_min, s.prompt_lookup_max, k
-                )
+            req.spec_token_ids = self.proposer.propose(req, k)[:k]
 
     def finish(self, req: Request) -> None:
         """`req` ended (any way): drop its state; suffix decoding caches its output."""
         req.spec_token_ids = []
-        if self.suffix is not None:
-            self.suffix.finish(req.request_id, req.output_token_ids)
-        if self.eagle is not None:
-            self.eagle.finish(req)
+        (self.eagle or self.proposer).finish(req)
 
     # ---- after a verify step: accept ---------------------------------------------------------
     def accept(self, sample_reqs: list, token_ids: list[int]) -> tuple[dict, dict]:
