@@ -40,6 +40,7 @@ from k2serve.engine.setup import (
     resolve_device,
     setup_rank,
 )
+from k2serve.engine.spec_decode.drafter import SpecDecodingStats
 
 if TYPE_CHECKING:
     from k2serve.engine.executor import MultiprocExecutor
@@ -59,6 +60,7 @@ class EngineStats:
     prompt_tokens: int  # totals since start
     generation_tokens: int
     num_finished: int
+    spec_decode: SpecDecodingStats | None = None  # --speculative-config: drafts / accepted
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -482,6 +484,7 @@ class LLMEngine:
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
             num_finished=self._num_finished,
+            spec_decode=self.drafter.stats.snapshot() if self.drafter is not None else None,
         )
 
     def check_integrity(self) -> None:

@@ -17,7 +17,15 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 
 def check_json_schema(schema: Any) -> None:
@@ -102,6 +110,8 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # k2serve extra: false opts this request out of --speculative-config drafting (same output)
+    speculative_decoding: StrictBool = True
     # vLLM structured outputs (read by server/structured.py)
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None

@@ -56,6 +56,7 @@ _PASSTHROUGH = (
     "guided_regex",
     "guided_choice",
     "guided_grammar",
+    "speculative_decoding",
 )
 
 

@@ -14,6 +14,7 @@ so that the verified tokens never pass max_tokens or max_model_len.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -47,6 +48,11 @@ class SpecDecodingStats:
         self.num_accepted_tokens += num_accepted
         for j in range(num_accepted):
             self.num_accepted_tokens_per_pos[j] += 1
+
+    def snapshot(self) -> SpecDecodingStats:
+        s = dataclasses.replace(self)
+        s.num_accepted_tokens_per_pos = list(self.num_accepted_tokens_per_pos)
+        return s
 
     @property
     def mean_acceptance_length(self) -> float:
