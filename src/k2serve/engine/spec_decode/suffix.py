@@ -1,25 +1,33 @@
 """Suffix decoding (Arctic Inference's SuffixDecoding, `method: "suffix"`), model-free drafting.
 
 Two suffix tries of bounded depth D (`suffix_decoding_max_tree_depth`):
-- one per running request over its prompt and output, extended token by token (O(D) a token);
-- one global over the outputs of the last `suffix_decoding_max_cached_requests` finished
-  requests (the oldest is removed when a new one comes in: its counts are subtracted).
+- a global one over the outputs of the last `suffix_decoding_max_cached_requests` finished
+  requests (`SuffixTrie`; the oldest is removed when a new one comes in: its counts are
+  subtracted);
+- one per request over its own prompt and output. It is kept implicit: the trie's node for the
+  request's context is the set of positions where that context occurs, found with numpy over
+  the token array each step (`match_in_sequence`), which gives the same counts as building the
+  trie (D nodes per prompt token: too slow in Python for long agent prompts) and holds no state
+  between steps.
 
-Each trie holds every substring of length <= D of its sequences as a path from the root, each
-node counting how often its path occurred. To draft for a request: find the longest suffix of the
-request's last D tokens that is a path in the trie (the match length m), then walk down taking
-the most frequent child while the path's estimated probability (product of child count / node
-count) stays >= `suffix_decoding_min_token_prob`, for at most min(K, max_spec_factor * m +
-max_spec_offset) tokens. Of the two tries' drafts the one with the higher expected number of
-accepted tokens (sum of path probabilities) wins. Drafts are one chain (no token tree).
+A trie holds every substring of length <= D of its sequences as a path from the root, each node
+counting how often its path occurred. To draft for a request: find the longest suffix of the
+request's last D - 1 tokens that occurs with a continuation (the match length m), then walk down
+taking the most frequent continuation while the path's estimated probability (product of
+count / total count of the continuations) stays >= `suffix_decoding_min_token_prob`, for at
+most min(K, max_spec_factor * m + max_spec_offset) tokens. Of the two drafts the one with the
+higher expected number of accepted tokens (sum of path probabilities) wins. Drafts are one chain
+(no token tree).
 
-Memory: a request's trie has at most D nodes per token (freed when it finishes); the global trie
-at most D per output token of the cached requests.
+Memory: nothing per request; the global trie has at most D nodes per output token of the
+cached requests.
 """
 
 from __future__ import annotations
 
 from collections import deque
+
+import numpy as np
 
 
 class _Node:
@@ -107,12 +115,44 @@ def _size(node: _Node) -> int:
     return n
 
 
-class _ReqState:
-    __slots__ = ("active", "num_added")
-
-    def __init__(self) -> None:
-        self.active: list[_Node] = []
-        self.num_added = 0
+def match_in_sequence(
+    tokens: np.ndarray, max_depth: int, limit_of, min_prob: float
+) -> tuple[list[int], float, int]:
+    """The per-request trie's draft for `tokens` (its own context): (draft, expected accepted,
+    match length m). `tokens`: [N] int64, the prompt and the output so far; `limit_of(m)`: the
+    most draft tokens a match of length m allows."""
+    n = len(tokens)
+    if n < 2:
+        return [], 0.0, 0
+    # ends: positions e < n - 1 with tokens[e - m + 1 .. e] == the last m tokens
+    ends = np.flatnonzero(tokens[: n - 1] == tokens[n - 1])
+    m = 1
+    while ends.size and m < max_depth - 1:
+        cand = ends[ends - m >= 0]
+        nxt = cand[tokens[cand - m] == tokens[n - 1 - m]]
+        if not nxt.size:
+            break
+        ends, m = nxt, m + 1
+    if not ends.size:
+        return [], 0.0, 0
+    limit = min(limit_of(m), max_depth - m)
+    out: list[int] = []
+    prob, score = 1.0, 0.0
+    pos = ends + 1  # where each occurrence continues
+    while len(out) < limit:
+        pos = pos[pos < n]
+        if not pos.size:
+            break
+        vals, counts = np.unique(tokens[pos], return_counts=True)
+        best = int(counts.argmax())
+        prob *= counts[best] / pos.size
+        if prob < min_prob:
+            break
+        tok = int(vals[best])
+        out.append(tok)
+        score += prob
+        pos = pos[tokens[pos] == tok] + 1
+    return out, score, m
 
 
 class SuffixDecoder:
@@ -133,32 +173,25 @@ class SuffixDecoder:
         self.min_prob = min_token_prob
         self.global_trie = SuffixTrie(max_depth)
         self._cached: deque[list[int]] = deque()  # outputs in the global trie, oldest first
-        self._tries: dict[str, tuple[SuffixTrie, _ReqState]] = {}
+
+    def _limit(self, k: int, m: int) -> int:
+        return min(k, int(self.factor * m + self.offset))
 
     def propose(self, req_id: str, tokens: list[int], k: int) -> list[int]:
         """Up to k draft tokens for the request whose prompt + output so far is `tokens`."""
-        entry = self._tries.get(req_id)
-        if entry is None:
-            entry = self._tries[req_id] = (SuffixTrie(self.max_depth), _ReqState())
-        trie, st = entry
-        if st.num_added > len(tokens):  # outputs shrank (cannot happen today): start again
-            trie, st = self._tries[req_id] = (SuffixTrie(self.max_depth), _ReqState())
-        st.active = trie.add(tokens[st.num_added :], st.active)
-        st.num_added = len(tokens)
-        best: tuple[list[int], float] = ([], 0.0)
-        for t in (trie, self.global_trie):
-            node, m = t.match(tokens)
-            if node is None:
-                continue
-            limit = min(k, int(self.factor * m + self.offset))
-            draft = t.speculate(node, limit, self.min_prob)
-            if draft[1] > best[1]:
-                best = draft
-        return best[0]
+        arr = np.asarray(tokens, dtype=np.int64)
+        own, score, _ = match_in_sequence(
+            arr, self.max_depth, lambda m: self._limit(k, m), self.min_prob
+        )
+        node, gm = self.global_trie.match(tokens)
+        if node is not None:
+            draft, gscore = self.global_trie.speculate(node, self._limit(k, gm), self.min_prob)
+            if gscore > score:
+                return draft
+        return own
 
     def finish(self, req_id: str, output_token_ids: list[int]) -> None:
-        """The request ended: drop its trie, cache its output in the global trie."""
-        self._tries.pop(req_id, None)
+        """The request ended: cache its output in the global trie."""
         if self.max_cached == 0 or not output_token_ids:
             return
         out = list(output_token_ids)
@@ -166,7 +199,3 @@ class SuffixDecoder:
         self._cached.append(out)
         while len(self._cached) > self.max_cached:
             self.global_trie.remove(self._cached.popleft())
-
-    @property
-    def num_live(self) -> int:
-        return len(self._tries)
