@@ -330,7 +330,7 @@ class LLMEngine:
             if out is not None:
                 outputs.append(out)
         if self.drafter is not None:  # drafts for the next step
-            self.drafter.propose(self.scheduler.running)
+            self.drafter.propose(self.scheduler.running, sched)
             self.drafter.maybe_log()
         return outputs
 

@@ -64,6 +64,9 @@ class ModelInput:
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [S] long, row in the flat batch of each sampling sequence
     sample_reqs: list[Request]
+    # host copies for the EAGLE-3 drafter (spec_decode.eagle): [B] context lengths, [B + 1] qsl
+    context_lens: np.ndarray | None = None
+    query_start_loc: np.ndarray | None = None
 
 
 class BatchBuilder:
@@ -154,6 +157,8 @@ class BatchBuilder:
             attn_metadata=md,
             logits_indices=logits_t,
             sample_reqs=sample_reqs,
+            context_lens=starts,
+            query_start_loc=qsl,
         )
 
 
@@ -178,6 +183,7 @@ class ModelRunner(BatchBuilder):
         self.sampler = Sampler(self.device, seed)
         self.graph_runner: DecodeGraphRunner | None = None
         self.routing = None  # --record-routing / --dynamic-expert-placement (moe.dynamic)
+        self.last_input: ModelInput | None = None  # the latest step's batch (EAGLE-3 drafter)
         if hasattr(model, "setup_backends"):
             from k2serve.moe.dynamic import RoutingService
 
@@ -217,7 +223,7 @@ class ModelRunner(BatchBuilder):
         self, sched: SchedulerOutput, kv: KVCacheManager
     ) -> tuple[list[Request], SamplerOutput | None]:
         """Run one step; returns the requests that sampled and their samples (same order)."""
-        inp = self.prepare(sched, kv)
+        inp = self.last_input = self.prepare(sched, kv)
         md = inp.attn_metadata
         if self.graph_runner is not None and md.num_decodes == md.num_seqs:
             # decode-only: a captured graph when one fits, else eager inside run()

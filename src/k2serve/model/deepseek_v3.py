@@ -463,6 +463,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.expert_placement: ExpertPlacement | None = None  # None = all on self.device
         self.backend_settings: dict | None = None  # set by setup_backends
         self.routing_recorder = None  # moe.placement.RoutingRecorder while recording
+        # EAGLE-3 drafting: target layers whose input hidden state each forward keeps, and the
+        # last forward's [T, 3 * hidden] concat of them (engine.spec_decode.eagle)
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.aux_hidden_states: torch.Tensor | None = None
         self.kernel_policy = KernelPolicy.reference()  # set by apply_kernel_policy
 
     @property
@@ -634,9 +638,13 @@ class DeepseekV3ForCausalLM(nn.Module):
             )
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
         residual = None
+        aux_ids = self.aux_hidden_state_layers  # EAGLE-3: the residual stream entering them
+        aux: list[torch.Tensor] = []
         self.model.rope.step_cache(True)  # cos/sin once per step, not once per layer
         try:
             for i, layer in enumerate(layers):
+                if aux_ids and i in aux_ids:
+                    aux.append(h if residual is None else h + residual)  # [T, hidden]
                 cache = kv_caches[i] if kv_caches else None
                 args = (h, positions, attn_metadata, cache, residual)
                 if split and _host_round_trip(layer.mlp):
@@ -646,6 +654,8 @@ class DeepseekV3ForCausalLM(nn.Module):
                     h, residual = layer(*args)
         finally:
             self.model.rope.step_cache(False)
+        if aux_ids:
+            self.aux_hidden_states = torch.cat(aux, dim=-1)  # [T, len(aux_ids) * hidden]
         if residual is None:  # no layers
             return self.model.norm(h)
         return self.model.norm.add_norm(h, residual)[0]

@@ -123,8 +123,9 @@ class Drafter:
                    self.max_model_len - req.num_tokens)
         )  # fmt: skip
 
-    def propose(self, running: list[Request]) -> None:
-        """Set `spec_token_ids` of every running request (empty when it gets none)."""
+    def propose(self, running: list[Request], sched=None) -> None:
+        """Set `spec_token_ids` of every running request (empty when it gets none), after the
+        step `sched` (the EAGLE-3 head reads that step's target hidden states)."""
         off = self.spec.disable_by_batch_size
         enabled = off is None or len(running) <= off
         want: list[tuple[Request, int]] = []
@@ -133,10 +134,8 @@ class Drafter:
             req.spec_token_ids = []
             if k:
                 want.append((req, k))
-        if not want:
-            return
-        if self.eagle is not None:
-            self.eagle.propose(want)
+        if self.eagle is not None:  # also with no drafts wanted: the draft's KV is filled
+            self.eagle.propose(want, sched)
             return
         assert self.proposer is not None
         for req, k in want:
