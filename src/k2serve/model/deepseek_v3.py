@@ -639,12 +639,12 @@ class DeepseekV3ForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
         residual = None
         aux_ids = self.aux_hidden_state_layers  # EAGLE-3: the residual stream entering them
-        aux: list[torch.Tensor] = []
+        aux: dict[int, torch.Tensor] = {}
         self.model.rope.step_cache(True)  # cos/sin once per step, not once per layer
         try:
             for i, layer in enumerate(layers):
                 if aux_ids and i in aux_ids:
-                    aux.append(h if residual is None else h + residual)  # [T, hidden]
+                    aux[i] = h if residual is None else h + residual  # [T, hidden]
                 cache = kv_caches[i] if kv_caches else None
                 args = (h, positions, attn_metadata, cache, residual)
                 if split and _host_round_trip(layer.mlp):
@@ -655,7 +655,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         finally:
             self.model.rope.step_cache(False)
         if aux_ids:
-            self.aux_hidden_states = torch.cat(aux, dim=-1)  # [T, len(aux_ids) * hidden]
+            # [T, len(aux_ids) * hidden], in the draft's order
+            self.aux_hidden_states = torch.cat([aux[i] for i in aux_ids], dim=-1)
         if residual is None:  # no layers
             return self.model.norm(h)
         return self.model.norm.add_norm(h, residual)[0]
