@@ -89,3 +89,36 @@ def test_tiny_checkpoint_greedy_identical(ckpt):
     got = generate(eng, ps, params, stagger=True)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     assert eng.drafter.stats.num_drafts > 0
+
+
+def test_structured_outputs_with_drafts_identical(demo):
+    """Drafts the grammar rejects are cut before verification, each verify row is masked with
+    the matcher advanced through its drafts, and the grammar rolls back past rejected ones."""
+    from k2serve.structured.params import StructuredOutputsParams as SO
+
+    tok = demo.tokenizer
+    ps = [tok.encode(t) for t in ("abc abc abc abc", "Say Paris. Paris Paris", "1 2 3 1 2 3")]
+    constraints = [
+        SO(regex=r"(abc ){3,6}(def )+end"),
+        SO(
+            json={
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            }
+        ),  # fmt: skip
+        SO(choice=["1 2 3 1 2 3 1 2 3", "4 5 6"]),
+        SO(regex=r"[a-z ]{0,40}", after_reasoning=True),
+    ]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    spec_eng = engine(None, demo, speculative_config=spec)
+    plain = engine(None, demo)
+    for so in constraints:
+        params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=so)
+        ref = generate(plain, ps, params)
+        got = generate(spec_eng, ps, params)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref], so
+        assert [o.outputs[0].finish_reason for o in got] == [
+            o.outputs[0].finish_reason for o in ref
+        ]
+    assert spec_eng.drafter.stats.num_accepted_tokens > 0

@@ -6,10 +6,12 @@ EAGLE-3 proposer's host side, turning a verify step's samples into accepted toke
 speculative-decoding counters (vLLM's names, exported by the server's /metrics).
 
 A request gets drafts when it is running with exactly one token to compute (it decodes), its
-`SamplingParams.speculative_decoding` is true (the per-request opt-out), it has no structured-
-output grammar (its drafts would have to be checked against the grammar: such requests decode
-one token a step), and no more than `disable_by_batch_size` requests run. Its draft count is cut
-so that the verified tokens never pass max_tokens or max_model_len.
+`SamplingParams.speculative_decoding` is true (the per-request opt-out), and no more than
+`disable_by_batch_size` requests run. Its draft count is cut so that the verified tokens never
+pass max_tokens or max_model_len. With a structured-output grammar the drafts are cut to the
+prefix the grammar accepts (`grammar_prefix`: the matcher advances and rolls back); the sampler
+masks each verify row with the matcher advanced through that row's drafts, and the request's
+grammar is synced to the accepted tokens afterwards (rolled back past the rejected ones).
 """
 
 from __future__ import annotations
@@ -58,6 +60,28 @@ class SpecDecodingStats:
     def mean_acceptance_length(self) -> float:
         """Tokens emitted per verify step of a request (1 + accepted drafts)."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+def grammar_prefix(req: Request, drafts: list[int]) -> list[int]:
+    """The longest prefix of `drafts` the request's grammar accepts (its state unchanged).
+    Before the constraint starts (reasoning first), drafts stop before a token that could
+    start it, so that every verified row knows whether its grammar is active."""
+    g = req.grammar
+    g.sync(req.output_token_ids)
+    if g.start is None:
+        markers = {g.think_end, g.section_begin}
+        n = next((j for j, t in enumerate(drafts) if t in markers), len(drafts))
+        return drafts[:n]
+    if g.failed:
+        return []
+    m, n = g.matcher, 0
+    for t in drafts:
+        if m.is_terminated() or not m.accept_token(t):
+            break
+        n += 1
+    if n:
+        m.rollback(n)
+    return drafts[:n]
 
 
 class NgramProposer:
@@ -115,7 +139,7 @@ class Drafter:
         if req.status != RequestStatus.RUNNING or req.num_tokens - req.num_computed_tokens != 1:
             return 0
         p = req.sampling_params
-        if not p.speculative_decoding or req.grammar is not None:
+        if not p.speculative_decoding:
             return 0
         # the step emits up to 1 + k tokens at positions num_tokens - 1 .. num_tokens - 1 + k
         return max(
@@ -136,10 +160,11 @@ class Drafter:
                 want.append((req, k))
         if self.eagle is not None:  # also with no drafts wanted: the draft's KV is filled
             self.eagle.propose(want, sched)
-            return
-        assert self.proposer is not None
         for req, k in want:
-            req.spec_token_ids = self.proposer.propose(req, k)[:k]
+            if self.proposer is not None:
+                req.spec_token_ids = self.proposer.propose(req, k)[:k]
+            if req.grammar is not None and req.spec_token_ids:
+                req.spec_token_ids = grammar_prefix(req, req.spec_token_ids)
 
     def finish(self, req: Request) -> None:
         """`req` ended (any way): drop its state; suffix decoding caches its output."""
