@@ -282,3 +282,20 @@ def test_sampled_output_has_the_target_distribution(drafts):
     # the test can fail: the first-token distribution under a wrong temperature is rejected
     p1_wrong = torch.softmax(reference_logits(prompt) / 1.5, dim=-1)
     assert _chi2_pvalue(torch.bincount(toks[:, 0], minlength=VOCAB).float(), p1_wrong) < 1e-4
+
+
+def test_cli_flag_and_llm_api(ckpt):
+    import argparse
+
+    from k2serve import LLM
+
+    ap = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(ap)
+    args = ap.parse_args(["--speculative-config", json.dumps(NGRAM)])
+    assert EngineConfig.from_cli_args(args).speculative_config.prompt_lookup_max == 3
+    spec = {"method": "suffix", "num_speculative_tokens": 3}
+    with LLM(ckpt, device="cpu", dtype="float32", num_kv_pages=64, max_model_len=128,
+             speculative_config=spec) as llm:  # fmt: skip
+        out = llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(temperature=0, max_tokens=9))
+        assert len(out[0].outputs[0].token_ids) == 9
+        assert llm.llm_engine.drafter.spec.method == "suffix"

@@ -144,3 +144,16 @@ def test_bad_draft_is_a_startup_error(tmp_path, target, edit, why):
         json.dump(cfg, f)
     with pytest.raises(ValueError, match=why):
         eagle_engine(target, d)
+
+
+def test_draft_kv_is_counted_in_the_cache_budget(tmp_path, target):
+    d = draft_dir(tmp_path, target, "mla", False, None, False)
+    kw = dict(BASE, num_kv_pages=None, kv_cache_memory=4 * 2**20)
+    plain = like(target, **kw)
+    eng = like(target, speculative_config={"method": "eagle3", "model": d,
+                                           "num_speculative_tokens": 2}, **kw)  # fmt: skip
+    # one extra latent layer per page: (L + 1) / L of the target's bytes per page
+    layers = target.model_config.num_hidden_layers
+    assert eng.kv.num_pages == plain.kv.num_pages * layers // (layers + 1)
+    budget = eng.kv.num_pages * (layers + 1) * eng.drafter.eagle.kv_cache[0].numel() * 4
+    assert budget <= 4 * 2**20

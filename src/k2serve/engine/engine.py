@@ -119,6 +119,14 @@ class LLMEngine:
             sized["pages"], sized["max_model_len"] = num_kv_pages(
                 cfg, model.config, kv_dtype, self.device, max_len, cfg.max_model_len is None
             )
+            spec = cfg.speculative_config
+            if spec is not None and spec.method == "eagle3":  # spec decode: room for the draft
+                from k2serve.engine.spec_decode.eagle import pages_with_draft
+
+                sized["pages"], sized["max_model_len"] = pages_with_draft(
+                    spec, cfg, model.config, kv_dtype, self.device, sized["pages"],
+                    sized["max_model_len"],
+                )  # fmt: skip
             return sized["pages"]
 
         t0 = time.monotonic()

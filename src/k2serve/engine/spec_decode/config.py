@@ -47,7 +47,9 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None  # no drafts while more requests run than this
     # suffix decoding (Arctic Inference SuffixDecoding)
     suffix_decoding_max_tree_depth: int = 24
-    suffix_decoding_max_cached_requests: int = 10000
+    # NOTE: vLLM's default is 10000; the global trie here is Python objects (~100 bytes a
+    # node, up to max_tree_depth nodes per cached output token), so the default is 1000
+    suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_max_spec_offset: float = 0.0
     suffix_decoding_min_token_prob: float = 0.1

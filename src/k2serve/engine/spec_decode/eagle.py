@@ -39,6 +39,50 @@ from k2serve.engine.spec_decode.config import SpeculativeConfig
 logger = logging.getLogger(__name__)
 
 
+def pages_with_draft(
+    spec: SpeculativeConfig, cfg, target_config, kv_dtype, device, pages: int, max_model_len: int
+) -> tuple[int, int]:
+    """(pages, max_model_len) once the draft is given its room in the budget the target's
+    pages were sized from: its KV (one page of it per target page) always, its weights too when
+    the budget is the GPU's memory. An explicit --num-kv-pages is kept as given."""
+    import json
+    import os
+
+    from k2serve.engine.setup import kv_bytes_per_token
+    from k2serve.model.eagle3 import Eagle3Config
+
+    if cfg.num_kv_pages is not None:
+        return pages, max_model_len
+    assert spec.model is not None
+    with open(os.path.join(spec.model, "config.json")) as f:
+        c = Eagle3Config.from_hf(json.load(f))
+    item = torch.empty((), dtype=kv_dtype).element_size()
+    if c.kind == "llama":
+        draft_token = 2 * c.num_key_value_heads * c.head_dim * item
+    else:
+        draft_token = (c.kv_lora_rank + c.qk_rope_head_dim) * item
+    ps = cfg.page_size
+    target_page = kv_bytes_per_token(target_config, kv_dtype) * ps
+    weights = 0
+    if device.type == "cuda" and cfg.kv_cache_memory is None:
+        files = [n for n in os.listdir(spec.model) if n.endswith(".safetensors")]
+        weights = sum(os.path.getsize(os.path.join(spec.model, n)) for n in files)
+    new = (pages * target_page - weights) // (target_page + draft_token * ps)
+    if new * ps < max_model_len:
+        if cfg.max_model_len is not None or new < 1:
+            raise ValueError(
+                f"with the EAGLE-3 draft ({weights / 2**30:.2f} GiB of weights, "
+                f"{draft_token} bytes of KV per token) the KV cache holds {max(new, 0) * ps} "
+                f"tokens < max_model_len={max_model_len}: lower --max-model-len or give more "
+                "memory"
+            )
+        max_model_len = new * ps
+    if new < pages:
+        logger.info("KV cache: %d pages (of %d) after the EAGLE-3 draft's KV and weights",
+                    new, pages)  # fmt: skip
+    return int(new), max_model_len
+
+
 class EagleProposer:
     def __init__(self, head, aux_ids, engine) -> None:
         self.head = head
