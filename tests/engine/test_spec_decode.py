@@ -182,6 +182,14 @@ def test_greedy_identical_to_no_speculation(overrides, stagger, method):
         assert st.num_accepted_tokens_per_pos[3] > 0  # some drafts fully accepted
 
 
+def _ban_after_repeat(output_token_ids, logits):
+    """A history-dependent logits processor: the last output token is banned."""
+    if output_token_ids:
+        logits = logits.clone()
+        logits[output_token_ids[-1]] = float("-inf")
+    return logits
+
+
 def test_stops_max_tokens_n_and_eos_through_verified_tokens():
     """EOS, stop tokens, stop strings and max_tokens met in the middle of a verified run end the
     request exactly where they would without drafts."""
@@ -197,6 +205,19 @@ def test_stops_max_tokens_n_and_eos_through_verified_tokens():
             SamplingParams(temperature=0, max_tokens=11, ignore_eos=True, stop=["ab", "qq"]),
             SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, stop_token_ids=[5, 9]),
             SamplingParams(temperature=0, max_tokens=7, n=3, ignore_eos=True),
+            # history-dependent logits: each verify row sees its own drafts as history
+            SamplingParams(temperature=0, max_tokens=13, min_tokens=9),
+            SamplingParams(
+                temperature=0,
+                max_tokens=12,
+                ignore_eos=True,
+                frequency_penalty=1.5,
+                repetition_penalty=1.3,
+                presence_penalty=0.5,
+            ),  # fmt: skip
+            SamplingParams(
+                temperature=0, max_tokens=10, ignore_eos=True, logits_processors=[_ban_after_repeat]
+            ),  # fmt: skip
         ):
             outs.append([[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs]
                          for o in generate(eng, ps, params)])  # fmt: skip
@@ -299,3 +320,16 @@ def test_cli_flag_and_llm_api(ckpt):
         out = llm.generate([[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(temperature=0, max_tokens=9))
         assert len(out[0].outputs[0].token_ids) == 9
         assert llm.llm_engine.drafter.spec.method == "suffix"
+
+
+def test_acceptance_length_log_line(caplog):
+    import logging
+
+    eng = make_fake_engine(speculative_config=NGRAM)
+    oracle_drafter(eng)
+    eng.drafter._logged = (0.0, 0, 0, 0)  # the last line long ago
+    with caplog.at_level(logging.INFO, logger="k2serve.engine.spec_decode.drafter"):
+        generate(eng, prompts(3), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    lines = [r.getMessage() for r in caplog.records if "SpecDecoding metrics" in r.getMessage()]
+    assert lines and "Mean acceptance length: " in lines[0]
+    assert "Per-position acceptance rate" in lines[0]
