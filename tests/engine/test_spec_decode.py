@@ -156,12 +156,15 @@ def generate(engine, ps, params, stagger=False):
         ({"num_kv_pages": 14, "max_model_len": 48}, False),  # preemption
     ],
 )
-@pytest.mark.parametrize("method", ["oracle", "ngram", "suffix"])
+@pytest.mark.parametrize("method", ["oracle", "ngram", "suffix", "oracle-flat"])
 def test_greedy_identical_to_no_speculation(overrides, stagger, method):
     spec = dict(NGRAM, num_speculative_tokens=4)
     if method == "suffix":
         spec = {"method": "suffix", "num_speculative_tokens": 4}
     eng = make_fake_engine(speculative_config=spec, **overrides)
+    if method.endswith("-flat"):  # verify tokens as one-token sequences (the CUDA layout)
+        eng.runner.flatten_verify = True
+        method = "oracle"
     if method == "oracle":
         oracle_drafter(eng)
     params = SamplingParams(temperature=0, max_tokens=17, ignore_eos=True, logprobs=2)

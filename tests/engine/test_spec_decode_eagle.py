@@ -64,6 +64,7 @@ def test_greedy_identical_and_drafts_verified(tmp_path, target, layout, eagle31,
     ps = prompts() + prompts()[3:]  # repeats: prefix-cache hits
     ref = generate(like(target), ps, params)
     eng = eagle_engine(target, d, max_num_batched_tokens=24)
+    eng.runner.flatten_verify = fused  # one case in the CUDA layout of verify steps
     assert eng.drafter.eagle.head.config.eagle31 == eagle31
     got = generate(eng, ps, params, stagger=True)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
@@ -105,6 +106,7 @@ def _reference_drafts(eng, tokens: list[int], k: int) -> list[int]:
 def test_engine_drafts_equal_reference_recomputation(tmp_path, target, layout):
     d = draft_dir(tmp_path, target, layout, False, 600, False)
     eng = eagle_engine(target, d, k=4, max_num_batched_tokens=16)  # prompts prefill in chunks
+    eng.runner.flatten_verify = layout == "mla"
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for i, p in enumerate(prompts()[1:]):
         eng.add_request(str(i), p, params)

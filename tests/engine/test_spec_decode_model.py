@@ -61,14 +61,22 @@ def agent_prompts(tok):
 )
 @pytest.mark.parametrize(
     "overrides, stagger",
-    [({}, False), ({"max_num_batched_tokens": 16}, True), ({"enable_prefix_caching": False}, True)],
+    [
+        ({}, False),
+        ({"max_num_batched_tokens": 16}, True),
+        ({"enable_prefix_caching": False}, True),
+        ({"flatten": True}, True),
+    ],  # fmt: skip
 )
 def test_demo_greedy_identical(demo, spec, overrides, stagger):
+    overrides = dict(overrides)
+    flatten = overrides.pop("flatten", False)
     ps = agent_prompts(demo.tokenizer)
     ps = ps + ps[:2]  # prefix-cache hits on the repeats
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=0)
     ref = generate(engine(None, demo, **overrides), ps, params, stagger)
     spec_eng = engine(None, demo, speculative_config=spec, **overrides)
+    spec_eng.runner.flatten_verify = flatten  # the layout of verify steps on CUDA
     got = generate(spec_eng, ps, params, stagger)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in ref]

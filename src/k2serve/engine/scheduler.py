@@ -138,7 +138,10 @@ class Scheduler:
                 budget -= num_new
 
         decodes = [s for s in scheduled if s[1] == 1]
-        out.scheduled = decodes + [s for s in scheduled if s[1] != 1]
+        # spec decode: requests verifying drafts right after the decodes (then prefills)
+        verify = [s for s in scheduled if s[1] != 1 and s[0].spec_token_ids]
+        rest = [s for s in scheduled if s[1] != 1 and not s[0].spec_token_ids]
+        out.scheduled = decodes + verify + rest
         out.num_decodes = len(decodes)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
