@@ -159,3 +159,37 @@ def test_draft_kv_is_counted_in_the_cache_budget(tmp_path, target):
     assert eng.kv.num_pages == plain.kv.num_pages * layers // (layers + 1)
     budget = eng.kv.num_pages * (layers + 1) * eng.drafter.eagle.kv_cache[0].numel() * 4
     assert budget <= 4 * 2**20
+
+
+def test_paged_gqa_equals_dense_causal_attention():
+    from k2serve.model.eagle3 import paged_gqa
+
+    g = torch.Generator().manual_seed(0)
+    H, KVH, D, ps = 4, 2, 8, 4
+    lens, news = [7, 3, 10], [2, 3, 1]  # sequence lengths and new tokens at their ends
+    flat = torch.zeros(64, 2, KVH, D)
+    pages = [[5, 1], [2], [7, 3, 9]]
+    dense_k, dense_v = [], []
+    for n, pg in zip(lens, pages, strict=True):
+        k, v = torch.randn(n, KVH, D, generator=g), torch.randn(n, KVH, D, generator=g)
+        pos = torch.arange(n)
+        slots = torch.tensor(pg)[pos // ps] * ps + pos % ps
+        flat[slots, 0], flat[slots, 1] = k, v
+        dense_k.append(k)
+        dense_v.append(v)
+    q = torch.randn(sum(news), H, D, generator=g)
+    table = torch.tensor([p + [0] * (3 - len(p)) for p in pages], dtype=torch.int32)
+    qsl = torch.tensor([0, 2, 5, 6], dtype=torch.int32)
+    md = AttentionMetadata(qsl, torch.tensor(lens, dtype=torch.int32),
+                           torch.tensor([n - t for n, t in zip(lens, news, strict=True)],
+                                        dtype=torch.int32),
+                           table, torch.zeros(6, dtype=torch.long), 3, 10, ps)  # fmt: skip
+    out = paged_gqa(q, flat, md)
+    for b, (n, t) in enumerate(zip(lens, news, strict=True)):
+        for i in range(t):
+            qi = q[int(qsl[b]) + i]  # [H, D]
+            seen = n - t + i + 1
+            k = dense_k[b][:seen].repeat_interleave(H // KVH, 1)  # [seen, H, D]
+            v = dense_v[b][:seen].repeat_interleave(H // KVH, 1)
+            p = torch.softmax(torch.einsum("hd,shd->hs", qi, k) / D**0.5, dim=-1)
+            torch.testing.assert_close(out[int(qsl[b]) + i], torch.einsum("hs,shd->hd", p, v))

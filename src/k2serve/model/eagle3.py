@@ -171,28 +171,28 @@ class LlamaDraftAttention(nn.Module):
 
 
 def paged_gqa(q: torch.Tensor, flat: torch.Tensor, md) -> torch.Tensor:
-    """Causal attention of the new tokens over their sequences' cached K/V, all sequences at
-    once (padded to the longest). q [T, H, D]; flat [slots, 2, KVH, D] -> [T, H, D]."""
+    """Causal attention of the new tokens over their sequences' cached K/V, one sequence at a
+    time (its K/V gathered from its pages: O(context) transient memory per sequence, no paged
+    kernel for this head). q [T, H, D]; flat [slots, 2, KVH, D] -> [T, H, D]."""
     ps = md.page_size
-    B = md.seq_lens.shape[0]
-    S = md.max_seq_len
-    pos = torch.arange(S, device=q.device)  # [S]
-    slots = md.block_table.long()[:, pos // ps] * ps + pos % ps  # [B, S]
-    kv = flat[slots]  # [B, S, 2, KVH, D]
-    qsl = md.query_start_loc.long()
-    seq_of = torch.repeat_interleave(torch.arange(B, device=q.device), qsl[1:] - qsl[:-1])  # [T]
-    q_pos = (
-        md.context_lens.long()[seq_of] + torch.arange(q.shape[0], device=q.device) - qsl[seq_of]
-    )  # [T]
-    k, v = kv[seq_of, :, 0], kv[seq_of, :, 1]  # [T, S, KVH, D]
-    rep = q.shape[1] // k.shape[2]
-    k = k.repeat_interleave(rep, dim=2).to(q.dtype)  # [T, S, H, D]
-    v = v.repeat_interleave(rep, dim=2).to(q.dtype)
-    scores = torch.einsum("thd,tshd->ths", q, k).float() / math.sqrt(q.shape[-1])  # [T, H, S]
-    mask = pos[None, :] > q_pos[:, None]  # [T, S] future (and padding) keys
-    scores = scores.masked_fill(mask[:, None, :], float("-inf"))
-    p = torch.softmax(scores, dim=-1).to(q.dtype)
-    return torch.einsum("ths,tshd->thd", p, v)
+    qsl = md.query_start_loc.tolist()
+    ctx = md.context_lens.tolist()
+    lens = md.seq_lens.tolist()
+    table = md.block_table.long()
+    out = torch.empty_like(q)
+    H, KVH = q.shape[1], flat.shape[2]
+    for b, (c, n) in enumerate(zip(ctx, lens, strict=True)):
+        pos = torch.arange(n, device=q.device)
+        kv = flat[table[b, pos // ps] * ps + pos % ps]  # [S, 2, KVH, D]
+        k, v = kv[:, 0].transpose(0, 1), kv[:, 1].transpose(0, 1)  # [KVH, S, D]
+        if H != KVH:
+            k, v = k.repeat_interleave(H // KVH, 0), v.repeat_interleave(H // KVH, 0)
+        qb = q[qsl[b] : qsl[b + 1]].transpose(0, 1)  # [H, t, D]
+        t = qb.shape[1]
+        mask = pos[None, :] <= (c + torch.arange(t, device=q.device))[:, None]  # [t, S]
+        o = F.scaled_dot_product_attention(qb, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
+        out[qsl[b] : qsl[b + 1]] = o.transpose(0, 1)
+    return out
 
 
 class MLADraftAttention(nn.Module):
