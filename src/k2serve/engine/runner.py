@@ -238,7 +238,7 @@ class ModelRunner(BatchBuilder):
 
         max_seqs = cfg.max_num_seqs or DEFAULT_BUCKETS[-1]
         spec = cfg.speculative_config
-        if spec is not None and spec.method != "eagle3":  # verify steps replay graphs too
+        if spec is not None:  # verify steps replay graphs too
             max_seqs = min(max_seqs * (1 + spec.num_speculative_tokens), DEFAULT_BUCKETS[-1])
         buckets = tuple(b for b in DEFAULT_BUCKETS if b <= max_seqs) or (1,)
         if max_seqs <= DEFAULT_BUCKETS[-1] and buckets[-1] < max_seqs:

@@ -19,9 +19,10 @@ Drafts are greedy (argmax), so the acceptance rule is the one-hot one (`verify`)
 distribution is exactly the target's whatever the head proposes. A request that was not
 scheduled in a step (no new target hidden state) gets no drafts that step.
 
-Limits here: tensor parallel size 1; target steps run eagerly when EAGLE-3 is on (the auxiliary
-hidden states are read after the forward; the decode CUDA graphs do not return them), and the
-draft runs eagerly.
+The target's decode CUDA graphs are captured again once the draft is loaded, so that they also
+produce the auxiliary hidden states (`DecodeGraphRunner.aux`); decode + verify steps replay them
+(verify tokens are one-token sequences on CUDA, see engine.runner). Limits here: tensor
+parallel size 1; the draft head runs eagerly.
 """
 
 from __future__ import annotations
@@ -110,9 +111,14 @@ class EagleProposer:
         model.aux_hidden_state_layers = ids
         runner = engine.runner
         if getattr(runner, "graph_runner", None) is not None:
+            # captured before the draft was known: again, now also keeping the auxiliary states
             runner.graph_runner = None
-            logger.info("CUDA graphs: off for target steps (EAGLE-3 reads auxiliary hidden "
-                        "states after each forward; steps run eagerly)")  # fmt: skip
+            torch.cuda.empty_cache()
+            try:
+                runner._setup_graphs(engine.config)
+            except RuntimeError as e:  # a capture that fails leaves the eager path, not a crash
+                runner.graph_runner = None
+                logger.warning("CUDA graphs: off with EAGLE-3 (capture failed: %s)", e)
         c = head.config
         logger.info(
             "EAGLE-3 draft: %s head (%s%s), draft vocabulary %d of %d, auxiliary target layers %s",
