@@ -384,6 +384,7 @@ class LLMEngine:
 
     def _process_token(self, req: Request, st: _OutputState, tok: int, last: bool) -> bool:
         """Detokenize one token; True if a stop string ended the request there."""
+        assert st.detok is not None
         new = st.detok.add([tok])
         if req.is_finished and last:
             new += st.detok.flush()

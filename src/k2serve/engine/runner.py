@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -124,7 +124,10 @@ class BatchBuilder:
                 verify.append(b)
                 logits_idx.extend(range(num_tokens - len(drafts) - 1, num_tokens))
                 sample_reqs.append(req)
-                sample_reqs.extend(DraftRow(req, drafts[:j]) for j in range(1, len(drafts) + 1))
+                # DraftRow: the request as the sampler sees it at draft position j (duck-typed)
+                sample_reqs.extend(
+                    cast(Request, DraftRow(req, drafts[:j])) for j in range(1, len(drafts) + 1)
+                )
         num_decodes = sched.num_decodes
         # per scheduled request, before any flattening (read by the EAGLE-3 drafter)
         sched_qsl = np.zeros(num_seqs + 1, dtype=np.int64)

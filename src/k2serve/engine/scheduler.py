@@ -155,7 +155,9 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, int | list[int]]
+    ) -> list[Request]:
         """Advance the scheduled requests by their computed tokens and append sampled tokens.
 
         `sampled` maps request id -> new token for the requests that sampled, or -> a list of

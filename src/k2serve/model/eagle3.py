@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -82,7 +83,7 @@ class Eagle3Config:
         ids = eagle.get("eagle_aux_hidden_state_layer_ids") or d.get("aux_hidden_state_layer_ids")
         H = int(d["hidden_size"])
         heads = int(d["num_attention_heads"])
-        common = dict(
+        common: dict[str, Any] = dict(
             kind=kind,
             hidden_size=H,
             target_hidden_size=int(d.get("target_hidden_size") or H),
@@ -138,6 +139,8 @@ def _llama_inv_freq(dim: int, theta: float, scaling: dict | None) -> torch.Tenso
 
 class LlamaDraftAttention(nn.Module):
     """Llama attention over the draft's own paged KV cache [pages, page_size, 2, KVH, D]."""
+
+    inv_freq: torch.Tensor  # [D / 2] buffer
 
     def __init__(self, c: Eagle3Config, dtype) -> None:
         super().__init__()
@@ -275,6 +278,8 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Head(nn.Module):
+    d2t: torch.Tensor  # [draft_vocab] long buffer: target id = draft id + d2t[draft id]
+
     def __init__(self, c: Eagle3Config, dtype: torch.dtype, backend=None) -> None:
         super().__init__()
         self.config = c

@@ -106,7 +106,7 @@ def load_eagle3(
             raise DraftError("the draft vocabulary is reduced but the checkpoint has no d2t map")
         tensors["d2t"] = torch.zeros(c.vocab_size, dtype=torch.long)
     persistent = set(head.state_dict())
-    want = dict(head.named_parameters())
+    want: dict[str, torch.Tensor] = dict(head.named_parameters())
     want.update((n, b) for n, b in head.named_buffers() if n in persistent)
     missing = sorted(set(want) - set(tensors))
     extra = sorted(k for k in set(tensors) - set(want) if "rotary_emb" not in k)
@@ -121,7 +121,7 @@ def load_eagle3(
                 f"{tuple(p.shape)} (does the draft fit this target?)"
             )
         p.data = t.to(device=device, dtype=p.dtype if p.is_floating_point() else torch.long)
-    d2t = head.d2t
+    d2t: torch.Tensor = head.d2t
     targets = torch.arange(c.draft_vocab_size, device=d2t.device) + d2t
     if int(targets.min()) < 0 or int(targets.max()) >= target.vocab_size:
         raise DraftError("the draft's d2t map points outside the target vocabulary")

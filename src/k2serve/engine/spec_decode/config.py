@@ -85,7 +85,7 @@ class SpeculativeConfig:
             elif hi is None:
                 hi = lo
             for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-                if not _is_int(v) or v < 1:
+                if not _is_int(v) or v < 1:  # type: ignore[operator]  # v is an int here
                     raise ValueError(f"speculative_config: {name}={v!r} must be an integer >= 1")
             assert lo is not None and hi is not None
             if lo > hi:

@@ -169,7 +169,9 @@ class Drafter:
     def finish(self, req: Request) -> None:
         """`req` ended (any way): drop its state; suffix decoding caches its output."""
         req.spec_token_ids = []
-        (self.eagle or self.proposer).finish(req)
+        proposer = self.eagle or self.proposer
+        if proposer is not None:
+            proposer.finish(req)
 
     # ---- after a verify step: accept ---------------------------------------------------------
     def accept(self, sample_reqs: list, token_ids: list[int]) -> tuple[dict, dict]:
