@@ -73,6 +73,10 @@ _HELP = {
     "node_rank": "this node's rank: 0 serves HTTP, the others run `serve --headless`",
     "master_addr": "address of node 0, reachable from every node",
     "master_port": "torch.distributed port on node 0; node 0 also listens on master_port + 1",
+    # speculative decoding (k2serve.engine.spec_decode)
+    "speculative_config": 'JSON, as vLLM: {"method": "ngram" | "suffix" | "eagle3", '
+    '"num_speculative_tokens": K, "model": DRAFT_DIR (eagle3), "prompt_lookup_min": a, '
+    '"prompt_lookup_max": b, "disable_by_batch_size": N}',
     "dist_join_timeout": "seconds node 0 waits for every node to join; a worker node waits as "
     "long for node 0 (which listens once it has loaded its own shard)",
     # ---- data parallel + expert parallel (issue 29, k2serve.engine.dp); vLLM's names ----
@@ -157,8 +161,13 @@ class EngineConfig:
     enable_eplb: bool = False
     eplb_config: str | None = None
     skip_non_local_expert_weights: bool = False
+    speculative_config: Any = None  # spec_decode.SpeculativeConfig (a dict or JSON is parsed)
 
     def __post_init__(self) -> None:
+        from k2serve.engine.spec_decode.config import SpeculativeConfig
+
+        spec = SpeculativeConfig.parse(self.speculative_config)  # ValueError if bad
+        object.__setattr__(self, "speculative_config", spec)
         if isinstance(self.kv_cache_memory, str):
             object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
 

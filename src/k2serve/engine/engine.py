@@ -34,6 +34,7 @@ from k2serve.engine.runner import ModelRunner
 from k2serve.engine.sampling_params import SamplingParams
 from k2serve.engine.scheduler import Scheduler
 from k2serve.engine.setup import eos_token_ids, load_tokenizer, resolve_device, setup_rank
+from k2serve.engine.spec_decode.drafter import SpecDecodingStats
 from k2serve.tokenizer.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
@@ -70,6 +71,8 @@ class EngineStats:
     @property
     def host_cache_usage(self) -> float:
         return self.kv_host_pages_used / self.kv_host_pages_total if self.kv_host_pages_total else 0
+
+    spec_decode: SpecDecodingStats | None = None  # --speculative-config: drafts / accepted
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -177,6 +180,12 @@ class LLMEngine:
         self._prompt_tokens = self._generation_tokens = self._num_finished = 0
         self._grammar = None  # k2serve.structured GrammarBackend, made by the first request
         self._grammar_lock = threading.Lock()
+        # speculative decoding (--speculative-config): k2serve.engine.spec_decode
+        self.drafter = None
+        if cfg.speculative_config is not None:
+            from k2serve.engine.spec_decode.setup import build_drafter
+
+            self.drafter = build_drafter(cfg.speculative_config, self)
 
     # ---- requests ----------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -310,8 +319,13 @@ class LLMEngine:
                 )
             return outputs
         sample_reqs, samples = self.runner.execute(sched, self.kv)
-        sampled: dict[str, int] = {}
-        if samples is not None:  # None: no sequence sampled this step (partial prefills only)
+        sampled: dict[str, int | list[int]] = {}
+        rows: dict[str, list[int]] = {}  # spec decode: each request's sampler rows
+        num_before: dict[str, int] = {}
+        if samples is not None and self.drafter is not None:
+            sampled, rows = self.drafter.accept(sample_reqs, samples.token_ids)
+            num_before = {rid: sample_reqs[rr[0]].num_output_tokens for rid, rr in rows.items()}
+        elif samples is not None:  # None: no sequence sampled this step (partial prefills only)
             sampled = {r.request_id: samples.token_ids[i] for i, r in enumerate(sample_reqs)}
             for i, r in enumerate(sample_reqs):
                 lp = samples.logprobs[i]
@@ -319,15 +333,25 @@ class LLMEngine:
                     r.cumulative_logprob += lp
                     r.logprobs.append(self._logprob_entry(samples, i))
         updated = self.scheduler.update_from_output(sched, sampled)
-        self._generation_tokens += len(updated)
         touched: dict[str, list[Request]] = {}
         for req in updated:
-            self._process_text(req)
+            num_new = 1
+            rr = rows.get(req.request_id)
+            if rr is not None:  # spec decode: a verify step may append several tokens
+                num_new = req.num_output_tokens - num_before[req.request_id]
+                if req.logprobs is not None and samples is not None:
+                    for i in rr[:num_new]:
+                        req.cumulative_logprob += samples.logprobs[i] or 0.0
+                        req.logprobs.append(self._logprob_entry(samples, i))
+            self._generation_tokens += self._process_text(req, num_new)
             touched.setdefault(req.parent_id, []).append(req)
         for pid, reqs in touched.items():
             out = self._make_output(pid, self._parents[pid], reqs)
             if out is not None:
                 outputs.append(out)
+        if self.drafter is not None:  # drafts for the next step
+            self.drafter.propose(self.scheduler.running, sched)
+            self.drafter.maybe_log()
         return outputs
 
     def _logprob_entry(self, samples, i: int) -> dict[int, Logprob]:
@@ -342,16 +366,42 @@ class LLMEngine:
     def _decode_one(self, tok: int) -> str | None:
         return self.tokenizer.decode([tok]) if self.tokenizer is not None else None
 
-    def _process_text(self, req: Request) -> None:
-        """Detokenize the new token; a stop string found in the new text finishes the request."""
+    def _process_text(self, req: Request, num_new: int = 1) -> int:
+        """Detokenize the `num_new` new tokens one by one; a stop string found in the new text
+        finishes the request, and tokens after the one that completed it (several tokens come
+        from one verify step) are dropped. Returns the number of new tokens kept."""
         st = self._states[req.request_id]
         if st.detok is None:
-            return
-        new = st.detok.add(req.output_token_ids[-1:])
-        if req.is_finished:
+            return num_new
+        toks = req.output_token_ids
+        first = len(toks) - num_new
+        for k in range(first, len(toks)):
+            if self._process_token(req, st, toks[k], last=k == len(toks) - 1):
+                if k + 1 < len(toks):
+                    self._truncate(req, k + 1)
+                return k + 1 - first
+        return num_new
+
+    @staticmethod
+    def _truncate(req: Request, num_output: int) -> None:
+        """Keep the first `num_output` output tokens of a finished request (and their logprobs)."""
+        drop = req.num_output_tokens - num_output
+        del req.output_token_ids[num_output:]
+        del req.all_token_ids[len(req.all_token_ids) - drop :]
+        if req.logprobs is not None:
+            for entry in req.logprobs[num_output:]:
+                lp = next(iter(entry.values())).logprob
+                req.cumulative_logprob -= lp if lp is not None else 0.0
+            del req.logprobs[num_output:]
+
+    def _process_token(self, req: Request, st: _OutputState, tok: int, last: bool) -> bool:
+        """Detokenize one token; True if a stop string ended the request there."""
+        assert st.detok is not None
+        new = st.detok.add([tok])
+        if req.is_finished and last:
             new += st.detok.flush()
         if not new:
-            return
+            return False
         stops = req.sampling_params.stop
         search_from = max(0, len(st.text) - st.hold)
         st.text += new
@@ -371,6 +421,8 @@ class LLMEngine:
                 else:
                     req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = s
+                return True
+        return False
 
     def _make_output(
         self, parent_id: str, parent: _Parent, reqs: list[Request]
@@ -403,6 +455,8 @@ class LLMEngine:
             st.text_sent = upto
             st.tokens_sent = len(toks)
             if done:
+                if self.drafter is not None:
+                    self.drafter.finish(req)
                 st.done_sent = True
                 req.metrics.finished_time = time.monotonic()
                 self._requests.pop(req.request_id, None)
@@ -452,6 +506,7 @@ class LLMEngine:
             generation_tokens=self._generation_tokens,
             num_finished=self._num_finished,
             **host_tier_stats(self.kv.host, self.runner),  # K2 host KV tier
+            spec_decode=self.drafter.stats.snapshot() if self.drafter is not None else None,
         )
 
     def check_integrity(self) -> None:

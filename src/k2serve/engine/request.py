@@ -76,6 +76,9 @@ class Request:
         self.generator: torch.Generator | None = None
         # structured outputs: this sequence's k2serve.structured.state.GrammarState (or None)
         self.grammar: Any = None  # structured.state.GrammarState when constrained
+        # speculative decoding: drafts proposed after the last step, verified in the next one
+        # (the scheduler cuts them to its budget; k2serve.engine.spec_decode)
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

@@ -5,6 +5,11 @@ The flat batch concatenates each scheduled sequence's new tokens (decodes first,
 `seq_lens [B]`, `context_lens [B]`, `block_table [B, max_pages]`, `slot_mapping [T]`.
 Logits are computed only for the last new token of the sequences that sample this step (those
 whose new tokens reach the end of their known tokens); a partial prefill chunk does not sample.
+A sequence carrying drafts (speculative decoding) has its last token and its K drafts as new
+tokens and gets logits at all 1 + K positions (sampler rows: the request, then `DraftRow`s).
+On CUDA those 1 + K tokens are laid out as 1 + K one-token sequences (`_flatten_verify`), so a
+step of decodes and verifications is a decode-only step and replays the decode CUDA graphs
+(captured up to max_num_seqs x (1 + K) rows, at most the largest bucket).
 
 Invariant: token j of sequence b sits at position context_lens[b] + j and is written to slot
 `block_table[b, pos // page_size] * page_size + pos % page_size`.
@@ -19,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -32,6 +37,7 @@ from k2serve.engine.request import Request
 from k2serve.engine.sampler import Sampler, SamplerOutput
 from k2serve.engine.scheduler import SchedulerOutput
 from k2serve.engine.spec import RuntimeSpec
+from k2serve.engine.spec_decode.verify import DraftRow
 from k2serve.moe.dynamic import RoutingService
 
 if TYPE_CHECKING:
@@ -48,6 +54,10 @@ class ModelInput:
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [S] long, row in the flat batch of each sampling sequence
     sample_reqs: list[Request]
+    # host copies for the EAGLE-3 drafter (spec_decode.eagle), one entry per scheduled request:
+    # [B] context lengths, [B + 1] start of each request's tokens in the flat batch
+    context_lens: np.ndarray | None = None
+    query_start_loc: np.ndarray | None = None
 
 
 class BatchBuilder:
@@ -58,6 +68,9 @@ class BatchBuilder:
         self.page_size = page_size
         self.device = torch.device(device)
         self.block_tables = BlockTables()  # host copy of each running request's pages
+        # spec decode: lay a verify request's 1 + K tokens out as 1 + K one-token sequences
+        # (see `_flatten_verify`); the ModelRunner turns it on for CUDA
+        self.flatten_verify = False
 
     def prepare(self, sched: SchedulerOutput, kv: KVCacheManager) -> ModelInput:
         # One Python pass over the requests (no per-token work); positions, slots and the block
@@ -74,6 +87,7 @@ class BatchBuilder:
         req_pages = kv.req_pages
         row_of = self.block_tables.row_of
         num_tokens = 0
+        verify: list[int] = []  # spec decode: sequences carrying drafts
         for b, (req, n) in enumerate(scheduled):
             start = req.num_computed_tokens
             end = start + n
@@ -90,6 +104,26 @@ class BatchBuilder:
             if end == req.num_tokens:
                 logits_idx.append(num_tokens - 1)
                 sample_reqs.append(req)
+            elif end > req.num_tokens:  # spec decode: the drafts, and logits at each position
+                drafts = req.spec_token_ids
+                assert len(drafts) == end - req.num_tokens, (req, drafts)
+                input_ids.extend(drafts)
+                verify.append(b)
+                logits_idx.extend(range(num_tokens - len(drafts) - 1, num_tokens))
+                sample_reqs.append(req)
+                # DraftRow: the request as the sampler sees it at draft position j (duck-typed)
+                sample_reqs.extend(
+                    cast(Request, DraftRow(req, drafts[:j])) for j in range(1, len(drafts) + 1)
+                )
+        num_decodes = sched.num_decodes
+        # per scheduled request, before any flattening (read by the EAGLE-3 drafter)
+        sched_qsl = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(counts, out=sched_qsl[1:])
+        sched_starts = starts
+        if verify and self.flatten_verify:
+            starts, counts, rows = _flatten_verify(starts, counts, rows, verify)
+            num_seqs = len(rows)
+            num_decodes = int(np.argmax(counts != 1)) if (counts != 1).any() else num_seqs
         ends = starts + counts
         qsl = np.zeros(num_seqs + 1, dtype=np.int32)
         np.cumsum(counts, out=qsl[1:])
@@ -123,7 +157,7 @@ class BatchBuilder:
             max_query_len=int(counts.max()),
             max_seq_len=int(ends.max()),
             page_size=ps,
-            num_decodes=sched.num_decodes,
+            num_decodes=num_decodes,
         )
         return ModelInput(
             input_ids=ids_t,
@@ -131,7 +165,25 @@ class BatchBuilder:
             attn_metadata=md,
             logits_indices=logits_t,
             sample_reqs=sample_reqs,
+            context_lens=sched_starts,
+            query_start_loc=sched_qsl,
         )
+
+
+def _flatten_verify(starts, counts, rows: list[int], verify: list[int]):
+    """Sequence b in `verify` (new tokens at starts[b] .. + counts[b] - 1) becomes counts[b]
+    one-token sequences, token j seeing positions <= starts[b] + j: the same causal attention,
+    since every new token's KV is stored before attention reads the cache. So a verify step of
+    decodes is a decode-only step (the decode kernel, its CUDA graph when one fits). The
+    scheduler puts verify requests right after the decodes, so decodes still come first."""
+    is_v = np.zeros(len(rows), dtype=bool)
+    is_v[verify] = True
+    rep = np.where(is_v, counts, 1)  # [B] new sequences per sequence
+    idx = np.repeat(np.arange(len(rows)), rep)  # [B'] the sequence each comes from
+    offs = np.arange(len(idx)) - np.repeat(np.cumsum(rep) - rep, rep)  # [B'] 0 .. rep - 1
+    starts = starts[idx] + np.where(is_v[idx], offs, 0)
+    counts = np.where(is_v[idx], 1, counts[idx])
+    return starts, counts, [rows[i] for i in idx]
 
 
 class ModelRunner(BatchBuilder):
@@ -157,7 +209,9 @@ class ModelRunner(BatchBuilder):
             interval=spec.expert_placement_interval,
             max_tokens=max(spec.max_num_seqs, 256),
         )
+        self.last_input: ModelInput | None = None  # the latest step's batch (EAGLE-3 drafter)
         if self.device.type == "cuda":
+            self.flatten_verify = True
             self._setup_graphs()
 
     def _setup_graphs(self) -> None:
@@ -171,6 +225,9 @@ class ModelRunner(BatchBuilder):
         from k2serve.model.cuda_graph import DEFAULT_BUCKETS, DecodeGraphRunner
 
         max_seqs = spec.max_num_seqs
+        draft = spec.drafter  # spec_decode.SpeculativeConfig or None
+        if draft is not None:  # verify steps replay graphs too
+            max_seqs = min(max_seqs * (1 + draft.num_speculative_tokens), DEFAULT_BUCKETS[-1])
         buckets = tuple(b for b in DEFAULT_BUCKETS if b <= max_seqs) or (1,)
         if max_seqs <= DEFAULT_BUCKETS[-1] and buckets[-1] < max_seqs:
             buckets += (max_seqs,)
@@ -189,7 +246,7 @@ class ModelRunner(BatchBuilder):
         self, sched: SchedulerOutput, kv: KVCacheManager
     ) -> tuple[list[Request], SamplerOutput | None]:
         """Run one step; returns the requests that sampled and their samples (same order)."""
-        inp = self.prepare(sched, kv)
+        inp = self.last_input = self.prepare(sched, kv)
         md = inp.attn_metadata
         if self.kv_copier is not None:  # K2 host tier: this step's copies, then the forward
             self.kv_copier.apply(sched.transfers)

@@ -56,28 +56,50 @@ class Sampler:
         rows: list[int] = []
         matchers: list = []
         backend: Any = None  # the grammar backend of the constrained rows
+        bm = None
+        # spec decode: a request verifying drafts has one row per draft position, all with the
+        # same matcher; each such row is synced to its own history and filled on its own
+        counts: dict[int, int] = {}
+        for r in reqs:
+            if r.grammar is not None:
+                counts[id(r.grammar)] = counts.get(id(r.grammar), 0) + 1
+        num_rows = logits.shape[0]
+        own_rows: list[int] = []
         for i, r in enumerate(reqs):
             g = r.grammar
             if g is None:
                 continue
             g.sync(r.output_token_ids)  # no-op unless the outputs changed outside the engine
-            if g.active:
+            if not g.active:
+                continue
+            backend = g.backend
+            if counts[id(g)] == 1:
                 rows.append(i)
                 matchers.append(g.matcher)
-                backend = g.backend
-        if not rows:
+                continue
+            if bm is None:
+                bm = self._bitmask_for(backend, num_rows)
+            backend.fill_bitmask([g.matcher], bm, [i])
+            own_rows.append(i)
+        if not rows and not own_rows:
             return rows
-        num_rows = logits.shape[0]
+        if bm is None:
+            bm = self._bitmask_for(backend, num_rows)
+        if rows:
+            backend.fill_bitmask(matchers, bm, rows)
+        rows = sorted(rows + own_rows)
+        dev_bm = bm[:num_rows].to(self.device, non_blocking=True)  # [B, words]
+        backend.apply_bitmask(logits, dev_bm, rows)
+        return rows
+
+    def _bitmask_for(self, backend, num_rows: int) -> torch.Tensor:
         bm = self._bitmask
         if bm is None or bm.shape[0] < num_rows or bm.shape[1] * 32 < backend.vocab_size:
             # NOTE: reusing a pinned buffer is safe: each step ends with the sampled tokens
             # copied to the host, after which the previous copy has completed.
             bm = backend.allocate_bitmask(max(num_rows, 8), pin=self.device.type == "cuda")
             self._bitmask = bm
-        backend.fill_bitmask(matchers, bm, rows)
-        dev_bm = bm[:num_rows].to(self.device, non_blocking=True)  # [B, words]
-        backend.apply_bitmask(logits, dev_bm, rows)
-        return rows
+        return bm
 
     @staticmethod
     def _ban(logits: torch.Tensor, rows: list[int], cols: list[int]) -> None:

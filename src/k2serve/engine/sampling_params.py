@@ -53,6 +53,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logits_processors: list[LogitsProcessor] = field(default_factory=list, repr=False)
     structured_outputs: StructuredOutputsParams | None = None
+    # per-request opt-out of the engine's speculative decoding (--speculative-config); output
+    # is the same either way, only its speed differs
+    speculative_decoding: bool = True
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -129,6 +132,8 @@ class SamplingParams:
         for p in self.logits_processors:
             if not callable(p):
                 raise bad("logits_processors", "every entry must be callable")
+        if not isinstance(self.speculative_decoding, bool):
+            raise bad("speculative_decoding", "must be true or false")
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams")

@@ -102,7 +102,10 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if not self.kv.ready(req):
                 continue  # K2 host tier: its pages are still being copied in
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new == 1 and req.spec_token_ids:  # spec decode: verify the drafts too
+                num_new += len(req.spec_token_ids)
+            num_new = min(num_new, budget)
             assert num_new > 0, req
             while not self.kv.allocate_slots(req, num_new):
                 # preempt the most recently admitted request (un-scheduling it if needed)
@@ -116,6 +119,8 @@ class Scheduler:
             else:
                 chosen[req.request_id] = (req, num_new)
                 budget -= num_new
+                if req.spec_token_ids:  # the drafts that fit this step's budget
+                    del req.spec_token_ids[num_new - 1 :]
         scheduled: list[tuple[Request, int]] = list(chosen.values())
 
         if not out.preempted:
@@ -157,13 +162,17 @@ class Scheduler:
                 budget -= num_new
 
         decodes = [s for s in scheduled if s[1] == 1]
-        out.scheduled = decodes + [s for s in scheduled if s[1] != 1]
+        # spec decode: requests verifying drafts right after the decodes (then prefills)
+        verify = [s for s in scheduled if s[1] != 1 and s[0].spec_token_ids]
+        rest = [s for s in scheduled if s[1] != 1 and not s[0].spec_token_ids]
+        out.scheduled = decodes + verify + rest
         out.num_decodes = len(decodes)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         out.transfers = self.kv.take_transfers()
         return out
 
     def _preempt(self, req: Request) -> None:
+        req.spec_token_ids = []  # drafts are proposed again after the next step
         if not self.kv.swap_out(req):  # K2 host tier: swap when it has room, else recompute
             self.kv.free(req)
             req.num_computed_tokens = 0
@@ -172,17 +181,25 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, int | list[int]]
+    ) -> list[Request]:
         """Advance the scheduled requests by their computed tokens and append sampled tokens.
 
-        `sampled` maps request id -> new token for the requests that sampled. Returns the
-        requests that got a new token (finished ones already removed and their pages freed).
+        `sampled` maps request id -> new token for the requests that sampled, or -> a list of
+        tokens for a request that verified drafts (its accepted drafts and one more token).
+        Returns the requests that got new tokens (finished ones already removed and their
+        pages freed).
         """
         updated = []
         for req, num_new in out.scheduled:
+            tok = sampled.get(req.request_id)
+            if isinstance(tok, list):  # spec decode: see _append_verified
+                self._append_verified(req, tok)
+                updated.append(req)
+                continue
             req.num_computed_tokens += num_new
             self.kv.cache_computed_pages(req)
-            tok = sampled.get(req.request_id)
             if tok is None:
                 continue
             assert req.num_computed_tokens == req.num_tokens, req
@@ -195,6 +212,26 @@ class Scheduler:
                 self.finish_request(req, status)
             updated.append(req)
         return updated
+
+    def _append_verified(self, req: Request, tokens: list[int]) -> None:
+        """A verify step computed the KV of the last token and of the drafts; the first
+        len(tokens) - 1 drafts were accepted, so the KV of the last token and of those drafts is
+        valid (num_computed_tokens moves by len(tokens)); the rejected drafts' slots lie beyond
+        and are overwritten by the next step. Tokens are appended one by one, stopping where
+        the request ends (EOS, stop token, max_tokens) exactly as without drafts."""
+        req.spec_token_ids = []
+        req.num_computed_tokens += len(tokens)
+        for t in tokens:
+            req.append_output_token(t)
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = time.monotonic()
+            if req.check_stop_token():
+                status = req.status
+                req.status = RequestStatus.RUNNING
+                self.finish_request(req, status)
+                return
+        assert req.num_computed_tokens == req.num_tokens - 1, req
+        self.kv.cache_computed_pages(req)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

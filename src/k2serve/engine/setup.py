@@ -328,6 +328,13 @@ def setup_rank(
     pages, max_len = num_kv_pages(
         cfg, model.config, kv_dtype, device, max_len, cfg.max_model_len is None, budget
     )
+    draft = cfg.speculative_config
+    if draft is not None and draft.method == "eagle3":  # spec decode: room for the draft
+        from k2serve.engine.spec_decode.eagle import pages_with_draft
+
+        pages, max_len = pages_with_draft(
+            draft, cfg, model.config, kv_dtype, device, pages, max_len
+        )
     if kv_cache_factory is None:
         kv_caches = allocate_kv_caches(model.config, pages, cfg.page_size, kv_dtype, device)
     else:
@@ -356,5 +363,6 @@ def setup_rank(
         dynamic_expert_placement=cfg.dynamic_expert_placement,
         expert_placement_interval=cfg.expert_placement_interval,
         gpu_prefill_token_threshold=cfg.gpu_prefill_token_threshold,
+        drafter=cfg.speculative_config,
     )
     return RankSetup(model, kv_caches, spec)

@@ -56,7 +56,7 @@ class RuntimeSpec:
     gpu_prefill_token_threshold: int | None = None
     # slots for the next features (decisions 15-17)
     encoder: Any = None
-    drafter: Any = None
+    drafter: Any = None  # --speculative-config (engine.spec_decode.SpeculativeConfig) or None
     kv_tier: Any = None
 
     @property

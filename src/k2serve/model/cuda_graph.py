@@ -112,6 +112,9 @@ class DecodeGraphRunner:
         self.graphs: dict[int, list] = {}  # bucket -> its pieces' graphs, in replay order
         self.actions: dict[int, list] = {}  # bucket -> host actions between the pieces
         self.outputs: dict[int, torch.Tensor] = {}
+        # EAGLE-3: each bucket's graph-owned [bucket, 3 * hidden] auxiliary hidden states, when
+        # the model keeps them (model.aux_hidden_state_layers); set as the model's after a replay
+        self.aux: dict[int, torch.Tensor | None] = {}
 
     def _metadata(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -165,6 +168,8 @@ class DecodeGraphRunner:
             self.factory.synchronize()
             graphs, actions, out = capture_pieces(self._pieces(bs), self.factory)
             self.graphs[bs], self.actions[bs], self.outputs[bs] = graphs, actions, out
+            if getattr(self.model, "aux_hidden_state_layers", ()):
+                self.aux[bs] = self.model.aux_hidden_states
         self.factory.synchronize()
 
     def bucket_for(self, md: AttentionMetadata) -> int | None:
@@ -203,6 +208,9 @@ class DecodeGraphRunner:
         replay_pieces(self.graphs[bucket], self.actions[bucket])
         if rec is not None:
             rec.unmark_padding(bs, bucket)
+        aux = self.aux.get(bucket)
+        if aux is not None:
+            self.model.aux_hidden_states = aux[:bs]
         return self.outputs[bucket][:bs]
 
 

@@ -466,6 +466,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.lm_head = b.linear("lm_head", config.hidden_size, config.vocab_size)
         self.expert_placement: ExpertPlacement | None = None  # None = all on self.device
         self.routing_recorder = None  # moe.placement.RoutingRecorder while recording
+        # EAGLE-3 drafting: target layers whose input hidden state each forward keeps, and the
+        # last forward's [T, 3 * hidden] concat of them (engine.spec_decode.eagle)
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.aux_hidden_states: torch.Tensor | None = None
         self.kernel_policy = KernelPolicy.reference()  # set by install_backends
 
     @property
@@ -583,9 +587,13 @@ class DeepseekV3ForCausalLM(nn.Module):
             )
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
         residual = None
+        aux_ids = self.aux_hidden_state_layers  # EAGLE-3: the residual stream entering them
+        aux: dict[int, torch.Tensor] = {}
         self.model.rope.step_cache(True)  # cos/sin once per step, not once per layer
         try:
             for i, layer in enumerate(layers):
+                if aux_ids and i in aux_ids:
+                    aux[i] = h if residual is None else h + residual  # [T, hidden]
                 cache = kv_caches[i] if kv_caches else None
                 args = (h, positions, attn_metadata, cache, residual)
                 if split and _host_round_trip(layer.mlp):
@@ -595,6 +603,9 @@ class DeepseekV3ForCausalLM(nn.Module):
                     h, residual = layer(*args)
         finally:
             self.model.rope.step_cache(False)
+        if aux_ids:
+            # [T, len(aux_ids) * hidden], in the draft's order
+            self.aux_hidden_states = torch.cat([aux[i] for i in aux_ids], dim=-1)
         if residual is None:  # no layers
             return self.model.norm(h)
         return self.model.norm.add_norm(h, residual)[0]

@@ -396,12 +396,12 @@ FEATURE_FLAGS: tuple[GuideFlag, ...] = tuple(
         ("--swap-space", "16"),
         ("--kv-offloading-size", "64"),
         ("--kv-offloading-backend", "native"),
+        ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'),
     )
 )
 PENDING: tuple[GuideFlag, ...] = tuple(
     GuideFlag((f,), "pending", "vLLM", why=why, example=ex)
     for f, why, ex in (
-        ("--speculative-config", "speculative decoding", '{"method": "eagle3"}'),
         ("--mm-encoder-tp-mode", "the vision encoder", "data"),
         ("--limit-mm-per-prompt", "the vision encoder", '{"image": 2}'),
         ("--allowed-media-domains", "the vision encoder", "example.com"),

@@ -115,6 +115,8 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None
     skip_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
+    # k2serve extra: false opts this request out of --speculative-config drafting (same output)
+    speculative_decoding: Bool = True
     # vLLM structured outputs (read by server/structured.py)
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None

@@ -58,6 +58,7 @@ _PASSTHROUGH = (
     "guided_regex",
     "guided_choice",
     "guided_grammar",
+    "speculative_decoding",
 )
 
 

@@ -104,6 +104,7 @@ class ServerState:
             ignore_eos=req.ignore_eos,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            speculative_decoding=getattr(req, "speculative_decoding", True),
         )
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             val = getattr(req, name)

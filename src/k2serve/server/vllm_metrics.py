@@ -231,3 +231,27 @@ class _VllmEngineCollector:
             c = CounterMetricFamily(metric, doc, labels=["model_name"])
             c.add_metric(name, val)
             yield c
+        yield from _spec_decode_counters(getattr(s, "spec_decode", None), name)
+
+
+def _spec_decode_counters(sd, name: list[str]):
+    """vLLM's speculative-decoding counters (only with --speculative-config)."""
+    if sd is None:
+        return
+    for metric, doc, val in (
+        ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", sd.num_drafts),
+        ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", sd.num_draft_tokens),
+        ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+         sd.num_accepted_tokens),
+    ):  # fmt: skip
+        c = CounterMetricFamily(metric, doc, labels=["model_name"])
+        c.add_metric(name, float(val))
+        yield c
+    c = CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Accepted tokens per draft position.",
+        labels=["model_name", "position"],
+    )
+    for pos, val in enumerate(sd.num_accepted_tokens_per_pos):
+        c.add_metric([*name, str(pos)], float(val))
+    yield c

@@ -25,6 +25,8 @@ from k2serve.weights.presets import FORMATS, PRESETS, preset_config
 
 logger = logging.getLogger(__name__)
 
+DRAFT_LAYOUTS = ("eagle3-llama", "eagle3-mla", "eagle3.1-llama", "eagle3.1-mla")
+
 
 def make_checkpoint(
     out_dir: str | os.PathLike,
@@ -96,6 +98,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-shard-size", type=float, default=2.0, help="shard size limit in GB (default 2)"
     )
     parser.add_argument("--no-tokenizer", action="store_true", help="skip the tokenizer files")
+    parser.add_argument(
+        "--draft",
+        choices=DRAFT_LAYOUTS,
+        default=None,
+        help="write a random EAGLE-3 draft head for the preset target instead (Llama-layer or "
+        "MLA layout; eagle3.1 adds fc_norm / norm_output) for --speculative-config",
+    )
+    parser.add_argument(
+        "--draft-vocab-size", type=int, default=None, help="reduced draft vocabulary (d2t/t2d)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,6 +120,16 @@ def run(args: argparse.Namespace) -> int:
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise SystemExit(f"make-checkpoint: {args.out!r} exists and is not a directory")
     t0 = time.perf_counter()
+    if args.draft is not None:
+        from k2serve.weights.eagle3 import write_eagle3_checkpoint
+
+        layout = args.draft.rsplit("-", 1)[1]
+        write_eagle3_checkpoint(
+            args.out, ModelConfig.from_hf(cfg), layout, eagle31=args.draft.startswith("eagle3.1"),
+            draft_vocab_size=args.draft_vocab_size, seed=args.seed,
+        )  # fmt: skip
+        print(f"wrote a random {args.draft} draft head for {args.preset} to {args.out}")
+        return 0
     try:
         make_checkpoint(
             args.out,

@@ -1,0 +1,42 @@
+"""Speculative decoding on CUDA (skipped without it): verify tokens laid out as one-token
+sequences replay the decode CUDA graphs, EAGLE-3 graphs recaptured with the auxiliary hidden
+states; greedy output equals speculation off."""
+
+import pytest
+import torch
+
+from k2serve.engine.config import EngineConfig
+from k2serve.engine.engine import LLMEngine
+from k2serve.engine.sampling_params import SamplingParams
+from k2serve.weights.eagle3 import write_eagle3_checkpoint
+
+from .test_spec_decode import generate
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.mark.parametrize("dtype, backend", [("float32", "torch"), ("bfloat16", "auto")])
+@pytest.mark.parametrize("method", ["ngram", "eagle3-mla", "eagle3-llama"])
+def test_cuda_greedy_identical(ckpt, tmp_path, method, dtype, backend):
+    base = dict(model=ckpt, device="cuda", dtype=dtype, attention_backend=backend,
+                num_kv_pages=256, max_model_len=512, page_size=16, max_num_seqs=8)  # fmt: skip
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    if method.startswith("eagle3"):
+        plain = LLMEngine(EngineConfig(**base))
+        d = str(tmp_path / method)
+        write_eagle3_checkpoint(d, plain.model_config, method.split("-")[1], draft_vocab_size=700)
+        spec = {"method": "eagle3", "model": d, "num_speculative_tokens": 3}
+    g = torch.Generator().manual_seed(0)
+    ps = [torch.randint(10, 60, (n,), generator=g).tolist() for n in (3, 9, 17, 30, 45, 60)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = generate(LLMEngine(EngineConfig(**base)), ps, params)
+    eng = LLMEngine(EngineConfig(**base, speculative_config=spec))
+    assert eng.runner.flatten_verify
+    if backend == "auto":
+        assert eng.runner.graph_runner is not None
+    got = generate(eng, ps, params, stagger=True)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    assert eng.drafter.stats.num_drafts > 0
