@@ -290,8 +290,14 @@ class DPEngine:
 
     def get_stats(self) -> EngineStats:
         """Sums over the ranks, as of each rank's latest step."""
-        names = list(EngineStats.__dataclass_fields__)
-        return EngineStats(**{k: sum(getattr(s, k) for s in self._stats) for k in names})
+        out = {}
+        for k in EngineStats.__dataclass_fields__:
+            values = [getattr(s, k) for s in self._stats]
+            if k == "spec_decode":  # --speculative-config: each rank's counters, summed
+                out[k] = _sum_spec_stats([v for v in values if v is not None])
+            else:
+                out[k] = sum(values)
+        return EngineStats(**out)
 
     def eplb_status(self) -> list:
         """Per rank: (rebalances, last (before, after) imbalance, experts held per layer)."""
@@ -303,3 +309,17 @@ class DPEngine:
 
 def _rank_integrity(state: WorkerState) -> None:
     state.data["engine"].check_integrity()
+
+
+def _sum_spec_stats(stats: list):
+    """The ranks' SpecDecodingStats summed (None when no rank drafts)."""
+    if not stats:
+        return None
+    total = stats[0].snapshot()
+    for s in stats[1:]:
+        total.num_drafts += s.num_drafts
+        total.num_draft_tokens += s.num_draft_tokens
+        total.num_accepted_tokens += s.num_accepted_tokens
+        for j, n in enumerate(s.num_accepted_tokens_per_pos):
+            total.num_accepted_tokens_per_pos[j] += n
+    return total
