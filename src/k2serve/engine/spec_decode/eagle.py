@@ -49,8 +49,8 @@ def pages_with_draft(
     import json
     import os
 
-    from k2serve.engine.setup import kv_bytes_per_token
     from k2serve.model.eagle3 import Eagle3Config
+    from k2serve.plan import kv_bytes_per_token as plan_kv_bytes
 
     if cfg.num_kv_pages is not None:
         return pages, max_model_len
@@ -63,7 +63,9 @@ def pages_with_draft(
     else:
         draft_token = (c.kv_lora_rank + c.qk_rope_head_dim) * item
     ps = cfg.page_size
-    target_page = kv_bytes_per_token(target_config, kv_dtype) * ps
+    # as engine.setup.kv_bytes_per_token (not imported: engine.config -> spec_decode -> setup
+    # -> engine.config would be an import cycle): values per token x the element size
+    target_page = int(plan_kv_bytes(target_config, "fp8")) * item * ps
     weights = 0
     if device.type == "cuda" and cfg.kv_cache_memory is None:
         files = [n for n in os.listdir(spec.model) if n.endswith(".safetensors")]
