@@ -10,7 +10,8 @@ again turn after turn, and the same few tool calls recur across requests (the de
 behaviours: quote a tool result, call get_weather / get_time, greet, repeat a name). Each
 request is greedy with the demo's own stop (EOS) and max_tokens 96.
 
-For speculation off, n-gram (prompt lookup) and suffix decoding the same trace runs through
+For speculation off, n-gram (prompt lookup), suffix decoding and (on the demo) its trained
+EAGLE-3 draft (K = min(--k, 3), what it was trained for) the same trace runs through
 `LLMEngine.step()` at each concurrency (closed loop); printed per run: output tokens/s, steps,
 mean acceptance length (tokens emitted per verify step of a request: 1 + accepted / drafts),
 draft acceptance rate, and against speculation off the speedup in time and in steps (the latter
@@ -123,6 +124,14 @@ def main(argv=None) -> None:
         },  # fmt: skip
         "suffix": {"method": "suffix", "num_speculative_tokens": args.k},
     }
+    if args.model is None:  # the demo's own EAGLE-3 draft (scripts/train_demo_eagle3.py)
+        try:
+            from k2serve.demo import demo_eagle3_path
+
+            methods["eagle3"] = {"method": "eagle3", "model": str(demo_eagle3_path()),
+                                 "num_speculative_tokens": min(args.k, 3)}  # fmt: skip
+        except FileNotFoundError:
+            pass
 
     def make(spec):
         return LLMEngine(

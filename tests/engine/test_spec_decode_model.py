@@ -130,3 +130,31 @@ def test_structured_outputs_with_drafts_identical(demo):
             o.outputs[0].finish_reason for o in ref
         ]
     assert spec_eng.drafter.stats.num_accepted_tokens > 0
+
+
+def test_demo_eagle3_draft_is_accepted(demo):
+    """The bundled demo draft (scripts/train_demo_eagle3.py) is a real draft: greedy output
+    identical to no speculation, and most first drafts accepted on demo conversations."""
+    import random
+
+    from k2serve.demo import demo_eagle3_path
+    from k2serve.demo.conversations import sample_example
+
+    tok = demo.tokenizer
+    rng = random.Random(7)
+    ps = []
+    for _ in range(8):
+        msgs, tools, thinking, _ = sample_example(rng)
+        text = tok.apply_chat_template(
+            msgs, tools=tools, chat_template_kwargs={"thinking": thinking}
+        )
+        ps.append(tok.encode(text, allow_special=True))
+    spec = {"method": "eagle3", "model": str(demo_eagle3_path()), "num_speculative_tokens": 3}
+    params = SamplingParams(temperature=0, max_tokens=48)
+    ref = generate(engine(None, demo), ps, params)
+    eng = engine(None, demo, speculative_config=spec)
+    got = generate(eng, ps, params, stagger=True)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    st = eng.drafter.stats
+    assert st.mean_acceptance_length > 1.5, st
+    assert st.num_accepted_tokens_per_pos[0] > st.num_drafts / 2, st

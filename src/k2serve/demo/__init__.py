@@ -22,3 +22,15 @@ def demo_path() -> Path:
             f"the demo checkpoint is missing from {path}; run `python scripts/train_demo.py`"
         )
     return path
+
+
+def demo_eagle3_path() -> Path:
+    """Directory of the demo's EAGLE-3 draft head (Llama-layer layout), trained by
+    `scripts/train_demo_eagle3.py`: `--speculative-config '{"method": "eagle3", "model": DIR,
+    "num_speculative_tokens": 3}'`."""
+    path = Path(__file__).resolve().parent / (DEMO_DIRNAME + "-eagle3")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"the demo draft is missing from {path}; run `python scripts/train_demo_eagle3.py`"
+        )
+    return path
