@@ -18,10 +18,10 @@
 //       built once per call per expert (xt, for gate/up), and written directly in that layout
 //       by gate/up for down (ht). Pairs past an expert's count are zero columns.
 //   C = 16 weight rows x 16 pairs, float32; 2 A tiles x 2 B tiles = 4 accumulators.
-// Work: gate/up items = (expert, 64 rows of the intermediate dim): 16 gate + 16 up rows
+// Work: gate/up items = (expert, RBT1 rows of the intermediate dim): 16 gate + 16 up rows
 // dequantized, then every pair tile of the expert; h = silu(g) * u rounded to bf16 into ht.
-// Down items = 64 output rows, looping over the active experts (each row owned by one thread,
-// no atomics), 32 rows dequantized at a time. NUMA: the same node row split as the decode path.
+// Down items = a block of output rows (2 per thread), looping over the active experts (each
+// row owned by one thread, no atomics), 32 rows dequantized at a time. NUMA: the same node row split as the decode path.
 //
 // Availability: compiled when -march=native gives AMX-TILE + AMX-BF16 (with AVX512-BF16 for the
 // dequantization), used when Linux grants the process the tile state (arch_prctl); otherwise
@@ -182,16 +182,20 @@ static void amx_acc(const uint16_t* abuf, const uint16_t* b0, const uint16_t* b1
 // pair tile [tb, te) of one expert (B tiles `groups` x 512 bf16 each, from b): K in steps of
 // KB groups, each step's A dequantized into abuf (L1) and used by every tile pair; C in c
 // ([pairs of tiles][4][256] float).
+// Groups per K step (0: all of K at once). The lent Xeon (2 MB L2 per core, 2,048-token K2
+// layer): whole K 390 ms, 8 groups 499 ms, 16 groups 511 ms: short steps read 32 weight rows
+// 128 bytes at a time, which the prefetchers do not follow; a whole row streams.
 #ifndef K2_AMX_KB
-#define K2_AMX_KB 8
+#define K2_AMX_KB 0
 #endif
-static const int KB = K2_AMX_KB;  // groups per K step: 32 rows x 8 groups x 64 B = 16 KB of A
+static const int KB = K2_AMX_KB;
 
 template <int FMT>
 static void amx_rows(const Mat& m0, int r0, const Mat& m1, int r1, const uint16_t* b, int ntiles,
                      int groups, uint16_t* abuf, float* c) {
-  for (int g0 = 0; g0 < groups; g0 += KB) {
-    const int ng = std::min(KB, groups - g0);
+  const int kb = KB > 0 ? KB : groups;
+  for (int g0 = 0; g0 < groups; g0 += kb) {
+    const int ng = std::min(kb, groups - g0);
     for (int n = 0; n < 16; ++n) {
       deq_row_bf16<FMT>(m0, r0 + n, g0, ng, abuf + n * 32, 2 * TILE_ELEMS);
       deq_row_bf16<FMT>(m1, r1 + n, g0, ng, abuf + TILE_ELEMS + n * 32, 2 * TILE_ELEMS);
@@ -274,8 +278,16 @@ static void write_h(const float* cg, const float* cu, int i0, int valid, uint16_
   }
 }
 
-static const int RBT1 = 64;  // gate/up rows per work item (16 at a time)
-static const int RBT2 = 64;  // down rows per work item (32 at a time)
+// Gate/up rows per work item (16 at a time): an item reads its expert's B tiles (xt) once
+// into L2. Down: items per thread of its node (32 rows at a time; each expert's ht read once
+// per item).
+#ifndef K2_AMX_RB1
+#define K2_AMX_RB1 256
+#endif
+#ifndef K2_AMX_DOWN_SPLIT
+#define K2_AMX_DOWN_SPLIT 2
+#endif
+static const int RBT1 = K2_AMX_RB1;
 
 template <int FMT>
 static void forward_tiles(Layer* L, Pool* P, Scratch& sc, int T, const uint16_t* x, float* out) {
@@ -306,7 +318,7 @@ static void forward_tiles(Layer* L, Pool* P, Scratch& sc, int T, const uint16_t*
     if (caller) t_in = now_s();
     tile_config();
     static thread_local TileBuf abuf_tl, c_tl;
-    uint16_t* abuf = abuf_tl.get((size_t)KB * 2 * TILE_ELEMS);
+    uint16_t* abuf = abuf_tl.get((size_t)(KB > 0 ? KB : std::max(G1, G2)) * 2 * TILE_ELEMS);
     float* c = (float*)c_tl.get((size_t)(max_tiles + 1) / 2 * 2048);  // [tile pairs][4][256]
     // prologue: output zeroed, x gathered per expert into B tiles
     for (int t; (t = next_row.fetch_add(1)) < T;) memset(out + (int64_t)t * H, 0, 4 * (size_t)H);
@@ -343,6 +355,8 @@ static void forward_tiles(Layer* L, Pool* P, Scratch& sc, int T, const uint16_t*
     // down: this node's output rows; each item owns its rows for every token
     int o0n, o1n;
     node_range(P, node, H, 32, o0n, o1n);
+    const int per = K2_AMX_DOWN_SPLIT * P->node_size[node];
+    const int RBT2 = std::max(1, ((o1n - o0n) / 32 + per - 1) / per) * 32;
     const int64_t items2 = (o1n - o0n + RBT2 - 1) / RBT2;
     for (int64_t it; (it = s.next.fetch_add(1, std::memory_order_relaxed)) < items2;) {
       const int o0 = o0n + (int)it * RBT2, o1 = std::min(o1n, o0 + RBT2);
