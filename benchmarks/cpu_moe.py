@@ -188,6 +188,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-peer", action="store_true", help="skip KT-Kernel")
     ap.add_argument("--no-limit", action="store_true", help="skip torch's matmul-rate limit")
     ap.add_argument("--no-dot", action="store_true", help="skip the dot-product path (prompts)")
+    ap.add_argument("--no-forced", action="store_true", help="skip the AMX path forced on")
     ap.add_argument(
         "--define",
         action="append",
@@ -287,7 +288,7 @@ def main(argv=None) -> int:
         t_dot = t_amx = None
         if T > 16 and not args.no_dot:
             t_dot, _ = time_backend(dot, T, E, k, g, iters)
-        if T > 1 and tiles.amx:
+        if T > 1 and tiles.amx and not args.no_forced:
             t_amx, _ = time_backend(tiles, T, E, k, g, iters)
         flops = 2 * T * k * 3 * args.inter * args.hidden
         t_old = None

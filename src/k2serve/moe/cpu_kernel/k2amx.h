@@ -87,6 +87,15 @@ static inline int tile_pos(int j) {
   return FMT == FMT_INT4 ? ((j & 1) ? 16 + (j >> 1) : (j >> 1)) : j;
 }
 
+// Weight bytes prefetched ahead (into L2) by the dequantization: one thread streams one row at
+// a time, so the distance sets the bytes it has in flight.
+#ifndef K2_AMX_PF
+#define K2_AMX_PF 4096
+#endif
+static K2_INLINE void prefetch_l2(const void* p) {
+  if (K2_AMX_PF > 0) _mm_prefetch((const char*)p + K2_AMX_PF, _MM_HINT_T1);
+}
+
 // Row r of m, groups [g0, g0 + ng), as bf16 in A's column order: group g at
 // dst + (g - g0) * stride.
 template <int FMT>
@@ -109,7 +118,7 @@ static K2_INLINE void deq_row_bf16(const Mat& m, int r, int g0, int ng, uint16_t
         __m256i b = _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1u), sp + g);
         _mm512_store_ps(sf, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
       }
-      if ((g & 3) == 0) prefetch_ahead(row + g * 16);
+      if ((g & 3) == 0) prefetch_l2(row + g * 16);
       const __m512 f = _mm512_mul_ps(_mm512_set1_ps(sf[(g - g0) & 15]), vals);
       const __m512i lut = (__m512i)_mm512_cvtne2ps_pbh(f, f);
       const __m256i b2 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(row + g * 16)));
@@ -119,7 +128,7 @@ static K2_INLINE void deq_row_bf16(const Mat& m, int r, int g0, int ng, uint16_t
   } else if constexpr (FMT == FMT_FP8) {
     const float* sp = (const float*)m.s + (int64_t)(r >> 7) * m.s_cols;
     for (int g = g0; g < groups; ++g) {
-      if ((g & 1) == 0) prefetch_ahead(row + g * 32);
+      if ((g & 1) == 0) prefetch_l2(row + g * 32);
       __m512 s = _mm512_set1_ps(256.f * sp[g >> 2]);
       __m512 lo = _mm512_mul_ps((__m512)fp8x16(row + g * 32), s);
       __m512 hi = _mm512_mul_ps((__m512)fp8x16(row + g * 32 + 16), s);
@@ -127,7 +136,7 @@ static K2_INLINE void deq_row_bf16(const Mat& m, int r, int g0, int ng, uint16_t
     }
   } else {  // BF16
     for (int g = g0; g < groups; ++g) {
-      prefetch_ahead(row + g * 64);
+      prefetch_l2(row + g * 64);
       _mm512_store_si512(dst + g * stride, _mm512_loadu_si512(row + g * 64));
     }
   }
