@@ -11,7 +11,11 @@ of the measured read bandwidth, the old per-expert torch path and KT-Kernel (the
     python benchmarks/cpu_moe.py --experts 48   # a smaller pool on a small machine
     python benchmarks/cpu_moe.py --format fp8 --experts 32 --no-old
 
-Correctness is checked first (native vs the torch reference on a few tokens). Each timing uses
+Correctness is checked first (native vs the torch reference on a few tokens; the AMX prompt path
+vs the decode path). Prompt-sized cases also time the decode path ('dot ms') and the AMX path
+forced on ('AMX ms'), and the 2K prefill is set against torch's bf16 matmul rate (oneDNN, AMX on
+CPUs that have it) at one expert's shapes measured in the same run (--no-limit skips it).
+`--define NAME=VALUE` builds a kernel variant (e.g. K2_AMX_KB=16). Each timing uses
 fresh random routing so the experts read are not in the caches; the bandwidth probe reads a
 buffer of --bw-gib GiB (much larger than the LLC) with the kernel's own threads and with torch.
 """
@@ -223,18 +227,21 @@ def main(argv=None) -> int:
                              amx_min_pairs=0.0)  # fmt: skip
     old = CpuExpertBackend(experts, range(E), E, kernel="torch")
     # -- correctness: native vs the torch path on a few tokens (bf16 activations)
-    checks = [(T, native) for T in (1, 5)] + ([(33, tiles)] if tiles.amx else [])
-    for T, be in checks:
+    # the decode path against the torch reference; the AMX path against the decode path (a
+    # torch reference at T=33 dequantizes ~250 experts: half a minute on a 16-core host)
+    checks = [(T, native, old, "decode path", "torch") for T in (1, 5)]
+    if tiles.amx:
+        checks.append((33, tiles, dot, "AMX", "decode path"))
+    for T, be, ref, name, ref_name in checks:
         ids, w = routing(T, E, k, g)
         x = torch.randn(T, args.hidden, generator=g).bfloat16()
         a = be(x, ids, w).float()
-        b = old(x.float(), ids, w).float()
+        b = ref(x.float() if ref is old else x, ids, w).float()
         err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
         rel = ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
         ok = err < 2e-2 and rel < 1e-2
-        print(f"# check T={T} ({'AMX' if be is tiles else 'decode path'}): max |native - torch|"
-              f" / max |torch| = {err:.2e}, |native - torch| / |torch| = {rel:.2e} "
-              f"{'OK' if ok else 'FAIL'}")  # fmt: skip
+        print(f"# check T={T} ({name} vs {ref_name}): max |a - b| / max |b| = {err:.2e}, "
+              f"|a - b| / |b| = {rel:.2e} {'OK' if ok else 'FAIL'}")  # fmt: skip
         if not ok:
             return 1
     print(f"# AMX path: {'on' if native.amx else 'off'} for steps with at least "
