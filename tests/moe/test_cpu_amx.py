@@ -135,3 +135,22 @@ def test_amx_copy_keeps_the_setting():
     x = torch.randn(20, H).bfloat16()
     ids, w = _routing(20, 4, seed=23)
     assert torch.equal(be(x, ids, w), cp(x, ids, w))
+
+
+@native
+def test_long_steps_run_in_chunks(monkeypatch):
+    """A step longer than NATIVE_CHUNK_TOKENS is computed chunk by chunk: the same as separate
+    calls on the chunks, close to one call; a bad id in a later chunk is still a clear error."""
+    experts = _experts("int4", seed=25)
+    be = CpuExpertBackend(experts, range(E), E, kernel="native", threads=2)
+    x = torch.randn(45, H).bfloat16()
+    ids, w = _routing(45, 4, seed=26)
+    whole = be(x, ids, w)
+    monkeypatch.setattr(cpu_experts, "NATIVE_CHUNK_TOKENS", 16)
+    chunked = be(x, ids, w)
+    parts = torch.cat([be(x[a : a + 16], ids[a : a + 16], w[a : a + 16]) for a in (0, 16, 32)])
+    assert torch.equal(chunked, parts)
+    assert _rel(chunked, whole) < 1e-2
+    ids[40, 0] = E
+    with pytest.raises(ValueError, match="outside"):
+        be(x, ids, w)

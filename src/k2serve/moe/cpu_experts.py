@@ -101,6 +101,11 @@ def _tensors(lin, fmt: int) -> tuple[torch.Tensor, torch.Tensor | None]:
 # (K2 layer, 384 experts, lent Xeon: 128 tokens = 2.7 pairs: dot 217 ms, AMX 284 ms; 256
 # tokens = 5.3 pairs: dot 330 ms, AMX 300 ms)
 AMX_MIN_PAIRS = 4.0
+# Longer steps go to the kernel in chunks of this many tokens: its per-call scratch grows with
+# the step (AMX path: ~160 KB per token, the gathered activations and h in tile layout), and a
+# chunk this long costs one more read of the weights (~0.1 s per K2 layer) against seconds of
+# products
+NATIVE_CHUNK_TOKENS = 4096
 
 
 class CpuExpertBackend(ExpertBackend):
@@ -279,13 +284,16 @@ class CpuExpertBackend(ExpertBackend):
             self._pool = ck.shared_pool(*self._pool_key, os.getpid())
         out = torch.empty(T, self.hidden_size, dtype=torch.float32)
         xcode = ck.X_BF16 if x.dtype == torch.bfloat16 else ck.X_F32
-        rc = self._lib.k2_moe_forward(
-            self._layer, self._pool._ptr, T, k, x.data_ptr(), xcode, ids.data_ptr(),
-            w.data_ptr(), self._local_of32.data_ptr(), self.num_experts, out.data_ptr(), None,
-        )  # fmt: skip
-        if rc != 0:
-            self._check_ids(ids)
-            raise RuntimeError(f"CPU expert kernel failed (code {rc})")
+        for t0 in range(0, T, NATIVE_CHUNK_TOKENS):  # tokens are independent
+            n = min(NATIVE_CHUNK_TOKENS, T - t0)
+            rc = self._lib.k2_moe_forward(
+                self._layer, self._pool._ptr, n, k, x[t0].data_ptr(), xcode, ids[t0].data_ptr(),
+                w[t0].data_ptr(), self._local_of32.data_ptr(), self.num_experts,
+                out[t0].data_ptr(), None,
+            )  # fmt: skip
+            if rc != 0:
+                self._check_ids(ids)
+                raise RuntimeError(f"CPU expert kernel failed (code {rc})")
         return out
 
     def _run_torch(self, x, ids, w) -> torch.Tensor:
