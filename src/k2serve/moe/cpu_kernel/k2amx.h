@@ -217,8 +217,33 @@ static void amx_rows(const Mat& m0, int r0, const Mat& m1, int r1, const uint16_
   }
 }
 
+// r[c][p] -> r[p][c] for a 16 x 16 matrix of dwords
+static K2_INLINE void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+      t[8 * i + 4 + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
+  }
+}
+
 // B tile `tile` (pairs q0 .. q0 + 15 of one expert, `valid` of them real) of x: per group g,
-// row p = the dwords of A's columns 2p, 2p + 1 for each pair.
+// row p = the dwords of A's columns 2p, 2p + 1 for each pair (a 16 x 16 dword transpose of the
+// pairs' permuted activations).
 template <int FMT>
 static void build_xt(const uint16_t* x, int H, const int* pair_tok, int valid, uint16_t* dst) {
   const int groups = H >> 5;
@@ -226,17 +251,15 @@ static void build_xt(const uint16_t* x, int H, const int* pair_tok, int valid, u
   for (int l = 0; l < 32; ++l)  // lane l of the permuted vector = A's column l
     idx[l] = FMT == FMT_INT4 ? (l < 16 ? 2 * l : 2 * (l - 16) + 1) : l;
   const __m512i perm = _mm512_load_si512(idx);
-  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
-                                                           5, 4, 3, 2, 1, 0),
-                                          _mm512_set1_epi32(16));
-  for (int c = 0; c < 16; ++c) {
-    const uint16_t* xr = c < valid ? x + (int64_t)pair_tok[c] * H : nullptr;
-    for (int g = 0; g < groups; ++g) {
-      __m512i v = xr ? _mm512_permutexvar_epi16(perm, _mm512_loadu_si512(xr + g * 32))
-                     : _mm512_setzero_si512();
-      // dword p of v -> row p, column c of the tile
-      _mm512_i32scatter_epi32(dst + (int64_t)g * TILE_ELEMS + c * 2, rows, v, 4);
-    }
+  const uint16_t* xr[16];
+  for (int c = 0; c < 16; ++c) xr[c] = c < valid ? x + (int64_t)pair_tok[c] * H : nullptr;
+  for (int g = 0; g < groups; ++g) {
+    __m512i r[16];
+    for (int c = 0; c < 16; ++c)
+      r[c] = xr[c] ? _mm512_permutexvar_epi16(perm, _mm512_loadu_si512(xr[c] + g * 32))
+                   : _mm512_setzero_si512();
+    transpose16(r);
+    for (int p = 0; p < 16; ++p) _mm512_store_si512(dst + (int64_t)g * TILE_ELEMS + p * 32, r[p]);
   }
 }
 
