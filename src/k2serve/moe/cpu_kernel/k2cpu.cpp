@@ -32,6 +32,8 @@
 //      output rows of down_proj (hidden dim split); those row ranges are moved to node n's
 //      memory at load (k2_layer_bind, mbind). Each row is computed exactly as on one node, so
 //      the result is bit-identical to a one-node run; no partial sums to add.
+// Prompt-sized steps with bf16 activations take the AMX tile path instead (k2amx.h, included
+// below; k2_layer_set_tiles turns it on per layer where the CPU and the build have AMX).
 #include <errno.h>
 #include <pthread.h>
 #include <sched.h>
