@@ -21,7 +21,8 @@
 // Work: gate/up items = (expert, RBT1 rows of the intermediate dim): 16 gate + 16 up rows
 // dequantized, then every pair tile of the expert; h = silu(g) * u rounded to bf16 into ht.
 // Down items = a block of output rows (2 per thread), looping over the active experts (each
-// row owned by one thread, no atomics), 32 rows dequantized at a time. NUMA: the same node row split as the decode path.
+// row owned by one thread, no atomics), 32 rows dequantized at a time. NUMA: the same node row
+// split as the decode path.
 //
 // Availability: compiled when -march=native gives AMX-TILE + AMX-BF16 (with AVX512-BF16 for the
 // dequantization), used when Linux grants the process the tile state (arch_prctl); otherwise
@@ -121,7 +122,8 @@ static K2_INLINE void deq_row_bf16(const Mat& m, int r, int g0, int ng, uint16_t
       if ((g & 3) == 0) prefetch_l2(row + g * 16);
       const __m512 f = _mm512_mul_ps(_mm512_set1_ps(sf[(g - g0) & 15]), vals);
       const __m512i lut = (__m512i)_mm512_cvtne2ps_pbh(f, f);
-      const __m256i b2 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(row + g * 16)));
+      const __m128i b = _mm_loadu_si128((const __m128i*)(row + g * 16));
+      const __m256i b2 = _mm256_broadcastsi128_si256(b);
       const __m512i idx = _mm512_srlv_epi16(_mm512_cvtepu8_epi16(b2), shift);
       _mm512_store_si512(dst + g * stride, _mm512_permutexvar_epi16(idx, lut));
     }
@@ -284,7 +286,8 @@ static K2_INLINE __m512 exp512(__m512 x) {
 // silu(g) * u for 16 pairs (zero past `valid`)
 static K2_INLINE __m512 silu_mul(const float* g, const float* u, __mmask16 valid) {
   const __m512 gv = _mm512_load_ps(g);
-  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
+  const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.f), e);
   return _mm512_maskz_mul_ps(valid, _mm512_div_ps(gv, d), _mm512_load_ps(u));
 }
 
@@ -332,7 +335,8 @@ static void forward_tiles(Layer* L, Pool* P, Scratch& sc, int T, const uint16_t*
         ts.tile_start[e] + (sc.expert_start[e + 1] - sc.expert_start[e] + 15) / 16;
   const int ntiles = ts.tile_start[E];
   int max_tiles = 0;
-  for (int e = 0; e < E; ++e) max_tiles = std::max(max_tiles, ts.tile_start[e + 1] - ts.tile_start[e]);
+  for (int e = 0; e < E; ++e)
+    max_tiles = std::max(max_tiles, ts.tile_start[e + 1] - ts.tile_start[e]);
   ts.tile_expert.resize(ntiles);
   for (int e = 0; e < E; ++e)
     for (int t = ts.tile_start[e]; t < ts.tile_start[e + 1]; ++t) ts.tile_expert[t] = e;
@@ -401,14 +405,20 @@ static void forward_tiles(Layer* L, Pool* P, Scratch& sc, int T, const uint16_t*
           for (int t = tb; t < te; ++t) {  // c: rows b.., b + 16.. (tile t), the same (t + 1)
             const float* ct = c + (int64_t)((t - tb) / 2) * 1024 + ((t - tb) & 1) * 512;
             const int qb = (t - tb) * 16, valid = std::min(16, m - qb);
+            __m512i r0[16], r1[16];  // C [row][pair] -> [pair][row]
+            for (int n = 0; n < 16; ++n) {
+              r0[n] = _mm512_load_si512(ct + n * 16);
+              r1[n] = _mm512_load_si512(ct + 256 + n * 16);
+            }
+            transpose16(r0);
+            transpose16(r1);
             for (int j = 0; j < valid; ++j) {
               const int q = p0 + qb + j;
-              const float w = sc.pair_w[q];
+              const __m512 w = _mm512_set1_ps(sc.pair_w[q]);
               float* o = out + (int64_t)sc.pair_tok[q] * H + b;
-              for (int n = 0; n < 16; ++n) {
-                o[n] += w * ct[n * 16 + j];
-                o[16 + n] += w * ct[256 + n * 16 + j];
-              }
+              const __m512 y0 = _mm512_castsi512_ps(r0[j]), y1 = _mm512_castsi512_ps(r1[j]);
+              _mm512_storeu_ps(o, _mm512_fmadd_ps(w, y0, _mm512_loadu_ps(o)));
+              _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(w, y1, _mm512_loadu_ps(o + 16)));
             }
           }
         }
