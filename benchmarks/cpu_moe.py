@@ -11,7 +11,11 @@ of the measured read bandwidth, the old per-expert torch path and KT-Kernel (the
     python benchmarks/cpu_moe.py --experts 48   # a smaller pool on a small machine
     python benchmarks/cpu_moe.py --format fp8 --experts 32 --no-old
 
-Correctness is checked first (native vs the torch reference on a few tokens). Each timing uses
+Correctness is checked first (native vs the torch reference on a few tokens; the AMX prompt path
+vs the decode path). Prompt-sized cases also time the decode path ('dot ms') and the AMX path
+forced on ('AMX ms'), and the 2K prefill is set against torch's bf16 matmul rate (oneDNN, AMX on
+CPUs that have it) at one expert's shapes measured in the same run (--no-limit skips it).
+`--define NAME=VALUE` builds a kernel variant (e.g. K2_AMX_KB=16). Each timing uses
 fresh random routing so the experts read are not in the caches; the bandwidth probe reads a
 buffer of --bw-gib GiB (much larger than the LLC) with the kernel's own threads and with torch.
 """
@@ -29,6 +33,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from k2serve.kernels import cpu as ck  # noqa: E402
+from k2serve.moe import cpu_experts  # noqa: E402
 from k2serve.moe.cpu_experts import CpuExpertBackend  # noqa: E402
 from k2serve.quant.linear import Fp8BlockLinear, Int4GroupLinear, UnquantizedLinear  # noqa: E402
 
@@ -118,6 +123,40 @@ def time_backend(fn, T, E, k, g, iters, warmup=1):
     return ts[len(ts) // 2], sum(hits) / len(hits)  # median time, mean distinct experts hit
 
 
+def matmul_limit(experts, pairs_per_expert: int, threads: int, reps: int = 3) -> dict:
+    """The CPU's bf16 matmul rate through torch (oneDNN: AMX on CPUs that have it) at one K2
+    expert's shapes with `pairs_per_expert` rows, over distinct weights (not cached), and the
+    cost of dequantizing one expert to bf16 with torch. Returns TFLOP/s and seconds."""
+    torch.set_num_threads(threads)
+    m = max(1, pairs_per_expert)
+    n_w = min(len(experts), 24)
+    wgu = [torch.cat([experts[e].gate_proj.dequantized_weight(torch.bfloat16),
+                      experts[e].up_proj.dequantized_weight(torch.bfloat16)])
+           for e in range(n_w)]  # fmt: skip
+    wd = [experts[e].down_proj.dequantized_weight(torch.bfloat16) for e in range(n_w)]
+    xg = torch.randn(m, wgu[0].shape[1]).bfloat16()
+    xd = torch.randn(m, wd[0].shape[1]).bfloat16()
+
+    def rate(x, ws):
+        x @ ws[0].T  # warm-up (oneDNN primitive creation)
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for w in ws:
+                x @ w.T
+            best = min(best, (time.perf_counter() - t0) / len(ws))
+        return 2 * x.shape[0] * ws[0].shape[0] * ws[0].shape[1] / best / 1e12
+
+    sq = torch.randn(4096, 4096).bfloat16()
+    out = {"gate_up": rate(xg, wgu), "down": rate(xd, wd), "square": rate(sq, [sq] * 4)}
+    t0 = time.perf_counter()
+    for e in range(n_w):
+        for lin in (experts[e].gate_proj, experts[e].up_proj, experts[e].down_proj):
+            lin.dequantized_weight(torch.bfloat16)
+    out["dequant_s"] = (time.perf_counter() - t0) / n_w
+    return out
+
+
 def kt_peer(experts, fmt, hidden, inter, E, k, threads):
     """KT-Kernel's MoE on the same weights, or (None, reason)."""
     from bench_kt_peer import load_ext, make_kt_layer  # benchmarks/bench_kt_peer.py
@@ -151,15 +190,27 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=60, help="MoE layers for the extrapolation")
     ap.add_argument("--no-old", action="store_true", help="skip the old torch path")
     ap.add_argument("--no-peer", action="store_true", help="skip KT-Kernel")
+    ap.add_argument("--no-limit", action="store_true", help="skip torch's matmul-rate limit")
+    ap.add_argument("--no-dot", action="store_true", help="skip the dot-product path (prompts)")
+    ap.add_argument("--no-forced", action="store_true", help="skip the AMX path forced on")
+    ap.add_argument(
+        "--define",
+        action="append",
+        default=[],
+        help="NAME=VALUE: a kernel build macro (variants, e.g. K2_AMX_KB=16)",
+    )
     args = ap.parse_args(argv)
+    if args.define:  # a different build: rebuilt into its own cache entry
+        ck.CXX_FLAGS = ck.CXX_FLAGS + tuple(f"-D{d}" for d in args.define)
     HIDDEN = args.hidden
     threads = args.threads or torch.get_num_threads()
     g = torch.Generator().manual_seed(0)
     print(f"# cpu_moe: {args.experts} experts top-{args.topk}, hidden {args.hidden}, "
           f"inter {args.inter}, {args.format}, {threads} threads, torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs, NUMA nodes {len(ck.numa_topology())}")  # fmt: skip
-    print(f"# native kernel: SIMD {ck.load_kernel('native').k2_simd_width()} bits, CPU bf16 "
-          f"{ck.cpu_has_bf16()}")  # fmt: skip
+    lib = ck.load_kernel("native")
+    print(f"# native kernel: SIMD {lib.k2_simd_width()} bits, CPU bf16 {ck.cpu_has_bf16()}, "
+          f"AMX {bool(lib.k2_amx_available())}, defines {args.define}")  # fmt: skip
     t0 = time.perf_counter()
     cache: dict = {}
     experts = [
@@ -171,19 +222,30 @@ def main(argv=None) -> int:
     print(f"# weights: {args.experts} x {per_expert / 1e6:.1f} MB = {total:.2f} GB ({dt:.1f}s)")
     E, k = args.experts, args.topk
     native = CpuExpertBackend(experts, range(E), E, kernel="native", threads=threads)
+    dot = CpuExpertBackend(experts, range(E), E, kernel="native", threads=threads, amx=False)
+    tiles = CpuExpertBackend(experts, range(E), E, kernel="native", threads=threads,
+                             amx_min_pairs=0.0)  # fmt: skip
     old = CpuExpertBackend(experts, range(E), E, kernel="torch")
     # -- correctness: native vs the torch path on a few tokens (bf16 activations)
-    for T in (1, 5):
+    # the decode path against the torch reference; the AMX path against the decode path (a
+    # torch reference at T=33 dequantizes ~250 experts: half a minute on a 16-core host)
+    checks = [(T, native, old, "decode path", "torch") for T in (1, 5)]
+    if tiles.amx:
+        checks.append((33, tiles, dot, "AMX", "decode path"))
+    for T, be, ref, name, ref_name in checks:
         ids, w = routing(T, E, k, g)
         x = torch.randn(T, args.hidden, generator=g).bfloat16()
-        a = native(x, ids, w).float()
-        b = old(x.float(), ids, w).float()
+        a = be(x, ids, w).float()
+        b = ref(x.float() if ref is old else x, ids, w).float()
         err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
-        ok = err < 2e-2
-        print(f"# check T={T}: max |native - torch| / max |torch| = {err:.2e} "
-              f"{'OK' if ok else 'FAIL'}")  # fmt: skip
+        rel = ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+        ok = err < 2e-2 and rel < 1e-2
+        print(f"# check T={T} ({name} vs {ref_name}): max |a - b| / max |b| = {err:.2e}, "
+              f"|a - b| / |b| = {rel:.2e} {'OK' if ok else 'FAIL'}")  # fmt: skip
         if not ok:
             return 1
+    print(f"# AMX path: {'on' if native.amx else 'off'} for steps with at least "
+          f"{cpu_experts.AMX_MIN_PAIRS:g} pairs per active expert")  # fmt: skip
     bw_k, bw_t = read_bandwidth(native, args.bw_gib)
     bw = max(bw_k, bw_t)
     print(f"# read bandwidth ({args.bw_gib} GiB buffer): kernel threads {bw_k:.1f} GB/s, "
@@ -205,9 +267,23 @@ def main(argv=None) -> int:
     cases = [int(b) for b in args.batches.split(",") if b] + (
         [args.prefill] if args.prefill else []
     )
+    limit = None
+    if args.prefill and not args.no_limit:
+        per = round(args.prefill * k / E)
+        limit = matmul_limit(experts, per, threads)
+        fl_gu = 2 * args.prefill * k * 2 * args.inter * args.hidden
+        fl_d = 2 * args.prefill * k * args.inter * args.hidden
+        limit["layer_s"] = (fl_gu / limit["gate_up"] + fl_d / limit["down"]) / 1e12
+        print(f"# torch bf16 matmul (oneDNN), {threads} threads, {per} rows per expert, distinct "
+              f"weights: gate_up {limit['gate_up']:.2f} TFLOP/s, down {limit['down']:.2f} "
+              f"TFLOP/s, square 4096 {limit['square']:.2f} TFLOP/s; torch dequant of one "
+              f"expert to bf16 {limit['dequant_s'] * 1e3:.1f} ms")  # fmt: skip
+        print(f"# limit for the {args.prefill}-token layer at these rates: "
+              f"{limit['layer_s'] * 1e3:.0f} ms ({(fl_gu + fl_d) / 1e12:.2f} TFLOP)")  # fmt: skip
     tps = f"tok/s@{args.layers}"
     hdr = (f"{'tokens':>7} {'ms/layer':>9} {'MB read':>8} {'GB/s':>7} {'of BW':>6} "
-           f"{'old ms':>9} {'x old':>6} {'KT ms':>8} {'x KT':>6} {tps:>10}")  # fmt: skip
+           f"{'TFLOP/s':>8} {'dot ms':>9} {'AMX ms':>9} {'old ms':>9} {'x old':>6} "
+           f"{'KT ms':>8} {'x KT':>6} {tps:>10}")  # fmt: skip
     print(hdr)
     profiles = []
     for T in cases:
@@ -215,6 +291,13 @@ def main(argv=None) -> int:
         t_new, hit = time_backend(native, T, E, k, g, iters)
         read = hit * per_expert
         gbs = read / t_new / 1e9
+        prof = ck.last_profile(native._lib)  # the last timed call's parts
+        t_dot = t_amx = None
+        if T > 16 and not args.no_dot:
+            t_dot, _ = time_backend(dot, T, E, k, g, iters)
+        if T > 1 and tiles.amx and not args.no_forced:
+            t_amx, _ = time_backend(tiles, T, E, k, g, iters)
+        flops = 2 * T * k * 3 * args.inter * args.hidden
         t_old = None
         if not args.no_old and T <= 16:
             t_old, _ = time_backend(old, T, E, k, g, 2 if T == 1 else 1, warmup=0)
@@ -222,20 +305,25 @@ def main(argv=None) -> int:
         if peer is not None:
             t_kt, _ = time_backend(peer, T, E, k, g, iters)
         tok_s = T / (t_new * args.layers)
-        prof = ck.last_profile(native._lib)  # the last timed call's parts
         profiles.append((T, prof, t_new))
         x_old = t_old / t_new if t_old else 0
         x_kt = t_kt / t_new if t_kt else 0
         print(f"{T:>7} {t_new * 1e3:>9.2f} {read / 1e6:>8.0f} {gbs:>7.1f} {gbs / bw:>6.0%} "
+              f"{flops / t_new / 1e12:>8.2f} {(t_dot or 0) * 1e3:>9.1f} {(t_amx or 0) * 1e3:>9.1f} "
               f"{(t_old or 0) * 1e3:>9.1f} {x_old:>6.1f} {(t_kt or 0) * 1e3:>8.2f} {x_kt:>6.2f} "
               f"{tok_s:>10.2f}")  # fmt: skip
+        if limit is not None and T == args.prefill:
+            print(f"# {T} tokens: {t_new * 1e3:.0f} ms = {limit['layer_s'] / t_new:.0%} of torch's "
+                  f"matmul rate at the expert shapes ({limit['layer_s'] * 1e3:.0f} ms)"
+                  + (f"; the dot-product path {t_dot * 1e3:.0f} ms" if t_dot else ""))  # fmt: skip
     print("# parts of the last timed call, ms (kernel's view; 'call' = Python's median):")
     parts = ck.PROFILE_PARTS
     print("#", f"{'tokens':>6}", " ".join(f"{p:>9}" for p in parts), f"{'call':>9}")
     for T, prof, t in profiles:
         print("#", f"{T:>6}", " ".join(f"{prof[p] * 1e3:>9.3f}" for p in parts), f"{t * 1e3:>9.3f}")
     print("# tok/s@N: tokens per second of the routed experts alone over N MoE layers "
-          "(attention, shared expert and dense layers not included)")  # fmt: skip
+          "(attention, shared expert and dense layers not included); 'dot ms': the decode "
+          "path (AMX off), 'AMX ms': the AMX path forced (any pairs per expert)")  # fmt: skip
     return 0
 
 

@@ -16,6 +16,7 @@ monkeypatch. Nothing else in k2serve reads `os.environ` for a `K2SERVE_*` name.
 | K2SERVE_HEARTBEAT_TIMEOUT_S | float > 0 | 30 | multi-node: a silent node is lost after this |
 | K2SERVE_DIST_SECRET | str | unset | multi-node: the shared secret the nodes authenticate with |
 | K2SERVE_CPU_KERNEL | str | auto | CPU expert kernel mode (kernels.cpu.KERNEL_MODES) |
+| K2SERVE_CPU_AMX | bool | true | CPU expert kernel: AMX tiles for prompt-sized steps |
 | K2SERVE_CPU_THREADS | int >= 1 | unset | CPU expert kernel threads (unset: all cores) |
 | K2SERVE_NUMA_TOPOLOGY | str | unset | CPU expert kernel NUMA topology override |
 | K2SERVE_CACHE_DIR | str | unset | where the CPU kernel's build / repack cache lives |
@@ -112,6 +113,11 @@ def dist_secret() -> str | None:
 def cpu_kernel_mode() -> str:
     """K2SERVE_CPU_KERNEL: the CPU expert kernel mode, lower case ("auto" when unset)."""
     return (_raw("K2SERVE_CPU_KERNEL") or "auto").lower()
+
+
+def cpu_amx() -> bool:
+    """K2SERVE_CPU_AMX: prompt-sized CPU expert steps may use AMX tiles (when the CPU has them)."""
+    return env_bool("K2SERVE_CPU_AMX", True)
 
 
 def cpu_threads() -> int | None:

@@ -18,7 +18,10 @@ Implementations (`impl`):
   reading the weights in their checkpoint format (INT4 pack-quantized, FP8 128x128 blocks, bf16;
   float32 for bf16-format experts of a float32 model): no per-expert Python, no dequantized copy,
   activations as given (bf16 or float32), float32 accumulation. Threads from one shared pool
-  (K2SERVE_CPU_THREADS), grouped by NUMA node (see kernels.cpu.numa_topology).
+  (K2SERVE_CPU_THREADS), grouped by NUMA node (see kernels.cpu.numa_topology). Prompt-sized
+  steps with bf16 activations (at least AMX_MIN_PAIRS pairs per active expert) run the expert
+  GEMMs on AMX tiles where the CPU has them (`amx`, K2SERVE_CPU_AMX; kernels/cpu/k2amx.h): each
+  weight dequantized once per step to bf16 in L2, activations rounded to bf16 as they are.
 - "torch": the fallback when the kernel cannot be built (no compiler), or the shapes are not
   multiples of 32: a loop over the hit experts, each dequantized per call in `compute_dtype`.
 
@@ -93,6 +96,18 @@ def _tensors(lin, fmt: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     return lin.weight, None
 
 
+# The AMX path (k2amx.h) runs a step when its (token, expert) pairs per active expert reach this:
+# below it the decode path's dot products, which read each weight once per 8 pairs, are faster
+# (K2 layer, 384 experts, lent Xeon: 128 tokens = 2.7 pairs: dot 217 ms, AMX 284 ms; 256
+# tokens = 5.3 pairs: dot 330 ms, AMX 300 ms)
+AMX_MIN_PAIRS = 4.0
+# Longer steps go to the kernel in chunks of this many tokens: its per-call scratch grows with
+# the step (AMX path: ~160 KB per token, the gathered activations and h in tile layout), and a
+# chunk this long costs one more read of the weights (~0.1 s per K2 layer) against seconds of
+# products
+NATIVE_CHUNK_TOKENS = 4096
+
+
 class CpuExpertBackend(ExpertBackend):
     name = "cpu"
 
@@ -106,10 +121,12 @@ class CpuExpertBackend(ExpertBackend):
         kernel: str | None = None,  # "auto" / "native" / "torch"; None: K2SERVE_CPU_KERNEL
         threads: int | None = None,  # None: K2SERVE_CPU_THREADS, else torch.get_num_threads()
         numa_topology: str | None = None,  # injected cpulists "0-7;8-15"; None: env, then /sys
+        amx: bool | None = None,  # AMX tiles for prompt-sized steps; None: K2SERVE_CPU_AMX
+        amx_min_pairs: float | None = None,  # ... from this many pairs per expert; None: default
     ) -> None:
         if len(experts) != len(expert_ids):
             raise ValueError(f"{len(experts)} experts but {len(expert_ids)} expert ids")
-        self._init_args = (compute_dtype, kernel, threads, numa_topology)  # for copies
+        self._init_args = (compute_dtype, kernel, threads, numa_topology, amx, amx_min_pairs)
         self.experts = list(experts)
         self.expert_ids = tuple(int(e) for e in expert_ids)
         self.num_experts = num_experts
@@ -119,6 +136,7 @@ class CpuExpertBackend(ExpertBackend):
         self._pending: tuple | None = None
         self._layer = None
         self.impl = "torch"
+        self.amx = False  # True: prompt-sized steps run on AMX tiles (native kernel)
         settings = ck.kernel_settings()
         mode = kernel or settings.mode
         if mode not in ck.KERNEL_MODES:
@@ -128,6 +146,10 @@ class CpuExpertBackend(ExpertBackend):
             if lib is not None:
                 self._init_native(lib, threads or settings.threads,
                                   numa_topology or settings.numa_topology, mode)  # fmt: skip
+            if self._layer is not None:
+                on = settings.amx if amx is None else amx
+                m = AMX_MIN_PAIRS if amx_min_pairs is None else amx_min_pairs
+                self.amx = bool(lib.k2_layer_set_tiles(self._layer, int(on), float(m)))
 
     # ------------------------------------------------------------------ native kernel set-up
     def _init_native(self, lib, threads, topology, mode) -> None:
@@ -183,10 +205,11 @@ class CpuExpertBackend(ExpertBackend):
                 "num_experts": self.num_experts, "init_args": self._init_args}  # fmt: skip
 
     def __setstate__(self, state: dict) -> None:
-        compute_dtype, kernel, threads, topology = state["init_args"]
+        compute_dtype, kernel, threads, topology, amx, amx_min = state["init_args"]
         CpuExpertBackend.__init__(self, state["experts"], state["expert_ids"],
                                   state["num_experts"], compute_dtype, kernel=kernel,
-                                  threads=threads, numa_topology=topology)  # fmt: skip
+                                  threads=threads, numa_topology=topology, amx=amx,
+                                  amx_min_pairs=amx_min)  # fmt: skip
 
     def __del__(self) -> None:
         layer, self._layer = getattr(self, "_layer", None), None
@@ -261,13 +284,16 @@ class CpuExpertBackend(ExpertBackend):
             self._pool = ck.shared_pool(*self._pool_key, os.getpid())
         out = torch.empty(T, self.hidden_size, dtype=torch.float32)
         xcode = ck.X_BF16 if x.dtype == torch.bfloat16 else ck.X_F32
-        rc = self._lib.k2_moe_forward(
-            self._layer, self._pool._ptr, T, k, x.data_ptr(), xcode, ids.data_ptr(),
-            w.data_ptr(), self._local_of32.data_ptr(), self.num_experts, out.data_ptr(), None,
-        )  # fmt: skip
-        if rc != 0:
-            self._check_ids(ids)
-            raise RuntimeError(f"CPU expert kernel failed (code {rc})")
+        for t0 in range(0, T, NATIVE_CHUNK_TOKENS):  # tokens are independent
+            n = min(NATIVE_CHUNK_TOKENS, T - t0)
+            rc = self._lib.k2_moe_forward(
+                self._layer, self._pool._ptr, n, k, x[t0].data_ptr(), xcode, ids[t0].data_ptr(),
+                w[t0].data_ptr(), self._local_of32.data_ptr(), self.num_experts,
+                out[t0].data_ptr(), None,
+            )  # fmt: skip
+            if rc != 0:
+                self._check_ids(ids)
+                raise RuntimeError(f"CPU expert kernel failed (code {rc})")
         return out
 
     def _run_torch(self, x, ids, w) -> torch.Tensor:

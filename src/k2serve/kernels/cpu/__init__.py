@@ -9,6 +9,8 @@ node) and `numa_topology()` (/sys/devices/system/node, or an injected one).
 Environment (read once per process, in `kernel_settings()`):
 - K2SERVE_CPU_KERNEL: "auto" (default: native when it builds, else the torch path), "native"
   (fail when it does not build), "torch" (never build).
+- K2SERVE_CPU_AMX: "1" (default) lets prompt-sized steps (many tokens per expert) run the expert
+  GEMMs on AMX tiles when the CPU has them (k2amx.h); "0" keeps every step on the dot-product path.
 - K2SERVE_CPU_THREADS: threads of the kernel's pool (default: torch.get_num_threads()).
 - K2SERVE_NUMA_TOPOLOGY: an injected topology, node cpulists separated by ";" (e.g.
   "0-7;8-15", or "0;0" to test a 2-node split on one core); default: read from /sys.
@@ -37,6 +39,7 @@ from k2serve import envs
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("k2cpu.cpp")
+HEADERS = (Path(__file__).with_name("k2amx.h"),)  # included by SOURCE (part of the build key)
 CXX_FLAGS = ("-O3", "-march=native", "-std=gnu++17", "-shared", "-fPIC", "-pthread")
 KERNEL_MODES = ("auto", "native", "torch")
 
@@ -51,6 +54,7 @@ class KernelBuildError(RuntimeError):
 @dataclass(frozen=True)
 class KernelSettings:
     mode: str = "auto"
+    amx: bool = True
     threads: int | None = None
     numa_topology: str | None = None
     cache_dir: str | None = None
@@ -63,6 +67,7 @@ def kernel_settings() -> KernelSettings:
         raise ValueError(f"K2SERVE_CPU_KERNEL={mode!r}; expected one of {KERNEL_MODES}")
     return KernelSettings(
         mode=mode,
+        amx=envs.cpu_amx(),
         threads=envs.cpu_threads(),
         numa_topology=envs.numa_topology(),
         cache_dir=envs.cache_dir(),
@@ -162,7 +167,7 @@ def _build(cache_dir: Path) -> Path:
         ).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"{cxx} --version failed: {e}") from e
-    src = SOURCE.read_bytes()
+    src = b"".join(p.read_bytes() for p in (SOURCE, *HEADERS))
     key = hashlib.sha256(
         b"\0".join([src, " ".join(CXX_FLAGS).encode(), version.encode(), _cpu_flags().encode()])
     ).hexdigest()[:20]
@@ -196,6 +201,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.k2_layer_create.argtypes = [i, i, i, i, ctypes.POINTER(ctypes.c_int64)]
     lib.k2_layer_create.restype = p
     lib.k2_layer_destroy.argtypes = [p]
+    lib.k2_layer_set_tiles.argtypes = [p, i, ctypes.c_float]
+    lib.k2_layer_set_tiles.restype = i
+    lib.k2_amx_available.restype = i
     lib.k2_layer_bind.argtypes = [p, p, ip]
     lib.k2_layer_bind.restype = i
     lib.k2_moe_forward.argtypes = [p, p, i, i, p, i, p, p, p, i, p, p]

@@ -32,6 +32,8 @@
 //      output rows of down_proj (hidden dim split); those row ranges are moved to node n's
 //      memory at load (k2_layer_bind, mbind). Each row is computed exactly as on one node, so
 //      the result is bit-identical to a one-node run; no partial sums to add.
+// Prompt-sized steps with bf16 activations take the AMX tile path instead (k2amx.h, included
+// below; k2_layer_set_tiles turns it on per layer where the CPU and the build have AMX).
 #include <errno.h>
 #include <pthread.h>
 #include <sched.h>
@@ -527,6 +529,8 @@ struct Pool {
 struct Layer {
   int fmt, E, H, I;
   std::vector<Mat> gate, up, down;  // [E] local experts
+  int tiles = 0;          // 1: steps with bf16 activations may use the AMX path (k2amx.h)
+  float tile_min = 0.f;   // ... when their pairs per active expert are at least this
 };
 
 // Seconds spent in the last call's parts, on the calling thread (k2_last_profile).
@@ -726,6 +730,8 @@ static void forward_impl(Layer* L, Pool* P, Scratch& sc, float* out,
   g_profile.down = t_end - t_gu;
 }
 
+#include "k2amx.h"
+
 static void mk_mat(Mat& m, int fmt, int64_t w, int64_t s, int cols) {
   m.w = (const uint8_t*)w;
   m.s = (const void*)s;
@@ -815,6 +821,20 @@ void* k2_layer_create(int fmt, int E, int H, int I, const int64_t* ptrs) {
 }
 
 void k2_layer_destroy(void* l) { delete (Layer*)l; }
+
+// Let steps with bf16 activations and at least `min_pairs` (token, expert) pairs per active
+// expert use the AMX path. Returns 1 when it is on (AMX built and granted, format INT4 / FP8 /
+// BF16), else 0 (every step takes the decode path).
+int k2_layer_set_tiles(void* layer, int on, float min_pairs) {
+  Layer* L = (Layer*)layer;
+  const bool fmt_ok = L->fmt == FMT_INT4 || L->fmt == FMT_FP8 || L->fmt == FMT_BF16;
+  L->tiles = on && fmt_ok && K2_HAS_AMX && amx_permitted() && L->H % 32 == 0 && L->I % 32 == 0;
+  L->tile_min = min_pairs;
+  return L->tiles;
+}
+
+// 1 when this build has the AMX path and the process may use the tile unit.
+int k2_amx_available() { return K2_HAS_AMX && amx_permitted(); }
 
 // Move each expert's rows to the NUMA node whose threads read them (node_ids[n] = the kernel
 // node n's id in /sys). Returns the number of ranges the kernel refused to move.
@@ -931,6 +951,20 @@ int k2_moe_forward(void* layer, void* pool, int T, int k, const void* x, int x_d
     memset(out, 0, sizeof(float) * (size_t)T * H);
     return 0;
   }
+#if K2_HAS_AMX
+  // prompts: the expert GEMMs on the tile unit (k2amx.h)
+  if (L->tiles && x_dtype == X_BF16 && Pn >= L->tile_min * (float)sc.active.size()) {
+    const uint16_t* xb = (const uint16_t*)x;
+    if (fmt == FMT_INT4)
+      forward_tiles<FMT_INT4>(L, P, sc, T, xb, out);
+    else if (fmt == FMT_FP8)
+      forward_tiles<FMT_FP8>(L, P, sc, T, xb, out);
+    else
+      forward_tiles<FMT_BF16>(L, P, sc, T, xb, out);
+    g_profile.total = now_s() - t_start;
+    return 0;
+  }
+#endif
   // 2, 3. gate + up, then down
 #if K2_HAS_I4BF
   if (kfmt == FMT_I4BF) {
