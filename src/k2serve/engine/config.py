@@ -61,6 +61,11 @@ _HELP = {
     "node_rank": "this node's rank: 0 serves HTTP, the others run `serve --headless`",
     "master_addr": "address of node 0, reachable from every node",
     "master_port": "torch.distributed port on node 0; node 0 also listens on master_port + 1",
+    "limit_mm_per_prompt": "most multimodal items per prompt, JSON like '{\"image\": 4}' (K2.5; "
+    "default 16 images, video 0: video is not supported)",
+    "mm_encoder_tp_mode": "with -tp N, how the K2.5 vision tower runs: weights (every rank holds "
+    "the tower, rank 0 encodes and hands the embeddings to the others) or data (the step's "
+    "images are split over the ranks, each encodes its share)",
     "dist_join_timeout": "seconds node 0 waits for every node to join; a worker node waits as "
     "long for node 0 (which listens once it has loaded its own shard)",
 }
@@ -76,6 +81,40 @@ def parse_bytes(value: str | int | None) -> int | None:
     num, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
     base = 1024 if binary else 1000
     return int(num * base ** " KMGT".index(unit or " "))
+
+
+MM_MODALITIES = ("image", "video")
+DEFAULT_IMAGE_LIMIT = 16
+
+
+def parse_mm_limits(value: str | dict | None) -> dict[str, int]:
+    """--limit-mm-per-prompt: '{"image": 4}' (JSON) or 'image=4,video=0' -> {modality: n}."""
+    if value is None:
+        return {"image": DEFAULT_IMAGE_LIMIT, "video": 0}
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            try:
+                value = {k.strip(): int(v) for k, v in (p.split("=") for p in value.split(","))}
+            except ValueError:
+                raise ValueError(
+                    f'limit_mm_per_prompt={value!r} is not JSON like {{"image": 4}}'
+                ) from None
+    if not isinstance(value, dict):
+        raise ValueError(f'limit_mm_per_prompt={value!r} must be an object like {{"image": 4}}')
+    out = {"image": DEFAULT_IMAGE_LIMIT, "video": 0}
+    for k, v in value.items():
+        if k not in MM_MODALITIES:
+            raise ValueError(f"limit_mm_per_prompt: unknown modality {k!r} (image, video)")
+        if isinstance(v, dict):  # vLLM's {"image": {"count": 4, ...}}
+            v = v.get("count")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"limit_mm_per_prompt[{k!r}]={v!r} must be a non-negative integer")
+        out[k] = v
+    return out
 
 
 @dataclass(frozen=True)
@@ -114,10 +153,21 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     dist_join_timeout: int = 600
+    limit_mm_per_prompt: dict | None = None  # {"image": N}; None: 16 images
+    mm_encoder_tp_mode: str = "weights"
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):
             object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        if isinstance(self.limit_mm_per_prompt, str):
+            object.__setattr__(
+                self, "limit_mm_per_prompt", parse_mm_limits(self.limit_mm_per_prompt)
+            )
+        parse_mm_limits(self.limit_mm_per_prompt)  # ValueError when malformed
+        if self.mm_encoder_tp_mode not in ("weights", "data"):
+            raise ValueError(
+                f"mm_encoder_tp_mode={self.mm_encoder_tp_mode!r} is not weights or data"
+            )
 
         def positive(name: str, allow_none: bool = False) -> None:
             v = getattr(self, name)
@@ -199,7 +249,7 @@ class EngineConfig:
                 continue
             typ: Callable[[str], Any] | None = {
                 "max_model_len": int, "num_kv_pages": int, "max_waiting": int,
-                "num_gpu_experts": int,
+                "num_gpu_experts": int, "limit_mm_per_prompt": str,
                 "gpu_prefill_token_threshold": int}.get(f.name)  # fmt: skip
             if typ is None:
                 typ = type(default) if default is not None else str

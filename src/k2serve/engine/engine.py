@@ -28,6 +28,7 @@ from k2serve.engine.config import EngineConfig
 from k2serve.engine.contract import resolve_max_tokens
 from k2serve.engine.detokenizer import make_detokenizer
 from k2serve.engine.errors import PromptTooLongError
+from k2serve.engine.multimodal import MultiModalInputs
 from k2serve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from k2serve.engine.request import Request, RequestStatus
 from k2serve.engine.runner import ModelRunner
@@ -40,6 +41,7 @@ from k2serve.engine.setup import (
     resolve_device,
     setup_rank,
 )
+from k2serve.multimodal.inputs import ImageInput
 
 if TYPE_CHECKING:
     from k2serve.engine.executor import MultiprocExecutor
@@ -157,6 +159,7 @@ class LLMEngine:
             self.runner = ModelRunner(
                 model, kv_caches, cfg.page_size, self.device, cfg.seed, engine_config=cfg
             )
+        self.mm = MultiModalInputs.for_model(self.model_config, model_dir, cfg)
         self.eos_token_ids = eos_token_ids(self.model_config, tokenizer, model_dir)
         self.vocab_size = self.model_config.vocab_size
         self._requests: dict[str, Request] = {}  # child id -> request (unfinished)
@@ -227,11 +230,14 @@ class LLMEngine:
         prompt: str | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        mm_inputs: list[ImageInput] | None = None,
     ) -> None:
+        """`mm_inputs`: the prompt's images, placed (`process_images` / `MultiModalInputs`)."""
         params = params or SamplingParams()
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         max_tokens = self.validate(prompt_token_ids, params)
+        self.mm.check_placed(prompt_token_ids, mm_inputs or [])
         ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         children = []
         so = params.structured_outputs
@@ -247,6 +253,7 @@ class LLMEngine:
                 index=i,
                 cache_salt=cache_salt,
                 arrival_time=arrival_time,
+                mm_inputs=mm_inputs,
             )
             if compiled is not None and so is not None:
                 from k2serve.structured.state import GrammarState

@@ -27,6 +27,7 @@ import torch
 from k2serve.cache.kv_cache_manager import KVCacheManager
 from k2serve.engine.config import EngineConfig
 from k2serve.engine.input_batch import BlockTables, to_device
+from k2serve.engine.multimodal import EncoderCache
 from k2serve.engine.request import Request
 from k2serve.engine.sampler import Sampler, SamplerOutput
 from k2serve.engine.scheduler import SchedulerOutput
@@ -173,6 +174,12 @@ class ModelRunner(BatchBuilder):
 
             # before the graphs are captured, so that their replays are counted too
             self.routing = RoutingService.from_config(model, cfg, max(cfg.max_num_seqs, 256))
+        # K2.5: the image encoder's outputs by image hash (engine.multimodal)
+        self.encoder_cache = (
+            EncoderCache(model, max(65536, 2 * cfg.max_num_batched_tokens))
+            if getattr(getattr(model, "config", None), "vision", None) is not None
+            else None
+        )
         if self.device.type == "cuda":
             self._setup_graphs(cfg)
 
@@ -209,7 +216,15 @@ class ModelRunner(BatchBuilder):
         """Run one step; returns the requests that sampled and their samples (same order)."""
         inp = self.prepare(sched, kv)
         md = inp.attn_metadata
-        if self.graph_runner is not None and md.num_decodes == md.num_seqs:
+        mm = None
+        if self.encoder_cache is not None:
+            mm = self.encoder_cache.step_embeddings(sched.scheduled)  # image tokens' rows
+        if mm is not None:
+            hidden = self.model(
+                inp.input_ids, inp.positions, attn_metadata=md, kv_caches=self.kv_caches,
+                mm_embeds=mm,
+            )  # fmt: skip
+        elif self.graph_runner is not None and md.num_decodes == md.num_seqs:
             # decode-only: a captured graph when one fits, else eager inside run()
             hidden = self.graph_runner.run(inp.input_ids, inp.positions, md)  # [T, hidden]
         else:

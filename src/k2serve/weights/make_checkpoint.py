@@ -1,6 +1,7 @@
 """`k2serve make-checkpoint`: write a random checkpoint in the exact real layout.
 
-Writes config.json (real keys + quantization_config), generation_config.json, sharded
+Writes config.json (real keys + quantization_config), generation_config.json (and for the
+K2.5 presets preprocessor_config.json), sharded
 safetensors with the real tensor names and model.safetensors.index.json, and the tokenizer
 files (tiktoken.model, tokenizer_config.json, chat_template.jinja) when `k2serve.tokenizer` is
 available.
@@ -36,7 +37,7 @@ def make_checkpoint(
     progress: bool = True,
 ) -> ModelConfig:
     """Write a random checkpoint of `config_dict` (a config.json dict) into `out_dir`."""
-    from k2serve.weights.loader import build_meta_model
+    from k2serve.weights.loader import build_meta_model, checkpoint_name
     from k2serve.weights.random_init import random_tensors
     from k2serve.weights.writer import ShardedWriter
 
@@ -49,7 +50,7 @@ def make_checkpoint(
     for name, t in tqdm(
         random_tensors(model, seed), total=n, desc="Writing weights", disable=not progress
     ):
-        writer.add(config.weight_prefix + name, t)
+        writer.add(checkpoint_name(name, config), t)
     files = writer.close()
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config_dict, f, indent=2)
@@ -65,6 +66,12 @@ def make_checkpoint(
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump(gen, f, indent=2)
         f.write("\n")
+    if config.vision is not None:  # K2.5: the image preprocessor's settings
+        from k2serve.vision_config import ImageProcessorConfig
+
+        with open(os.path.join(out_dir, "preprocessor_config.json"), "w") as f:
+            json.dump(ImageProcessorConfig().to_json(), f, indent=2)
+            f.write("\n")
     if tokenizer:
         _write_tokenizer(out_dir, config.vocab_size)
     logger.info("wrote %d shards to %s", len(files), out_dir)

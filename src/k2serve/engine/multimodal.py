@@ -1,0 +1,170 @@
+"""The engine's side of K2.5 images: request-time checks and the step's encoder outputs.
+
+- `MultiModalInputs` (one per engine): the image processor of the checkpoint
+  (preprocessor_config.json), the placeholder id, `--limit-mm-per-prompt`; turns a prompt and
+  its images into expanded token ids + placed `ImageInput`s (`process`), and checks placed
+  inputs handed in by the server (`check_placed`).
+- `EncoderCache` (one per runner): runs the vision encoder once per image content hash and
+  keeps the outputs (least recently used first out, bounded in tokens), so a chunked prefill that
+  splits an image's run of tokens over steps, or two requests with the same image, encode it once;
+  `step_embeddings` gives the (flat-batch rows, embeddings) of the step's image tokens.
+Invariant: correctness never depends on a cache hit: an evicted image is encoded again.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+from k2serve.multimodal.image import ImageError, ImageProcessor, ProcessedImage
+from k2serve.multimodal.inputs import ImageInput, expand_placeholders
+from k2serve.vision_config import ImageProcessorConfig
+
+
+class MultiModalInputs:
+    def __init__(
+        self, processor: ImageProcessor | None, placeholder_id: int | None, max_images: int
+    ) -> None:
+        self.processor = processor
+        self.placeholder_id = placeholder_id
+        self.max_images = max_images
+
+    @classmethod
+    def for_model(cls, model_config, model_dir, engine_config) -> MultiModalInputs:
+        from k2serve.engine.config import parse_mm_limits
+
+        limits = parse_mm_limits(engine_config.limit_mm_per_prompt)
+        vc = getattr(model_config, "vision", None)
+        if vc is None:
+            return cls(None, None, 0)
+        proc = ImageProcessor(ImageProcessorConfig.from_dir(model_dir))
+        return cls(proc, vc.media_placeholder_token_id, limits["image"])
+
+    @property
+    def enabled(self) -> bool:
+        return self.processor is not None
+
+    def check_count(self, n: int) -> None:
+        if n and not self.enabled:
+            raise ValueError("this model takes no images (its config.json has no vision_config)")
+        if n > self.max_images:
+            raise ValueError(
+                f"{n} images in one prompt; at most {self.max_images} are allowed "
+                "(--limit-mm-per-prompt)"
+            )
+
+    def preprocess(self, image) -> ImageInput:
+        """A PIL image, a ProcessedImage or an ImageInput -> an (unplaced) ImageInput."""
+        if isinstance(image, ImageInput):
+            return image
+        if isinstance(image, ProcessedImage):
+            return ImageInput.from_processed(image)
+        assert self.processor is not None
+        if not hasattr(image, "getbands"):
+            raise ValueError(f"an image must be a PIL.Image.Image, got {type(image).__name__}")
+        w, h = image.size
+        if w <= 0 or h <= 0:
+            raise ImageError(f"the image has no pixels ({w}x{h})")
+        return ImageInput.from_processed(self.processor(image))
+
+    def process(self, token_ids: list[int], images: Sequence) -> tuple[list[int], list[ImageInput]]:
+        """Expand the prompt's placeholders (one per image) for `images`; ValueError if the
+        model has no tower, too many images, or placeholders and images do not match."""
+        self.check_count(len(images))
+        if not images:
+            return token_ids, []
+        inputs = [self.preprocess(im) for im in images]
+        assert self.placeholder_id is not None
+        return expand_placeholders(token_ids, self.placeholder_id, inputs)
+
+    def check_placed(self, token_ids: list[int], inputs: list[ImageInput]) -> None:
+        self.check_count(len(inputs))
+        prev = 0
+        for img in inputs:
+            if img.offset < prev or img.end > len(token_ids):
+                raise ValueError("image inputs overlap or lie outside the prompt")
+            if any(t != self.placeholder_id for t in token_ids[img.offset : img.end]):
+                raise ValueError(
+                    f"the prompt does not hold the image's {img.num_tokens} placeholder tokens "
+                    f"at position {img.offset}"
+                )
+            prev = img.end
+        if inputs:
+            n_ph = sum(1 for t in token_ids if t == self.placeholder_id)
+            if n_ph != sum(img.num_tokens for img in inputs):
+                raise ValueError(
+                    f"the prompt has {n_ph} image placeholder tokens but the images take "
+                    f"{sum(img.num_tokens for img in inputs)}"
+                )
+
+
+class EncoderCache:
+    """Vision encoder outputs by image content hash, LRU, at most `max_tokens` tokens held."""
+
+    def __init__(self, model, max_tokens: int = 65536) -> None:
+        self.model = model
+        self.max_tokens = max_tokens
+        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()  # hash -> [n, hidden]
+        self._tokens = 0
+        self.num_encoded = 0  # images run through the tower (for tests and metrics)
+
+    def __contains__(self, mm_hash: str) -> bool:
+        return mm_hash in self._cache
+
+    def _put(self, mm_hash: str, emb: torch.Tensor) -> None:
+        self._cache[mm_hash] = emb
+        self._tokens += emb.shape[0]
+        while self._tokens > self.max_tokens and len(self._cache) > 1:
+            _, old = self._cache.popitem(last=False)
+            self._tokens -= old.shape[0]
+
+    def encode(self, images: list[ImageInput]) -> dict[str, torch.Tensor]:
+        """Each image's embeddings [num_tokens, hidden]; the tower runs once, batched, over
+        the images not cached yet."""
+        out: dict[str, torch.Tensor] = {}
+        todo: dict[str, ImageInput] = {}
+        for img in images:
+            if img.mm_hash in self._cache:
+                self._cache.move_to_end(img.mm_hash)
+                out[img.mm_hash] = self._cache[img.mm_hash]
+            else:
+                todo.setdefault(img.mm_hash, img)
+        if not todo:
+            return out
+        imgs = list(todo.values())
+        pv = torch.cat([img.pixel_values for img in imgs])  # [N, 3, p, p]
+        embs = self.model.encode_images(pv, [img.grid_hw for img in imgs])
+        self.num_encoded += len(imgs)
+        for img, emb in zip(imgs, embs, strict=True):
+            if emb.shape[0] != img.num_tokens:
+                raise RuntimeError(f"the encoder gave {emb.shape[0]} tokens for {img.num_tokens}")
+            self._put(img.mm_hash, emb)
+            out[img.mm_hash] = emb
+        return out
+
+    def step_embeddings(
+        self, scheduled: Sequence[tuple[object, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows [M] long, embeddings [M, hidden]) of the image tokens among the step's
+        scheduled tokens (flat batch in `scheduled` order), or None when there are none."""
+        needed: list[tuple[int, ImageInput, int, int]] = []  # (flat row, image, lo, hi)
+        flat = 0
+        for req, n in scheduled:
+            start = req.num_computed_tokens  # type: ignore[attr-defined]
+            for img in getattr(req, "mm_inputs", ()):
+                lo, hi = max(start, img.offset), min(start + n, img.end)
+                if lo < hi:
+                    needed.append((flat + lo - start, img, lo - img.offset, hi - img.offset))
+            flat += n
+        if not needed:
+            return None
+        embs = self.encode([img for _, img, _, _ in needed])
+        rows, parts = [], []
+        for row, img, lo, hi in needed:
+            emb = embs[img.mm_hash]
+            rows.append(torch.arange(row, row + hi - lo))
+            parts.append(emb[lo:hi])
+        dev = parts[0].device
+        return torch.cat(rows).to(dev), torch.cat(parts)
