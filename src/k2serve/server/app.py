@@ -221,6 +221,7 @@ def build_app(
     default_sampling_params: dict | None = None,
     allow_special_tokens_in_chat: bool = False,
     read_timeout: float | None = DEFAULT_READ_TIMEOUT,
+    media_policy=None,
 ) -> FastAPI:
     """An OpenAI-compatible app over an `AsyncLLMEngine`-like engine (see docs/interfaces.md).
 
@@ -231,6 +232,7 @@ def build_app(
     `allow_special_tokens_in_chat`: encode special-token strings in chat messages as control
     tokens (vLLM's behaviour; off: they are text, so a client cannot forge turns).
     `read_timeout`: seconds a request body may take to arrive after its headers (408 after).
+    `media_policy`: where image URLs may be fetched from (multimodal.media.MediaPolicy).
     """
     names = list(served_model_names or ["k2serve"])
     tok = tokenizer if tokenizer is not None else engine.tokenizer
@@ -251,6 +253,8 @@ def build_app(
         default_sampling=dict(default_sampling_params or {}),
         allow_special_in_chat=allow_special_tokens_in_chat,
     )
+    if media_policy is not None:
+        state.media_policy = media_policy
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -175,7 +175,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="warning",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
+    _add_media_arguments(parser)
     _add_multinode_arguments(parser)
+
+
+# ---- K2.5 images (issue #25): where image URLs may be fetched from; see multimodal.media ------
+# (--limit-mm-per-prompt and --mm-encoder-tp-mode are EngineConfig fields: engine flags)
+def _add_media_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("images (K2.5)")
+    g.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        help="directory under which file:// image URLs may be read (default: file:// refused)",
+    )
+    g.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        help="only image URLs on these hosts (and their subdomains) are fetched; they may be "
+        "private or loopback addresses (default: any public host)",
+    )
+    g.add_argument(
+        "--media-fetch-timeout",
+        type=float,
+        default=10.0,
+        help="seconds to fetch one image URL (default 10)",
+    )
+    g.add_argument(
+        "--max-image-bytes",
+        type=int,
+        default=20 * 1024 * 1024,
+        help="largest image a URL may return, in bytes (default 20 MiB)",
+    )
+
+
+def media_policy(args: argparse.Namespace):
+    from k2serve.multimodal.media import MediaPolicy
+
+    domains = []
+    for d in args.allowed_media_domains or ():
+        domains.extend(x.strip().lower() for x in d.split(",") if x.strip())
+    return MediaPolicy(
+        allowed_local_media_path=args.allowed_local_media_path,
+        allowed_media_domains=tuple(domains),
+        max_bytes=args.max_image_bytes,
+        timeout_s=args.media_fetch_timeout,
+    )
 
 
 # ---- multi-node (issue #17): --headless, --dist-init-addr; see k2serve.distributed.nodes ------
@@ -461,6 +506,7 @@ def run(args: argparse.Namespace) -> int:
             default_sampling_params=sampling_defaults,
             allow_special_tokens_in_chat=args.allow_special_tokens_in_chat,
             read_timeout=args.request_read_timeout or None,
+            media_policy=media_policy(args),
         )
         state = app.state.k2
         ec = engine.config
