@@ -92,3 +92,28 @@ def test_chunked_prefill_splits_an_image_encoded_once(ref):
     )[0]
     assert out.outputs[0].token_ids == want
     assert llm.llm_engine.runner.encoder_cache.num_encoded == 1
+
+
+def test_prefix_cache_keys_include_the_image(ref):
+    """Same text + another image never hits the first image's pages; the same image does."""
+    path, model = ref
+    rng = np.random.default_rng(6)
+    a, b = random_image(rng, 56, 56), random_image(rng, 56, 56)
+    prompt = [int(t) for t in rng.integers(10, 250, size=9)]
+    prompt[8:8] = [PLACEHOLDER]  # 8 text tokens (two pages of 4), the image, then text
+    prompt += [int(t) for t in rng.integers(10, 250, size=9)]
+    llm = _llm(path, page_size=4)
+
+    def run(img):
+        mm = {"image": Image.fromarray(img)}
+        return llm.generate({"prompt_token_ids": prompt, "multi_modal_data": mm}, _params())[0]
+
+    first = run(a)
+    other = run(b)
+    again = run(a)
+    assert other.outputs[0].token_ids == greedy(model, prompt, [b], STEPS)
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert other.num_cached_tokens == 8  # the text before the image only
+    assert again.num_cached_tokens >= 8 + 4 + 4  # through the image and beyond
+    llm.llm_engine.kv.check_integrity()
+    assert llm.llm_engine.runner.encoder_cache.num_encoded == 2  # a, b; a again from cache
