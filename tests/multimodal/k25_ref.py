@@ -29,8 +29,12 @@ def tiny_config(seed: int = 0, layers: int = 2, vision_layers: int = 2):
         routed_scaling_factor=float(g.choice([1.0, 2.5])),
     )  # fmt: skip
     heads = int(g.choice([2, 4]))
+    # NOTE: a square table, as in every real checkpoint (64 x 64): transformers resamples the
+    # table with pos_emb_height as the side of both axes, so for a non-square one it and the
+    # original MoonViT (F.interpolate over (H, W), what k2serve does) disagree
+    side = int(g.choice([6, 8]))
     vis = dict(
-        patch_size=14, pos_emb_height=int(g.choice([6, 8])), pos_emb_width=8,
+        patch_size=14, pos_emb_height=side, pos_emb_width=side,
         num_attention_heads=heads, num_hidden_layers=vision_layers, hidden_size=16 * heads,
         intermediate_size=48,
     )  # fmt: skip

@@ -29,6 +29,7 @@ from k2serve.cache.kv_cache_manager import KVCacheManager
 from k2serve.distributed.nodes import NodeSpec
 from k2serve.distributed.workers import WorkerGroup, WorkerState
 from k2serve.engine.config import EngineConfig
+from k2serve.engine.multimodal import EncoderCache, step_items
 from k2serve.engine.request import Request
 from k2serve.engine.runner import BatchBuilder, ModelInput
 from k2serve.engine.sampler import Sampler, SamplerOutput
@@ -110,12 +111,30 @@ def load_shard(state: WorkerState, spec: dict) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def _encoder_cache(state: WorkerState, mode: str) -> EncoderCache:
+    """This rank's K2.5 encoder cache (made on first use; identical on every rank)."""
+    cache = state.data.get("encoder_cache")
+    if cache is None:
+        model = state.data["model"]
+        ctx = getattr(model, "tp_context", None)
+        tp = (state.rank, state.world_size, getattr(ctx, "group", None))
+        cache = state.data["encoder_cache"] = EncoderCache(model, tp=tp, mode=mode)
+    return cache
+
+
 @torch.inference_mode()
-def forward_step(state: WorkerState, packed: np.ndarray) -> torch.Tensor:
-    """Every rank: run its shard on the packed flat batch. -> hidden of the sampling rows."""
+def forward_step(
+    state: WorkerState, packed: np.ndarray, mm_items=None, mm_mode: str = "weights"
+) -> torch.Tensor:
+    """Every rank: run its shard on the packed flat batch. -> hidden of the sampling rows.
+    `mm_items`: the step's image tokens (engine.multimodal.step_items); every rank builds
+    their embeddings (mode "data": each encodes its share of the new images)."""
     ids, pos, md, logits_idx = unpack_model_input(packed, state.device)
     model = state.data["model"]
-    hidden = model(ids, pos, attn_metadata=md, kv_caches=state.data["kv_caches"])  # [T, hidden]
+    mm = _encoder_cache(state, mm_mode).embeddings(mm_items) if mm_items else None
+    hidden = model(
+        ids, pos, attn_metadata=md, kv_caches=state.data["kv_caches"], mm_embeds=mm
+    )  # [T, hidden]
     return hidden[logits_idx]  # [S, hidden]
 
 
@@ -146,6 +165,16 @@ class MultiprocExecutor:
         self.model = model
         self.kv_caches = kv_caches
         self.page_size = cfg.page_size
+        self.has_vision = getattr(model.config, "vision", None) is not None
+        self.mm_mode = cfg.mm_encoder_tp_mode
+        if self.has_vision:
+            logger.info(
+                "vision tower: replicated on the %d ranks (not sharded); %s",
+                W,
+                "each rank encodes a share of a step's images, then all-gather (data)"
+                if self.mm_mode == "data"
+                else "every rank encodes the step's images (weights)",
+            )
         self.device = torch.device(device)
         # NOTE: the flat batch is built on the CPU (then packed); the sampler runs on rank 0.
         self._batch = BatchBuilder(cfg.page_size, "cpu")
@@ -180,7 +209,12 @@ class MultiprocExecutor:
         """Run one step on every rank; returns the requests that sampled and their samples."""
         inp = self._batch.prepare(sched, kv)
         packed = pack_model_input(inp)
-        hidden = self.group.run(forward_step, packed, reply=False)[0]  # [S, hidden]
+        items = step_items(sched.scheduled) if self.has_vision else None
+        if items:  # K2.5 images: their pixels travel with the step (engine.multimodal)
+            args: tuple = (packed, items, self.mm_mode)
+        else:
+            args = (packed,)
+        hidden = self.group.run(forward_step, *args, reply=False)[0]  # [S, hidden]
         if not inp.sample_reqs:
             return [], None
         logits = self.model.compute_logits(hidden)  # [S, vocab] float32

@@ -100,15 +100,43 @@ class MultiModalInputs:
                 )
 
 
-class EncoderCache:
-    """Vision encoder outputs by image content hash, LRU, at most `max_tokens` tokens held."""
+MMItem = tuple[int, ImageInput, int, int]  # (flat-batch row, image, first token, end token)
 
-    def __init__(self, model, max_tokens: int = 65536) -> None:
+
+def step_items(scheduled: Sequence[tuple[object, int]]) -> list[MMItem]:
+    """The image tokens among a step's scheduled tokens (flat batch in `scheduled` order):
+    one item per (request, image) overlap, with the image's token range [lo, hi) it covers."""
+    items: list[MMItem] = []
+    flat = 0
+    for req, n in scheduled:
+        mm = getattr(req, "mm_inputs", None)
+        if mm:
+            start = req.num_computed_tokens  # type: ignore[attr-defined]
+            for img in mm:
+                lo, hi = max(start, img.offset), min(start + n, img.end)
+                if lo < hi:
+                    items.append((flat + lo - start, img, lo - img.offset, hi - img.offset))
+        flat += n
+    return items
+
+
+class EncoderCache:
+    """Vision encoder outputs by image content hash, LRU, at most `max_tokens` tokens held.
+
+    With tensor parallelism every rank keeps one and sees the same steps, so the caches stay
+    identical; `tp` = (rank, world_size, group) with mode "data" splits each step's new images
+    over the ranks (image j on rank j % world_size) and all-gathers the embeddings; "weights"
+    (and one rank) encodes them all here. NOTE: the tower's weights are replicated, not sharded.
+    """
+
+    def __init__(self, model, max_tokens: int = 65536, tp=None, mode: str = "weights") -> None:
         self.model = model
         self.max_tokens = max_tokens
+        self.tp = tp  # (rank, world_size, torch.distributed group) or None
+        self.mode = mode
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()  # hash -> [n, hidden]
         self._tokens = 0
-        self.num_encoded = 0  # images run through the tower (for tests and metrics)
+        self.num_encoded = 0  # images run through the tower here (for tests and metrics)
 
     def __contains__(self, mm_hash: str) -> bool:
         return mm_hash in self._cache
@@ -119,6 +147,37 @@ class EncoderCache:
         while self._tokens > self.max_tokens and len(self._cache) > 1:
             _, old = self._cache.popitem(last=False)
             self._tokens -= old.shape[0]
+
+    def _run(self, imgs: list[ImageInput]) -> list[torch.Tensor]:
+        pv = torch.cat([img.pixel_values for img in imgs])  # [N, 3, p, p]
+        self.num_encoded += len(imgs)
+        return self.model.encode_images(pv, [img.grid_hw for img in imgs])
+
+    def _run_data_parallel(self, imgs: list[ImageInput]) -> list[torch.Tensor]:
+        """Rank r encodes images r, r + W, ...; an all-gather of the padded shares gives every
+        rank all embeddings (a rank with no image this step still joins the collective)."""
+        import torch.distributed as dist
+
+        rank, world, group = self.tp
+        mine = imgs[rank::world]
+        embs = self._run(mine) if mine else []
+        dev, dt = self.model.device, self.model.dtype
+        hidden = self.model.config.hidden_size
+        shares = [sum(i.num_tokens for i in imgs[r::world]) for r in range(world)]
+        width = max(shares)
+        local = torch.zeros(width, hidden, device=dev, dtype=dt)
+        if embs:
+            local[: shares[rank]] = torch.cat(embs).to(dt)
+        gathered = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(gathered, local, group=group)
+        out: list[torch.Tensor] = [torch.empty(0)] * len(imgs)
+        for r in range(world):
+            pos = 0
+            for j in range(r, len(imgs), world):
+                n = imgs[j].num_tokens
+                out[j] = gathered[r][pos : pos + n]
+                pos += n
+        return out
 
     def encode(self, images: list[ImageInput]) -> dict[str, torch.Tensor]:
         """Each image's embeddings [num_tokens, hidden]; the tower runs once, batched, over
@@ -134,9 +193,8 @@ class EncoderCache:
         if not todo:
             return out
         imgs = list(todo.values())
-        pv = torch.cat([img.pixel_values for img in imgs])  # [N, 3, p, p]
-        embs = self.model.encode_images(pv, [img.grid_hw for img in imgs])
-        self.num_encoded += len(imgs)
+        split = self.tp is not None and self.mode == "data" and self.tp[1] > 1
+        embs = self._run_data_parallel(imgs) if split else self._run(imgs)
         for img, emb in zip(imgs, embs, strict=True):
             if emb.shape[0] != img.num_tokens:
                 raise RuntimeError(f"the encoder gave {emb.shape[0]} tokens for {img.num_tokens}")
@@ -144,27 +202,19 @@ class EncoderCache:
             out[img.mm_hash] = emb
         return out
 
+    def embeddings(self, items: list[MMItem]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows [M] long, embeddings [M, hidden]) for a step's items, or None."""
+        if not items:
+            return None
+        embs = self.encode([img for _, img, _, _ in items])
+        rows, parts = [], []
+        for row, img, lo, hi in items:
+            rows.append(torch.arange(row, row + hi - lo))
+            parts.append(embs[img.mm_hash][lo:hi])
+        return torch.cat(rows).to(parts[0].device), torch.cat(parts)
+
     def step_embeddings(
         self, scheduled: Sequence[tuple[object, int]]
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rows [M] long, embeddings [M, hidden]) of the image tokens among the step's
-        scheduled tokens (flat batch in `scheduled` order), or None when there are none."""
-        needed: list[tuple[int, ImageInput, int, int]] = []  # (flat row, image, lo, hi)
-        flat = 0
-        for req, n in scheduled:
-            start = req.num_computed_tokens  # type: ignore[attr-defined]
-            for img in getattr(req, "mm_inputs", ()):
-                lo, hi = max(start, img.offset), min(start + n, img.end)
-                if lo < hi:
-                    needed.append((flat + lo - start, img, lo - img.offset, hi - img.offset))
-            flat += n
-        if not needed:
-            return None
-        embs = self.encode([img for _, img, _, _ in needed])
-        rows, parts = [], []
-        for row, img, lo, hi in needed:
-            emb = embs[img.mm_hash]
-            rows.append(torch.arange(row, row + hi - lo))
-            parts.append(emb[lo:hi])
-        dev = parts[0].device
-        return torch.cat(rows).to(dev), torch.cat(parts)
+        """`embeddings(step_items(scheduled))`: one rank's step."""
+        return self.embeddings(step_items(scheduled))
