@@ -37,16 +37,21 @@ class PosEmb(nn.Module):
 
     def forward(self, x: torch.Tensor, grid_hws: list[tuple[int, int]]) -> torch.Tensor:
         table = self.weight  # [H0, W0, D]
-        parts = []
+        by_grid: dict[tuple[int, int], torch.Tensor] = {}  # one resampling per distinct grid
         for h, w in grid_hws:
+            if (h, w) in by_grid:
+                continue
             if (h, w) == tuple(table.shape[:2]):
-                parts.append(table.flatten(0, 1))
+                by_grid[h, w] = table.flatten(0, 1)
             else:
                 t = F.interpolate(
                     table.permute(2, 0, 1).unsqueeze(0).float(), size=(h, w), mode="bicubic"
                 )  # [1, D, h, w]
-                parts.append(t.squeeze(0).permute(1, 2, 0).flatten(0, 1).to(table.dtype))
-        return x + torch.cat(parts).to(x.dtype)  # [N, D]
+                by_grid[h, w] = t.squeeze(0).permute(1, 2, 0).flatten(0, 1).to(table.dtype)
+        pos = (
+            torch.cat([by_grid[g] for g in grid_hws]) if len(grid_hws) > 1 else by_grid[grid_hws[0]]
+        )
+        return x + pos.to(x.dtype)  # [N, D]
 
 
 class PatchEmbed(nn.Module):
@@ -87,9 +92,14 @@ def varlen_attention(q, k, v, seqlens: list[int]) -> torch.Tensor:
     """Non-causal attention within each segment of the flat [N, heads, hd] q/k/v; segments of
     equal length run as one batched SDPA call (flash / memory-efficient kernels on CUDA).
     Returns [N, heads, hd]."""
-    if len(seqlens) == 1:
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
-        return o.transpose(0, 1)  # [N, heads, hd]
+    if len(set(seqlens)) == 1:  # equal lengths (one image, or same-size images): no copies
+        b, n = len(seqlens), seqlens[0]
+
+        def bhnd(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, n, *t.shape[1:]).transpose(1, 2)  # [B, heads, n, hd]
+
+        o = F.scaled_dot_product_attention(bhnd(q), bhnd(k), bhnd(v))
+        return o.transpose(1, 2).reshape(q.shape)  # [N, heads, hd]
     out = torch.empty_like(q)
     starts = [0]
     for n in seqlens:
