@@ -167,23 +167,38 @@ def _attention_bytes(config: ModelConfig, layer: int) -> tuple[int, int]:
 
 def vision_bytes(config: ModelConfig) -> int:
     """K2.5 MoonViT tower + patch-merger projector, bf16, from `vision_config` shapes."""
-    vc = config.raw.get("vision_config") if config.has_vision else None
-    if not vc:
+    vc = config.vision if config.has_vision else None
+    if vc is None:
         return 0
-    d, inter, p = int(vc["vt_hidden_size"]), int(vc["vt_intermediate_size"]), int(vc["patch_size"])
-    layers = int(vc["vt_num_hidden_layers"])
-    mk = vc.get("merge_kernel_size") or [2, 2]
-    merged = d * int(mk[0]) * int(mk[1])  # 4608 for a 2x2 merge of 1152
-    text = int(vc.get("text_hidden_size") or config.hidden_size)
+    d, inter, p = vc.hidden_size, vc.intermediate_size, vc.patch_size
+    merged, text = vc.merged_hidden_size, vc.text_hidden_size
     params = d * 3 * p * p + d  # patch_embed.proj weight [d, 3, p, p] + bias
-    params += int(vc.get("init_pos_emb_height", 64)) * int(vc.get("init_pos_emb_width", 64)) * d
+    params += vc.pos_emb_height * vc.pos_emb_width * d
     block = 4 * d  # norm0, norm1 weight + bias
     block += 3 * d * d + 3 * d  # wqkv
     block += d * d + d  # wo
     block += inter * d + inter + d * inter + d  # mlp fc0, fc1
-    params += layers * block + 2 * d  # + final_layernorm
+    params += vc.num_hidden_layers * block + 2 * d  # + final_layernorm
     params += 2 * d + merged * merged + merged + text * merged + text  # mm_projector
     return params * 2
+
+
+MAX_IMAGE_TOKENS = 4096  # in_patch_limit 16384 patches / (2 x 2): the largest image's tokens
+
+
+def encoder_activation_bytes(config: ModelConfig, max_num_batched_tokens: int) -> int:
+    """Peak working memory of the vision encoder in one step (0 without a tower): the step's
+    new images hold at most the step's tokens plus two images cut by its ends; per patch, one
+    block's live tensors (residual, norm, qkv, float32 complex q/k with RoPE, attention out,
+    the MLP's two [., 4304] intermediates) in bf16."""
+    vc = config.vision if config.has_vision else None
+    if vc is None:
+        return 0
+    merge = vc.merge_kernel_size[0] * vc.merge_kernel_size[1]
+    patches = merge * (max_num_batched_tokens + 2 * MAX_IMAGE_TOKENS)
+    d = vc.hidden_size
+    per_patch = 2 * (6 * d + 2 * vc.intermediate_size) + 4 * 4 * d
+    return patches * per_patch
 
 
 def weight_breakdown(config: ModelConfig) -> WeightBreakdown:
@@ -446,6 +461,7 @@ def plan(
             "routed_experts": 0,
             "embeddings_lm_head": w.embeddings // tp,
             "vision": w.vision,
+            "vision_activations": encoder_activation_bytes(config, max_num_batched_tokens),
             "activations": act,
             # decode graphs share one pool sized by the largest captured batch
             "cuda_graphs": activation_bytes(config, max_num_seqs, max_num_seqs, tp),

@@ -156,6 +156,10 @@ def num_kv_pages(
         elif device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
             budget = int(total * cfg.gpu_memory_utilization) - (total - free)
+            # K2.5: room for the vision encoder's working memory (plan.encoder_activation_bytes)
+            from k2serve.plan import encoder_activation_bytes
+
+            budget -= encoder_activation_bytes(model_config, cfg.max_num_batched_tokens)
             source = f"gpu_memory_utilization={cfg.gpu_memory_utilization}"
         elif not may_shrink_max_model_len:  # CPU, --max-model-len given: room for that context
             want = cfg.max_num_seqs * cdiv(max_model_len, ps) * per_page
