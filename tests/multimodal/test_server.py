@@ -178,3 +178,44 @@ def test_server_still_serves(client, server):
     r = _chat(client, _image_part(data_url(png(28, 56))))
     assert r.choices[0].message is not None
     server.engine.engine.kv.check_integrity()
+
+
+def test_bench_sends_synthetic_images(server, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "k2serve.cli", "bench", "--base-url", server.url, "--api", "chat",
+         "--model", "k25", "--num-prompts", "3", "--random-input-len", "5",
+         "--random-output-len", "2", "--random-images-per-prompt", "2",
+         "--random-image-size", "56x56", "112x84", "--no-plot", "--result-dir", str(tmp_path),
+         "--result-filename", "r.json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["completed"] == 3, res
+    # 2 images of 4 and 12 tokens (+ markers) each: far more than 5 words of text
+    assert res["total_input_tokens"] > 3 * (4 + 12)
+
+
+def test_vision_dataset_file(tmp_path):
+    import json
+
+    from k2serve.bench.images import vision_dataset
+
+    (tmp_path / "a.png").write_bytes(png(28, 28))
+    recs = [
+        {"image": "a.png", "conversations": [{"from": "human", "value": "<image>\\nWhat?"},
+                                             {"from": "gpt", "value": "A cat " * 10}]},
+        {"images": [{"bytes": base64.b64encode(png(28, 56)).decode()}],
+         "conversation": [[{"role": "user", "content": "Describe"}]]},
+    ]  # fmt: skip
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
+    got = vision_dataset(tmp_path / "d.jsonl", 4)
+    assert len(got) == 4
+    for s in got:
+        parts = s.prompt[0]["content"]
+        assert parts[0]["type"] == "image_url" and parts[0]["image_url"]["url"].startswith("data:")
+        assert "<image>" not in parts[-1]["text"]

@@ -25,6 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 DATASETS = {"random": "random", "sharegpt": "sharegpt", "jsonl": "jsonl", "custom": "jsonl"}
 DATASETS |= {"prefix": "prefix", "prefix_repetition": "prefix"}
+DATASETS |= {"vision": "vision", "sharegpt4v": "vision", "visionarena": "vision"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -75,7 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--dataset-name",
         default="random",
         choices=sorted(DATASETS),
-        help="random | sharegpt | jsonl (alias custom) | prefix (alias prefix_repetition)",
+        help="random | sharegpt | jsonl (alias custom) | prefix (alias prefix_repetition) | "
+        "vision (aliases sharegpt4v, visionarena: records with images)",
     )
     g.add_argument("--dataset-path", default=None, help="file for sharegpt / jsonl")
     g.add_argument("--num-prompts", type=int, default=1000, help="requests to send")
@@ -137,6 +139,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="sharegpt/jsonl: max_tokens for every request (default: per record)",
     )
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--random-images-per-prompt",
+        type=int,
+        default=0,
+        help="random/prefix (--api chat): synthetic images sent with each prompt (K2.5)",
+    )
+    g.add_argument(
+        "--random-image-size",
+        nargs="+",
+        default=["1024x1024"],
+        help="WxH of the synthetic images, cycled (default 1024x1024)",
+    )
 
     g = p.add_argument_group("load")
     g.add_argument(
@@ -234,8 +248,20 @@ def _samples(args: argparse.Namespace):
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     n = args.num_prompts
-    if name in ("sharegpt", "jsonl") and not args.dataset_path:
+    if name in ("sharegpt", "jsonl", "vision") and not args.dataset_path:
         raise ValueError(f"--dataset-name {args.dataset_name} needs --dataset-path")
+    if name == "vision":
+        from k2serve.bench.images import vision_dataset
+
+        return vision_dataset(args.dataset_path, n, args.output_len, args.seed)
+    if name in ("random", "prefix") and args.random_images_per_prompt > 0:
+        from k2serve.bench.images import parse_size, with_synthetic_images
+
+        sizes = [parse_size(s) for s in args.random_image_size]
+        text_args = argparse.Namespace(**{**vars(args), "random_images_per_prompt": 0})
+        return with_synthetic_images(
+            _samples(text_args), sizes, args.random_images_per_prompt, args.seed
+        )
     if name == "random":
         return ds.random_dataset(
             n,
