@@ -601,6 +601,8 @@ def plan(
         model, g, ctx, max_num_seqs, kv_cache_dtype, gpu_memory_utilization,
         nnodes=nnodes, master_port=master_port, cpu_kv_cache_bytes=cpu_kv,
     )  # fmt: skip
+    if config.vision is not None and g > 1:  # K2.5 recipe: split images over the ranks
+        args += ["--mm-encoder-tp-mode", "data"]
     if g and cpu_exp:
         args += ["--num-gpu-experts", str(gpu_exp)]
         if expert_placement_file:

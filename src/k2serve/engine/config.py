@@ -63,9 +63,9 @@ _HELP = {
     "master_port": "torch.distributed port on node 0; node 0 also listens on master_port + 1",
     "limit_mm_per_prompt": "most multimodal items per prompt, JSON like '{\"image\": 4}' (K2.5; "
     "default 16 images, video 0: video is not supported)",
-    "mm_encoder_tp_mode": "with -tp N, how the K2.5 vision tower runs: weights (every rank holds "
-    "the tower, rank 0 encodes and hands the embeddings to the others) or data (the step's "
-    "images are split over the ranks, each encodes its share)",
+    "mm_encoder_tp_mode": "with -tp N, how the K2.5 vision tower runs: data (a step's new images "
+    "are split over the ranks, each encodes its share, then all-gather) or weights (every rank "
+    "encodes them all; NOTE: the tower's weights are replicated, not sharded, in both modes)",
     "dist_join_timeout": "seconds node 0 waits for every node to join; a worker node waits as "
     "long for node 0 (which listens once it has loaded its own shard)",
 }

@@ -13,6 +13,7 @@ Invariant: correctness never depends on a cache hit: an evicted image is encoded
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -21,6 +22,8 @@ import torch
 from k2serve.multimodal.image import ImageError, ImageProcessor, ProcessedImage
 from k2serve.multimodal.inputs import ImageInput, expand_placeholders
 from k2serve.vision_config import ImageProcessorConfig
+
+logger = logging.getLogger(__name__)
 
 
 class MultiModalInputs:
@@ -38,7 +41,17 @@ class MultiModalInputs:
         limits = parse_mm_limits(engine_config.limit_mm_per_prompt)
         vc = getattr(model_config, "vision", None)
         if vc is None:
+            if engine_config.limit_mm_per_prompt or engine_config.mm_encoder_tp_mode != "weights":
+                logger.info(
+                    "--limit-mm-per-prompt / --mm-encoder-tp-mode do nothing here: the model "
+                    "has no vision tower (no vision_config in config.json)"
+                )
             return cls(None, None, 0)
+        if (
+            engine_config.tensor_parallel_size == 1
+            and engine_config.mm_encoder_tp_mode != "weights"
+        ):
+            logger.info("--mm-encoder-tp-mode does nothing with one rank (-tp 1)")
         proc = ImageProcessor(ImageProcessorConfig.from_dir(model_dir))
         return cls(proc, vc.media_placeholder_token_id, limits["image"])
 
