@@ -181,6 +181,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ---- K2.5 images (issue #25): where image URLs may be fetched from; see multimodal.media ------
 # (--limit-mm-per-prompt and --mm-encoder-tp-mode are EngineConfig fields: engine flags)
+VISION_DEMO = "kimi-k2.5-demo"  # `k2serve serve kimi-k2.5-demo`: the bundled K2.5 demo
+
+
 def _add_media_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("images (K2.5)")
     g.add_argument(
@@ -420,6 +423,11 @@ def run(args: argparse.Namespace) -> int:
             )
             return 2
         args.model = args.model_tag
+    if args.model == VISION_DEMO and not os.path.isdir(args.model):  # the bundled K2.5 demo
+        from k2serve.demo import vision_demo_path
+
+        args.model = os.fspath(vision_demo_path())
+        args.served_model_name = args.served_model_name or [VISION_DEMO]
     try:
         _apply_dist_init_addr(args)
         cfg = EngineConfig.from_cli_args(args)
