@@ -186,9 +186,15 @@ def vision_bytes(config: ModelConfig) -> int:
 MAX_IMAGE_TOKENS = 4096  # in_patch_limit 16384 patches / (2 x 2): the largest image's tokens
 
 
+def encoder_cache_tokens(max_num_batched_tokens: int) -> int:
+    """Image tokens whose encoder outputs the runner keeps (engine.multimodal.EncoderCache)."""
+    return max(2 * MAX_IMAGE_TOKENS, 2 * max_num_batched_tokens)
+
+
 def encoder_activation_bytes(config: ModelConfig, max_num_batched_tokens: int) -> int:
-    """Peak working memory of the vision encoder in one step (0 without a tower): the step's
-    new images hold at most the step's tokens plus two images cut by its ends; per patch, one
+    """Vision encoder memory beyond its weights (0 without a tower): the encoder cache
+    (`encoder_cache_tokens` x hidden, bf16) plus the peak working memory of one step, whose new
+    images hold at most the step's tokens plus two images cut by its ends; per patch, one
     block's live tensors (residual, norm, qkv, float32 complex q/k with RoPE, attention out,
     the MLP's two [., 4304] intermediates) in bf16."""
     vc = config.vision if config.has_vision else None
@@ -198,7 +204,8 @@ def encoder_activation_bytes(config: ModelConfig, max_num_batched_tokens: int) -
     patches = merge * (max_num_batched_tokens + 2 * MAX_IMAGE_TOKENS)
     d = vc.hidden_size
     per_patch = 2 * (6 * d + 2 * vc.intermediate_size) + 4 * 4 * d
-    return patches * per_patch
+    cache = encoder_cache_tokens(max_num_batched_tokens) * vc.text_hidden_size * 2
+    return patches * per_patch + cache
 
 
 def weight_breakdown(config: ModelConfig) -> WeightBreakdown:

@@ -34,6 +34,7 @@ from k2serve.engine.request import Request
 from k2serve.engine.runner import BatchBuilder, ModelInput
 from k2serve.engine.sampler import Sampler, SamplerOutput
 from k2serve.engine.scheduler import SchedulerOutput
+from k2serve.plan import encoder_cache_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ def load_shard(state: WorkerState, spec: dict) -> int:
         tp_size=state.world_size,
         progress=False,
     )
-    state.data.update(model=rank.model, kv_caches=rank.kv_caches)
+    state.data.update(model=rank.model, kv_caches=rank.kv_caches, engine_config=cfg)
     model = rank.model
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -118,7 +119,9 @@ def _encoder_cache(state: WorkerState, mode: str) -> EncoderCache:
         model = state.data["model"]
         ctx = getattr(model, "tp_context", None)
         tp = (state.rank, state.world_size, getattr(ctx, "group", None))
-        cache = state.data["encoder_cache"] = EncoderCache(model, tp=tp, mode=mode)
+        cfg = state.data.get("engine_config")
+        tokens = encoder_cache_tokens(cfg.max_num_batched_tokens if cfg else 2048)
+        cache = state.data["encoder_cache"] = EncoderCache(model, tokens, tp=tp, mode=mode)
     return cache
 
 
@@ -182,7 +185,7 @@ class MultiprocExecutor:
         self.group = WorkerGroup(
             W, self.device, cfg.distributed_backend, nodes=NodeSpec.from_engine_config(cfg)
         )
-        self.group.state.data.update(model=model, kv_caches=kv_caches)
+        self.group.state.data.update(model=model, kv_caches=kv_caches, engine_config=cfg)
         spec = dict(
             engine_config=cfg,
             model_dir=os.fspath(model_dir),
