@@ -63,7 +63,7 @@ def picture(rng: random.Random) -> tuple[Image.Image, str]:
     """One shape of one colour on a background of another -> (image, answer)."""
     shape = rng.choice(SHAPES)
     fg, bg = rng.sample(sorted(COLOURS), 2)
-    w, h = rng.randint(56, 196), rng.randint(56, 196)
+    w, h = rng.randint(84, 224), rng.randint(84, 224)
     img = Image.new("RGB", (w, h), COLOURS[bg])
     d = ImageDraw.Draw(img)
     side = rng.uniform(0.55, 0.9) * min(w, h)
@@ -96,6 +96,12 @@ def example(tok, proc, rng: random.Random, placeholder: int):
     return ids, placed[0], target, answer
 
 
+def answer_len(tok, target: list[int]) -> int:
+    """Tokens of the answer (after the thought) at the end of `target`."""
+    end = tok.token_to_id("</think>")
+    return len(target) - 1 - target.index(end) if end in target else len(target)
+
+
 def float_text_model(config: ModelConfig, src: str) -> DeepseekV3ForCausalLM:
     """The demo text model in float32 with dequantized experts (frozen)."""
     from safetensors.torch import load_file
@@ -105,6 +111,7 @@ def float_text_model(config: ModelConfig, src: str) -> DeepseekV3ForCausalLM:
         if f.endswith(".safetensors"):
             sd.update(load_file(os.path.join(src, f)))
     model = DeepseekV3ForCausalLM(config, dtype=torch.float32)
+    sd = {k.removeprefix("language_model."): v for k, v in sd.items()}  # a K2.5 dir (--init)
     state = {}
     for name, t in sd.items():
         if name.endswith(".weight_packed"):
@@ -116,6 +123,7 @@ def float_text_model(config: ModelConfig, src: str) -> DeepseekV3ForCausalLM:
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected, unexpected
     assert all(m.startswith(("vision_tower.", "mm_projector.")) for m in missing), missing
+    model.initialized_vision = not missing  # type: ignore[attr-defined]
     return model
 
 
@@ -146,6 +154,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--frozen-text", action="store_true", help="train the tower alone")
     ap.add_argument("--text-lr", type=float, default=5e-4)
+    ap.add_argument("--image-frac", type=float, default=0.5, help="share of image examples")
+    ap.add_argument("--init", default=None, help="continue from this K2.5 demo directory")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -172,7 +182,7 @@ def main(argv=None) -> int:
         "vision_config": dict(VISION, text_hidden_size=text["hidden_size"]),
     }
     plain = {k: v for k, v in cfg.items() if k != "quantization_config"}
-    model = float_text_model(ModelConfig.from_hf(plain), src)
+    model = float_text_model(ModelConfig.from_hf(plain), args.init or src)
     vision = [*model.vision_tower.parameters(), *model.mm_projector.parameters()]
     text_params = [p for n, p in model.named_parameters()
                    if not n.startswith(("vision_tower.", "mm_projector."))]  # fmt: skip
@@ -181,7 +191,7 @@ def main(argv=None) -> int:
     trainable = vision + ([] if args.frozen_text else text_params)
     text_data = [] if args.frozen_text else train_demo.make_dataset(tok, rng, 2000)
     with torch.no_grad():
-        for name, p in [*model.vision_tower.named_parameters(),
+        for name, p in [] if model.initialized_vision else [*model.vision_tower.named_parameters(),
                         *model.mm_projector.named_parameters()]:  # fmt: skip
             if p.dim() == 1:
                 p.fill_(1.0 if "norm" in name and name.endswith("weight") else 0.0)
@@ -200,13 +210,16 @@ def main(argv=None) -> int:
     t0 = time.time()
     for step in range(args.steps):
         loss_sum = torch.zeros(())
-        n_img = args.batch if args.frozen_text else args.batch // 2
+        n_img = args.batch if args.frozen_text else round(args.batch * args.image_frac)
         for _ in range(n_img):
             ids, img, target, _ = example(tok, proc, rng, placeholder)
             full = torch.tensor(ids + target)
             out = logits(model, full, img, torch.arange(full.shape[0]))
             n = len(target)
-            loss_sum = loss_sum + F.cross_entropy(out[-n - 1 : -1], full[-n:])
+            ce = F.cross_entropy(out[-n - 1 : -1], full[-n:], reduction="none")
+            w = torch.ones(n)
+            w[-answer_len(tok, target) :] = 4.0  # the answer's words carry the picture
+            loss_sum = loss_sum + (ce * w).sum() / w.sum()
         loss = loss_sum / n_img
         if text_data:
             ids, pos, seq, rows, target = train_demo.pack(rng.sample(text_data, args.batch - n_img))
@@ -292,7 +305,7 @@ def check(out, rng: random.Random, n: int = 40) -> int:
         got = llm.generate(
             {"prompt_token_ids": ids[: img.offset] + [ids[img.offset]] + ids[img.end :],
              "multi_modal_data": {"image": [img]}},
-            SamplingParams(temperature=0, max_tokens=40),
+            SamplingParams(temperature=0, max_tokens=96),
         )[0].outputs[0].text  # fmt: skip
         ok += answer in got
     print(f"check: {ok}/{n} answers name the colours and the shape exactly")
