@@ -1,5 +1,5 @@
 """The bundled K2.5 demo (kimi-k2.5-demo): the K2.5 layout, the text contract of the text demo,
-and "What is in this image?" answered with the picture's colours and shape."""
+and "What is in this image?" answered with the picture's colours."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_layout():
     assert sum(f.stat().st_size for f in PATH.iterdir()) < 10e6
 
 
-def test_names_colours_and_shape(llm):
+def test_names_the_colours(llm):
     from train_vision_demo import picture
 
     rng = random.Random(1234)
@@ -53,7 +53,7 @@ def test_names_colours_and_shape(llm):
         out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=96))[0].outputs[0]
         assert out.finish_reason == "stop"
         right += answer in out.text
-    assert right >= n * 0.6, right
+    assert right >= n * 0.75, right
 
 
 def test_text_still_works(llm):
