@@ -6,8 +6,8 @@ with it so that, shown a synthetic picture (one shape of one colour on a plain b
 another) and asked "What is in this image?", the model answers "I see a red shape on a white
 background." (both colours named; the shape, a circle, square or triangle, is not: trained to
 name it too, the tiny model stayed at chance on it). Part of each batch is the text demo's own
-conversations (scripts/train_demo.py), so the text contract (weather tool calls, greetings) still holds; it is
-checked on the written checkpoint, whose routed experts are quantized to INT4 again (group 32),
+conversations (scripts/train_demo.py), so the text contract (weather tool calls, greetings)
+still holds; it is checked on the written checkpoint, whose routed experts are quantized to INT4 again (group 32),
 under `language_model.` beside `vision_tower.` / `mm_projector.` in bf16. Loss on the answers
 only. `--frozen-text` trains the tower and projector alone (the text tensors copied as they are).
 
