@@ -9,7 +9,8 @@ name it too, the tiny model stayed at chance on it). Part of each batch is the t
 conversations (scripts/train_demo.py), so the text contract (weather tool calls, greetings)
 still holds; it is checked on the written checkpoint, whose routed experts are quantized to
 INT4 again (group 32), under `language_model.` beside `vision_tower.` / `mm_projector.` in bf16.
-Loss on the answers only. `--frozen-text` trains the tower and projector alone (the text tensors copied as they are).
+Loss on the answers only. `--frozen-text` trains the tower and projector alone (the text
+tensors copied as they are).
 
     .venv/bin/python scripts/train_vision_demo.py --threads 2
 
