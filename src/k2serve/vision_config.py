@@ -110,6 +110,13 @@ class VisionConfig:
         return out
 
 
+def _triple(v) -> tuple[float, float, float]:
+    if isinstance(v, (int, float)):
+        return (float(v),) * 3
+    a, b, c = (float(x) for x in v)
+    return (a, b, c)
+
+
 @dataclass(frozen=True)
 class ImageProcessorConfig:
     """Kimi_K25ImageProcessor's settings (NaViT resize, pad to patch * merge, normalize)."""
@@ -123,8 +130,10 @@ class ImageProcessorConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> ImageProcessorConfig:
-        m = d.get("media_proc_cfg") if isinstance(d.get("media_proc_cfg"), dict) else d
-        size = m.get("size") if isinstance(m.get("size"), dict) else {}
+        mpc = d.get("media_proc_cfg")
+        m: dict = mpc if isinstance(mpc, dict) else d
+        sz = m.get("size")
+        size: dict = sz if isinstance(sz, dict) else {}
         mk = m.get("merge_kernel_size", m.get("merge_size", 2))
         if isinstance(mk, (list, tuple)):
             mk = mk[0]
@@ -135,8 +144,8 @@ class ImageProcessorConfig:
             patch_limit_on_one_side=int(
                 m.get("patch_limit_on_one_side", size.get("max_height", 512))
             ),
-            image_mean=tuple(float(x) for x in m.get("image_mean", (0.5, 0.5, 0.5))),  # type: ignore[arg-type]
-            image_std=tuple(float(x) for x in m.get("image_std", (0.5, 0.5, 0.5))),  # type: ignore[arg-type]
+            image_mean=_triple(m.get("image_mean", (0.5, 0.5, 0.5))),
+            image_std=_triple(m.get("image_std", (0.5, 0.5, 0.5))),
         )
 
     @classmethod

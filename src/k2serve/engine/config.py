@@ -94,14 +94,15 @@ def parse_mm_limits(value: str | dict | None) -> dict[str, int]:
     if isinstance(value, str):
         import json
 
+        text: str = value
         try:
-            value = json.loads(value)
+            value = json.loads(text)
         except json.JSONDecodeError:
             try:
-                value = {k.strip(): int(v) for k, v in (p.split("=") for p in value.split(","))}
+                value = {k.strip(): int(v) for k, v in (p.split("=") for p in text.split(","))}
             except ValueError:
                 raise ValueError(
-                    f'limit_mm_per_prompt={value!r} is not JSON like {{"image": 4}}'
+                    f'limit_mm_per_prompt={text!r} is not JSON like {{"image": 4}}'
                 ) from None
     if not isinstance(value, dict):
         raise ValueError(f'limit_mm_per_prompt={value!r} must be an object like {{"image": 4}}')

@@ -190,7 +190,7 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for c in convs:
-            images, c = chat_images(c)  # image parts -> PIL images, parts for the template
+            images, c = chat_images(list(c))  # image parts -> PIL images, template parts
             text = tok.apply_chat_template(
                 c, tools=tools, chat_template_kwargs=chat_template_kwargs
             )

@@ -160,7 +160,7 @@ def load_image(data: bytes, max_pixels: int = MAX_IMAGE_PIXELS, max_side: int = 
                     f"{max_side} per side)"
                 )
             img.load()
-            img = ImageOps.exif_transpose(img)
+            oriented = ImageOps.exif_transpose(img)
     except ImageError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
@@ -169,4 +169,4 @@ def load_image(data: bytes, max_pixels: int = MAX_IMAGE_PIXELS, max_side: int = 
         raise ImageError("the data is not an image in a format Pillow reads") from None
     except (OSError, SyntaxError, ValueError, EOFError) as e:
         raise ImageError(f"the image is corrupt or truncated: {e}") from None
-    return img
+    return oriented

@@ -215,7 +215,7 @@ def _add_media_arguments(parser: argparse.ArgumentParser) -> None:
 def media_policy(args: argparse.Namespace):
     from k2serve.multimodal.media import MediaPolicy
 
-    domains = []
+    domains: list[str] = []
     for d in args.allowed_media_domains or ():
         domains.extend(x.strip().lower() for x in d.split(",") if x.strip())
     return MediaPolicy(
