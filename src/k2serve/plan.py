@@ -191,6 +191,14 @@ def encoder_cache_tokens(max_num_batched_tokens: int) -> int:
     return max(2 * MAX_IMAGE_TOKENS, 2 * max_num_batched_tokens)
 
 
+def encoder_max_patches(config: ModelConfig, max_num_batched_tokens: int) -> int:
+    """Most patches the runner gives the tower in one call (a step's new images are encoded in
+    calls of at most this many): the step's tokens plus two images cut by its ends."""
+    vc = config.vision
+    merge = vc.merge_kernel_size[0] * vc.merge_kernel_size[1] if vc is not None else 4
+    return merge * (max_num_batched_tokens + 2 * MAX_IMAGE_TOKENS)
+
+
 def encoder_activation_bytes(config: ModelConfig, max_num_batched_tokens: int) -> int:
     """Vision encoder memory beyond its weights (0 without a tower): the encoder cache
     (`encoder_cache_tokens` x hidden, bf16) plus the peak working memory of one step, whose new
@@ -200,8 +208,7 @@ def encoder_activation_bytes(config: ModelConfig, max_num_batched_tokens: int) -
     vc = config.vision if config.has_vision else None
     if vc is None:
         return 0
-    merge = vc.merge_kernel_size[0] * vc.merge_kernel_size[1]
-    patches = merge * (max_num_batched_tokens + 2 * MAX_IMAGE_TOKENS)
+    patches = encoder_max_patches(config, max_num_batched_tokens)
     d = vc.hidden_size
     per_patch = 2 * (6 * d + 2 * vc.intermediate_size) + 4 * 4 * d
     cache = encoder_cache_tokens(max_num_batched_tokens) * vc.text_hidden_size * 2

@@ -34,7 +34,7 @@ from k2serve.engine.request import Request
 from k2serve.engine.runner import BatchBuilder, ModelInput
 from k2serve.engine.sampler import Sampler, SamplerOutput
 from k2serve.engine.scheduler import SchedulerOutput
-from k2serve.plan import encoder_cache_tokens
+from k2serve.plan import encoder_cache_tokens, encoder_max_patches
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +120,14 @@ def _encoder_cache(state: WorkerState, mode: str) -> EncoderCache:
         ctx = getattr(model, "tp_context", None)
         tp = (state.rank, state.world_size, getattr(ctx, "group", None))
         cfg = state.data.get("engine_config")
-        tokens = encoder_cache_tokens(cfg.max_num_batched_tokens if cfg else 2048)
-        cache = state.data["encoder_cache"] = EncoderCache(model, tokens, tp=tp, mode=mode)
+        budget = cfg.max_num_batched_tokens if cfg else 2048
+        cache = state.data["encoder_cache"] = EncoderCache(
+            model,
+            encoder_cache_tokens(budget),
+            tp=tp,
+            mode=mode,
+            max_patches=encoder_max_patches(model.config, budget),
+        )
     return cache
 
 

@@ -142,9 +142,15 @@ class EncoderCache:
     (and one rank) encodes them all here. NOTE: the tower's weights are replicated, not sharded.
     """
 
-    def __init__(self, model, max_tokens: int = 65536, tp=None, mode: str = "weights") -> None:
+    def __init__(
+        self, model, max_tokens: int = 65536, tp=None, mode: str = "weights",
+        max_patches: int = 1 << 62,
+    ) -> None:  # fmt: skip
+        """`max_tokens`: encoder outputs kept; `max_patches`: the most patches one tower call
+        takes (plan.encoder_max_patches)."""
         self.model = model
         self.max_tokens = max_tokens
+        self.max_patches = max_patches
         self.tp = tp  # (rank, world_size, torch.distributed group) or None
         self.mode = mode
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()  # hash -> [n, hidden]
@@ -162,9 +168,21 @@ class EncoderCache:
             self._tokens -= old.shape[0]
 
     def _run(self, imgs: list[ImageInput]) -> list[torch.Tensor]:
-        pv = torch.cat([img.pixel_values for img in imgs])  # [N, 3, p, p]
+        """The tower over `imgs`, in calls of at most `max_patches` patches each (one image at
+        least), so its working memory stays what the plan reserved whatever a step holds."""
+        out: list[torch.Tensor] = []
+        start = 0
+        while start < len(imgs):
+            end, patches = start + 1, imgs[start].pixel_values.shape[0]
+            while end < len(imgs) and patches + imgs[end].pixel_values.shape[0] <= self.max_patches:
+                patches += imgs[end].pixel_values.shape[0]
+                end += 1
+            part = imgs[start:end]
+            pv = torch.cat([img.pixel_values for img in part])  # [N, 3, p, p]
+            out.extend(self.model.encode_images(pv, [img.grid_hw for img in part]))
+            start = end
         self.num_encoded += len(imgs)
-        return self.model.encode_images(pv, [img.grid_hw for img in imgs])
+        return out
 
     def _run_data_parallel(self, imgs: list[ImageInput]) -> list[torch.Tensor]:
         """Rank r encodes images r, r + W, ...; an all-gather of the padded shares gives every

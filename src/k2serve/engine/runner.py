@@ -31,7 +31,7 @@ from k2serve.engine.multimodal import EncoderCache
 from k2serve.engine.request import Request
 from k2serve.engine.sampler import Sampler, SamplerOutput
 from k2serve.engine.scheduler import SchedulerOutput
-from k2serve.plan import encoder_cache_tokens
+from k2serve.plan import encoder_cache_tokens, encoder_max_patches
 
 if TYPE_CHECKING:
     from k2serve.model.cuda_graph import DecodeGraphRunner
@@ -177,7 +177,11 @@ class ModelRunner(BatchBuilder):
             self.routing = RoutingService.from_config(model, cfg, max(cfg.max_num_seqs, 256))
         # K2.5: the image encoder's outputs by image hash (engine.multimodal)
         self.encoder_cache = (
-            EncoderCache(model, encoder_cache_tokens(cfg.max_num_batched_tokens))
+            EncoderCache(
+                model,
+                encoder_cache_tokens(cfg.max_num_batched_tokens),
+                max_patches=encoder_max_patches(model.config, cfg.max_num_batched_tokens),
+            )
             if getattr(getattr(model, "config", None), "vision", None) is not None
             else None
         )
