@@ -73,6 +73,15 @@ def test_cli_writes_the_format(tmp_path):
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "c" / "preprocessor_config.json").exists()
+    r = subprocess.run(
+        [sys.executable, "-m", "k2serve.cli", "make-checkpoint", str(tmp_path / "v"),
+         "--preset", "tiny", "--vision", "--format", "int4", "--no-tokenizer"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    c = ModelConfig.from_hf(tmp_path / "v")
+    assert c.vision is not None and c.quant.method == "int4_group"
+    load_model(tmp_path / "v", progress=False)
 
 
 def test_transformers_loads_it_and_agrees(ckpt, tmp_path):

@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from k2serve.config import ModelConfig
-from k2serve.weights.presets import FORMATS, PRESETS, preset_config
+from k2serve.weights.presets import FORMATS, PRESETS, preset_config, vision_preset
 
 logger = logging.getLogger(__name__)
 
@@ -103,13 +103,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-shard-size", type=float, default=2.0, help="shard size limit in GB (default 2)"
     )
     parser.add_argument("--no-tokenizer", action="store_true", help="skip the tokenizer files")
+    parser.add_argument(
+        "--vision",
+        action="store_true",
+        help="the K2.5 format (KimiK25ForConditionalGeneration: vision tower + projector beside "
+        "the text model; tiny/small get a 2-block tower, k2-slice the full-size one)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     if args.max_shard_size <= 0:
         raise SystemExit(f"--max-shard-size must be positive, got {args.max_shard_size}")
     try:
-        cfg = preset_config(args.preset, args.fmt, args.layers)
+        preset = vision_preset(args.preset) if args.vision else args.preset
+        cfg = preset_config(preset, args.fmt, args.layers)
     except ValueError as e:
         raise SystemExit(f"make-checkpoint: {e}") from None
     if os.path.exists(args.out) and not os.path.isdir(args.out):

@@ -20,7 +20,7 @@ import copy
 
 from k2serve.config import INT4_QUANT_CONFIG, known_model_config
 
-PRESETS = ("tiny", "small", "k2-slice", "tiny-k2.5", "k2.5-slice")
+PRESETS = ("tiny", "small", "k2-slice", "tiny-k2.5", "k2.5-tiny", "k2.5-slice")
 FORMATS = ("bf16", "fp8", "int4")
 
 FP8_QUANT_CONFIG = {
@@ -78,13 +78,24 @@ _TINY_VISION = dict(
     init_pos_emb_width=16,
     mm_hidden_size=64,
 )
-_K25_PRESETS = {"tiny-k2.5": ("tiny", _TINY_VISION), "k2.5-slice": ("k2-slice", {})}
+_K25_PRESETS = {
+    "tiny-k2.5": ("tiny", _TINY_VISION),
+    "k2.5-tiny": ("tiny", _TINY_VISION),
+    "k2.5-slice": ("k2-slice", {}),
+}
+
+
+def vision_preset(name: str) -> str:
+    """`make-checkpoint --vision`: the K2.5 form of a text preset."""
+    return {"tiny": "tiny-k2.5", "small": "small-k2.5", "k2-slice": "k2.5-slice"}.get(name, name)
 
 
 def preset_config(name: str, fmt: str = "bf16", layers: int | None = None) -> dict:
     """The config.json dict of preset `name` in format `fmt` ("bf16", "fp8", "int4")."""
     if name in _K25_PRESETS:
         return k25_config(*_K25_PRESETS[name], fmt, layers)
+    if name == "small-k2.5":
+        return k25_config("small", _TINY_VISION, fmt, layers)
     if name not in _SIZES:
         raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
     if fmt not in FORMATS:
