@@ -38,7 +38,7 @@ def test_k2_thinking_int4_and_ignore_list():
         assert q.is_ignored(name), name
 
 
-def test_k25_wrapper_prefix_and_vision_log(caplog, tmp_path):
+def test_k25_wrapper_prefix_and_vision(caplog, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(known_model_config("kimi-k2.5")))
     with caplog.at_level(logging.WARNING):
         c = ModelConfig.from_hf(tmp_path)
@@ -46,7 +46,11 @@ def test_k25_wrapper_prefix_and_vision_log(caplog, tmp_path):
     assert c.rms_norm_eps == 1e-5 and c.rope_scaling["beta_fast"] == 32.0
     assert c.quant.is_ignored("language_model.model.layers.1.self_attn.kv_b_proj")
     assert not c.quant.is_ignored("language_model.model.layers.1.mlp.experts.0.down_proj")
-    assert sum("images are not supported" in r.message for r in caplog.records) == 1
+    assert not [r for r in caplog.records if "vision" in r.message]  # the tower is served
+    v = c.vision
+    assert (v.hidden_size, v.num_hidden_layers, v.num_attention_heads) == (1152, 27, 16)
+    assert (v.intermediate_size, v.pos_emb_height, v.merge_kernel_size) == (4304, 64, (2, 2))
+    assert v.media_placeholder_token_id == 163605 and v.merged_hidden_size == 4608
 
 
 def test_plain_deepseek_v3_grouped_routing():

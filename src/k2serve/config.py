@@ -25,6 +25,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from k2serve.vision_config import VisionConfig, VisionConfigError
+
 logger = logging.getLogger(__name__)
 
 
@@ -149,7 +151,11 @@ class QuantConfig:
 # Model
 
 
-_KNOWN_ARCHS = ("DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration")
+_KNOWN_ARCHS = (
+    "DeepseekV3ForCausalLM",
+    "KimiK25ForConditionalGeneration",
+    "Kimi_K25ForConditionalGeneration",  # the name transformers' save_pretrained writes
+)
 
 
 @dataclass(frozen=True)
@@ -192,6 +198,7 @@ class ModelConfig:
     model_type: str = "kimi_k2"
     has_vision: bool = False
     num_nextn_predict_layers: int = 0
+    vision: VisionConfig | None = None  # K2.5 MoonViT tower + projector (k2serve.vision_config)
     raw: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     # ---- derived -----------------------------------------------------------------------------
@@ -322,18 +329,13 @@ def _from_dict(cfg: dict) -> ModelConfig:
     has_vision = False
     tc = cfg
     top_quant = cfg.get("quantization_config")
-    if arch == "KimiK25ForConditionalGeneration" or cfg.get("model_type") == "kimi_k25":
+    if arch != "DeepseekV3ForCausalLM" or cfg.get("model_type") == "kimi_k25":
         text_config = cfg.get("text_config")
         if not isinstance(text_config, dict):
             raise ConfigError("text_config is missing: a kimi_k25 config.json must have one")
         tc = text_config
         prefix = "language_model."
         has_vision = "vision_config" in cfg
-        if has_vision:
-            logger.warning(
-                "K2.5 vision tower found in config.json: it is skipped; "
-                "images are not supported yet"
-            )
 
     def need(key: str) -> Any:
         if key not in tc:
@@ -411,8 +413,11 @@ def _from_dict(cfg: dict) -> ModelConfig:
         rope_theta=_rope_theta(tc),
         rope_scaling=_rope_scaling(tc),
         max_position_embeddings=int(need("max_position_embeddings")),
+        # NOTE: in a kimi_k25 wrapper the top-level flag is the one transformers acts on
         tie_word_embeddings=bool(
-            tc.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+            cfg.get("tie_word_embeddings")
+            if prefix and "tie_word_embeddings" in cfg
+            else tc.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
         ),
         bos_token_id=tc.get("bos_token_id", cfg.get("bos_token_id")),
         eos_token_ids=eos_ids,
@@ -423,8 +428,16 @@ def _from_dict(cfg: dict) -> ModelConfig:
         model_type=str(cfg.get("model_type", "kimi_k2")),
         has_vision=has_vision,
         num_nextn_predict_layers=int(tc.get("num_nextn_predict_layers") or 0),
+        vision=_vision(cfg, int(need("hidden_size"))) if has_vision else None,
         raw=copy.deepcopy(cfg),
     )
+
+
+def _vision(cfg: dict, text_hidden_size: int) -> VisionConfig:
+    try:
+        return VisionConfig.from_hf(cfg, text_hidden_size)
+    except (VisionConfigError, TypeError, ValueError) as e:
+        raise ConfigError(f"vision_config: {e}") from None
 
 
 # --------------------------------------------------------------------------------------------

@@ -152,3 +152,36 @@ __all__ = [
     "kv_cache_pages",
     "kv_values_per_token",
 ]
+
+
+# ---- K2.5 vision encoder (the engine's EncoderCache and the planner's row) -----------------
+MAX_IMAGE_TOKENS = 4096  # in_patch_limit 16384 patches / (2 x 2): the largest image's tokens
+
+
+def encoder_cache_tokens(max_num_batched_tokens: int) -> int:
+    """Image tokens whose encoder outputs the runner keeps (engine.multimodal.EncoderCache)."""
+    return max(2 * MAX_IMAGE_TOKENS, 2 * max_num_batched_tokens)
+
+
+def encoder_max_patches(config: ModelConfig, max_num_batched_tokens: int) -> int:
+    """Most patches the runner gives the tower in one call (a step's new images are encoded in
+    calls of at most this many): the step's tokens plus two images cut by its ends."""
+    vc = config.vision
+    merge = vc.merge_kernel_size[0] * vc.merge_kernel_size[1] if vc is not None else 4
+    return merge * (max_num_batched_tokens + 2 * MAX_IMAGE_TOKENS)
+
+
+def encoder_activation_bytes(config: ModelConfig, max_num_batched_tokens: int) -> int:
+    """Vision encoder memory beyond its weights (0 without a tower): the encoder cache
+    (`encoder_cache_tokens` x hidden, bf16) plus the peak working memory of one step, whose new
+    images hold at most the step's tokens plus two images cut by its ends; per patch, one
+    block's live tensors (residual, norm, qkv, float32 complex q/k with RoPE, attention out,
+    the MLP's two [., 4304] intermediates) in bf16."""
+    vc = config.vision if config.has_vision else None
+    if vc is None:
+        return 0
+    patches = encoder_max_patches(config, max_num_batched_tokens)
+    d = vc.hidden_size
+    per_patch = 2 * (6 * d + 2 * vc.intermediate_size) + 4 * 4 * d
+    cache = encoder_cache_tokens(max_num_batched_tokens) * vc.text_hidden_size * 2
+    return patches * per_patch + cache

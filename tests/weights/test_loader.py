@@ -124,8 +124,7 @@ def test_skips_mtp_layers_inv_freq_and_k25_vision(ckpt, tmp_path):
         return {
             "architectures": ["KimiK25ForConditionalGeneration"],
             "model_type": "kimi_k25",
-            "text_config": cfg,
-            "vision_config": {"patch_size": 14},
+            "text_config": cfg,  # no vision_config: the tower's tensors are skipped
         }
 
     d = _copy(ckpt, tmp_path, to_k25)

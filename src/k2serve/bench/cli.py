@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 DATASETS = {"random": "random", "sharegpt": "sharegpt", "jsonl": "jsonl", "custom": "jsonl"}
 DATASETS |= {"hf": "hf"}  # vLLM's hub datasets, read here from a local file (no hub access)
 DATASETS |= {"prefix": "prefix", "prefix_repetition": "prefix"}
+DATASETS |= {"vision": "vision", "sharegpt4v": "vision", "visionarena": "vision"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,9 +78,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="random",
         choices=sorted(DATASETS),
         help="random | sharegpt | jsonl (alias custom) | prefix (alias prefix_repetition) | "
-        "hf (a local copy of a hub dataset: ShareGPT or VisionArena records, JSON or JSONL)",
+        "hf (a local copy of a hub dataset: ShareGPT or VisionArena records, JSON or JSONL) | "
+        "vision (aliases sharegpt4v, visionarena: records with images)",
     )
-    g.add_argument("--dataset-path", default=None, help="file for sharegpt / jsonl / hf")
+    g.add_argument("--dataset-path", default=None, help="file for sharegpt / jsonl / hf / vision")
     g.add_argument(
         "--trust-remote-code",
         action="store_true",
@@ -145,6 +147,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="sharegpt/jsonl: max_tokens for every request (default: per record)",
     )
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--random-images-per-prompt",
+        type=int,
+        default=0,
+        help="random/prefix (--api chat): synthetic images sent with each prompt (K2.5)",
+    )
+    g.add_argument(
+        "--random-image-size",
+        nargs="+",
+        default=["1024x1024"],
+        help="WxH of the synthetic images, cycled (default 1024x1024)",
+    )
 
     g = p.add_argument_group("load")
     g.add_argument(
@@ -242,8 +256,20 @@ def _samples(args: argparse.Namespace):
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     n = args.num_prompts
-    if name in ("sharegpt", "jsonl", "hf") and not args.dataset_path:
+    if name in ("sharegpt", "jsonl", "hf", "vision") and not args.dataset_path:
         raise ValueError(f"--dataset-name {args.dataset_name} needs --dataset-path")
+    if name == "vision":
+        from k2serve.bench.images import vision_dataset
+
+        return vision_dataset(args.dataset_path, n, args.output_len, args.seed)
+    if name in ("random", "prefix") and args.random_images_per_prompt > 0:
+        from k2serve.bench.images import parse_size, with_synthetic_images
+
+        sizes = [parse_size(s) for s in args.random_image_size]
+        text_args = argparse.Namespace(**{**vars(args), "random_images_per_prompt": 0})
+        return with_synthetic_images(
+            _samples(text_args), sizes, args.random_images_per_prompt, args.seed
+        )
     if name == "random":
         return ds.random_dataset(
             n,
@@ -267,8 +293,25 @@ def _samples(args: argparse.Namespace):
     if name == "sharegpt":
         return ds.sharegpt_dataset(args.dataset_path, n, args.output_len, args.seed)
     if name == "hf":
+        # VisionArena / ShareGPT-4V records carry images: send them, as `vllm bench` does
+        if _has_images(args.dataset_path):
+            from k2serve.bench.images import vision_dataset
+
+            return vision_dataset(args.dataset_path, n, args.output_len, args.seed)
         return ds.hf_dataset(args.dataset_path, n, args.output_len, args.seed)
     return ds.jsonl_dataset(args.dataset_path, n, args.output_len)
+
+
+def _has_images(path: str) -> bool:
+    """Whether the first record of a local dataset file names images (`images` / `image`)."""
+    from k2serve.bench import datasets as ds
+
+    try:
+        for _, rec in ds._read_records(Path(path)):
+            return isinstance(rec, dict) and rec.get("images", rec.get("image")) is not None
+    except (ds.DatasetError, OSError, ValueError):
+        return False
+    return False
 
 
 def _result_path(args: argparse.Namespace, api: str, model: str) -> Path:

@@ -5,6 +5,8 @@ Invariants:
   [k * page_size, (k + 1) * page_size).
 - A page is registered in the prefix cache only once all its page_size tokens have been computed
   (their KV written), so a hit never returns a page still being filled.
+- A page with image tokens hashes the images' content hashes too (multimodal.inputs), so the
+  same text with another image never hits; the chain carries it to every later page.
 - A prefix hit never covers the request's last token: at least one token is always computed,
   because sampling needs its logits.
 - `free(request)` returns every page of the request, last page first (the shared prefix stays
@@ -23,6 +25,7 @@ from typing import Protocol
 
 from k2serve.cache.block_pool import BlockPool, hash_page
 from k2serve.cache.host_tier import HostTier, KVTransfers
+from k2serve.multimodal.inputs import page_extra_keys
 
 
 class Request(Protocol):
@@ -73,10 +76,12 @@ class KVCacheManager:
         hashes = self._hashes.setdefault(req.request_id, [])
         ps = self.page_size
         tokens = req.all_token_ids
+        mm = getattr(req, "mm_inputs", None)  # pages with image tokens hash their images too
         while (len(hashes) + 1) * ps <= len(tokens):
             k = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_page(parent, tokens[k * ps : (k + 1) * ps], req.cache_salt))
+            extra = page_extra_keys(mm, k * ps, (k + 1) * ps, req.cache_salt) if mm else None
+            hashes.append(hash_page(parent, tokens[k * ps : (k + 1) * ps], extra or req.cache_salt))
         return hashes
 
     def get_computed_pages(self, req: Request) -> list[int]:

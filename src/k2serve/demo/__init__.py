@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 DEMO_DIRNAME = "kimi-k2-demo"
+VISION_DEMO_DIRNAME = "kimi-k2.5-demo"  # the same text model + a tiny trained vision tower
 
 
 def demo_path() -> Path:
@@ -32,5 +33,17 @@ def demo_eagle3_path() -> Path:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"the demo draft is missing from {path}; run `python scripts/train_demo_eagle3.py`"
+        )
+    return path
+
+
+def vision_demo_path() -> Path:
+    """Directory of the bundled K2.5-format demo (images: names a picture's colour and shape;
+    trained by `scripts/train_vision_demo.py`). `k2serve serve kimi-k2.5-demo` serves it."""
+    path = Path(__file__).resolve().parent / VISION_DEMO_DIRNAME
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"the K2.5 demo checkpoint is missing from {path}; run "
+            "`python scripts/train_vision_demo.py`"
         )
     return path

@@ -112,6 +112,7 @@ class AsyncLLMEngine:
         *,
         prompt: str | None = None,
         cache_salt: str | None = None,
+        mm_inputs: list | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield DELTA outputs (new token ids / text / logprobs per sample index) until finished.
 
@@ -124,6 +125,8 @@ class AsyncLLMEngine:
         prompt_token_ids = list(prompt_token_ids)
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         self.engine.validate(prompt_token_ids, params)
+        if mm_inputs:  # K2.5 images, placed (engine.multimodal)
+            self.engine.mm.check_placed(prompt_token_ids, mm_inputs)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
@@ -138,7 +141,7 @@ class AsyncLLMEngine:
                     )
             self._streams[request_id] = (loop, q)
             self._pending_adds += 1
-        self._cmds.put(("add", request_id, prompt_token_ids, params, prompt, cache_salt))
+        self._cmds.put(("add", request_id, prompt_token_ids, params, prompt, cache_salt, mm_inputs))
         self._wake.set()
         finished = False
         carry = None  # an item taken from the queue while merging, handled next
@@ -232,12 +235,14 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, ids, params, prompt, salt = cmd
+                _, rid, ids, params, prompt, salt, mm = cmd
                 with self._lock:
                     wanted = rid in self._streams
                 try:
                     if wanted:  # else the caller left before the engine saw the request
-                        self.engine.add_request(rid, ids, params, prompt=prompt, cache_salt=salt)
+                        self.engine.add_request(
+                            rid, ids, params, prompt=prompt, cache_salt=salt, mm_inputs=mm
+                        )
                 except ValueError as e:
                     self._dispatch(rid, e, True)
                 # NOTE: refresh the snapshot before un-counting the add, so that max_waiting

@@ -77,6 +77,11 @@ _HELP = {
     "speculative_config": 'JSON, as vLLM: {"method": "ngram" | "suffix" | "eagle3", '
     '"num_speculative_tokens": K, "model": DRAFT_DIR (eagle3), "prompt_lookup_min": a, '
     '"prompt_lookup_max": b, "disable_by_batch_size": N}',
+    "limit_mm_per_prompt": "most multimodal items per prompt, JSON like '{\"image\": 4}' (K2.5; "
+    "default 16 images, video 0: video is not supported)",
+    "mm_encoder_tp_mode": "with -tp N, how the K2.5 vision tower runs: data (a step's new images "
+    "are split over the ranks, each encodes its share, then all-gather) or weights (every rank "
+    "encodes them all; NOTE: the tower's weights are replicated, not sharded, in both modes)",
     "dist_join_timeout": "seconds node 0 waits for every node to join; a worker node waits as "
     "long for node 0 (which listens once it has loaded its own shard)",
     # ---- data parallel + expert parallel (issue 29, k2serve.engine.dp); vLLM's names ----
@@ -110,6 +115,41 @@ def parse_bytes(value: str | int | None) -> int | None:
     num, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
     base = 1024 if binary else 1000
     return int(num * base ** " KMGT".index(unit or " "))
+
+
+MM_MODALITIES = ("image", "video")
+DEFAULT_IMAGE_LIMIT = 16
+
+
+def parse_mm_limits(value: str | dict | None) -> dict[str, int]:
+    """--limit-mm-per-prompt: '{"image": 4}' (JSON) or 'image=4,video=0' -> {modality: n}."""
+    if value is None:
+        return {"image": DEFAULT_IMAGE_LIMIT, "video": 0}
+    if isinstance(value, str):
+        import json
+
+        text: str = value
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            try:
+                value = {k.strip(): int(v) for k, v in (p.split("=") for p in text.split(","))}
+            except ValueError:
+                raise ValueError(
+                    f'limit_mm_per_prompt={text!r} is not JSON like {{"image": 4}}'
+                ) from None
+    if not isinstance(value, dict):
+        raise ValueError(f'limit_mm_per_prompt={value!r} must be an object like {{"image": 4}}')
+    out = {"image": DEFAULT_IMAGE_LIMIT, "video": 0}
+    for k, v in value.items():
+        if k not in MM_MODALITIES:
+            raise ValueError(f"limit_mm_per_prompt: unknown modality {k!r} (image, video)")
+        if isinstance(v, dict):  # vLLM's {"image": {"count": 4, ...}}
+            v = v.get("count")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"limit_mm_per_prompt[{k!r}]={v!r} must be a non-negative integer")
+        out[k] = v
+    return out
 
 
 @dataclass(frozen=True)
@@ -162,6 +202,8 @@ class EngineConfig:
     eplb_config: str | None = None
     skip_non_local_expert_weights: bool = False
     speculative_config: Any = None  # spec_decode.SpeculativeConfig (a dict or JSON is parsed)
+    limit_mm_per_prompt: dict | None = None  # {"image": N}; None: 16 images
+    mm_encoder_tp_mode: str = "weights"
 
     def __post_init__(self) -> None:
         from k2serve.engine.spec_decode.config import SpeculativeConfig
@@ -170,6 +212,15 @@ class EngineConfig:
         object.__setattr__(self, "speculative_config", spec)
         if isinstance(self.kv_cache_memory, str):
             object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        if isinstance(self.limit_mm_per_prompt, str):
+            object.__setattr__(
+                self, "limit_mm_per_prompt", parse_mm_limits(self.limit_mm_per_prompt)
+            )
+        parse_mm_limits(self.limit_mm_per_prompt)  # ValueError when malformed
+        if self.mm_encoder_tp_mode not in ("weights", "data"):
+            raise ValueError(
+                f"mm_encoder_tp_mode={self.mm_encoder_tp_mode!r} is not weights or data"
+            )
 
         def positive(name: str, allow_none: bool = False) -> None:
             v = getattr(self, name)
@@ -265,7 +316,7 @@ class EngineConfig:
             typ: Callable[[str], Any] | None = {
                 "max_model_len": int, "num_kv_pages": int, "max_waiting": int,
                 "num_gpu_experts": int, "data_parallel_size_local": int,
-                "gpu_prefill_token_threshold": int,
+                "gpu_prefill_token_threshold": int, "limit_mm_per_prompt": str,
                 "kv_offloading_size": float, "swap_space": float}.get(f.name)  # fmt: skip
             if typ is None:
                 typ = type(default) if default is not None else str

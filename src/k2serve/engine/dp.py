@@ -206,6 +206,7 @@ class DPEngine:
         self.tokenizer = self.local.tokenizer
         self.max_model_len = self.local.max_model_len
         self.spec = self.local.spec  # rank 0's RuntimeSpec (each rank resolved its own)
+        self.mm = self.local.mm  # K2.5 image placement (the same rules on every rank)
         self.runner = self  # check_health / set_on_failure, as the TP executor's
         self.num_ranks = W
         self._rank_of: dict[str, int] = {}  # unfinished request -> its rank

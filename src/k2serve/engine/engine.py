@@ -28,6 +28,7 @@ from k2serve.engine.config import EngineConfig
 from k2serve.engine.contract import resolve_max_tokens
 from k2serve.engine.errors import PromptTooLongError
 from k2serve.engine.kv_tier import host_tier_stats, make_host_tier, num_host_pages
+from k2serve.engine.multimodal import MultiModalInputs
 from k2serve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from k2serve.engine.request import Request, RequestStatus
 from k2serve.engine.runner import ModelRunner
@@ -35,6 +36,7 @@ from k2serve.engine.sampling_params import SamplingParams
 from k2serve.engine.scheduler import Scheduler
 from k2serve.engine.setup import eos_token_ids, load_tokenizer, resolve_device, setup_rank
 from k2serve.engine.spec_decode.drafter import SpecDecodingStats
+from k2serve.multimodal.inputs import ImageInput
 from k2serve.tokenizer.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
@@ -171,6 +173,7 @@ class LLMEngine:
             )
         else:
             self.runner = ModelRunner(model, kv_caches, spec, kv_host_pages=host_pages)
+        self.mm = MultiModalInputs.for_model(self.model_config, model_dir, cfg)
         self.eos_token_ids = eos_token_ids(self.model_config, tokenizer, model_dir)
         self.vocab_size = self.model_config.vocab_size
         self._requests: dict[str, Request] = {}  # child id -> request (unfinished)
@@ -247,11 +250,14 @@ class LLMEngine:
         prompt: str | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        mm_inputs: list[ImageInput] | None = None,
     ) -> None:
+        """`mm_inputs`: the prompt's images, placed (`process_images` / `MultiModalInputs`)."""
         params = params or SamplingParams()
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         max_tokens = self.validate(prompt_token_ids, params)
+        self.mm.check_placed(prompt_token_ids, mm_inputs or [])
         ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         children = []
         constraint = params.structured_outputs
@@ -267,6 +273,7 @@ class LLMEngine:
                 index=i,
                 cache_salt=cache_salt,
                 arrival_time=arrival_time,
+                mm_inputs=mm_inputs,
             )
             if compiled is not None and constraint is not None:
                 from k2serve.structured.state import GrammarState

@@ -31,11 +31,13 @@ from k2serve.cache.kv_cache_manager import KVCacheManager
 from k2serve.distributed.nodes import NodeSpec
 from k2serve.distributed.workers import WorkerGroup, WorkerState
 from k2serve.engine.config import EngineConfig
+from k2serve.engine.multimodal import EncoderCache, step_items
 from k2serve.engine.request import Request
 from k2serve.engine.runner import BatchBuilder, ModelInput
 from k2serve.engine.sampler import Sampler, SamplerOutput
 from k2serve.engine.scheduler import SchedulerOutput
 from k2serve.engine.spec import RuntimeSpec
+from k2serve.memory import encoder_cache_tokens, encoder_max_patches
 
 logger = logging.getLogger(__name__)
 
@@ -107,23 +109,51 @@ def load_shard(state: WorkerState, spec: dict) -> int:
         tp_size=state.world_size,
         progress=False,
     )
-    state.data.update(model=rank.model, kv_caches=rank.kv_caches, spec=rank.spec)
+    state.data.update(model=rank.model, kv_caches=rank.kv_caches, spec=rank.spec, engine_config=cfg)
     if spec.get("kv_host_pages"):  # K2 host KV tier: each rank copies its own cache replica
         state.data["kv_copier"] = KVCopier(rank.kv_caches, spec["kv_host_pages"])
     model = rank.model
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def _encoder_cache(state: WorkerState, mode: str) -> EncoderCache:
+    """This rank's K2.5 encoder cache (made on first use; identical on every rank)."""
+    cache = state.data.get("encoder_cache")
+    if cache is None:
+        model = state.data["model"]
+        ctx = getattr(model, "tp_context", None)
+        tp = (state.rank, state.world_size, getattr(ctx, "group", None))
+        cfg = state.data.get("engine_config")
+        budget = cfg.max_num_batched_tokens if cfg else 2048
+        cache = state.data["encoder_cache"] = EncoderCache(
+            model,
+            encoder_cache_tokens(budget),
+            tp=tp,
+            mode=mode,
+            max_patches=encoder_max_patches(model.config, budget),
+        )
+    return cache
+
+
 @torch.inference_mode()
 def forward_step(
-    state: WorkerState, packed: np.ndarray, transfers: KVTransfers | None = None
+    state: WorkerState,
+    packed: np.ndarray,
+    transfers: KVTransfers | None = None,
+    mm_items=None,
+    mm_mode: str = "weights",
 ) -> torch.Tensor:
     """Every rank: run its shard on the packed flat batch (after the step's host-tier copies).
-    -> hidden of the sampling rows."""
+    -> hidden of the sampling rows. `mm_items`: the step's image tokens
+    (engine.multimodal.step_items); every rank builds their embeddings (mode "data": each
+    encodes its share of the new images)."""
     ids, pos, md, logits_idx = unpack_model_input(packed, state.device)
     apply_on_rank(state, transfers)
     model = state.data["model"]
-    hidden = model(ids, pos, attn_metadata=md, kv_caches=state.data["kv_caches"])  # [T, hidden]
+    mm = _encoder_cache(state, mm_mode).embeddings(mm_items) if mm_items else None
+    hidden = model(
+        ids, pos, attn_metadata=md, kv_caches=state.data["kv_caches"], mm_embeds=mm
+    )  # [T, hidden]
     return hidden[logits_idx]  # [S, hidden]
 
 
@@ -162,13 +192,23 @@ class MultiprocExecutor:
         self.spec = spec
         self.page_size = spec.page_size
         self.device = spec.device
+        self.has_vision = getattr(model.config, "vision", None) is not None
+        self.mm_mode = cfg.mm_encoder_tp_mode
+        if self.has_vision:
+            logger.info(
+                "vision tower: replicated on the %d ranks (not sharded); %s",
+                W,
+                "each rank encodes a share of a step's images, then all-gather (data)"
+                if self.mm_mode == "data"
+                else "every rank encodes the step's images (weights)",
+            )
         # NOTE: the flat batch is built on the CPU (then packed); the sampler runs on rank 0.
         self._batch = BatchBuilder(spec.page_size, "cpu")
         self.sampler = Sampler(self.device, spec.seed)
         self.group = WorkerGroup(
             W, self.device, cfg.distributed_backend, nodes=NodeSpec.from_engine_config(cfg)
         )
-        self.group.state.data.update(model=model, kv_caches=kv_caches, spec=spec)
+        self.group.state.data.update(model=model, kv_caches=kv_caches, spec=spec, engine_config=cfg)
         self.kv_copier = KVCopier(kv_caches, kv_host_pages) if kv_host_pages else None
         if self.kv_copier is not None:
             self.group.state.data["kv_copier"] = self.kv_copier
@@ -198,8 +238,12 @@ class MultiprocExecutor:
         """Run one step on every rank; returns the requests that sampled and their samples."""
         inp = self._batch.prepare(sched, kv)
         packed = pack_model_input(inp)
-        results = self.group.run(forward_step, packed, sched.transfers, reply=False)
-        hidden = results[0]  # [S, hidden]
+        items = step_items(sched.scheduled) if self.has_vision else None
+        # K2.5 images: their pixels travel with the step (engine.multimodal)
+        args: tuple = (
+            (packed, sched.transfers, items, self.mm_mode) if items else (packed, sched.transfers)
+        )
+        hidden = self.group.run(forward_step, *args, reply=False)[0]  # [S, hidden]
         if not inp.sample_reqs:
             return [], None
         logits = self.model.compute_logits(hidden)  # [S, vocab] float32

@@ -20,6 +20,7 @@ from k2serve.engine.config import EngineConfig
 from k2serve.engine.engine import LLMEngine
 from k2serve.engine.outputs import RequestOutput
 from k2serve.engine.sampling_params import SamplingParams
+from k2serve.multimodal.media import chat_images
 
 if TYPE_CHECKING:
     from k2serve.engine.dp import DPEngine
@@ -82,6 +83,28 @@ class LLM:
         return self.llm_engine.tokenizer
 
     # ------------------------------------------------------------------------------------------
+    def _encode(self, prompt: object) -> tuple[str | None, list[int], list]:
+        """A Prompt -> (text or None, token ids, placed images). A dict may carry vLLM's
+        `multi_modal_data={"image": PIL image or list}`: the prompt then names each image once
+        with `<|media_pad|>`, which is expanded to the image's tokens."""
+        text, ids = self._to_ids(prompt)
+        mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not mm_data:
+            return text, ids, []
+        if not isinstance(mm_data, dict):
+            raise ValueError("multi_modal_data must be a dict like {'image': [PIL images]}")
+        unknown = set(mm_data) - {"image"}
+        if unknown:
+            raise ValueError(
+                f"multi_modal_data: {sorted(unknown)} not supported (K2.5 takes 'image'; video "
+                "is experimental and served only by Moonshot's API)"
+            )
+        images = mm_data.get("image") or []
+        if not isinstance(images, (list, tuple)):
+            images = [images]
+        ids, placed = self.llm_engine.mm.process(ids, images)
+        return text, ids, placed
+
     def _to_ids(self, prompt: object) -> tuple[str | None, list[int]]:
         """A Prompt (anything else is a ValueError) -> (text or None, token ids)."""
         if isinstance(prompt, dict):  # vLLM's {"prompt": ...} / {"prompt_token_ids": [...]}
@@ -122,13 +145,14 @@ class LLM:
                     f"{len(params)} sampling_params for {len(plist)} prompts: give one, or one "
                     "per prompt"
                 )
-        encoded = [self._to_ids(p) for p in plist]
+        encoded = [self._encode(p) for p in plist]
         eng = self.llm_engine
-        for (_, ids), sp in zip(encoded, params, strict=True):
+        for (_, ids, mm), sp in zip(encoded, params, strict=True):
             eng.validate(ids, sp)
+            eng.mm.check_placed(ids, mm)
         rids = [f"llm-{next(self._ids)}" for _ in plist]
-        for rid, (text, ids), sp in zip(rids, encoded, params, strict=True):
-            eng.add_request(rid, ids, sp, prompt=text)
+        for rid, (text, ids, mm), sp in zip(rids, encoded, params, strict=True):
+            eng.add_request(rid, ids, sp, prompt=text, mm_inputs=mm)
         return self._run(rids, use_tqdm)
 
     def _run(self, rids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -173,15 +197,14 @@ class LLM:
         if tok is None:
             raise ValueError("this checkpoint has no tokenizer, so no chat template")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [
-            {
-                "prompt": (
-                    text := tok.apply_chat_template(
-                        c, tools=tools, chat_template_kwargs=chat_template_kwargs
-                    )
-                ),
-                "prompt_token_ids": tok.encode(text, allow_special=True),
-            }
-            for c in convs
-        ]
+        prompts = []
+        for c in convs:
+            images, c = chat_images(list(c))  # image parts -> PIL images, template parts
+            text = tok.apply_chat_template(
+                c, tools=tools, chat_template_kwargs=chat_template_kwargs
+            )
+            p: dict = {"prompt": text, "prompt_token_ids": tok.encode(text, allow_special=True)}
+            if images:
+                p["multi_modal_data"] = {"image": images}
+            prompts.append(p)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -54,6 +54,7 @@ class Request:
         index: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        mm_inputs: list | None = None,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id if parent_id is not None else request_id
@@ -62,7 +63,10 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
         self.max_tokens = max_tokens
-        self.cache_salt = cache_salt  # extra prefix-cache key (LoRA, image hash, tenant)
+        self.cache_salt = cache_salt  # extra prefix-cache key (LoRA, tenant)
+        # K2.5 images (multimodal.inputs.ImageInput, prompt order, offsets set): their tokens
+        # are placeholders whose embeddings the runner replaces with the image encoder's
+        self.mm_inputs: list = list(mm_inputs or ())
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0

@@ -33,11 +33,13 @@ from k2serve.attention.base import AttentionMetadata
 from k2serve.cache.host_tier import KVCopier, KVTransfers
 from k2serve.cache.kv_cache_manager import KVCacheManager
 from k2serve.engine.input_batch import BlockTables, to_device
+from k2serve.engine.multimodal import EncoderCache
 from k2serve.engine.request import Request
 from k2serve.engine.sampler import Sampler, SamplerOutput
 from k2serve.engine.scheduler import SchedulerOutput
 from k2serve.engine.spec import RuntimeSpec
 from k2serve.engine.spec_decode.verify import DraftRow
+from k2serve.memory import encoder_cache_tokens, encoder_max_patches
 from k2serve.moe.dynamic import RoutingService
 
 if TYPE_CHECKING:
@@ -210,6 +212,17 @@ class ModelRunner(BatchBuilder):
             max_tokens=max(spec.max_num_seqs, 256),
         )
         self.last_input: ModelInput | None = None  # the latest step's batch (EAGLE-3 drafter)
+        # K2.5: the image encoder's outputs by image hash (engine.multimodal)
+        budget = spec.max_num_batched_tokens
+        self.encoder_cache = (
+            EncoderCache(
+                model,
+                encoder_cache_tokens(budget),
+                max_patches=encoder_max_patches(model.config, budget),
+            )
+            if getattr(getattr(model, "config", None), "vision", None) is not None
+            else None
+        )
         if self.device.type == "cuda":
             self.flatten_verify = True
             self._setup_graphs()
@@ -250,7 +263,15 @@ class ModelRunner(BatchBuilder):
         md = inp.attn_metadata
         if self.kv_copier is not None:  # K2 host tier: this step's copies, then the forward
             self.kv_copier.apply(sched.transfers)
-        if self.graph_runner is not None and md.num_decodes == md.num_seqs:
+        mm = None
+        if self.encoder_cache is not None:
+            mm = self.encoder_cache.step_embeddings(sched.scheduled)  # image tokens' rows
+        if mm is not None:
+            hidden = self.model(
+                inp.input_ids, inp.positions, attn_metadata=md, kv_caches=self.kv_caches,
+                mm_embeds=mm,
+            )  # fmt: skip
+        elif self.graph_runner is not None and md.num_decodes == md.num_seqs:
             # decode-only: a captured graph when one fits, else eager inside run()
             hidden = self.graph_runner.run(inp.input_ids, inp.positions, md)  # [T, hidden]
         else:

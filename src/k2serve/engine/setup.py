@@ -11,6 +11,7 @@ tokenizer loading, the EOS set, and the KV cache size from the memory budget (wi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -325,6 +326,12 @@ def setup_rank(
             max_model_len=max_len, cuda_graphs=not cfg.enforce_eager, tp_size=tp_size,
             simulated_memory=envs.simulated_device_memory(),
         )  # fmt: skip
+        if budget is not None and getattr(model.config, "vision", None) is not None:
+            # K2.5: room for the vision encoder's working memory (the planner's row too)
+            from k2serve.memory import encoder_activation_bytes
+
+            extra = encoder_activation_bytes(model.config, cfg.max_num_batched_tokens)
+            budget = dataclasses.replace(budget, activations=budget.activations + extra)
     pages, max_len = num_kv_pages(
         cfg, model.config, kv_dtype, device, max_len, cfg.max_model_len is None, budget
     )

@@ -40,6 +40,7 @@ from k2serve.config import ModelConfig
 from k2serve.kernels.policy import KernelPolicy
 from k2serve.model.layers import RMSNorm, YarnRotaryEmbedding
 from k2serve.model.router import TopkRouter
+from k2serve.model.vision import MoonViT, PatchMergerProjector, encode_images
 from k2serve.moe import ExpertBackend, TorchExpertBackend
 from k2serve.moe.cpu_experts import drive
 from k2serve.moe.placement import ExpertPlacement
@@ -464,6 +465,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         b = _Builder(config, dtype, fn)
         self.model = DeepseekV3Model(b)
         self.lm_head = b.linear("lm_head", config.hidden_size, config.vocab_size)
+        if config.vision is not None:  # K2.5: the image encoder beside the text model
+            self.vision_tower = MoonViT(config.vision).to(dtype)
+            self.mm_projector = PatchMergerProjector(config.vision).to(dtype)
         self.expert_placement: ExpertPlacement | None = None  # None = all on self.device
         self.routing_recorder = None  # moe.placement.RoutingRecorder while recording
         # EAGLE-3 drafting: target layers whose input hidden state each forward keeps, and the
@@ -557,6 +561,16 @@ class DeepseekV3ForCausalLM(nn.Module):
         p = self.expert_placement
         return p is not None and not p.all_on_gpu
 
+    def encode_images(
+        self, pixel_values: torch.Tensor, grid_hws: list[tuple[int, int]]
+    ) -> list[torch.Tensor]:
+        """K2.5: patches [N, 3, p, p] of images with patch grids `grid_hws` -> one
+        [h*w/4, hidden] embedding per image (model.vision)."""
+        if self.config.vision is None:
+            raise ValueError("this model has no vision tower (config.json has no vision_config)")
+        pv = pixel_values.to(self.device, self.vision_tower.patch_embed.proj.weight.dtype)
+        return encode_images(self.vision_tower, self.mm_projector, pv, grid_hws)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -564,12 +578,17 @@ class DeepseekV3ForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T] long
         attn_metadata: AttentionMetadata | None = None,
         kv_caches: list[torch.Tensor] | None = None,
+        mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [T, hidden]
+        """`mm_embeds`: (rows [M] long, embeddings [M, hidden]) that replace the token
+        embeddings at those rows of the flat batch (image placeholder positions)."""
         # split=False: every layer is a module call (a hybrid MoE block runs its own host
         # round trip inline), so nothing is yielded
-        return drive(self.pieces(input_ids, positions, attn_metadata, kv_caches, split=False))
+        return drive(self.pieces(input_ids, positions, attn_metadata, kv_caches, False, mm_embeds))
 
-    def pieces(self, input_ids, positions, attn_metadata=None, kv_caches=None, split=True):
+    def pieces(
+        self, input_ids, positions, attn_metadata=None, kv_caches=None, split=True, mm_embeds=None
+    ):
         """Generator form of forward: the GPU work between two yields is one piece, each
         yielded host action (a hybrid layer's CPU round trip) runs between pieces; without CPU
         experts nothing is yielded. model.cuda_graph.DecodeGraphRunner captures the pieces
@@ -586,6 +605,9 @@ class DeepseekV3ForCausalLM(nn.Module):
                 f"attn_metadata needs kv_caches with one tensor per layer ({len(layers)})"
             )
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
+        if mm_embeds is not None:
+            rows, emb = mm_embeds
+            h = h.index_copy(0, rows, emb.to(h.dtype))
         residual = None
         aux_ids = self.aux_hidden_state_layers  # EAGLE-3: the residual stream entering them
         aux: dict[int, torch.Tensor] = {}

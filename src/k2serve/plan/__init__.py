@@ -13,8 +13,12 @@
 from k2serve.memory import (
     DTYPE_BYTES,
     KV_CACHE_DTYPES,
+    MAX_IMAGE_TOKENS,
     RUNTIME_RESERVE_BYTES,
     activation_bytes,
+    encoder_activation_bytes,
+    encoder_cache_tokens,
+    encoder_max_patches,
     kv_bytes_per_token,
 )
 from k2serve.plan.hardware import CPU_MEMORY_UTILIZATION
@@ -42,6 +46,10 @@ __all__ = [
     "DEFAULT_MAX_NUM_SEQS",
     "DEFAULT_PAGE_SIZE",
     "DTYPE_BYTES",
+    "MAX_IMAGE_TOKENS",
+    "encoder_activation_bytes",
+    "encoder_cache_tokens",
+    "encoder_max_patches",
     "KV_CACHE_DTYPES",
     "RUNTIME_RESERVE_BYTES",
     "DeviceMemory",

@@ -37,6 +37,7 @@ ROW_NAMES = {
     "routed_experts": "routed experts",
     "embeddings_lm_head": "embeddings + lm_head",
     "vision": "vision tower",
+    "vision_activations": "vision encoder activations",
     "activations": "activations",
     "cuda_graphs": "CUDA graph pool",
     "runtime": "CUDA context + NCCL",
@@ -267,7 +268,7 @@ def render(p: Plan, source: dict) -> str:
         out.append("")
         out.append(head)
         for key, val in d.rows.items():
-            if key in ("vision", "layerwise_prefill") and not val:
+            if key in ("vision", "vision_activations", "layerwise_prefill") and not val:
                 continue
             out.append(f"  {ROW_NAMES.get(key, key):<32}{gb(val):>12}")
         out.append(

@@ -22,6 +22,7 @@ from k2serve.config import ModelConfig
 from k2serve.memory import (  # the formulas the engine sizes its cache with
     RUNTIME_RESERVE_BYTES,
     activation_bytes,
+    encoder_activation_bytes,
     graph_pool_bytes,
     kv_bytes_per_token,
     kv_cache_pages,
@@ -211,6 +212,7 @@ def plan(
             "routed_experts": 0,
             "embeddings_lm_head": w.embeddings // tp,
             "vision": w.vision,
+            "vision_activations": encoder_activation_bytes(config, max_num_batched_tokens),
             "activations": act,
             # decode graphs share one pool sized by the largest captured batch
             "cuda_graphs": graph_pool_bytes(config, max_num_seqs, tp),
@@ -362,6 +364,8 @@ def plan(
         max_num_batched_tokens=max_num_batched_tokens,
     )  # fmt: skip
     args += tier.serve_args()  # K2 host KV tier
+    if config.vision is not None and g > 1:  # K2.5 recipe: split images over the ranks
+        args += ["--mm-encoder-tp-mode", "data"]
     if g and cpu_exp:
         args += ["--num-gpu-experts", str(gpu_exp)]
         if expert_placement_file:

@@ -122,21 +122,18 @@ def _attention_bytes(config: ModelConfig, layer: int) -> tuple[int, int]:
 
 def vision_bytes(config: ModelConfig) -> int:
     """K2.5 MoonViT tower + patch-merger projector, bf16, from `vision_config` shapes."""
-    vc = config.raw.get("vision_config") if config.has_vision else None
-    if not vc:
+    vc = config.vision if config.has_vision else None
+    if vc is None:
         return 0
-    d, inter, p = int(vc["vt_hidden_size"]), int(vc["vt_intermediate_size"]), int(vc["patch_size"])
-    layers = int(vc["vt_num_hidden_layers"])
-    mk = vc.get("merge_kernel_size") or [2, 2]
-    merged = d * int(mk[0]) * int(mk[1])  # 4608 for a 2x2 merge of 1152
-    text = int(vc.get("text_hidden_size") or config.hidden_size)
+    d, inter, p = vc.hidden_size, vc.intermediate_size, vc.patch_size
+    merged, text = vc.merged_hidden_size, vc.text_hidden_size
     params = d * 3 * p * p + d  # patch_embed.proj weight [d, 3, p, p] + bias
-    params += int(vc.get("init_pos_emb_height", 64)) * int(vc.get("init_pos_emb_width", 64)) * d
+    params += vc.pos_emb_height * vc.pos_emb_width * d
     block = 4 * d  # norm0, norm1 weight + bias
     block += 3 * d * d + 3 * d  # wqkv
     block += d * d + d  # wo
     block += inter * d + inter + d * inter + d  # mlp fc0, fc1
-    params += layers * block + 2 * d  # + final_layernorm
+    params += vc.num_hidden_layers * block + 2 * d  # + final_layernorm
     params += 2 * d + merged * merged + merged + text * merged + text  # mm_projector
     return params * 2
 

@@ -206,6 +206,7 @@ def build_app(
     allow_special_tokens_in_chat: bool = False,
     read_timeout: float | None = DEFAULT_READ_TIMEOUT,
     access_log: bool = True,
+    media_policy=None,
 ) -> FastAPI:
     """An OpenAI-compatible app over an `AsyncLLMEngine`-like engine (see docs/interfaces.md).
 
@@ -218,6 +219,7 @@ def build_app(
     `read_timeout`: seconds a request body may take to arrive after its headers (408 after).
     `api_key`: one key or several (any of them is accepted; stored responses belong to the key
     that created them). `access_log`: one INFO line per finished request (server/access_log.py).
+    `media_policy`: where image URLs may be fetched from (multimodal.media.MediaPolicy).
     """
     api_keys = [api_key] if isinstance(api_key, str) else [k for k in api_key or [] if k]
     names = list(served_model_names or ["k2serve"])
@@ -239,6 +241,8 @@ def build_app(
         default_sampling=dict(default_sampling_params or {}),
         allow_special_in_chat=allow_special_tokens_in_chat,
     )
+    if media_policy is not None:
+        state.media_policy = media_policy
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

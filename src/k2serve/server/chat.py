@@ -25,7 +25,8 @@ from k2serve.parsers import StreamingOutputParser, parse_output
 from k2serve.parsers.markers import CALL_BEGIN, SECTION_BEGIN
 from k2serve.server.access_log import request_usage
 from k2serve.server.errors import APIError, bad_request
-from k2serve.server.protocol import ChatCompletionRequest, ChatMessageParam, NamedToolChoice
+from k2serve.server.images import image_refs, load_images, process_images, template_content
+from k2serve.server.protocol import ChatCompletionRequest, NamedToolChoice
 from k2serve.server.serving import (
     EngineStream,
     MergedStreams,
@@ -46,27 +47,13 @@ from k2serve.tokenizer.safe import guard_for, render_and_encode
 logger = logging.getLogger(__name__)
 
 
-def _content_text(msg: ChatMessageParam, i: int) -> str | None:
-    c = msg.content
-    if c is None or isinstance(c, str):
-        return c
-    parts = []
-    for j, part in enumerate(c):
-        if part.type not in ("text", "input_text"):
-            raise bad_request(
-                f"messages[{i}].content[{j}].type={part.type!r} is not supported (text only)",
-                param=f"messages.{i}.content.{j}.type",
-            )
-        parts.append(part.text or "")
-    return "".join(parts)
-
-
 def render_messages(req: ChatCompletionRequest) -> list[dict]:
     """The messages as plain dicts for the chat template (reasoning under `reasoning_content`)."""
     out = []
+    image_refs(req.messages)  # a 400 for a part that is neither text nor an image
     for i, m in enumerate(req.messages):
         d: dict = {"role": "system" if m.role == "developer" else m.role}
-        d["content"] = _content_text(m, i) or ""
+        d["content"] = template_content(m.content, i) or ""
         if m.name is not None:
             d["name"] = m.name
         if m.role == "assistant":
@@ -155,7 +142,9 @@ class ChatHandler:
         self.state = state
 
     # ---------------------------------------------------------------------------------------
-    def _prepare(self, req: ChatCompletionRequest):
+    def _prepare(self, req: ChatCompletionRequest, images: list | None = None):
+        """(prompt ids, params, thinking, tools, image inputs); `images`: the request's
+        decoded images (server.images.load_images), preprocessed and expanded here."""
         st = self.state
         st.check_model(req.model)
         tool_choice = req.tool_choice or ("auto" if req.tools else "none")
@@ -170,6 +159,7 @@ class ChatHandler:
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         use_tools = bool(tools) and tool_choice != "none"
         _text, prompt_ids, thinking = encode_prompt(st, req)
+        prompt_ids, mm_inputs = process_images(st, prompt_ids, images or [])
         max_tokens = st.resolve_max_tokens(len(prompt_ids), req.effective_max_tokens(), "messages")
 
         procs: list[Any] = []
@@ -208,13 +198,21 @@ class ChatHandler:
             logits_processors=procs,
             structured_outputs=constraint[0] if constraint is not None else None,
         )
-        return prompt_ids, params, thinking, (tools if use_tools else None)
+        return prompt_ids, params, thinking, (tools if use_tools else None), mm_inputs
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
-        prompt_ids, params, thinking, tools = await self.state.cpu.run(self._prepare, req)
+        images = await load_images(self.state, image_refs(req.messages))
+        prompt_ids, params, thinking, tools, mm = await self.state.cpu.run(
+            self._prepare, req, images
+        )
         await check_compiles(self.state, params)
         stream = EngineStream(
-            self.state, prompt_ids, params, new_request_id("chatcmpl"), request_usage(raw.scope)
+            self.state,
+            prompt_ids,
+            params,
+            new_request_id("chatcmpl"),
+            request_usage(raw.scope),
+            mm_inputs=mm,
         )
         await cancel_on_disconnect(raw, stop=self.state.stop_event, work=stream.start())
         if req.stream:

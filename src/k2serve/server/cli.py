@@ -194,10 +194,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="warning",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
+    _add_media_arguments(parser)
     _add_multinode_arguments(parser)
     from k2serve.server.guide_args import add_guide_arguments
 
     add_guide_arguments(parser)  # last: it skips the spellings defined above
+
+
+# ---- K2.5 images (issue #25): where image URLs may be fetched from; see multimodal.media ------
+# (--limit-mm-per-prompt and --mm-encoder-tp-mode are EngineConfig fields: engine flags)
+VISION_DEMO = "kimi-k2.5-demo"  # `k2serve serve kimi-k2.5-demo`: the bundled K2.5 demo
+
+
+def _add_media_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("images (K2.5)")
+    g.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        help="directory under which file:// image URLs may be read (default: file:// refused)",
+    )
+    g.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        help="only image URLs on these hosts (and their subdomains) are fetched; they may be "
+        "private or loopback addresses (default: any public host)",
+    )
+    g.add_argument(
+        "--media-fetch-timeout",
+        type=float,
+        default=10.0,
+        help="seconds to fetch one image URL (default 10)",
+    )
+    g.add_argument(
+        "--max-image-bytes",
+        type=int,
+        default=20 * 1024 * 1024,
+        help="largest image a URL may return, in bytes (default 20 MiB)",
+    )
 
 
 # ---- multi-node (issue #17): --headless, --dist-init-addr; see k2serve.distributed.nodes ------
@@ -352,6 +386,11 @@ def _parse(args: argparse.Namespace):
                 f"MODEL {args.model_tag!r} and --model {args.model!r} differ; give one"
             )
         args.model = args.model_tag
+    if args.model == VISION_DEMO and not os.path.isdir(args.model):  # the bundled K2.5 demo
+        from k2serve.demo import vision_demo_path
+
+        args.model = os.fspath(vision_demo_path())
+        args.served_model_name = args.served_model_name or [VISION_DEMO]
     try:
         apply_guide_flags(args, argv)
         if args.trust_remote_code:

@@ -397,17 +397,13 @@ FEATURE_FLAGS: tuple[GuideFlag, ...] = tuple(
         ("--kv-offloading-size", "64"),
         ("--kv-offloading-backend", "native"),
         ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'),
+        ("--mm-encoder-tp-mode", "data"),
+        ("--limit-mm-per-prompt", '{"image": 2}'),
+        ("--allowed-media-domains", "example.com"),
+        ("--allowed-local-media-path", "/data"),
     )
 )
-PENDING: tuple[GuideFlag, ...] = tuple(
-    GuideFlag((f,), "pending", "vLLM", why=why, example=ex)
-    for f, why, ex in (
-        ("--mm-encoder-tp-mode", "the vision encoder", "data"),
-        ("--limit-mm-per-prompt", "the vision encoder", '{"image": 2}'),
-        ("--allowed-media-domains", "the vision encoder", "example.com"),
-        ("--allowed-local-media-path", "the vision encoder", "/data"),
-    )
-)
+PENDING: tuple[GuideFlag, ...] = ()  # none: every feature flag is built
 
 ALL_FLAGS = FLAGS + MORE_FLAGS + FEATURE_FLAGS + PENDING
 

@@ -173,6 +173,7 @@ def serve(args, engine, model_dir, chat_template, sampling_defaults, sock) -> in
         allow_special_tokens_in_chat=args.allow_special_tokens_in_chat,
         read_timeout=args.request_read_timeout or None,
         access_log=not args.disable_access_log,
+        media_policy=media_policy(args),
     )
     state = app.state.k2
     _log_startup(engine, state, model_dir, names, args)
@@ -224,4 +225,18 @@ def _log_startup(engine, state, model_dir: str, names: list[str], args) -> None:
         "thinking by default: %s; api key: %s",
         state.default_thinking,
         "required" if args.api_key else "none",
+    )
+
+
+def media_policy(args: argparse.Namespace):
+    from k2serve.multimodal.media import MediaPolicy
+
+    domains: list[str] = []
+    for d in args.allowed_media_domains or ():
+        domains.extend(x.strip().lower() for x in d.split(",") if x.strip())
+    return MediaPolicy(
+        allowed_local_media_path=args.allowed_local_media_path,
+        allowed_media_domains=tuple(domains),
+        max_bytes=args.max_image_bytes,
+        timeout_s=args.media_fetch_timeout,
     )

@@ -21,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 
@@ -33,6 +34,7 @@ from k2serve.server.auth import OWNER_SCOPE_KEY
 from k2serve.server.chat import ChatHandler, may_stream_arguments
 from k2serve.server.errors import APIError
 from k2serve.server.finite import dumps_utf8
+from k2serve.server.images import image_refs, load_images
 from k2serve.server.responses_input import (
     ResponsesRequest,
     ResponseStore,
@@ -126,14 +128,21 @@ class ResponsesHandler:
             history = got[1]
         chat_req, conversation = to_chat_request(req, history)
         try:
-            prompt_ids, params, thinking, tools = await st.cpu.run(self.chat._prepare, chat_req)
+            images = await load_images(st, image_refs(chat_req.messages))
+            prompt_ids, params, thinking, tools, mm = await st.cpu.run(
+                self.chat._prepare, chat_req, images
+            )
             await check_compiles(st, params)  # a bad text.format schema: 400 naming it
         except APIError as e:  # name the Responses field, not the chat one
             e.param = _PARAMS.get(e.param or "", e.param)
+            m = re.match(r"messages\.(\d+)\.(.*)", e.param or "")
+            if m:  # a part of the input: its index there (after history and instructions)
+                k = int(m.group(1)) - len(history) - (1 if req.instructions else 0)
+                e.param = f"input.{k}.{m.group(2)}"
             e.message = e.message.replace("the messages", "the input")
             raise
         rid = _id("resp")
-        stream = EngineStream(st, prompt_ids, params, rid, request_usage(raw.scope))
+        stream = EngineStream(st, prompt_ids, params, rid, request_usage(raw.scope), mm_inputs=mm)
         await cancel_on_disconnect(raw, stop=st.stop_event, work=stream.start())
         run = _Run(self, req, stream, thinking, tools, conversation)
         run.owner = raw.scope.get(OWNER_SCOPE_KEY)

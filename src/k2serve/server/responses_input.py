@@ -12,7 +12,8 @@ Mapping:
   `output_text` / `text` parts), `function_call` (-> an assistant tool call whose id is the
   `call_id`; consecutive calls join one assistant turn), `function_call_output` (-> a tool
   message for `call_id`), `reasoning` (its `reasoning_text` content, else its summary, becomes
-  the next assistant turn's `reasoning_content`). Images, files and `item_reference` get a 400.
+  the next assistant turn's `reasoning_content`). `input_image` parts (by URL) become chat
+  `image_url` parts (K2.5 models); files and `item_reference` get a 400.
 - tools: `{"type": "function", "name", "description", "parameters", "strict"}` (the chat form
   `{"type": "function", "function": {...}}` is accepted too); built-in tools (web search, file
   search, computer use, MCP...) get a 400. `tool_choice` `{"type": "function", "name"}` ->
@@ -172,6 +173,29 @@ def _text_of(content: Any, where: str) -> str:
     return "".join(out)
 
 
+def _user_content(content: Any, where: str) -> Any:
+    """A user / system message's content: text, or chat parts when it holds `input_image`s
+    (`{"type": "input_image", "image_url": URL}` -> `{"type": "image_url", ...}`)."""
+    if not isinstance(content, list) or not any(
+        isinstance(p, dict) and p.get("type") == "input_image" for p in content
+    ):
+        return _text_of(content, where)
+    parts: list[dict] = []
+    for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str) or not url:
+                raise bad_request(
+                    f"{where}[{j}]: input_image needs image_url (file_id is not supported)",
+                    param=f"{where}.{j}.image_url",
+                )
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            parts.append({"type": "text", "text": _text_of([part], f"{where}")})
+    return parts
+
+
 def input_messages(items: str | list[dict]) -> list[dict]:
     """The Responses `input` as chat messages (plain dicts, see the module docstring)."""
     if isinstance(items, str):
@@ -204,14 +228,15 @@ def input_messages(items: str | list[dict]) -> list[dict]:
                     f"{where}.role={role!r} must be user, system, developer or assistant",
                     param=f"{where}.role",
                 )
+            if role != "assistant":
+                content = _user_content(item.get("content"), f"{where}.content")
+                msgs.append({"role": "system" if role == "developer" else role, "content": content})
+                continue
             text = _text_of(item.get("content"), f"{where}.content")
-            if role == "assistant":
-                m = {"role": "assistant", "content": text}
-                if reasoning is not None:
-                    m["reasoning_content"], reasoning = reasoning, None
-                msgs.append(m)
-            else:
-                msgs.append({"role": "system" if role == "developer" else role, "content": text})
+            m = {"role": "assistant", "content": text}
+            if reasoning is not None:
+                m["reasoning_content"], reasoning = reasoning, None
+            msgs.append(m)
         elif kind == "function_call":
             name, call_id = item.get("name"), item.get("call_id")
             if not isinstance(name, str) or not name or not isinstance(call_id, str):

@@ -23,6 +23,7 @@ from typing import Any
 from k2serve.engine.contract import EngineClient, resolve_max_tokens
 from k2serve.engine.errors import PromptTooLongError
 from k2serve.engine.logits_processors import LogitBias
+from k2serve.multimodal.media import MediaPolicy
 from k2serve.server.errors import APIError, bad_request, engine_error
 from k2serve.server.finite import MIN_LOGPROB, finite_logprob
 from k2serve.server.metrics import ServerMetrics
@@ -52,6 +53,8 @@ class ServerState:
     # --allow-special-tokens-in-chat: special-token strings in messages become control tokens
     allow_special_in_chat: bool = False
     cpu: CpuPool = field(default_factory=CpuPool)  # tokenizing / rendering off the event loop
+    # image URLs: --allowed-local-media-path / --allowed-media-domains (multimodal.media)
+    media_policy: MediaPolicy = field(default_factory=MediaPolicy)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_names:
@@ -161,9 +164,10 @@ class EngineStream:
         params,
         request_id: str,
         usage: list[int] | None = None,
+        mm_inputs=None,
     ):
         """`usage`: [prompt, completion] token counts of the HTTP request, added to as the
-        request runs (for its access-log line)."""
+        request runs (for its access-log line). `mm_inputs`: the prompt's images, placed."""
         self.state = state
         self.usage = usage if usage is not None else [0, 0]
         self.usage[0] += len(prompt_ids)
@@ -171,7 +175,8 @@ class EngineStream:
         self.prompt_ids = prompt_ids
         self.timer = state.metrics.timer()
         self.params = params
-        self._it: Any = state.engine.generate(prompt_ids, params, request_id)  # async generator
+        kw = {"mm_inputs": mm_inputs} if mm_inputs else {}  # K2.5 images (engine.multimodal)
+        self._it: Any = state.engine.generate(prompt_ids, params, request_id, **kw)
         self._first: Any = None
         self.finished = False
         self.num_cached_tokens = 0

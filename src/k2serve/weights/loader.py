@@ -7,8 +7,11 @@ Invariants:
   mapped pages of the open shard), and near one shard when the device is a GPU.
 - Each tensor is cast to the dtype of the parameter it fills (quantized tensors keep their
   stored dtype, `e_score_correction_bias` stays float32, the rest becomes `dtype`).
-- Skipped: `*.rotary_emb.inv_freq`, MTP layers (index >= num_hidden_layers), and, for K2.5,
-  everything outside `language_model.` (vision tower, projector).
+- Skipped: `*.rotary_emb.inv_freq`, MTP layers (index >= num_hidden_layers), and, for a K2.5
+  config without `vision_config`, the vision tower and projector.
+- K2.5 names are the original checkpoint's; the few that transformers' `save_pretrained`
+  writes differently (`language_model.model.blocks.N`, `model.mm_projector.`,
+  `vision_tower.encoder.patch_embed.`) are read as the originals (`_TRANSFORMERS_NAMES`).
 - A missing, unexpected or misshapen tensor, one holding NaN / inf, or a shard that cannot be
   read (truncated, corrupt) raises `CheckpointError` naming it.
 - `expert_placement` (k2serve.moe.placement) puts the CPU-placed experts' tensors in host
@@ -105,12 +108,25 @@ def _check_finite(t: torch.Tensor, ckpt_name: str, shard: str) -> None:
         )
 
 
+# transformers 5.x save_pretrained of Kimi_K25ForConditionalGeneration -> original names
+_TRANSFORMERS_NAMES = (
+    (re.compile(r"^language_model\.model\.blocks\."), "language_model.model.layers."),
+    (re.compile(r"^model\.mm_projector\."), "mm_projector."),
+    (re.compile(r"^vision_tower\.encoder\.patch_embed\."), "vision_tower.patch_embed."),
+)
+_VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+
+
 def _model_name(ckpt_name: str, config: ModelConfig) -> str | None:
     """The state_dict name for a checkpoint tensor, or None when it is skipped."""
     prefix = config.weight_prefix
     if prefix:
+        for pattern, repl in _TRANSFORMERS_NAMES:
+            ckpt_name = pattern.sub(repl, ckpt_name)
+        if ckpt_name.startswith(_VISION_PREFIXES):
+            return ckpt_name if config.vision is not None else None
         if not ckpt_name.startswith(prefix):
-            return None  # vision_tower.*, mm_projector.*
+            return None
         ckpt_name = ckpt_name[len(prefix) :]
     if ckpt_name.endswith("rotary_emb.inv_freq"):
         return None
@@ -118,6 +134,11 @@ def _model_name(ckpt_name: str, config: ModelConfig) -> str | None:
     if m and int(m.group(1)) >= config.num_hidden_layers:
         return None  # MTP / next-n layers
     return ckpt_name
+
+
+def checkpoint_name(name: str, config: ModelConfig) -> str:
+    """The original checkpoint name of state_dict tensor `name` (inverse of `_model_name`)."""
+    return name if name.startswith(_VISION_PREFIXES) else config.weight_prefix + name
 
 
 def set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -234,7 +255,7 @@ def _load(model_dir, dtype, device, load_format, config, seed, progress, device_
             )
         by_shard.setdefault(shard, []).append((ckpt_name, name))
     wanted = {n for items in by_shard.values() for _, n in items}
-    missing = [config.weight_prefix + n for n in expected if n not in wanted]
+    missing = [checkpoint_name(n, config) for n in expected if n not in wanted]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"missing tensor {missing[0]!r}{more} in {model_dir}")

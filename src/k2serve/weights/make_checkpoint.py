@@ -1,6 +1,7 @@
 """`k2serve make-checkpoint`: write a random checkpoint in the exact real layout.
 
-Writes config.json (real keys + quantization_config), generation_config.json, sharded
+Writes config.json (real keys + quantization_config), generation_config.json (and for the
+K2.5 presets preprocessor_config.json), sharded
 safetensors with the real tensor names and model.safetensors.index.json, and the tokenizer
 files (tiktoken.model, tokenizer_config.json, chat_template.jinja) when `k2serve.tokenizer` is
 available.
@@ -21,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from k2serve.config import ModelConfig
-from k2serve.weights.presets import FORMATS, PRESETS, preset_config
+from k2serve.weights.presets import FORMATS, PRESETS, preset_config, vision_preset
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def make_checkpoint(
     progress: bool = True,
 ) -> ModelConfig:
     """Write a random checkpoint of `config_dict` (a config.json dict) into `out_dir`."""
-    from k2serve.weights.loader import build_meta_model
+    from k2serve.weights.loader import build_meta_model, checkpoint_name
     from k2serve.weights.random_init import random_tensors
     from k2serve.weights.writer import ShardedWriter
 
@@ -51,7 +52,7 @@ def make_checkpoint(
     for name, t in tqdm(
         random_tensors(model, seed), total=n, desc="Writing weights", disable=not progress
     ):
-        writer.add(config.weight_prefix + name, t)
+        writer.add(checkpoint_name(name, config), t)
     files = writer.close()
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config_dict, f, indent=2)
@@ -67,6 +68,12 @@ def make_checkpoint(
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump(gen, f, indent=2)
         f.write("\n")
+    if config.vision is not None:  # K2.5: the image preprocessor's settings
+        from k2serve.vision_config import ImageProcessorConfig
+
+        with open(os.path.join(out_dir, "preprocessor_config.json"), "w") as f:
+            json.dump(ImageProcessorConfig().to_json(), f, indent=2)
+            f.write("\n")
     if tokenizer:
         _write_tokenizer(out_dir, config.vocab_size)
     logger.info("wrote %d shards to %s", len(files), out_dir)
@@ -108,13 +115,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--draft-vocab-size", type=int, default=None, help="reduced draft vocabulary (d2t/t2d)"
     )
+    parser.add_argument(
+        "--vision",
+        action="store_true",
+        help="the K2.5 format (KimiK25ForConditionalGeneration: vision tower + projector beside "
+        "the text model; tiny/small get a 2-block tower, k2-slice the full-size one)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     if args.max_shard_size <= 0:
         raise SystemExit(f"--max-shard-size must be positive, got {args.max_shard_size}")
     try:
-        cfg = preset_config(args.preset, args.fmt, args.layers)
+        preset = vision_preset(args.preset) if args.vision else args.preset
+        cfg = preset_config(preset, args.fmt, args.layers)
     except ValueError as e:
         raise SystemExit(f"make-checkpoint: {e}") from None
     if os.path.exists(args.out) and not os.path.isdir(args.out):

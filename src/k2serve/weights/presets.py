@@ -4,6 +4,10 @@
 - `small`: a few hundred MB, for CPU engine benchmarks (hidden 1024, 64 experts).
 - `k2-slice`: the real Kimi-K2 sizes (hidden 7168, 64 heads, 384 experts of width 2048, vocab
   163840) with few layers (default 4: one dense + three MoE), for GPU benchmarks.
+- `tiny-k2.5`, `k2.5-slice`: the same text models inside the K2.5 multimodal wrapper
+  (`KimiK25ForConditionalGeneration`, `text_config`, `vision_config` with the original keys,
+  weights under `language_model.` beside `vision_tower.` / `mm_projector.`): a 2-layer tower of
+  width 64 for the tiny one, the full-size MoonViT (27 x 1152) for the slice.
 
 Invariants: every dict has the real config.json keys (derived from the real Kimi-K2 config) and
 the real `quantization_config` for the format; dims are multiples of 128 (FP8 blocks) and of 32
@@ -16,7 +20,7 @@ import copy
 
 from k2serve.config import INT4_QUANT_CONFIG, known_model_config
 
-PRESETS = ("tiny", "small", "k2-slice")
+PRESETS = ("tiny", "small", "k2-slice", "tiny-k2.5", "k2.5-tiny", "k2.5-slice")
 FORMATS = ("bf16", "fp8", "int4")
 
 FP8_QUANT_CONFIG = {
@@ -65,8 +69,33 @@ _SIZES: dict[str, dict] = {
 }
 
 
+_TINY_VISION = dict(
+    vt_num_hidden_layers=2,
+    vt_hidden_size=64,
+    vt_intermediate_size=128,
+    vt_num_attention_heads=4,
+    init_pos_emb_height=16,
+    init_pos_emb_width=16,
+    mm_hidden_size=64,
+)
+_K25_PRESETS = {
+    "tiny-k2.5": ("tiny", _TINY_VISION),
+    "k2.5-tiny": ("tiny", _TINY_VISION),
+    "k2.5-slice": ("k2-slice", {}),
+}
+
+
+def vision_preset(name: str) -> str:
+    """`make-checkpoint --vision`: the K2.5 form of a text preset."""
+    return {"tiny": "tiny-k2.5", "small": "small-k2.5", "k2-slice": "k2.5-slice"}.get(name, name)
+
+
 def preset_config(name: str, fmt: str = "bf16", layers: int | None = None) -> dict:
     """The config.json dict of preset `name` in format `fmt` ("bf16", "fp8", "int4")."""
+    if name in _K25_PRESETS:
+        return k25_config(*_K25_PRESETS[name], fmt, layers)
+    if name == "small-k2.5":
+        return k25_config("small", _TINY_VISION, fmt, layers)
     if name not in _SIZES:
         raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
     if fmt not in FORMATS:
@@ -85,4 +114,27 @@ def preset_config(name: str, fmt: str = "bf16", layers: int | None = None) -> di
         cfg["quantization_config"] = copy.deepcopy(FP8_QUANT_CONFIG)
     elif fmt == "int4":
         cfg["quantization_config"] = copy.deepcopy(INT4_QUANT_CONFIG)
+    return cfg
+
+
+def k25_config(text_preset: str, vision: dict, fmt: str, layers: int | None) -> dict:
+    """A K2.5-format config.json: text preset `text_preset` as `text_config`, the K2.5
+    `vision_config` with `vision` overriding its sizes; quantization at the top level."""
+    text = preset_config(text_preset, fmt, layers)
+    cfg = known_model_config("kimi-k2.5")
+    quant = text.pop("quantization_config", None)
+    if text_preset == "k2-slice":
+        text = dict(cfg["text_config"], num_hidden_layers=text["num_hidden_layers"])
+        text.pop("quantization_config", None)
+    cfg["text_config"] = text
+    cfg["vision_config"].update(vision, text_hidden_size=text["hidden_size"])
+    vocab = text["vocab_size"]
+    # bos / eos / the image placeholder where the tokenizer puts them in a vocab of this size
+    cfg["bos_token_id"], cfg["eos_token_id"] = text["bos_token_id"], text["eos_token_id"]
+    cfg["media_placeholder_token_id"] = vocab - 256 + 21  # <|media_pad|> (tokenizer.special)
+    cfg["pad_token_id"] = text.get("pad_token_id", vocab - 1)
+    if quant is None:
+        cfg.pop("quantization_config", None)
+    else:
+        cfg["quantization_config"] = quant
     return cfg

@@ -86,7 +86,7 @@ def random_tensors(
         for pname, p in params.items():
             name = prefix + pname
             g = _gen(seed, name, device)
-            if isinstance(mod, RMSNorm):
+            if isinstance(mod, RMSNorm) or (isinstance(mod, nn.LayerNorm) and pname == "weight"):
                 t = 1.0 + _randn(p.shape, g, device, std=0.05)
             elif pname == "e_score_correction_bias":
                 t = _randn(p.shape, g, device, std=0.1)
