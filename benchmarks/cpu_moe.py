@@ -224,7 +224,7 @@ def main(argv=None) -> int:
     native = CpuExpertBackend(experts, range(E), E, kernel="native", threads=threads)
     dot = CpuExpertBackend(experts, range(E), E, kernel="native", threads=threads, amx=False)
     tiles = CpuExpertBackend(experts, range(E), E, kernel="native", threads=threads,
-                             amx_min_pairs=0.0)  # fmt: skip
+                             amx_min_pairs=0.0, amx_min_tokens=0)  # fmt: skip
     old = CpuExpertBackend(experts, range(E), E, kernel="torch")
     # -- correctness: native vs the torch path on a few tokens (bf16 activations)
     # the decode path against the torch reference; the AMX path against the decode path (a

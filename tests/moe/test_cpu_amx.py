@@ -31,7 +31,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_amx_matches_reference(fmt, T):
     experts = _experts(fmt, seed=T)
     be = CpuExpertBackend(experts, range(E), E, kernel="native", threads=2, amx=True,
-                          amx_min_pairs=0.0)  # fmt: skip
+                          amx_min_pairs=0.0, amx_min_tokens=0)  # fmt: skip
     assert be.amx
     hidden = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).bfloat16()
     ids, w = _routing(T, 4, seed=T, repeat=True)
@@ -48,7 +48,7 @@ def test_amx_subset_of_experts_and_unrouted_tokens():
     experts = _experts("int4", seed=11)
     cpu_ids = [0, 3, 6]
     be = CpuExpertBackend([experts[e] for e in cpu_ids], cpu_ids, E, kernel="native",
-                          threads=2, amx_min_pairs=0.0)  # fmt: skip
+                          threads=2, amx_min_pairs=0.0, amx_min_tokens=0)  # fmt: skip
     T = 37
     hidden = torch.randn(T, H, generator=torch.Generator().manual_seed(5)).bfloat16()
     ids, w = _routing(T, 3, seed=12)
@@ -65,7 +65,7 @@ def test_amx_subset_of_experts_and_unrouted_tokens():
 def test_amx_two_node_split_is_bit_identical(fmt):
     """Each weight row is computed the same way whichever node's threads own it."""
     experts = _experts(fmt, seed=13)
-    kw = dict(kernel="native", amx_min_pairs=0.0)
+    kw = dict(kernel="native", amx_min_pairs=0.0, amx_min_tokens=0)
     one = CpuExpertBackend(experts, range(E), E, threads=2, numa_topology="0", **kw)
     two = CpuExpertBackend(experts, range(E), E, threads=2, numa_topology="0;0", **kw)
     hidden = torch.randn(50, H, generator=torch.Generator().manual_seed(1)).bfloat16()
@@ -84,9 +84,14 @@ def test_amx_is_chosen_by_pairs_per_expert_and_bf16_activations():
     ids1, w1 = _routing(1, 4, seed=16)
     assert cpu_experts.AMX_MIN_PAIRS > 1
     assert torch.equal(auto(x1, ids1, w1), dot(x1, ids1, w1))
+    # a decode batch (under AMX_MIN_TOKENS), many pairs per expert: still the decode path
+    assert cpu_experts.AMX_MIN_TOKENS > 64
+    xs = torch.randn(64, H).bfloat16()
+    ids_s, w_s = _routing(64, 4, seed=17)
+    assert torch.equal(auto(xs, ids_s, w_s), dot(xs, ids_s, w_s))
     # a prompt: the tile path (bf16 rounding of the weights: close, not equal)
-    x = torch.randn(64, H).bfloat16()
-    ids, w = _routing(64, 4, seed=17)
+    x = torch.randn(cpu_experts.AMX_MIN_TOKENS, H).bfloat16()
+    ids, w = _routing(cpu_experts.AMX_MIN_TOKENS, 4, seed=17)
     a, d = auto(x, ids, w), dot(x, ids, w)
     assert not torch.equal(a, d) and _rel(a, d) < 1e-2
     # float32 activations (float32 models) never take it
@@ -129,7 +134,7 @@ def test_amx_copy_keeps_the_setting():
     import copy
 
     be = CpuExpertBackend(_experts("int4"), range(E), E, kernel="native", threads=2,
-                          amx_min_pairs=0.0)  # fmt: skip
+                          amx_min_pairs=0.0, amx_min_tokens=0)  # fmt: skip
     cp = copy.deepcopy(be)
     assert cp.amx
     x = torch.randn(20, H).bfloat16()

@@ -101,6 +101,9 @@ def _tensors(lin, fmt: int) -> tuple[torch.Tensor, torch.Tensor | None]:
 # (K2 layer, 384 experts, lent Xeon: 128 tokens = 2.7 pairs: dot 217 ms, AMX 284 ms; 256
 # tokens = 5.3 pairs: dot 330 ms, AMX 300 ms)
 AMX_MIN_PAIRS = 4.0
+# ... and from this many tokens: decode steps stay on the decode path whatever their pairs, so a
+# step padded to a CUDA-graph bucket rounds as the same step run eagerly (graphs == eager)
+AMX_MIN_TOKENS = 128
 # Longer steps go to the kernel in chunks of this many tokens: its per-call scratch grows with
 # the step (AMX path: ~160 KB per token, the gathered activations and h in tile layout), and a
 # chunk this long costs one more read of the weights (~0.1 s per K2 layer) against seconds of
@@ -123,10 +126,19 @@ class CpuExpertBackend(ExpertBackend):
         numa_topology: str | None = None,  # injected cpulists "0-7;8-15"; None: env, then /sys
         amx: bool | None = None,  # AMX tiles for prompt-sized steps; None: K2SERVE_CPU_AMX
         amx_min_pairs: float | None = None,  # ... from this many pairs per expert; None: default
+        amx_min_tokens: int | None = None,  # ... and this many tokens; None: AMX_MIN_TOKENS
     ) -> None:
         if len(experts) != len(expert_ids):
             raise ValueError(f"{len(experts)} experts but {len(expert_ids)} expert ids")
-        self._init_args = (compute_dtype, kernel, threads, numa_topology, amx, amx_min_pairs)
+        self._init_args = (
+            compute_dtype,
+            kernel,
+            threads,
+            numa_topology,
+            amx,
+            amx_min_pairs,
+            amx_min_tokens,
+        )
         self.experts = list(experts)
         self.expert_ids = tuple(int(e) for e in expert_ids)
         self.num_experts = num_experts
@@ -149,7 +161,8 @@ class CpuExpertBackend(ExpertBackend):
             if self._layer is not None:
                 on = settings.amx if amx is None else amx
                 m = AMX_MIN_PAIRS if amx_min_pairs is None else amx_min_pairs
-                self.amx = bool(lib.k2_layer_set_tiles(self._layer, int(on), float(m)))
+                t = AMX_MIN_TOKENS if amx_min_tokens is None else amx_min_tokens
+                self.amx = bool(lib.k2_layer_set_tiles(self._layer, int(on), float(m), t))
 
     # ------------------------------------------------------------------ native kernel set-up
     def _init_native(self, lib, threads, topology, mode) -> None:
@@ -205,11 +218,11 @@ class CpuExpertBackend(ExpertBackend):
                 "num_experts": self.num_experts, "init_args": self._init_args}  # fmt: skip
 
     def __setstate__(self, state: dict) -> None:
-        compute_dtype, kernel, threads, topology, amx, amx_min = state["init_args"]
+        compute_dtype, kernel, threads, topology, amx, amx_min, amx_tokens = state["init_args"]
         CpuExpertBackend.__init__(self, state["experts"], state["expert_ids"],
                                   state["num_experts"], compute_dtype, kernel=kernel,
                                   threads=threads, numa_topology=topology, amx=amx,
-                                  amx_min_pairs=amx_min)  # fmt: skip
+                                  amx_min_pairs=amx_min, amx_min_tokens=amx_tokens)  # fmt: skip
 
     def __del__(self) -> None:
         layer, self._layer = getattr(self, "_layer", None), None

@@ -115,7 +115,7 @@ class EagleProposer:
             runner.graph_runner = None
             torch.cuda.empty_cache()
             try:
-                runner._setup_graphs(engine.config)
+                runner._setup_graphs()
             except RuntimeError as e:  # a capture that fails leaves the eager path, not a crash
                 runner.graph_runner = None
                 logger.warning("CUDA graphs: off with EAGLE-3 (capture failed: %s)", e)

@@ -201,7 +201,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.k2_layer_create.argtypes = [i, i, i, i, ctypes.POINTER(ctypes.c_int64)]
     lib.k2_layer_create.restype = p
     lib.k2_layer_destroy.argtypes = [p]
-    lib.k2_layer_set_tiles.argtypes = [p, i, ctypes.c_float]
+    lib.k2_layer_set_tiles.argtypes = [p, i, ctypes.c_float, i]
     lib.k2_layer_set_tiles.restype = i
     lib.k2_amx_available.restype = i
     lib.k2_layer_bind.argtypes = [p, p, ip]

@@ -531,6 +531,7 @@ struct Layer {
   std::vector<Mat> gate, up, down;  // [E] local experts
   int tiles = 0;          // 1: steps with bf16 activations may use the AMX path (k2amx.h)
   float tile_min = 0.f;   // ... when their pairs per active expert are at least this
+  int tile_min_tokens = 0;  // ... and the step has at least this many tokens
 };
 
 // Seconds spent in the last call's parts, on the calling thread (k2_last_profile).
@@ -822,14 +823,15 @@ void* k2_layer_create(int fmt, int E, int H, int I, const int64_t* ptrs) {
 
 void k2_layer_destroy(void* l) { delete (Layer*)l; }
 
-// Let steps with bf16 activations and at least `min_pairs` (token, expert) pairs per active
-// expert use the AMX path. Returns 1 when it is on (AMX built and granted, format INT4 / FP8 /
+// Let steps with bf16 activations, at least `min_tokens` tokens and at least `min_pairs`
+// (token, expert) pairs per active expert use the AMX path. Returns 1 when it is on (AMX built and granted, format INT4 / FP8 /
 // BF16), else 0 (every step takes the decode path).
-int k2_layer_set_tiles(void* layer, int on, float min_pairs) {
+int k2_layer_set_tiles(void* layer, int on, float min_pairs, int min_tokens) {
   Layer* L = (Layer*)layer;
   const bool fmt_ok = L->fmt == FMT_INT4 || L->fmt == FMT_FP8 || L->fmt == FMT_BF16;
   L->tiles = on && fmt_ok && K2_HAS_AMX && amx_permitted() && L->H % 32 == 0 && L->I % 32 == 0;
   L->tile_min = min_pairs;
+  L->tile_min_tokens = min_tokens;
   return L->tiles;
 }
 
@@ -953,7 +955,11 @@ int k2_moe_forward(void* layer, void* pool, int T, int k, const void* x, int x_d
   }
 #if K2_HAS_AMX
   // prompts: the expert GEMMs on the tile unit (k2amx.h)
-  if (L->tiles && x_dtype == X_BF16 && Pn >= L->tile_min * (float)sc.active.size()) {
+  // NOTE: steps under tile_min_tokens tokens (decode batches) always take the decode path: a
+  // decode step padded to a CUDA-graph bucket has more pairs than the same step run eagerly,
+  // and the two paths round differently, so graphs and eager would drift apart
+  if (L->tiles && x_dtype == X_BF16 && T >= L->tile_min_tokens &&
+      Pn >= L->tile_min * (float)sc.active.size()) {
     const uint16_t* xb = (const uint16_t*)x;
     if (fmt == FMT_INT4)
       forward_tiles<FMT_INT4>(L, P, sc, T, xb, out);
