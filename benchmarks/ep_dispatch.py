@@ -48,6 +48,7 @@ def _timed(fn, iters: int = 20, warmup: int = 3) -> float:  # ms per call
 def part_gpu(args) -> list[dict]:
     from k2serve.config import ModelConfig
     from k2serve.distributed.expert_parallel import EPContext, EPMoE
+    from k2serve.model.backends import setup_backends
     from k2serve.model.deepseek_v3 import MoE
     from k2serve.moe.eplb import ExpertMap
     from k2serve.weights.loader import load_model
@@ -58,7 +59,7 @@ def part_gpu(args) -> list[dict]:
     cfg = ModelConfig.from_hf(preset_config("k2-slice", args.fmt, layers=2))  # dense + MoE
     model = load_model(None, load_format="dummy", config=cfg, device="cuda", progress=False,
                        setup_backends=False)  # fmt: skip
-    model.setup_backends("triton", "triton", "triton")
+    setup_backends(model, "triton", "triton", "triton")
     moe = next(layer.mlp for layer in model.model.layers if isinstance(layer.mlp, MoE))
     ctx = EPContext(0, 1, ExpertMap.contiguous(1, cfg.n_routed_experts, 1))
     ctx.load = torch.zeros(1, cfg.n_routed_experts, dtype=torch.int64, device="cuda")
