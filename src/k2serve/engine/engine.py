@@ -12,6 +12,10 @@ Where a request goes, top to bottom:
 
 Invariant: every request that ends, however it ends, returns its pages (`check_integrity()`).
 Not thread-safe: `AsyncLLMEngine` drives it from one thread.
+
+NOTE: over 500 lines since wave 4 added the features' hooks here (drafts accepted several tokens
+a step, images placed at add_request, the host KV tier's stats); the output processing
+(`_process_text` .. `_make_output`, ~150 lines) is the part to move to its own module next.
 """
 
 from __future__ import annotations
