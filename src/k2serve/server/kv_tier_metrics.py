@@ -20,6 +20,8 @@ import logging
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from k2serve.server.vllm_metrics import scrape_stats
+
 logger = logging.getLogger(__name__)
 
 DIRECTIONS = (("GPU_to_CPU", "d2h"), ("CPU_to_GPU", "h2d"))
@@ -34,10 +36,8 @@ class KVTierCollector:
         return []
 
     def collect(self):
-        try:
-            s = self.engine.get_stats()
-        except Exception:  # a scrape must never fail because the engine is busy or gone
-            logger.exception("engine.get_stats() failed during a /metrics scrape")
+        s = scrape_stats(self.engine, logger)
+        if s is None:
             return
         total = getattr(s, "kv_host_pages_total", 0)
         if not total:

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 
 from k2serve.server.kv_tier_metrics import KVTierCollector
-from k2serve.server.vllm_metrics import VllmMetrics, read_stat
+from k2serve.server.vllm_metrics import VllmMetrics, read_stat, scrape_stats
 
 logger = logging.getLogger(__name__)
 
@@ -112,10 +112,8 @@ class _EngineCollector:
         return []
 
     def collect(self):
-        try:
-            s = self.engine.get_stats()
-        except Exception:  # a scrape must never fail because the engine is busy or gone
-            logger.exception("engine.get_stats() failed during a /metrics scrape")
+        s = scrape_stats(self.engine, logger)
+        if s is None:
             return
         used = _stat(s, "kv_pages_used", "num_used_pages", "used_pages", "kv_used_pages")
         total = _stat(s, "kv_pages_total", "num_total_pages", "total_pages", "kv_total_pages")

@@ -65,6 +65,16 @@ def read_stat(stats, *names) -> float | None:
     return None
 
 
+def scrape_stats(engine, log: logging.Logger):
+    """`engine.get_stats()` for a /metrics scrape, or None (logged on `log`) when it fails: a
+    scrape must never fail because the engine is busy or gone."""
+    try:
+        return engine.get_stats()
+    except Exception:
+        log.exception("engine.get_stats() failed during a /metrics scrape")
+        return None
+
+
 class VllmMetrics:
     """The `vllm:` series of one app. `observe_*` methods are called by `RequestTimer`."""
 
@@ -190,10 +200,8 @@ class _VllmEngineCollector:
         return []
 
     def collect(self):
-        try:
-            s = self.engine.get_stats()
-        except Exception:  # a scrape must never fail because the engine is busy or gone
-            logger.exception("engine.get_stats() failed during a /metrics scrape")
+        s = scrape_stats(self.engine, logger)
+        if s is None:
             return
         name = [self.m.model_name]
         used = read_stat(s, "kv_pages_used", "num_used_pages", "used_pages", "kv_used_pages") or 0.0
