@@ -203,15 +203,22 @@ class Scheduler:
             if tok is None:
                 continue
             assert req.num_computed_tokens == req.num_tokens, req
-            req.append_output_token(tok)
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = time.monotonic()
-            if req.check_stop_token():
-                status = req.status
-                req.status = RequestStatus.RUNNING
-                self.finish_request(req, status)
+            self._append_token(req, tok)
             updated.append(req)
         return updated
+
+    def _append_token(self, req: Request, tok: int) -> bool:
+        """Append one sampled token; finish the request if it ends there (EOS, stop token,
+        max_tokens). -> whether it finished."""
+        req.append_output_token(tok)
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = time.monotonic()
+        if not req.check_stop_token():
+            return False
+        status = req.status
+        req.status = RequestStatus.RUNNING
+        self.finish_request(req, status)
+        return True
 
     def _append_verified(self, req: Request, tokens: list[int]) -> None:
         """A verify step computed the KV of the last token and of the drafts; the first
@@ -222,13 +229,7 @@ class Scheduler:
         req.spec_token_ids = []
         req.num_computed_tokens += len(tokens)
         for t in tokens:
-            req.append_output_token(t)
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = time.monotonic()
-            if req.check_stop_token():
-                status = req.status
-                req.status = RequestStatus.RUNNING
-                self.finish_request(req, status)
+            if self._append_token(req, t):
                 return
         assert req.num_computed_tokens == req.num_tokens - 1, req
         self.kv.cache_computed_pages(req)
