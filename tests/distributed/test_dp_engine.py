@@ -100,20 +100,14 @@ def test_dp_two_nodes_of_two_ranks_greedy_equals_one_process(reference, monkeypa
 def test_serve_dp_over_two_nodes_with_deploy_flags_answers_then_exits_when_a_rank_dies():
     """`serve -dp 2 --nnodes 2 ...` (the flags the deploy templates pass), node 1 headless:
     the completion equals one process; a killed rank makes node 0 exit with the reason."""
-    import os
-    import signal
-    import time
-
     from k2serve.demo import demo_path
 
     from .test_multinode import (
+        _answer_then_kill_a_worker_rank,
         _env,
         _free_port_pair,
-        _get,
         _k2serve,
-        _rank_pids,
         _stop,
-        _wait_healthy,
     )
 
     port, http = _free_port_pair(), _free_port_pair()
@@ -126,18 +120,7 @@ def test_serve_dp_over_two_nodes_with_deploy_flags_answers_then_exits_when_a_ran
                      "--node-rank", "1", "--master-port", str(port), env=env)  # fmt: skip
     base = f"http://127.0.0.1:{http}"
     try:
-        pids = _rank_pids(node1)
-        _wait_healthy(base, node0)
-        body = dict(model="kimi-k2-demo", prompt=[5, 17, 99, 3], max_tokens=6, temperature=0)
-        status, out = _get(base + "/v1/completions", body)
-        assert status == 200
-        with LLM(str(demo_path()), device="cpu", max_model_len=256) as one:
-            ref = one.generate([[5, 17, 99, 3]], SamplingParams(max_tokens=6, temperature=0))
-        assert out["choices"][0]["text"] == ref[0].outputs[0].text
-        os.kill(pids[0], signal.SIGKILL)
-        t0 = time.monotonic()
-        log0 = node0.communicate(timeout=20)[0]
-        took = time.monotonic() - t0
+        _, log0, took = _answer_then_kill_a_worker_rank(node0, node1, base)
     finally:
         _stop(node0, node1)
     assert node0.returncode == 1 and took < 10, (took, log0)

@@ -280,23 +280,29 @@ def _serve_two_nodes(hb_timeout: float):
     return node0, node1, f"http://127.0.0.1:{http}"
 
 
-def test_serve_two_nodes_answers_then_exits_when_a_worker_rank_dies():
+def _answer_then_kill_a_worker_rank(node0, node1, base: str):
+    """Node 0's completion equals one process's; then SIGKILL node 1's first rank.
+    -> (node 1's rank pids, node 0's log, seconds node 0 took to exit)."""
     from k2serve.demo import demo_path
 
+    pids = _rank_pids(node1)
+    _wait_healthy(base, node0)
+    body = dict(model="kimi-k2-demo", prompt=[5, 17, 99, 3], max_tokens=6, temperature=0)
+    status, out = _get(base + "/v1/completions", body)
+    assert status == 200
+    with LLM(str(demo_path()), device="cpu", max_model_len=256) as one:
+        ref = one.generate([[5, 17, 99, 3]], SamplingParams(max_tokens=6, temperature=0))
+    assert out["choices"][0]["text"] == ref[0].outputs[0].text
+    os.kill(pids[0], signal.SIGKILL)
+    t0 = time.monotonic()
+    log0 = node0.communicate(timeout=20)[0]
+    return pids, log0, time.monotonic() - t0
+
+
+def test_serve_two_nodes_answers_then_exits_when_a_worker_rank_dies():
     node0, node1, base = _serve_two_nodes(hb_timeout=30)
     try:
-        pids = _rank_pids(node1)
-        _wait_healthy(base, node0)
-        body = dict(model="kimi-k2-demo", prompt=[5, 17, 99, 3], max_tokens=6, temperature=0)
-        status, out = _get(base + "/v1/completions", body)
-        assert status == 200
-        with LLM(str(demo_path()), device="cpu", max_model_len=256) as one:
-            ref = one.generate([[5, 17, 99, 3]], SamplingParams(max_tokens=6, temperature=0))
-        assert out["choices"][0]["text"] == ref[0].outputs[0].text
-        os.kill(pids[0], signal.SIGKILL)
-        t0 = time.monotonic()
-        log0 = node0.communicate(timeout=20)[0]
-        took = time.monotonic() - t0
+        pids, log0, took = _answer_then_kill_a_worker_rank(node0, node1, base)
         log1 = node1.communicate(timeout=20)[0]
     finally:
         _stop(node0, node1)
