@@ -37,7 +37,6 @@ from k2serve.engine.runner import BatchBuilder, ModelInput
 from k2serve.engine.sampler import Sampler, SamplerOutput
 from k2serve.engine.scheduler import SchedulerOutput
 from k2serve.engine.spec import RuntimeSpec
-from k2serve.memory import encoder_cache_tokens, encoder_max_patches
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +108,7 @@ def load_shard(state: WorkerState, spec: dict) -> int:
         tp_size=state.world_size,
         progress=False,
     )
-    state.data.update(model=rank.model, kv_caches=rank.kv_caches, spec=rank.spec, engine_config=cfg)
+    state.data.update(model=rank.model, kv_caches=rank.kv_caches, spec=rank.spec)
     if spec.get("kv_host_pages"):  # K2 host KV tier: each rank copies its own cache replica
         state.data["kv_copier"] = KVCopier(rank.kv_caches, spec["kv_host_pages"])
     model = rank.model
@@ -123,14 +122,9 @@ def _encoder_cache(state: WorkerState, mode: str) -> EncoderCache:
         model = state.data["model"]
         ctx = getattr(model, "tp_context", None)
         tp = (state.rank, state.world_size, getattr(ctx, "group", None))
-        cfg = state.data.get("engine_config")
-        budget = cfg.max_num_batched_tokens if cfg else 2048
-        cache = state.data["encoder_cache"] = EncoderCache(
-            model,
-            encoder_cache_tokens(budget),
-            tp=tp,
-            mode=mode,
-            max_patches=encoder_max_patches(model.config, budget),
+        budget = state.data["spec"].max_num_batched_tokens
+        cache = state.data["encoder_cache"] = EncoderCache.for_step_budget(
+            model, budget, tp=tp, mode=mode
         )
     return cache
 
@@ -208,7 +202,7 @@ class MultiprocExecutor:
         self.group = WorkerGroup(
             W, self.device, cfg.distributed_backend, nodes=NodeSpec.from_engine_config(cfg)
         )
-        self.group.state.data.update(model=model, kv_caches=kv_caches, spec=spec, engine_config=cfg)
+        self.group.state.data.update(model=model, kv_caches=kv_caches, spec=spec)
         self.kv_copier = KVCopier(kv_caches, kv_host_pages) if kv_host_pages else None
         if self.kv_copier is not None:
             self.group.state.data["kv_copier"] = self.kv_copier

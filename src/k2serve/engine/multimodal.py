@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from k2serve.memory import encoder_cache_tokens, encoder_max_patches
 from k2serve.multimodal.image import ImageError, ImageProcessor, ProcessedImage
 from k2serve.multimodal.inputs import ImageInput, expand_placeholders
 from k2serve.vision_config import ImageProcessorConfig
@@ -156,6 +157,20 @@ class EncoderCache:
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()  # hash -> [n, hidden]
         self._tokens = 0
         self.num_encoded = 0  # images run through the tower here (for tests and metrics)
+
+    @classmethod
+    def for_step_budget(
+        cls, model, max_num_batched_tokens: int, tp=None, mode: str = "weights"
+    ) -> EncoderCache:
+        """Sized as `k2serve.memory` (and so the planner) budgets it for steps of at most
+        `max_num_batched_tokens` tokens."""
+        return cls(
+            model,
+            encoder_cache_tokens(max_num_batched_tokens),
+            tp=tp,
+            mode=mode,
+            max_patches=encoder_max_patches(model.config, max_num_batched_tokens),
+        )
 
     def __contains__(self, mm_hash: str) -> bool:
         return mm_hash in self._cache

@@ -39,7 +39,6 @@ from k2serve.engine.sampler import Sampler, SamplerOutput
 from k2serve.engine.scheduler import SchedulerOutput
 from k2serve.engine.spec import RuntimeSpec
 from k2serve.engine.spec_decode.verify import DraftRow
-from k2serve.memory import encoder_cache_tokens, encoder_max_patches
 from k2serve.moe.dynamic import RoutingService
 
 if TYPE_CHECKING:
@@ -213,13 +212,8 @@ class ModelRunner(BatchBuilder):
         )
         self.last_input: ModelInput | None = None  # the latest step's batch (EAGLE-3 drafter)
         # K2.5: the image encoder's outputs by image hash (engine.multimodal)
-        budget = spec.max_num_batched_tokens
         self.encoder_cache = (
-            EncoderCache(
-                model,
-                encoder_cache_tokens(budget),
-                max_patches=encoder_max_patches(model.config, budget),
-            )
+            EncoderCache.for_step_budget(model, spec.max_num_batched_tokens)
             if getattr(getattr(model, "config", None), "vision", None) is not None
             else None
         )
