@@ -23,6 +23,7 @@ monkeypatch. Nothing else in k2serve reads `os.environ` for a `K2SERVE_*` name.
 | K2SERVE_ROUTER_NONFINITE_COUNT | bool | false | CUDA: count NaN / inf router inputs on device |
 | K2SERVE_SIMULATED_DEVICE_MEMORY | bytes | unset | CPU: size the KV cache as on a GPU this big |
 | K2SERVE_KV_HOST_TIER_ON_CPU | bool | false | test/debug: a KV host tier on a CPU-only engine |
+| K2SERVE_HYBRID_DEVICE_WAIT | bool | true | decode graphs wait for the CPU experts in-graph |
 """
 
 from __future__ import annotations
@@ -167,3 +168,9 @@ def kv_host_tier_on_cpu() -> bool:
     host memory already, so the host tier is off; this turns it on anyway (plain copies between
     two host buffers) so that its bookkeeping and copy path can be tested without a GPU."""
     return env_bool("K2SERVE_KV_HOST_TIER_ON_CPU", False)
+
+
+def hybrid_device_wait() -> bool:
+    """K2SERVE_HYBRID_DEVICE_WAIT: decode graphs of hybrid GPU + CPU layers wait for the CPU
+    experts on a flag inside the graph (false: a host round trip between graph pieces)."""
+    return env_bool("K2SERVE_HYBRID_DEVICE_WAIT", True)

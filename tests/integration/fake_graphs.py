@@ -6,9 +6,17 @@ writes each result into the tensor the capture produced, so, as with a CUDA grap
 reads the current contents of the captured inputs and writes the same output tensors. Ops that
 need the host to see device data (`.item()`, `nonzero`, ...) raise, as they break a CUDA
 graph capture; so does anything shape-dependent that the tape would bake in.
+
+`StreamTapeGraphFactory` replays on a "device" thread (one FIFO, like a CUDA stream) and gives
+host signals (the interface of kernels.stream_wait.CudaHostSignal) whose `gpu_wait()` is a step
+of the tape that blocks that thread until the host releases it: the device-wait overlap of
+hybrid layers runs here as on a GPU, the host computing while the "device" goes on.
 """
 
 from __future__ import annotations
+
+import concurrent.futures
+import threading
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -49,7 +57,11 @@ class TapeGraph:
 
     def replay(self) -> None:
         self.replays += 1
-        for func, args, kwargs, out in self.ops:
+        for op in self.ops:
+            if callable(op):  # a host-signal wait captured into the tape
+                op()
+                continue
+            func, args, kwargs, out = op
             new = func(*args, **kwargs)
             for o, n in zip(tree_flatten(out)[0], tree_flatten(new)[0], strict=True):
                 if isinstance(o, torch.Tensor) and o is not n:
@@ -59,14 +71,94 @@ class TapeGraph:
 class TapeGraphFactory:
     def __init__(self) -> None:
         self.captured: list[TapeGraph] = []
+        self.capturing: _Tape | None = None
 
     def capture(self, fn):
         tape = _Tape()
-        with tape:
-            result = fn()
-        g = TapeGraph(tape.ops)
+        self.capturing = tape
+        try:
+            with tape:
+                result = fn()
+        finally:
+            self.capturing = None
+        g = self._graph(tape.ops)
         self.captured.append(g)
         return g, result
 
+    def _graph(self, ops):
+        return TapeGraph(ops)
+
     def synchronize(self) -> None:
         pass
+
+
+TIMEOUT_S = 30.0  # a wait never released fails the test instead of hanging it
+
+
+class _StreamGraph(TapeGraph):
+    def __init__(self, ops, factory) -> None:
+        super().__init__(ops)
+        self.factory = factory
+
+    def replay(self) -> None:  # launched, not run: the device thread runs it
+        self.factory.enqueue(self._run)
+
+    @torch.inference_mode()  # as the runner that launched it
+    def _run(self) -> None:
+        super().replay()
+
+
+class FakeHostSignal:
+    def __init__(self, factory) -> None:
+        self.factory = factory
+        self.released = threading.Event()
+        self.reached: concurrent.futures.Future | None = None
+        self.waits = 0  # gpu_wait() steps the device thread passed
+
+    def record(self) -> None:
+        self.reached = self.factory.enqueue(lambda: None)
+
+    def wait_recorded(self) -> None:
+        self.reached.result(TIMEOUT_S)
+
+    def gpu_wait(self) -> None:
+        tape = self.factory.capturing
+        if tape is None:
+            raise RuntimeError("gpu_wait() outside a capture")
+        tape.ops.append(lambda: self._device_wait())
+
+    def _device_wait(self) -> None:
+        if not self.released.wait(TIMEOUT_S):
+            raise TimeoutError("the host never released this wait")
+        self.released.clear()
+        self.waits += 1
+
+    def release(self) -> None:
+        self.released.set()
+
+    def reset(self) -> None:
+        self.released.clear()
+
+
+class StreamTapeGraphFactory(TapeGraphFactory):
+    def __init__(self) -> None:
+        super().__init__()
+        self.device = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fake-gpu")
+        self.launched: list[concurrent.futures.Future] = []
+        self.signals: list[FakeHostSignal] = []
+
+    def _graph(self, ops):
+        return _StreamGraph(ops, self)
+
+    def enqueue(self, fn) -> concurrent.futures.Future:
+        self.launched.append(self.device.submit(fn))
+        return self.launched[-1]
+
+    def host_signal(self) -> FakeHostSignal:
+        self.signals.append(FakeHostSignal(self))
+        return self.signals[-1]
+
+    def synchronize(self) -> None:
+        launched, self.launched = self.launched, []
+        for f in launched:
+            f.result(TIMEOUT_S)  # re-raises a step's error

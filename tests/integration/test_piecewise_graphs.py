@@ -144,19 +144,26 @@ def test_a_host_sync_inside_a_piece_is_caught():
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("device_wait", [True, False])
 @pytest.mark.parametrize("n_gpu", [8, 4, 0])
-def test_cuda_piecewise_graphs_equal_eager(n_gpu):
-    """On CUDA: hybrid layers with real CUDA graphs, pinned staging, event + host actions."""
+def test_cuda_piecewise_graphs_equal_eager(n_gpu, device_wait):
+    """On CUDA: hybrid layers with real CUDA graphs, pinned staging, and the CPU's result
+    waited for inside the graph (stream wait on a host flag) or between pieces (event +
+    host actions)."""
+    from k2serve.kernels.stream_wait import cuda_host_signal_supported
+
     cfg = load_tiny("int4").config
     kw = dict(dtype=torch.bfloat16, device="cuda", expert_placement=make_placement(cfg, n_gpu))
     model = load_tiny("int4", **kw)
     dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     caches = [[torch.zeros(3 * PAGES, PS, dim, dtype=torch.bfloat16, device="cuda")
                for _ in model.model.layers] for _ in range(2)]  # fmt: skip
-    runner = DecodeGraphRunner(model, caches[1], PAGES, buckets=(1, 4))
+    runner = DecodeGraphRunner(model, caches[1], PAGES, buckets=(1, 4), device_wait=device_wait)
     runner.capture()
     hybrid = 0 if n_gpu == 8 else len(cfg.moe_layers)
-    assert runner.num_pieces[4] == 1 + 2 * hybrid
+    if device_wait:
+        assert cuda_host_signal_supported(torch.cuda.current_device())
+    assert runner.num_pieces[4] == 1 + (1 if device_wait else 2) * hybrid
     lens = [3, 6, 9]
     ids = torch.randint(0, 500, (3,), device="cuda")
     for _ in range(4):
@@ -173,6 +180,8 @@ def test_cuda_piecewise_graphs_equal_eager(n_gpu):
 @pytest.mark.gpu
 @needs_cuda
 def test_engine_keeps_decode_graphs_with_cpu_experts_and_the_eager_tokens():
+    """The engine's decode graphs (device wait: one piece per hybrid layer more) sample the
+    tokens of the eager engine."""
     from k2serve.engine.config import EngineConfig
     from k2serve.engine.engine import LLMEngine
 
@@ -184,7 +193,7 @@ def test_engine_keeps_decode_graphs_with_cpu_experts_and_the_eager_tokens():
                        max_num_seqs=8, num_gpu_experts=3)  # fmt: skip
     eng = LLMEngine(cfg, model=load_tiny("int4", dtype=torch.bfloat16, device="cuda"))
     gr = eng.runner.graph_runner
-    assert gr is not None and gr.num_pieces[8] == 1 + 2 * len(eng.model.config.moe_layers)
+    assert gr is not None and gr.num_pieces[8] == 1 + len(eng.model.config.moe_layers)
     graphed = _greedy_tokens(eng, prompts)
     eager_eng = LLMEngine(cfg.replace(enforce_eager=True),
                           model=load_tiny("int4", dtype=torch.bfloat16, device="cuda"))  # fmt: skip
@@ -248,3 +257,158 @@ def test_the_capture_warm_up_skips_the_cpu_experts():
     runner.capture()
     assert calls == []
     assert all(not model.model.layers[i].mlp.expert_backend.dry_run for i in (1, 2))
+
+
+def _stream_runner(n_gpu, buckets=(1, 4)):
+    from .fake_graphs import StreamTapeGraphFactory
+
+    model = _model(n_gpu)
+    factory = StreamTapeGraphFactory()
+    runner = DecodeGraphRunner(model, _caches(model, 3), PAGES, buckets=buckets,
+                               graph_factory=factory, device_wait=True)  # fmt: skip
+    runner.capture()
+    return model, runner, factory
+
+
+@pytest.mark.parametrize("n_gpu", [4, 0])
+def test_device_wait_graphs_equal_the_eager_model(n_gpu):
+    """Device wait: one piece more per hybrid layer (not two), every piece launched before the
+    CPU parts run on the host, the "device" waiting for each layer's CPU result inside its
+    piece: the eager logits, step after step."""
+    torch.manual_seed(0)
+    eager = _model(n_gpu)
+    kv_e = _caches(eager, 3)
+    graphed, runner, factory = _stream_runner(n_gpu)
+    hybrid = [graphed.model.layers[i].mlp.expert_backend for i in graphed.config.moe_layers]
+    assert runner.num_pieces == {1: 1 + len(hybrid), 4: 1 + len(hybrid)}
+    assert all(be.signal is not None and not be.device_wait for be in hybrid)
+    lens, ids = [3, 6, 9], torch.randint(0, 500, (3,))
+    for step in range(4):
+        pos, md = _decode_md(lens)
+        ref = eager.compute_logits(eager(ids, pos, md, kv_e))
+        out = runner.run(ids, pos, md)
+        factory.synchronize()
+        torch.testing.assert_close(graphed.compute_logits(out), ref, rtol=1e-4, atol=1e-4)
+        assert all(be.signal.waits == step + 1 and not be.deferred for be in hybrid)
+        ids, lens = ref.argmax(-1), [n + 1 for n in lens]
+
+
+def test_device_wait_the_gpu_part_runs_while_the_cpu_computes():
+    """Each layer's CPU part is computed while the "device" runs that layer's GPU part (the
+    shared expert, the GPU experts) up to its wait: the CPU part holds until the device is
+    waiting on it, which would time out if the device waited for the host first."""
+    import threading
+
+    graphed, runner, factory = _stream_runner(4, buckets=(4,))
+    order = []
+    for i in graphed.config.moe_layers:
+        be = graphed.model.layers[i].mlp.expert_backend
+        at_wait = threading.Event()
+        wait = be.signal._device_wait
+        be.signal._device_wait = lambda _w=wait, _e=at_wait, _i=i: (_e.set(), _w())[1]
+        submit = be.cpu_backend.submit
+
+        def spy(*a, _s=submit, _e=at_wait, _i=i, **k):
+            order.append(("cpu", _i, len(factory.launched)))
+            assert _e.wait(10), "the device did not run the GPU part during the CPU part"
+            _e.clear()
+            return _s(*a, **k)
+
+        be.cpu_backend.submit = spy
+    lens, ids = [3, 6, 9], torch.randint(0, 500, (3,))
+    pos, md = _decode_md(lens)
+    runner.run(ids, pos, md)
+    factory.synchronize()
+    n_moe = len(graphed.config.moe_layers)
+    # every piece and every record was launched before the first CPU part began
+    assert [o[:2] for o in order] == [("cpu", i) for i in graphed.config.moe_layers]
+    assert order[0][2] == (1 + n_moe) + n_moe
+
+
+def test_device_wait_an_error_in_the_cpu_part_releases_the_device():
+    """A CPU part that raises: the step raises, the device is not left waiting, no flag is left
+    set, and the step run again gives the eager logits."""
+    eager = _model(0)
+    kv_e = _caches(eager, 3)
+    graphed, runner, factory = _stream_runner(0, buckets=(4,))
+    cpu = graphed.model.layers[1].mlp.expert_backend.cpu_backend
+    submit, fail = cpu.submit, [True]
+
+    def flaky(*a, **k):
+        if fail[0]:
+            raise ValueError("boom")
+        return submit(*a, **k)
+
+    cpu.submit = flaky
+    lens, ids = [3, 6, 9], torch.randint(0, 500, (3,))
+    pos, md = _decode_md(lens)
+    with pytest.raises(ValueError, match="boom"):
+        runner.run(ids, pos, md)
+    assert all(not s.released.is_set() for s in factory.signals)
+    fail[0] = False  # the same step again (it rewrites the KV rows the failed one wrote)
+    ref = eager.compute_logits(eager(ids, pos, md, kv_e))
+    out = runner.run(ids, pos, md)
+    factory.synchronize()
+    torch.testing.assert_close(graphed.compute_logits(out), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_host_signal_holds_a_graph_until_the_host_writes():
+    """The stream wait inside a captured graph: the copy after it reads what the host wrote
+    before releasing, replay after replay (the GPU re-arms the flag)."""
+    import time
+
+    from k2serve.kernels.stream_wait import CudaHostSignal, cuda_host_signal_supported
+
+    assert cuda_host_signal_supported(torch.cuda.current_device())
+    sig = CudaHostSignal()
+    host = torch.zeros(4, pin_memory=True)
+    dev = torch.zeros(4, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        sig.gpu_wait()
+        dev.copy_(host, non_blocking=True)
+        dev.mul_(2)
+    for step in range(1, 4):
+        g.replay()
+        done = torch.cuda.Event()
+        done.record()
+        time.sleep(0.01)
+        assert not done.query()  # held
+        host.fill_(float(step))
+        sig.release()
+        done.synchronize()
+        assert dev.tolist() == [2.0 * step] * 4 and int(sig.flag.item()) == 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_float32_device_wait_equals_host_wait_and_eager():
+    """float32 on CUDA: the device-wait graphs give the host-wait graphs' logits (same kernels,
+    same CPU part; 1e-6 leaves room for GPU kernels that add in any order) and the eager
+    model's greedy tokens."""
+    cfg = load_tiny("int4").config
+    kw = dict(dtype=torch.float32, device="cuda", expert_placement=make_placement(cfg, 3))
+    models = [load_tiny("int4", **kw) for _ in range(3)]  # eager, host wait, device wait
+    dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    caches = [[torch.zeros(3 * PAGES, PS, dim, device="cuda") for _ in models[0].model.layers]
+              for _ in models]  # fmt: skip
+    runners = [DecodeGraphRunner(m, c, PAGES, buckets=(4,), device_wait=dw)
+               for m, c, dw in zip(models[1:], caches[1:], (False, True), strict=True)]  # fmt: skip
+    for r in runners:
+        r.capture()
+    assert [r.num_pieces[4] for r in runners] == [1 + 2 * 2, 1 + 2]
+    lens, ids = [3, 6, 9], torch.randint(0, 500, (3,), device="cuda")
+    for _ in range(4):
+        pos, md = _decode_md(lens)
+        md = AttentionMetadata(**{k: (v.cuda() if torch.is_tensor(v) else v)
+                                  for k, v in vars(md).items()})  # fmt: skip
+        ref = models[0].compute_logits(models[0](ids, pos.cuda(), md, caches[0]))
+        host, dev = (m.compute_logits(r.run(ids, pos.cuda(), md))
+                     for m, r in zip(models[1:], runners, strict=True))  # fmt: skip
+        torch.testing.assert_close(dev, host, rtol=1e-6, atol=1e-6)
+        assert torch.equal(dev.argmax(-1), host.argmax(-1))
+        torch.testing.assert_close(dev, ref, rtol=1e-4, atol=1e-4)
+        assert torch.equal(dev.argmax(-1), ref.argmax(-1))
+        ids, lens = ref.argmax(-1), [n + 1 for n in lens]

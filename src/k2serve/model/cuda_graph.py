@@ -10,6 +10,14 @@ actions read and write static (pinned) buffers that the captured copies use, so 
 re-run as they are at every replay. Graphs come from a `graph_factory` (default
 `CudaGraphFactory`); tests pass a fake that records and replays torch ops on the CPU.
 
+Device wait (`device_wait`, default K2SERVE_HYBRID_DEVICE_WAIT=1, used when the factory gives
+host signals: CUDA stream memory operations, kernels.stream_wait): each hybrid layer waits
+for its CPU experts on a flag inside the graph, so a step is 1 + n pieces (cut where the host
+must learn that a layer's inputs are staged), every piece is launched at once, and then the
+host computes the layers' CPU parts in order (moe.host_round_trip): the GPU runs each layer's
+shared expert and GPU experts during the CPU part and resumes the moment the flag is written.
+Without it (host wait): 1 + 2n pieces, g0, a0, g1, a1, ... with the CPU part inside a1.
+
 Owns: `DecodeGraphRunner`. A decode step = B sequences with one new token each
 (`max_query_len == 1`). The runner owns static input buffers sized for the largest bucket; a
 step of B <= max bucket is padded to the smallest bucket >= B: padding rows are fake sequences
@@ -29,8 +37,9 @@ from typing import Any
 
 import torch
 
+from k2serve import envs
 from k2serve.attention.base import AttentionMetadata
-from k2serve.moe.cpu_experts import drive
+from k2serve.moe.host_round_trip import drive
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
@@ -52,6 +61,14 @@ class CudaGraphFactory:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
+
+    def host_signal(self):
+        """A host -> GPU signal a captured graph can wait on, or None where unsupported."""
+        from k2serve.kernels.stream_wait import CudaHostSignal, cuda_host_signal_supported
+
+        if not cuda_host_signal_supported(torch.cuda.current_device()):
+            return None
+        return CudaHostSignal()
 
 
 def capture_pieces(gen, factory) -> tuple[list, list, Any]:
@@ -90,6 +107,7 @@ class DecodeGraphRunner:
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
         with_logits: bool = False,
         graph_factory=None,
+        device_wait: bool | None = None,  # None: K2SERVE_HYBRID_DEVICE_WAIT (see the docstring)
     ) -> None:
         if not buckets or min(buckets) < 1:
             raise ValueError(f"buckets must be positive batch sizes, got {buckets}")
@@ -115,6 +133,8 @@ class DecodeGraphRunner:
         # EAGLE-3: each bucket's graph-owned [bucket, 3 * hidden] auxiliary hidden states, when
         # the model keeps them (model.aux_hidden_state_layers); set as the model's after a replay
         self.aux: dict[int, torch.Tensor | None] = {}
+        self.device_wait = envs.hybrid_device_wait() if device_wait is None else device_wait
+        self._waiting: list = []  # hybrid backends whose GPU waits on a signal, layer order
 
     def _metadata(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -137,7 +157,8 @@ class DecodeGraphRunner:
 
     @property
     def num_pieces(self) -> dict[int, int]:
-        """bucket -> graphs per step (1 without CPU experts; 2 more per hybrid MoE layer)."""
+        """bucket -> graphs per step (1 without CPU experts; per hybrid MoE layer 2 more, or 1
+        with the device wait)."""
         return {bs: len(g) for bs, g in self.graphs.items()}
 
     def _reserve_host_buffers(self) -> None:
@@ -157,6 +178,7 @@ class DecodeGraphRunner:
         self._reserve_host_buffers()
         backends = [getattr(ly.mlp, "expert_backend", None) for ly in self.model.model.layers]
         hybrid: list[Any] = [be for be in backends if hasattr(be, "dry_run")]
+        self._waiting = self._host_signals(hybrid)
         for bs in reversed(self.buckets):
             for be in hybrid:  # the CPU experts are not needed to warm up the GPU pieces
                 be.dry_run = True
@@ -166,11 +188,51 @@ class DecodeGraphRunner:
                 for be in hybrid:
                     be.dry_run = False
             self.factory.synchronize()
-            graphs, actions, out = capture_pieces(self._pieces(bs), self.factory)
+            for be in self._waiting:
+                be.device_wait = True
+            try:
+                graphs, actions, out = capture_pieces(self._pieces(bs), self.factory)
+            finally:
+                for be in self._waiting:
+                    be.device_wait = False
+                    be.deferred.clear()
             self.graphs[bs], self.actions[bs], self.outputs[bs] = graphs, actions, out
             if getattr(self.model, "aux_hidden_state_layers", ()):
                 self.aux[bs] = self.model.aux_hidden_states
         self.factory.synchronize()
+
+    def _host_signals(self, hybrid: list) -> list:
+        """Give each hybrid backend a host signal (device wait), or none of them."""
+        make = getattr(self.factory, "host_signal", None)
+        if not (hybrid and self.device_wait and make is not None):
+            return []
+        signals = [make() for _ in hybrid]
+        if any(s is None for s in signals):
+            return []
+        for be, sig in zip(hybrid, signals, strict=True):
+            be.signal = sig
+        return hybrid
+
+    def _replay(self, bucket: int) -> None:
+        """Launch the bucket's pieces; with the device wait, then the CPU parts in layer
+        order (each releases its layer's GPU wait). On an error every signal is released, the
+        device drained and the signals re-armed: the stream never stays blocked, and no flag
+        is left set for the next step."""
+        if not self._waiting:
+            replay_pieces(self.graphs[bucket], self.actions[bucket])
+            return
+        try:
+            replay_pieces(self.graphs[bucket], self.actions[bucket])
+            for be in self._waiting:
+                be.complete_deferred()
+        except BaseException:
+            for be in self._waiting:
+                be.deferred.clear()
+                be.signal.release()
+            self.factory.synchronize()
+            for be in self._waiting:
+                be.signal.reset()
+            raise
 
     def bucket_for(self, md: AttentionMetadata) -> int | None:
         """The graph bucket for this step, or None if it must run eagerly."""
@@ -205,7 +267,7 @@ class DecodeGraphRunner:
         rec = getattr(self.model, "routing_recorder", None)
         if rec is not None:  # padding rows must not count as routed tokens
             rec.mark_padding(bs, bucket)
-        replay_pieces(self.graphs[bucket], self.actions[bucket])
+        self._replay(bucket)
         if rec is not None:
             rec.unmark_padding(bs, bucket)
         aux = self.aux.get(bucket)

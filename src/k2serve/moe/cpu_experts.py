@@ -2,7 +2,7 @@
 
 Owns: `CpuExpertBackend` (a subset of a layer's routed experts, weights in host memory) and
 `HybridExpertBackend` (routes each (token, expert) pair to the GPU backend or the CPU backend
-by placement and sums the two outputs; `HostJob` / `drive`: its overlapped, graph-friendly form).
+by placement and sums the two outputs; `pieces`: its overlapped, graph-friendly form).
 
 CpuExpertBackend interface (what the hybrid / overlap code drives):
 - `submit(hidden, topk_ids, topk_weights)`: copies what the CPU needs to host memory (this
@@ -33,11 +33,13 @@ Invariants:
 - The experts' parameters are used in place (the kernel reads the module's tensors; nothing is
   repacked or copied, so memory is not doubled and the modules stay valid for the reference
   path and the state_dict). Replacing a parameter afterwards needs a new backend.
-- Overlap (`HybridExpertBackend.pieces`, `HostJob`): the layer's tokens, ids and weights are
-  copied to the host BEFORE the GPU part (GPU experts + shared expert) is enqueued; the CPU
-  computes while the GPU part runs; the CPU result is then copied back and added. The host
-  actions are yielded between GPU pieces, so the runner can replay those pieces as CUDA
-  graphs and run only the host round trip eagerly (k2serve.model.cuda_graph).
+- Overlap (`HybridExpertBackend.pieces`, moe.host_round_trip.HostJob): the layer's tokens,
+  ids and weights are copied to the host BEFORE the GPU part (GPU experts + shared expert) is
+  enqueued; the CPU computes while the GPU part runs; the CPU result is then copied back and
+  added. The host actions are yielded between GPU pieces, so the runner can replay those
+  pieces as CUDA graphs (k2serve.model.cuda_graph); with `device_wait` the GPU waits for the
+  CPU's result on a flag inside the graph instead of between two pieces (host_round_trip
+  says both ways).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from torch import nn
 
 from k2serve.kernels import cpu as ck
 from k2serve.moe.base import ExpertBackend
+from k2serve.moe.host_round_trip import HostJob, drive
 
 logger = logging.getLogger(__name__)
 
@@ -326,48 +329,6 @@ class CpuExpertBackend(ExpertBackend):
         return out
 
 
-class HostJob:
-    """One step's CPU part of one hybrid layer (KT-Kernel's submit_forward / sync_forward).
-
-    The model runs: `job = backend.stage(...)` (GPU: the layer's tokens, ids and weights copied
-    to pinned host buffers, non_blocking), host action `job.start`, the GPU part (GPU experts +
-    shared expert), host action `job.finish`, then `job.result()` (GPU: the CPU output copied
-    back, non_blocking). Between the GPU pieces the driver runs the host actions eagerly, so the
-    GPU pieces can be CUDA graphs (k2serve.model.cuda_graph): with static buffers a job is
-    re-run by calling `start` / `finish` again after the captured pieces are replayed.
-    On a CUDA device `start` records an event and `finish` waits for it, runs the CPU experts
-    (submit + wait) while the already-launched GPU part runs, and writes the pinned output
-    buffer; on a CPU device `start` submits (the worker thread overlaps the main thread's
-    experts) and `finish` waits."""
-
-    def __init__(self, backend, x, ids, w, out, cuda: bool) -> None:
-        self.backend = backend
-        self.x, self.ids, self.w, self.out = x, ids, w, out  # host tensors ([T, ...])
-        self.cuda = cuda
-        self.event = torch.cuda.Event() if cuda else None
-
-    def start(self) -> None:
-        if self.backend.dry_run:
-            return
-        if self.event is not None:
-            self.event.record()
-        else:
-            self.backend.cpu_backend.submit(self.x, self.ids, self.w)
-
-    def finish(self) -> None:
-        if self.backend.dry_run:  # a warm-up pass: the CPU part contributes zeros
-            self.out.zero_()
-            return
-        cpu = self.backend.cpu_backend
-        if self.event is not None:
-            self.event.synchronize()  # the staged inputs are in host memory
-            cpu.submit(self.x, self.ids, self.w)
-        self.out.copy_(cpu.wait())
-
-    def result(self, like: torch.Tensor) -> torch.Tensor:  # [T, hidden] on like's device
-        return self.out.to(like.device, like.dtype, non_blocking=True)
-
-
 class HybridExpertBackend(ExpertBackend):
     """One MoE layer split between a GPU backend (local ids) and a `CpuExpertBackend`."""
 
@@ -397,6 +358,11 @@ class HybridExpertBackend(ExpertBackend):
         # True during a graph runner's warm-up: the host actions skip the CPU experts (the
         # warm-up compiles GPU kernels and sizes the allocator; its outputs are dropped)
         self.dry_run = False
+        # device wait (moe.host_round_trip): True while a graph runner captures with `signal`
+        # (a host -> GPU flag, kernels.stream_wait); `deferred`: this step's launched jobs
+        self.device_wait = False
+        self.signal = None
+        self.deferred: list[HostJob] = []
         # layer-wise GPU prefill (moe.layerwise): long steps run the CPU experts on the device
         self.layerwise = None
         self.layerwise_index = -1
@@ -467,26 +433,24 @@ class HybridExpertBackend(ExpertBackend):
                               self.cpu_local_of)  # fmt: skip
             return out + streamed.to(out.dtype)
         job = self.stage(hidden, topk_ids, topk_weights)
-        yield job.start
-        if gpu is None:
-            out = self.gpu_part(hidden, topk_ids, topk_weights)
-        else:
+        gpu = gpu or (lambda y: self.gpu_part(y, topk_ids, topk_weights))
+        if self.device_wait:  # the GPU waits for the CPU's `out` on the signal, in the piece
+            yield job.launch
             out = gpu(hidden)
+            self.signal.gpu_wait()
+            return out + job.result(out)
+        yield job.start
+        out = gpu(hidden)
         yield job.finish
         return out + job.result(out)
 
+    def complete_deferred(self) -> None:
+        """The CPU part of this step's launched jobs (device wait; see HostJob.complete)."""
+        while self.deferred:
+            self.deferred.pop(0).complete()
+
     def __call__(self, hidden, topk_ids, topk_weights) -> torch.Tensor:  # [T, hidden]
         return drive(self.pieces(hidden, topk_ids, topk_weights))
-
-
-def drive(gen):
-    """Run a pieces generator eagerly: each yielded host action is called where it was
-    yielded; returns the generator's return value."""
-    try:
-        while True:
-            next(gen)()
-    except StopIteration as stop:
-        return stop.value
 
 
 __all__ = ["CpuExpertBackend", "HostJob", "HybridExpertBackend", "drive"]

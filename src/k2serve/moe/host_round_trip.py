@@ -1,0 +1,98 @@
+"""The CPU part of one hybrid MoE layer's step and how the GPU waits for it (KT-Kernel's
+submit_forward / sync_forward).
+
+Owns: `HostJob` (one step's CPU part of one layer: pinned buffers and the host actions) and
+`drive` (runs a pieces generator eagerly).
+
+Two ways to wait, same numerics (the CPU writes `out`, the GPU adds `out` to its part):
+- host wait (eager steps, and graphs where stream waits are unavailable): the layer yields
+  `start`, enqueues the GPU part, yields `finish`; `finish` waits for the staged inputs, runs
+  the CPU experts on the calling thread while the GPU part runs, and writes `out`; the work
+  after it (the copy of `out` back, the add, the next layers) is launched only then, so a
+  graph step is cut into 1 + 2n pieces with a host round trip between.
+- device wait (`HybridExpertBackend.device_wait`, set while a graph runner captures): the
+  layer yields only `launch`, then enqueues the GPU part, a stream wait on the layer's
+  `signal` (kernels.stream_wait.CudaHostSignal) and the rest. A step is 1 + n pieces, all
+  launched at once; `launch` records an event after the staged inputs and queues the job; after
+  the last piece is launched the runner calls `complete()` on the queued jobs in layer order:
+  each waits for its event, runs the CPU experts, writes `out` and releases the signal, and the
+  GPU, which went on with the shared expert and the GPU experts, resumes within a PCIe poll:
+  no launch, no Python between the CPU's result and the next layer's attention.
+The main thread is the CPU worker in both: it has nothing else to do during a step, so no
+hand-off to another thread (and no GIL contention with a launching thread) is needed; the
+native kernel releases the GIL and uses the calling thread as one of its workers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class HostJob:
+    """One step's CPU part of one hybrid layer (see the module docstring). `x`, `ids`, `w`,
+    `out` are host tensors [T, ...] (pinned and static when the backend reserved them, so a
+    captured graph's copies keep reading and writing them); on a CPU device they are the
+    layer's own tensors and `start` submits to the CPU backend's worker thread, so the CPU
+    experts overlap the main thread's GPU-part math."""
+
+    def __init__(self, backend, x, ids, w, out, cuda: bool) -> None:
+        self.backend = backend
+        self.x, self.ids, self.w, self.out = x, ids, w, out
+        self.cuda = cuda
+        self.event = torch.cuda.Event() if cuda else None
+
+    # ------------------------------------------------------------------ host wait
+    def start(self) -> None:
+        if self.backend.dry_run:
+            return
+        if self.event is not None:
+            self.event.record()
+        else:
+            self.backend.cpu_backend.submit(self.x, self.ids, self.w)
+
+    def finish(self) -> None:
+        if self.backend.dry_run:  # a warm-up pass: the CPU part contributes zeros
+            self.out.zero_()
+            return
+        cpu = self.backend.cpu_backend
+        if self.event is not None:
+            self.event.synchronize()  # the staged inputs are in host memory
+            cpu.submit(self.x, self.ids, self.w, inline=True)  # this thread waits anyway
+        self.out.copy_(cpu.wait())
+
+    # ------------------------------------------------------------------ device wait
+    def launch(self) -> None:
+        """Host action between graph pieces: mark the staged inputs, queue the job."""
+        self.backend.signal.record()
+        self.backend.deferred.append(self)
+
+    def complete(self) -> None:
+        """Wait for the staged inputs, compute the CPU part into `out`, release the GPU (also
+        when the CPU part raised: the stream must not stay blocked)."""
+        sig = self.backend.signal
+        try:
+            sig.wait_recorded()
+            if self.backend.dry_run:
+                self.out.zero_()
+            else:
+                cpu = self.backend.cpu_backend
+                cpu.submit(self.x, self.ids, self.w, inline=True)
+                self.out.copy_(cpu.wait())
+        finally:
+            sig.release()
+
+    def result(self, like: torch.Tensor) -> torch.Tensor:  # [T, hidden] on like's device
+        return self.out.to(like.device, like.dtype, non_blocking=True)
+
+
+def drive(gen):
+    """Run a pieces generator eagerly: each yielded host action is called where it was
+    yielded; returns the generator's return value."""
+    try:
+        while True:
+            next(gen)()
+    except StopIteration as stop:
+        return stop.value
+
+
+__all__ = ["HostJob", "drive"]
