@@ -245,7 +245,10 @@ class ModelRunner(BatchBuilder):
         logger.info(
             "CUDA graphs: captured decode batch sizes %s%s",
             list(buckets),
-            f" ({pieces} pieces per step around the CPU experts)" if pieces > 1 else "",
+            f" ({pieces} pieces per step around the CPU experts, "
+            f"{'in-graph' if runner.waits_in_graph else 'host'} wait)"
+            if pieces > 1
+            else "",
         )
 
     @torch.inference_mode()

@@ -134,7 +134,7 @@ class DecodeGraphRunner:
         # the model keeps them (model.aux_hidden_state_layers); set as the model's after a replay
         self.aux: dict[int, torch.Tensor | None] = {}
         self.device_wait = envs.hybrid_device_wait() if device_wait is None else device_wait
-        self._waiting: list = []  # hybrid backends whose GPU waits on a signal, layer order
+        self._waiting: list = []  # (hybrid backend, its signal) whose GPU waits, layer order
 
     def _metadata(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -160,6 +160,11 @@ class DecodeGraphRunner:
         """bucket -> graphs per step (1 without CPU experts; per hybrid MoE layer 2 more, or 1
         with the device wait)."""
         return {bs: len(g) for bs, g in self.graphs.items()}
+
+    @property
+    def waits_in_graph(self) -> bool:
+        """True when the hybrid layers' GPU waits for the CPU experts inside the graphs."""
+        return bool(self._waiting)
 
     def _reserve_host_buffers(self) -> None:
         """Static pinned buffers of the hybrid MoE layers, sized for the largest bucket."""
@@ -188,12 +193,12 @@ class DecodeGraphRunner:
                 for be in hybrid:
                     be.dry_run = False
             self.factory.synchronize()
-            for be in self._waiting:
+            for be, _ in self._waiting:
                 be.device_wait = True
             try:
                 graphs, actions, out = capture_pieces(self._pieces(bs), self.factory)
             finally:
-                for be in self._waiting:
+                for be, _ in self._waiting:
                     be.device_wait = False
                     be.deferred.clear()
             self.graphs[bs], self.actions[bs], self.outputs[bs] = graphs, actions, out
@@ -202,7 +207,8 @@ class DecodeGraphRunner:
         self.factory.synchronize()
 
     def _host_signals(self, hybrid: list) -> list:
-        """Give each hybrid backend a host signal (device wait), or none of them."""
+        """Give each hybrid backend a host signal (device wait), or none of them; -> the
+        [(backend, signal)] this runner's graphs wait on."""
         make = getattr(self.factory, "host_signal", None)
         if not (hybrid and self.device_wait and make is not None):
             return []
@@ -210,8 +216,8 @@ class DecodeGraphRunner:
         if any(s is None for s in signals):
             return []
         for be, sig in zip(hybrid, signals, strict=True):
-            be.signal = sig
-        return hybrid
+            be.signal = sig  # the jobs captured from here on keep theirs
+        return list(zip(hybrid, signals, strict=True))
 
     def _replay(self, bucket: int) -> None:
         """Launch the bucket's pieces; with the device wait, then the CPU parts in layer
@@ -223,15 +229,15 @@ class DecodeGraphRunner:
             return
         try:
             replay_pieces(self.graphs[bucket], self.actions[bucket])
-            for be in self._waiting:
+            for be, _ in self._waiting:
                 be.complete_deferred()
         except BaseException:
-            for be in self._waiting:
+            for be, sig in self._waiting:
                 be.deferred.clear()
-                be.signal.release()
+                sig.release()
             self.factory.synchronize()
-            for be in self._waiting:
-                be.signal.reset()
+            for _, sig in self._waiting:
+                sig.reset()
             raise
 
     def bucket_for(self, md: AttentionMetadata) -> int | None:

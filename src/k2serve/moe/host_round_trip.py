@@ -40,6 +40,7 @@ class HostJob:
         self.x, self.ids, self.w, self.out = x, ids, w, out
         self.cuda = cuda
         self.event = torch.cuda.Event() if cuda else None
+        self.signal = backend.signal  # device wait: the one this job's graph waits on
 
     # ------------------------------------------------------------------ host wait
     def start(self) -> None:
@@ -63,13 +64,13 @@ class HostJob:
     # ------------------------------------------------------------------ device wait
     def launch(self) -> None:
         """Host action between graph pieces: mark the staged inputs, queue the job."""
-        self.backend.signal.record()
+        self.signal.record()
         self.backend.deferred.append(self)
 
     def complete(self) -> None:
         """Wait for the staged inputs, compute the CPU part into `out`, release the GPU (also
         when the CPU part raised: the stream must not stay blocked)."""
-        sig = self.backend.signal
+        sig = self.signal
         try:
             sig.wait_recorded()
             if self.backend.dry_run:
