@@ -173,3 +173,12 @@ def test_layerwise_prefill_with_more_layers_than_slots(layers):
             atol=1e-5,
         )
     assert lw.copies >= 3 * (layers - 1)
+
+
+def test_without_cuda_the_device_wait_is_refused_and_graphs_wait_on_the_host():
+    """No CUDA: the probe says no (it does not raise), so a runner keeps the host wait."""
+    from k2serve.kernels.stream_wait import cuda_host_signal_supported
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine: the gpu tests cover the probe")
+    assert cuda_host_signal_supported(0) is False

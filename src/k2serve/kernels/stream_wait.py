@@ -83,8 +83,9 @@ class CudaHostSignal:
         self._wait, self._write, dptr = lib
         self.flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # [1]: 1 = released
         out = ctypes.c_uint64()
-        _check(dptr(ctypes.byref(out), self.flag.data_ptr(), 0), "cuMemHostGetDevicePointer")
-        self._dptr = out.value
+        rc = dptr(ctypes.byref(out), self.flag.data_ptr(), 0)
+        # with unified addressing (every 64-bit CUDA platform) the host address is the device's
+        self._dptr = out.value if rc == 0 else self.flag.data_ptr()
         self._host = ctypes.c_int32.from_address(self.flag.data_ptr())
         self.event = torch.cuda.Event()
 
