@@ -267,6 +267,8 @@ def part_decode(ref, hyb, args):
         set_stub(hyb, False)
         ROWS.append(("decode", f"{tag} hybrid GPU part, eager",
                      f"{t_eager_part:.3f} ms = {t_eager_part / t_noexp:.2f} x limit"))  # fmt: skip
+        log(f"  {tag}: all-GPU {t_all:.3f} ms, minus expert GEMVs {t_noexp:.3f} ms, CPU part "
+            f"{cpu_part:.3f} ms ({n_moe} x {t_cpu:.3f}), eager GPU part {t_eager_part:.3f} ms")  # fmt: skip
         for mode, dw in WAITS:
 
             def one():
