@@ -437,7 +437,7 @@ class HybridExpertBackend(ExpertBackend):
         if self.device_wait:  # the GPU waits for the CPU's `out` on the signal, in the piece
             yield job.launch
             out = gpu(hidden)
-            self.signal.gpu_wait()
+            job.signal.gpu_wait()
             return out + job.result(out)
         yield job.start
         out = gpu(hidden)
