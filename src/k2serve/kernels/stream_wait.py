@@ -121,7 +121,10 @@ def _poll(event: torch.cuda.Event, seconds: float) -> bool:
 @functools.cache
 def cuda_host_signal_supported(device_index: int) -> bool:
     """True when a captured graph's `gpu_wait()` holds the stream until `release()` and then
-    goes on (checked once on a side stream, with timeouts; logs why not otherwise)."""
+    goes on (checked once, on a side stream; logs why not otherwise). Raises RuntimeError in
+    the one case that cannot be undone: a wait that never saw the host's flag leaves that
+    stream blocked, and the next device-wide sync would hang (K2SERVE_HYBRID_DEVICE_WAIT=0
+    skips the probe)."""
     try:
         with torch.cuda.device(device_index):
             sig = CudaHostSignal()
@@ -135,18 +138,19 @@ def cuda_host_signal_supported(device_index: int) -> bool:
             with torch.cuda.stream(stream):
                 g.replay()
                 done.record()
-            time.sleep(0.02)
-            held = not done.query()  # the wait holds the stream ...
-            sig.release()
-            went_on = _poll(done, 5.0)  # ... until the host writes the flag
-            if not went_on:
-                logger.warning("hybrid overlap: a graph's stream wait did not see the host's "
-                               "flag; the stream may stay blocked")  # fmt: skip
-                return False
-            ok = held and float(x.item()) == 1.0 and int(sig.flag.item()) == 0
     except Exception as e:  # noqa: BLE001 - any failure means: use the host round trip
         logger.warning("hybrid overlap: stream memory operations unusable here (%s)", e)
         return False
+    time.sleep(0.02)
+    held = not done.query()  # the wait holds the stream ...
+    sig.release()
+    if not _poll(done, 5.0):  # ... until the host writes the flag
+        raise RuntimeError(
+            "a CUDA graph's stream wait (cuStreamWaitValue32) did not see the host's write in "
+            "5 s; that stream stays blocked. Set K2SERVE_HYBRID_DEVICE_WAIT=0 to wait for the "
+            "CPU experts on the host instead."
+        )
+    ok = held and float(x.item()) == 1.0 and int(sig.flag.item()) == 0
     if not ok:
         logger.warning("hybrid overlap: the stream wait did not hold the stream; using the "
                        "host round trip between graph pieces")  # fmt: skip
