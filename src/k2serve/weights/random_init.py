@@ -96,7 +96,7 @@ def random_tensors(
 
 
 def peak_logits(
-    model: nn.Module, seed: int = 0, embed_scale: float = 16.0, top_logit: float = 32.0
+    model: nn.Module, seed: int = 0, embed_scale: float = 64.0, top_logit: float = 32.0
 ) -> torch.Tensor:
     """Make a random model's greedy next token a fixed function of the current token, decided by
     a margin far above bf16 rounding (a "peaked" dummy model, for benchmarks and exactness tests
