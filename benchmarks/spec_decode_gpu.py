@@ -34,6 +34,9 @@ Parts:
   length is about 1 + p + ... + p^K (2.0 / 2.7 / 3.3 at K = 4 for p = 0.5 / 0.7 / 0.8); and B =
   32 with disable_by_batch_size=16 (speculation off above 16 running requests). Against
   speculation off in the same run; outputs checked equal (greedy, exact).
+- draft: the EAGLE-3 draft step (K=3) of each head layout (MLA, Llama) at full K2.5 sizes
+  (vocabulary 163840, draft vocabulary 32000) against the target step, B = the first two of
+  --e2e-batches; not in the default --parts.
 Timings: median of --iters steps after warm-up (synchronised around each).
 """
 
@@ -447,6 +450,75 @@ def e2e(path: str, batches: list[int], ctx: int, n_out: int, k: int, disable: in
     return ok
 
 
+def draft_steps(preset: str, layers: int, batches: list[int], ctx: int, iters: int) -> None:
+    """The EAGLE-3 draft step (K=3: the head over the step's kept rows, then 2 one-row steps)
+    of each head layout at full K2.5 sizes (target hidden 7168, vocabulary 163840, draft
+    vocabulary 32000), against the target's step, B requests at context `ctx`."""
+    from k2serve.engine.sampling_params import SamplingParams
+    from k2serve.weights.eagle3 import write_eagle3_checkpoint
+
+    print(f"## EAGLE-3 draft step, K=3, target vocabulary 163840, draft vocabulary 32000, "
+          f"context {ctx}")  # fmt: skip
+    print("| head | B | draft step ms | target step ms (with the draft) | draft / target |")
+    print("|---|---|---|---|---|")
+    path = model_dir(preset, layers)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["vocab_size"] = 163840  # K2.5's; token ids only (no tokenizer of that size here)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    for name in ("tiktoken.model", "tokenizer_config.json", "chat_template.jinja"):
+        os.remove(os.path.join(path, name))
+    try:
+        for layout in ("mla", "llama"):
+            d = os.path.join(path, f"draft-{layout}")
+            eng = None
+            try:
+                from k2serve.config import ModelConfig
+
+                write_eagle3_checkpoint(d, ModelConfig.from_hf(cfg), layout,
+                                        draft_vocab_size=32000)  # fmt: skip
+                spec = {"method": "eagle3", "model": d, "num_speculative_tokens": 3}
+                eng = make_engine(path, max(batches), spec)
+                prop = eng.drafter.eagle
+                inner = prop.propose
+                times: list[float] = []
+
+                def timed(want, sched, inner=inner, times=times):
+                    _sync()
+                    t = time.perf_counter()
+                    inner(want, sched)
+                    _sync()
+                    times.append((time.perf_counter() - t) * 1e3)
+
+                prop.propose = timed
+                for B in batches:
+                    rng = random.Random(B)
+                    params = SamplingParams(temperature=0, max_tokens=iters + 8, ignore_eos=True)
+                    for i in range(B):
+                        p = [rng.randrange(10, 2000) for _ in range(ctx)]
+                        eng.add_request(f"{layout}-{B}-{i}", p, params)
+                    while any(r.num_output_tokens == 0 for r in eng._requests.values()):
+                        eng.step()
+                    steps = []
+                    times.clear()
+                    for _ in range(iters):
+                        steps.append(_sync_time(eng.step))
+                    while eng.has_unfinished_requests():
+                        eng.step()
+                    dm, sm = statistics.median(times[2:] or times), statistics.median(steps[2:])
+                    print(f"| {layout} | {B} | {dm:.2f} | {sm:.2f} | {dm / sm:.2f} |")
+            except Exception:  # noqa: BLE001 - report, go on to the next head
+                traceback.print_exc()
+                print(f"FAIL: draft {layout}")
+            finally:
+                del eng
+                shutil.rmtree(d, ignore_errors=True)
+                _free()
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8)
@@ -483,6 +555,9 @@ def main(argv=None) -> int:
                         print("## moe: needs CUDA; skipped")
                         continue
                     moe_paths(path, args.ctx)
+                elif part == "draft":
+                    batches = [int(b) for b in args.e2e_batches.split(",")][:2]
+                    draft_steps(args.preset, args.layers, batches, args.ctx, args.iters)
                 elif part == "e2e":
                     batches = [int(b) for b in args.e2e_batches.split(",")]
                     if not e2e(path, batches, args.ctx, args.out_tokens, args.k,
