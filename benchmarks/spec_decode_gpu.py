@@ -26,8 +26,10 @@ Parts:
 - moe: one MoE layer's routed experts (its FusedMoEBackend) at T = 1..6 tokens, the per-pair
   decode GEMV (what a 2..6-token step runs: it reads an expert once per (token, expert) pair)
   against the grouped decode GEMV (each distinct expert once per block), each in a CUDA graph,
-  on this model's routing of a verify step and on "shared" routing (every token the same 8
-  experts: the most double reads); outputs checked equal first.
+  on this model's routing of a verify step, on "q=0.5" routing (each token keeps each of the
+  previous token's experts with probability 0.5: a stand-in for real routing locality) and on
+  "shared" routing (every token the same 8 experts: the most double reads); outputs checked
+  equal first.
 - e2e: decode tok/s at B = 1 and 16 with drafts whose acceptance is controlled: the drafter
   proposes the target's own greedy continuation (recorded in a run without speculation), each
   draft token kept with probability p and otherwise replaced by a wrong one, so the acceptance
@@ -129,6 +131,19 @@ def verify_costs(path: str, batches: list[int], ctx: int, iters: int) -> None:
         _free()
 
 
+def consecutive_ids(T: int, E: int, k: int, q: float, seed: int) -> torch.Tensor:
+    """[T, k] routing of consecutive tokens: each keeps each of the previous token's experts
+    with probability q, the rest uniform among the others (as cpu_moe.consecutive_routing)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randperm(E, generator=g)[:k]]
+    for _ in range(1, T):
+        keep = rows[-1][torch.rand(k, generator=g) < q]
+        taken = set(keep.tolist())
+        rest = [e for e in torch.randperm(E, generator=g).tolist() if e not in taken]
+        rows.append(torch.cat([keep, torch.tensor(rest[: k - keep.numel()])]))
+    return torch.stack(rows).long()
+
+
 def moe_paths(path: str, ctx: int) -> None:
     """Per-pair against grouped decode GEMV on one MoE layer at T = 1..6 (see the docstring)."""
     from k2serve.engine.sampling_params import SamplingParams
@@ -161,7 +176,8 @@ def moe_paths(path: str, ctx: int) -> None:
     for T in range(1, 7):
         real = routed_ids(eng, T - 1)[0]  # [T, top_k] this model's routing of a verify step
         shared = real[:1].expand(T, -1).contiguous()  # every token the same experts
-        for name, ids in (("model", real), ("shared", shared)):
+        local = consecutive_ids(T, w.num_experts, real.shape[1], 0.5, T)
+        for name, ids in (("model", real), ("q=0.5", local), ("shared", shared)):
             ids = ids.to("cuda")
             x = torch.randn(T, D, device="cuda", generator=gen).bfloat16()
             tw = torch.rand(ids.shape, device="cuda", generator=gen) / ids.shape[1]
