@@ -23,8 +23,8 @@ run() {  # run SECONDS NAME CMD...: output to $OUT/NAME.txt
   echo "(rc=$? at ${SECONDS}s)"
 }
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
-# item 5 on 14 of the 16 cores, beside the (untimed) correctness tests
-timeout 110 python3 benchmarks/cpu_moe.py --experts 384 --threads 14 --spec-verify 0,0.5 \
+# item 5 on 12 of the 16 cores, beside the (untimed) correctness tests
+timeout 110 python3 benchmarks/cpu_moe.py --experts 384 --threads 12 --spec-verify 0,0.5 \
   --iters 5 --bw-gib 2 --no-peer > "$OUT/spec_cpu_verify.txt" 2>&1 &
 cpu_pid=$!
 run 85 spec_pytest python3 -m pytest -q -p no:cacheprovider tests/engine/test_spec_decode_gpu.py \
