@@ -109,8 +109,8 @@ def peak_logits(
       permutation: the logit of succ[t] is about `top_logit`, every other about
       top_logit * N(0, 1 / sqrt(hidden)).
     Returns succ [vocab] (int64, CPU): the token that greedily follows each token."""
-    emb = model.model.embed_tokens.weight  # [V, D]
-    head = model.lm_head.weight  # [V, D]
+    emb = model.get_parameter("model.embed_tokens.weight")  # [V, D]
+    head = model.get_parameter("lm_head.weight")  # [V, D]
     if head.shape != emb.shape or head.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError("peak_logits: needs an unsharded, unquantized lm_head")
     V, D = emb.shape
