@@ -17,7 +17,8 @@ shapes). Every layer still runs at full cost with its own routing.
 Parts:
 - verify: B requests at context --ctx each; one engine step where every request carries K drafts
   (the model's own continuation: 1 + K = 2..6 new tokens each, logits at every position) against
-  the 1-token decode step of the same batch (CUDA graph replay, as served). Printed: ms, the
+  the 1-token decode step of the same batch (CUDA graph replay, as served; "graph rows": the
+  bucket a step replays, padding rows computed too). Printed: ms, the
   ratio to the 1-token step, the distinct routed experts the step hits per MoE layer (counted in
   one eager step), and the bandwidth floor ratio: bytes a K+1-token step must read over the
   bytes of the 1-token step, from the model's per-layer byte mix (attention, dense / shared
@@ -75,6 +76,15 @@ from spec_decode_common import (  # noqa: E402 - benchmarks/ is sys.path[0]
 )
 
 
+def graph_rows(eng, rows: int) -> str:
+    """The rows a step of `rows` one-token sequences replays (its graph bucket: the padding
+    rows, token 0 at position 0, are computed and routed too), or "eager"."""
+    gr = eng.runner.graph_runner
+    if gr is None or rows > gr.buckets[-1]:
+        return "eager"
+    return str(next(b for b in gr.buckets if b >= rows))
+
+
 def verify_costs(path: str, batches: list[int], ctx: int, iters: int) -> None:
     from k2serve.engine.sampling_params import SamplingParams
 
@@ -89,10 +99,10 @@ def verify_costs(path: str, batches: list[int], ctx: int, iters: int) -> None:
             print(f"byte mix (all layers): {parts}; one routed expert {mix['expert'] / 1e6:.1f} "
                   f"MB x {mix['moe_layers']} MoE layers; KV {mix['kv_row'] / 1e6:.1f} MB a "
                   "request")  # fmt: skip
-            print("| B | 1+K | ms | x 1-token graph step | distinct experts / layer (pairs) "
-                  "| floor ratio, this routing | floor ratio, uniform "
+            print("| B | 1+K | graph rows | ms | x 1-token graph step | distinct experts / "
+                  "layer (pairs) | floor ratio, this routing | floor ratio, uniform "
                   "| full K2 floor, uniform |")  # fmt: skip
-            print("|---|---|---|---|---|---|---|---|")
+            print("|---|---|---|---|---|---|---|---|---|")
         rng = random.Random(B)
         params = SamplingParams(temperature=0, max_tokens=4096 - ctx - 64, ignore_eos=True,
                                 speculative_decoding=False)  # fmt: skip
@@ -119,7 +129,8 @@ def verify_costs(path: str, batches: list[int], ctx: int, iters: int) -> None:
             full = B == 1 and eng.model.config.hidden_size == 7168  # K2 layer sizes
             k2 = f"{k2_floor(mix, k + 1):.2f}x" if full else "-"
             pairs = B * (k + 1) * mix["top_k"]
-            print(f"| {B} | {k + 1} | {t:.2f} | {t / base:.2f}x | {distinct:.1f} ({pairs}) | "
+            print(f"| {B} | {k + 1} | {graph_rows(eng, B * (k + 1))} | {t:.2f} | "
+                  f"{t / base:.2f}x | {distinct:.1f} ({pairs}) | "
                   f"{by / one:.2f}x | {uni / uni1:.2f}x | {k2} |")  # fmt: skip
         print(f"(B={B}: eager 1-token step {times[(0, True)]:.2f} ms; 1-token floor "
               f"{one / 1e9:.2f} GB; {time.perf_counter() - t0:.0f}s)")  # fmt: skip
