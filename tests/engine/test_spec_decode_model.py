@@ -190,7 +190,7 @@ def peaked_engine(path, device: str, spec=None) -> LLMEngine:
 
     eng = LLMEngine(EngineConfig(
         model=path, load_format="dummy", device=device, dtype="bfloat16", num_kv_pages=512,
-        max_model_len=1024, page_size=16, max_num_seqs=8, speculative_config=spec,
+        max_model_len=1024, page_size=16, max_num_seqs=4, speculative_config=spec,
     ))  # fmt: skip
     eng.succ = peak_logits(eng.model)
     assert eng.succ.shape == (eng.vocab_size,) and torch.equal(
