@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -89,6 +90,50 @@ def routing(T: int, E: int, k: int, g: torch.Generator):
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).long()
     w = torch.rand(T, k, generator=g) / k
     return ids, w
+
+
+def consecutive_routing(T: int, E: int, k: int, q: float, g: torch.Generator):
+    """Routing of T consecutive tokens (a verify step of 1 + K tokens): token 0 uniform; each
+    later token keeps each of the previous token's experts with probability q, the rest drawn
+    uniformly from the others (q = 0: independent tokens; real K2 routing has some locality)."""
+    rows = [torch.randperm(E, generator=g)[:k]]
+    for _ in range(1, T):
+        prev = rows[-1]
+        keep = prev[torch.rand(k, generator=g) < q]
+        rest = torch.tensor([e for e in torch.randperm(E, generator=g).tolist()
+                             if e not in set(keep.tolist())][: k - keep.numel()])  # fmt: skip
+        rows.append(torch.cat([keep, rest.long()]))
+    return torch.stack(rows).long(), torch.rand(T, k, generator=g) / k
+
+
+def spec_verify(be, E, k, per_expert, bw, g, iters, overlaps, threads) -> None:
+    """Item 5 of issue 26: a verify step of 1 + K tokens with every routed expert on the CPU
+    reads the distinct experts of K + 1 consecutive tokens: ms per layer at T = 1..6 against
+    the bytes floor (distinct experts x their size, at the measured read bandwidth)."""
+    print(f"## verify step of T = 1 + K tokens, routed experts on the CPU ({threads} threads), "
+          f"one MoE layer; floor = distinct experts x {per_expert / 1e6:.1f} MB at "
+          f"{bw:.1f} GB/s")  # fmt: skip
+    print("| overlap q | T | ms / layer | x T=1 | distinct experts | bytes x T=1 | "
+          "floor ms | ms / floor |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for q in overlaps:
+        base_t = base_n = None
+        for T in range(1, 7):
+            ts, hits = [], []
+            for i in range(iters + 1):
+                ids, w = consecutive_routing(T, E, k, q, g)
+                x = torch.randn(T, HIDDEN, generator=g).bfloat16()
+                t0 = time.perf_counter()
+                be(x, ids, w)
+                if i:  # the first call warms up
+                    ts.append(time.perf_counter() - t0)
+                    hits.append(ids.unique().numel())
+            t = statistics.median(ts)
+            n = sum(hits) / len(hits)
+            base_t, base_n = (t, n) if T == 1 else (base_t, base_n)
+            floor = n * per_expert / (bw * 1e9)
+            print(f"| {q} | {T} | {t * 1e3:.2f} | {t / base_t:.2f}x | {n:.1f} | "
+                  f"{n / base_n:.2f}x | {floor * 1e3:.2f} | {t / floor:.2f} |")  # fmt: skip
 
 
 def read_bandwidth(backend: CpuExpertBackend, gib: float, reps: int = 5) -> tuple[float, float]:
@@ -194,6 +239,12 @@ def main(argv=None) -> int:
     ap.add_argument("--no-dot", action="store_true", help="skip the dot-product path (prompts)")
     ap.add_argument("--no-forced", action="store_true", help="skip the AMX path forced on")
     ap.add_argument(
+        "--spec-verify",
+        default=None,
+        help="only the verify-step table (issue 26 item 5): T = 1..6 consecutive tokens, at "
+        "these overlaps q of consecutive tokens' experts (comma list, e.g. 0,0.5)",
+    )
+    ap.add_argument(
         "--define",
         action="append",
         default=[],
@@ -250,6 +301,10 @@ def main(argv=None) -> int:
     bw = max(bw_k, bw_t)
     print(f"# read bandwidth ({args.bw_gib} GiB buffer): kernel threads {bw_k:.1f} GB/s, "
           f"torch.sum {bw_t:.1f} GB/s; limit used = {bw:.1f} GB/s")  # fmt: skip
+    if args.spec_verify is not None:
+        qs = [float(q) for q in args.spec_verify.split(",")]
+        spec_verify(native, E, k, per_expert, bw, g, args.iters, qs, threads)
+        return 0
     peer, why = (
         (None, "skipped")
         if args.no_peer

@@ -11,6 +11,7 @@ from k2serve.engine.sampling_params import SamplingParams
 from k2serve.weights.eagle3 import write_eagle3_checkpoint
 
 from .test_spec_decode import generate
+from .test_spec_decode_model import check_peaked_identical, peaked_reference, preset_dir
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,3 +41,21 @@ def test_cuda_greedy_identical(ckpt, tmp_path, method, dtype, backend):
     got = generate(eng, ps, params, stagger=True)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     assert eng.drafter.stats.num_drafts > 0
+
+
+# ---- the peaked k2-slice in bf16 (weights.random_init.peak_logits) --------------------------
+@pytest.fixture(scope="module")
+def peaked_ref(tmp_path_factory):
+    """(model dir, prompts, params, speculation-off outputs, model config): k2-slice INT4, 2
+    layers (1 dense + 1 MoE at real K2 sizes), bf16, CUDA graphs."""
+    path = preset_dir(tmp_path_factory.mktemp("k2slice"), "k2-slice", 2)
+    return peaked_reference(path, "cuda")
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "eagle3-mla", "eagle3-llama"])
+def test_peaked_k2_slice_bf16_greedy_identical(peaked_ref, tmp_path, method):
+    """Speculative output equals speculation off token for token for every drafter
+    (model-free drafts accepted here, the random EAGLE-3 heads' drafts mostly rejected)."""
+    eng = check_peaked_identical(peaked_ref, tmp_path, method, "cuda")
+    # K=3: one request's 1 + k rows (k = 0..3) each replay their own graph, no padding row
+    assert {1, 2, 3, 4} <= set(eng.runner.graph_runner.buckets)

@@ -158,3 +158,107 @@ def test_demo_eagle3_draft_is_accepted(demo):
     st = eng.drafter.stats
     assert st.mean_acceptance_length > 1.5, st
     assert st.num_accepted_tokens_per_pos[0] > st.num_drafts / 2, st
+
+
+# ---- a peaked dummy model in bf16 (weights.random_init.peak_logits) -------------------------
+def preset_dir(path, preset: str, layers: int) -> str:
+    """An INT4 `preset` config of `layers` layers with the demo's tokenizer (vocab 2048), for
+    load_format="dummy"."""
+    import json
+    import os
+    import shutil
+
+    from k2serve.weights.presets import preset_config
+
+    demo = os.path.join(os.path.dirname(__file__), "../../src/k2serve/demo/kimi-k2-demo")
+    cfg = preset_config(preset, "int4", layers=layers)
+    with open(os.path.join(demo, "config.json")) as f:
+        d = json.load(f)
+    cfg.update({k: d[k] for k in ("vocab_size", "bos_token_id", "eos_token_id")})
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    for name in ("tiktoken.model", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(os.path.join(demo, name), path)
+    return str(path)
+
+
+def peaked_engine(path, device: str, spec=None) -> LLMEngine:
+    import torch
+
+    from k2serve.weights.random_init import peak_logits
+
+    eng = LLMEngine(EngineConfig(
+        model=path, load_format="dummy", device=device, dtype="bfloat16", num_kv_pages=512,
+        max_model_len=1024, page_size=16, max_num_seqs=4, speculative_config=spec,
+    ))  # fmt: skip
+    eng.succ = peak_logits(eng.model)
+    assert eng.succ.shape == (eng.vocab_size,) and torch.equal(
+        eng.succ.sort().values, torch.arange(eng.vocab_size)
+    )  # a permutation: a chain with no dead end
+    return eng
+
+
+def peaked_reference(path, device: str, max_tokens: int = 64):
+    """(path, prompts, params, speculation-off outputs, model config). Prompts: a stretch of
+    the model's successor chain, noise, then the stretch's first tokens (so n-gram and suffix
+    drafts from the prompt are the right continuation), and one of noise only."""
+    import gc
+
+    import torch
+
+    off = peaked_engine(path, device)
+    succ = off.succ
+    g = torch.Generator().manual_seed(0)
+    ps = []
+    for n in (5, 40, 200):
+        chain = [int(torch.randint(10, 2000, (1,), generator=g))]
+        for _ in range(30):
+            chain.append(int(succ[chain[-1]]))
+        ps.append(chain + torch.randint(10, 2000, (n,), generator=g).tolist() + chain[:4])
+    ps.append(torch.randint(10, 2000, (17,), generator=g).tolist())
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in generate(off, ps, params)]
+    for out in ref:  # the peaked model follows its chain (a margin bf16 cannot flip)
+        assert all(b == int(succ[a]) for a, b in zip(out, out[1:], strict=False))
+    cfg = off.model_config
+    del off
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return path, ps, params, ref, cfg
+
+
+def check_peaked_identical(ref_tuple, tmp_path, method: str, device: str) -> LLMEngine:
+    """Speculative greedy output equals `ref_tuple`'s speculation-off output; the engine."""
+    from k2serve.weights.eagle3 import write_eagle3_checkpoint
+
+    path, ps, params, ref, cfg = ref_tuple
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "ngram":
+        spec.update(prompt_lookup_min=2, prompt_lookup_max=4)
+    if method.startswith("eagle3"):
+        d = str(tmp_path / method)
+        write_eagle3_checkpoint(d, cfg, method.split("-")[1], draft_vocab_size=700)
+        spec = {"method": "eagle3", "model": d, "num_speculative_tokens": 3}
+    eng = peaked_engine(path, device, spec)
+    got = generate(eng, ps, params, stagger=True)
+    assert [o.outputs[0].token_ids for o in got] == ref
+    st = eng.drafter.stats
+    assert st.num_drafts > 0
+    if not method.startswith("eagle3"):  # the chain in the prompt is drafted and accepted
+        assert st.mean_acceptance_length > 1.5
+    eng.check_integrity()
+    assert eng.kv.pool.num_used_pages == 0
+    return eng
+
+
+@pytest.fixture(scope="module")
+def peaked_tiny(tmp_path_factory):
+    return peaked_reference(preset_dir(tmp_path_factory.mktemp("tiny"), "tiny", 2), "cpu")
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "eagle3-mla"])
+def test_peaked_tiny_bf16_greedy_identical(peaked_tiny, tmp_path, method):
+    """The same check as the GPU test on the k2-slice, on the tiny preset in bf16 on the CPU."""
+    check_peaked_identical(peaked_tiny, tmp_path, method, "cpu")

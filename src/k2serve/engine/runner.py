@@ -233,9 +233,13 @@ class ModelRunner(BatchBuilder):
 
         max_seqs = spec.max_num_seqs
         draft = spec.drafter  # spec_decode.SpeculativeConfig or None
+        exact: tuple[int, ...] = ()
         if draft is not None:  # verify steps replay graphs too
             max_seqs = min(max_seqs * (1 + draft.num_speculative_tokens), DEFAULT_BUCKETS[-1])
-        buckets = tuple(b for b in DEFAULT_BUCKETS if b <= max_seqs) or (1,)
+            # one request's 1 + k rows (k <= K drafts) each with its own graph: a padding row
+            # would be computed and routed (up to top-k more experts read a MoE layer)
+            exact = tuple(range(1, min(max_seqs, 1 + draft.num_speculative_tokens) + 1))
+        buckets = tuple(sorted({b for b in DEFAULT_BUCKETS if b <= max_seqs} | set(exact))) or (1,)
         if max_seqs <= DEFAULT_BUCKETS[-1] and buckets[-1] < max_seqs:
             buckets += (max_seqs,)
         runner = DecodeGraphRunner(self.model, self.kv_caches, spec.max_pages_per_seq, buckets)

@@ -93,3 +93,35 @@ def random_tensors(
             else:
                 t = _randn(p.shape, g, device, std=WEIGHT_STD, dtype=p.dtype)
             yield name, t.to(p.dtype)
+
+
+def peak_logits(
+    model: nn.Module, seed: int = 0, embed_scale: float = 64.0, top_logit: float = 32.0
+) -> torch.Tensor:
+    """Make a random model's greedy next token a fixed function of the current token, decided by
+    a margin far above bf16 rounding (a "peaked" dummy model, for benchmarks and exactness tests
+    of speculative decoding: dummy weights' near-uniform logits otherwise flip near-ties between
+    batch shapes). In place, on a loaded `DeepseekV3ForCausalLM` (single process):
+    - the embedding is scaled by `embed_scale`, so the residual stream stays dominated by the
+      current token's embedding (each layer still sees RMS-normalised input: full cost, its own
+      routing);
+    - lm_head row j = (top_logit / sqrt(hidden)) * unit(embedding row pred[j]), pred a random
+      permutation: the logit of succ[t] is about `top_logit`, every other about
+      top_logit * N(0, 1 / sqrt(hidden)).
+    Returns succ [vocab] (int64, CPU): the token that greedily follows each token."""
+    emb = model.get_parameter("model.embed_tokens.weight")  # [V, D]
+    head = model.get_parameter("lm_head.weight")  # [V, D]
+    if head.shape != emb.shape or head.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError("peak_logits: needs an unsharded, unquantized lm_head")
+    V, D = emb.shape
+    g = torch.Generator().manual_seed(seed)
+    pred = torch.randperm(V, generator=g)  # [V]: token j follows token pred[j]
+    with torch.no_grad():
+        emb.mul_(embed_scale)
+        for i in range(0, V, 8192):  # rows in chunks: no [V, D] float32 copy
+            rows = emb[pred[i : i + 8192].to(emb.device)].float()  # [n, D]
+            unit = rows / rows.norm(dim=-1, keepdim=True)
+            head[i : i + 8192].copy_(unit * (top_logit / D**0.5))
+    succ = torch.empty_like(pred)
+    succ[pred] = torch.arange(V)
+    return succ
