@@ -111,3 +111,52 @@ def test_config_and_support_checks():
     assert wm.supported(ew)
     ew.group_size = 128
     assert not wm.supported(ew)
+
+
+def test_policy_resolves_the_prompt_precision():
+    import argparse
+    from dataclasses import replace
+
+    from k2serve.engine.config import EngineConfig
+    from k2serve.kernels.policy import FP8_PREFILL_MIN_TOKENS, KernelPolicy
+
+    on = KernelPolicy(triton=True)
+    assert replace(on, moe_prefill_precision="bf16").moe_prefill_fp8_min_tokens() == {
+        "fp8": None, "int4": None}  # fmt: skip
+    fp8 = replace(on, moe_prefill_precision="fp8").moe_prefill_fp8_min_tokens()
+    assert fp8 == {"fp8": FP8_PREFILL_MIN_TOKENS, "int4": FP8_PREFILL_MIN_TOKENS}
+    forced = replace(on, moe_prefill_precision="fp8", moe_prefill_min_tokens=0)
+    assert forced.moe_kwargs()["w8a8_min_tokens"] == {"fp8": 0, "int4": 0}
+    # auto follows the device table (null there: never); no Triton: never
+    table = on.tables.moe_prefill_fp8_min_tokens
+    auto = replace(on, moe_prefill_precision="auto").moe_prefill_fp8_min_tokens()
+    assert auto == {q: table.get(q) for q in ("fp8", "int4")}
+    assert KernelPolicy(moe_prefill_precision="fp8").moe_prefill_fp8_min_tokens()["fp8"] is None
+    with pytest.raises(ValueError, match="moe_prefill_precision"):
+        KernelPolicy.for_device("cpu", moe_prefill_precision="int8")
+    with pytest.raises(ValueError, match="moe_prefill_precision"):
+        EngineConfig(moe_prefill_precision="fp16")
+    ap = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(ap)
+    args = ap.parse_args(["--moe-prefill-precision", "fp8"])
+    assert EngineConfig.from_cli_args(args).moe_prefill_precision == "fp8"
+
+
+@pytest.mark.parametrize("quant", ["fp8", "int4"])
+def test_backend_runs_fp8_activations_from_the_threshold(quant):
+    from k2serve.moe.fused_moe import FusedMoEBackend
+
+    ew = _experts(quant, seed=5)
+    be = FusedMoEBackend(ew, w8a8_min_tokens={quant: 8})
+    assert be.w8a8_min_tokens == 8
+    assert FusedMoEBackend(ew, w8a8_min_tokens={"bf16": 8}).w8a8_min_tokens is None
+    ids, w = _routing(8, 2, ew.num_experts, seed=6)
+    x = torch.randn(8, ew.hidden, generator=torch.Generator().manual_seed(7))
+    x = x.to(torch.bfloat16).to(DEVICE)
+    out = be(x, ids, w)
+    torch.testing.assert_close(out, wm.w8a8_moe(x, ew, w, ids), rtol=0, atol=0)
+    small = be(x[:7], ids[:7], w[:7])  # below the threshold: the bf16-activation path
+    gold = fm.fused_moe_ref(x[:7].float(), ew, w[:7], ids[:7])
+    assert rel(small, gold) < 0.015 < rel(out[:7], gold)
+    with pytest.raises(ValueError, match="w8a8_min_tokens"):
+        FusedMoEBackend(ew, w8a8_min_tokens={quant: -1})
