@@ -156,7 +156,7 @@ def check_oracle(ew):
         FAILS.append(f"{ew.quant} oracle")
 
 
-def bench_format(fmt, tokens, lim, sweep):
+def bench_format(fmt, tokens, lim, sweep, paths=True):
     from dataclasses import replace
 
     from k2serve.kernels import w8a8_moe as wm
@@ -175,10 +175,10 @@ def bench_format(fmt, tokens, lim, sweep):
     if fp8_path.w8a8_min_tokens != 0 or bf16_path.w8a8_min_tokens is not None:
         FAILS.append(f"{fmt}: the policy did not select the paths")
         log(f"FAIL {fmt}: w8a8_min_tokens {fp8_path.w8a8_min_tokens} / {bf16_path.w8a8_min_tokens}")
-    pw = bf16_weights(ew) if fmt == "fp8" else None
+    pw = bf16_weights(ew) if fmt == "fp8" and paths else None
     hdr = "| format | T | path | ms | TFLOP/s | % bf16 matmul | % fp8 matmul | rel err | max err |"
     rows = [hdr, "|---|---|---|---|---|---|---|---|---|"]
-    for T in tokens:
+    for T in tokens if paths else ():
         x, tw, ids = inputs(T, T)
         fl = 2 * 3 * D * I * T * K
         ref = fused_moe_ref(x.float(), ew, tw, ids)  # unquantized activations, float32
@@ -231,6 +231,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="2048,8192")
     ap.add_argument("--formats", default="fp8,int4")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--no-paths", action="store_true", help="with --sweep: only the sweep")
     ap.add_argument("--out", default=None, help="also write the output lines to this file")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU (TRITON_INTERPRET=1): 8 experts of 256 x 256, the code paths only")  # fmt: skip
@@ -248,7 +249,9 @@ def main(argv=None) -> int:
     rows = []
     for fmt in args.formats.split(","):
         try:
-            rows += bench_format(fmt, tokens, lim, args.sweep)[0 if not rows else 2 :]
+            rows += bench_format(fmt, tokens, lim, args.sweep, not args.no_paths)[
+                0 if not rows else 2 :
+            ]
         except Exception as ex:  # noqa: BLE001 - the next format still runs
             log(f"{fmt}: {type(ex).__name__}: {str(ex)[:300]}")
             FAILS.append(fmt)
