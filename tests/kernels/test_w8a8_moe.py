@@ -139,7 +139,13 @@ def test_policy_resolves_the_prompt_precision():
     ap = argparse.ArgumentParser()
     EngineConfig.add_cli_args(ap)
     args = ap.parse_args(["--moe-prefill-precision", "fp8"])
-    assert EngineConfig.from_cli_args(args).moe_prefill_precision == "fp8"
+    cfg = EngineConfig.from_cli_args(args)
+    assert cfg.moe_prefill_precision == "fp8"
+    # the engine's setup hands it to the policy the backends get (decision 14: resolved once)
+    from k2serve.engine.setup import choose_backends
+
+    choice = choose_backends(cfg, torch.device("cpu"), torch.bfloat16, sharded=False)
+    assert choice.policy.moe_prefill_precision == "fp8"
 
 
 @pytest.mark.parametrize("quant", ["fp8", "int4"])

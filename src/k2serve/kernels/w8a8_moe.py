@@ -164,7 +164,7 @@ if HAS_TRITON:
 
 # One config for prompts (many rows per expert). w13's BLOCK_N is 128 (the epilogue quantizes
 # whole 128-column groups); BLOCK_K is 128 for FP8-block weights, 32 for INT4 (one group scale
-# per K step). benchmarks/fp8_moe.py --parts prefill times the alternatives.
+# per K step). benchmarks/w8a8_moe.py --sweep times alternatives.
 PREFILL_CONFIG: Mapping[str, Any] = {
     "BLOCK_M": 64,
     "w13": {"BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
