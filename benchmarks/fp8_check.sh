@@ -32,9 +32,9 @@ step() {  # step NAME SECONDS CMD...: capped by what is left of LIMIT; output in
   echo "(rc=$? at ${SECONDS}s)"
 }
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
-step mla_tiles 45 python3 benchmarks/mla_fp8_tiles_check.py --seeds 0,1
+step mla_tiles 40 python3 benchmarks/mla_fp8_tiles_check.py --seeds 0,1
 grep -E "^\||verdict|deterministic|Error|Traceback" "$OUT/fp8_mla_tiles.txt" | tail -12
-step fidelity 70 python3 benchmarks/fidelity.py --formats int4,fp8 --batches 1 \
+step fidelity 75 python3 benchmarks/fidelity.py --formats int4,fp8 --batches 1 \
   --variants "MLA tile,fp8 prompts" --mla-fp8-tiles 32x5,64x3 --fp8-prompts --seeds 0,1
 grep -E "MLA tile|fp8 prompts|failed|Error|Traceback" "$OUT/fp8_fidelity.txt" | cut -c1-170 | tail -26
 step w8a8 95 python3 benchmarks/w8a8_moe.py --tokens 2048,8192 --formats fp8,int4

@@ -64,7 +64,7 @@ def test_quant_groups_matches_torch_cast():
     if DEVICE == "cpu":  # the same fp32 division: identical values
         assert torch.equal(q.float(), q_ref.float())  # (-0 and +0 may differ)
     else:  # the GPU's approximate division may move a tie by one e4m3 step
-        assert (q.float() - q_ref.float()).abs().le(q_ref.float().abs() / 8 + 1e-3).all()
+        assert (q.float() - q_ref.float()).abs().le(q_ref.float().abs() / 8 + 2e-3).all()
     deq = (q.float().view(37, 3, 128) * s[..., None]).view(37, 384)
     assert rel(deq, x) < 0.05
 
