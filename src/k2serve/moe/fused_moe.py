@@ -159,10 +159,10 @@ class FusedMoEBackend(ExpertBackend):
         if self.fp8_impl in ("auto", "gemm"):
             check_table(self.fp8_table)  # a bad table fails at setup, not in the first step
         # steps of at least this many tokens: FP8 activations (None: never)
-        n = (w8a8_min_tokens or {}).get(w.quant) if w8a8_supported(w) else None
-        if n is not None and (not isinstance(n, int) or n < 0):
-            raise ValueError(f"w8a8_min_tokens[{w.quant!r}]={n!r}: use an int >= 0 or None")
-        self.w8a8_min_tokens = n
+        m = (w8a8_min_tokens or {}).get(w.quant) if w8a8_supported(w) else None
+        if m is not None and (not isinstance(m, int) or m < 0):
+            raise ValueError(f"w8a8_min_tokens[{w.quant!r}]={m!r}: use an int >= 0 or None")
+        self.w8a8_min_tokens = m
 
     def fp8_uses_gemm(self, num_pairs: int) -> bool:
         """Whether `num_pairs` (token, expert) pairs of fp8 experts run kernels/fp8_moe.py's
