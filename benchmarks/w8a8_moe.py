@@ -15,6 +15,9 @@ One K2 MoE layer: E=384, D=7168, I=2048, top-8, uniform random routing; FLOPs = 
   FusedMoEBackend runs with --moe-prefill-precision bf16: fp8_moe / int4_moe_gemm /
   dequant + grouped_mm), the fp8 path and the peer (FP8-block only: its bf16 weights are the
   dequantized fp8 ones, 34 GB);
+- split (FP8-block): each path's two GEMMs timed apart at the largest T (what FP8 for the down
+  GEMM alone would give: only the intermediate in e4m3, which fits the fidelity budget on the
+  tiny model where both inputs in e4m3 do not; benchmarks/RESULTS.md);
 - --sweep: a few launch configs of the fp8 path at the largest T.
 Exit status 1 if a check fails.
 """
@@ -156,6 +159,45 @@ def check_oracle(ew):
         FAILS.append(f"{ew.quant} oracle")
 
 
+def split_times(ew, T):
+    """The two GEMMs apart at T tokens (FP8-block experts): what FP8 for the down GEMM alone
+    (the intermediate in e4m3, the experts' input in bf16) would save."""
+    from k2serve.kernels import fp8_moe as f8
+    from k2serve.kernels import w8a8_moe as wm
+    from k2serve.kernels.moe_align import moe_align_block_size
+
+    x, tw, ids = inputs(T, T)
+    M = T * K
+    twf = tw.reshape(-1).float().contiguous()
+    cfg = f8.pick_config(M)
+    al = moe_align_block_size(ids, E, cfg["BLOCK_M"])
+    inter = torch.randn(M, I, device=DEV, dtype=torch.bfloat16)
+    out = torch.empty(M, D, device=DEV, dtype=torch.bfloat16)
+    t13 = timed(lambda: f8._gemm(x, ew.w13, ew.w13_scale, inter, twf, *al, I, D, M, K, True,
+                                 False, cfg["BLOCK_M"], cfg["w13"], up_s_row=I // 128), iters=5)  # fmt: skip
+    t2 = timed(lambda: f8._gemm(inter, ew.w2, ew.w2_scale, out, twf, *al, D, I, M, 1, False, True,
+                                cfg["BLOCK_M"], cfg["w2"]), iters=5)  # fmt: skip
+    wc = wm.PREFILL_CONFIG
+    al8 = moe_align_block_size(ids, E, wc["BLOCK_M"])
+    h8 = torch.empty(M, I, device=DEV, dtype=torch.float8_e4m3fn)
+    hs = torch.empty(M, I // 128, device=DEV, dtype=torch.float32)
+
+    def gate_up8():
+        x8, xs = wm.quant_fp8_groups(x)
+        wm._gemm(x8, xs, ew.w13, ew.w13_scale, h8, hs, twf, *al8, I, D, M, K, True, False,
+                 False, wc["BLOCK_M"], wc["w13"], up_off=I, up_s_off=I // 128)  # fmt: skip
+
+    def down8():
+        q, s = wm.quant_fp8_groups(inter)
+        wm._gemm(q, s, ew.w2, ew.w2_scale, out, None, twf, *al8, D, I, M, 1, False, True, False,
+                 wc["BLOCK_M"], wc["w2"])  # fmt: skip
+
+    g8, d8 = timed(gate_up8, iters=5), timed(down8, iters=5)
+    log(f"split T={T}: bf16-activation kernels gate+up {t13:.3f} ms, down {t2:.3f} ms; FP8 "
+        f"gate+up (with x's quantization) {g8:.3f} ms, down (with h's) {d8:.3f} ms; FP8 down "
+        f"alone: {t13 + t2:.3f} -> {t13 + d8:.3f} ms")  # fmt: skip
+
+
 def bench_format(fmt, tokens, lim, sweep, paths=True):
     from dataclasses import replace
 
@@ -206,6 +248,11 @@ def bench_format(fmt, tokens, lim, sweep, paths=True):
             if b and f:
                 log(f"{fmt} T={T}: fp8 activations' error / the bf16 path's = {f / b:.1f}x")
         del ref
+    if paths and fmt == "fp8":
+        try:
+            split_times(ew, tokens[-1])
+        except Exception as ex:  # noqa: BLE001 - the table above stays
+            log(f"split: {type(ex).__name__}: {str(ex)[:300]}")
     if sweep and fmt == "fp8":
         T = tokens[-1]
         x, tw, ids = inputs(T, T)
