@@ -38,7 +38,7 @@ step fidelity 75 python3 benchmarks/fidelity.py --formats int4,fp8 --batches 1 \
   --variants "MLA tile,fp8 prompts" --mla-fp8-tiles 32x5,64x3 --fp8-prompts --seeds 0,1
 grep -E "MLA tile|fp8 prompts|failed|Error|Traceback" "$OUT/fp8_fidelity.txt" | cut -c1-170 | tail -26
 step w8a8 95 python3 benchmarks/w8a8_moe.py --tokens 2048,8192 --formats fp8,int4
-grep -E "limits|check|error /|split|FAIL|Error|Traceback|done" "$OUT/fp8_w8a8.txt" | cut -c1-200 | tail -12
+grep -E "limits|check|error /|split|FAIL|Error|Traceback|done" "$OUT/fp8_w8a8.txt" | cut -c1-330 | tail -12
 grep -E "^\|" "$OUT/fp8_w8a8.txt" | tail -12
 step sweep 60 python3 benchmarks/w8a8_moe.py --tokens 8192 --formats fp8 --sweep --no-paths
 grep -E "sweep|Error" "$OUT/fp8_sweep.txt" | cut -c1-220 | tail -6
