@@ -76,6 +76,28 @@ def parallel_checks(args, device: str, batches) -> list[str]:
     return fails
 
 
+def extra_variants(args, fmt: str, device: str) -> list:
+    """--mla-fp8-tiles / --fp8-prompts: fused variants with an explicit kernel policy."""
+    from dataclasses import replace
+
+    from k2serve.kernels.policy import FrozenMap, KernelPolicy
+    from k2serve.testing.fidelity import policy_variant
+
+    base = KernelPolicy.for_device(device)
+    out = []
+    for tile in filter(None, args.mla_fp8_tiles.split(",")):
+        keys, stages = (int(v) for v in tile.split("x"))
+        t = base.tables
+        fp8_tile = dict(t.mla_decode.get("fp8", {}), block_n=keys, num_stages=stages)
+        tables = replace(t, mla_decode=FrozenMap(dict(t.mla_decode, fp8=FrozenMap(fp8_tile))))
+        out.append(policy_variant(f"fused, fp8 KV cache, MLA tile {tile}",
+                                  replace(base, tables=tables), torch.float8_e4m3fn))  # fmt: skip
+    if args.fp8_prompts and fmt in ("fp8", "int4"):
+        pol = replace(base, moe_prefill_precision="fp8", moe_prefill_min_tokens=0)
+        out.append(policy_variant("fused, fp8 prompts (FP8 activations)", pol))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--formats", default="bf16,fp8,int4")
@@ -88,6 +110,24 @@ def main(argv=None) -> int:
                     help="also TP=N and TP=N + EP against TP=1, layer by layer (N GPUs; over "
                          "gloo on the CPU with --cpu)")  # fmt: skip
     ap.add_argument("--cpu", action="store_true", help="run on the CPU even with CUDA")
+    ap.add_argument(
+        "--variants",
+        default=None,
+        help="comma-separated substrings: only the variants whose name has one",
+    )
+    ap.add_argument(
+        "--mla-fp8-tiles",
+        default="",
+        help="also the fp8 KV cache variant with these MLA decode tiles, e.g. "
+        "64x3,32x5 (keys x stages)",
+    )
+    ap.add_argument(
+        "--fp8-prompts",
+        action="store_true",
+        help="also the variant with --moe-prefill-precision fp8 from 0 tokens "
+        "(FP8 activations in every step; FP8-block and INT4 experts)",
+    )
+    ap.add_argument("--seeds", default="0", help="batch seeds (token ids and cached KV values)")
     args = ap.parse_args(argv)
     from k2serve.testing.fidelity import (
         check_model,
@@ -101,14 +141,24 @@ def main(argv=None) -> int:
     print(f"device {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, "
           f"torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}")  # fmt: skip
     fails = router_checks(device)
-    batches = [decode_batch(int(b), args.context) for b in args.batches.split(",")]
-    batches.append(prefix_prefill_batch())
+    batches = []
+    for seed in (int(x) for x in args.seeds.split(",")):
+        bs = [decode_batch(int(b), args.context) for b in args.batches.split(",")]
+        bs.append(prefix_prefill_batch())
+        for b in bs:
+            b.seed = seed
+            b.name += f" seed {seed}" if seed else ""
+        batches += bs
     for fmt in args.formats.split(","):
         t = time.time()
         model = build(fmt, args.layers, args.experts, args.tiny, device)
         print(f"{fmt}: {args.layers} layers, {model.config.n_routed_experts} experts/layer, "
               f"loaded in {time.time() - t:.0f}s")  # fmt: skip
         variants = gpu_variants(model) if device == "cuda" else []
+        variants += extra_variants(args, fmt, device)
+        if args.variants:
+            keep = args.variants.split(",")
+            variants = [v for v in variants if any(k in v.name for k in keep)]
         res = check_model(model, variants, batches, reference=reference_setup)
         fails += [f"{fmt}: {r.name}" for r in res if not r.ok]
         del model

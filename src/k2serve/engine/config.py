@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
+from k2serve.kernels.policy import check_moe_prefill_precision
 from k2serve.memory import check_kv_cache_dtype
 
 _HELP = {
@@ -40,6 +41,10 @@ _HELP = {
     "tokens; read by the Triton attention kernel on NVIDIA sm_80+, else the torch backend)",
     "attention_backend": "auto (Triton on CUDA, torch on CPU), torch, triton",
     "moe_backend": "auto (fused Triton MoE on CUDA, torch on CPU), torch, triton",
+    "moe_prefill_precision": "activations of the routed-expert GEMMs of prompts: bf16, fp8 "
+    "(FP8 tensor cores, activations quantized per token and 128 columns as DeepSeek-V3 / vLLM "
+    "W8A8 block; FP8-block and INT4 checkpoints, CUDA), auto (fp8 only where this device's "
+    "kernel table says it is faster and within the fidelity budget, else bf16)",
     "enforce_eager": "never capture CUDA graphs (decode steps run eagerly), as vLLM",
     "num_gpu_experts": "routed experts per MoE layer kept on the GPU, the rest in host memory "
     "computed on the CPU (default: all on the GPU; `k2serve plan` prints a value)",
@@ -171,6 +176,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"
     moe_backend: str = "auto"
+    moe_prefill_precision: str = "auto"
     enforce_eager: bool = False
     num_gpu_experts: int | None = None
     expert_placement_file: str | None = None
@@ -270,6 +276,7 @@ class EngineConfig:
         for name in ("attention_backend", "moe_backend"):
             if getattr(self, name) not in ("auto", "torch", "triton"):
                 raise ValueError(f"{name}={getattr(self, name)!r} is not auto, torch or triton")
+        check_moe_prefill_precision(self.moe_prefill_precision)
         positive("expert_placement_interval")
         for name in ("kv_offloading_size", "swap_space"):  # K2 host KV tier
             v = getattr(self, name)

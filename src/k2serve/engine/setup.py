@@ -240,7 +240,7 @@ def choose_backends(
         attention=cfg.attention_backend,
         moe=cfg.moe_backend,
         kv_cache_dtype=kv_cache_dtype,
-        policy=KernelPolicy.for_device(device),
+        policy=KernelPolicy.for_device(device, moe_prefill_precision=cfg.moe_prefill_precision),
         sharded=sharded,
     )
 

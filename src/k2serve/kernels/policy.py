@@ -33,6 +33,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 DEFAULT_KIND = "h200"
+MOE_PREFILL_PRECISIONS = ("auto", "bf16", "fp8")
+FP8_PREFILL_MIN_TOKENS = 512  # `--moe-prefill-precision fp8` on a table without a threshold
 Shape = tuple[int, int]  # (N, K) of a weight [N, K]
 
 
@@ -99,6 +101,12 @@ class KernelTables:
     int4_decode_grouped: Mapping[str, Any] = field(default_factory=lambda: FrozenMap({}))
     int4_decode_grouped_min_pairs: int | None = None
     int4_decode_grouped_max_pairs: int | None = None
+    # prompts on FP8 tensor cores (w8a8_moe.py): the fewest tokens of a step from which
+    # `--moe-prefill-precision auto` runs them, per expert format ("fp8" FP8-block, "int4"
+    # group 32); null or absent: never (not measured faster and within the fidelity budget)
+    moe_prefill_fp8_min_tokens: Mapping[str, int | None] = field(
+        default_factory=lambda: FrozenMap({})
+    )
 
     @classmethod
     def from_json(cls, kind: str, data: Mapping[str, Any]) -> KernelTables:
@@ -129,9 +137,23 @@ class KernelTables:
                 int4_decode_grouped=_frozen(data.get("int4_decode_grouped", {})),
                 int4_decode_grouped_min_pairs=_opt_int(data, "int4_decode_grouped_min_pairs"),
                 int4_decode_grouped_max_pairs=_opt_int(data, "int4_decode_grouped_max_pairs"),
+                moe_prefill_fp8_min_tokens=FrozenMap(
+                    {
+                        q: _opt_int(data.get("moe_prefill_fp8_min_tokens", {}), q)
+                        for q in ("fp8", "int4")
+                    }
+                ),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"kernel table {kind!r} is malformed: {e!r}") from None
+
+
+def check_moe_prefill_precision(value: str) -> str:
+    if value not in MOE_PREFILL_PRECISIONS:
+        raise ValueError(
+            f"moe_prefill_precision={value!r} is not one of {', '.join(MOE_PREFILL_PRECISIONS)}"
+        )
+    return value
 
 
 def triton_usable(device: torch.device | str) -> bool:
@@ -188,6 +210,11 @@ class KernelPolicy:
     int4_asm: bool = True  # inline-PTX INT4 dequant (where it compiles)
     int4_prefill_impl: str = "auto"  # FusedMoEBackend's prefill_impl (benchmarks compare them)
     fp8_moe_impl: str = "auto"  # FusedMoEBackend's fp8_impl: "auto", "gemm" or "kernel"
+    # routed experts of prompts on FP8 tensor cores (FP8 activations, w8a8_moe.py): "bf16"
+    # never, "fp8" from `moe_prefill_min_tokens` tokens (None: the table's, else
+    # FP8_PREFILL_MIN_TOKENS), "auto" where the table has a threshold for the expert format
+    moe_prefill_precision: str = "bf16"
+    moe_prefill_min_tokens: int | None = None
     tables: KernelTables = field(default_factory=load_tables)
 
     @classmethod
@@ -202,10 +229,12 @@ class KernelPolicy:
         shared_stream: bool | None = None,
         int4_asm: bool | None = None,
         kind: str | None = None,
+        moe_prefill_precision: str = "auto",
     ) -> KernelPolicy:
         """The engine's policy on `device`: every fusion that the device supports. None for
         `shared_stream` / `int4_asm` = the K2SERVE_SHARED_STREAM / K2SERVE_INT4_ASM variables;
-        `kind` overrides the device kind whose tables are used."""
+        `kind` overrides the device kind whose tables are used; `moe_prefill_precision` is
+        EngineConfig's (auto, bf16, fp8)."""
         from k2serve import envs
 
         device = torch.device(device)
@@ -225,6 +254,7 @@ class KernelPolicy:
             fp8_gemm=ok,
             shared_stream=cuda and side,
             int4_asm=envs.int4_asm() if int4_asm is None else int4_asm,
+            moe_prefill_precision=check_moe_prefill_precision(moe_prefill_precision),
             tables=tables,
         )
 
@@ -249,6 +279,22 @@ class KernelPolicy:
         cfg.update(t.get("fp8" if fp8 else "bf16", {}))
         return cfg
 
+    def moe_prefill_fp8_min_tokens(self) -> dict[str, int | None]:
+        """Per expert format ("fp8", "int4"): the fewest tokens of a step whose routed experts
+        run with FP8 activations, or None (never), from `moe_prefill_precision`."""
+        out: dict[str, int | None] = {}
+        for q in ("fp8", "int4"):
+            table = self.tables.moe_prefill_fp8_min_tokens.get(q)
+            if not self.triton or self.moe_prefill_precision == "bf16":
+                out[q] = None
+            elif self.moe_prefill_precision == "fp8":
+                n = self.moe_prefill_min_tokens
+                out[q] = n if n is not None else (table if table is not None else
+                                                  FP8_PREFILL_MIN_TOKENS)  # fmt: skip
+            else:
+                out[q] = table
+        return out
+
     def moe_kwargs(self) -> dict[str, Any]:
         """FusedMoEBackend's keyword arguments from this policy."""
         t = self.tables
@@ -265,4 +311,5 @@ class KernelPolicy:
             fp8_impl=self.fp8_moe_impl,
             fp8_table=t.fp8_moe,
             fp8_generic_max_pairs=t.fp8_moe_generic_max_pairs,
+            w8a8_min_tokens=self.moe_prefill_fp8_min_tokens(),
         )

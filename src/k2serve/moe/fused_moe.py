@@ -23,6 +23,9 @@ and small batches: one H100, benchmarks/RESULTS.md), and kernels/fp8_moe.py's gr
 tiles converted in registers, configs by pair count from `fp8_table`) above; "gemm" the grouped
 GEMMs always, "kernel" the generic kernel always (benchmarks compare them). The limits and
 launch configs come from the kernel policy (`KernelPolicy.moe_kwargs()`).
+Prompts on FP8 tensor cores (`w8a8_min_tokens`, from `--moe-prefill-precision`): steps of at
+least that many tokens run kernels/w8a8_moe.py (FP8 activations per token and 128 columns) for
+FP8-block and INT4 group-32 experts, ahead of every path above.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from k2serve.kernels.fused_moe import ExpertWeights, fused_moe
 from k2serve.kernels.int4_gemm import int4_moe_gemm, int4_moe_grouped_mm
 from k2serve.kernels.int4_gemv import int4_moe_decode, int4_moe_decode_grouped
 from k2serve.kernels.policy import load_tables
+from k2serve.kernels.w8a8_moe import supported as w8a8_supported
+from k2serve.kernels.w8a8_moe import w8a8_moe
 from k2serve.moe.base import ExpertBackend
 
 # linear scheme -> (quant name, weight attr, scale attr)
@@ -101,6 +106,7 @@ class FusedMoEBackend(ExpertBackend):
         fp8_impl: str = "auto",
         fp8_table: Sequence[Mapping[str, Any]] | None = None,
         fp8_generic_max_pairs: int | None = None,
+        w8a8_min_tokens: Mapping[str, int | None] | None = None,
     ) -> None:
         """None limits / configs: the default device kind's tuned tables (kernels/configs)."""
         if int4_impl not in ("auto", "planes", "legacy"):
@@ -152,6 +158,11 @@ class FusedMoEBackend(ExpertBackend):
             raise ValueError(f"fp8_generic_max_pairs={n!r}: use an int >= 0")
         if self.fp8_impl in ("auto", "gemm"):
             check_table(self.fp8_table)  # a bad table fails at setup, not in the first step
+        # steps of at least this many tokens: FP8 activations (None: never)
+        m = (w8a8_min_tokens or {}).get(w.quant) if w8a8_supported(w) else None
+        if m is not None and (not isinstance(m, int) or m < 0):
+            raise ValueError(f"w8a8_min_tokens[{w.quant!r}]={m!r}: use an int >= 0 or None")
+        self.w8a8_min_tokens = m
 
     def fp8_uses_gemm(self, num_pairs: int) -> bool:
         """Whether `num_pairs` (token, expert) pairs of fp8 experts run kernels/fp8_moe.py's
@@ -170,6 +181,8 @@ class FusedMoEBackend(ExpertBackend):
         topk_ids: torch.Tensor,  # [T, k]
         topk_weights: torch.Tensor,  # [T, k] float32
     ) -> torch.Tensor:  # [T, hidden]
+        if self.w8a8_min_tokens is not None and hidden.shape[0] >= self.w8a8_min_tokens:
+            return w8a8_moe(hidden, self.weights, topk_weights, topk_ids)
         if self.fp8_impl is not None and self.fp8_uses_gemm(topk_ids.numel()):
             return fp8_moe(hidden, self.weights, topk_weights, topk_ids, table=self.fp8_table)
         if self.use_planes:

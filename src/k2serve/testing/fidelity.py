@@ -447,6 +447,17 @@ def gpu_variants(model: nn.Module, cpu_experts: int | None = None) -> list[Varia
     ]
 
 
+def policy_variant(name: str, policy, kv_dtype: torch.dtype | None = None) -> Variant:
+    """Fused backends with an explicit `KernelPolicy` (a launch table or a precision the
+    default policy does not pick: the 64-key fp8 MLA tile, FP8 prompts from 0 tokens)."""
+
+    def setup(m):
+        experts_home(m)
+        setup_backends(m, kv_cache_dtype=kv_dtype, policy=policy)
+
+    return Variant(name, setup, kv_dtype=kv_dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # tensor / expert parallel: every rank replays the gold routing (functions run on each rank of a
 # k2serve.distributed.workers.WorkerGroup: module level, so spawned workers import them)
@@ -584,6 +595,7 @@ __all__ = [
     "decode_batch",
     "experts_home",
     "gpu_variants",
+    "policy_variant",
     "reference_setup",
     "layer_outputs",
     "prefix_prefill_batch",
