@@ -41,6 +41,7 @@ Timings: wall clock around a synchronized step (host actions are part of the ste
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import os
@@ -231,6 +232,48 @@ def part_checks(ref, hyb, args):
     torch.cuda.empty_cache()
 
 
+class _JobTimes:
+    def __init__(self):
+        self.wait, self.cpu = [], []
+
+    def summary(self) -> str:
+        if not self.cpu:
+            return "no CPU part ran"
+        n = len(self.cpu)
+        return (f"waits for the staged inputs {1e3 * sum(self.wait) / n:.3f} ms, CPU experts "
+                f"{1e3 * sum(self.cpu) / n:.3f} ms (mean of {n})")  # fmt: skip
+
+
+@contextlib.contextmanager
+def host_job_timing():
+    """Time each CPU part of the real step: the wait for its staged inputs (the event) and the
+    CPU experts (submit + wait), in either way of waiting."""
+    from k2serve.moe.host_round_trip import HostJob
+
+    tm = _JobTimes()
+    saved = HostJob.complete, HostJob.finish
+
+    def timed(inner):
+        def run(job):
+            ev = job.signal.event if job.signal is not None else job.event
+            t0 = time.perf_counter()
+            if ev is not None:
+                ev.synchronize()
+            t1 = time.perf_counter()
+            inner(job)
+            t2 = time.perf_counter()
+            tm.wait.append(t1 - t0)
+            tm.cpu.append(t2 - t1)
+
+        return run
+
+    HostJob.complete, HostJob.finish = timed(saved[0]), timed(saved[1])
+    try:
+        yield tm
+    finally:
+        HostJob.complete, HostJob.finish = saved
+
+
 def part_decode(ref, hyb, args):
     log("== decode (context 1024)")
     n_moe = len(hybrid_backends(hyb))
@@ -278,7 +321,9 @@ def part_decode(ref, hyb, args):
                     t_gpu = wall_ms(lambda: r_h.run(ids, pos, md), iters=args.iters)
                 finally:
                     set_stub(hyb, False)
-                t_real = wall_ms(lambda: r_h.run(ids, pos, md), iters=args.iters, warmup=2)
+                with host_job_timing() as tm:
+                    t_real = wall_ms(lambda: r_h.run(ids, pos, md), iters=args.iters, warmup=2)
+                log(f"  {tag} {mode}: per CPU part in the real step: {tm.summary()}")
                 pieces = max(r_h.num_pieces.values())
                 if dw and not r_h.waits_in_graph:
                     FAILS.append(f"decode B={B} {mode}: the probe failed, host wait used")

@@ -343,9 +343,10 @@ def test_device_wait_the_gpu_part_runs_while_the_cpu_computes():
     runner.run(ids, pos, md)
     factory.synchronize()
     n_moe = len(graphed.config.moe_layers)
-    # every piece and every record was launched before the first CPU part began
+    # layer k's CPU part began once its record and the piece after it (the GPU part that
+    # waits for it) were launched, and no later piece: pieces 0..k+1 and records 0..k
     assert [o[:2] for o in order] == [("cpu", i) for i in graphed.config.moe_layers]
-    assert order[0][2] == (1 + n_moe) + n_moe
+    assert [o[2] for o in order] == [2 * k + 3 for k in range(n_moe)]
 
 
 def test_device_wait_an_error_in_the_cpu_part_releases_the_device():

@@ -86,9 +86,11 @@ if HAS_TRITON:
             p = tl.load(w_ptr + offs_n[None, :] * w_stride_n + (kk // 8)[:, None],
                         mask=n_ok[None, :], other=0)  # fmt: skip
             nib = (p >> ((kk % 8) * 4)[:, None]) & 0xF
-            return (nib - 8).to(tl.float16).to(tl.float8e4nv)
-        return tl.load(w_ptr + offs_n[None, :] * w_stride_n + kk[:, None], mask=n_ok[None, :],
-                       other=0.0)  # fmt: skip
+            w = (nib - 8).to(tl.float16).to(tl.float8e4nv)
+        else:  # one return: Triton 3.6 rejects a return per branch with different types
+            w = tl.load(w_ptr + offs_n[None, :] * w_stride_n + kk[:, None], mask=n_ok[None, :],
+                        other=0.0)  # fmt: skip
+        return w
 
     @triton.jit
     def _w8a8_moe_kernel(

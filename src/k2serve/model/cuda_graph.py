@@ -227,10 +227,17 @@ class DecodeGraphRunner:
         if not self._waiting:
             replay_pieces(self.graphs[bucket], self.actions[bucket])
             return
+        graphs, actions = self.graphs[bucket], self.actions[bucket]
         try:
-            replay_pieces(self.graphs[bucket], self.actions[bucket])
-            for be, _ in self._waiting:
-                be.complete_deferred()
+            # piece i + 1 (the shared expert and GPU experts of layer i, then the wait on its
+            # flag) is launched before layer i's CPU part, and no later piece: the CPU starts
+            # after one graph launch, not after all of them
+            graphs[0].replay()
+            for act, g in zip(actions, graphs[1:], strict=True):
+                act()
+                g.replay()
+                for be, _ in self._waiting:
+                    be.complete_deferred()
         except BaseException:
             for be, sig in self._waiting:
                 be.deferred.clear()
