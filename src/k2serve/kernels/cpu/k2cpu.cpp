@@ -568,6 +568,7 @@ struct Pool {
   // per-node work counters
   struct alignas(64) NodeSync {
     std::atomic<int64_t> next{0};
+    alignas(64) std::atomic<int64_t> next2{0};  // a second phase's counter (no reset barrier)
   };
   std::vector<NodeSync> sync;
 
@@ -783,7 +784,10 @@ static void forward_impl(Layer* L, Pool* P, Scratch& sc, float* out,
   char* hb = (char*)sc.h.data();
   float* hs = sc.hsum.data();
   const int A = sc.active.size();
-  for (int n = 0; n < nn; ++n) P->sync[n].next.store(0);
+  for (int n = 0; n < nn; ++n) {
+    P->sync[n].next.store(0);
+    P->sync[n].next2.store(0);
+  }
   AllBarrier bar;
   const double t_run = now_s();
   double t_in = 0, t_pro = 0, t_gu = 0;
@@ -809,14 +813,12 @@ static void forward_impl(Layer* L, Pool* P, Scratch& sc, float* out,
     }
     bar.wait(P->nthreads);
     if (caller) t_gu = now_s();
-    if (rank == 0) s.next.store(0, std::memory_order_release);
-    bar.wait(P->nthreads);
     // phase 2: this node's output rows, each row block owned by one thread
     int o0n, o1n;
     node_range(P, node, H, RB2, o0n, o1n);
     const int64_t items2 = (o1n - o0n + RB2 - 1) / RB2;
     for (;;) {
-      int64_t it = s.next.fetch_add(1, std::memory_order_relaxed);
+      int64_t it = s.next2.fetch_add(1, std::memory_order_relaxed);
       if (it >= items2) break;
       int o0 = o0n + (int)it * RB2, o1 = std::min(o1n, o0 + RB2);
       down_item<FMT>(L, sc, o0, o1, out);
