@@ -1129,40 +1129,46 @@ double k2_stream_read(void* pool, const void* p, int64_t nbytes) {
   return s;
 }
 
-// out [T, N] float32 = x [T, K] @ W[N, K]^T for a dense bf16 / float32 weight (decode-sized
-// T): rows split over the pool's threads in blocks of 32, tokens in blocks of 8 (each weight
-// row is read once per 8 tokens). bf16 x bf16 uses vdpbf16ps; other pairs the float32 path.
-// Returns 0, or 2 when the shape is not supported (K % 32).
-int k2_linear(void* pool, int wfmt, const void* W, int N, int K, const void* x, int x_dtype,
-              int T, float* out) {
-  if (K % 32 != 0 || (wfmt != FMT_BF16 && wfmt != FMT_F32)) return 2;
+// out [T, B, N] float32 = per b: x [T, b, K] @ W[b][N, K]^T for dense bf16 / float32 weights
+// W [B, N, K] (decode-sized T; B = 1: one linear layer, B = heads: the absorbed MLA weights):
+// (b, block of 32 rows) items over the pool's threads, tokens in blocks of 8 (each weight row is
+// read once per 8 tokens). bf16 x bf16 uses vdpbf16ps; other pairs the float32 path. Returns 0,
+// or 2 when the shape is not supported (K % 32).
+int k2_linear_batched(void* pool, int wfmt, const void* W, int B, int N, int K, const void* x,
+                      int x_dtype, int T, float* out) {
+  if (K % 32 != 0 || B < 1 || (wfmt != FMT_BF16 && wfmt != FMT_F32)) return 2;
   Pool* P = (Pool*)pool;
   std::lock_guard<std::mutex> call(P->call_mu);
-  Mat m;
-  mk_mat(m, wfmt, (int64_t)W, 0, K);
+  const int64_t wb = (int64_t)N * K * (wfmt == FMT_F32 ? 4 : 2);  // bytes per weight matrix
+  std::vector<Mat> ms(B);
+  for (int b = 0; b < B; ++b) mk_mat(ms[b], wfmt, (int64_t)W + b * wb, 0, K);
   const bool bfbf = K2_HAS_I4BF && wfmt == FMT_BF16 && x_dtype == X_BF16;
   static thread_local std::vector<float> xf_tl;
   std::vector<float>& xf = xf_tl;
+  const int64_t xn = (int64_t)T * B * K;
   if (!bfbf) {  // activations as float32 (small: decode-sized T)
-    xf.resize((size_t)T * K);
-    for (int64_t i = 0; i < (int64_t)T * K; ++i)
+    xf.resize(xn);
+    for (int64_t i = 0; i < xn; ++i)
       xf[i] = x_dtype == X_BF16 ? bf16_to_f32(((const uint16_t*)x)[i]) : ((const float*)x)[i];
   }
   const int RB = 32;
-  const int64_t items = (N + RB - 1) / RB;
+  const int64_t per_b = (N + RB - 1) / RB, items = per_b * B;
   std::atomic<int64_t> next{0};
   P->run([&](int, int) {
     float y[RB * 8];
     for (;;) {
       int64_t it = next.fetch_add(1, std::memory_order_relaxed);
       if (it >= items) break;
-      int r0 = it * RB, r1 = std::min<int64_t>(N, r0 + RB);
+      const int b = it / per_b;
+      const Mat& m = ms[b];
+      int r0 = (it % per_b) * RB, r1 = std::min<int64_t>(N, r0 + RB);
       for (int t0 = 0; t0 < T; t0 += 8) {
         int nt = std::min(8, T - t0);
         const void* xs[8];
-        for (int t = 0; t < nt; ++t)
-          xs[t] = bfbf ? (const void*)((const uint16_t*)x + (int64_t)(t0 + t) * K)
-                       : (const void*)(xf.data() + (int64_t)(t0 + t) * K);
+        for (int t = 0; t < nt; ++t) {
+          const int64_t off = ((int64_t)(t0 + t) * B + b) * K;
+          xs[t] = bfbf ? (const void*)((const uint16_t*)x + off) : (const void*)(xf.data() + off);
+        }
 #if K2_HAS_I4BF
         if (bfbf)
           dot_block<FMT_BFBF>(m, r0, r1 - r0, xs, nullptr, nt, y);
@@ -1172,12 +1178,20 @@ int k2_linear(void* pool, int wfmt, const void* W, int N, int K, const void* x, 
           dot_block<FMT_BF16>(m, r0, r1 - r0, xs, nullptr, nt, y);
         else
           dot_block<FMT_F32>(m, r0, r1 - r0, xs, nullptr, nt, y);
-        for (int t = 0; t < nt; ++t)
-          for (int r = r0; r < r1; ++r) out[(int64_t)(t0 + t) * N + r] = y[(r - r0) * 8 + t];
+        for (int t = 0; t < nt; ++t) {
+          float* o = out + ((int64_t)(t0 + t) * B + b) * N;
+          for (int r = r0; r < r1; ++r) o[r] = y[(r - r0) * 8 + t];
+        }
       }
     }
   });
   return 0;
+}
+
+// out [T, N] float32 = x [T, K] @ W[N, K]^T for a dense bf16 / float32 weight (one matrix).
+int k2_linear(void* pool, int wfmt, const void* W, int N, int K, const void* x, int x_dtype,
+              int T, float* out) {
+  return k2_linear_batched(pool, wfmt, W, 1, N, K, x, x_dtype, T, out);
 }
 
 int k2_simd_width() {
