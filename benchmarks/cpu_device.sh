@@ -8,26 +8,34 @@
 # Each part has its own time limit and fails soft. Full outputs: $OUT/cpu_*.txt.
 #   bash benchmarks/cpu_device.sh
 set -u
+SECONDS=0
 OUT=${OUT:-/tmp/cpu_out}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-src}
 PY=${PY:-python3}
-run() {  # name, seconds, command...
+BUDGET=${BUDGET:-172}  # seconds for all parts (the device command's limit is 180)
+run() {  # name, seconds, command...: each part gets at most what is left of BUDGET
   local name=$1 secs=$2
   shift 2
+  local left=$((BUDGET - SECONDS))
+  ((secs > left)) && secs=$left
+  if ((secs < 5)); then
+    echo "## $name: skipped (time budget spent)" | tee -a "$OUT/cpu_summary.txt"
+    return
+  fi
   local t0=$SECONDS
   timeout "$secs" "$@" >"$OUT/cpu_$name.txt" 2>&1
-  echo "## $name: rc $? in $((SECONDS - t0)) s" | tee -a "$OUT/cpu_summary.txt"
+  echo "## $name: rc $? in $((SECONDS - t0)) s (limit $secs)" | tee -a "$OUT/cpu_summary.txt"
 }
 : >"$OUT/cpu_summary.txt"
 lscpu | grep -E "Model name|^CPU\(s\)|NUMA node\(s\)|L3" >"$OUT/cpu_host.txt" 2>&1
 run tests 33 $PY -m pytest -q -x -p no:cacheprovider tests/moe/test_cpu_int4_decode.py \
   tests/moe/test_cpu_linear.py tests/kernels/test_mla_chunked.py
 run moe_after 45 $PY benchmarks/cpu_moe.py --no-old --no-peer --iters 8 --no-dot --no-forced
-run moe_before 38 $PY benchmarks/cpu_moe.py --no-old --no-peer --prefill 0 --iters 8 \
+run moe_before 42 $PY benchmarks/cpu_moe.py --no-old --no-peer --prefill 0 --iters 8 \
   --define K2_I4BF_LEGACY=1
-run e2e 36 $PY benchmarks/cpu_e2e.py --full-k2 --experts 64 --context 8192
-run attn 22 $PY benchmarks/cpu_attn.py --rows 1,2,4,8,16 --prefill-queries 256
+run e2e 36 $PY benchmarks/cpu_e2e.py --full-k2 --experts 48 --context 8192
+run attn 25 $PY benchmarks/cpu_attn.py --rows 1,2,4,8,16 --copies 3 --prefill-queries 256
 {
   echo "=== host"; cat "$OUT/cpu_host.txt"
   echo "=== tests"; tail -n 2 "$OUT/cpu_tests.txt"
