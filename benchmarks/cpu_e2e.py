@@ -12,6 +12,15 @@ them per layer, so its bytes are those of the full model's layers). Then:
 
     python benchmarks/cpu_e2e.py --experts 64              # makes the checkpoint in a temp dir
     python benchmarks/cpu_e2e.py --model DIR
+
+--full-k2 (no checkpoint, no LLM): the full Kimi-K2 (61 layers: 1 dense, 60 MoE; bf16 attention,
+shared expert, dense MLP and lm_head; INT4 routed experts) EXTRAPOLATED from parts of one layer
+measured on this CPU with the model's own code paths (quant.linear.linear, the CPU expert kernel,
+TorchMLABackend, cpu_head_gemv), each over weights that miss the caches: a per-part byte mix
+of a decode token (MB, ms, GB/s, % of the read bandwidth measured in the same run), decode tok/s
+at --context tokens of context, prefill tok/s for 2K and 16K prompts (per-token parts measured at
+prompt-sized chunks, attention's quadratic part from a per-key cost measured at 8K), and a
+hybrid one-GPU decode figure whose GPU part is an assumption (printed), not a measurement.
 """
 
 from __future__ import annotations
@@ -75,7 +84,17 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--bw-gib", type=float, default=2.0)
+    ap.add_argument("--full-k2", action="store_true", help="full-K2 extrapolation from parts")
+    ap.add_argument("--context", type=int, default=2048, help="--full-k2: decode context")
+    ap.add_argument("--chunk", type=int, default=2048, help="--full-k2: prefill chunk tokens")
+    ap.add_argument("--gpu-tbs", type=float, default=2.7,
+                    help="--full-k2: the GPU's effective TB/s for the hybrid figure (H100: "
+                         "3.35 peak x ~0.8)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.full_k2:
+        from cpu_e2e_k2 import full_k2  # benchmarks/cpu_e2e_k2.py
+
+        return full_k2(args, read_bandwidth(args.bw_gib))
     from k2serve import LLM
     from k2serve.engine.sampling_params import SamplingParams
 

@@ -1,5 +1,5 @@
 """The CPU kernel's dense GEMV (kernels.cpu.cpu_linear, used by quant.linear.linear on the
-CPU for decode-sized batches) against F.linear."""
+CPU for decode-sized batches; cpu_head_gemv, the absorbed MLA weights per head) against torch."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ native = pytest.mark.skipif(ck.load_kernel("auto") is None, reason="no C++ compi
 @pytest.mark.parametrize("wdt,xdt", [(torch.bfloat16, torch.bfloat16),
                                      (torch.float32, torch.float32),
                                      (torch.bfloat16, torch.float32)])  # fmt: skip
-@pytest.mark.parametrize("rows", [1, 3, 9, 16])
+@pytest.mark.parametrize("rows", [1, 3, ck.LINEAR_MAX_ROWS])
 def test_cpu_linear_matches_f_linear(wdt, xdt, rows):
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(80, 96, generator=g).to(wdt)  # N not a multiple of the 32-row block
@@ -32,10 +32,29 @@ def test_cpu_linear_matches_f_linear(wdt, xdt, rows):
 
 def test_cpu_linear_declines_what_it_does_not_cover():
     w = torch.randn(8, 96)
-    assert ck.cpu_linear(torch.randn(17, 96), w) is None  # prefill-sized: torch's GEMM
+    rows = ck.LINEAR_MAX_ROWS + 1  # beyond decode-sized: torch's GEMM
+    assert ck.cpu_linear(torch.randn(rows, 96), w) is None
     assert ck.cpu_linear(torch.randn(1, 40), torch.randn(8, 40)) is None  # K % 32
     assert ck.cpu_linear(torch.randn(1, 96, dtype=torch.float16), w.half()) is None
     x3 = torch.randn(2, 1, 96)  # leading dims are kept
     y = linear(x3, w)
     assert y.shape == (2, 1, 8)
     torch.testing.assert_close(y, F.linear(x3, w), rtol=1e-4, atol=1e-4)
+
+
+@native
+@pytest.mark.parametrize("wdt,xdt", [(torch.bfloat16, torch.bfloat16),
+                                     (torch.float32, torch.float32)])  # fmt: skip
+@pytest.mark.parametrize("rows", [1, 2, ck.LINEAR_MAX_ROWS])
+def test_cpu_head_gemv_matches_einsum(wdt, xdt, rows):
+    g = torch.Generator().manual_seed(rows)
+    H, N, K = 5, 72, 64  # N not a multiple of the 32-row block
+    w = torch.randn(H, N, K, generator=g).to(wdt)
+    x = torch.randn(rows, H, K + 16, generator=g).to(xdt)[..., :K]  # a strided view, as q_nope
+    y = ck.cpu_head_gemv(x, w)
+    assert y is not None and y.dtype == xdt and y.shape == (rows, H, N)
+    ref = torch.einsum("thk,hnk->thn", x.float(), w.float())
+    tol = 1e-2 if xdt == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol)
+    assert ck.cpu_head_gemv(x, w[:-1]) is None  # heads differ
+    assert ck.cpu_head_gemv(torch.randn(ck.LINEAR_MAX_ROWS + 1, H, K).to(xdt), w) is None

@@ -3,7 +3,8 @@
 Invariants:
 - Cache layout per layer: [num_pages, page_size, L + R], latent first, roped key last.
 - Scores = (q_latent . latent + q_pe . k_pe) * scale, softmax in float32, output = p . latent.
-- Plain loops over sequences: slow, obvious, device-agnostic.
+- Plain loops over sequences (and over query chunks of a long prompt, so that the float32
+  scores stay bounded): slow, obvious, device-agnostic.
 - fp8 cache (kv_cache.dtype float8_e4m3fn): stored value = clamp(x / kv_scale, +-448) rounded
   to e4m3; read value = stored * kv_scale in float32. `kv_scale` is one per-tensor scale shared
   by every layer (1.0 default: the normed latent and the roped key are O(1)).
@@ -17,6 +18,7 @@ from k2serve.attention.base import AttentionMetadata, MLABackend
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SCORES_MAX_ELEMS = 1 << 26  # float32 scores per query chunk (256 MB)
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
@@ -84,15 +86,20 @@ class TorchMLABackend(MLABackend):
             kv = kv_cache[pages].reshape(n_pages * page_size, -1)[:seq_len]  # [S, L + R]
             kv = self._from_cache(kv)  # float32
             latent, k_pe = kv[:, :L], kv[:, L:]  # [S, L], [S, R]
-            ql = q_latent[start:end].to(torch.float32)  # [n, H, L]
-            qp = q_pe[start:end].to(torch.float32)  # [n, H, R]
-            scores = (
-                torch.einsum("nhl,sl->nhs", ql, latent) + torch.einsum("nhr,sr->nhs", qp, k_pe)
-            ) * scale  # [n, H, S]
-            q_pos = ctx + torch.arange(n_new, device=scores.device)  # [n]
-            k_pos = torch.arange(seq_len, device=scores.device)  # [S]
-            mask = k_pos[None, :] > q_pos[:, None]  # [n, S]
-            scores.masked_fill_(mask[:, None, :], float("-inf"))
-            p = torch.softmax(scores, dim=-1)
-            out[start:end] = torch.einsum("nhs,sl->nhl", p, latent).to(out.dtype)
+            # queries in chunks so that a chunk's scores stay under SCORES_MAX_ELEMS (a long
+            # prompt's [n, H, S] float32 scores would be tens of GB); rows are independent
+            step = max(1, SCORES_MAX_ELEMS // (H * seq_len))
+            k_pos = torch.arange(seq_len, device=kv.device)  # [S]
+            for c0 in range(0, n_new, step):
+                c1 = min(n_new, c0 + step)
+                ql = q_latent[start + c0 : start + c1].to(torch.float32)  # [n, H, L]
+                qp = q_pe[start + c0 : start + c1].to(torch.float32)  # [n, H, R]
+                scores = (
+                    torch.einsum("nhl,sl->nhs", ql, latent) + torch.einsum("nhr,sr->nhs", qp, k_pe)
+                ) * scale  # [n, H, S]
+                q_pos = ctx + torch.arange(c0, c1, device=scores.device)  # [n]
+                mask = k_pos[None, :] > q_pos[:, None]  # [n, S]
+                scores.masked_fill_(mask[:, None, :], float("-inf"))
+                p = torch.softmax(scores, dim=-1)
+                out[start + c0 : start + c1] = torch.einsum("nhs,sl->nhl", p, latent).to(out.dtype)
         return out

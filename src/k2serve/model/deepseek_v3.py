@@ -37,6 +37,7 @@ from torch import nn
 from k2serve.attention.base import AttentionMetadata, MLABackend
 from k2serve.attention.torch_ref import TorchMLABackend
 from k2serve.config import ModelConfig
+from k2serve.kernels.cpu import cpu_head_gemv
 from k2serve.kernels.policy import KernelPolicy
 from k2serve.model.layers import RMSNorm, YarnRotaryEmbedding
 from k2serve.model.router import TopkRouter
@@ -361,20 +362,27 @@ class MLAAttention(nn.Module):
             fused = mla_absorb.usable(q_nope, w)
         if fused:
             q_latent = mla_absorb.absorb_q(q_nope, w)
-        elif not q_nope.is_cuda:  # CPU: batched GEMMs on weights laid out once (see below)
-            w_uk, w_uv_t = self._cpu_absorb_weights(w)
-            q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1).contiguous()
+        elif not q_nope.is_cuda:  # CPU: per-head GEMVs / GEMMs on weights laid out once
+            w_uk_t, w_uv = self._cpu_absorb_weights(w)
+            q_latent = cpu_head_gemv(q_nope, w_uk_t)  # decode: the kernel's GEMV, else None
+            if q_latent is None:
+                q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk_t.transpose(1, 2))
+                q_latent = q_latent.transpose(0, 1).contiguous()  # [T, H, L]
         else:
             q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)  # [T, H, L]
         o_latent = self.backend.forward(q_latent, q_pe, kv_cache, md, self.scaling)  # [T, H, L]
         if fused and o_latent.stride(-1) == 1:
             return mla_absorb.absorb_o(o_latent, w, N)
         if not o_latent.is_cuda:
-            return torch.bmm(o_latent.transpose(0, 1), w_uv_t).transpose(0, 1)  # [T, H, V]
+            o = cpu_head_gemv(o_latent, w_uv)
+            if o is None:
+                o = torch.bmm(o_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+            return o  # [T, H, V]
         return torch.einsum("thl,hvl->thv", o_latent, w_uv)  # [T, H, V]
 
     def _cpu_absorb_weights(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK [H, N, L], W_UV^T [H, L, V]) contiguous, made once per kv_b_proj weight and
+        """(W_UK^T [H, L, N], W_UV [H, V, L]) contiguous (rows of the per-head GEMVs the CPU
+        kernel reads; bmm takes their transposed views), made once per kv_b_proj weight and
         dtype. NOTE: on the CPU, einsum copied the strided W_UV view into a transposed layout on
         every call (2.3 ms per layer at batch 1 on a 2-core dev machine, 0.17 ms as one bmm on
         the laid-out weight); the copy costs 2 x 8 MiB per layer of host memory."""
@@ -382,7 +390,7 @@ class MLAAttention(nn.Module):
         cached = getattr(self, "_cpu_absorb", None)
         if cached is None or cached[0] != key:
             N = self.qk_nope_head_dim
-            cached = (key, w[:, :N, :].contiguous(), w[:, N:, :].transpose(1, 2).contiguous())
+            cached = (key, w[:, :N, :].transpose(1, 2).contiguous(), w[:, N:, :].contiguous())
             self._cpu_absorb = cached
         return cached[1], cached[2]
 

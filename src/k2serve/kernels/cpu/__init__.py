@@ -214,6 +214,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.k2_last_profile.argtypes = [ctypes.POINTER(ctypes.c_double)]
     lib.k2_linear.argtypes = [p, i, p, i, i, p, i, i, p]
     lib.k2_linear.restype = i
+    lib.k2_linear_batched.argtypes = [p, i, p, i, i, i, p, i, i, p]
+    lib.k2_linear_batched.restype = i
     return lib
 
 
@@ -290,7 +292,11 @@ class KernelPool:
             self.lib.k2_pool_destroy(ptr)
 
 
-LINEAR_MAX_ROWS = 16  # decode-sized batches; larger ones go to torch (oneDNN GEMM)
+# decode-sized batches; larger ones go to torch (oneDNN GEMM). The kernel's GEMV is one
+# vdpbf16ps per 32 products per token: bandwidth-bound at 1-2 rows, compute-bound above, where
+# oneDNN (AMX on CPUs that have it) is faster (dev box, K2 attention projections: kernel 1.9x
+# torch at 1 row, even at 4, 0.35-0.6x at 8-16; benchmarks/cpu_attn.py)
+LINEAR_MAX_ROWS = 4
 
 
 def dispatch_mode_active() -> bool:
@@ -313,42 +319,66 @@ def _default_pool(pid: int):
     return lib, shared_pool(lib, nodes, s.threads or __import__("torch").get_num_threads(), pid)
 
 
-def cpu_linear(x, w):
-    """x [..., K] @ w[N, K]^T on the CPU with the kernel's GEMV (bf16 or float32 weight, at most
-    LINEAR_MAX_ROWS rows: decode), in x's dtype; None when it does not apply (then F.linear).
-    torch's CPU bf16 GEMV reads a weight at a fraction of the memory bandwidth."""
+def _gemv_ok(x, w, rows: int) -> bool:
     import torch
 
-    if (
-        x.device.type != "cpu"
-        or w.device.type != "cpu"
-        or w.dim() != 2
-        or w.dtype not in (torch.bfloat16, torch.float32)
-        or x.dtype not in (torch.bfloat16, torch.float32)
-        or w.shape[1] % 32
-        or x.shape[-1] != w.shape[1]
-        or not w.is_contiguous()
-        or x.requires_grad
-        or w.requires_grad
-    ):
-        return None
-    rows = x.numel() // max(1, x.shape[-1])
-    if rows == 0 or rows > LINEAR_MAX_ROWS or dispatch_mode_active():
-        return None
+    return (
+        x.device.type == "cpu"
+        and w.device.type == "cpu"
+        and w.dtype in (torch.bfloat16, torch.float32)
+        and x.dtype in (torch.bfloat16, torch.float32)
+        and w.shape[-1] % 32 == 0
+        and x.shape[-1] == w.shape[-1]
+        and w.is_contiguous()
+        and not x.requires_grad
+        and not w.requires_grad
+        and 0 < rows <= LINEAR_MAX_ROWS
+        and not dispatch_mode_active()
+    )
+
+
+def _gemv(x, w, B: int, rows: int):
+    """x [rows, B, K] (any contiguous view of it), w [B, N, K] -> [rows, B, N] float32 or None."""
+    import torch
+
     lp = _default_pool(os.getpid())
     if lp is None:
         return None
     lib, pool = lp
-    xc = x.reshape(rows, x.shape[-1]).contiguous()
-    N, K = w.shape
-    out = torch.empty(rows, N, dtype=torch.float32)
+    N, K = w.shape[-2], w.shape[-1]
+    xc = x.contiguous()
+    out = torch.empty(rows, B, N, dtype=torch.float32)
     wfmt = FMT_BF16 if w.dtype == torch.bfloat16 else FMT_F32
     xcode = X_BF16 if xc.dtype == torch.bfloat16 else X_F32
-    rc = lib.k2_linear(pool._ptr, wfmt, w.data_ptr(), N, K, xc.data_ptr(), xcode, rows,
-                       out.data_ptr())  # fmt: skip
-    if rc != 0:
+    rc = lib.k2_linear_batched(pool._ptr, wfmt, w.data_ptr(), B, N, K, xc.data_ptr(), xcode,
+                               rows, out.data_ptr())  # fmt: skip
+    return out if rc == 0 else None
+
+
+def cpu_linear(x, w):
+    """x [..., K] @ w[N, K]^T on the CPU with the kernel's GEMV (bf16 or float32 weight, at most
+    LINEAR_MAX_ROWS rows: decode), in x's dtype; None when it does not apply (then F.linear).
+    torch's CPU bf16 GEMV reads a weight at a fraction of the memory bandwidth."""
+    if w.dim() != 2:
         return None
-    return out.to(x.dtype).reshape(*x.shape[:-1], N)
+    rows = x.numel() // max(1, x.shape[-1])
+    if not _gemv_ok(x, w, rows):
+        return None
+    out = _gemv(x.reshape(rows, x.shape[-1]), w, 1, rows)
+    return None if out is None else out.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+
+def cpu_head_gemv(x, w):
+    """Per head h: x[:, h] [T, K] @ w[h] [N, K]^T -> [T, H, N] in x's dtype (x [T, H, K], w
+    [H, N, K] contiguous; T at most LINEAR_MAX_ROWS), with the kernel's GEMV; None when it does
+    not apply. The absorbed MLA weights at decode: torch's bmm at one row read them at a
+    quarter of the bandwidth the kernel reaches on the same bytes (benchmarks/cpu_attn.py)."""
+    if x.dim() != 3 or w.dim() != 3 or x.shape[1] != w.shape[0]:
+        return None
+    if not _gemv_ok(x, w, x.shape[0]):
+        return None
+    out = _gemv(x, w, w.shape[0], x.shape[0])
+    return None if out is None else out.to(x.dtype)
 
 
 @functools.cache
@@ -369,6 +399,7 @@ __all__ = [
     "KernelPool",
     "KernelSettings",
     "cpu_has_bf16",
+    "cpu_head_gemv",
     "cpu_linear",
     "dispatch_mode_active",
     "kernel_settings",

@@ -105,6 +105,10 @@ enum { FMT_I4BF = 4, FMT_BFBF = 5 };
 #define K2_HAS_I4BF 0
 #endif
 enum { X_F32 = 0, X_BF16 = 1 };
+#ifndef K2_I4BF_LEGACY  // 1: the previous INT4 x bf16 decode loop (before/after measurements)
+#define K2_I4BF_LEGACY 0
+#endif
+static const int I4BF_COLS = K2_I4BF_LEGACY ? 64 : 128;  // columns per step of that loop
 
 #if K2_V16_STRUCT
 static K2_INLINE v16f loadf(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
@@ -300,17 +304,23 @@ static K2_INLINE void dot_rows_f32(const Mat& m, int r0, const void* const* xv, 
 }
 
 #if K2_HAS_I4BF
-// INT4 x bf16 activations: 64 columns (two groups, 32 bytes) at a time. Nibble u (= q + 8)
-// becomes the bf16 value 128 + u by OR-ing 0x4300 (exact), so one vdpbf16ps does 32 exact
-// products with float32 sums; per group: s * (dot(128 + u, x) - 136 * sum(x)). Activations
-// arranged per 64 columns: 32 bf16 meeting the low nibbles of the 32 bytes (byte j: group j/16,
-// column 2 (j % 16)), then 32 meeting the high nibbles (column 2 (j % 16) + 1); sums[t][g] is
-// the sum of group g's 32 activations.
+// INT4 x bf16 activations, 128 columns (four groups) per 64-byte load, the stored bytes as they
+// are: 16-bit word j of a 64-byte block holds columns 4j..4j+3 as its nibbles 0..3. Nibble u
+// (= q + 8) becomes the bf16 value 128 + u by OR-ing 0x4300 into the shifted, masked word
+// (exact), so four vdpbf16ps (one per nibble plane) do 128 exact products with float32 sums;
+// float lane l of the result covers columns 8l..8l+7, i.e. group l / 4 of the block, and one
+// FMA applies the four groups' scales at once: per group s * (dot(128 + u, x) - 136 * sum(x)).
+// Activations arranged per 128 columns: plane k (k = 0..3) holds x[4j + k] for j = 0..31;
+// sums[t][g] is the sum of group g's 32 activations. Needs cols % 128 == 0.
 static const int I4BF_MAX_GROUPS = 1024;
 
+#if K2_I4BF_LEGACY
+// The previous layout, for before/after measurements (--define K2_I4BF_LEGACY=1): 64 columns
+// per 32-byte load widened to words, two FMAs per 64 columns, prefetch 1 KB ahead in the row.
 template <int R, int NT>
 static K2_INLINE void dot_rows_i4bf(const Mat& m, int r0, const void* const* xv,
-                                 const float* const* sums, float* out) {
+                                 const float* const* sums, float* out, const uint8_t*,
+                                 const uint8_t*) {
   const uint16_t* const* xs = (const uint16_t* const*)xv;
   const int groups = m.cols >> 5, pairs = m.cols >> 6;
   alignas(64) float sf[R][I4BF_MAX_GROUPS];
@@ -362,6 +372,72 @@ static K2_INLINE void dot_rows_i4bf(const Mat& m, int r0, const void* const* xv,
     }
 }
 
+#else
+// pw / ps: the first of the R rows (weights / scales, same row sizes as m) to prefetch while
+// these R rows are read: the next R rows of this block, or the next block's first rows.
+template <int R, int NT>
+static K2_INLINE void dot_rows_i4bf(const Mat& m, int r0, const void* const* xv,
+                                 const float* const* sums, float* out, const uint8_t* pw,
+                                 const uint8_t* ps) {
+  const uint16_t* const* xs = (const uint16_t* const*)xv;
+  const int groups = m.cols >> 5, blocks = m.cols >> 7;
+  alignas(64) float sf[R][I4BF_MAX_GROUPS];
+  const int64_t sb = (int64_t)m.s_cols * 2;  // scale bytes per row
+  for (int64_t o = 0; o < R * sb; o += 64) _mm_prefetch((const char*)ps + o, _MM_HINT_T0);
+  for (int i = 0; i < R; ++i) {
+    const uint16_t* sp = (const uint16_t*)m.s + (int64_t)(r0 + i) * m.s_cols;
+    int g = 0;
+    for (; g + 16 <= groups; g += 16) {
+      __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sp + g)));
+      _mm512_store_ps(&sf[i][g], _mm512_castsi512_ps(_mm512_slli_epi32(u, 16)));
+    }
+    for (; g < groups; ++g) sf[i][g] = bf16_to_f32(sp[g]);
+  }
+  __m512 acc[R][NT];
+  for (int i = 0; i < R; ++i)
+    for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi16(0x0F), magic = _mm512_set1_epi16(0x4300);
+  const __m512i gidx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  for (int b = 0; b < blocks; ++b) {
+    __m512i q[R][4];
+    __m512 sv[R];
+    for (int i = 0; i < R; ++i) {
+      const uint8_t* wp = m.w + (int64_t)(r0 + i) * m.row_bytes + (int64_t)b * 64;
+      _mm_prefetch((const char*)pw + (int64_t)i * m.row_bytes + (int64_t)b * 64, _MM_HINT_T0);
+      __m512i w = _mm512_loadu_si512(wp);
+      q[i][0] = _mm512_ternarylogic_epi32(w, low, magic, 0xEA);  // (w & 0x0F) | 0x4300
+      q[i][1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), low, magic, 0xEA);
+      q[i][2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 8), low, magic, 0xEA);
+      q[i][3] = _mm512_or_si512(_mm512_srli_epi16(w, 12), magic);
+      sv[i] = _mm512_permutexvar_ps(gidx, _mm512_castps128_ps512(_mm_load_ps(&sf[i][4 * b])));
+    }
+    for (int t = 0; t < NT; ++t) {
+      const uint16_t* xp = xs[t] + (int64_t)b * 128;
+      __m512bh x0 = (__m512bh)_mm512_loadu_si512(xp), x1 = (__m512bh)_mm512_loadu_si512(xp + 32);
+      __m512bh x2 = (__m512bh)_mm512_loadu_si512(xp + 64);
+      __m512bh x3 = (__m512bh)_mm512_loadu_si512(xp + 96);
+      for (int i = 0; i < R; ++i) {
+        __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q[i][0], x0);
+        d = _mm512_dpbf16_ps(d, (__m512bh)q[i][1], x1);
+        d = _mm512_dpbf16_ps(d, (__m512bh)q[i][2], x2);
+        d = _mm512_dpbf16_ps(d, (__m512bh)q[i][3], x3);
+        acc[i][t] = _mm512_fmadd_ps(sv[i], d, acc[i][t]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int t = 0; t < NT; ++t) {
+      __m512 c = _mm512_setzero_ps();
+      int g = 0;
+      for (; g + 16 <= groups; g += 16)
+        c = _mm512_fmadd_ps(_mm512_load_ps(&sf[i][g]), _mm512_loadu_ps(sums[t] + g), c);
+      float corr = _mm512_reduce_add_ps(c);
+      for (; g < groups; ++g) corr += sf[i][g] * sums[t][g];
+      out[i * NT + t] = _mm512_reduce_add_ps(acc[i][t]) - 136.f * corr;
+    }
+}
+#endif  // K2_I4BF_LEGACY
+
 // bf16 weights x bf16 activations: one vdpbf16ps per 32 products, no conversion at all.
 template <int R, int NT>
 static K2_INLINE void dot_rows_bfbf(const Mat& m, int r0, const void* const* xv, float* out) {
@@ -389,10 +465,12 @@ static K2_INLINE void dot_rows_bfbf(const Mat& m, int r0, const void* const* xv,
 
 template <int FMT, int R, int NT>
 static K2_INLINE void dot_rows(const Mat& m, int r0, const void* const* xs, const float* const* sums,
-                            float* out) {
+                            float* out, const uint8_t* pw, const uint8_t* ps) {
+  (void)pw;
+  (void)ps;
 #if K2_HAS_I4BF
   if constexpr (FMT == FMT_I4BF) {
-    dot_rows_i4bf<R, NT>(m, r0, xs, sums, out);
+    dot_rows_i4bf<R, NT>(m, r0, xs, sums, out, pw, ps);
     return;
   }
   if constexpr (FMT == FMT_BFBF) {
@@ -407,23 +485,36 @@ static K2_INLINE void dot_rows(const Mat& m, int r0, const void* const* xs, cons
   }
 }
 
-// rows [r0, r0 + nrows) x nt tokens (nt <= 8): out[i * 8 + t]
+// rows [r0, r0 + nrows) x nt tokens (nt <= 8): out[i * 8 + t]. `next` / `next_r0`: the block
+// the caller reads after this one (rows of the same size), prefetched (INT4 x bf16) while this
+// block's last rows are read, so that a thread's stream does not restart cold at every block.
 template <int FMT>
 static void dot_block(const Mat& m, int r0, int nrows, const void* const* xs,
-                      const float* const* sums, int nt, float* out) {
+                      const float* const* sums, int nt, float* out, const Mat* next = nullptr,
+                      int next_r0 = 0) {
   int i = 0;
+  const bool nx = next && next->row_bytes == m.row_bytes && next->s_cols == m.s_cols;
+  auto pfw = [&](int row) {  // weights of the row `row` rows after r0 (or of the next block)
+    return row < nrows || !nx ? m.w + (int64_t)(r0 + row) * m.row_bytes
+                              : next->w + (int64_t)(next_r0 + row - nrows) * m.row_bytes;
+  };
+  auto pfs = [&](int row) {
+    const Mat& b = row < nrows || !nx ? m : *next;
+    int r = row < nrows || !nx ? r0 + row : next_r0 + row - nrows;
+    return (const uint8_t*)b.s + (int64_t)r * m.s_cols * 2;
+  };
   switch (nt) {
 #define K2_CASE(NT, R)                                                  \
   case NT:                                                              \
     for (; i + R <= nrows; i += R) {                                    \
       float tmp[R * NT];                                                \
-      dot_rows<FMT, R, NT>(m, r0 + i, xs, sums, tmp);                         \
+      dot_rows<FMT, R, NT>(m, r0 + i, xs, sums, tmp, pfw(i + R), pfs(i + R));   \
       for (int a = 0; a < R; ++a)                                       \
         for (int t = 0; t < NT; ++t) out[(i + a) * 8 + t] = tmp[a * NT + t]; \
     }                                                                   \
     for (; i < nrows; ++i) {                                            \
       float tmp[NT];                                                    \
-      dot_rows<FMT, 1, NT>(m, r0 + i, xs, sums, tmp);                         \
+      dot_rows<FMT, 1, NT>(m, r0 + i, xs, sums, tmp, pfw(i + 1), pfs(i + 1));   \
       for (int t = 0; t < NT; ++t) out[i * 8 + t] = tmp[t];             \
     }                                                                   \
     break;
@@ -477,6 +568,7 @@ struct Pool {
   // per-node work counters
   struct alignas(64) NodeSync {
     std::atomic<int64_t> next{0};
+    alignas(64) std::atomic<int64_t> next2{0};  // a second phase's counter (no reset barrier)
   };
   std::vector<NodeSync> sync;
 
@@ -556,16 +648,20 @@ static const int RB1 = 32;  // gate/up rows per work item (whole INT4 groups of 
 static const int RB2 = 32;  // down rows per work item (longer streams per expert)
 
 // Where column i of a row sits in the activation layout of format FMT (see the Deq / dot
-// functions): INT4 even columns of each 32 first; I4BF per 64 columns lo words then hi words.
+// functions): INT4 even columns of each 32 first; I4BF per 128 columns four planes x[4j + k].
 template <int FMT>
 static inline int act_pos(int i) {
   if (FMT == FMT_INT4) {
     int c = i & 31;
     return (i & ~31) + ((c & 1) ? 16 + (c >> 1) : (c >> 1));
   }
-  if (FMT == FMT_I4BF) {
+  if (FMT == FMT_I4BF && K2_I4BF_LEGACY) {
     int c = i & 63, j = ((c >> 5) << 4) + ((c & 31) >> 1);
     return (i & ~63) + ((c & 1) ? 32 : 0) + j;
+  }
+  if (FMT == FMT_I4BF) {
+    int c = i & 127;
+    return (i & ~127) + (c & 3) * 32 + (c >> 2);
   }
   return i;
 }
@@ -610,7 +706,7 @@ static void gate_up_item(const Layer* L, int e, int i0, int i1, const int* toks,
       xs[t] = xb + (int64_t)toks[t0 + t] * H * AB;
       sums[t] = FMT == FMT_I4BF ? sc.xsum.data() + (int64_t)toks[t0 + t] * (H / 32) : nullptr;
     }
-    dot_block<FMT>(G, i0, i1 - i0, xs, sums, nt, g);
+    dot_block<FMT>(G, i0, i1 - i0, xs, sums, nt, g, &U, i0);
     dot_block<FMT>(U, i0, i1 - i0, xs, sums, nt, u);
     for (int t = 0; t < nt; ++t) {
       const int64_t slot = slot0 + t0 + t;
@@ -640,7 +736,10 @@ static void down_item(const Layer* L, const Scratch& sc, int o0, int o1, float* 
   const int H = L->H, I = L->I, AB = act_bytes<FMT>();
   const char* hb = (const char*)sc.h.data();
   float y[RB2 * 8];
-  for (int e : sc.active) {
+  const int A = sc.active.size();
+  for (int a = 0; a < A; ++a) {
+    const int e = sc.active[a];
+    const Mat* next = a + 1 < A ? &L->down[sc.active[a + 1]] : nullptr;
     int p0 = sc.expert_start[e], p1 = sc.expert_start[e + 1];
     for (int q0 = p0; q0 < p1; q0 += 8) {
       int nt = std::min(8, p1 - q0);
@@ -650,7 +749,7 @@ static void down_item(const Layer* L, const Scratch& sc, int o0, int o1, float* 
         hs[t] = hb + (int64_t)(q0 + t) * I * AB;
         sums[t] = FMT == FMT_I4BF ? sc.hsum.data() + (int64_t)(q0 + t) * (I / 32) : nullptr;
       }
-      dot_block<FMT>(L->down[e], o0, o1 - o0, hs, sums, nt, y);
+      dot_block<FMT>(L->down[e], o0, o1 - o0, hs, sums, nt, y, q0 + 8 >= p1 ? next : nullptr, o0);
       for (int t = 0; t < nt; ++t) {
         float w = sc.pair_w[q0 + t];
         float* o = out + (int64_t)sc.pair_tok[q0 + t] * H;
@@ -685,7 +784,10 @@ static void forward_impl(Layer* L, Pool* P, Scratch& sc, float* out,
   char* hb = (char*)sc.h.data();
   float* hs = sc.hsum.data();
   const int A = sc.active.size();
-  for (int n = 0; n < nn; ++n) P->sync[n].next.store(0);
+  for (int n = 0; n < nn; ++n) {
+    P->sync[n].next.store(0);
+    P->sync[n].next2.store(0);
+  }
   AllBarrier bar;
   const double t_run = now_s();
   double t_in = 0, t_pro = 0, t_gu = 0;
@@ -711,14 +813,12 @@ static void forward_impl(Layer* L, Pool* P, Scratch& sc, float* out,
     }
     bar.wait(P->nthreads);
     if (caller) t_gu = now_s();
-    if (rank == 0) s.next.store(0, std::memory_order_release);
-    bar.wait(P->nthreads);
     // phase 2: this node's output rows, each row block owned by one thread
     int o0n, o1n;
     node_range(P, node, H, RB2, o0n, o1n);
     const int64_t items2 = (o1n - o0n + RB2 - 1) / RB2;
     for (;;) {
-      int64_t it = s.next.fetch_add(1, std::memory_order_relaxed);
+      int64_t it = s.next2.fetch_add(1, std::memory_order_relaxed);
       if (it >= items2) break;
       int o0 = o0n + (int)it * RB2, o1 = std::min(o1n, o0 + RB2);
       down_item<FMT>(L, sc, o0, o1, out);
@@ -910,8 +1010,8 @@ int k2_moe_forward(void* layer, void* pool, int T, int k, const void* x, int x_d
   g_profile.bucket = now_s() - t_start;
   // 1. zero the output; x -> the activation layout (threads split over rows)
   const int fmt = L->fmt;
-  const int kfmt = (fmt == FMT_INT4 && x_dtype == X_BF16 && K2_HAS_I4BF && H % 64 == 0 &&
-                    L->I % 64 == 0 && H / 32 <= 1024 && L->I / 32 <= 1024)
+  const int kfmt = (fmt == FMT_INT4 && x_dtype == X_BF16 && K2_HAS_I4BF && H % I4BF_COLS == 0 &&
+                    L->I % I4BF_COLS == 0 && H / 32 <= 1024 && L->I / 32 <= 1024)
                        ? FMT_I4BF
                        : fmt;
   if (sc.x.size() < (size_t)T * H) sc.x.resize((size_t)T * H);
@@ -1029,40 +1129,46 @@ double k2_stream_read(void* pool, const void* p, int64_t nbytes) {
   return s;
 }
 
-// out [T, N] float32 = x [T, K] @ W[N, K]^T for a dense bf16 / float32 weight (decode-sized
-// T): rows split over the pool's threads in blocks of 32, tokens in blocks of 8 (each weight
-// row is read once per 8 tokens). bf16 x bf16 uses vdpbf16ps; other pairs the float32 path.
-// Returns 0, or 2 when the shape is not supported (K % 32).
-int k2_linear(void* pool, int wfmt, const void* W, int N, int K, const void* x, int x_dtype,
-              int T, float* out) {
-  if (K % 32 != 0 || (wfmt != FMT_BF16 && wfmt != FMT_F32)) return 2;
+// out [T, B, N] float32 = per b: x [T, b, K] @ W[b][N, K]^T for dense bf16 / float32 weights
+// W [B, N, K] (decode-sized T; B = 1: one linear layer, B = heads: the absorbed MLA weights):
+// (b, block of 32 rows) items over the pool's threads, tokens in blocks of 8 (each weight row is
+// read once per 8 tokens). bf16 x bf16 uses vdpbf16ps; other pairs the float32 path. Returns 0,
+// or 2 when the shape is not supported (K % 32).
+int k2_linear_batched(void* pool, int wfmt, const void* W, int B, int N, int K, const void* x,
+                      int x_dtype, int T, float* out) {
+  if (K % 32 != 0 || B < 1 || (wfmt != FMT_BF16 && wfmt != FMT_F32)) return 2;
   Pool* P = (Pool*)pool;
   std::lock_guard<std::mutex> call(P->call_mu);
-  Mat m;
-  mk_mat(m, wfmt, (int64_t)W, 0, K);
+  const int64_t wb = (int64_t)N * K * (wfmt == FMT_F32 ? 4 : 2);  // bytes per weight matrix
+  std::vector<Mat> ms(B);
+  for (int b = 0; b < B; ++b) mk_mat(ms[b], wfmt, (int64_t)W + b * wb, 0, K);
   const bool bfbf = K2_HAS_I4BF && wfmt == FMT_BF16 && x_dtype == X_BF16;
   static thread_local std::vector<float> xf_tl;
   std::vector<float>& xf = xf_tl;
+  const int64_t xn = (int64_t)T * B * K;
   if (!bfbf) {  // activations as float32 (small: decode-sized T)
-    xf.resize((size_t)T * K);
-    for (int64_t i = 0; i < (int64_t)T * K; ++i)
+    xf.resize(xn);
+    for (int64_t i = 0; i < xn; ++i)
       xf[i] = x_dtype == X_BF16 ? bf16_to_f32(((const uint16_t*)x)[i]) : ((const float*)x)[i];
   }
   const int RB = 32;
-  const int64_t items = (N + RB - 1) / RB;
+  const int64_t per_b = (N + RB - 1) / RB, items = per_b * B;
   std::atomic<int64_t> next{0};
   P->run([&](int, int) {
     float y[RB * 8];
     for (;;) {
       int64_t it = next.fetch_add(1, std::memory_order_relaxed);
       if (it >= items) break;
-      int r0 = it * RB, r1 = std::min<int64_t>(N, r0 + RB);
+      const int b = it / per_b;
+      const Mat& m = ms[b];
+      int r0 = (it % per_b) * RB, r1 = std::min<int64_t>(N, r0 + RB);
       for (int t0 = 0; t0 < T; t0 += 8) {
         int nt = std::min(8, T - t0);
         const void* xs[8];
-        for (int t = 0; t < nt; ++t)
-          xs[t] = bfbf ? (const void*)((const uint16_t*)x + (int64_t)(t0 + t) * K)
-                       : (const void*)(xf.data() + (int64_t)(t0 + t) * K);
+        for (int t = 0; t < nt; ++t) {
+          const int64_t off = ((int64_t)(t0 + t) * B + b) * K;
+          xs[t] = bfbf ? (const void*)((const uint16_t*)x + off) : (const void*)(xf.data() + off);
+        }
 #if K2_HAS_I4BF
         if (bfbf)
           dot_block<FMT_BFBF>(m, r0, r1 - r0, xs, nullptr, nt, y);
@@ -1072,12 +1178,20 @@ int k2_linear(void* pool, int wfmt, const void* W, int N, int K, const void* x, 
           dot_block<FMT_BF16>(m, r0, r1 - r0, xs, nullptr, nt, y);
         else
           dot_block<FMT_F32>(m, r0, r1 - r0, xs, nullptr, nt, y);
-        for (int t = 0; t < nt; ++t)
-          for (int r = r0; r < r1; ++r) out[(int64_t)(t0 + t) * N + r] = y[(r - r0) * 8 + t];
+        for (int t = 0; t < nt; ++t) {
+          float* o = out + ((int64_t)(t0 + t) * B + b) * N;
+          for (int r = r0; r < r1; ++r) o[r] = y[(r - r0) * 8 + t];
+        }
       }
     }
   });
   return 0;
+}
+
+// out [T, N] float32 = x [T, K] @ W[N, K]^T for a dense bf16 / float32 weight (one matrix).
+int k2_linear(void* pool, int wfmt, const void* W, int N, int K, const void* x, int x_dtype,
+              int T, float* out) {
+  return k2_linear_batched(pool, wfmt, W, 1, N, K, x, x_dtype, T, out);
 }
 
 int k2_simd_width() {
