@@ -295,8 +295,9 @@ class KernelPool:
 # decode-sized batches; larger ones go to torch (oneDNN GEMM). The kernel's GEMV is one
 # vdpbf16ps per 32 products per token: bandwidth-bound at 1-2 rows, compute-bound above, where
 # oneDNN (AMX on CPUs that have it) is faster (dev box, K2 attention projections: kernel 1.9x
-# torch at 1 row, even at 4, 0.35-0.6x at 8-16; benchmarks/cpu_attn.py)
-LINEAR_MAX_ROWS = 4
+# torch at 1 row, even at 4, 0.35-0.6x at 8-16; the H100 host's 16 cores: 2.6-2.7x torch at
+# 1-2 rows, 0.76x at 4, about 1.0x at 8-16; benchmarks/cpu_attn.py, RESULTS.md)
+LINEAR_MAX_ROWS = 2
 
 
 def dispatch_mode_active() -> bool:
