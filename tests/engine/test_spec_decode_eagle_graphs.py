@@ -105,3 +105,20 @@ def test_capture_failure_leaves_eager(tmp_path, target, caplog):  # noqa: F811
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     generate(eng, prompts()[:2], params)
     assert eng.drafter.stats.num_drafts > 0
+
+
+def test_paged_gqa_decode_equals_paged_gqa():
+    """The graph-safe one-token attention of the Llama head (every page of the block table,
+    masked) equals the eager per-sequence one."""
+    from k2serve.attention.base import AttentionMetadata
+    from k2serve.model.eagle3 import paged_gqa, paged_gqa_decode
+
+    g = torch.Generator().manual_seed(0)
+    H, KVH, D, ps = 8, 2, 16, 4
+    flat = torch.randn(11 * ps, 2, KVH, D, generator=g)
+    table = torch.tensor([[5, 1, 0], [2, 0, 0], [7, 3, 9]], dtype=torch.int32)
+    lens = torch.tensor([7, 1, 12], dtype=torch.int32)
+    q = torch.randn(3, H, D, generator=g)
+    md = AttentionMetadata(torch.arange(4, dtype=torch.int32), lens, lens - 1, table,
+                           torch.zeros(3, dtype=torch.long), 1, 12, ps, 3)  # fmt: skip
+    torch.testing.assert_close(paged_gqa_decode(q, flat, md), paged_gqa(q, flat, md))

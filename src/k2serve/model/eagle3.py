@@ -206,20 +206,22 @@ def paged_gqa(q: torch.Tensor, flat: torch.Tensor, md) -> torch.Tensor:
 
 def paged_gqa_decode(q: torch.Tensor, flat: torch.Tensor, md) -> torch.Tensor:
     """One new token per sequence, without host syncs (CUDA-graph safe): every page of the
-    block table gathered [B, W * page_size, 2, KVH, D], keys at or past seq_lens masked.
-    q [B, H, D]; flat [slots, 2, KVH, D] -> [B, H, D]."""
+    block table gathered [B, W * page_size, 2, KVH, D], keys at or past seq_lens masked; the
+    query heads grouped per KV head (no K/V repeated). q [B, H, D]; flat [slots, 2, KVH, D]
+    -> [B, H, D]."""
     ps = md.page_size
     table = md.block_table.long()  # [B, W]
     B, W = table.shape
+    H, D, KVH = q.shape[1], q.shape[2], flat.shape[2]
     off = torch.arange(ps, device=q.device)
-    kv = flat[(table[:, :, None] * ps + off).view(B, W * ps)]  # [B, S, 2, KVH, D]
-    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, KVH, S, D]
+    kv = flat[(table[:, :, None] * ps + off).view(B, W * ps)].to(q.dtype)  # [B, S, 2, KVH, D]
+    k, v = kv[:, :, 0], kv[:, :, 1]  # [B, S, KVH, D]
+    qg = q.view(B, KVH, H // KVH, D)
+    s = torch.einsum("bkgd,bskd->bkgs", qg, k).float() * D**-0.5  # [B, KVH, G, S]
     keys = torch.arange(W * ps, device=q.device)
-    mask = (keys[None, :] < md.seq_lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
-    o = F.scaled_dot_product_attention(
-        q[:, :, None], k.to(q.dtype), v.to(q.dtype), attn_mask=mask, enable_gqa=True
-    )  # [B, H, 1, D]
-    return o[:, :, 0]
+    s = s.masked_fill((keys[None, :] >= md.seq_lens[:, None])[:, None, None, :], float("-inf"))
+    o = torch.einsum("bkgs,bskd->bkgd", s.softmax(-1).to(q.dtype), v)  # [B, KVH, G, D]
+    return o.reshape(B, H, D)
 
 
 class MLADraftAttention(nn.Module):

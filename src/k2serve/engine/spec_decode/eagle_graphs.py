@@ -72,6 +72,7 @@ class EagleGraphs:
                                         graph_factory=graph_factory)  # fmt: skip
         self.runner.capture()
         self.buckets = self.runner.buckets
+        self.num_replays = 0  # steps run from the graphs
 
     def fits(self, md) -> bool:
         return self.runner.bucket_for(md) is not None
@@ -89,6 +90,7 @@ class EagleGraphs:
         static = self.step.hidden[:B]
         if hidden.data_ptr() != static.data_ptr():
             static.copy_(hidden)
+        self.num_replays += 1
         return self.runner.run(ids, positions, md)
 
 
