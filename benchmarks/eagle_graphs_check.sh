@@ -13,9 +13,9 @@ if [ -d .whl ] && [ ! -d /tmp/site ]; then
     --target /tmp/site .whl/*.whl >/dev/null 2>&1
 fi
 if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site:src; else export PYTHONPATH=src; fi
-echo "== pytest: draft graphs (float32 graph == eager), peaked bf16 eagle3 greedy identical"
-timeout 60 python3 -m pytest -q -p no:cacheprovider tests/engine/test_spec_decode_gpu.py \
-  -k "draft_graphs or (peaked and eagle3)" 2>&1 | tee "$OUT/eagle_pytest.txt" | tail -8
+echo "== pytest: the Llama head kernel, draft graphs (float32 graph == eager), peaked bf16 eagle3 greedy identical"
+timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gqa_decode.py tests/engine/test_spec_decode_gpu.py \
+  -k "gqa_decode or draft_graphs or (peaked and eagle3)" 2>&1 | tee "$OUT/eagle_pytest.txt" | tail -8
 echo "(pytest rc=$? at ${SECONDS}s)"
 left=$((116 - SECONDS))
 echo "== draft step timing (${left}s left)"

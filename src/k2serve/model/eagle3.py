@@ -204,11 +204,23 @@ def paged_gqa(q: torch.Tensor, flat: torch.Tensor, md) -> torch.Tensor:
     return out
 
 
+def gqa_decode_uses_kernel(t: torch.Tensor) -> bool:
+    """Whether `paged_gqa_decode` runs the Triton kernel for tensors on t's device."""
+    from k2serve.kernels._triton import HAS_TRITON
+
+    return t.is_cuda and HAS_TRITON
+
+
 def paged_gqa_decode(q: torch.Tensor, flat: torch.Tensor, md) -> torch.Tensor:
-    """One new token per sequence, without host syncs (CUDA-graph safe): every page of the
-    block table gathered [B, W * page_size, 2, KVH, D], keys at or past seq_lens masked; the
-    query heads grouped per KV head (no K/V repeated). q [B, H, D]; flat [slots, 2, KVH, D]
-    -> [B, H, D]."""
+    """One new token per sequence, without host syncs (CUDA-graph safe). q [B, H, D];
+    flat [slots, 2, KVH, D] -> [B, H, D]. On CUDA the Triton kernel (kernels.gqa_decode: each
+    sequence's keys up to its length); else every page of the block table gathered
+    [B, W * page_size, 2, KVH, D], keys at or past seq_lens masked, the query heads grouped
+    per KV head (no K/V repeated)."""
+    if gqa_decode_uses_kernel(q):
+        from k2serve.kernels.gqa_decode import gqa_decode
+
+        return gqa_decode(q, flat, md.block_table, md.seq_lens, md.page_size)
     ps = md.page_size
     table = md.block_table.long()  # [B, W]
     B, W = table.shape

@@ -14,9 +14,10 @@ as that runner's `model`:
   `DraftStep.hidden`, so step j + 1 reads step j's without a copy;
 - output: the draft tokens [bucket] as target ids (graph-owned, valid until the next replay).
 Padding rows' KV: the MLA head's backend skips slot -1 (as the target's layers); the Llama
-head writes them to the scratch page of its cache (`Eagle3Head.new_kv_cache`) and reads
-every page of the block table masked by the lengths (`model.eagle3.paged_gqa_decode`), so
-its buckets are limited to those whose gather fits `LLAMA_GATHER_BYTES`.
+head writes them to the scratch page of its cache (`Eagle3Head.new_kv_cache`); its attention
+is `model.eagle3.paged_gqa_decode` (on CUDA a Triton kernel reading each sequence's keys up to
+its length; without Triton a gather of the whole block table, masked, whose buckets are then
+limited to those whose gather fits `LLAMA_GATHER_BYTES`).
 
 The first draft forward of a step (over the step's kept rows) replays the same graphs when
 each request kept exactly one row (a plain decode step); otherwise it runs eagerly.
@@ -30,10 +31,11 @@ from types import SimpleNamespace
 import torch
 
 from k2serve.model.cuda_graph import DecodeGraphRunner
+from k2serve.model.eagle3 import gqa_decode_uses_kernel
 
 logger = logging.getLogger(__name__)
 
-LLAMA_GATHER_BYTES = 256 * 2**20  # the Llama head's per-step K/V gather, at most
+LLAMA_GATHER_BYTES = 256 * 2**20  # the Llama head's per-step K/V gather, at most (no Triton)
 
 
 class DraftStep:
@@ -62,7 +64,7 @@ class EagleGraphs:
     def __init__(self, head, embed, kv_cache: torch.Tensor, max_pages: int,
                  buckets: tuple[int, ...], graph_factory=None) -> None:  # fmt: skip
         c = head.config
-        if c.kind == "llama":
+        if c.kind == "llama" and not gqa_decode_uses_kernel(kv_cache):
             row = max_pages * kv_cache.shape[1] * kv_cache[0, 0].numel() * kv_cache.element_size()
             buckets = tuple(b for b in buckets if b * row <= LLAMA_GATHER_BYTES)
             if not buckets:
