@@ -83,6 +83,7 @@ def gqa_decode(
         q.stride(0), q.stride(1), block_table.stride(0), flat.stride(0), flat.stride(1),
         flat.stride(2), out.stride(0), out.stride(1), D**-0.5, G, D, page_size,
         BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
+        num_warps=8 if block_g * block_n * block_d > 4096 else 4,
     )  # fmt: skip
     return out
 
