@@ -24,6 +24,7 @@ monkeypatch. Nothing else in k2serve reads `os.environ` for a `K2SERVE_*` name.
 | K2SERVE_SIMULATED_DEVICE_MEMORY | bytes | unset | CPU: size the KV cache as on a GPU this big |
 | K2SERVE_KV_HOST_TIER_ON_CPU | bool | false | test/debug: a KV host tier on a CPU-only engine |
 | K2SERVE_HYBRID_DEVICE_WAIT | bool | true | decode graphs wait for the CPU experts in-graph |
+| K2SERVE_EAGLE_GRAPHS | bool | true | CUDA graphs for the EAGLE-3 draft's one-token steps |
 """
 
 from __future__ import annotations
@@ -174,3 +175,9 @@ def hybrid_device_wait() -> bool:
     """K2SERVE_HYBRID_DEVICE_WAIT: decode graphs of hybrid GPU + CPU layers wait for the CPU
     experts on a flag inside the graph (false: a host round trip between graph pieces)."""
     return env_bool("K2SERVE_HYBRID_DEVICE_WAIT", True)
+
+
+def eagle_graphs() -> bool:
+    """K2SERVE_EAGLE_GRAPHS: on CUDA with decode graphs on, the EAGLE-3 draft head's one-token
+    steps replay CUDA graphs (false: they run eagerly, as on the CPU)."""
+    return env_bool("K2SERVE_EAGLE_GRAPHS", True)

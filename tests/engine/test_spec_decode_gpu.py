@@ -59,3 +59,46 @@ def test_peaked_k2_slice_bf16_greedy_identical(peaked_ref, tmp_path, method):
     eng = check_peaked_identical(peaked_ref, tmp_path, method, "cuda")
     # K=3: one request's 1 + k rows (k = 0..3) each replay their own graph, no padding row
     assert {1, 2, 3, 4} <= set(eng.runner.graph_runner.buckets)
+    if method.startswith("eagle3"):  # the draft's one-token steps replayed CUDA graphs
+        g = eng.drafter.eagle.graphs
+        assert g is not None and g.num_replays > 0
+
+
+@pytest.mark.parametrize("head", ["mla", "llama"])
+def test_cuda_draft_graphs_equal_eager_float32(ckpt, tmp_path, monkeypatch, head):
+    """float32, CUDA graphs on for the target: the EAGLE-3 draft's graphs (default) propose
+    exactly what the eager head proposes (K2SERVE_EAGLE_GRAPHS=0), step by step over a
+    continuous-batching run, so the acceptance is identical; greedy output equals speculation
+    off either way."""
+    from .test_spec_decode_eagle_graphs import _record
+
+    base = dict(model=ckpt, device="cuda", dtype="float32", num_kv_pages=256,
+                max_model_len=512, page_size=16, max_num_seqs=6)  # fmt: skip
+    plain = LLMEngine(EngineConfig(**base))
+    d = str(tmp_path / head)
+    write_eagle3_checkpoint(d, plain.model_config, head, draft_vocab_size=700, seed=1)
+    spec = {"method": "eagle3", "model": d, "num_speculative_tokens": 3}
+    g = torch.Generator().manual_seed(0)
+    ps = [torch.randint(10, 60, (n,), generator=g).tolist() for n in (1, 3, 9, 17, 30, 45, 60, 7)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in generate(plain, ps, params)]
+    runs = {}
+    for graphs in ("0", "1"):
+        monkeypatch.setenv("K2SERVE_EAGLE_GRAPHS", graphs)
+        eng = LLMEngine(EngineConfig(**base, speculative_config=spec))
+        assert eng.runner.graph_runner is not None
+        log = _record(eng)
+        got = generate(eng, ps, params, stagger=True)
+        assert [o.outputs[0].token_ids for o in got] == ref
+        runs[graphs] = eng, log
+    (eager, eager_log), (graph, graph_log) = runs["0"], runs["1"]
+    assert eager.drafter.eagle.graphs is None
+    gr = graph.drafter.eagle.graphs
+    assert gr is not None and gr.num_replays > len(graph_log)
+    se, sg = eager.drafter.stats, graph.drafter.stats
+    assert (sg.num_drafts, sg.num_draft_tokens, sg.num_accepted_tokens_per_pos) == (
+        se.num_drafts,
+        se.num_draft_tokens,
+        se.num_accepted_tokens_per_pos,
+    )
+    assert graph_log == eager_log

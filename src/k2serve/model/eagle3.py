@@ -161,15 +161,21 @@ class LlamaDraftAttention(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
-    def forward(self, x, positions, md, kv_cache) -> torch.Tensor:
+    def forward(self, x, positions, md, kv_cache, graph: bool = False) -> torch.Tensor:
+        """graph: a one-token-per-sequence step captured in a CUDA graph (no host sync):
+        padding rows (slot -1) write the cache's scratch page, attention reads every page of
+        the block table, masked by the sequence lengths (`paged_gqa_decode`)."""
         T = x.shape[0]
         q = self._rope(self.q_proj(x).view(T, self.num_heads, self.head_dim), positions)
         k = self._rope(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim), positions)
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
         flat = kv_cache.view(-1, 2, self.num_kv_heads, self.head_dim)  # [slots, 2, KVH, D]
-        flat[md.slot_mapping, 0] = k.to(flat.dtype)
-        flat[md.slot_mapping, 1] = v.to(flat.dtype)
-        out = paged_gqa(q, flat, md)  # [T, H, D]
+        slots = md.slot_mapping
+        if graph:  # the last slot is the scratch page's (see Eagle3Head.new_kv_cache)
+            slots = torch.where(slots >= 0, slots, torch.full_like(slots, flat.shape[0] - 1))
+        flat[slots, 0] = k.to(flat.dtype)
+        flat[slots, 1] = v.to(flat.dtype)
+        out = paged_gqa_decode(q, flat, md) if graph else paged_gqa(q, flat, md)  # [T, H, D]
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
 
@@ -198,6 +204,38 @@ def paged_gqa(q: torch.Tensor, flat: torch.Tensor, md) -> torch.Tensor:
     return out
 
 
+def gqa_decode_uses_kernel(t: torch.Tensor) -> bool:
+    """Whether `paged_gqa_decode` runs the Triton kernel for tensors on t's device."""
+    from k2serve.kernels._triton import HAS_TRITON
+
+    return t.is_cuda and HAS_TRITON
+
+
+def paged_gqa_decode(q: torch.Tensor, flat: torch.Tensor, md) -> torch.Tensor:
+    """One new token per sequence, without host syncs (CUDA-graph safe). q [B, H, D];
+    flat [slots, 2, KVH, D] -> [B, H, D]. On CUDA the Triton kernel (kernels.gqa_decode: each
+    sequence's keys up to its length); else every page of the block table gathered
+    [B, W * page_size, 2, KVH, D], keys at or past seq_lens masked, the query heads grouped
+    per KV head (no K/V repeated)."""
+    if gqa_decode_uses_kernel(q):
+        from k2serve.kernels.gqa_decode import gqa_decode
+
+        return gqa_decode(q, flat, md.block_table, md.seq_lens, md.page_size)
+    ps = md.page_size
+    table = md.block_table.long()  # [B, W]
+    B, W = table.shape
+    H, D, KVH = q.shape[1], q.shape[2], flat.shape[2]
+    off = torch.arange(ps, device=q.device)
+    kv = flat[(table[:, :, None] * ps + off).view(B, W * ps)].to(q.dtype)  # [B, S, 2, KVH, D]
+    k, v = kv[:, :, 0], kv[:, :, 1]  # [B, S, KVH, D]
+    qg = q.view(B, KVH, H // KVH, D)
+    s = torch.einsum("bkgd,bskd->bkgs", qg, k).float() * D**-0.5  # [B, KVH, G, S]
+    keys = torch.arange(W * ps, device=q.device)
+    s = s.masked_fill((keys[None, :] >= md.seq_lens[:, None])[:, None, None, :], float("-inf"))
+    o = torch.einsum("bkgs,bskd->bkgd", s.softmax(-1).to(q.dtype), v)  # [B, KVH, G, D]
+    return o.reshape(B, H, D)
+
+
 class MLADraftAttention(nn.Module):
     """DeepSeek-V2 MLA (absorbed) over a paged latent cache, through the target's backend."""
 
@@ -224,7 +262,8 @@ class MLADraftAttention(nn.Module):
         self.scaling = qk**-0.5 * _yarn_mscale(c.rope_scaling) ** 2
         self.backend = backend  # attention.MLABackend (store / forward), set by the loader
 
-    def forward(self, x, positions, md, kv_cache) -> torch.Tensor:
+    def forward(self, x, positions, md, kv_cache, graph: bool = False) -> torch.Tensor:
+        # graph: nothing different, the backend handles padding rows (slot -1: not stored)
         T, H = x.shape[0], self.num_heads
         if self.q_lora_rank:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -300,9 +339,10 @@ class Eagle3Head(nn.Module):
             aux = self.fc_norm(aux.view(T, 3, -1)).view(T, -1)
         return self.fc(aux)
 
-    def forward(self, embeds, hidden, positions, md, kv_cache):
+    def forward(self, embeds, hidden, positions, md, kv_cache, graph: bool = False):
         """embeds [T, H] (of the input tokens), hidden [T, H] -> (normed [T, H] for the logits,
-        the hidden state for the next draft step [T, H])."""
+        the hidden state for the next draft step [T, H]). graph: a one-token step captured in
+        a CUDA graph (engine.spec_decode.eagle_graphs). `hidden` may be updated in place."""
         layer = self.midlayer
         if self.config.norm_before_residual:
             hidden = layer.hidden_norm(hidden)
@@ -310,7 +350,7 @@ class Eagle3Head(nn.Module):
         else:
             residual, h = hidden, layer.hidden_norm(hidden)
         x = torch.cat([layer.input_layernorm(embeds), h], dim=-1)  # [T, 2H]
-        a = layer.self_attn(x, positions, md, kv_cache)
+        a = layer.self_attn(x, positions, md, kv_cache, graph=graph)
         x, residual = layer.post_attention_layernorm.add_norm(a, residual)
         x = layer.mlp(x)
         out, prenorm = self.norm.add_norm(x, residual)
@@ -323,9 +363,13 @@ class Eagle3Head(nn.Module):
         return d + self.d2t[d]
 
     def new_kv_cache(self, num_pages: int, page_size: int, dtype, device) -> torch.Tensor:
+        """The draft's KV, indexed by the target's pages; the Llama head's has one more page,
+        a scratch page that the padding rows of a CUDA-graph step write (no block table names
+        it). The MLA head's backend skips padding rows (slot -1) itself."""
         c = self.config
         if c.kind == "llama":
-            shape: tuple[int, ...] = (num_pages, page_size, 2, c.num_key_value_heads, c.head_dim)
+            shape: tuple[int, ...] = (num_pages + 1, page_size, 2, c.num_key_value_heads,
+                                      c.head_dim)  # fmt: skip
         else:
             shape = (num_pages, page_size, c.kv_lora_rank + c.qk_rope_head_dim)
         return torch.zeros(shape, dtype=dtype, device=device)

@@ -21,8 +21,9 @@ scheduled in a step (no new target hidden state) gets no drafts that step.
 
 The target's decode CUDA graphs are captured again once the draft is loaded, so that they also
 produce the auxiliary hidden states (`DecodeGraphRunner.aux`); decode + verify steps replay them
-(verify tokens are one-token sequences on CUDA, see engine.runner). Limits here: tensor
-parallel size 1; the draft head runs eagerly.
+(verify tokens are one-token sequences on CUDA, see engine.runner). On CUDA the draft's
+one-token steps replay CUDA graphs too (`eagle_graphs`; K2SERVE_EAGLE_GRAPHS=0: eagerly), as
+does the first draft forward of a plain decode step. Limit here: tensor parallel size 1.
 """
 
 from __future__ import annotations
@@ -32,10 +33,16 @@ import logging
 import numpy as np
 import torch
 
+from k2serve import envs
 from k2serve.attention.base import AttentionMetadata
 from k2serve.engine.input_batch import to_device
 from k2serve.engine.request import Request
 from k2serve.engine.spec_decode.config import SpeculativeConfig
+from k2serve.engine.spec_decode.eagle_graphs import (
+    EagleGraphs,
+    capture_draft_graphs,
+    draft_buckets,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +102,20 @@ class EagleProposer:
             engine.runner.kv_caches[0].dtype if head.config.kind == "mla" else head.fc.weight.dtype
         )
         self.kv_cache = head.new_kv_cache(kv.num_pages, kv.page_size, dtype, engine.device)
+        self.graphs: EagleGraphs | None = None  # CUDA graphs of the one-token draft steps
+        target = getattr(engine.runner, "graph_runner", None)
+        if target is not None and engine.device.type == "cuda":
+            if envs.eagle_graphs():
+                buckets = draft_buckets(target.buckets, engine.config.max_num_seqs)
+                self.setup_graphs(buckets, target.max_pages)
+            else:
+                logger.info("EAGLE-3 draft CUDA graphs: off (K2SERVE_EAGLE_GRAPHS=0)")
+
+    def setup_graphs(self, buckets: tuple[int, ...], max_pages: int, graph_factory=None) -> None:
+        """Capture the one-token draft steps (eagle_graphs); on failure the head stays eager."""
+        emb = self.head.embed_tokens or self.model.model.embed_tokens
+        self.graphs = capture_draft_graphs(self.head, emb, self.kv_cache, buckets, max_pages,
+                                           graph_factory)  # fmt: skip
 
     @classmethod
     def load(cls, spec: SpeculativeConfig, engine) -> EagleProposer:
@@ -160,10 +181,19 @@ class EagleProposer:
         )  # fmt: skip
         return pos_t, md
 
-    def _run(self, ids: list[int], hidden: torch.Tensor, reqs, starts, counts):
+    def _run(self, ids: torch.Tensor, hidden: torch.Tensor, reqs, starts, counts, sel=None):
+        """The head over new tokens ids [T] with hidden [T, H]; at rows `sel` [A] (None: all)
+        -> (draft tokens [A] as target ids, the next hidden states [A, H]). A CUDA graph when
+        one fits (one token per request), else eagerly; graph outputs (when sel is None) are
+        valid until the next graph run."""
         pos, md = self._metadata(reqs, starts, counts)
-        ids_t = torch.tensor(ids, dtype=torch.long, device=self.engine.device)
-        return self.head(self._embed(ids_t), hidden, pos, md, self.kv_cache)
+        if self.graphs is not None and self.graphs.fits(md):
+            tok, nxt = self.graphs.run(ids, hidden, pos, md), self.graphs.hidden(ids.shape[0])
+            return (tok, nxt) if sel is None else (tok[sel], nxt[sel])
+        normed, nxt = self.head(self._embed(ids), hidden, pos, md, self.kv_cache)
+        if sel is not None:
+            normed, nxt = normed[sel], nxt[sel]
+        return self.head.draft_tokens(normed), nxt
 
     @torch.inference_mode()
     def propose(self, want: list[tuple[Request, int]], sched) -> None:
@@ -191,8 +221,8 @@ class EagleProposer:
             rows.extend(range(q0, q0 + valid))
             ids.extend(req.all_token_ids[c0 + 1 : c0 + valid + 1])
         reqs = [x[1] for x in items]
+        dev = self.engine.device
         hidden = self.head.combine_aux(aux[torch.tensor(rows, device=aux.device)])  # [T', H]
-        normed, nxt = self._run(ids, hidden, reqs, [x[2] for x in items], [x[3] for x in items])
         # 2. drafting requests: the last kept row gives d_0
         want_k = {r.request_id: k for r, k in want}
         last_row: dict[str, int] = {}
@@ -204,22 +234,26 @@ class EagleProposer:
         kv = self.engine.kv
         active = [r for r in reqs if r.request_id in last_row
                   and kv.allocate_slots(r, 1 + want_k[r.request_id])]  # fmt: skip
+        sel = torch.tensor([last_row[r.request_id] for r in active], dtype=torch.long, device=dev)
+        ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
+        tok, h = self._run(ids_t, hidden, reqs, [x[2] for x in items], [x[3] for x in items],
+                           sel)  # [A] target ids, [A, H] (copies)  # fmt: skip
         if not active:
             return
-        sel = torch.tensor([last_row[r.request_id] for r in active], device=normed.device)
-        tok = self.head.draft_tokens(normed[sel])  # [A] target ids
-        h = nxt[sel]  # [A, H]
-        drafts = {r.request_id: [t] for r, t in zip(active, tok.tolist(), strict=True)}
+        steps = [(active, tok)]  # per draft position: the requests and their tokens [A]
         for j in range(2, max(want_k[r.request_id] for r in active) + 1):
             keep = [i for i, r in enumerate(active) if want_k[r.request_id] >= j]
             if len(keep) < len(active):
-                idx = torch.tensor(keep, device=h.device)
+                idx = torch.tensor(keep, device=dev)
                 active, tok, h = [active[i] for i in keep], tok[idx], h[idx]
             positions = [r.num_tokens + j - 3 for r in active]  # P + j - 2, P = num_tokens - 1
-            normed, h = self._run(tok.tolist(), h, active, positions, [1] * len(active))
-            tok = self.head.draft_tokens(normed)
-            for r, t in zip(active, tok.tolist(), strict=True):
-                drafts[r.request_id].append(t)
+            tok, h = self._run(tok, h, active, positions, [1] * len(active))
+            tok = tok.clone()  # kept past the next step's graph replay
+            steps.append((active, tok))
+        drafts: dict[str, list[int]] = {r.request_id: [] for r in steps[0][0]}
+        for act, t in steps:  # one host sync for all the positions
+            for r, d in zip(act, t.tolist(), strict=True):
+                drafts[r.request_id].append(d)
         for r, _ in want:
             r.spec_token_ids = drafts.get(r.request_id, [])
 
