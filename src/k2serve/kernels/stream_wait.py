@@ -1,6 +1,6 @@
-"""A host -> GPU signal that a CUDA graph can wait on: the GPU stream stalls on a flag in device
-memory until the host has it written (CUDA stream memory operations, libcuda via ctypes), so
-the work after the wait needs no host launch on that stream.
+"""A host -> GPU signal that a CUDA graph can wait on: the GPU stream stalls on a flag in
+pinned host memory until the host writes it (CUDA stream memory operations, libcuda via
+ctypes), so the work after the wait needs no host launch.
 
 Owns: `CudaHostSignal` (one per hybrid MoE layer) and `cuda_host_signal_supported()` (a probe,
 once per process and device).
@@ -11,16 +11,10 @@ Protocol of one signal (all four calls are cheap, none allocates):
 - `gpu_wait()` (enqueued, usually while capturing a graph): the stream waits until the flag is
   1 (`cuStreamWaitValue32`, EQ), then writes 0 (`cuStreamWriteValue32`) to re-arm it for the
   next step. Both are batch mem-op nodes when captured.
-- `release()` (host): has 1 written to the flag by a write op on a side stream of its own
-  (`cuStreamWriteValue32`, one driver call, nothing waits on it), after the host wrote what the
-  GPU reads after the wait (the driver's doorbell write is ordered after those stores).
-The host releases only after `wait_recorded()` of a later point of the same stream, which is
+- `release()` (host): write 1 (after the host wrote what the GPU reads after the wait; x86
+  stores are seen in order, and the GPU reads pinned memory through the coherent PCIe path).
+The host writes 1 only after `wait_recorded()` of a later point of the same stream, which is
 after the GPU's write of 0 of the previous step: the flag is never 1 twice in a row.
-
-Why the flag is in device memory: a wait on a flag in pinned host memory polls it over PCIe
-for as long as the CPU experts run, and on the H100 host that made the CPU experts 43% slower
-in the real step (3.13 ms a layer against 2.18 ms alone, benchmarks/hybrid_moe.py); polling
-device memory costs the CPU nothing.
 
 Why stream memory operations and not a spin kernel or `cudaLaunchHostFunc`: the wait runs in
 the GPU's front end (no SM held, nothing to compile), it is documented to be capturable, the
@@ -48,7 +42,7 @@ CU_STREAM_WRITE_VALUE_DEFAULT = 0x0
 
 @functools.lru_cache(maxsize=1)
 def _libcuda():
-    """(wait32, write32) from libcuda, or None when not available."""
+    """(wait32, write32, host_device_pointer) from libcuda, or None when not available."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError:
@@ -63,12 +57,15 @@ def _libcuda():
 
     wait = entry("cuStreamWaitValue32_v2", "cuStreamWaitValue32")
     write = entry("cuStreamWriteValue32_v2", "cuStreamWriteValue32")
-    if wait is None or write is None:
+    dptr = entry("cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer")
+    if wait is None or write is None or dptr is None:
         return None
     for fn in (wait, write):
         fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
         fn.restype = ctypes.c_int
-    return wait, write
+    dptr.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+    dptr.restype = ctypes.c_int
+    return wait, write, dptr
 
 
 def _check(rc: int, what: str) -> None:
@@ -83,10 +80,13 @@ class CudaHostSignal:
         lib = _libcuda()
         if lib is None:
             raise RuntimeError("libcuda stream memory operations are not available")
-        self._wait, self._write = lib
-        self.flag = torch.zeros(1, dtype=torch.int32, device="cuda")  # [1]: 1 = released
-        self._dptr = self.flag.data_ptr()
-        self._side = torch.cuda.Stream()  # carries the host's writes of the flag
+        self._wait, self._write, dptr = lib
+        self.flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # [1]: 1 = released
+        out = ctypes.c_uint64()
+        rc = dptr(ctypes.byref(out), self.flag.data_ptr(), 0)
+        # with unified addressing (every 64-bit CUDA platform) the host address is the device's
+        self._dptr = out.value if rc == 0 else self.flag.data_ptr()
+        self._host = ctypes.c_int32.from_address(self.flag.data_ptr())
         self.event = torch.cuda.Event()
 
     def record(self) -> None:
@@ -101,18 +101,12 @@ class CudaHostSignal:
         _check(self._write(stream, self._dptr, 0, CU_STREAM_WRITE_VALUE_DEFAULT),
                "cuStreamWriteValue32")  # fmt: skip
 
-    def _host_write(self, value: int) -> None:
-        side = ctypes.c_void_p(self._side.cuda_stream)
-        _check(self._write(side, self._dptr, value, CU_STREAM_WRITE_VALUE_DEFAULT),
-               "cuStreamWriteValue32")  # fmt: skip
-
     def release(self) -> None:
-        self._host_write(1)
+        self._host.value = 1
 
     def reset(self) -> None:
         """Re-arm from the host (error recovery, after the device is drained)."""
-        self._host_write(0)
-        self._side.synchronize()
+        self._host.value = 0
 
 
 def _poll(event: torch.cuda.Event, seconds: float) -> bool:

@@ -10,12 +10,13 @@ actions read and write static (pinned) buffers that the captured copies use, so 
 re-run as they are at every replay. Graphs come from a `graph_factory` (default
 `CudaGraphFactory`); tests pass a fake that records and replays torch ops on the CPU.
 
-Device wait (`device_wait`, default K2SERVE_HYBRID_DEVICE_WAIT=1, used when the factory gives
-host signals: CUDA stream memory operations, kernels.stream_wait): each hybrid layer waits
-for its CPU experts on a flag inside the graph, so a step is 1 + n pieces (cut where the host
-must learn that a layer's inputs are staged), every piece is launched at once, and then the
-host computes the layers' CPU parts in order (moe.host_round_trip): the GPU runs each layer's
-shared expert and GPU experts during the CPU part and resumes the moment the flag is written.
+Device wait (`device_wait`, K2SERVE_HYBRID_DEVICE_WAIT=1, off by default: slower than the host
+wait on the H100 host; used when the factory gives host signals: CUDA stream memory
+operations, kernels.stream_wait): each hybrid layer waits for its CPU experts on a flag inside
+the graph, so a step is 1 + n pieces (cut where the host must learn that a layer's inputs are
+staged); piece i + 1 is launched before layer i's CPU part (moe.host_round_trip): the GPU runs
+each layer's shared expert and GPU experts during the CPU part and resumes the moment the flag
+is written.
 Without it (host wait): 1 + 2n pieces, g0, a0, g1, a1, ... with the CPU part inside a1.
 
 Owns: `DecodeGraphRunner`. A decode step = B sequences with one new token each
