@@ -12,6 +12,10 @@ one; the winner is printed as the `int4_decode` entry of kernels/configs/<kind>.
 fusions of the kernel policy off), overlap (the shared expert in order vs on a side stream),
 peer (transformers DeepseekV3, grouped_mm experts, 3-layer bf16 slice with the same weights
 dequantized, against our model on the same 3 layers).
+--routing dummy,uniform[,record:FILE] (default dummy,uniform): the model and peer parts once per
+routing (routing_modes.py): the dummy weights' router concentrates a batch on about a third of
+the experts; uniform top-8 (or a --record-routing counts file replayed) is what a served K2 sees.
+Rows of a routing other than dummy are tagged model[uniform], peer[uniform], ...
 Variants are kernel policies (`k2serve.kernels.policy.KernelPolicy`) set up on the model the
 way the engine does (`setup`); no module of k2serve is patched.
 Bytes counted for decode = every weight read once (attention, norms, router, shared expert, the
@@ -942,14 +946,29 @@ def check_pinned(fmt="int4"):
     torch.cuda.empty_cache()
 
 
-def part_model_and_peer(layers, do_peer):
-    check_pinned()
+def _tag(base, mode):
+    """Row tag of a routing: the base name for the dummy router, else base[mode]."""
+    return base if mode == "dummy" else f"{base}[{mode.split('/')[-1]}]"
+
+
+def part_model_and_peer(layers, do_peer, routings=("dummy",), quick=False):
+    """k2-slice decode / prefill (and the transformers peer on 3 layers) for each routing
+    (routing_modes.py: the dummy router, uniform, or replayed from a --record-routing file).
+    quick: no pinned fidelity check, no fusions-off rows, no profiles."""
+    from routing_modes import RoutingOverride
+
+    if not quick:
+        check_pinned()
     model = load_slice(layers)
-    setup(model, engine_policy(**UNFUSED), expand=True)  # the decode fusions off
-    check_expand(model)
-    bench_model(model, "model-base", batches=(1, 8), prefills=())
+    if not quick:
+        setup(model, engine_policy(**UNFUSED), expand=True)  # the decode fusions off
+        check_expand(model)
+        bench_model(model, "model-base", batches=(1, 8), prefills=())
     setup(model, expand=True)
-    bench_model(model, "model", profile_batches=(1, 8), expanded=True)
+    for mode in routings:
+        with RoutingOverride(model, mode, 8192):
+            prof = (1, 8) if mode == routings[0] and not quick else ()
+            bench_model(model, _tag("model", mode), profile_batches=prof, expanded=True)
     del model
     gc.collect()
     torch.cuda.empty_cache()
@@ -957,18 +976,24 @@ def part_model_and_peer(layers, do_peer):
         return
     model = load_slice(3)
     setup(model, expand=True)
-    ours = bench_model(model, "ours-3L", batches=(1,), prefills=(8192,), expanded=True)
+    ours = {}
+    for mode in routings:
+        with RoutingOverride(model, mode, 8192):
+            ours[mode] = bench_model(model, _tag("ours-3L", mode), batches=(1,), prefills=(8192,),
+                                     expanded=True)  # fmt: skip
     peer = build_peer(model)  # timed only: numerics are checked pinned in check_pinned()
-    ms_ours_dec, nb = ours["decode1"]
-    ms_ours_pf, fl = ours["prefill8192"]
     del model
     gc.collect()
     torch.cuda.empty_cache()
-    p = bench_peer(peer)
-    row("peer", "HF decode B=1 ctx=1k (eager)", p["decode1"], nb, 0,
-        f"ours/peer tok/s = {p['decode1'] / ms_ours_dec:.2f}x")  # fmt: skip
-    row("peer", "HF prefill T=8192", p["prefill8192"], 0, fl,
-        f"ours/peer tok/s = {p['prefill8192'] / ms_ours_pf:.2f}x")  # fmt: skip
+    for mode in routings:
+        ms_ours_dec, nb = ours[mode]["decode1"]
+        ms_ours_pf, fl = ours[mode]["prefill8192"]
+        with RoutingOverride(peer, mode, 8192, hf=True):
+            p = bench_peer(peer)
+        row(_tag("peer", mode), "HF decode B=1 ctx=1k (eager)", p["decode1"], nb, 0,
+            f"ours/peer tok/s = {p['decode1'] / ms_ours_dec:.2f}x")  # fmt: skip
+        row(_tag("peer", mode), "HF prefill T=8192", p["prefill8192"], 0, fl,
+            f"ours/peer tok/s = {p['prefill8192'] / ms_ours_pf:.2f}x")  # fmt: skip
 
 
 def part_overlap(layers):
@@ -993,7 +1018,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="ceil,check,model,peer")
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--routing", default="dummy,uniform",
+                    help="model/peer routings, comma-separated: dummy (the dummy weights' router), "
+                    "uniform, record:FILE (a --record-routing counts file); routing_modes.py")
+    ap.add_argument("--quick", action="store_true",
+                    help="model part: no pinned check, no fusions-off rows, no profiles")
     args = ap.parse_args(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # routing_modes, fidelity
     if not torch.cuda.is_available():
         sys.exit("model_speed.py needs a CUDA device")
     parts = args.parts.split(",")
@@ -1015,7 +1046,11 @@ def main(argv=None):
         if name in parts:
             run_part(name, fn)
     if "model" in parts or "peer" in parts:
-        run_part("model", lambda: part_model_and_peer(args.layers, "peer" in parts))
+        from routing_modes import parse_modes
+
+        routings = tuple(parse_modes(args.routing))
+        run_part("model", lambda: part_model_and_peer(args.layers, "peer" in parts, routings,
+                                                      args.quick))  # fmt: skip
     if "overlap" in parts:
         run_part("overlap", lambda: part_overlap(args.layers))
     if "long" in parts:
