@@ -99,6 +99,11 @@ class KernelTables:
     int4_decode_grouped: Mapping[str, Any] = field(default_factory=lambda: FrozenMap({}))
     int4_decode_grouped_min_pairs: int | None = None
     int4_decode_grouped_max_pairs: int | None = None
+    # INT4 routed experts chosen on the device from the routing (kernels/moe_select.py): bands
+    # of (token, expert) pair counts {"min_pairs", "max_pairs", "paths": 2 or 3 of "decode",
+    # "grouped", "gemm", "pairs_per_expert": ascending limits between them}; inside a band
+    # they replace the pair-count rule above; absent from a table: off
+    int4_routing_select: tuple[Mapping[str, Any], ...] = ()
 
     @classmethod
     def from_json(cls, kind: str, data: Mapping[str, Any]) -> KernelTables:
@@ -129,6 +134,7 @@ class KernelTables:
                 int4_decode_grouped=_frozen(data.get("int4_decode_grouped", {})),
                 int4_decode_grouped_min_pairs=_opt_int(data, "int4_decode_grouped_min_pairs"),
                 int4_decode_grouped_max_pairs=_opt_int(data, "int4_decode_grouped_max_pairs"),
+                int4_routing_select=tuple(_frozen(e) for e in data.get("int4_routing_select", ())),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"kernel table {kind!r} is malformed: {e!r}") from None
@@ -259,6 +265,7 @@ class KernelPolicy:
             grouped_config=t.int4_decode_grouped,
             grouped_min_pairs=t.int4_decode_grouped_min_pairs,
             grouped_max_pairs=t.int4_decode_grouped_max_pairs,
+            routing_select=t.int4_routing_select,
             prefill_config=t.int4_prefill,
             prefill_min_tokens=t.int4_prefill_min_tokens,
             asm=self.int4_asm,
