@@ -20,7 +20,8 @@ runs the generic fused_moe kernel always. `prefill_impl` overrides the part abov
 the per-pair GEMV, grouped GEMV and GEMM are launched, and kernels/moe_select.py picks one on
 the device from the pairs per distinct expert hit (the others' programs return at once; the
 same CUDA graph serves every routing); `plan()` names the path(s) for a token count. On one
-K2 layer the grouped GEMM beats both others up to 8192 tokens (dequant + grouped_mm wins at 16384; benchmarks/RESULTS.md).
+K2 layer the grouped GEMM beats both others up to 8192 tokens (dequant + grouped_mm wins at
+16384; benchmarks/RESULTS.md).
 FP8-block experts (`fp8_impl`): "auto" (default) runs the generic
 fused_moe kernel up to `fp8_generic_max_pairs` (token, expert) pairs, where it is faster (decode
 and small batches: one H100, benchmarks/RESULTS.md), and kernels/fp8_moe.py's grouped GEMMs (fp8
