@@ -200,6 +200,37 @@ class FusedMoEBackend(ExpertBackend):
             return ("decode",), ()
         return ("gemm" if impl in ("auto", "gemm") else "kernel",), ()
 
+    def config_key(self, num_tokens: int, top_k: int) -> tuple:
+        """What Triton compiles for `num_tokens` tokens x `top_k`: the path(s) and, per path,
+        the launch config picked (a table entry's index, or the generic kernel's small / large
+        block), with the token and pair counts' divisibility by 16 (Triton specializes integer
+        arguments on it). Equal keys run the same compiled kernels (engine.warmup)."""
+        pairs = num_tokens * top_k
+        paths, _ = self.plan(num_tokens, top_k)
+        picks = []
+        for p in paths:
+            if p == "gemm":
+                table = self.prefill_config
+                idx = (
+                    0
+                    if isinstance(table, Mapping)
+                    else next(
+                        i
+                        for i, e in enumerate(table)
+                        if e["max_pairs"] is None or pairs <= e["max_pairs"]
+                    )
+                )
+                picks.append(("gemm", idx))
+            elif p == "fp8_gemm":
+                idx = next(i for i, e in enumerate(self.fp8_table)
+                           if e.get("max_pairs") is None or pairs <= e["max_pairs"])  # fmt: skip
+                picks.append(("fp8_gemm", idx))
+            elif p == "kernel":  # fused_moe._config: small-M below 4 pairs per expert
+                picks.append(("kernel", pairs <= 4 * self.weights.num_experts))
+            else:
+                picks.append((p,))
+        return tuple(picks), num_tokens % 16 == 0, pairs % 16 == 0, num_tokens == 1
+
     def run_path(self, path: str, hidden, topk_ids, topk_weights, active=None) -> torch.Tensor:
         """One path of `plan` (`active`: [1] int32 on the device, 0 = its kernels return at
         once; INT4 planes paths only)."""
