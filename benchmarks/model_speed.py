@@ -10,7 +10,8 @@ one; the winner is printed as the `int4_decode` entry of kernels/configs/<kind>.
 (kernel timings), model (k2-slice INT4, 8 layers, dummy weights: decode B=1/8/32/128 at context
 1k through decode CUDA graphs, prefill 1k/8k; "model-base" is the same model with the decode
 fusions of the kernel policy off), overlap (the shared expert in order vs on a side stream),
-peer (transformers DeepseekV3, grouped_mm experts, 3-layer bf16 slice with the same weights
+warmup (engine.warmup's start-up steps on the k2-slice: their time, then the first call of
+unseen prompt shapes against their steady time), peer (transformers DeepseekV3, grouped_mm experts, 3-layer bf16 slice with the same weights
 dequantized, against our model on the same 3 layers).
 --routing dummy,uniform[,record:FILE] (default dummy,uniform): the model and peer parts once per
 routing (routing_modes.py): the dummy weights' router concentrates a batch on about a third of
@@ -996,6 +997,51 @@ def part_model_and_peer(layers, do_peer, routings=("dummy",), quick=False):
             f"ours/peer tok/s = {p['prefill8192'] / ms_ours_pf:.2f}x")  # fmt: skip
 
 
+def part_warmup(layers, max_tokens=8192):
+    """Start-up warm-up (engine.warmup) on the k2-slice: how long it takes (cold: compiles; a
+    warm Triton cache: loads), then the first call of prompt shapes it never ran (odd lengths,
+    16 prompts in one step) against their steady time: no compile spike if ~1x."""
+    from k2serve.attention import allocate_kv_caches
+    from k2serve.engine.warmup import (
+        WarmupStep,
+        moe_backends,
+        run_warmup,
+        step_inputs,
+        warmup_token_counts,
+    )
+
+    model = load_slice(layers)
+    setup(model, expand=True)
+    ps = 64
+    kv = allocate_kv_caches(model.config, max_tokens // ps + 20, ps, torch.bfloat16, "cuda")
+    counts = warmup_token_counts(moe_backends(model), model.config.num_experts_per_tok, max_tokens)
+    dt = run_warmup(model, kv, page_size=ps, max_num_batched_tokens=max_tokens)
+    row(
+        "warmup", f"engine.warmup, {len(counts) + 2} steps", dt * 1e3, note=f"token counts {counts}"
+    )
+    for step in (WarmupStep((777,), (0,)), WarmupStep((3001,), (0,)),
+                 WarmupStep((301,) * 16, (0,) * 16), WarmupStep((1, 555), (700, 0))):  # fmt: skip
+        ids, pos, md, _ = step_inputs(step, ps, "cuda")
+        fn = lambda: model.compute_logits(
+            model(ids, pos, md, kv)[(md.query_start_loc[1:] - 1).long()]
+        )  # noqa: E731
+        with torch.inference_mode():
+            torch.cuda.synchronize()
+            t0 = time.time()
+            fn()
+            torch.cuda.synchronize()
+            first = (time.time() - t0) * 1e3
+            steady = timed(fn, iters=3, warmup=1)
+        name = f"{len(step.new_tokens)}x{step.new_tokens[-1]}" + (
+            " +ctx" if any(step.context) else ""
+        )
+        row("warmup", f"first step {name} after warm-up", first, note=f"steady {steady:.1f} ms: "
+            f"first / steady = {first / steady:.2f}x")  # fmt: skip
+    del model, kv
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def part_overlap(layers):
     """The k2-slice with the shared expert in order vs on a second stream (same run)."""
     model = load_slice(layers)
@@ -1018,11 +1064,17 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="ceil,check,model,peer")
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--routing", default="dummy,uniform",
-                    help="model/peer routings, comma-separated: dummy (the dummy weights' router), "
-                    "uniform, record:FILE (a --record-routing counts file); routing_modes.py")
-    ap.add_argument("--quick", action="store_true",
-                    help="model part: no pinned check, no fusions-off rows, no profiles")
+    ap.add_argument(
+        "--routing",
+        default="dummy,uniform",
+        help="model/peer routings, comma-separated: dummy (the dummy weights' router), "
+        "uniform, record:FILE (a --record-routing counts file); routing_modes.py",
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="model part: no pinned check, no fusions-off rows, no profiles",
+    )
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # routing_modes, fidelity
     if not torch.cuda.is_available():
@@ -1051,6 +1103,8 @@ def main(argv=None):
         routings = tuple(parse_modes(args.routing))
         run_part("model", lambda: part_model_and_peer(args.layers, "peer" in parts, routings,
                                                       args.quick))  # fmt: skip
+    if "warmup" in parts:
+        run_part("warmup", lambda: part_warmup(args.layers))
     if "overlap" in parts:
         run_part("overlap", lambda: part_overlap(args.layers))
     if "long" in parts:

@@ -100,13 +100,18 @@ class RoutingOverride:
 
     @staticmethod
     def _hook(table: torch.Tensor, hf: bool):
+        """The router's output with its integer [T, k] tensor (the top-k ids: ours return
+        (weights, ids), transformers' (logits, weights, ids)) replaced by the table's rows."""
+
         def hook(_mod, _args, out):
-            ids = out[2] if hf else out[1]  # [T, k]
-            T = ids.shape[0]
+            out = list(out)
+            i = next(j for j, t in enumerate(out) if isinstance(t, torch.Tensor)
+                     and not t.is_floating_point() and t.dim() == 2)  # fmt: skip
+            T = out[i].shape[0]
             if T > table.shape[0]:
                 raise ValueError(f"routing table has {table.shape[0]} rows, batch has {T}")
-            new = table[:T].to(ids.dtype)
-            return (out[0], out[1], new) if hf else (out[0], new)
+            out[i] = table[:T].to(out[i].dtype)
+            return tuple(out)
 
         return hook
 

@@ -108,12 +108,12 @@ def test_warmup_steps_and_a_cpu_run(tiny_ckpt):
     """The steps' metadata is what the runner builds (slots inside each sequence's pages,
     decodes first); on the tiny model (torch experts: no config keys) the run completes."""
     from k2serve.attention import allocate_kv_caches
-    from k2serve.engine.warmup import _step_inputs
+    from k2serve.engine.warmup import step_inputs
     from k2serve.weights.loader import load_model
 
     steps = warmup_steps([1, 5, 40], page_size=16, max_tokens=64)
     assert steps[-1].new_tokens == (1, 16) and steps[-2].context == (16,)
-    ids, pos, md, used = _step_inputs(steps[-1], 16, "cpu")
+    ids, pos, md, used = step_inputs(steps[-1], 16, "cpu")
     assert md.num_decodes == 1 and md.query_start_loc.tolist() == [0, 1, 17]
     assert pos[0].item() == 16 and used == 3
     assert (md.slot_mapping // 16 < used).all()

@@ -8,8 +8,8 @@ the decode buckets, so the first prompts of other lengths compiled the MoE GEMM 
 their pair counts and the attention prefill paths in the request (served C=16 TTFT p50 3.8 s
 on the first requests, 0.46 s after).
 
-Owns: `warmup_token_counts` (the smallest token count of each distinct kernel configuration
-key over 1..max_tokens, from the MoE backends' `config_key`: path(s), table entry, the
+Owns: `step_inputs` (a step's flat batch), `warmup_token_counts` (the smallest token count of
+each distinct kernel configuration key over 1..max_tokens, from the MoE backends' `config_key`: path(s), table entry, the
 divisibility classes), `warmup_steps` (those counts as prefill steps, plus one with a cached
 prefix and one mixed decode + prefill step) and `run_warmup` (runs them eagerly on the model,
 writing into the KV cache's first pages before any request holds one, and logs the time).
@@ -81,7 +81,7 @@ def warmup_steps(token_counts: list[int], page_size: int, max_tokens: int) -> li
     return steps
 
 
-def _step_inputs(step: WarmupStep, page_size: int, device) -> tuple:
+def step_inputs(step: WarmupStep, page_size: int, device) -> tuple:
     """(input_ids [T], positions [T], AttentionMetadata, pages used) for `step`, pages laid out
     from page 0 in order, decodes first."""
     seqs = sorted(zip(step.new_tokens, step.context, strict=True), key=lambda s: s[0] != 1)
@@ -127,7 +127,7 @@ def run_warmup(model, kv_caches, *, page_size: int, max_num_batched_tokens: int)
     device = kv_caches[0].device
     done = 0
     for step in steps:
-        ids, pos, md, used = _step_inputs(step, page_size, device)
+        ids, pos, md, used = step_inputs(step, page_size, device)
         if used > num_pages:
             continue
         hidden = model(ids, pos, attn_metadata=md, kv_caches=kv_caches)  # [T, hidden]
