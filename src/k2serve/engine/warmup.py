@@ -8,11 +8,12 @@ the decode buckets, so the first prompts of other lengths compiled the MoE GEMM 
 their pair counts and the attention prefill paths in the request (served C=16 TTFT p50 3.8 s
 on the first requests, 0.46 s after).
 
-Owns: `step_inputs` (a step's flat batch), `warmup_token_counts` (the smallest token count of
-each distinct kernel configuration key over 1..max_tokens, from the MoE backends' `config_key`: path(s), table entry, the
-divisibility classes), `warmup_steps` (those counts as prefill steps, plus one with a cached
-prefix and one mixed decode + prefill step) and `run_warmup` (runs them eagerly on the model,
-writing into the KV cache's first pages before any request holds one, and logs the time).
+Owns: `step_inputs` (a step's flat batch), `warmup_token_counts` (the smallest token count
+of each distinct kernel configuration key over 1..max_tokens, from the MoE backends'
+`config_key`: path(s), table entry, the divisibility classes), `warmup_steps` (those counts
+as prefill steps, plus one with a cached prefix and one mixed decode + prefill step) and
+`run_warmup` (runs them eagerly on the model, writing into the KV cache's first pages before
+any request holds one, and logs the time).
 Invariant: the decode graphs are captured separately (DecodeGraphRunner); the sampler is torch
 ops (nothing to compile).
 """
