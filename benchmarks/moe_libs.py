@@ -38,21 +38,22 @@ from model_speed import CEIL, FAILS, check, log, print_table, row, run_part, tim
 from routing_modes import load_counts, routing_ids  # noqa: E402
 
 E, D, I, K = 384, 7168, 2048, 8
+DEV = "cuda"  # module constants: a CPU smoke test sets small sizes and "cpu"
 MM = {"fp8": float("nan")}
 
 
 def ceilings():
     n = 1 << 30
-    a = torch.randn(n, device="cuda")
+    a = torch.randn(n, device=DEV)
     b = torch.empty_like(a)
     CEIL["bw"] = 2 * a.numel() * 4 / timed(lambda: b.copy_(a), iters=10) / 1e6
     del a, b
-    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    y = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    y = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
     CEIL["mm"] = 2 * 8192**3 / timed(lambda: x @ y, iters=10) / 1e9
     try:
         xf, yf = x.to(torch.float8_e4m3fn), y.to(torch.float8_e4m3fn).t()
-        one = torch.ones((), device="cuda")
+        one = torch.ones((), device=DEV)
         ms = timed(lambda: torch._scaled_mm(xf, yf, one, one, out_dtype=torch.bfloat16), iters=10)
         MM["fp8"] = 2 * 8192**3 / ms / 1e9
     except Exception as e:  # noqa: BLE001
@@ -61,7 +62,8 @@ def ceilings():
         f"fp8 matmul {MM['fp8']:.0f} TFLOP/s")  # fmt: skip
 
 
-def int4_experts(dev="cuda"):
+def int4_experts(dev=None):
+    dev = dev or DEV
     from k2serve.kernels.fused_moe import ExpertWeights
 
     def pk(n, k):
@@ -156,7 +158,7 @@ def part_dispatch(record: str | None, tokens=(16, 32, 48, 64, 96, 128, 192, 256)
     from k2serve.moe.fused_moe import FusedMoEBackend
 
     ew = int4_experts()
-    kw = KernelPolicy.for_device("cuda").moe_kwargs()
+    kw = KernelPolicy.for_device(DEV).moe_kwargs()
     be = FusedMoEBackend(ew, **kw)
     rule = FusedMoEBackend(ew, **{**kw, "routing_select": ()})
     per = sum(t[0].numel() * t.element_size() for t in (ew.w13, ew.w2, ew.w13_scale, ew.w2_scale))
@@ -165,11 +167,11 @@ def part_dispatch(record: str | None, tokens=(16, 32, 48, 64, 96, 128, 192, 256)
     skew = [[1000 if e % 3 == 0 else 0 for e in range(E)]]  # a third of the experts
     routings = [("uniform", None), ("skewed", skew)] + ([("recorded", counts)] if counts else [])
     for T in tokens:
-        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
-        tw = torch.rand(T, K, device="cuda")
+        x = torch.randn(T, D, device=DEV, dtype=torch.bfloat16)
+        tw = torch.rand(T, K, device=DEV)
         for name, cts in routings:
             mode = "uniform" if cts is None else "record:x"
-            ids = routing_ids(mode, T, E, K, 0, T, "cuda", cts)
+            ids = routing_ids(mode, T, E, K, 0, T, DEV, cts)
             hits = ids.unique().numel()
             nb = hits * per
             paths, lim = be.plan(T, K)
@@ -210,7 +212,7 @@ def part_libs(tokens=(1, 16, 64, 128, 256, 1024, 4096, 8192, 16384)):
     from k2serve.kernels.policy import KernelPolicy
     from k2serve.moe.fused_moe import FusedMoEBackend
 
-    kw = KernelPolicy.for_device("cuda").moe_kwargs()
+    kw = KernelPolicy.for_device(DEV).moe_kwargs()
     t0 = time.time()
     ew4 = int4_experts()
     w13 = dequant_all(ew4.w13, ew4.w13_scale)  # [E, 2I, D] bf16, the INT4 values exactly
@@ -242,9 +244,9 @@ def part_libs(tokens=(1, 16, 64, 128, 256, 1024, 4096, 8192, 16384)):
     if fi is not None:
         libs["flashinfer cutlass bf16"] = ("bf16", fi)
     for T in tokens:
-        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
-        tw = torch.rand(T, K, device="cuda")
-        ids = routing_ids("uniform", T, E, K, 0, T, "cuda")
+        x = torch.randn(T, D, device=DEV, dtype=torch.bfloat16)
+        tw = torch.rand(T, K, device=DEV)
+        ids = routing_ids("uniform", T, E, K, 0, T, DEV)
         ref = grouped_mm_moe(x, w13t, w2t, tw, ids)
         fl = moe_flops(T)
         res = {}
@@ -287,7 +289,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="dispatch,libs")
     ap.add_argument("--record", default=None, help="a --record-routing counts file (dispatch)")
-    ap.add_argument("--max-tokens", type=int, default=16384)
+    ap.add_argument("--dispatch-tokens", default="16,32,48,64,96,128,192,256")
+    ap.add_argument("--lib-tokens", default="1,16,64,128,256,1024,4096,8192,16384")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("moe_libs.py needs a CUDA device")
@@ -297,13 +300,12 @@ def main(argv=None):
     ceilings()
     parts = args.parts.split(",")
     if "dispatch" in parts:
-        run_part("dispatch", lambda: part_dispatch(args.record))
+        toks = tuple(int(t) for t in args.dispatch_tokens.split(","))
+        run_part("dispatch", lambda: part_dispatch(args.record, toks))
         torch.cuda.empty_cache()
     if "libs" in parts:
-        toks = tuple(
-            t for t in (1, 16, 64, 128, 256, 1024, 4096, 8192, 16384) if t <= args.max_tokens
-        )
-        run_part("libs", lambda: part_libs(toks))
+        toks2 = tuple(int(t) for t in args.lib_tokens.split(","))
+        run_part("libs", lambda: part_libs(toks2))
     log(f"fp8 matmul {MM['fp8']:.0f} TFLOP/s (the % matmul column is of bf16)")
     print_table()
 
