@@ -112,6 +112,7 @@ def test_warmup_steps_and_a_cpu_run(tiny_ckpt):
     from k2serve.weights.loader import load_model
 
     steps = warmup_steps([1, 5, 40], page_size=16, max_tokens=64)
+    assert warmup_steps([40], 16, 64, max_len=16)[0].new_tokens == (16, 16, 8)
     assert steps[-1].new_tokens == (1, 16) and steps[-2].context == (16,)
     ids, pos, md, used = step_inputs(steps[-1], 16, "cpu")
     assert md.num_decodes == 1 and md.query_start_loc.tolist() == [0, 1, 17]
@@ -119,4 +120,4 @@ def test_warmup_steps_and_a_cpu_run(tiny_ckpt):
     assert (md.slot_mapping // 16 < used).all()
     model = load_model(tiny_ckpt(), device="cpu", progress=False)
     caches = allocate_kv_caches(model.config, 8, 16, torch.float32, "cpu")
-    assert run_warmup(model, caches, page_size=16, max_num_batched_tokens=64) >= 0
+    assert run_warmup(model, caches, page_size=16, max_num_batched_tokens=64, max_model_len=32) >= 0

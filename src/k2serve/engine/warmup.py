@@ -70,10 +70,17 @@ class WarmupStep:
     context: tuple[int, ...]  # cached tokens before them per sequence
 
 
-def warmup_steps(token_counts: list[int], page_size: int, max_tokens: int) -> list[WarmupStep]:
-    """One prefill of each count; one prefill after a cached prefix (the attention's prefix
-    path); one mixed step (a decode + a prefill, the chunked-prefill batches)."""
-    steps = [WarmupStep((t,), (0,)) for t in token_counts]
+def warmup_steps(
+    token_counts: list[int], page_size: int, max_tokens: int, max_len: int | None = None
+) -> list[WarmupStep]:
+    """One prefill of each count (in sequences of at most `max_len` tokens, as the profiling
+    pass); one prefill after a cached prefix (the attention's prefix path); one mixed step (a
+    decode + a prefill, the chunked-prefill batches)."""
+    cap = max_len or max_tokens
+    steps = []
+    for t in token_counts:
+        lens = (cap,) * (t // cap) + ((t % cap,) if t % cap else ())
+        steps.append(WarmupStep(lens, (0,) * len(lens)))
     n = min(2 * page_size, max_tokens)
     if n > page_size:
         steps.append(WarmupStep((n - page_size,), (page_size,)))
@@ -115,7 +122,14 @@ def step_inputs(step: WarmupStep, page_size: int, device) -> tuple:
 
 
 @torch.inference_mode()
-def run_warmup(model, kv_caches, *, page_size: int, max_num_batched_tokens: int) -> float:
+def run_warmup(
+    model,
+    kv_caches,
+    *,
+    page_size: int,
+    max_num_batched_tokens: int,
+    max_model_len: int | None = None,
+) -> float:
     """Run the warm-up steps on `model` (before any request: the cache's first pages are
     scratch); returns the seconds it took (also logged)."""
     t0 = time.monotonic()
@@ -124,7 +138,7 @@ def run_warmup(model, kv_caches, *, page_size: int, max_num_batched_tokens: int)
     num_pages = kv_caches[0].shape[0] if kv_caches else 0
     max_tokens = min(max_num_batched_tokens, num_pages * page_size)
     counts = warmup_token_counts(backends, top_k, max_tokens) if backends else [1, max_tokens]
-    steps = warmup_steps(counts, page_size, max_tokens)
+    steps = warmup_steps(counts, page_size, max_tokens, max_model_len)
     device = kv_caches[0].device
     done = 0
     for step in steps:
