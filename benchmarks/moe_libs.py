@@ -86,11 +86,12 @@ def dequant_all(w, s, chunk=16):  # INT4 [E, N, K/8] -> bf16 [E, N, K] (exact: n
 
 def fp8_of(wb):  # bf16 [E, N, K] -> fp8 [E, N, K], scale per 128-row block [E, N/128] fp32
     Em, N, Kd = wb.shape
-    amax = wb.view(Em, N // 128, 128 * Kd).abs().amax(-1).float().clamp_min(1e-12)  # [E, N/128]
-    sc = amax / 448.0
     q = torch.empty(Em, N, Kd, dtype=torch.float8_e4m3fn, device=wb.device)
-    for e in range(Em):
-        q[e] = (wb[e].float() / sc[e].repeat_interleave(128)[:, None]).to(torch.float8_e4m3fn)
+    sc = torch.empty(Em, N // 128, dtype=torch.float32, device=wb.device)
+    for e in range(Em):  # one expert at a time: no full-size temporaries
+        w = wb[e].float()  # [N, K]
+        sc[e] = w.view(N // 128, 128 * Kd).abs().amax(-1).clamp_min(1e-12) / 448.0
+        q[e] = (w / sc[e].repeat_interleave(128)[:, None]).to(torch.float8_e4m3fn)
     return q, sc
 
 
