@@ -128,8 +128,8 @@ def scaled_grouped_mm_moe(x, q13t, s13, q2t, s2, tw, ids):
     """FP8 rowwise: activations quantized per row, weights per output row; _scaled_grouped_mm."""
     order, offs = sort_pairs(ids)
     tok = order // K
-    xq, xs = _q_rows(x[tok])
-    h = torch._scaled_grouped_mm(xq, q13t, xs, s13, offs=offs, out_dtype=torch.bfloat16)
+    xq, xs = _q_rows(x)  # per token, then gathered (the same rows, less memory)
+    h = torch._scaled_grouped_mm(xq[tok], q13t, xs[tok], s13, offs=offs, out_dtype=torch.bfloat16)
     a = F.silu(h[:, :I]) * h[:, I:]
     aq, as_ = _q_rows(a)
     y = torch._scaled_grouped_mm(aq, q2t, as_, s2, offs=offs, out_dtype=torch.bfloat16)
