@@ -207,7 +207,7 @@ class FusedMoEBackend(ExpertBackend):
         arguments on it). Equal keys run the same compiled kernels (engine.warmup)."""
         pairs = num_tokens * top_k
         paths, _ = self.plan(num_tokens, top_k)
-        picks = []
+        picks: list[tuple] = []
         for p in paths:
             if p == "gemm":
                 table = self.prefill_config
@@ -264,10 +264,10 @@ class FusedMoEBackend(ExpertBackend):
             return self.run_path(paths[0], hidden, topk_ids, topk_weights)
         # every candidate is launched, only the chosen one's programs do work: one graph
         sel = moe_select(topk_ids, self.weights.num_experts, limits)  # [n + 1] int32
-        out = None
-        for i, path in enumerate(paths):
-            y = self.run_path(path, hidden, topk_ids, topk_weights, sel[i : i + 1])
-            out = y if out is None else torch.where(sel[i].bool(), y, out)
+        out = self.run_path(paths[0], hidden, topk_ids, topk_weights, sel[0:1])
+        for i in range(1, len(paths)):
+            y = self.run_path(paths[i], hidden, topk_ids, topk_weights, sel[i : i + 1])
+            out = torch.where(sel[i].bool(), y, out)
         return out
 
 
