@@ -10,8 +10,13 @@ one; the winner is printed as the `int4_decode` entry of kernels/configs/<kind>.
 (kernel timings), model (k2-slice INT4, 8 layers, dummy weights: decode B=1/8/32/128 at context
 1k through decode CUDA graphs, prefill 1k/8k; "model-base" is the same model with the decode
 fusions of the kernel policy off), overlap (the shared expert in order vs on a side stream),
-peer (transformers DeepseekV3, grouped_mm experts, 3-layer bf16 slice with the same weights
+warmup (engine.warmup's start-up steps on the k2-slice: their time, then the first call of
+unseen prompt shapes against their steady time), peer (transformers DeepseekV3, grouped_mm experts, 3-layer bf16 slice with the same weights
 dequantized, against our model on the same 3 layers).
+--routing dummy,uniform[,record:FILE] (default dummy,uniform): the model and peer parts once per
+routing (routing_modes.py): the dummy weights' router concentrates a batch on about a third of
+the experts; uniform top-8 (or a --record-routing counts file replayed) is what a served K2 sees.
+Rows of a routing other than dummy are tagged model[uniform], peer[uniform], ...
 Variants are kernel policies (`k2serve.kernels.policy.KernelPolicy`) set up on the model the
 way the engine does (`setup`); no module of k2serve is patched.
 Bytes counted for decode = every weight read once (attention, norms, router, shared expert, the
@@ -942,14 +947,29 @@ def check_pinned(fmt="int4"):
     torch.cuda.empty_cache()
 
 
-def part_model_and_peer(layers, do_peer):
-    check_pinned()
+def _tag(base, mode):
+    """Row tag of a routing: the base name for the dummy router, else base[mode]."""
+    return base if mode == "dummy" else f"{base}[{mode.split('/')[-1]}]"
+
+
+def part_model_and_peer(layers, do_peer, routings=("dummy",), quick=False):
+    """k2-slice decode / prefill (and the transformers peer on 3 layers) for each routing
+    (routing_modes.py: the dummy router, uniform, or replayed from a --record-routing file).
+    quick: no pinned fidelity check, no fusions-off rows, no profiles."""
+    from routing_modes import RoutingOverride
+
+    if not quick:
+        check_pinned()
     model = load_slice(layers)
-    setup(model, engine_policy(**UNFUSED), expand=True)  # the decode fusions off
-    check_expand(model)
-    bench_model(model, "model-base", batches=(1, 8), prefills=())
+    if not quick:
+        setup(model, engine_policy(**UNFUSED), expand=True)  # the decode fusions off
+        check_expand(model)
+        bench_model(model, "model-base", batches=(1, 8), prefills=())
     setup(model, expand=True)
-    bench_model(model, "model", profile_batches=(1, 8), expanded=True)
+    for mode in routings:
+        with RoutingOverride(model, mode, 8192):
+            prof = (1, 8) if mode == routings[0] and not quick else ()
+            bench_model(model, _tag("model", mode), profile_batches=prof, expanded=True)
     del model
     gc.collect()
     torch.cuda.empty_cache()
@@ -957,18 +977,69 @@ def part_model_and_peer(layers, do_peer):
         return
     model = load_slice(3)
     setup(model, expand=True)
-    ours = bench_model(model, "ours-3L", batches=(1,), prefills=(8192,), expanded=True)
+    ours = {}
+    for mode in routings:
+        with RoutingOverride(model, mode, 8192):
+            ours[mode] = bench_model(model, _tag("ours-3L", mode), batches=(1,), prefills=(8192,),
+                                     expanded=True)  # fmt: skip
     peer = build_peer(model)  # timed only: numerics are checked pinned in check_pinned()
-    ms_ours_dec, nb = ours["decode1"]
-    ms_ours_pf, fl = ours["prefill8192"]
     del model
     gc.collect()
     torch.cuda.empty_cache()
-    p = bench_peer(peer)
-    row("peer", "HF decode B=1 ctx=1k (eager)", p["decode1"], nb, 0,
-        f"ours/peer tok/s = {p['decode1'] / ms_ours_dec:.2f}x")  # fmt: skip
-    row("peer", "HF prefill T=8192", p["prefill8192"], 0, fl,
-        f"ours/peer tok/s = {p['prefill8192'] / ms_ours_pf:.2f}x")  # fmt: skip
+    for mode in routings:
+        ms_ours_dec, nb = ours[mode]["decode1"]
+        ms_ours_pf, fl = ours[mode]["prefill8192"]
+        with RoutingOverride(peer, mode, 8192, hf=True):
+            p = bench_peer(peer)
+        row(_tag("peer", mode), "HF decode B=1 ctx=1k (eager)", p["decode1"], nb, 0,
+            f"ours/peer tok/s = {p['decode1'] / ms_ours_dec:.2f}x")  # fmt: skip
+        row(_tag("peer", mode), "HF prefill T=8192", p["prefill8192"], 0, fl,
+            f"ours/peer tok/s = {p['prefill8192'] / ms_ours_pf:.2f}x")  # fmt: skip
+
+
+def part_warmup(layers, max_tokens=8192):
+    """Start-up warm-up (engine.warmup) on the k2-slice: how long it takes (cold: compiles; a
+    warm Triton cache: loads), then the first call of prompt shapes it never ran (odd lengths,
+    16 prompts in one step) against their steady time: no compile spike if ~1x."""
+    from k2serve.attention import allocate_kv_caches
+    from k2serve.engine.warmup import (
+        WarmupStep,
+        moe_backends,
+        run_warmup,
+        step_inputs,
+        warmup_token_counts,
+    )
+
+    model = load_slice(layers)
+    setup(model, expand=True)
+    ps = 64
+    kv = allocate_kv_caches(model.config, max_tokens // ps + 20, ps, torch.bfloat16, "cuda")
+    counts = warmup_token_counts(moe_backends(model), model.config.num_experts_per_tok, max_tokens)
+    dt = run_warmup(model, kv, page_size=ps, max_num_batched_tokens=max_tokens)
+    row(
+        "warmup", f"engine.warmup, {len(counts) + 2} steps", dt * 1e3, note=f"token counts {counts}"
+    )
+    for step in (WarmupStep((777,), (0,)), WarmupStep((3001,), (0,)),
+                 WarmupStep((301,) * 16, (0,) * 16), WarmupStep((1, 555), (700, 0))):  # fmt: skip
+        ids, pos, md, _ = step_inputs(step, ps, "cuda")
+        fn = lambda: model.compute_logits(
+            model(ids, pos, md, kv)[(md.query_start_loc[1:] - 1).long()]
+        )  # noqa: E731
+        with torch.inference_mode():
+            torch.cuda.synchronize()
+            t0 = time.time()
+            fn()
+            torch.cuda.synchronize()
+            first = (time.time() - t0) * 1e3
+            steady = timed(fn, iters=3, warmup=1)
+        name = f"{len(step.new_tokens)}x{step.new_tokens[-1]}" + (
+            " +ctx" if any(step.context) else ""
+        )
+        row("warmup", f"first step {name} after warm-up", first, note=f"steady {steady:.1f} ms: "
+            f"first / steady = {first / steady:.2f}x")  # fmt: skip
+    del model, kv
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def part_overlap(layers):
@@ -993,7 +1064,19 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="ceil,check,model,peer")
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument(
+        "--routing",
+        default="dummy,uniform",
+        help="model/peer routings, comma-separated: dummy (the dummy weights' router), "
+        "uniform, record:FILE (a --record-routing counts file); routing_modes.py",
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="model part: no pinned check, no fusions-off rows, no profiles",
+    )
     args = ap.parse_args(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # routing_modes, fidelity
     if not torch.cuda.is_available():
         sys.exit("model_speed.py needs a CUDA device")
     parts = args.parts.split(",")
@@ -1015,7 +1098,13 @@ def main(argv=None):
         if name in parts:
             run_part(name, fn)
     if "model" in parts or "peer" in parts:
-        run_part("model", lambda: part_model_and_peer(args.layers, "peer" in parts))
+        from routing_modes import parse_modes
+
+        routings = tuple(parse_modes(args.routing))
+        run_part("model", lambda: part_model_and_peer(args.layers, "peer" in parts, routings,
+                                                      args.quick))  # fmt: skip
+    if "warmup" in parts:
+        run_part("warmup", lambda: part_warmup(args.layers))
     if "overlap" in parts:
         run_part("overlap", lambda: part_overlap(args.layers))
     if "long" in parts:

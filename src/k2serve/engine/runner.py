@@ -201,6 +201,12 @@ class ModelRunner(BatchBuilder):
         self.kv_caches = kv_caches
         self.sampler = Sampler(self.device, spec.seed)
         self.graph_runner: DecodeGraphRunner | None = None
+        if self.device.type == "cuda":  # compile every kernel config now (engine.warmup);
+            from k2serve.engine.warmup import run_warmup  # before the routing is recorded
+
+            run_warmup(model, kv_caches, page_size=spec.page_size,
+                       max_num_batched_tokens=spec.max_num_batched_tokens,
+                       max_model_len=spec.max_model_len)  # fmt: skip
         # --record-routing / --dynamic-expert-placement (moe.dynamic); made before the graphs
         # are captured, so that their replays are counted too
         self.routing = RoutingService.from_settings(

@@ -285,6 +285,7 @@ def int4_moe_gemm(
     topk_ids: torch.Tensor,  # [T, k]
     config=None,  # one launch config, or a table by pair count (pick_config)
     asm: bool = True,
+    active: torch.Tensor | None = None,  # [1] int32 on the device: 0 = skip (moe_select.py)
 ) -> torch.Tensor:  # [T, D]
     """Routed-expert output: gate+up grouped GEMM, SiLU(gate) * up, down grouped GEMM scaled by
     the routing weights, sum over the top-k. No host synchronisation. `config` None:
@@ -304,6 +305,8 @@ def int4_moe_gemm(
     M = T * k
     sorted_ids, eids, npost = moe_align_block_size(topk_ids, E, cfg["BLOCK_M"])
     assert eids.shape[0] == max_blocks(M, E, cfg["BLOCK_M"])
+    if active is not None:  # 0 rows in use: every program returns at once
+        npost = npost * active
     tw = topk_weights.reshape(-1).float().contiguous()
     h = torch.empty(M, 2 * I, dtype=x.dtype, device=x.device)
     out = torch.empty(M, D, dtype=x.dtype, device=x.device)

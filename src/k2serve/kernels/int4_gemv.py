@@ -187,11 +187,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _int4_gemv_h2_kernel(
-        a_ptr, rs_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, ids_ptr,
+        a_ptr, rs_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, ids_ptr, act_ptr,
         N, K, num_rows, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
         A_DIV: tl.constexpr, GATED: tl.constexpr, TOPK: tl.constexpr,
         BLOCK_N: tl.constexpr, W: tl.constexpr, WPG: tl.constexpr, USE_ASM: tl.constexpr,
-        GS: tl.constexpr,
+        GS: tl.constexpr, HAS_ACT: tl.constexpr,
     ):  # fmt: skip
         """Decode GEMV over BLOCK_N output rows with activations as f16x2 pairs (`pack_h2`),
         two weights per dequant / FMA instruction (`_word_dot_h2`). Experts come straight from
@@ -203,7 +203,11 @@ if HAS_TRITON:
         experts over more programs was not faster at T=1).
         Rows are innermost in the grid, so the programs that share an expert read each weight
         tile at about the same time and the repeats come from L2. GS: one scale load and
-        multiply per group of words."""
+        multiply per group of words. HAS_ACT: every program returns at once when act_ptr[0]
+        is 0 (the MoE dispatch chose another path on the device: moe_select.py)."""
+        if HAS_ACT:
+            if tl.load(act_ptr) == 0:
+                return
         pid = tl.program_id(0)
         r = pid % num_rows
         pid_n = pid // num_rows
@@ -247,14 +251,16 @@ def pack_h2(x: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
     return a, rs
 
 
-def _launch_h2(x, w, s, c, tw, ids, N, K, rows, a_div, gated, topk, cfg, group, asm):
+def _launch_h2(x, w, s, c, tw, ids, N, K, rows, a_div, gated, topk, cfg, group, asm,
+               active=None):  # fmt: skip
     a, rs = pack_h2(x, cfg["W"])
     grid = (rows * cdiv(N, cfg["BLOCK_N"]),)
     _int4_gemv_h2_kernel[grid](
-        a, rs, w, s, c, tw, ids, N, K, rows, a.stride(0), c.stride(0), w.stride(0),
-        w.stride(1), s.stride(0), s.stride(1), A_DIV=a_div, GATED=gated, TOPK=topk,
-        BLOCK_N=cfg["BLOCK_N"], W=cfg["W"], WPG=group // 8, USE_ASM=use_asm(asm),
-        GS=cfg.get("GS", 0), num_warps=cfg["num_warps"],
+        a, rs, w, s, c, tw, ids, ids if active is None else active, N, K, rows, a.stride(0),
+        c.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), A_DIV=a_div,
+        GATED=gated, TOPK=topk, BLOCK_N=cfg["BLOCK_N"], W=cfg["W"], WPG=group // 8,
+        USE_ASM=use_asm(asm), GS=cfg.get("GS", 0), HAS_ACT=active is not None,
+        num_warps=cfg["num_warps"],
     )  # fmt: skip
 
 
@@ -265,10 +271,12 @@ def int4_moe_decode(
     topk_ids: torch.Tensor,  # [T, k] int
     config: dict,
     asm: bool = True,
+    active: torch.Tensor | None = None,  # [1] int32 on the device: 0 = skip (moe_select.py)
 ) -> torch.Tensor:  # [T, D]
     """Routed-expert output with the h2 GEMV; no host synchronisation. `config`: BLOCK_N, W,
     num_warps, GS of the gate+up launch, and optionally "w2": overrides for the down launch
-    (the kernel policy's `int4_decode`). W is halved for models too small for it."""
+    (the kernel policy's `int4_decode`). W is halved for models too small for it. `active`
+    0: the GEMV programs return at once (the output is then undefined)."""
     require_triton(x)
     T, D = x.shape
     I = ew.intermediate  # noqa: E741
@@ -284,10 +292,11 @@ def int4_moe_decode(
             raise ValueError(f"int4_moe_decode: D={D}, I={I} must be multiples of {pb} and "
                              f"group {ew.group_size} must divide it")  # fmt: skip
     tw = topk_weights.reshape(-1).float().contiguous()
-    return int4_moe_h2(x, ew, tw, topk_ids, cfg, cfg2, asm)
+    return int4_moe_h2(x, ew, tw, topk_ids, cfg, cfg2, asm, active)
 
 
-def int4_moe_h2(x, ew, tw, topk_ids, cfg: dict, cfg2: dict, asm: bool = True) -> torch.Tensor:
+def int4_moe_h2(x, ew, tw, topk_ids, cfg: dict, cfg2: dict, asm: bool = True,
+                active: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """x [T, D] -> routed-expert output [T, D] (x's dtype). tw: the flat top-k weights [T*k]
     float32; cfg / cfg2: the gate+up / down launches (BLOCK_N, W, num_warps, GS)."""
     T, D = x.shape
@@ -296,10 +305,10 @@ def int4_moe_h2(x, ew, tw, topk_ids, cfg: dict, cfg2: dict, asm: bool = True) ->
     ids = topk_ids.reshape(-1).contiguous()
     inter = torch.empty(M, n_inter, dtype=torch.float32, device=x.device)
     _launch_h2(x, ew.w13, ew.w13_scale, inter, tw, ids, n_inter, D, M, k, True, 0, cfg,
-               ew.group_size, asm)  # fmt: skip
+               ew.group_size, asm, active)  # fmt: skip
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     _launch_h2(inter, ew.w2, ew.w2_scale, out, tw, ids, D, n_inter, T, 1, False, k, cfg2,
-               ew.group_size, asm)  # fmt: skip
+               ew.group_size, asm, active)  # fmt: skip
     return out
 
 
@@ -617,6 +626,7 @@ def int4_moe_decode_grouped(
     topk_ids: torch.Tensor,  # [T, k] int
     config: dict,
     asm: bool = True,
+    active: torch.Tensor | None = None,  # [1] int32 on the device: 0 = skip (moe_select.py)
 ) -> torch.Tensor:  # [T, D]
     """Routed-expert output with the grouped h2 GEMV (rows grouped by expert, each weight tile
     read and dequantized once per block of BLOCK_M rows); no host synchronisation. `config`:
@@ -649,6 +659,8 @@ def int4_moe_decode_grouped(
     M = T * k
     tw = topk_weights.reshape(-1).float().contiguous()
     sorted_ids, expert_ids, npost = moe_align_block_size(topk_ids, ew.num_experts, cfg["BLOCK_M"])
+    if active is not None:  # 0 rows in use: every program returns at once
+        npost = npost * active
     inter = torch.empty(M, I, dtype=torch.float32, device=x.device)
     a, rs = pack_h2(x, cfg["W"])
     _launch_grouped(a, rs, ew.w13, ew.w13_scale, inter, tw, sorted_ids, expert_ids, npost, I, D,

@@ -107,6 +107,11 @@ class KernelTables:
     moe_prefill_fp8_min_tokens: Mapping[str, int | None] = field(
         default_factory=lambda: FrozenMap({})
     )
+    # INT4 routed experts chosen on the device from the routing (kernels/moe_select.py): bands
+    # of (token, expert) pair counts {"min_pairs", "max_pairs", "paths": 2 or 3 of "decode",
+    # "grouped", "gemm", "pairs_per_expert": ascending limits between them}; inside a band
+    # they replace the pair-count rule above; absent from a table: off
+    int4_routing_select: tuple[Mapping[str, Any], ...] = ()
 
     @classmethod
     def from_json(cls, kind: str, data: Mapping[str, Any]) -> KernelTables:
@@ -143,6 +148,7 @@ class KernelTables:
                         for q in ("fp8", "int4")
                     }
                 ),
+                int4_routing_select=tuple(_frozen(e) for e in data.get("int4_routing_select", ())),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"kernel table {kind!r} is malformed: {e!r}") from None
@@ -305,6 +311,7 @@ class KernelPolicy:
             grouped_config=t.int4_decode_grouped,
             grouped_min_pairs=t.int4_decode_grouped_min_pairs,
             grouped_max_pairs=t.int4_decode_grouped_max_pairs,
+            routing_select=t.int4_routing_select,
             prefill_config=t.int4_prefill,
             prefill_min_tokens=t.int4_prefill_min_tokens,
             asm=self.int4_asm,

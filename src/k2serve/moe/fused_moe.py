@@ -15,8 +15,13 @@ otherwise, and from `prefill_min_tokens` tokens chunk-wise dequant + torch._grou
 sync; never inside a decode graph, since decode steps are far below the threshold); "legacy"
 runs the generic fused_moe kernel always. `prefill_impl` overrides the part above the GEMV range:
 "gemm" the grouped GEMM always, "grouped_mm" the generic fused_moe kernel below the threshold,
-"kernel" the generic kernel always (benchmarks compare them). On one K2 layer the grouped GEMM
-beats both others up to 8192 tokens (dequant + grouped_mm wins at 16384; benchmarks/RESULTS.md).
+"kernel" the generic kernel always (benchmarks compare them). Routing-aware bands
+(`routing_select`, the policy's `int4_routing_select`): for pair counts inside a band, 2-3 of
+the per-pair GEMV, grouped GEMV and GEMM are launched, and kernels/moe_select.py picks one on
+the device from the pairs per distinct expert hit (the others' programs return at once; the
+same CUDA graph serves every routing); `plan()` names the path(s) for a token count. On one
+K2 layer the grouped GEMM beats both others up to 8192 tokens (dequant + grouped_mm wins at
+16384; benchmarks/RESULTS.md).
 FP8-block experts (`fp8_impl`): "auto" (default) runs the generic
 fused_moe kernel up to `fp8_generic_max_pairs` (token, expert) pairs, where it is faster (decode
 and small batches: one H100, benchmarks/RESULTS.md), and kernels/fp8_moe.py's grouped GEMMs (fp8
@@ -40,6 +45,7 @@ from k2serve.kernels.fp8_moe import check_table, fp8_moe
 from k2serve.kernels.fused_moe import ExpertWeights, fused_moe
 from k2serve.kernels.int4_gemm import int4_moe_gemm, int4_moe_grouped_mm
 from k2serve.kernels.int4_gemv import int4_moe_decode, int4_moe_decode_grouped
+from k2serve.kernels.moe_select import moe_select
 from k2serve.kernels.policy import load_tables
 from k2serve.kernels.w8a8_moe import supported as w8a8_supported
 from k2serve.kernels.w8a8_moe import w8a8_moe
@@ -101,6 +107,7 @@ class FusedMoEBackend(ExpertBackend):
         grouped_config: Mapping[str, Any] | None = None,
         grouped_min_pairs: int | None = None,
         grouped_max_pairs: int | None = None,
+        routing_select: Sequence[Mapping[str, Any]] | None = None,
         prefill_config: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
         asm: bool = True,
         fp8_impl: str = "auto",
@@ -145,6 +152,11 @@ class FusedMoEBackend(ExpertBackend):
         self.grouped_max_pairs = (
             self.decode_max_pairs if grouped_max_pairs is None else grouped_max_pairs
         )
+        # bands of pair counts where the path is chosen on the device from the routing
+        self.routing_select = tuple(
+            t.int4_routing_select if routing_select is None else routing_select
+        )
+        check_routing_select(self.routing_select, bool(self.grouped_config))
         # one config, or a table of configs by max pair count (int4_gemm.pick_config)
         self.prefill_config = t.int4_prefill if prefill_config is None else prefill_config
         self.asm = asm
@@ -175,34 +187,128 @@ class FusedMoEBackend(ExpertBackend):
     def from_experts(cls, experts: nn.ModuleList, **kw) -> FusedMoEBackend:
         return cls(stack_experts(experts), **kw)
 
+    def plan(self, num_tokens: int, top_k: int) -> tuple[tuple[str, ...], tuple[float, ...]]:
+        """The kernel path(s) for `num_tokens` tokens x `top_k`: one path, or 2-3 candidates
+        and the pairs-per-hit-expert limits between them (chosen on the device, moe_select).
+        Paths: "w8a8" (FP8 activations, --moe-prefill-precision), "fp8_gemm", "kernel" (the
+        generic fused_moe), "grouped_mm", "grouped", "decode", "gemm"."""
+        pairs = num_tokens * top_k
+        if self.w8a8_min_tokens is not None and num_tokens >= self.w8a8_min_tokens:
+            return ("w8a8",), ()
+        if self.fp8_impl is not None and self.fp8_uses_gemm(pairs):
+            return ("fp8_gemm",), ()
+        if not self.use_planes:
+            return ("kernel",), ()
+        impl = self.prefill_impl
+        if impl in ("auto", "grouped_mm") and num_tokens >= self.prefill_min_tokens:
+            return ("grouped_mm",), ()
+        if impl == "auto":
+            for band in self.routing_select:
+                if band["min_pairs"] <= pairs <= band["max_pairs"]:
+                    return tuple(band["paths"]), tuple(band["pairs_per_expert"])
+        gmin = self.grouped_min_pairs
+        if gmin is not None and gmin <= pairs <= self.grouped_max_pairs:
+            return ("grouped",), ()
+        if pairs <= self.decode_max_pairs:
+            return ("decode",), ()
+        return ("gemm" if impl in ("auto", "gemm") else "kernel",), ()
+
+    def config_key(self, num_tokens: int, top_k: int) -> tuple:
+        """What Triton compiles for `num_tokens` tokens x `top_k`: the path(s) and, per path,
+        the launch config picked (a table entry's index, or the generic kernel's small / large
+        block), with the token and pair counts' divisibility by 16 (Triton specializes integer
+        arguments on it). Equal keys run the same compiled kernels (engine.warmup)."""
+        pairs = num_tokens * top_k
+        paths, _ = self.plan(num_tokens, top_k)
+        picks: list[tuple] = []
+        for p in paths:
+            if p == "gemm":
+                table = self.prefill_config
+                idx = (
+                    0
+                    if isinstance(table, Mapping)
+                    else next(
+                        i
+                        for i, e in enumerate(table)
+                        if e["max_pairs"] is None or pairs <= e["max_pairs"]
+                    )
+                )
+                picks.append(("gemm", idx))
+            elif p == "fp8_gemm":
+                idx = next(i for i, e in enumerate(self.fp8_table)
+                           if e.get("max_pairs") is None or pairs <= e["max_pairs"])  # fmt: skip
+                picks.append(("fp8_gemm", idx))
+            elif p == "kernel":  # fused_moe._config: small-M below 4 pairs per expert
+                picks.append(("kernel", pairs <= 4 * self.weights.num_experts))
+            else:
+                picks.append((p,))
+        return tuple(picks), num_tokens % 16 == 0, pairs % 16 == 0, num_tokens == 1
+
+    def run_path(self, path: str, hidden, topk_ids, topk_weights, active=None) -> torch.Tensor:
+        """One path of `plan` (`active`: [1] int32 on the device, 0 = its kernels return at
+        once; INT4 planes paths only)."""
+        w = self.weights
+        if path == "w8a8":
+            return w8a8_moe(hidden, w, topk_weights, topk_ids)
+        if path == "fp8_gemm":
+            return fp8_moe(hidden, w, topk_weights, topk_ids, table=self.fp8_table)
+        if path == "grouped_mm":
+            return int4_moe_grouped_mm(hidden, w, topk_weights, topk_ids)
+        if path == "grouped":
+            return int4_moe_decode_grouped(
+                hidden, w, topk_weights, topk_ids, self.grouped_config, self.asm, active
+            )
+        if path == "decode":
+            return int4_moe_decode(
+                hidden, w, topk_weights, topk_ids, self.decode_config, self.asm, active
+            )
+        if path == "gemm":
+            return int4_moe_gemm(
+                hidden, w, topk_weights, topk_ids, self.prefill_config, self.asm, active
+            )
+        return fused_moe(hidden, w, topk_weights, topk_ids)
+
     def __call__(
         self,
         hidden: torch.Tensor,  # [T, hidden]
         topk_ids: torch.Tensor,  # [T, k]
         topk_weights: torch.Tensor,  # [T, k] float32
     ) -> torch.Tensor:  # [T, hidden]
-        if self.w8a8_min_tokens is not None and hidden.shape[0] >= self.w8a8_min_tokens:
-            return w8a8_moe(hidden, self.weights, topk_weights, topk_ids)
-        if self.fp8_impl is not None and self.fp8_uses_gemm(topk_ids.numel()):
-            return fp8_moe(hidden, self.weights, topk_weights, topk_ids, table=self.fp8_table)
-        if self.use_planes:
-            T = hidden.shape[0]
-            impl = self.prefill_impl
-            w = self.weights
-            if impl in ("auto", "grouped_mm") and T >= self.prefill_min_tokens:
-                return int4_moe_grouped_mm(hidden, w, topk_weights, topk_ids)
-            pairs = T * topk_ids.shape[1]
-            gmin = self.grouped_min_pairs
-            if gmin is not None and gmin <= pairs <= self.grouped_max_pairs:
-                return int4_moe_decode_grouped(
-                    hidden, w, topk_weights, topk_ids, self.grouped_config, self.asm
-                )
-            if pairs <= self.decode_max_pairs:
-                return int4_moe_decode(
-                    hidden, w, topk_weights, topk_ids, self.decode_config, self.asm
-                )
-            if impl in ("auto", "gemm"):
-                return int4_moe_gemm(
-                    hidden, w, topk_weights, topk_ids, self.prefill_config, self.asm
-                )
-        return fused_moe(hidden, self.weights, topk_weights, topk_ids)
+        paths, limits = self.plan(hidden.shape[0], topk_ids.shape[1])
+        if len(paths) == 1:
+            return self.run_path(paths[0], hidden, topk_ids, topk_weights)
+        # every candidate is launched, only the chosen one's programs do work: one graph
+        sel = moe_select(topk_ids, self.weights.num_experts, limits)  # [n + 1] int32
+        out = self.run_path(paths[0], hidden, topk_ids, topk_weights, sel[0:1])
+        for i in range(1, len(paths)):
+            y = self.run_path(paths[i], hidden, topk_ids, topk_weights, sel[i : i + 1])
+            out = torch.where(sel[i].bool(), y, out)
+        return out
+
+
+ROUTING_PATHS = ("decode", "grouped", "gemm")
+
+
+def check_routing_select(bands: Sequence[Mapping[str, Any]], grouped_ok: bool) -> None:
+    """A malformed `int4_routing_select` table fails at setup, not in a step."""
+    for b in bands:
+        try:
+            paths, ppe = list(b["paths"]), list(b["pairs_per_expert"])
+            lo, hi = int(b["min_pairs"]), int(b["max_pairs"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"int4_routing_select entry {dict(b)}: {e!r}") from None
+        ok = (
+            2 <= len(paths) <= 3
+            and len(ppe) == len(paths) - 1
+            and ppe == sorted(ppe)
+            and len(set(paths)) == len(paths)
+            and all(p in ROUTING_PATHS for p in paths)
+            and (grouped_ok or "grouped" not in paths)
+            and 0 < lo <= hi
+        )
+        if not ok:
+            raise ValueError(
+                f"int4_routing_select entry {dict(b)}: use 2-3 distinct paths of "
+                f"{ROUTING_PATHS} (grouped needs int4_decode_grouped), one ascending "
+                "pairs_per_expert limit between each two, 0 < min_pairs <= max_pairs"
+            )
