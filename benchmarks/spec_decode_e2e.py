@@ -9,7 +9,9 @@ engines do the same work):
   gc.collect() before each run; the tok/s is the median of the runs, decode only (the prefill
   steps, prefix-cached after the warm-up, are not timed);
 - the drafter's host time per step (propose + accept, perf_counter) is printed for the B where
-  speculation is off, so a per-step cost of a disabled drafter would show.
+  speculation is off, and there each engine's median decode step split into runner.execute
+  (prepare, forward, sample) and the host rest, so a per-step cost of a disabled drafter
+  would show (benchmarks/spec_disabled_overhead.py measures the same on its own).
 The peaked model must follow its successor chain for >= 98% of the greedy tokens of the
 speculation-off runs, or the part FAILs before any speedup is printed (a model that does not
 follow it leaves the acceptance and the exactness check meaningless).
@@ -80,7 +82,8 @@ def _agree(out: list[int], ref: list[int]) -> int:
 
 
 def run_decode(eng, prompts, n_out: int, tag: str):
-    """(outputs, decode tok/s, decode steps): greedy, `n_out` tokens each; prefill untimed."""
+    """(outputs, decode tok/s, decode steps, ms a step: (median step, median runner.execute));
+    greedy, `n_out` tokens each; prefill untimed."""
     from k2serve.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
@@ -90,19 +93,35 @@ def run_decode(eng, prompts, n_out: int, tag: str):
     while any(r.num_output_tokens == 0 for r in eng._requests.values()):
         eng.step()  # prefill, not timed
     outs = {r.request_id: list(r.output_token_ids) for r in eng._requests.values()}
+    inner, spent, steps = eng.runner.execute, [], []
+
+    def execute(*a, **kw):  # the step samples to the host right after: the sync costs nothing
+        t = time.perf_counter()
+        out = inner(*a, **kw)
+        _sync()
+        spent.append(time.perf_counter() - t)
+        return out
+
+    eng.runner.execute = execute
     gc.collect()
     _sync()
-    t = time.perf_counter()
-    n = steps = 0
-    while eng.has_unfinished_requests():
-        steps += 1
-        for o in eng.step():
-            outs[o.request_id].extend(o.outputs[0].token_ids)
-            n += len(o.outputs[0].token_ids)
-    _sync()
-    dt = time.perf_counter() - t
+    t = t_step = time.perf_counter()
+    n = 0
+    try:
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                outs[o.request_id].extend(o.outputs[0].token_ids)
+                n += len(o.outputs[0].token_ids)
+            now = time.perf_counter()
+            steps.append(now - t_step)
+            t_step = now
+        _sync()
+        dt = time.perf_counter() - t
+    finally:
+        del eng.runner.execute  # the bound method again
     eng.check_integrity()
-    return [outs[r] for r in ids], n / dt, steps
+    ms = (statistics.median(steps) * 1e3, statistics.median(spent) * 1e3)
+    return [outs[r] for r in ids], n / dt, len(steps), ms
 
 
 def e2e(path: str, batches: list[int], ctx: int, n_out: int, k: int, disable: int,
@@ -152,15 +171,19 @@ def e2e(path: str, batches: list[int], ctx: int, n_out: int, k: int, disable: in
             ctl.p, ctl.rng = p, random.Random(B)
             before = eng.drafter.stats.snapshot()
             on_tps, off_tps, same, agree, host_s, steps_on = [], [], B, n_out, 0.0, 0
+            step_ms: dict[str, list[tuple[float, float]]] = {"off": [], "on": []}
             for r in range(reps):
                 for which in ("off", "on") if r % 2 == 0 else ("on", "off"):
                     tag = f"{which}{r}-p{p}-{B}"
                     if which == "off":
-                        off_tps.append(run_decode(off, prompts[B], n_out, tag)[1])
+                        _, tps, _, ms = run_decode(off, prompts[B], n_out, tag)
+                        off_tps.append(tps)
+                        step_ms["off"].append(ms)
                         continue
                     ctl.ref = {f"{tag}-{i}": o for i, o in enumerate(refs[B])}
                     h0 = host.seconds
-                    out, tps, steps = run_decode(eng, prompts[B], n_out, tag)
+                    out, tps, steps, ms = run_decode(eng, prompts[B], n_out, tag)
+                    step_ms["on"].append(ms)
                     host_s, steps_on = host_s + host.seconds - h0, steps_on + steps
                     on_tps.append(tps)
                     same = min(same, sum(a == b for a, b in zip(out, refs[B], strict=True)))
@@ -186,9 +209,15 @@ def e2e(path: str, batches: list[int], ctx: int, n_out: int, k: int, disable: in
                 summary.append(f"acceptance-3.0 point: B=1 p={p:.3f}, acceptance {acc:.2f}, "
                                f"{on / base:.2f}x speculation off (target >= 2.2x)")  # fmt: skip
             if B > disable:
+                per = {w: tuple(statistics.median(m[j] for m in step_ms[w]) for j in (0, 1))
+                       for w in step_ms}  # fmt: skip
                 summary.append(f"B={B}, speculation off by disable_by_batch_size={disable}: "
                                f"{on / base:.2f}x speculation off (target >= 1.0x, runs "
-                               f"{ratios[0]:.2f}..{ratios[-1]:.2f})")  # fmt: skip
+                               f"{ratios[0]:.2f}..{ratios[-1]:.2f}); ms a decode step (of it "
+                               f"runner.execute, host rest): off {per['off'][0]:.2f} "
+                               f"({per['off'][1]:.2f}, {per['off'][0] - per['off'][1]:.2f}), "
+                               f"drafter off {per['on'][0]:.2f} ({per['on'][1]:.2f}, "
+                               f"{per['on'][0] - per['on'][1]:.2f})")  # fmt: skip
     for line in summary:
         print(f"({line})")
     eng.check_integrity()

@@ -297,13 +297,15 @@ def main(argv=None) -> int:
     ap.add_argument("--e2e-batches", default="1,16,32", help="e2e part")
     ap.add_argument("--disable-by-batch-size", type=int, default=16)
     ap.add_argument("--no-peaked", action="store_true", help="keep the plain dummy weights")
+    ap.add_argument("--embed-scale", type=float, default=None,
+                    help="peaked model: a fixed embedding scale (default: calibrated)")  # fmt: skip
     ap.add_argument("--reps", type=int, default=3, help="e2e: runs of each engine a point")
     ap.add_argument("--experts", type=int, default=None, help="routed experts a MoE layer")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("needs CUDA (or --device cpu --preset tiny for a smoke run)", file=sys.stderr)
         return 2
-    CTX["device"], CTX["peaked"] = args.device, not args.no_peaked
+    CTX.update(device=args.device, peaked=not args.no_peaked, embed_scale=args.embed_scale)
     path = model_dir(args.preset, args.layers, args.experts)
     dev = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(f"# {dev}, {args.preset} INT4 {args.layers} layers (dummy weights"
