@@ -107,9 +107,10 @@ def peak_logits(
     of speculative decoding: dummy weights' near-uniform logits otherwise flip near-ties between
     batch shapes). In place, on a loaded `DeepseekV3ForCausalLM` (single process):
     - the embedding is scaled so the residual stream stays dominated by the current token's
-      embedding: its norm is `dominance` times the sum of every layer's residual contribution
-      (attention and MLP outputs, measured with forward hooks on a short eager forward; each
-      layer sees RMS-normalised input, so it still runs at full cost with its own routing).
+      embedding: its norm is `dominance` to 8 x `dominance` times the sum of every layer's
+      residual contribution (the norms of the attention and MLP outputs, measured with forward
+      hooks on an eager forward of 64 random tokens, repeated as the scale changes; each layer
+      sees RMS-normalised input, so it still runs at full cost with its own routing).
       `embed_scale` fixes the scale instead (no calibration; K2's hidden 7168 makes the layer
       outputs several times a x64 embedding's norm, so a fixed scale is not safe);
     - lm_head row j = (top_logit / sqrt(hidden)) * unit(embedding row pred[j]), pred a random
