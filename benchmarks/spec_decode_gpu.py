@@ -36,7 +36,7 @@ Parts:
   draft token kept with probability p and otherwise replaced by a wrong one, so the acceptance
   length is about 1 + p + ... + p^K (2.0 / 2.7 / 3.3 at K = 4 for p = 0.5 / 0.7 / 0.8); and B =
   32 with disable_by_batch_size=16 (speculation off above 16 running requests), and at the
-  acceptance-3.0 point (p = 0.742 at K = 4). Against speculation off in the same process, runs
+  acceptance-3.0 point (p = 0.741 at K = 4). Against speculation off in the same process, runs
   alternating (benchmarks/spec_decode_e2e.py); outputs checked equal (greedy, exact); the part
   FAILs first if the peaked model follows its chain for < 98% of the greedy tokens.
 - draft: the EAGLE-3 draft step (K=3) of each head layout (MLA, Llama) at full K2.5 sizes
