@@ -15,14 +15,19 @@ import time
 import torch
 
 DEMO = os.path.join(os.path.dirname(__file__), "..", "src", "k2serve", "demo", "kimi-k2-demo")
-CTX = {"device": "cuda", "peaked": True}  # set once by main; read by make_engine / _sync
+# set once by main; read by make_engine / _sync. embed_scale: None calibrates peak_logits
+CTX = {"device": "cuda", "peaked": True, "embed_scale": None}
 
 
-def model_dir(preset: str, layers: int) -> str:
+def model_dir(preset: str, layers: int, experts: int | None = None) -> str:
+    """An INT4 `preset` config of `layers` layers (`experts` routed experts a MoE layer when
+    given: a k2-slice that fits a laptop) with the demo's tokenizer (vocab 2048)."""
     from k2serve.weights.presets import preset_config
 
     out = tempfile.mkdtemp(prefix="k2-spec-")
     cfg = preset_config(preset, "int4", layers=layers)
+    if experts is not None:
+        cfg["n_routed_experts"] = experts
     with open(os.path.join(DEMO, "config.json")) as f:
         demo = json.load(f)
     for k in ("vocab_size", "bos_token_id", "eos_token_id"):
@@ -58,8 +63,18 @@ def make_engine(path: str, max_seqs: int, spec=None, enforce_eager=False):
         num_kv_pages=4096, page_size=16,
         enforce_eager=enforce_eager, speculative_config=spec,
     ))  # fmt: skip
-    eng.succ = peak_logits(eng.model) if CTX["peaked"] else None
+    eng.succ = None
+    if CTX["peaked"]:
+        eng.succ = peak_logits(eng.model, embed_scale=CTX.get("embed_scale"))
+        info = ", ".join(f"{k} {v:.3g}" for k, v in eng.model.peak_info.items())
+        print(f"(peaked: {info})")
     return eng
+
+
+def chain_fraction(succ, outputs: list[list[int]]) -> tuple[int, int]:
+    """(greedy tokens that are the successor of the token before, tokens checked)."""
+    pairs = [(a, b) for o in outputs for a, b in zip(o, o[1:], strict=False)]
+    return sum(b == int(succ[a]) for a, b in pairs), len(pairs)
 
 
 def _sync_time(fn) -> float:

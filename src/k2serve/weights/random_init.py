@@ -96,18 +96,28 @@ def random_tensors(
 
 
 def peak_logits(
-    model: nn.Module, seed: int = 0, embed_scale: float = 64.0, top_logit: float = 32.0
+    model: nn.Module,
+    seed: int = 0,
+    embed_scale: float | None = None,
+    top_logit: float = 32.0,
+    dominance: float = 16.0,
 ) -> torch.Tensor:
     """Make a random model's greedy next token a fixed function of the current token, decided by
     a margin far above bf16 rounding (a "peaked" dummy model, for benchmarks and exactness tests
     of speculative decoding: dummy weights' near-uniform logits otherwise flip near-ties between
     batch shapes). In place, on a loaded `DeepseekV3ForCausalLM` (single process):
-    - the embedding is scaled by `embed_scale`, so the residual stream stays dominated by the
-      current token's embedding (each layer still sees RMS-normalised input: full cost, its own
-      routing);
+    - the embedding is scaled so the residual stream stays dominated by the current token's
+      embedding: its norm is `dominance` to 8 x `dominance` times the sum of every layer's
+      residual contribution (the norms of the attention and MLP outputs, measured with forward
+      hooks on an eager forward of 64 random tokens, repeated as the scale changes; each layer
+      sees RMS-normalised input, so it still runs at full cost with its own routing).
+      `embed_scale` fixes the scale instead (no calibration; K2's hidden 7168 makes the layer
+      outputs several times a x64 embedding's norm, so a fixed scale is not safe);
     - lm_head row j = (top_logit / sqrt(hidden)) * unit(embedding row pred[j]), pred a random
       permutation: the logit of succ[t] is about `top_logit`, every other about
-      top_logit * N(0, 1 / sqrt(hidden)).
+      top_logit * (N(0, 1 / sqrt(hidden)) + 1 / dominance).
+    Calibrated, the forward is checked: every token's greedy next token is its successor, by a
+    logit margin > top_logit / 4 (bf16 rounds a logit of 32 to 0.25); else ValueError.
     Returns succ [vocab] (int64, CPU): the token that greedily follows each token."""
     emb = model.get_parameter("model.embed_tokens.weight")  # [V, D]
     head = model.get_parameter("lm_head.weight")  # [V, D]
@@ -116,12 +126,66 @@ def peak_logits(
     V, D = emb.shape
     g = torch.Generator().manual_seed(seed)
     pred = torch.randperm(V, generator=g)  # [V]: token j follows token pred[j]
+    succ = torch.empty_like(pred)
+    succ[pred] = torch.arange(V)
     with torch.no_grad():
-        emb.mul_(embed_scale)
         for i in range(0, V, 8192):  # rows in chunks: no [V, D] float32 copy
             rows = emb[pred[i : i + 8192].to(emb.device)].float()  # [n, D]
             unit = rows / rows.norm(dim=-1, keepdim=True)
             head[i : i + 8192].copy_(unit * (top_logit / D**0.5))
-    succ = torch.empty_like(pred)
-    succ[pred] = torch.arange(V)
+        if embed_scale is not None:
+            emb.mul_(embed_scale)
+            model.peak_info = {"embed_scale": embed_scale}
+            return succ
+        ids = torch.randint(0, V, (64,), generator=g).to(emb.device)  # [T]
+        scale, tries = 1.0, 8
+        for i in range(tries):  # the layers' outputs move as their inputs do: iterate
+            contrib, logits = _layer_contributions(model, ids)  # [T], [T, V]
+            emb_norm = emb[ids].float().norm(dim=-1)  # [T]
+            ratio = float((emb_norm / contrib).min())
+            if i == tries - 1 or (scale > 1.0 and dominance <= ratio <= 8 * dominance):
+                break
+            # NOTE: from scale 1 this may overshoot by orders of magnitude: the random INT4
+            # experts' mean (nibbles -8..7) amplifies any mean of a layer's input, and a
+            # dominated stream has none; so the next pass scales down again
+            step = 2 * dominance / ratio
+            emb.mul_(step)
+            scale *= step
+        if ratio < dominance:
+            raise ValueError(f"peak_logits: embedding x{scale:.3g} still only {ratio:.1f}x the "
+                             f"layers' residual contributions (want {dominance:.0f}x)")  # fmt: skip
+        if not torch.isfinite(emb).all() or float(emb.abs().max()) > 1e5:
+            raise ValueError(f"peak_logits: embedding x{scale:.3g} leaves the bf16-safe range")
+        top2 = logits.topk(2, dim=-1)  # [T, 2]: the next token after each prefix
+        follows = top2.indices[:, 0].cpu() == succ[ids.cpu()]
+        margin = float((top2.values[:, 0] - top2.values[:, 1]).min())
+        if not bool(follows.all()) or margin < top_logit / 4:
+            raise ValueError(f"peak_logits: {int(follows.sum())}/{len(ids)} calibration tokens "
+                             f"followed by their successor, margin {margin:.2f}")  # fmt: skip
+    # what the benchmarks print
+    model.peak_info = {"embed_scale": scale, "dominance": ratio, "margin": margin}
     return succ
+
+
+def _layer_contributions(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One eager forward of the sequence `ids` [T] (no KV cache). -> (per token, the sum over
+    layers of the norms of the attention and MLP outputs added to the residual stream [T]
+    float32; the logits [T, V] float32)."""
+    norms: list[torch.Tensor] = []
+
+    def hook(_mod, _inp, out):
+        norms.append(out.float().norm(dim=-1))  # [T]
+
+    hooks = []
+    for layer in model.model.layers:
+        hooks += [layer.self_attn.register_forward_hook(hook),
+                  layer.mlp.register_forward_hook(hook)]  # fmt: skip
+    try:
+        pos = torch.arange(len(ids), device=ids.device)
+        logits = model.compute_logits(model(ids, pos))  # [T, V]
+    finally:
+        for h in hooks:
+            h.remove()
+    if not norms:
+        return torch.full((len(ids),), 1e-6, device=ids.device), logits
+    return torch.stack(norms).sum(0), logits
