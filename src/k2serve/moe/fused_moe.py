@@ -153,9 +153,10 @@ class FusedMoEBackend(ExpertBackend):
             self.decode_max_pairs if grouped_max_pairs is None else grouped_max_pairs
         )
         # bands of pair counts where the path is chosen on the device from the routing
-        self.routing_select = tuple(
-            t.int4_routing_select if routing_select is None else routing_select
-        )
+        bands = t.int4_routing_select if routing_select is None else routing_select
+        if routing_select is None and not self.grouped_config:  # the table's bands need it
+            bands = [b for b in bands if "grouped" not in b.get("paths", ())]
+        self.routing_select = tuple(bands)
         check_routing_select(self.routing_select, bool(self.grouped_config))
         # one config, or a table of configs by max pair count (int4_gemm.pick_config)
         self.prefill_config = t.int4_prefill if prefill_config is None else prefill_config
