@@ -48,7 +48,10 @@ def main() -> None:
             plain.replay()
             done.record()
         launch.append((_spin(done) - t0) * 1e6)
-    for name, v in (("host release -> wait passed (us)", wake), ("plain graph launch -> done (us)", launch)):
+    for name, v in (
+        ("host release -> wait passed (us)", wake),
+        ("plain graph launch -> done (us)", launch),
+    ):
         v = sorted(v)
         print(f"{name:36s} median {statistics.median(v):7.1f}  p90 {v[int(0.9 * len(v))]:7.1f}")
 
