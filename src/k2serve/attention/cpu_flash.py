@@ -1,0 +1,101 @@
+"""Absorbed MLA on the CPU for bf16 caches through torch's CPU flash-attention kernel.
+
+The torch reference (torch_ref.py) gathers a sequence's pages, converts them to float32 and runs
+einsums: at K2's shapes (64 heads, latent 512 + rope 64) that is 2% of the read bandwidth for one
+decode token and ~40% of the float32 matmul rate for a prompt. Here the same attention runs on
+bf16 operands with float32 scores and softmax, as a GPU flash kernel computes it:
+
+- `aten::_scaled_dot_product_flash_attention_for_cpu` (oneDNN brgemm: AMX / AVX512-BF16 where the
+  CPU has them) with q = [q_latent | q_pe] and k = v = the cached [latent | k_pe] rows (the kernel
+  wants one head size: the 64 rope columns of the output are computed and dropped);
+- the cached keys are shared by every head, so the heads are rows of one query block ("MQA"), and
+  the keys a query block sees unmasked are split into chunks run as the batch (split-KV: a decode
+  token's 64 rows would otherwise keep 2 threads busy); each part returns its log-sum-exp and the
+  parts are merged in float32;
+- the new tokens of a prompt see each other causally: that square block runs per head with the
+  kernel's (top-left) causal mask, which is the right mask for a square block.
+
+Invariants: same result as the reference up to bf16 rounding of the parts' outputs (the scores,
+softmax and merge are float32); queries run in chunks of QUERY_CHUNK tokens so that the float32
+merge buffers stay bounded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+QUERY_CHUNK = 512  # new tokens per pass (rows = tokens x heads)
+MIN_KEYS_PER_SPLIT = 512  # the kernel's key block: smaller splits only add merge work
+
+
+def available() -> bool:
+    return hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _flash(q, k, scale: float, is_causal: bool = False):
+    """q [B, H, M, E], k = v [B, H, N, E] (strides may be 0) -> out [B, H, M, E], lse [B, H, M]."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, k, 0.0, is_causal, scale=scale
+    )
+
+
+def _unmasked(q: torch.Tensor, kv: torch.Tensor, scale: float) -> list[tuple]:
+    """Rows q [M, E] over every row of kv [N, E], N split into chunks run as the batch ->
+    [(out [P, M, E], lse [P, M])]: the chunks, then the remainder (< P rows) if any."""
+    M, N = q.shape[0], kv.shape[0]
+    row_blocks = -(-M // 64)
+    splits = max(1, min(N // MIN_KEYS_PER_SPLIT, -(-2 * torch.get_num_threads() // row_blocks)))
+    chunk = N // splits
+    out, lse = _flash(
+        q[None, None].expand(splits, 1, M, -1),
+        kv[: splits * chunk].view(splits, 1, chunk, -1),
+        scale,
+    )  # [P, 1, M, E], [P, 1, M]
+    parts = [(out[:, 0], lse[:, 0])]
+    if splits * chunk < N:
+        out, lse = _flash(q[None, None], kv[None, None, splits * chunk :], scale)
+        parts.append((out[:, 0], lse[:, 0]))
+    return parts
+
+
+def mla_sequence(
+    q: torch.Tensor,  # [n, H, E] bf16: [q_latent | q_pe] of one sequence's new tokens
+    kv: torch.Tensor,  # [S, E] bf16, contiguous: the sequence's cached [latent | k_pe]
+    ctx: int,  # tokens cached before the new ones (S = ctx + n)
+    scale: float,
+    L: int,  # latent width (the output columns)
+) -> torch.Tensor:  # [n, H, L] float32
+    n, H, E = q.shape
+    out = torch.empty(n, H, L, dtype=torch.float32)
+    for c0 in range(0, n, QUERY_CHUNK):
+        c1 = min(n, c0 + QUERY_CHUNK)
+        m = c1 - c0
+        qc = q[c0:c1]  # [m, H, E]
+        # keys every row of the chunk sees: all before the chunk (and, for one token, itself)
+        seen = ctx + c0 + (1 if m == 1 else 0)
+        parts = _unmasked(qc.reshape(m * H, E), kv[:seen], scale) if seen else []
+        if m > 1:  # the chunk's own tokens, causal: per head, heads in the batch's H
+            keys = kv[ctx + c0 : ctx + c1]  # [m, E]
+            o, lse = _flash(
+                qc.transpose(0, 1)[None], keys[None, None].expand(1, H, m, E), scale, True
+            )  # [1, H, m, E], [1, H, m]
+            parts.append(
+                (o.transpose(1, 2).reshape(1, m * H, E), lse.transpose(1, 2).reshape(1, m * H))
+            )
+        out[c0:c1] = _merge(parts, L).view(m, H, L)
+    return out
+
+
+def _merge(parts: list[tuple], L: int) -> torch.Tensor:
+    """[(out [P, M, E], lse [P, M])] -> [M, L] float32: the parts weighted by their share of
+    each row's softmax mass, exp(lse_p - logsumexp_p(lse))."""
+    if len(parts) == 1 and parts[0][0].shape[0] == 1:
+        return parts[0][0][0, :, :L].float()
+    w = torch.softmax(torch.cat([p[1] for p in parts]), dim=0)  # [sum P, M]
+    res, i = None, 0
+    for o, _ in parts:
+        wp = w[i : i + o.shape[0], :, None]  # [P, M, 1]
+        i += o.shape[0]
+        term = (o[..., :L].float() * wp).sum(0)  # [M, L]
+        res = term if res is None else res.add_(term)
+    return res
