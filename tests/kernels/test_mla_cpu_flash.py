@@ -50,7 +50,8 @@ def case(ctxs, qlens, seed=0):
 )  # fmt: skip
 @pytest.mark.parametrize("small", [False, True])
 def test_flash_matches_the_float32_einsums(monkeypatch, ctxs, qlens, small):
-    if small:  # many key splits (+ a remainder) and several query chunks
+    if small:  # key segments, many key splits (+ a remainder), several query chunks
+        monkeypatch.setattr(cpu_flash, "SEGMENT_KEYS", 100)  # 96 rows: 6 pages
         monkeypatch.setattr(cpu_flash, "MIN_KEYS_PER_SPLIT", 32)
         monkeypatch.setattr(cpu_flash, "QUERY_CHUNK", 16)
     ql, qp, kv, md = case(ctxs, qlens)

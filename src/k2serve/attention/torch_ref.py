@@ -101,10 +101,9 @@ class TorchMLABackend(MLABackend):
                 continue
             n_pages = -(-seq_len // page_size)
             pages = metadata.block_table[b, :n_pages].to(torch.long)
-            if flash:  # index_select: 3x faster than kv_cache[pages] on the CPU
-                kv = kv_cache.index_select(0, pages).view(n_pages * page_size, -1)[:seq_len]
-                o = cpu_flash.mla_sequence(q[start:end], kv, ctx, scale, L)  # [n, H, L]
-                out[start:end] = o.to(out.dtype)
+            if flash:
+                o = cpu_flash.mla_sequence(q[start:end], kv_cache, pages, ctx, scale, L)
+                out[start:end] = o.to(out.dtype)  # [n, H, L]
                 continue
             kv = kv_cache[pages].reshape(n_pages * page_size, -1)[:seq_len]  # [S, L + R]
             kv = self._from_cache(kv)  # float32
