@@ -50,10 +50,11 @@ def case(ctxs, qlens, seed=0):
 )  # fmt: skip
 @pytest.mark.parametrize("small", [False, True])
 def test_flash_matches_the_float32_einsums(monkeypatch, ctxs, qlens, small):
-    if small:  # key segments, many key splits (+ a remainder), several query chunks
+    if small:  # key segments, key splits (+ a remainder), query chunks, rows as heads
         monkeypatch.setattr(cpu_flash, "SEGMENT_KEYS", 100)  # 96 rows: 6 pages
         monkeypatch.setattr(cpu_flash, "MIN_KEYS_PER_SPLIT", 32)
         monkeypatch.setattr(cpu_flash, "QUERY_CHUNK", 16)
+        monkeypatch.setattr(cpu_flash, "HEAD_ROWS", 4)  # a decode's 8 rows as 2 heads
     ql, qp, kv, md = case(ctxs, qlens)
     fast = TorchMLABackend().forward(ql, qp, kv, md, 0.2)
     ref = TorchMLABackend(cpu_flash=False).forward(ql.float(), qp.float(), kv, md, 0.2)
