@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
+from k2serve.attention import cpu_flash  # noqa: E402
 from k2serve.attention.base import AttentionMetadata  # noqa: E402
 from k2serve.attention.torch_ref import TorchMLABackend  # noqa: E402
 from k2serve.quant.linear import linear  # noqa: E402
@@ -184,6 +185,12 @@ def main(argv=None) -> int:
               f"{tdr * 1e3:>7.2f} {tdr / td:>6.1f} {n:>10} {tp * 1e3:>8.1f} {rate:>8.3f} "
               f"{rate / f32:>7.0%} {rate / bf16:>8.0%} {tpr * 1e3:>8.1f} {tpr / tp:>6.1f} "
               f"{tp * 2048 / max(n, 1) * 1e3:>8.0f}")  # fmt: skip
+    hr = cpu_flash.HEAD_ROWS
+    for rows in (hr, NH):  # a decode's heads: blocks of HEAD_ROWS rows vs one block of NH
+        cpu_flash.HEAD_ROWS = rows
+        print(f"# decode at {ctxs[0]}, {rows} rows per kernel head: "
+              f"{time_mla(ctxs[0], 1, reps=5) * 1e3:.2f} ms")  # fmt: skip
+    cpu_flash.HEAD_ROWS = hr
     print(
         "# decode: one query over the context (bytes = its bf16 latents; FLOP/s of the useful "
         "products, vs the bf16 matmul rate); prefill: the last 'prefill q' queries of that "
