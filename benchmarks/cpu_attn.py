@@ -86,9 +86,9 @@ def time_absorb(copies: int, rows: int = 1, reps: int = 5) -> float:
     return timeit(run, reps) / copies
 
 
-def mla_case(ctx: int, n_new: int, page: int = 64):
+def mla_case(ctx: int, n_new: int, page: int = 64, shuffle: bool = True):
     """(q_latent, q_pe, kv_cache, metadata) for n_new queries after ctx cached tokens, on
-    shuffled pages (a served sequence's pages are not contiguous)."""
+    shuffled pages (a served sequence's pages are not always one run) or on pages 0, 1, ..."""
     g = torch.Generator().manual_seed(ctx + n_new)
     S = ctx + n_new
     pages = -(-S // page)
@@ -97,7 +97,8 @@ def mla_case(ctx: int, n_new: int, page: int = 64):
         query_start_loc=torch.tensor([0, n_new], dtype=torch.int32),
         seq_lens=torch.tensor([S], dtype=torch.int32),
         context_lens=torch.tensor([ctx], dtype=torch.int32),
-        block_table=torch.randperm(pages, generator=g).to(torch.int32)[None],
+        block_table=(torch.randperm(pages, generator=g) if shuffle else torch.arange(pages))
+        .to(torch.int32)[None],
         slot_mapping=torch.arange(ctx, S, dtype=torch.int64),
         max_query_len=n_new, max_seq_len=S, page_size=page, num_decodes=int(n_new == 1),
     )  # fmt: skip
@@ -107,8 +108,8 @@ def mla_case(ctx: int, n_new: int, page: int = 64):
     return ql, qp, kv, md
 
 
-def time_mla(ctx: int, n_new: int, reps: int = 3, flash: bool = True) -> float:
-    ql, qp, kv, md = mla_case(ctx, n_new)
+def time_mla(ctx: int, n_new: int, reps: int = 3, flash: bool = True, shuffle=True) -> float:
+    ql, qp, kv, md = mla_case(ctx, n_new, shuffle=shuffle)
     be = TorchMLABackend(cpu_flash=flash)
     return timeit(lambda: be.forward(ql, qp, kv, md, SCALE), reps)
 
@@ -191,6 +192,8 @@ def main(argv=None) -> int:
         print(f"# decode at {ctxs[0]}, {rows} rows per kernel head: "
               f"{time_mla(ctxs[0], 1, reps=5) * 1e3:.2f} ms")  # fmt: skip
     cpu_flash.HEAD_ROWS = hr
+    print(f"# decode at {ctxs[0]} on pages 0, 1, ... (read in place, no gather): "
+          f"{time_mla(ctxs[0], 1, reps=5, shuffle=False) * 1e3:.2f} ms")  # fmt: skip
     print(
         "# decode: one query over the context (bytes = its bf16 latents; FLOP/s of the useful "
         "products, vs the bf16 matmul rate); prefill: the last 'prefill q' queries of that "

@@ -1,6 +1,7 @@
 """The CPU flash path of TorchMLABackend (bf16 queries over a bf16 cache) against the float32
 einsums of the same backend (cpu_flash=False) on the same bf16 cache: decodes, prompts with and
-without a cached prefix, several sequences on shuffled pages, query chunks and key splits."""
+without a cached prefix, several sequences on descending or consecutive pages, query chunks and
+key splits."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ pytestmark = pytest.mark.skipif(not cpu_flash.available(), reason="no CPU flash 
 H, L, R, PS = 8, 64, 16, 16
 
 
-def case(ctxs, qlens, seed=0):
+def case(ctxs, qlens, seed=0, consecutive=False):
     g = torch.Generator().manual_seed(seed)
     pages_per = [-(-(c + q) // PS) for c, q in zip(ctxs, qlens, strict=True)]
     total = sum(pages_per) + 2
     kv = (torch.randn(total, PS, L + R, generator=g)).bfloat16()
-    perm = torch.randperm(total, generator=g).tolist()
+    # pages in descending order (gathered), or each sequence on one run of ids (read in place)
+    perm = list(range(1, total)) if consecutive else list(range(total - 1, -1, -1))
     table = torch.zeros(len(ctxs), max(pages_per), dtype=torch.int32)
     i = 0
     for b, n in enumerate(pages_per):
@@ -49,14 +51,22 @@ def case(ctxs, qlens, seed=0):
      ([600, 3, 0], [1, 9, 33])],
 )  # fmt: skip
 @pytest.mark.parametrize("small", [False, True])
-def test_flash_matches_the_float32_einsums(monkeypatch, ctxs, qlens, small):
+@pytest.mark.parametrize("consecutive", [False, True])
+def test_flash_matches_the_float32_einsums(monkeypatch, ctxs, qlens, small, consecutive):
     if small:  # key segments, key splits (+ a remainder), query chunks, rows as heads
         monkeypatch.setattr(cpu_flash, "SEGMENT_KEYS", 100)  # 96 rows: 6 pages
         monkeypatch.setattr(cpu_flash, "MIN_KEYS_PER_SPLIT", 32)
         monkeypatch.setattr(cpu_flash, "QUERY_CHUNK", 16)
         monkeypatch.setattr(cpu_flash, "HEAD_ROWS", 4)  # a decode's 8 rows as 2 heads
-    ql, qp, kv, md = case(ctxs, qlens)
+    ql, qp, kv, md = case(ctxs, qlens, consecutive=consecutive)
+    gathers = []
+    select = torch.Tensor.index_select
+    monkeypatch.setattr(torch.Tensor, "index_select", lambda *a: gathers.append(1) or select(*a))
     fast = TorchMLABackend().forward(ql, qp, kv, md, 0.2)
+    if consecutive:  # a run of pages is read in place
+        assert not gathers
+    elif max(c + q for c, q in zip(ctxs, qlens, strict=True)) > PS:
+        assert gathers
     ref = TorchMLABackend(cpu_flash=False).forward(ql.float(), qp.float(), kv, md, 0.2)
     assert fast.dtype == torch.bfloat16
     # bf16 rounding of the output (and of the parts before the merge) only
