@@ -14,7 +14,7 @@ PY=${PY:-python3}
 timeout 15 $PY -m pytest -q -x -p no:cacheprovider tests/kernels/test_mla_cpu_flash.py \
   tests/kernels/test_mla_chunked.py >"$OUT/mla_tests.txt" 2>&1
 echo "## tests: rc $?" >"$OUT/mla_summary.txt"
-timeout 40 $PY benchmarks/cpu_attn.py --rows 1 --copies 3 --prefill-queries 256 \
+timeout 40 $PY -u benchmarks/cpu_attn.py --rows 1 --copies 3 --prefill-queries 256 \
   >"$OUT/mla_cpu_attn.txt" 2>&1
 echo "## cpu_attn: rc $?" >>"$OUT/mla_summary.txt"
 {
