@@ -14,11 +14,13 @@ bf16 operands with float32 scores and softmax, as a GPU flash kernel computes it
   parts are merged in float32;
 - the new tokens of a prompt see each other causally: that square block runs per head with the
   kernel's (top-left) causal mask, which is the right mask for a square block;
+- a decode's 64 rows go in as 2 heads of HEAD_ROWS = 32 (the kernel then skips its upfront
+  packing of K and V, which costs more than it saves at so few rows);
 - a sequence's pages are read SEGMENT_KEYS rows at a time, in place where they are one run of
-  consecutive pages, else gathered (index_select); every buffer
-  stays ~10-20 MB: glibc serves allocations over 32 MB with fresh mmaps, and their page faults
-  made a 32K-token decode 3x slower than 4x the 8K one (a 38 MB gather: 9.6 ms fresh, 2 ms
-  into reused memory, on the 2-core dev box).
+  consecutive pages, else gathered (index_select), so that every buffer stays ~10-20 MB: glibc
+  serves allocations over 32 MB with fresh mmaps, and their page faults made a 32K-token decode
+  3x slower than 4x the 8K one (a 38 MB gather: 9.6 ms fresh, 2 ms into reused memory, on the
+  2-core dev box).
 
 Invariants: same result as the reference up to bf16 rounding of the parts' outputs (the scores,
 softmax and merge are float32); queries run in chunks of QUERY_CHUNK tokens so that the float32
@@ -85,16 +87,16 @@ def _rows(kv_cache: torch.Tensor, pages: torch.Tensor, a: int, b: int) -> torch.
 
 def mla_sequence(
     q: torch.Tensor,  # [n, H, E] bf16: [q_latent | q_pe] of one sequence's new tokens
-    kv_cache: torch.Tensor,  # [num_pages, page_size, E] bf16
+    kv_cache: torch.Tensor,  # [num_pages, page_size, E] bf16, contiguous
     pages: torch.Tensor,  # [>= ceil(S / page_size)] int64, the sequence's pages
     ctx: int,  # tokens cached before the new ones (S = ctx + n)
     scale: float,
-    L: int,  # latent width (the output columns)
-) -> torch.Tensor:  # [n, H, L] float32
+    out: torch.Tensor,  # [n, H, L] written: L = the latent width (the output columns)
+) -> None:
     n, H, E = q.shape
+    L = out.shape[-1]
     ps = kv_cache.shape[1]
     seg = max(ps, SEGMENT_KEYS // ps * ps)
-    out = torch.empty(n, H, L, dtype=torch.float32)
     for c0 in range(0, n, QUERY_CHUNK):
         c1 = min(n, c0 + QUERY_CHUNK)
         m = c1 - c0
@@ -112,8 +114,7 @@ def mla_sequence(
             )  # [1, H, m, E], [1, H, m]
             o, lse = o.transpose(1, 2).reshape(1, m * H, E), lse.transpose(1, 2).reshape(1, m * H)
             parts.append((o, lse))
-        out[c0:c1] = _merge(parts, L).view(m, H, L)
-    return out
+        out[c0:c1] = _merge(parts, L).view(m, H, L)  # float32 -> out's dtype
 
 
 def _merge(parts: list[tuple], L: int) -> torch.Tensor:

@@ -46,6 +46,7 @@ class TorchMLABackend(MLABackend):
             self.cpu_flash
             and q_latent.device.type == "cpu"
             and q_latent.dtype == q_pe.dtype == kv_cache.dtype == torch.bfloat16
+            and kv_cache.is_contiguous()
             and cpu_flash.available()
         )
 
@@ -102,8 +103,7 @@ class TorchMLABackend(MLABackend):
             n_pages = -(-seq_len // page_size)
             pages = metadata.block_table[b, :n_pages].to(torch.long)
             if flash:
-                o = cpu_flash.mla_sequence(q[start:end], kv_cache, pages, ctx, scale, L)
-                out[start:end] = o.to(out.dtype)  # [n, H, L]
+                cpu_flash.mla_sequence(q[start:end], kv_cache, pages, ctx, scale, out[start:end])
                 continue
             kv = kv_cache[pages].reshape(n_pages * page_size, -1)[:seq_len]  # [S, L + R]
             kv = self._from_cache(kv)  # float32
