@@ -7,13 +7,16 @@ weights, dummy values. Parts, as the model runs them on the CPU (model/deepseek_
   torch's F.linear on the same weights, each over enough distinct copies to miss the caches;
 - the absorbed kv_b_proj (W_UK, W_UV^T as two bmm, 16.8 MB);
 - MLA decode over a bf16 latent cache of 8K and 32K tokens (TorchMLABackend: bytes read = the
-  context's latents, 1,152 bytes per token);
-- MLA prefill: --prefill-queries new queries at the end of an 8K / 32K context (the backend
-  computes in float32, in query chunks), FLOP/s against torch's float32 and bf16 matmul rate
-  measured in the same run.
+  context's latents, 1,152 bytes per token), on shuffled pages;
+- MLA prefill: --prefill-queries new queries at the end of an 8K / 32K context, FLOP/s against
+  torch's float32 and bf16 matmul rate measured in the same run.
+Both run the backend's CPU flash path (bf16 operands, float32 scores: attention/cpu_flash.py)
+and, as 'ref', its float32 einsums (cpu_flash=False, the path before); first a check of the
+flash result against the einsums on the same inputs (max abs difference, next to the bf16
+rounding of the einsum result itself).
 
     python benchmarks/cpu_attn.py                # all of it
-    python benchmarks/cpu_attn.py --contexts 8192 --prefill-queries 128
+    python benchmarks/cpu_attn.py --contexts 8192 --prefill-queries 128 --no-ref
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
+from k2serve.attention import cpu_flash  # noqa: E402
 from k2serve.attention.base import AttentionMetadata  # noqa: E402
 from k2serve.attention.torch_ref import TorchMLABackend  # noqa: E402
 from k2serve.quant.linear import linear  # noqa: E402
@@ -36,6 +40,7 @@ D, NH, QL, KL, RO, NO, VD = 7168, 64, 1536, 512, 64, 128, 128
 PROJ = {"qkv_a": (QL + KL + RO, D), "q_b": (NH * (NO + RO), QL), "o_proj": (D, NH * VD)}
 PROJ_BYTES = sum(n * k for n, k in PROJ.values()) * 2
 KVB_BYTES = NH * (NO + VD) * KL * 2
+SCALE = (NO + RO) ** -0.5  # K2's softmax scale before the YaRN mscale
 
 
 def timeit(fn, reps: int) -> float:
@@ -81,26 +86,42 @@ def time_absorb(copies: int, rows: int = 1, reps: int = 5) -> float:
     return timeit(run, reps) / copies
 
 
-def mla_case(ctx: int, n_new: int, page: int = 64):
-    """(q_latent, q_pe, kv_cache, metadata) for n_new queries after ctx cached tokens."""
+def mla_case(ctx: int, n_new: int, page: int = 64, shuffle: bool = True):
+    """(q_latent, q_pe, kv_cache, metadata) for n_new queries after ctx cached tokens, on
+    shuffled pages (a served sequence's pages are not always one run) or on pages 0, 1, ..."""
+    g = torch.Generator().manual_seed(ctx + n_new)
     S = ctx + n_new
     pages = -(-S // page)
-    kv = torch.randn(pages, page, KL + RO).bfloat16()
+    kv = torch.randn(pages, page, KL + RO, generator=g).bfloat16()
     md = AttentionMetadata(
         query_start_loc=torch.tensor([0, n_new], dtype=torch.int32),
         seq_lens=torch.tensor([S], dtype=torch.int32),
         context_lens=torch.tensor([ctx], dtype=torch.int32),
-        block_table=torch.arange(pages, dtype=torch.int32)[None],
+        block_table=(torch.randperm(pages, generator=g) if shuffle else torch.arange(pages))
+        .to(torch.int32)[None],
         slot_mapping=torch.arange(ctx, S, dtype=torch.int64),
         max_query_len=n_new, max_seq_len=S, page_size=page, num_decodes=int(n_new == 1),
     )  # fmt: skip
-    return torch.randn(n_new, NH, KL).bfloat16(), torch.randn(n_new, NH, RO).bfloat16(), kv, md
+    # queries of a trained model's scale: softmax neither uniform nor one-hot
+    ql = (torch.randn(n_new, NH, KL, generator=g) * 0.5).bfloat16()
+    qp = (torch.randn(n_new, NH, RO, generator=g) * 0.5).bfloat16()
+    return ql, qp, kv, md
 
 
-def time_mla(ctx: int, n_new: int, reps: int = 3) -> float:
+def time_mla(ctx: int, n_new: int, reps: int = 3, flash: bool = True, shuffle=True) -> float:
+    ql, qp, kv, md = mla_case(ctx, n_new, shuffle=shuffle)
+    be = TorchMLABackend(cpu_flash=flash)
+    return timeit(lambda: be.forward(ql, qp, kv, md, SCALE), reps)
+
+
+def check_mla(ctx: int, n_new: int) -> str:
+    """Flash path vs the float32 einsums on the same bf16 inputs."""
     ql, qp, kv, md = mla_case(ctx, n_new)
-    be = TorchMLABackend()
-    return timeit(lambda: be.forward(ql, qp, kv, md, 0.1), reps)
+    fast = TorchMLABackend().forward(ql, qp, kv, md, SCALE).float()
+    ref = TorchMLABackend(cpu_flash=False).forward(ql.float(), qp.float(), kv, md, SCALE)
+    err, rnd = (fast - ref).abs().max().item(), (ref.bfloat16().float() - ref).abs().max().item()
+    return (f"# check ctx {ctx} + {n_new} new: max|flash - f32 einsum| {err:.2e} (bf16 rounding "
+            f"of the f32 result: {rnd:.2e}; |f32| max {ref.abs().max().item():.2f})")  # fmt: skip
 
 
 def mla_flops(ctx: int, n_new: int) -> float:
@@ -121,6 +142,7 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", default="8192,32768")
     ap.add_argument("--prefill-queries", type=int, default=256)
     ap.add_argument("--bw-gib", type=float, default=2.0)
+    ap.add_argument("--no-ref", action="store_true", help="skip timing the float32 einsums")
     args = ap.parse_args(argv)
     from cpu_e2e import read_bandwidth  # benchmarks/cpu_e2e.py
 
@@ -143,20 +165,40 @@ def main(argv=None) -> int:
     ta = time_absorb(max(args.copies, 8))
     print(f"# absorbed kv_b (W_UK, W_UV^T bmm, 1 token): {ta * 1e3:.3f} ms, "
           f"{KVB_BYTES / ta / 1e9:.1f} GB/s = {KVB_BYTES / ta / 1e9 / bw:.0%} of BW")  # fmt: skip
-    print(f"{'context':>8} {'decode ms':>10} {'GB/s':>6} {'of BW':>6} {'prefill q':>10} "
-          f"{'ms':>9} {'TFLOP/s':>8} {'of f32':>7} {'of bf16':>8} {'ms/2K q':>9}")  # fmt: skip
-    for ctx in [int(c) for c in args.contexts.split(",") if c]:
+    ctxs = [int(c) for c in args.contexts.split(",") if c]
+    n = args.prefill_queries
+    for ctx in ctxs[:1]:
+        print(check_mla(ctx, 1))
+        if n:
+            print(check_mla(ctx - n, n))
+    print(f"{'context':>8} {'decode ms':>10} {'GB/s':>6} {'TFLOP/s':>8} {'of bf16':>8} "
+          f"{'ref ms':>7} {'x ref':>6} {'prefill q':>10} {'ms':>8} {'TFLOP/s':>8} {'of f32':>7} "
+          f"{'of bf16':>8} {'ref ms':>8} {'x ref':>6} {'ms/2K q':>8}")  # fmt: skip
+    for ctx in ctxs:
         td = time_mla(ctx, 1)
+        tdr = float("nan") if args.no_ref else time_mla(ctx, 1, flash=False)
         nb = (ctx + 1) * (KL + RO) * 2
-        n = args.prefill_queries
+        rd = mla_flops(ctx, 1) / td / 1e12
         tp = time_mla(ctx - n, n, reps=1) if n else float("nan")
+        tpr = float("nan") if args.no_ref or not n else time_mla(ctx - n, n, 1, flash=False)
         rate = mla_flops(ctx - n, n) / tp / 1e12
-        print(f"{ctx:>8} {td * 1e3:>10.2f} {nb / td / 1e9:>6.1f} {nb / td / 1e9 / bw:>6.0%} "
-              f"{n:>10} {tp * 1e3:>9.1f} {rate:>8.3f} {rate / f32:>7.0%} {rate / bf16:>8.0%} "
-              f"{tp * 2048 / max(n, 1) * 1e3:>9.0f}")  # fmt: skip
+        print(f"{ctx:>8} {td * 1e3:>10.2f} {nb / td / 1e9:>6.1f} {rd:>8.3f} {rd / bf16:>8.0%} "
+              f"{tdr * 1e3:>7.2f} {tdr / td:>6.1f} {n:>10} {tp * 1e3:>8.1f} {rate:>8.3f} "
+              f"{rate / f32:>7.0%} {rate / bf16:>8.0%} {tpr * 1e3:>8.1f} {tpr / tp:>6.1f} "
+              f"{tp * 2048 / max(n, 1) * 1e3:>8.0f}")  # fmt: skip
+    hr = cpu_flash.HEAD_ROWS
+    for rows in (hr, NH):  # a decode's heads: blocks of HEAD_ROWS rows vs one block of NH
+        cpu_flash.HEAD_ROWS = rows
+        print(f"# decode at {ctxs[0]}, {rows} rows per kernel head: "
+              f"{time_mla(ctxs[0], 1, reps=5) * 1e3:.2f} ms")  # fmt: skip
+    cpu_flash.HEAD_ROWS = hr
+    print(f"# decode at {ctxs[0]} on pages 0, 1, ... (read in place, no gather): "
+          f"{time_mla(ctxs[0], 1, reps=5, shuffle=False) * 1e3:.2f} ms")  # fmt: skip
     print(
-        "# decode: one query over the context (bytes = its bf16 latents); prefill: the last "
-        "'prefill q' queries of that context; 'ms/2K q': scaled to 2,048 such queries"
+        "# decode: one query over the context (bytes = its bf16 latents; FLOP/s of the useful "
+        "products, vs the bf16 matmul rate); prefill: the last 'prefill q' queries of that "
+        "context; 'ref': the float32 einsums (the path before); 'ms/2K q': scaled to 2,048 "
+        "such queries"
     )
     return 0
 

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from k2serve.attention.base import AttentionMetadata
+from k2serve.attention.torch_ref import TorchMLABackend
 from k2serve.model.backends import setup_backends
 
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -417,6 +418,9 @@ def reference_setup(model: nn.Module, kv_dtype: torch.dtype | None = None) -> No
     experts_home(model)
     setup_backends(model, "torch", "torch", "torch", kv_cache_dtype=kv_dtype,
                    policy=KernelPolicy.reference())  # fmt: skip
+    for layer in model.model.layers:  # the float32 einsums, not the CPU flash path (a variant)
+        if isinstance(layer.self_attn.backend, TorchMLABackend):
+            layer.self_attn.backend.cpu_flash = False
 
 
 def gpu_variants(model: nn.Module, cpu_experts: int | None = None) -> list[Variant]:
