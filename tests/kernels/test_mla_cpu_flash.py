@@ -53,6 +53,7 @@ def case(ctxs, qlens, seed=0, consecutive=False):
 @pytest.mark.parametrize("small", [False, True])
 @pytest.mark.parametrize("consecutive", [False, True])
 def test_flash_matches_the_float32_einsums(monkeypatch, ctxs, qlens, small, consecutive):
+    monkeypatch.setattr(cpu_flash, "DECODE_MIN_KEYS", 0)  # every decode on the flash path
     if small:  # key segments, key splits (+ a remainder), query chunks, rows as heads
         monkeypatch.setattr(cpu_flash, "SEGMENT_KEYS", 100)  # 96 rows: 6 pages
         monkeypatch.setattr(cpu_flash, "MIN_KEYS_PER_SPLIT", 32)
@@ -83,3 +84,19 @@ def test_float32_and_opt_out_keep_the_einsums():
     assert not TorchMLABackend()._flash_path(ql.float(), qp.float(), kv.float())
     assert not TorchMLABackend(cpu_flash=False)._flash_path(ql, qp, kv)
     assert TorchMLABackend()._flash_path(ql, qp, kv)
+
+
+@pytest.mark.parametrize("consecutive", [False, True])
+def test_short_decode_on_scattered_pages_keeps_the_einsums(monkeypatch, consecutive):
+    """Below DECODE_MIN_KEYS a decode takes the flash path only on one run of pages (read in
+    place); on scattered pages the einsums are faster (no gather)."""
+    ql, qp, kv, md = case([700], [1], consecutive=consecutive)
+    calls = []
+    seq = cpu_flash.mla_sequence
+    monkeypatch.setattr(cpu_flash, "mla_sequence", lambda *a: calls.append(1) or seq(*a))
+    TorchMLABackend().forward(ql, qp, kv, md, 0.2)
+    assert bool(calls) == consecutive
+    calls.clear()
+    monkeypatch.setattr(cpu_flash, "DECODE_MIN_KEYS", 512)
+    TorchMLABackend().forward(ql, qp, kv, md, 0.2)
+    assert calls

@@ -35,6 +35,10 @@ QUERY_CHUNK = 128  # new tokens per pass (rows = tokens x heads: 8,192 at 64 hea
 SEGMENT_KEYS = 8192  # cached rows gathered per kernel call (9.4 MB at K2's 576 bf16)
 MIN_KEYS_PER_SPLIT = 512  # the kernel's key block: smaller splits only add merge work
 HEAD_ROWS = 32  # a decode's rows per kernel head (2-core box, 64 rows at 8K: 1.63 ms vs 2.1)
+# a one-token decode over fewer keys on scattered pages stays on the float32 einsums: the 16-core
+# H100 host, K2 shapes, shuffled pages: 8K 2.64 ms here vs 2.39 einsums, 32K 8.76 vs 21.6; on
+# consecutive pages (read in place) 8K takes 1.00 ms (benchmarks/cpu_attn.py, RESULTS.md)
+DECODE_MIN_KEYS = 16384
 
 
 def available() -> bool:

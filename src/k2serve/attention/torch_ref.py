@@ -102,7 +102,11 @@ class TorchMLABackend(MLABackend):
                 continue
             n_pages = -(-seq_len // page_size)
             pages = metadata.block_table[b, :n_pages].to(torch.long)
-            if flash:
+            if flash and (
+                n_new > 1
+                or seq_len >= cpu_flash.DECODE_MIN_KEYS
+                or bool((pages.diff() == 1).all())  # one run of pages: read in place
+            ):
                 cpu_flash.mla_sequence(q[start:end], kv_cache, pages, ctx, scale, out[start:end])
                 continue
             kv = kv_cache[pages].reshape(n_pages * page_size, -1)[:seq_len]  # [S, L + R]
