@@ -11,8 +11,17 @@ repository root, as `tests.model.conftest` is imported elsewhere).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run under Triton's interpreter (tests/kernels, tests/moe).
+# Set here, before any test module is imported: `triton.jit` and kernels._triton read it at
+# import, and a test package collected before tests/kernels (engine/test_warmup.py imports the
+# MoE backends) would otherwise freeze them in the compiled mode for the whole session.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
