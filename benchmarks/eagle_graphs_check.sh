@@ -6,15 +6,8 @@
 # speculation off, draft graphs replayed) in the time left.
 # Usage (from the repo root): bash benchmarks/eagle_graphs_check.sh ; full logs in $OUT/eagle_*.txt
 set -o pipefail
-export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 1
-OUT=${OUT:-/tmp/k2out}
-mkdir -p "$OUT"
-if [ -d .whl ] && [ ! -d /tmp/site ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl >/dev/null 2>&1
-fi
-if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site:src; else export PYTHONPATH=src; fi
+. benchmarks/device_env.sh  # wheels, PYTHONPATH, OUT
 echo "== pytest: gqa_decode kernel, draft graphs float32 (graph == eager)"
 timeout 45 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gqa_decode.py \
   tests/engine/test_spec_decode_gpu.py -k "gqa_decode or draft_graphs" 2>&1 \

@@ -11,17 +11,8 @@
 #      % of the bf16 and fp8 matmul rates of the run, errors (benchmarks/w8a8_moe.py)
 #   4. sweep: a few FP8-path launch configs at T=8192, only if time is left
 # Usage (repo root; wheels in .whl as benchmarks/gpu_check.sh): bash benchmarks/fp8_check.sh
-export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 1
-OUT=${OUT:-/tmp/k2out}
-mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl >/dev/null 2>&1
-  export PYTHONPATH=/tmp/site:src
-else
-  export PYTHONPATH=src
-fi
+. benchmarks/device_env.sh  # wheels, PYTHONPATH, OUT
 LIMIT=${LIMIT:-212}  # seconds for the whole call
 step() {  # step NAME SECONDS CMD...: capped by what is left of LIMIT; output in $OUT/fp8_NAME.txt
   local name=$1 t=$2 left=$((LIMIT - SECONDS)); shift 2

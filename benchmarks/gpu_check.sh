@@ -2,17 +2,8 @@
 # One device call: the GPU tests, the kernel tests on CUDA, then the model benchmark; logs in $OUT.
 # Usage (from the repo root, wheels carried in .whl): bash benchmarks/gpu_check.sh [tests|speed|all]
 set -o pipefail
-export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 1
-OUT=${OUT:-/tmp/k2out}
-mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl >/dev/null 2>&1
-  export PYTHONPATH=/tmp/site:src
-else
-  export PYTHONPATH=src
-fi
+. benchmarks/device_env.sh  # wheels, PYTHONPATH, OUT
 what=${1:-all}
 run() {  # run SECONDS NAME CMD...: output to $OUT/NAME.txt, its tail printed
   local t=$1 name=$2; shift 2

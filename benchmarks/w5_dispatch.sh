@@ -4,17 +4,8 @@
 # dispatch / library comparison, and the k2-slice model figures for the dummy and uniform routing.
 # Usage (repo root): bash benchmarks/w5_dispatch.sh   -> $OUT/dispatch_*.txt, tables on stdout
 set -o pipefail
-export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 1
-OUT=${OUT:-/tmp/k2out}
-mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl >/dev/null 2>&1
-  export PYTHONPATH=/tmp/site:src
-else
-  export PYTHONPATH=src
-fi
+. benchmarks/device_env.sh  # wheels, PYTHONPATH, OUT
 # a fresh cache: the warm-up part measures what a first start-up compiles; later parts reuse it
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/w5_dispatch_triton}
 run() {  # run SECONDS NAME CMD...: output to $OUT/dispatch_NAME.txt
