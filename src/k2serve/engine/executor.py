@@ -11,6 +11,10 @@ ranks run the same backends. Each step:
 2. every rank copies the array to its device once, unpacks views (`unpack_model_input`) and
    runs its shard of the model; the layers' all-reduces go over torch.distributed;
 3. rank 0 alone computes the logits of the sampling rows and samples.
+EAGLE-3 (engine.spec_decode.eagle) drafts on rank 0 alone, after the step: the residual stream
+is replicated after each layer's all-reduce, so rank 0's auxiliary hidden states are the whole
+ones; the draft head is replicated there (its KV in its own cache on rank 0, indexed by the same
+pages), and its drafts reach the workers in the next verify step's flat batch like any drafts.
 
 Invariants: every rank sees the same flat batch, so every rank writes the same latent KV into
 its own (replicated) cache; a worker that dies makes `execute` raise `WorkerError` naming its
@@ -198,6 +202,7 @@ class MultiprocExecutor:
             )
         # NOTE: the flat batch is built on the CPU (then packed); the sampler runs on rank 0.
         self._batch = BatchBuilder(spec.page_size, "cpu")
+        self.last_input: ModelInput | None = None  # the latest step's batch (EAGLE-3 drafter)
         self.sampler = Sampler(self.device, spec.seed)
         self.group = WorkerGroup(
             W, self.device, cfg.distributed_backend, nodes=NodeSpec.from_engine_config(cfg)
@@ -230,7 +235,7 @@ class MultiprocExecutor:
         self, sched: SchedulerOutput, kv: KVCacheManager
     ) -> tuple[list[Request], SamplerOutput | None]:
         """Run one step on every rank; returns the requests that sampled and their samples."""
-        inp = self._batch.prepare(sched, kv)
+        inp = self.last_input = self._batch.prepare(sched, kv)
         packed = pack_model_input(inp)
         items = step_items(sched.scheduled) if self.has_vision else None
         # K2.5 images: their pixels travel with the step (engine.multimodal)
@@ -242,6 +247,12 @@ class MultiprocExecutor:
             return [], None
         logits = self.model.compute_logits(hidden)  # [S, vocab] float32
         return inp.sample_reqs, self.sampler(logits, inp.sample_reqs)
+
+    @property
+    def block_tables(self):
+        """Host copy of each running request's pages (the EAGLE-3 drafter indexes its own KV
+        cache on rank 0 with them)."""
+        return self._batch.block_tables
 
     def kv_loads_done(self) -> int:
         """Host tier: the seq up to which loads are done here (rank 0; a non-blocking poll)."""

@@ -23,7 +23,14 @@ The target's decode CUDA graphs are captured again once the draft is loaded, so 
 produce the auxiliary hidden states (`DecodeGraphRunner.aux`); decode + verify steps replay them
 (verify tokens are one-token sequences on CUDA, see engine.runner). On CUDA the draft's
 one-token steps replay CUDA graphs too (`eagle_graphs`; K2SERVE_EAGLE_GRAPHS=0: eagerly), as
-does the first draft forward of a plain decode step. Limit here: tensor parallel size 1.
+does the first draft forward of a plain decode step.
+
+Tensor parallel (engine.executor.MultiprocExecutor): the engine process is rank 0 and the head
+runs there alone, replicated: after each layer's all-reduce the residual stream, so the
+auxiliary states, is the whole one on every rank, and the embedding is replicated too. Its KV
+cache lives on rank 0 only (indexed by the same pages); the workers never see the head, only
+its drafts, in the next verify step's flat batch. The executor runs no CUDA graphs, so the
+target's aux states come from eager steps and the draft runs eagerly there too.
 """
 
 from __future__ import annotations
@@ -110,6 +117,13 @@ class EagleProposer:
                 self.setup_graphs(buckets, target.max_pages)
             else:
                 logger.info("EAGLE-3 draft CUDA graphs: off (K2SERVE_EAGLE_GRAPHS=0)")
+        tp = engine.config.tensor_parallel_size
+        if tp > 1:
+            logger.info(
+                "EAGLE-3 at tensor_parallel_size %d: the draft head runs on rank 0 only "
+                "(replicated, its KV on rank 0), eagerly (the executor captures no CUDA graphs)",
+                tp,
+            )
 
     def setup_graphs(self, buckets: tuple[int, ...], max_pages: int, graph_factory=None) -> None:
         """Capture the one-token draft steps (eagle_graphs); on failure the head stays eager."""
@@ -121,8 +135,6 @@ class EagleProposer:
     def load(cls, spec: SpeculativeConfig, engine) -> EagleProposer:
         from k2serve.weights.eagle3 import load_eagle3
 
-        if engine.config.tensor_parallel_size > 1:
-            raise ValueError("speculative_config: eagle3 needs tensor_parallel_size 1 here")
         model = engine.model
         if not hasattr(model, "aux_hidden_state_layers"):
             raise ValueError("speculative_config: eagle3 needs the DeepSeek-V3 target model")
