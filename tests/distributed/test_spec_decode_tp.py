@@ -133,3 +133,30 @@ def test_tp2_aux_hidden_states_equal_tp1(ckpts, tmp_path):
     hidden = ref_model.config.hidden_size
     assert got is not None and got.shape == ref.shape == (len(prompt), 3 * hidden)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_tp2_ep_eagle3_trained_demo_draft_acceptance_equals_tp1():
+    """The demo model with its trained EAGLE-3 draft (real acceptance): at TP=2 (experts
+    placed whole, the INT4 groups do not split in two) the output equals TP=1 without drafts
+    and the acceptance equals TP=1's, position by position."""
+    from k2serve.demo import demo_eagle3_path, demo_path
+
+    eng = dict(ENGINE, num_kv_pages=128, max_model_len=512)
+    msgs = [[{"role": "user", "content": q}] for q in ("What is the weather in Paris?",
+                                                       "Tell me a story about a cat.")]  # fmt: skip
+    params = SamplingParams(max_tokens=32, temperature=0)
+    spec = {"method": "eagle3", "model": str(demo_eagle3_path()), "num_speculative_tokens": 3}
+    ref = [o.outputs[0].token_ids for o in LLM(str(demo_path()), **eng).chat(msgs, params)]
+    runs = {}
+    for tp in (1, 2):
+        llm = LLM(str(demo_path()), tensor_parallel_size=tp, enable_expert_parallel=tp > 1,
+                  speculative_config=spec, **eng)  # fmt: skip
+        try:
+            assert [o.outputs[0].token_ids for o in llm.chat(msgs, params)] == ref, tp
+            st = llm.llm_engine.drafter.stats
+        finally:
+            if tp == 2:
+                llm.llm_engine.runner.shutdown()
+        runs[tp] = (st.num_drafts, st.num_accepted_tokens, list(st.num_accepted_tokens_per_pos))
+    assert runs[1][1] > runs[1][0]  # a trained draft: > 1 accepted token per draft on average
+    assert runs[2] == runs[1]
