@@ -47,7 +47,7 @@ from ._triton import HAS_TRITON, cdiv, dot_dtype, require_triton, tl, triton
 from .moe_align import moe_align_block_size
 
 if HAS_TRITON:
-    from .moe_align import aligned_block
+    from .moe_align import aligned_block, grouped_tile
 
     @triton.jit
     def _w_part(w_ptrs, s_ptr, a, k0, K, n_ok, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -75,16 +75,7 @@ if HAS_TRITON:
         pairs of expert e and BLOCK_N outputs, as the transposed tile acc[n, pair]. GATED:
         c = silu(gate) * up with up's rows at n + N (scale rows at up_s_row + n // 128);
         MUL_W: c *= tw[pair]."""
-        pid = tl.program_id(0)
-        num_n = tl.cdiv(N, BLOCK_N)
-        num_m = tl.num_programs(0) // num_n
-        # GROUP_M row blocks run through each N tile before the next N tile (L2 reuse of the
-        # weight tiles across the row blocks of one expert); GROUP_M = 1: row-block major
-        per_group = GROUP_M * num_n
-        first_m = (pid // per_group) * GROUP_M
-        group_m = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_m
-        pid_n = (pid % per_group) // group_m
+        pid_m, pid_n = grouped_tile(N, BLOCK_N, GROUP_M)
         if pid_m * BLOCK_M >= tl.load(npost_ptr):
             return
         pair, pair_ok, rows, e = aligned_block(sorted_ptr, eid_ptr, pid_m, num_pairs, A_DIV,

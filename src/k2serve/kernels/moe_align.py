@@ -46,16 +46,36 @@ def moe_align_block_size_ref(topk_ids: torch.Tensor, num_experts: int, block_m: 
 if HAS_TRITON:
 
     @triton.jit
-    def _align_count_kernel(
-        ids_ptr, sorted_ptr, eid_ptr, npost_ptr, cursor_ptr, M, NB,
-        E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-    ):  # fmt: skip
-        # one program: counts, padded offsets, block -> expert map, cursors; fills sentinels.
+    def expert_histogram(ids_ptr, M, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+        """Pairs per expert id [BLOCK_E] int32 of the M flat top-k ids (CHUNK at a time; the
+        masked tail counts in bin BLOCK_E - 1: callers mask the bins >= E)."""
         counts = tl.zeros([BLOCK_E], tl.int32)
         for s in range(0, M, CHUNK):
             o = s + tl.arange(0, CHUNK)
             v = tl.load(ids_ptr + o, mask=o < M, other=BLOCK_E - 1).to(tl.int32)
             counts += tl.histogram(v, BLOCK_E)
+        return counts
+
+    @triton.jit
+    def grouped_tile(N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        """(pid_m, pid_n) of this program for the grouped GEMMs: GROUP_M row blocks run through
+        each N tile before the next N tile (L2 reuse of the weight tiles across the row blocks
+        of one expert); GROUP_M = 1: row-block major."""
+        pid = tl.program_id(0)
+        num_n = tl.cdiv(N, BLOCK_N)
+        num_m = tl.num_programs(0) // num_n
+        per_group = GROUP_M * num_n
+        first_m = (pid // per_group) * GROUP_M
+        group_m = tl.minimum(num_m - first_m, GROUP_M)
+        return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+
+    @triton.jit
+    def _align_count_kernel(
+        ids_ptr, sorted_ptr, eid_ptr, npost_ptr, cursor_ptr, M, NB,
+        E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+    ):  # fmt: skip
+        # one program: counts, padded offsets, block -> expert map, cursors; fills sentinels.
+        counts = expert_histogram(ids_ptr, M, BLOCK_E, CHUNK)
         offs_e = tl.arange(0, BLOCK_E)
         counts = tl.where(offs_e < E, counts, 0)
         padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M

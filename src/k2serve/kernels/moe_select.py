@@ -41,16 +41,13 @@ def moe_select_ref(topk_ids: torch.Tensor, num_experts: int, thresholds: Sequenc
 
 
 if HAS_TRITON:
+    from .moe_align import expert_histogram
 
     @triton.jit
     def _select_kernel(ids_ptr, sel_ptr, M, t1, t2, NPATH: tl.constexpr, E: tl.constexpr,
                        BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
         """One program: histogram of the ids, hits = experts with a pair, the path index."""
-        counts = tl.zeros([BLOCK_E], tl.int32)
-        for s in range(0, M, CHUNK):
-            o = s + tl.arange(0, CHUNK)
-            v = tl.load(ids_ptr + o, mask=o < M, other=BLOCK_E - 1).to(tl.int32)
-            counts += tl.histogram(v, BLOCK_E)
+        counts = expert_histogram(ids_ptr, M, BLOCK_E, CHUNK)
         offs_e = tl.arange(0, BLOCK_E)
         hits = tl.sum(((counts > 0) & (offs_e < E)).to(tl.int32), 0)
         pairs = M * 1.0

@@ -49,7 +49,7 @@ FP8_MAX = 448.0
 GROUP = 128  # activation scale group (columns)
 
 if HAS_TRITON:
-    from .moe_align import aligned_block
+    from .moe_align import aligned_block, grouped_tile
 
     @triton.jit
     def _e4m3_round(x):
@@ -106,14 +106,7 @@ if HAS_TRITON:
         K/128]) and e4m3 / INT4 weights (scales ws[e, n // WS_N, k // WS_K]). GATED: up's rows
         at n + up_off (scale rows at n // WS_N + up_s_off); c = silu(gate) * up quantized to
         e4m3 per 128 columns (cs_ptr: its scales). MUL_W: c *= tw[pair]."""
-        pid = tl.program_id(0)
-        num_n = tl.cdiv(N, BLOCK_N)
-        num_m = tl.num_programs(0) // num_n
-        per_group = GROUP_M * num_n
-        first_m = (pid // per_group) * GROUP_M
-        group_m = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % per_group) % group_m
-        pid_n = (pid % per_group) // group_m
+        pid_m, pid_n = grouped_tile(N, BLOCK_N, GROUP_M)
         if pid_m * BLOCK_M >= tl.load(npost_ptr):
             return
         pair, pair_ok, rows, e = aligned_block(sorted_ptr, eid_ptr, pid_m, num_pairs, A_DIV,
