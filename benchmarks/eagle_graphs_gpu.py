@@ -15,7 +15,6 @@ the whole engine step. Medians of --iters steps (synchronised around each).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -30,20 +29,10 @@ from spec_decode_common import (  # noqa: E402 - benchmarks/ is sys.path[0]
     _free,
     _sync,
     _sync_time,
+    k25_vocab,
     make_engine,
     model_dir,
 )
-
-
-def _k25_vocab(path: str) -> dict:
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["vocab_size"] = 163840  # K2.5's; token ids only (no tokenizer of that size here)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    for name in ("tiktoken.model", "tokenizer_config.json", "chat_template.jinja"):
-        os.remove(os.path.join(path, name))
-    return cfg
 
 
 def _time_draft(eng, prop, iters: int) -> tuple[float, float]:
@@ -134,7 +123,7 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     path = model_dir(args.preset, args.layers)
     try:
-        cfg = _k25_vocab(path)
+        cfg = k25_vocab(path)
         for layout in args.heads.split(","):
             run_head(path, cfg, layout, batches, args.ctx, args.iters)
     finally:

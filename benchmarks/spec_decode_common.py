@@ -71,6 +71,35 @@ def make_engine(path: str, max_seqs: int, spec=None, enforce_eager=False):
     return eng
 
 
+def k25_vocab(path: str) -> dict:
+    """Give the checkpoint at `path` K2.5's vocabulary size (token ids only: its tokenizer
+    files are removed, none of that size exists here); returns the new config."""
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["vocab_size"] = 163840
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    for name in ("tiktoken.model", "tokenizer_config.json", "chat_template.jinja"):
+        os.remove(os.path.join(path, name))
+    return cfg
+
+
+def time_execute(eng) -> list[float]:
+    """Wrap `eng.runner.execute` so each call's seconds (synced: the step samples to the host
+    right after, so the sync costs nothing) are appended to the returned list."""
+    inner, spent = eng.runner.execute, []
+
+    def execute(*a, **kw):
+        t = time.perf_counter()
+        out = inner(*a, **kw)
+        _sync()
+        spent.append(time.perf_counter() - t)
+        return out
+
+    eng.runner.execute = execute
+    return spent
+
+
 def chain_fraction(succ, outputs: list[list[int]]) -> tuple[int, int]:
     """(greedy tokens that are the successor of the token before, tokens checked)."""
     pairs = [(a, b) for o in outputs for a, b in zip(o, o[1:], strict=False)]

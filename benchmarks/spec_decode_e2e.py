@@ -24,7 +24,7 @@ import random
 import statistics
 import time
 
-from spec_decode_common import _free, _sync, chain_fraction, make_engine
+from spec_decode_common import _free, _sync, chain_fraction, make_engine, time_execute
 
 MIN_FOLLOW = 0.98
 
@@ -93,16 +93,8 @@ def run_decode(eng, prompts, n_out: int, tag: str):
     while any(r.num_output_tokens == 0 for r in eng._requests.values()):
         eng.step()  # prefill, not timed
     outs = {r.request_id: list(r.output_token_ids) for r in eng._requests.values()}
-    inner, spent, steps = eng.runner.execute, [], []
-
-    def execute(*a, **kw):  # the step samples to the host right after: the sync costs nothing
-        t = time.perf_counter()
-        out = inner(*a, **kw)
-        _sync()
-        spent.append(time.perf_counter() - t)
-        return out
-
-    eng.runner.execute = execute
+    steps = []
+    spent = time_execute(eng)
     gc.collect()
     _sync()
     t = t_step = time.perf_counter()

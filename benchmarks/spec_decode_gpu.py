@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import random
 import shutil
@@ -69,6 +68,7 @@ from spec_decode_common import (  # noqa: E402 - benchmarks/ is sys.path[0]
     byte_mix,
     floor_bytes,
     k2_floor,
+    k25_vocab,
     make_engine,
     model_dir,
     moe_layers,
@@ -226,13 +226,7 @@ def draft_steps(preset: str, layers: int, batches: list[int], ctx: int, iters: i
     print("| head | B | draft step ms | target step ms (with the draft) | draft / target |")
     print("|---|---|---|---|---|")
     path = model_dir(preset, layers)
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["vocab_size"] = 163840  # K2.5's; token ids only (no tokenizer of that size here)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    for name in ("tiktoken.model", "tokenizer_config.json", "chat_template.jinja"):
-        os.remove(os.path.join(path, name))
+    cfg = k25_vocab(path)
     try:
         for layout in ("mla", "llama"):
             d = os.path.join(path, f"draft-{layout}")

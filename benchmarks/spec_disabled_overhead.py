@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 
-from spec_decode_common import CTX, _sync, make_engine, model_dir  # noqa: E402
+from spec_decode_common import CTX, _sync, make_engine, model_dir, time_execute  # noqa: E402
 
 
 def timed_run(eng, prompts, n_out: int, tag: str) -> tuple[float, float, list[list[int]]]:
@@ -31,17 +31,7 @@ def timed_run(eng, prompts, n_out: int, tag: str) -> tuple[float, float, list[li
         eng.add_request(f"{tag}-{i}", p, params)
     while any(r.num_output_tokens == 0 for r in eng._requests.values()):
         eng.step()  # prefill, not timed
-    inner = eng.runner.execute
-    spent: list[float] = []
-
-    def execute(*a, **kw):
-        t = time.perf_counter()
-        out = inner(*a, **kw)
-        _sync()
-        spent.append(time.perf_counter() - t)
-        return out
-
-    eng.runner.execute = execute
+    spent = time_execute(eng)
     steps: list[float] = []
     outs: dict[str, list[int]] = {}
     gc.collect()

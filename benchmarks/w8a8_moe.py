@@ -26,11 +26,15 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+import model_speed as ms  # noqa: E402  (timers)
 
 E, D, I, K = 384, 7168, 2048, 8
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -50,18 +54,7 @@ def timed(fn, iters=10, warmup=2) -> float:
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return sorted(ts)[len(ts) // 2]
+    return ms.timed(fn, iters, warmup)  # median of CUDA-event timed calls
 
 
 def limits() -> dict[str, float]:
