@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -55,10 +56,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir: str, port: int, max_seqs: int, log_path: str):
+def start_server(model_dir: str, port: int, max_seqs: int, log_path: str, extra: str = ""):
     cmd = [sys.executable, "-m", "k2serve.cli", "serve", "--model", model_dir,
            "--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port),
            "--max-num-seqs", str(max_seqs), "--max-model-len", "8192"]  # fmt: skip
+    cmd += shlex.split(extra)
     log = open(log_path, "w")  # noqa: SIM115 - closed by stop_server
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     import httpx
@@ -157,6 +159,8 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", default="1,16,64,256")
     ap.add_argument("--quick", action="store_true", help="C requests per concurrency C")
     ap.add_argument("--out", default=None, help="directory for the logs and bench JSON")
+    ap.add_argument("--server-args", default="", help="more `k2serve serve` flags, one string")
+    ap.add_argument("--no-prefix", action="store_true", help="skip the shared-4K-prefix workload")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/served.py measures a GPU server: no CUDA device here")
@@ -165,16 +169,19 @@ def main(argv=None) -> int:
     out_dir = args.out or tempfile.mkdtemp(prefix="k2served-")
     os.makedirs(out_dir, exist_ok=True)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"{time.strftime('%Y-%m-%d %H:%M')}, k2-slice INT4 {args.layers} layers")  # fmt: skip
+          f"{time.strftime('%Y-%m-%d %H:%M')}, k2-slice INT4 {args.layers} layers "
+          f"{args.server_args}")  # fmt: skip
     with tempfile.TemporaryDirectory() as d:
         cfg = write_model_dir(d, args.layers)
         port = free_port()
         t0 = time.time()
-        proc, log = start_server(d, port, max(concs), os.path.join(out_dir, "server.log"))
+        proc, log = start_server(
+            d, port, max(concs), os.path.join(out_dir, "server.log"), args.server_args
+        )
         print(f"server up in {time.time() - t0:.0f}s")
         served = {}
         try:
-            for prefix in (False, True):
+            for prefix in (False,) if args.no_prefix else (False, True):
                 for c in concs:
                     n = c if (args.quick or c == 1) else 2 * c
                     served[(prefix, c)] = run_bench(port, c, n, out_dir, prefix)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from k2serve.bench.client import RequestSpec
-from k2serve.bench.datasets import random_dataset
+from k2serve.bench.datasets import SampleRequest, random_dataset
 from k2serve.bench.metrics import summarize
-from k2serve.bench.runner import LoadSpec, interarrival_gaps, run
+from k2serve.bench.runner import LoadSpec, interarrival_gaps, run, warmup_sample
 
 
 def _spec(base: str, timeout: float = 30.0) -> RequestSpec:
@@ -102,6 +102,28 @@ def test_warmups_are_sent_but_not_measured(fake_server):
     res = run(_spec(server.base_url), samples, LoadSpec(num_warmups=3, progress=False))
     assert len(server.arrivals) == 8
     assert len(res.outcomes) == 5 and len(res.warmup_outcomes) == 3
+
+
+def test_warmups_share_no_prefix_with_measured_requests(fake_server):
+    """A warm-up that sent a measured prompt as is left it in the server's prefix cache, so
+    that request's TTFT measured a one-token prefill."""
+    server = fake_server(ttft_s=0.0, itl_s=0.001)
+    samples = random_dataset(2, 50, 2)
+    run(_spec(server.base_url), samples, LoadSpec(num_warmups=2, progress=False))
+    text = [b["messages"][-1]["content"] for b in server.bodies]  # chat API: a user message
+    warm, measured = text[:2], text[2:]
+    assert measured == [s.prompt for s in samples]
+    for w, s in zip(warm, samples, strict=True):
+        assert w != s.prompt and w.endswith(s.prompt) and not w.startswith(s.prompt[:8])
+
+
+def test_warmup_sample_marks_chat_messages():
+    s = SampleRequest([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], 1, 2)
+    w = warmup_sample(s, 3)
+    assert w.prompt[0]["content"][0]["text"].startswith("Warm-up request 3")
+    assert w.prompt[0]["content"][1:] == s.prompt[0]["content"]
+    assert s.prompt[0]["content"] == [{"type": "text", "text": "hi"}]  # the sample is unchanged
+    assert warmup_sample(SampleRequest("abc", 1, 2), 0).prompt.endswith("\nabc")
 
 
 def test_duration_bounds_the_run(fake_server):
