@@ -128,74 +128,6 @@ def part_sweep(ew, per_expert):
     return best
 
 
-DEQUANT_CONFIGS = [(16, 1, 4), (32, 1, 4), (32, 4, 4), (64, 2, 4), (64, 4, 8), (128, 2, 8),
-                   (128, 4, 8), (32, 8, 4), (64, 8, 8), (256, 1, 8)]  # fmt: skip
-
-
-def part_dequant(ew, per_expert):
-    """The dequant + grouped_mm path for long prompts: first the dequant alone (32 experts'
-    gate_up and down to bf16, GB/s of bytes read + written against the copy rate) per program
-    config (int4_dequant.DEQUANT_CONFIGS: rows, plane blocks, warps); then with the best config,
-    T = 2048..16384 uniform: the grouped GEMM (the policy's default below
-    int4_prefill_min_tokens) against dequant + grouped_mm, the shipped config and the best,
-    sequential and with the dequant on a side stream one chunk ahead (overlap=True)."""
-    from k2serve.kernels import int4_dequant, int4_gemm
-
-    pb = int4_gemm.pick_pb(D, I)
-    n = 32
-    src = [(ew.w13[:n], ew.w13_scale[:n]), (ew.w2[:n], ew.w2_scale[:n])]
-    moved = sum(w.numel() * 4 + s.numel() * 2 + w.numel() * 8 * 2 for w, s in src)
-    want = [int4_dequant.dequant_int4_planes(w, s, pb) for w, s in src]
-    outs = [torch.empty_like(o) for o in want]
-    shipped = int4_dequant.DEQUANT_CONFIG
-    best = (float("inf"), shipped)
-    for cfg in DEQUANT_CONFIGS:
-        try:
-            for (w, s), o, ref in zip(src, outs, want, strict=True):
-                int4_dequant.dequant_int4_planes(w, s, pb, o, cfg)
-                if not torch.equal(o, ref):
-                    raise AssertionError("differs from the shipped config")
-            t = ms.timed(
-                lambda c=cfg: [
-                    int4_dequant.dequant_int4_planes(w, s, pb, o, c)
-                    for (w, s), o in zip(src, outs, strict=True)
-                ],
-                iters=10,
-            )
-        except Exception as e:  # noqa: BLE001 - a config that fails is reported, not fatal
-            ms.log(f"  dequant {cfg}: {type(e).__name__}: {str(e)[:160]}")
-            ms.FAILS.append(f"dequant {cfg}")
-            continue
-        ms.row("dequant", f"{n} experts rows/kb/warps {cfg}", t, moved)
-        best = min(best, (t, cfg))
-    ms.log(f"  best dequant config {best[1]} ({best[0]:.3f} ms), shipped {shipped}")
-    want = outs = None  # free the buffers
-    for T in (2048, 4096, 8192, 16384):
-        tw, ti = route(T, 0)
-        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
-        hit = int(ti.unique().numel())
-        nb, fl = hit * per_expert + 2 * T * D * 2, 2 * 3 * D * I * T * K
-        tag = f"T={T} ({hit} exp)"
-        int4_dequant.DEQUANT_CONFIG = shipped
-        seq = int4_gemm.int4_moe_grouped_mm(x, ew, tw, ti)
-        variants = [("grouped GEMM (int4_moe_gemm)", shipped, {})]
-        variants += [(f"dequant+grouped_mm {shipped}", shipped, {})]
-        variants += [(f"dequant+grouped_mm {best[1]}", best[1], {})]
-        variants += [(f"dequant+grouped_mm {best[1]} overlap 16", best[1], {"chunk": 16,
-                                                                           "overlap": True})]  # fmt: skip
-        for name, cfg, kw in variants:
-            int4_dequant.DEQUANT_CONFIG = cfg
-            if name.startswith("grouped GEMM"):
-                fn = lambda: int4_gemm.int4_moe_gemm(x, ew, tw, ti)  # noqa: E731
-            else:
-                fn = lambda kw=kw: int4_gemm.int4_moe_grouped_mm(x, ew, tw, ti, **kw)  # noqa: E731
-                ms.check(f"{tag} {name} == shipped", fn(), seq, 1e-6)
-            ms.row("prefill", f"{tag} {name}", ms.timed(fn, iters=5), nb, fl)
-        int4_dequant.DEQUANT_CONFIG = shipped
-        del seq
-        torch.cuda.empty_cache()
-
-
 def part_crossover(ew, per_expert):
     """Where the grouped GEMM (its table) overtakes the h2 decode GEMV (the policy's config):
     one K2 layer, uniform routing, T = 32..384 tokens (256..3072 pairs). H100, 2026-11-23: the
@@ -273,7 +205,7 @@ def main():
     )
     torch.manual_seed(0)
     ms.part_ceil()
-    if {"check", "sweep", "crossover", "dequant"} & set(parts):
+    if "check" in parts or "sweep" in parts or "crossover" in parts:
         ew = ms._rand_experts("int4", E, D, I, "cuda")
         per_expert = sum(
             t[0].numel() * t.element_size() for t in (ew.w13, ew.w2, ew.w13_scale, ew.w2_scale)
@@ -282,7 +214,6 @@ def main():
             ("check", lambda: part_check(ew)),
             ("sweep", lambda: part_sweep(ew, per_expert)),
             ("crossover", lambda: part_crossover(ew, per_expert)),
-            ("dequant", lambda: part_dequant(ew, per_expert)),
         ):
             if name in parts:
                 ms.run_part(name, fn)

@@ -335,42 +335,6 @@ def test_int4_planes_dequant_and_grouped_mm():
     assert rel(out, fm.fused_moe_ref(x, ew, w, ids)) < 2e-2
 
 
-def test_int4_planes_dequant_configs_agree():
-    """Larger programs (rows x plane blocks, rows not a multiple of BLOCK_R, KB cut to a divisor
-    of the plane blocks) write exactly what the one-block program writes."""
-    from k2serve.kernels import int4_dequant
-
-    g = torch.Generator().manual_seed(0)
-    packed = torch.randint(-(2**31), 2**31 - 1, (2, 40, 96), generator=g, dtype=torch.int32)
-    scale = torch.rand(2, 40, 24, generator=g).to(torch.bfloat16)  # K = 768, group 32
-    packed, scale = packed.to(DEVICE), scale.to(DEVICE)
-    want = int4_dequant.dequant_int4_planes(packed, scale, 128, config=(16, 1, 4))
-    for cfg in ((32, 4, 4), (64, 6, 8), (16, 5, 2)):  # KB 5 -> 3 (6 plane blocks of 16 words)
-        got = int4_dequant.dequant_int4_planes(packed, scale, 128, config=cfg)
-        assert torch.equal(got, want), cfg
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream needs CUDA")
-def test_int4_grouped_mm_overlapped_equals_sequential():
-    """Dequant on a side stream one chunk ahead, two scratch slots reused (4 chunks with tokens,
-    one expert without, one chunk skipped): bit-equal to the sequential chunks, and within
-    bf16 of the reference."""
-    from k2serve.kernels import int4_gemm
-
-    ew = _int4_experts(9, 256, 128)
-    x = torch.randn(40, 256, device="cuda", dtype=torch.bfloat16)
-    w = torch.rand(40, 2, device="cuda")
-    ids = torch.stack([torch.randperm(9)[:2] for _ in range(40)]).cuda()
-    ids[ids == 4] = 5  # expert 4 gets no token: chunk (4, 6) keeps only expert 5
-    ids[ids == 8] = 7  # chunk (8, 9) gets none and is skipped: 4 chunks over the 2 slots
-    seq = int4_gemm.int4_moe_grouped_mm(x, ew, w, ids, chunk=2)
-    ovl = int4_gemm.int4_moe_grouped_mm(x, ew, w, ids, chunk=2, overlap=True)
-    torch.cuda.synchronize()
-    assert torch.equal(seq, ovl)
-    assert rel(ovl, fm.fused_moe_ref(x, ew, w, ids)) < 2e-2
-
-
 def test_permute_planes_is_a_column_permutation():
     from k2serve.kernels.int4_dequant import permute_planes
 

@@ -138,62 +138,39 @@ if HAS_TRITON:
                  mask=pair_ok[:, None] & n_ok[None, :])  # fmt: skip
 
     @triton.jit
-    def _dequant_planes_kernel(w_ptr, s_ptr, o_ptr, n_rows, KW, W: tl.constexpr, WPG: tl.constexpr,
-                               BLOCK_R: tl.constexpr, KB: tl.constexpr):  # fmt: skip
-        """[R, K/8] int32 + [R, K/G] -> [R, K] bf16, columns plane-permuted (block 8W); a
-        program does BLOCK_R rows x KB consecutive plane blocks (KB x 8W columns)."""
+    def _dequant_planes_kernel(w_ptr, s_ptr, o_ptr, n_rows, KW, W: tl.constexpr,
+                               WPG: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+        """[R, K/8] int32 + [R, K/G] -> [R, K] bf16, columns plane-permuted (block 8W)."""
         offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        kb = tl.program_id(1)
         r_ok = offs_r < n_rows
         rows = offs_r.to(tl.int64)
+        offs_w = kb * W + tl.arange(0, W)
+        p = tl.load(w_ptr + rows[:, None] * KW + offs_w[None, :], mask=r_ok[:, None], other=0)
+        s = tl.load(s_ptr + rows[:, None] * (KW // WPG) + (offs_w // WPG)[None, :],
+                    mask=r_ok[:, None], other=0.0).to(tl.float32)  # fmt: skip
+        q = p >> 16
+        base = o_ptr + rows[:, None] * (8 * KW) + kb * 8 * W + tl.arange(0, W)[None, :]
         m = r_ok[:, None]
-        for i in tl.static_range(KB):
-            kb = tl.program_id(1) * KB + i
-            offs_w = kb * W + tl.arange(0, W)
-            p = tl.load(w_ptr + rows[:, None] * KW + offs_w[None, :], mask=m, other=0)
-            s = tl.load(s_ptr + rows[:, None] * (KW // WPG) + (offs_w // WPG)[None, :],
-                        mask=m, other=0.0).to(tl.float32)  # fmt: skip
-            q = p >> 16
-            base = o_ptr + rows[:, None] * (8 * KW) + kb * 8 * W + tl.arange(0, W)[None, :]
-            tl.store(base, (plane_f32(p, q, 0) * s).to(tl.bfloat16), mask=m)
-            tl.store(base + W, (plane_f32(p, q, 1) * s).to(tl.bfloat16), mask=m)
-            tl.store(base + 2 * W, (plane_f32(p, q, 2) * s).to(tl.bfloat16), mask=m)
-            tl.store(base + 3 * W, (plane_f32(p, q, 3) * s).to(tl.bfloat16), mask=m)
-            tl.store(base + 4 * W, (plane_f32(p, q, 4) * s).to(tl.bfloat16), mask=m)
-            tl.store(base + 5 * W, (plane_f32(p, q, 5) * s).to(tl.bfloat16), mask=m)
-            tl.store(base + 6 * W, (plane_f32(p, q, 6) * s).to(tl.bfloat16), mask=m)
-            tl.store(base + 7 * W, (plane_f32(p, q, 7) * s).to(tl.bfloat16), mask=m)
+        tl.store(base, (plane_f32(p, q, 0) * s).to(tl.bfloat16), mask=m)
+        tl.store(base + W, (plane_f32(p, q, 1) * s).to(tl.bfloat16), mask=m)
+        tl.store(base + 2 * W, (plane_f32(p, q, 2) * s).to(tl.bfloat16), mask=m)
+        tl.store(base + 3 * W, (plane_f32(p, q, 3) * s).to(tl.bfloat16), mask=m)
+        tl.store(base + 4 * W, (plane_f32(p, q, 4) * s).to(tl.bfloat16), mask=m)
+        tl.store(base + 5 * W, (plane_f32(p, q, 5) * s).to(tl.bfloat16), mask=m)
+        tl.store(base + 6 * W, (plane_f32(p, q, 6) * s).to(tl.bfloat16), mask=m)
+        tl.store(base + 7 * W, (plane_f32(p, q, 7) * s).to(tl.bfloat16), mask=m)
 
 
-# (BLOCK_R rows, KB plane blocks, num_warps) of a dequant program; KB is cut to a divisor of
-# the row's plane blocks. (16, 1, 4): 1 KB read / 8 KB written a program, 28.5 ms for a K2
-# layer's 384 experts on an H100 (42 GB moved: 1.5 TB/s, half the copy rate).
-DEQUANT_CONFIG = (16, 1, 4)
-
-
-def dequant_int4_planes(
-    packed: torch.Tensor,
-    scale: torch.Tensor,
-    pb: int,
-    out: torch.Tensor | None = None,
-    config: tuple[int, int, int] | None = None,
-) -> torch.Tensor:
-    """[..., N, K/8] int32 + [..., N, K/G] -> [..., N, K] bf16, K plane-permuted (block pb);
-    into `out` (contiguous, that shape) when given; `config` (BLOCK_R, KB, num_warps), None:
-    DEQUANT_CONFIG."""
+def dequant_int4_planes(packed: torch.Tensor, scale: torch.Tensor, pb: int) -> torch.Tensor:
+    """[..., N, K/8] int32 + [..., N, K/G] -> [..., N, K] bf16, K plane-permuted (block pb)."""
     require_triton(packed)
     KW = packed.shape[-1]
     G = KW * 8 // scale.shape[-1]
     rows = packed.numel() // KW
-    shape = (*packed.shape[:-1], KW * 8)
-    if out is None:
-        out = torch.empty(shape, dtype=torch.bfloat16, device=packed.device)
-    elif tuple(out.shape) != shape or not out.is_contiguous() or out.dtype != torch.bfloat16:
-        raise ValueError(f"dequant_int4_planes: out must be contiguous bf16 {shape}")
+    out = torch.empty(*packed.shape[:-1], KW * 8, dtype=torch.bfloat16, device=packed.device)
     W = pb // 8
-    block_r, kb, warps = config or DEQUANT_CONFIG
-    nkb = KW // W
-    kb = max(d for d in range(1, min(kb, nkb) + 1) if nkb % d == 0)
-    grid = (cdiv(rows, block_r), nkb // kb)
-    _dequant_planes_kernel[grid](packed, scale, out, rows, KW, W=W, WPG=G // 8,
-                                 BLOCK_R=block_r, KB=kb, num_warps=warps)  # fmt: skip
+    grid = (cdiv(rows, 16), KW // W)
+    _dequant_planes_kernel[grid](packed, scale, out, rows, KW, W=W, WPG=G // 8, BLOCK_R=16,
+                                 num_warps=4)  # fmt: skip
     return out

@@ -327,15 +327,9 @@ def int4_moe_gemm(
     return out.view(T, k, D).sum(1)
 
 
-def int4_moe_grouped_mm(
-    x, ew, topk_weights, topk_ids, chunk: int = 32, overlap: bool = False
-) -> torch.Tensor:
+def int4_moe_grouped_mm(x, ew, topk_weights, topk_ids, chunk: int = 32) -> torch.Tensor:
     """Prefill path: experts dequantized `chunk` at a time to bf16, torch._grouped_mm per
-    projection. One host sync (expert counts). x [T, D] bf16 -> [T, D].
-
-    overlap (CUDA): the next chunk is dequantized on a side stream into the other of two
-    scratch buffers while this chunk's GEMMs run (the dequant is bound by memory bandwidth, the
-    GEMMs by the tensor cores); scratch = 2 x chunk x the bf16 experts (2 x 8 x 88 MB at K2)."""
+    projection. One host sync (expert counts). x [T, D] bf16 -> [T, D]."""
     T, D = x.shape
     k = topk_ids.shape[1]
     I, E = ew.intermediate, ew.num_experts
@@ -350,68 +344,21 @@ def int4_moe_grouped_mm(
     tok = order // k
     xs = permute_planes(x, pb)[tok]  # [M, D], rows grouped by expert
     out_s = torch.empty(flat.numel(), D, dtype=x.dtype, device=x.device)
-    chunks = [(e0, min(E, e0 + chunk)) for e0 in range(0, E, chunk)]
-    chunks = [(e0, e1) for e0, e1 in chunks if cum_h[e1] > cum_h[e0]]
-
-    def gemms(e0: int, e1: int, w13, w2_of) -> None:  # w13 [C, 2I, D], w2_of() [C, D, I]
+    for e0 in range(0, E, chunk):
+        e1 = min(E, e0 + chunk)
         r0, r1 = cum_h[e0], cum_h[e1]
+        if r1 == r0:
+            continue
         offs = (cum[e0:e1] - r0).to(torch.int32)
+        w13 = dequant_int4_planes(ew.w13[e0:e1], ew.w13_scale[e0:e1], pb)  # [C, 2I, D]
         h = torch._grouped_mm(xs[r0:r1], w13.transpose(1, 2), offs=offs)  # [R, 2I]
-        del w13  # sequential: freed before w2 is dequantized (the caller keeps no reference)
-        a = permute_planes((F.silu(h[:, :I]) * h[:, I:]).to(x.dtype), pb)
-        out_s[r0:r1] = torch._grouped_mm(a, w2_of().transpose(1, 2), offs=offs)
-
-    if overlap and x.is_cuda and len(chunks) > 1:
-        _overlapped(chunks, ew, pb, chunk, gemms)
-    else:
-        for e0, e1 in chunks:
-            gemms(
-                e0,
-                e1,
-                dequant_int4_planes(ew.w13[e0:e1], ew.w13_scale[e0:e1], pb),
-                lambda e0=e0, e1=e1: dequant_int4_planes(ew.w2[e0:e1], ew.w2_scale[e0:e1], pb),
-            )
+        del w13
+        a = (F.silu(h[:, :I]) * h[:, I:]).to(x.dtype)
+        a = permute_planes(a, pb)
+        w2 = dequant_int4_planes(ew.w2[e0:e1], ew.w2_scale[e0:e1], pb)  # [C, D, I]
+        out_s[r0:r1] = torch._grouped_mm(a, w2.transpose(1, 2), offs=offs)
+        del w2
     wsel = topk_weights.reshape(-1)[order].float()
     out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
     out.index_add_(0, tok, out_s.float() * wsel[:, None])
     return out.to(x.dtype)
-
-
-def _overlapped(chunks, ew, pb: int, chunk: int, gemms) -> None:
-    """Run gemms(e0, e1, w13, w2) per chunk on the current stream, the chunks' dequant on a side
-    stream one chunk ahead, into two scratch slots (see int4_moe_grouped_mm)."""
-    main = torch.cuda.current_stream()
-    side = torch.cuda.Stream(device=main.device)
-    _, N13, KW13 = ew.w13.shape
-    _, N2, KW2 = ew.w2.shape
-    dev = ew.w13.device
-    slots = [
-        (
-            torch.empty(chunk, N13, KW13 * 8, dtype=torch.bfloat16, device=dev),
-            torch.empty(chunk, N2, KW2 * 8, dtype=torch.bfloat16, device=dev),
-        )
-        for _ in range(2)
-    ]
-    free = [torch.cuda.Event(), torch.cuda.Event()]
-    ready = [torch.cuda.Event() for _ in chunks]
-    side.wait_stream(main)  # the scratch was allocated on the main stream
-
-    def fill(i: int) -> None:
-        e0, e1 = chunks[i]
-        w13, w2 = slots[i % 2]
-        with torch.cuda.stream(side):
-            if i >= 2:
-                side.wait_event(free[i % 2])  # chunk i-2's GEMMs are done with the slot
-            dequant_int4_planes(ew.w13[e0:e1], ew.w13_scale[e0:e1], pb, w13[: e1 - e0])
-            dequant_int4_planes(ew.w2[e0:e1], ew.w2_scale[e0:e1], pb, w2[: e1 - e0])
-            ready[i].record(side)
-
-    fill(0)
-    for i, (e0, e1) in enumerate(chunks):
-        if i + 1 < len(chunks):
-            fill(i + 1)
-        main.wait_event(ready[i])
-        w13, w2 = slots[i % 2]
-        gemms(e0, e1, w13[: e1 - e0], lambda w=w2[: e1 - e0]: w)
-        free[i % 2].record(main)
-    # every side-stream write was waited for above (ready[-1]); the slots are freed on `main`
