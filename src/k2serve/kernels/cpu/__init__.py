@@ -39,7 +39,8 @@ from k2serve import envs
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("k2cpu.cpp")
-HEADERS = (Path(__file__).with_name("k2amx.h"),)  # included by SOURCE (part of the build key)
+# included by SOURCE (part of the build key): the AMX expert GEMMs, the MLA decode kernel
+HEADERS = tuple(Path(__file__).with_name(h) for h in ("k2amx.h", "k2mla.h"))
 CXX_FLAGS = ("-O3", "-march=native", "-std=gnu++17", "-shared", "-fPIC", "-pthread")
 KERNEL_MODES = ("auto", "native", "torch")
 
@@ -216,6 +217,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.k2_linear.restype = i
     lib.k2_linear_batched.argtypes = [p, i, p, i, i, i, p, i, i, p]
     lib.k2_linear_batched.restype = i
+    lib.k2_mla_decode.argtypes = [p, p, i, i, p, i, i, i, p, i, ctypes.c_float, p, i]
+    lib.k2_mla_decode.restype = i
     return lib
 
 
