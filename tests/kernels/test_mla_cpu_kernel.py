@@ -121,11 +121,15 @@ def test_backend_dispatch(monkeypatch):
     qp = (torch.randn(T, H, R, generator=g) * 0.3).bfloat16()
     calls = []
     real = cpu_mla.mla_decode
-    monkeypatch.setattr(
-        cpu_mla, "mla_decode", lambda q, *a: calls.append(q.shape[0]) or real(q, *a)
-    )
+
+    def spy(q, kv, pages, S, scale, out, path):
+        calls.append((q.shape[0], path))
+        return real(q, kv, pages, S, scale, out, path)
+
+    monkeypatch.setattr(cpu_mla, "mla_decode", spy)
     fast = TorchMLABackend().forward(ql, qp, kv, md, 0.2)
-    assert calls == [1, 3, 1]  # the 20-token prompt took the flash path
+    # the 20-token prompt took the flash path; the verify step (a flash case) asks for AMX only
+    assert [n for n, _ in calls] == [1, 3, 1] and calls[1][1] == cpu_mla.PATH_AMX
     ref = TorchMLABackend(cpu_flash=False).forward(ql.float(), qp.float(), kv, md, 0.2)
     within_budget(fast, ref)
     calls.clear()

@@ -12,10 +12,11 @@ Invariants:
   instead (bf16 operands, float32 scores and softmax, as the GPU kernels): the float32 einsums
   here were 2% of the read bandwidth at decode. A decode or a verify step of at most
   KERNEL_MAX_TOKENS tokens runs the native kernel (kernels/cpu/mla.py: pages read in place,
-  split-KV over the kernel's threads, AMX tiles or vdpbf16ps) where it builds and runs; else,
-  and for prompts, torch's CPU flash kernel (`cpu_flash.py`). `cpu_kernel=False` skips the
-  native kernel; `cpu_flash=False` keeps the einsums (the oracle); float32, fp8 and GPU tensors
-  always run them, bit for bit as before.
+  split-KV over the kernel's threads) on AMX tiles where the CPU has them; its vdpbf16ps path
+  only replaces the einsums (a short decode on scattered pages: faster than them, slower than
+  the flash kernel); prompts take torch's CPU flash kernel (`cpu_flash.py`). `cpu_kernel=False`
+  skips the native kernel; `cpu_flash=False` keeps the einsums (the oracle); float32, fp8 and
+  GPU tensors always run them, bit for bit as before.
 """
 
 from __future__ import annotations
@@ -117,25 +118,19 @@ class TorchMLABackend(MLABackend):
             if n_new == 0:
                 continue
             n_pages = -(-seq_len // page_size)
-            if (
-                kernel
-                and n_new <= KERNEL_MAX_TOKENS
-                and cpu_mla.mla_decode(
-                    q[start:end],
-                    kv_cache,
-                    metadata.block_table[b, :n_pages],
-                    seq_len,
-                    scale,
-                    out[start:end],
-                )
-            ):
-                continue
             pages = metadata.block_table[b, :n_pages].to(torch.long)
-            if flash and (
+            use_flash = flash and (
                 n_new > 1
                 or seq_len >= cpu_flash.DECODE_MIN_KEYS
                 or bool((pages.diff() == 1).all())  # one run of pages: read in place
-            ):
+            )
+            if kernel and n_new <= KERNEL_MAX_TOKENS:
+                # the kernel on AMX beats both torch paths; on vdpbf16ps only the einsums
+                path = cpu_mla.PATH_AMX if use_flash else cpu_mla.PATH_AUTO
+                o = out[start:end]
+                if cpu_mla.mla_decode(q[start:end], kv_cache, pages, seq_len, scale, o, path):
+                    continue
+            if use_flash:
                 cpu_flash.mla_sequence(q[start:end], kv_cache, pages, ctx, scale, out[start:end])
                 continue
             kv = kv_cache[pages].reshape(n_pages * page_size, -1)[:seq_len]  # [S, L + R]
