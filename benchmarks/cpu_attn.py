@@ -135,8 +135,10 @@ def time_mla(ctx: int, n_new: int, reps: int = 3, flash: bool = True, shuffle=Tr
              mode: str = "auto") -> float:  # fmt: skip
     """Seconds for one layer's MLA of n_new queries after ctx tokens (flash=False: 'ref')."""
     ql, qp, kv, md = mla_case(ctx, n_new, shuffle=shuffle)
-    be = backend(mode if flash else "ref")
-    return forced_flash(lambda: timeit(lambda: be.forward(ql, qp, kv, md, SCALE), reps))
+    mode = mode if flash else "ref"
+    be = backend(mode)
+    run = lambda: timeit(lambda: be.forward(ql, qp, kv, md, SCALE), reps)  # noqa: E731
+    return forced_flash(run) if mode == "flash" else run()
 
 
 def time_kernel(ctx: int, n_new: int, path: int, reps: int = 3) -> float:
@@ -153,7 +155,8 @@ def time_kernel(ctx: int, n_new: int, path: int, reps: int = 3) -> float:
 def check_mla(ctx: int, n_new: int, mode: str = "auto") -> str:
     """The bf16 path (`mode`) vs the float32 einsums on the same bf16 inputs."""
     ql, qp, kv, md = mla_case(ctx, n_new)
-    fast = forced_flash(lambda: backend(mode).forward(ql, qp, kv, md, SCALE).float())
+    run = lambda: backend(mode).forward(ql, qp, kv, md, SCALE).float()  # noqa: E731
+    fast = forced_flash(run) if mode == "flash" else run()
     ref = TorchMLABackend(cpu_flash=False).forward(ql.float(), qp.float(), kv, md, SCALE)
     err, rnd = (fast - ref).abs().max().item(), (ref.bfloat16().float() - ref).abs().max().item()
     name = "flash" if mode == "flash" else f"default ({decode_path(n_new)})"
