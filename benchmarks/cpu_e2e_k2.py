@@ -105,7 +105,7 @@ def full_k2(args, bw: float) -> int:
     t_mla = time_mla(args.context, 1, flash=args.mla != "ref", mode=args.mla)
     how = {"auto": f"as the engine runs it here: {decode_path()}", "flash": "torch's flash kernel",
            "ref": "the float32 einsums"}[args.mla]  # fmt: skip
-    print(f"# MLA decode {how} (shuffled pages)")
+    print(f"# MLA decode: {how} (shuffled pages)")
     sw = mlp_weights(I_MOE, 4)
     t_sh = time_mlp(sw, 1, linear)
     t_sh_p = time_mlp(sw[:1], P, F.linear, reps=1) / P
