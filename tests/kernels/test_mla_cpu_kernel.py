@@ -50,13 +50,13 @@ def within_budget(out, ref):
     [(1, 64, 512, 64, 16, 1), (1, 64, 512, 64, 64, 8192), (1, 8, 64, 32, 16, 5),
      (1, 4, 128, 64, 16, 33), (1, 3, 64, 32, 7, 100), (2, 64, 512, 64, 16, 333),
      (3, 8, 64, 32, 16, 3), (4, 16, 64, 32, 1, 37), (8, 8, 128, 64, 64, 1500),
-     (1, 16, 64, 32, 48, 1100)],
+     (1, 16, 64, 32, 48, 1100), (5, 16, 64, 32, 16, 300)],
 )  # fmt: skip
 def test_kernel_matches_the_float32_reference(path, n, H, L, R, ps, S):
     q, kv, pages = case(n, H, L, R, ps, S)
     scale = (L + R) ** -0.5
     out = torch.full((n, H, L), float("nan"), dtype=torch.bfloat16)
-    assert cpu_mla.mla_decode(q, kv, pages, S, scale, out, path) == path
+    assert cpu_mla.mla_decode(q[..., :L], q[..., L:], kv, pages, S, scale, out, path) == path
     within_budget(out, reference(q, kv, pages, S, scale, L))
 
 
@@ -73,25 +73,29 @@ def test_causal_verify_step_and_peaked_softmax(path, monkeypatch):
     q, kv, pages = case(4, 64, 512, 64, 16, 2100, seed=1)
     q = (q.float() * 6).bfloat16()
     out = torch.empty(4, 64, 512, dtype=torch.bfloat16)
-    assert cpu_mla.mla_decode(q, kv, pages, 2100, 576**-0.5, out, path) == path
+    assert (
+        cpu_mla.mla_decode(q[..., :512], q[..., 512:], kv, pages, 2100, 576**-0.5, out, path)
+        == path
+    )
     within_budget(out, reference(q, kv, pages, 2100, 576**-0.5, 512))
     # token t does not see the new tokens after it: changing the last key moves only token 3
     kv2 = kv.clone()
     last = pages[2099 // 16].long()
     kv2[last, 2099 % 16] = kv2[last, 2099 % 16] * 4
     out2 = torch.empty_like(out)
-    cpu_mla.mla_decode(q, kv2, pages, 2100, 576**-0.5, out2, path)
+    cpu_mla.mla_decode(q[..., :512], q[..., 512:], kv2, pages, 2100, 576**-0.5, out2, path)
     assert torch.equal(out[:3], out2[:3]) and not torch.equal(out[3], out2[3])
 
 
 def test_unsupported_shapes_and_dtypes_fall_back():
     q, kv, pages = case(1, 8, 64, 16, 16, 40)  # E = 80: not a multiple of 32
     out = torch.empty(1, 8, 64, dtype=torch.bfloat16)
-    assert cpu_mla.mla_decode(q, kv, pages, 40, 0.1, out) is None
+    assert cpu_mla.mla_decode(q[..., :64], q[..., 64:], kv, pages, 40, 0.1, out) is None
     q, kv, pages = case(1, 8, 64, 32, 16, 40)
-    assert cpu_mla.mla_decode(q.float(), kv.float(), pages, 40, 0.1, out.float()) is None
+    ql, qp = q[..., :64].float(), q[..., 64:].float()
+    assert cpu_mla.mla_decode(ql, qp, kv.float(), pages, 40, 0.1, out.float()) is None
     with pytest.raises(ValueError):
-        cpu_mla.mla_decode(q, kv, pages[:1], 40, 0.1, out)  # 3 pages needed
+        cpu_mla.mla_decode(q[..., :64], q[..., 64:], kv, pages[:1], 40, 0.1, out)  # 3 needed
 
 
 def test_backend_dispatch(monkeypatch):
@@ -122,9 +126,9 @@ def test_backend_dispatch(monkeypatch):
     calls = []
     real = cpu_mla.mla_decode
 
-    def spy(q, kv, pages, S, scale, out, path):
-        calls.append((q.shape[0], path))
-        return real(q, kv, pages, S, scale, out, path)
+    def spy(ql, qp, kv, pages, S, scale, out, path):
+        calls.append((ql.shape[0], path))
+        return real(ql, qp, kv, pages, S, scale, out, path)
 
     monkeypatch.setattr(cpu_mla, "mla_decode", spy)
     fast = TorchMLABackend().forward(ql, qp, kv, md, 0.2)

@@ -103,15 +103,16 @@ class TorchMLABackend(MLABackend):
     ) -> torch.Tensor:
         T, H, L = q_latent.shape
         page_size = kv_cache.shape[1]
-        out = torch.zeros(T, H, L, dtype=q_latent.dtype, device=q_latent.device)
         qsl = metadata.query_start_loc.tolist()
+        # every row of a sequence is written below; rows past the last sequence (padding) are 0
+        out = torch.empty(T, H, L, dtype=q_latent.dtype, device=q_latent.device)
+        out[qsl[-1] :].zero_()
         seq_lens = metadata.seq_lens.tolist()
         ctx_lens = metadata.context_lens.tolist()
         bf16 = self._bf16_path(q_latent, q_pe, kv_cache)
         flash = bf16 and cpu_flash.available()
         kernel = bf16 and self.cpu_kernel
-        if bf16:
-            q = torch.cat([q_latent, q_pe], dim=-1)  # [T, H, L + R]
+        q = None  # [T, H, L + R] for the flash path, made when first needed
         for b, (seq_len, ctx) in enumerate(zip(seq_lens, ctx_lens, strict=True)):
             start, end = qsl[b], qsl[b + 1]
             n_new = end - start
@@ -127,10 +128,12 @@ class TorchMLABackend(MLABackend):
             if kernel and n_new <= KERNEL_MAX_TOKENS:
                 # the kernel on AMX beats both torch paths; on vdpbf16ps only the einsums
                 path = cpu_mla.PATH_AMX if use_flash else cpu_mla.PATH_AUTO
-                o = out[start:end]
-                if cpu_mla.mla_decode(q[start:end], kv_cache, pages, seq_len, scale, o, path):
+                ql, qp, o = q_latent[start:end], q_pe[start:end], out[start:end]
+                if cpu_mla.mla_decode(ql, qp, kv_cache, pages, seq_len, scale, o, path):
                     continue
             if use_flash:
+                if q is None:
+                    q = torch.cat([q_latent, q_pe], dim=-1)
                 cpu_flash.mla_sequence(q[start:end], kv_cache, pages, ctx, scale, out[start:end])
                 continue
             kv = kv_cache[pages].reshape(n_pages * page_size, -1)[:seq_len]  # [S, L + R]

@@ -32,9 +32,9 @@
 #ifndef K2_MLA_KC
 #define K2_MLA_KC 256  // keys per chunk (at 64 rows: scores 64 KB, V 256 KB, keys 288 KB: in L2)
 #endif
+static const int MLA_GROUP_BLOCKS = 4;  // row blocks (of 16 rows) per group
 
 struct MlaCall {
-  const uint16_t* q;     // [M, E]
   const uint16_t* kv;    // cache base, rows of E
   const int* pages;      // the sequence's pages
   uint16_t* out;         // [M, L]
@@ -52,8 +52,8 @@ struct MlaThread {  // one thread's buffers (thread_local, reused across calls)
   float *S, *acc_f, *m, *l;
   uint16_t *P, *V;
   void init(const MlaCall& c) {
-    S = (float*)s.get((size_t)c.KC * c.Mp * 2);
-    P = p.get((size_t)c.Mp * c.KC);
+    S = (float*)s.get((size_t)c.KC * MLA_GROUP_BLOCKS * 16 * 2);
+    P = p.get((size_t)MLA_GROUP_BLOCKS * 16 * c.KC);
     V = v.get((size_t)c.KC * c.L);
     acc_f = (float*)acc.get((size_t)c.Mp * c.L * 2);
     float* f = (float*)ml.get((size_t)c.Mp * 4);
@@ -80,14 +80,17 @@ static K2_INLINE __m512 exp2_512(__m512 t) {
 }
 
 // Q^T in pair layout: dword (row r, dims 2p, 2p + 1) at qt[((j * D + p / 16) * 16 + p % 16) *
-// 16 + r % 16] for r in row block j; rows past M are zero.
-static void mla_pack_q(const uint16_t* q, int M, int J, int E, uint32_t* qt) {
+// 16 + r % 16] for r in row block j; rows past M are zero. Row r's dims are q_latent's row r
+// (L, at ql + r * sl) then q_pe's (E - L, at qp + r * sp).
+static void mla_pack_q(const uint16_t* ql, int64_t sl, const uint16_t* qp, int64_t sp, int M,
+                       int J, int E, int L, uint32_t* qt) {
   const int D = E / 32;
   memset(qt, 0, (size_t)J * D * 256 * 4);
   for (int r = 0; r < M; ++r) {
-    const uint32_t* qr = (const uint32_t*)(q + (int64_t)r * E);
+    const uint32_t* a = (const uint32_t*)(ql + r * sl);
+    const uint32_t* b = (const uint32_t*)(qp + r * sp) - L / 2;
     uint32_t* dst = qt + (int64_t)(r / 16) * D * 256 + (r % 16);
-    for (int p = 0; p < E / 2; ++p) dst[p * 16] = qr[p];  // (p / 16) * 256 + (p % 16) * 16
+    for (int p = 0; p < E / 2; ++p) dst[p * 16] = p < L / 2 ? a[p] : b[p];  // p * 16: see above
   }
 }
 
@@ -159,8 +162,10 @@ static void mla_pv_amx(const uint16_t* p, int pstride, const uint16_t* v, int64_
 }
 #endif  // K2_HAS_AMX
 
-// scores^T of up to 8 keys (pointers ks) for row block j, AVX512-BF16: lanes = rows.
-static void mla_scores_avx(const MlaCall& c, const uint16_t* const* ks, int nk, int j, float* s) {
+// scores^T of up to 8 keys (pointers ks) for row block j, AVX512-BF16: lanes = rows; key i's
+// 16 scores to s + i * sstride.
+static void mla_scores_avx(const MlaCall& c, const uint16_t* const* ks, int nk, int j, float* s,
+                           int sstride) {
   __m512 acc[8];
   for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
   const uint32_t* qt = c.qt + (int64_t)j * c.D * 256;
@@ -170,10 +175,11 @@ static void mla_scores_avx(const MlaCall& c, const uint16_t* const* ks, int nk, 
       acc[i] = _mm512_dpbf16_ps(acc[i], qv,
                                 (__m512bh)_mm512_set1_epi32(((const int*)ks[i])[p]));
   }
-  for (int i = 0; i < nk; ++i) _mm512_storeu_ps(s + (int64_t)i * c.Mp + j * 16, acc[i]);
+  for (int i = 0; i < nk; ++i) _mm512_storeu_ps(s + (int64_t)i * sstride, acc[i]);
 }
 
-// acc rows r0 .. r0 + 3 x col tiles ct0 .. ct0 + 3 += P x V over npairs key pairs, AVX512-BF16.
+// acc rows r0 .. r0 + nr - 1 (nr <= 4) x col tiles ct0 .. ct0 + 3 += P x V over npairs key
+// pairs, AVX512-BF16 (P: those rows, stride KC).
 static void mla_pv_avx(const MlaCall& c, const uint16_t* P, const uint16_t* V, int npairs, int r0,
                        int nr, int ct0, float* acc) {
   const int CT = c.L / 16;
@@ -188,7 +194,7 @@ static void mla_pv_avx(const MlaCall& c, const uint16_t* P, const uint16_t* V, i
     for (int t = 0; t < 4; ++t) v[t] = (__m512bh)_mm512_load_si512(vb + (ct0 + t) * TILE_ELEMS);
     for (int r = 0; r < nr; ++r) {
       const __m512bh pr = (__m512bh)_mm512_set1_epi32(
-          ((const int*)(P + (int64_t)(r0 + r) * c.KC))[p]);
+          ((const int*)(P + (int64_t)r * c.KC))[p]);
       for (int t = 0; t < 4; ++t) a[r][t] = _mm512_dpbf16_ps(a[r][t], v[t], pr);
     }
   }
@@ -197,107 +203,14 @@ static void mla_pv_avx(const MlaCall& c, const uint16_t* P, const uint16_t* V, i
       _mm512_storeu_ps(acc + (int64_t)(r0 + r) * c.L + (ct0 + t) * 16, a[r][t]);
 }
 
-// Keys k0 .. k1 - 1 (k0 a multiple of 32, k1 - k0 <= KC) into the thread's running state.
+// Keys k0 .. k1 - 1 (k0 a multiple of 32, k1 - k0 <= KC) into the thread's running state: V
+// packed once, then per group of GROUP_BLOCKS row blocks (64 rows: one token's heads at K2's 64)
+// the scores, softmax and P x V, so that the group's Q^T, scores and P stay in L2 whatever the
+// number of rows (a verify step's 4-8 tokens).
 template <bool AMX>
 static void mla_chunk(const MlaCall& c, MlaThread& w, int k0, int k1) {
-  const int nk = k1 - k0, nk32 = (nk + 31) & ~31, Mp = c.Mp, L = c.L, CT = L / 16;
-  // 1. scores^T [nk32][Mp] (keys past k1 are computed on zero rows or left unset: masked below)
-  if constexpr (AMX) {
-#if K2_HAS_AMX
-    for (int kb = 0; kb < nk; kb += 16) {
-      const uint16_t* a;
-      const int k = k0 + kb;
-      if (c.ps % 16 == 0) {  // 16 keys in one page (rows past S are still inside it)
-        a = c.key(k);
-      } else {  // gather the 16 rows
-        uint16_t* g = w.kbuf.get((size_t)16 * c.E);
-        for (int i = 0; i < 16; ++i) memcpy(g + (int64_t)i * c.E, c.key(k + i), 2 * (size_t)c.E);
-        a = g;
-      }
-      for (int j0 = 0; j0 < c.J; j0 += 4) {
-        const uint32_t* qt = c.qt + (int64_t)j0 * c.D * 256;
-        float* s = w.S + (int64_t)kb * Mp + j0 * 16;
-        switch (std::min(4, c.J - j0)) {
-          case 1: mla_scores_amx<1>(a, 2 * c.E, qt, c.D, s, 4 * Mp); break;
-          case 2: mla_scores_amx<2>(a, 2 * c.E, qt, c.D, s, 4 * Mp); break;
-          case 3: mla_scores_amx<3>(a, 2 * c.E, qt, c.D, s, 4 * Mp); break;
-          default: mla_scores_amx<4>(a, 2 * c.E, qt, c.D, s, 4 * Mp); break;
-        }
-      }
-    }
-#endif
-  } else {
-    for (int kb = 0; kb < nk; kb += 8) {
-      const uint16_t* ks[8];
-      for (int i = 0; i < 8; ++i) ks[i] = c.key(kb + i < nk ? k0 + kb + i : c.S);
-      for (int j = 0; j < c.J; ++j)
-        mla_scores_avx(c, ks, std::min(8, nk - kb), j, w.S + (int64_t)kb * Mp);
-    }
-  }
-  // 2. softmax per row block, in log2 units (m = max of scale * log2(e) * s): running max,
-  // rescale, P = 2^(s * c2 - m) [Mp][KC] bf16
-  const float c2f = c.scale * 1.4426950408889634f;
-  const __m512 c2 = _mm512_set1_ps(c2f);
-  for (int j = 0; j < c.J; ++j) {
-    alignas(64) int lim[16];
-    int lmin = INT_MAX;  // keys up to lmin are visible to every real row of the block
-    for (int i = 0; i < 16; ++i) {  // a row's last visible key (-1: a padding row)
-      const int r = j * 16 + i;
-      lim[i] = r < c.M ? c.ctx + r / c.H : -1;
-      if (r < c.M) lmin = std::min(lmin, lim[i]);
-    }
-    const __m512i limv = _mm512_load_si512(lim);
-    const __mmask16 real = _mm512_cmpge_epi32_mask(limv, _mm512_setzero_si512());
-    auto visible = [&](int k) -> __mmask16 {  // rows of the block that see chunk key k
-      if (k >= nk) return 0;
-      return k0 + k <= lmin ? real : _mm512_cmple_epi32_mask(_mm512_set1_epi32(k0 + k), limv);
-    };
-    const float* S = w.S + j * 16;
-    __m512 mc = _mm512_set1_ps(-1e30f);
-    for (int k = 0; k < nk; ++k)
-      mc = _mm512_mask_max_ps(mc, visible(k), mc, _mm512_loadu_ps(S + (int64_t)k * Mp));
-    const __m512 mold = _mm512_loadu_ps(w.m + j * 16);
-    const __m512 mnew = _mm512_max_ps(mold, _mm512_mul_ps(mc, c2));
-    const __mmask16 grew = _mm512_cmp_ps_mask(mnew, mold, _CMP_GT_OQ);
-    if (grew) {  // rows whose max grew: their sum and accumulator shrink by 2^(old - new)
-      alignas(64) float alpha[16];
-      _mm512_store_ps(alpha, exp2_512(_mm512_sub_ps(mold, mnew)));
-      _mm512_storeu_ps(w.l + j * 16, _mm512_mul_ps(_mm512_loadu_ps(w.l + j * 16),
-                                                   _mm512_load_ps(alpha)));
-      for (int i = 0; i < 16; ++i) {
-        if (!((grew >> i) & 1) || w.l[j * 16 + i] == 0.f) continue;
-        float* a = w.acc_f + (int64_t)(j * 16 + i) * L;
-        const __m512 al = _mm512_set1_ps(alpha[i]);
-        for (int x = 0; x < L; x += 16)
-          _mm512_storeu_ps(a + x, _mm512_mul_ps(_mm512_loadu_ps(a + x), al));
-      }
-      _mm512_storeu_ps(w.m + j * 16, mnew);
-    }
-    __m512 lsum = _mm512_setzero_ps();
-    for (int kb = 0; kb < nk32; kb += 32) {
-      __m512i r[2][16];
-      for (int h = 0; h < 2; ++h)
-        for (int i = 0; i < 16; ++i) {
-          const int k = kb + 16 * h + i;
-          const __mmask16 ok = visible(k);
-          __m512 e = _mm512_setzero_ps();
-          if (ok) {
-            const __m512 t = _mm512_fmsub_ps(_mm512_loadu_ps(S + (int64_t)k * Mp), c2, mnew);
-            e = _mm512_maskz_mov_ps(ok, exp2_512(t));
-            lsum = _mm512_add_ps(lsum, e);
-          }
-          r[h][i] = _mm512_castps_si512(e);
-        }
-      transpose16(r[0]);
-      transpose16(r[1]);
-      for (int i = 0; i < 16; ++i)
-        _mm512_storeu_si512(w.P + (int64_t)(j * 16 + i) * c.KC + kb,
-                            (__m512i)_mm512_cvtne2ps_pbh(_mm512_castsi512_ps(r[1][i]),
-                                                          _mm512_castsi512_ps(r[0][i])));
-    }
-    _mm512_storeu_ps(w.l + j * 16, _mm512_add_ps(_mm512_loadu_ps(w.l + j * 16), lsum));
-  }
-  // 3. V: key pairs interleaved, [kb32][col tile][16 pairs][16 cols][2]; keys past k1 zero
+  const int nk = k1 - k0, nk32 = (nk + 31) & ~31, L = c.L, CT = L / 16;
+  // V: key pairs interleaved, [kb32][col tile][16 pairs][16 cols][2]; keys past k1 zero
   alignas(64) int16_t ilo[32], ihi[32];
   for (int i = 0; i < 16; ++i) {
     ilo[2 * i] = i, ilo[2 * i + 1] = 32 + i;
@@ -314,46 +227,151 @@ static void mla_chunk(const MlaCall& c, MlaThread& w, int k0, int k1) {
       _mm512_store_si512(dst + (x / 16 + 1) * TILE_ELEMS, _mm512_permutex2var_epi16(a, hi, b));
     }
   }
-  // 4. acc += P x V
-  if constexpr (AMX) {
+  const __m512 c2 = _mm512_set1_ps(c.scale * 1.4426950408889634f);
+  for (int jb = 0; jb < c.J; jb += MLA_GROUP_BLOCKS) {
+    const int je = std::min(c.J, jb + MLA_GROUP_BLOCKS), Ms = (je - jb) * 16;
+    // scores^T [nk32][Ms] (keys past k1 are computed on zero rows or left unset: masked below)
+    if constexpr (AMX) {
 #if K2_HAS_AMX
-    for (int j0 = 0; j0 < c.J; j0 += 2)
-      for (int ct = 0; ct < CT; ct += 2) {
-        float* a = w.acc_f + (int64_t)j0 * 16 * L + ct * 16;
-        const uint16_t* v = w.V + (int64_t)ct * TILE_ELEMS;
-        if (c.J - j0 >= 2)
-          mla_pv_amx<2>(w.P + (int64_t)j0 * 16 * c.KC, 2 * c.KC, v, (int64_t)CT * TILE_ELEMS,
-                        nk32 / 32, a, 4 * L);
-        else
-          mla_pv_amx<1>(w.P + (int64_t)j0 * 16 * c.KC, 2 * c.KC, v, (int64_t)CT * TILE_ELEMS,
-                        nk32 / 32, a, 4 * L);
+      for (int kb = 0; kb < nk; kb += 16) {
+        const uint16_t* a;
+        const int k = k0 + kb;
+        if (c.ps % 16 == 0) {  // 16 keys in one page (rows past S are still inside it)
+          a = c.key(k);
+        } else {  // gather the 16 rows
+          uint16_t* g = w.kbuf.get((size_t)16 * c.E);
+          for (int i = 0; i < 16; ++i)
+            memcpy(g + (int64_t)i * c.E, c.key(k + i), 2 * (size_t)c.E);
+          a = g;
+        }
+        for (int j0 = jb; j0 < je; j0 += 4) {
+          const uint32_t* qt = c.qt + (int64_t)j0 * c.D * 256;
+          float* s = w.S + (int64_t)kb * Ms + (j0 - jb) * 16;
+          switch (std::min(4, je - j0)) {
+            case 1: mla_scores_amx<1>(a, 2 * c.E, qt, c.D, s, 4 * Ms); break;
+            case 2: mla_scores_amx<2>(a, 2 * c.E, qt, c.D, s, 4 * Ms); break;
+            case 3: mla_scores_amx<3>(a, 2 * c.E, qt, c.D, s, 4 * Ms); break;
+            default: mla_scores_amx<4>(a, 2 * c.E, qt, c.D, s, 4 * Ms); break;
+          }
+        }
       }
 #endif
-  } else {
-    for (int r0 = 0; r0 < c.M; r0 += 4)
-      for (int ct = 0; ct < CT; ct += 4)
-        mla_pv_avx(c, w.P, w.V, nk32 / 2, r0, std::min(4, c.M - r0), ct, w.acc_f);
+    } else {
+      for (int kb = 0; kb < nk; kb += 8) {
+        const uint16_t* ks[8];
+        for (int i = 0; i < 8; ++i) ks[i] = c.key(kb + i < nk ? k0 + kb + i : c.S);
+        for (int j = jb; j < je; ++j)
+          mla_scores_avx(c, ks, std::min(8, nk - kb), j,
+                         w.S + (int64_t)kb * Ms + (j - jb) * 16, Ms);
+      }
+    }
+    // softmax per row block, in log2 units (m = max of scale * log2(e) * s): running max,
+    // rescale, P = 2^(s * c2 - m) [Ms][KC] bf16
+    for (int j = jb; j < je; ++j) {
+      alignas(64) int lim[16];
+      int lmin = INT_MAX;  // keys up to lmin are visible to every real row of the block
+      for (int i = 0; i < 16; ++i) {  // a row's last visible key (-1: a padding row)
+        const int r = j * 16 + i;
+        lim[i] = r < c.M ? c.ctx + r / c.H : -1;
+        if (r < c.M) lmin = std::min(lmin, lim[i]);
+      }
+      const __m512i limv = _mm512_load_si512(lim);
+      const __mmask16 real = _mm512_cmpge_epi32_mask(limv, _mm512_setzero_si512());
+      auto visible = [&](int k) -> __mmask16 {  // rows of the block that see chunk key k
+        if (k >= nk) return 0;
+        return k0 + k <= lmin ? real : _mm512_cmple_epi32_mask(_mm512_set1_epi32(k0 + k), limv);
+      };
+      const float* S = w.S + (j - jb) * 16;
+      __m512 mc = _mm512_set1_ps(-1e30f);
+      for (int k = 0; k < nk; ++k)
+        mc = _mm512_mask_max_ps(mc, visible(k), mc, _mm512_loadu_ps(S + (int64_t)k * Ms));
+      const __m512 mold = _mm512_loadu_ps(w.m + j * 16);
+      const __m512 mnew = _mm512_max_ps(mold, _mm512_mul_ps(mc, c2));
+      const __mmask16 grew = _mm512_cmp_ps_mask(mnew, mold, _CMP_GT_OQ);
+      if (grew) {  // rows whose max grew: their sum and accumulator shrink by 2^(old - new)
+        alignas(64) float alpha[16];
+        _mm512_store_ps(alpha, exp2_512(_mm512_sub_ps(mold, mnew)));
+        _mm512_storeu_ps(w.l + j * 16, _mm512_mul_ps(_mm512_loadu_ps(w.l + j * 16),
+                                                     _mm512_load_ps(alpha)));
+        for (int i = 0; i < 16; ++i) {
+          if (!((grew >> i) & 1) || w.l[j * 16 + i] == 0.f) continue;
+          float* a = w.acc_f + (int64_t)(j * 16 + i) * L;
+          const __m512 al = _mm512_set1_ps(alpha[i]);
+          for (int x = 0; x < L; x += 16)
+            _mm512_storeu_ps(a + x, _mm512_mul_ps(_mm512_loadu_ps(a + x), al));
+        }
+        _mm512_storeu_ps(w.m + j * 16, mnew);
+      }
+      __m512 lsum = _mm512_setzero_ps();
+      for (int kb = 0; kb < nk32; kb += 32) {
+        __m512i r[2][16];
+        for (int h = 0; h < 2; ++h)
+          for (int i = 0; i < 16; ++i) {
+            const int k = kb + 16 * h + i;
+            const __mmask16 ok = visible(k);
+            __m512 e = _mm512_setzero_ps();
+            if (ok) {
+              const __m512 t = _mm512_fmsub_ps(_mm512_loadu_ps(S + (int64_t)k * Ms), c2, mnew);
+              e = _mm512_maskz_mov_ps(ok, exp2_512(t));
+              lsum = _mm512_add_ps(lsum, e);
+            }
+            r[h][i] = _mm512_castps_si512(e);
+          }
+        transpose16(r[0]);
+        transpose16(r[1]);
+        for (int i = 0; i < 16; ++i)
+          _mm512_storeu_si512(w.P + (int64_t)((j - jb) * 16 + i) * c.KC + kb,
+                              (__m512i)_mm512_cvtne2ps_pbh(_mm512_castsi512_ps(r[1][i]),
+                                                            _mm512_castsi512_ps(r[0][i])));
+      }
+      _mm512_storeu_ps(w.l + j * 16, _mm512_add_ps(_mm512_loadu_ps(w.l + j * 16), lsum));
+    }
+    // acc += P x V
+    if constexpr (AMX) {
+#if K2_HAS_AMX
+      for (int j0 = jb; j0 < je; j0 += 2)
+        for (int ct = 0; ct < CT; ct += 2) {
+          float* a = w.acc_f + (int64_t)j0 * 16 * L + ct * 16;
+          const uint16_t* v = w.V + (int64_t)ct * TILE_ELEMS;
+          const uint16_t* pj = w.P + (int64_t)(j0 - jb) * 16 * c.KC;
+          const int64_t vstep = (int64_t)CT * TILE_ELEMS;
+          if (je - j0 >= 2)
+            mla_pv_amx<2>(pj, 2 * c.KC, v, vstep, nk32 / 32, a, 4 * L);
+          else
+            mla_pv_amx<1>(pj, 2 * c.KC, v, vstep, nk32 / 32, a, 4 * L);
+        }
+#endif
+    } else {
+      for (int r0 = jb * 16; r0 < std::min(c.M, je * 16); r0 += 4)
+        for (int ct = 0; ct < CT; ct += 4)
+          mla_pv_avx(c, w.P + (int64_t)(r0 - jb * 16) * c.KC, w.V, nk32 / 2, r0,
+                     std::min(4, c.M - r0), ct, w.acc_f);
+    }
   }
 }
 
-extern "C" int k2_mla_decode(void* pool, const void* q, int n, int H, const void* kv,
-                             int page_size, int E, int L, const int* pages, int S, float scale,
-                             void* out, int path) {
-  if (n < 1 || H < 1 || E % 32 || L % 32 || L > E || S < n || page_size < 1) return -1;
+// q_latent rows [n * H] of L at ql (row stride sl elements), q_pe rows of E - L at qp (stride sp);
+// the cache [pages][page_size][E] at kv; out [n * H, L] bf16. Returns the path that ran, 0
+// when none can run here, -1 for bad arguments.
+extern "C" int k2_mla_decode(void* pool, const void* ql, int64_t sl, const void* qp, int64_t sp,
+                             int n, int H, const void* kv, int page_size, int E, int L,
+                             const int* pages, int S, float scale, void* out, int path) {
+  if (n < 1 || H < 1 || E % 32 || L % 32 || L >= E || S < n || page_size < 1) return -1;
   const bool amx = K2_HAS_AMX && amx_permitted();
   if (path == 0) path = amx ? 1 : 2;
   if ((path == 1 && !amx) || (path != 1 && path != 2)) return 0;
   Pool* P = (Pool*)pool;
   std::lock_guard<std::mutex> call(P->call_mu);
   MlaCall c;
-  c.q = (const uint16_t*)q, c.kv = (const uint16_t*)kv, c.pages = pages;
+  c.kv = (const uint16_t*)kv, c.pages = pages;
   c.out = (uint16_t*)out;
   c.M = n * H, c.Mp = (c.M + 15) & ~15, c.J = c.Mp / 16, c.D = E / 32, c.E = E, c.L = L;
   c.ps = page_size, c.S = S, c.ctx = S - n, c.H = H, c.scale = scale;
-  c.KC = std::max(32, std::min(K2_MLA_KC, (32768 / c.Mp) & ~31));
+  c.KC = K2_MLA_KC;
+  static_assert(K2_MLA_KC % 32 == 0, "K2_MLA_KC: a multiple of 32 keys");
   static thread_local TileBuf qt_tl, zero_tl;
   uint32_t* qt = (uint32_t*)qt_tl.get((size_t)c.J * c.D * 512);
-  mla_pack_q(c.q, c.M, c.J, E, qt);
+  mla_pack_q((const uint16_t*)ql, sl, (const uint16_t*)qp, sp, c.M, c.J, E, L, qt);
   c.qt = qt;
   uint16_t* zero = zero_tl.get((size_t)E + 32);
   memset(zero, 0, 2 * ((size_t)E + 32));
@@ -409,8 +427,8 @@ extern "C" int k2_mla_decode(void* pool, const void* q, int n, int H, const void
 
 #else  // no AVX512-BF16: the torch paths run
 
-extern "C" int k2_mla_decode(void*, const void*, int, int, const void*, int, int, int,
-                             const int*, int, float, void*, int) {
+extern "C" int k2_mla_decode(void*, const void*, int64_t, const void*, int64_t, int, int,
+                             const void*, int, int, int, const int*, int, float, void*, int) {
   return 0;
 }
 
