@@ -141,3 +141,13 @@ def test_backend_dispatch(monkeypatch):
     TorchMLABackend(cpu_flash=False).forward(ql, qp, kv, md, 0.2)
     TorchMLABackend().forward(ql.float(), qp.float(), kv.float(), md, 0.2)
     assert not calls
+
+
+def test_cpu_amx_off_keeps_the_kernel_off_the_tiles(monkeypatch):
+    q, kv, pages = case(1, 8, 64, 32, 16, 40)
+    out = torch.empty(1, 8, 64, dtype=torch.bfloat16)
+    monkeypatch.setenv("K2SERVE_CPU_AMX", "0")
+    ql, qp = q[..., :64], q[..., 64:]
+    assert cpu_mla.mla_decode(ql, qp, kv, pages, 40, 0.1, out, cpu_mla.PATH_AMX) is None
+    got = cpu_mla.mla_decode(ql, qp, kv, pages, 40, 0.1, out)
+    assert got == (cpu_mla.PATH_AVX512 if cpu_mla.PATH_AVX512 in PATHS else None)

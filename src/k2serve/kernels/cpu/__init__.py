@@ -1,4 +1,5 @@
-"""The native CPU expert kernel (k2cpu.cpp): built on first use, cached, loaded through ctypes.
+"""The native CPU kernel (k2cpu.cpp: the experts, dense GEMVs, the MLA decode of k2mla.h, see
+mla.py): built on first use, cached, loaded through ctypes.
 
 Owns: `load_kernel()` (compile with the system C++ compiler, `-O3 -march=native`, into
 `$K2SERVE_CACHE_DIR/cpu_kernel/` (default ~/.cache/k2serve/cpu_kernel/) keyed by the source hash,
@@ -10,7 +11,8 @@ Environment (read once per process, in `kernel_settings()`):
 - K2SERVE_CPU_KERNEL: "auto" (default: native when it builds, else the torch path), "native"
   (fail when it does not build), "torch" (never build).
 - K2SERVE_CPU_AMX: "1" (default) lets prompt-sized steps (many tokens per expert) run the expert
-  GEMMs on AMX tiles when the CPU has them (k2amx.h); "0" keeps every step on the dot-product path.
+  GEMMs on AMX tiles when the CPU has them (k2amx.h), and the MLA decode (k2mla.h, mla.py) run
+  on them; "0" keeps every step on the dot-product path (vdpbf16ps).
 - K2SERVE_CPU_THREADS: threads of the kernel's pool (default: torch.get_num_threads()).
 - K2SERVE_NUMA_TOPOLOGY: an injected topology, node cpulists separated by ";" (e.g.
   "0-7;8-15", or "0;0" to test a 2-node split on one core); default: read from /sys.

@@ -6,7 +6,8 @@ the kernel's paths this CPU and build can run.
 
 Paths: PATH_AMX (tile unit: scores^T = cache rows x Q^T, P x V), PATH_AVX512 (vdpbf16ps), chosen
 at run time (PATH_AUTO: AMX where Linux grants it, else AVX512-BF16); None back when neither
-runs (no compiler, a CPU without AVX512-BF16, unsupported shapes): then the torch paths run.
+runs (no compiler, a CPU without AVX512-BF16, unsupported shapes, K2SERVE_CPU_KERNEL=torch):
+then the torch paths run. K2SERVE_CPU_AMX=0 keeps it off the tiles (the vdpbf16ps path).
 Scores, softmax and the split-KV merge are float32; P and the output are rounded to bf16.
 """
 
@@ -17,6 +18,7 @@ import os
 import torch
 
 import k2serve.kernels.cpu as ck
+from k2serve import envs
 
 PATH_AUTO, PATH_AMX, PATH_AVX512 = 0, 1, 2
 PATH_NAMES = {PATH_AMX: "amx", PATH_AVX512: "avx512_bf16"}
@@ -70,6 +72,10 @@ def mla_decode(
     if lp is None:
         return None
     lib, pool = lp
+    if not envs.cpu_amx():  # K2SERVE_CPU_AMX=0: no tiles here either
+        if path == PATH_AMX:
+            return None
+        path = PATH_AVX512
     n, H, L = q_latent.shape
     ps, E = kv_cache.shape[1], kv_cache.shape[2]
     need = -(-seq_len // ps)
