@@ -9,8 +9,10 @@
 #      a 4-token verify step; projections at 1 row
 #   3. cpu_e2e.py --full-k2 --experts 48 --context 8192: the full K2 extrapolated, MLA as the
 #      engine runs it now (the kernel)
-#   4. the same with --mla ref (the float32 einsums: what a decode on scattered pages below 16K
-#      keys ran before), if the budget allows
+#   4. the same on 2 threads (OMP_NUM_THREADS=2: the kernel's pool, torch and the bandwidth
+#      probe all on 2), the issue's other thread count
+#   5. the same as 3 with --mla ref (the float32 einsums: what a decode on scattered pages below
+#      16K keys ran before), if the budget allows
 # Each part has its own time limit and fails soft. Full outputs: $OUT/cpumla_*.txt.
 #   bash benchmarks/cpu_mla_amx_device.sh
 set -u
@@ -33,16 +35,17 @@ run() {  # name, seconds, command...: each part gets at most what is left of BUD
 }
 : >"$OUT/cpumla_summary.txt"
 lscpu | grep -E "Model name|^CPU\(s\)|NUMA node\(s\)|L3|amx" | cut -c1-160 >"$OUT/cpumla_host.txt" 2>&1
-run build 40 env K2SERVE_CPU_KERNEL=native $PY -c "
+run build 30 env K2SERVE_CPU_KERNEL=native $PY -c "
 from k2serve.kernels import cpu as ck
 from k2serve.kernels.cpu import mla
 lib = ck.load_kernel('native')
 print('kernel built; AMX granted:', bool(lib.k2_amx_available()),
       '; MLA paths:', [mla.PATH_NAMES[p] for p in mla.mla_paths()])"
-run tests 30 $PY -m pytest -q -x -p no:cacheprovider tests/kernels/test_mla_cpu_kernel.py \
+run tests 25 $PY -m pytest -q -x -p no:cacheprovider tests/kernels/test_mla_cpu_kernel.py \
   tests/kernels/test_mla_cpu_flash.py tests/integration/test_mla_cpu_flash_fidelity.py
-run attn 40 $PY benchmarks/cpu_attn.py --rows 1 --copies 3 --prefill-queries 0
+run attn 35 $PY benchmarks/cpu_attn.py --rows 1 --copies 2 --prefill-queries 0
 run e2e 34 $PY benchmarks/cpu_e2e.py --full-k2 --experts 48 --context 8192
+run e2e_2t 40 env OMP_NUM_THREADS=2 $PY benchmarks/cpu_e2e.py --full-k2 --experts 48 --context 8192
 run e2e_ref 34 $PY benchmarks/cpu_e2e.py --full-k2 --experts 48 --context 8192 --mla ref
 {
   echo "=== host"; cat "$OUT/cpumla_host.txt"
@@ -51,7 +54,7 @@ run e2e_ref 34 $PY benchmarks/cpu_e2e.py --full-k2 --experts 48 --context 8192 -
   echo "=== cpu_attn (MLA decode: kernel = the default path, flash, ref = float32 einsums)"
   grep -E "^# cpu_attn|^# decode path|^# check|^ +context|^ +[0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+|^# verify|on pages" \
     "$OUT/cpumla_attn.txt" | cut -c1-200
-  for p in e2e e2e_ref; do
+  for p in e2e e2e_2t e2e_ref; do
     echo "=== cpu_e2e --full-k2 ($p)"
     grep -E "^# full K2|^# MLA" "$OUT/cpumla_$p.txt" | cut -c1-200
     sed -n '/^part/,/^EXTRAPOLATED full K2 decode/p' "$OUT/cpumla_$p.txt" | cut -c1-200

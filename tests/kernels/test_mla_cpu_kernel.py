@@ -96,6 +96,10 @@ def test_unsupported_shapes_and_dtypes_fall_back():
     assert cpu_mla.mla_decode(ql, qp, kv.float(), pages, 40, 0.1, out.float()) is None
     with pytest.raises(ValueError):
         cpu_mla.mla_decode(q[..., :64], q[..., 64:], kv, pages[:1], 40, 0.1, out)  # 3 needed
+    bad = pages.clone()
+    bad[1] = kv.shape[0]  # a page past the cache: an error, not a read out of bounds
+    with pytest.raises(ValueError, match="pages"):
+        cpu_mla.mla_decode(q[..., :64], q[..., 64:], kv, bad, 40, 0.1, out)
 
 
 def test_backend_dispatch(monkeypatch):

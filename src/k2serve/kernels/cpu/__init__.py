@@ -220,7 +220,25 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.k2_linear_batched.argtypes = [p, i, p, i, i, i, p, i, i, p]
     lib.k2_linear_batched.restype = i
     i64 = ctypes.c_int64
-    lib.k2_mla_decode.argtypes = [p, p, i64, p, i64, i, i, p, i, i, i, p, i, ctypes.c_float, p, i]
+    lib.k2_mla_decode.argtypes = [
+        p,
+        p,
+        i64,
+        p,
+        i64,
+        i,
+        i,
+        p,
+        i,
+        i,
+        i,
+        i,
+        p,
+        i,
+        ctypes.c_float,
+        p,
+        i,
+    ]
     lib.k2_mla_decode.restype = i
     return lib
 

@@ -351,12 +351,14 @@ static void mla_chunk(const MlaCall& c, MlaThread& w, int k0, int k1) {
 }
 
 // q_latent rows [n * H] of L at ql (row stride sl elements), q_pe rows of E - L at qp (stride sp);
-// the cache [pages][page_size][E] at kv; out [n * H, L] bf16. Returns the path that ran, 0
-// when none can run here, -1 for bad arguments.
+// the cache [num_pages][page_size][E] at kv; out [n * H, L] bf16. Returns the path that ran, 0
+// when none can run here, -1 for bad arguments (a page id outside the cache included).
 extern "C" int k2_mla_decode(void* pool, const void* ql, int64_t sl, const void* qp, int64_t sp,
-                             int n, int H, const void* kv, int page_size, int E, int L,
-                             const int* pages, int S, float scale, void* out, int path) {
+                             int n, int H, const void* kv, int num_pages, int page_size, int E,
+                             int L, const int* pages, int S, float scale, void* out, int path) {
   if (n < 1 || H < 1 || E % 32 || L % 32 || L >= E || S < n || page_size < 1) return -1;
+  for (int i = 0; i < (S + page_size - 1) / page_size; ++i)
+    if (pages[i] < 0 || pages[i] >= num_pages) return -1;
   const bool amx = K2_HAS_AMX && amx_permitted();
   if (path == 0) path = amx ? 1 : 2;
   if ((path == 1 && !amx) || (path != 1 && path != 2)) return 0;
@@ -428,7 +430,7 @@ extern "C" int k2_mla_decode(void* pool, const void* ql, int64_t sl, const void*
 #else  // no AVX512-BF16: the torch paths run
 
 extern "C" int k2_mla_decode(void*, const void*, int64_t, const void*, int64_t, int, int,
-                             const void*, int, int, int, const int*, int, float, void*, int) {
+                             const void*, int, int, int, int, const int*, int, float, void*, int) {
   return 0;
 }
 

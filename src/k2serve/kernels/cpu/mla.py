@@ -85,12 +85,14 @@ def mla_decode(
     if pg.dtype != torch.int32 or not pg.is_contiguous() or pg.device.type != "cpu":
         pg = pg.to(device="cpu", dtype=torch.int32).contiguous()
     ql, qp = _rows(q_latent), _rows(q_pe)
+    num_pages = kv_cache.shape[0]
     rc = lib.k2_mla_decode(pool._ptr, ql.data_ptr(), ql.stride(1), qp.data_ptr(), qp.stride(1),
-                           n, H, kv_cache.data_ptr(), ps, E, L, pg.data_ptr(), seq_len,
-                           float(scale), out.data_ptr(), path)  # fmt: skip
+                           n, H, kv_cache.data_ptr(), num_pages, ps, E, L, pg.data_ptr(),
+                           seq_len, float(scale), out.data_ptr(), path)  # fmt: skip
     if rc < 0:
         raise ValueError(f"k2_mla_decode rejected q_latent {tuple(q_latent.shape)}, cache "
-                         f"{tuple(kv_cache.shape)}, out {tuple(out.shape)}")  # fmt: skip
+                         f"{tuple(kv_cache.shape)}, out {tuple(out.shape)}, seq_len {seq_len}, "
+                         f"pages {pg.tolist()[:8]} (ids must be < {num_pages})")  # fmt: skip
     return rc or None
 
 
