@@ -132,12 +132,20 @@ def forced_flash(fn):
 
 
 def time_mla(ctx: int, n_new: int, reps: int = 3, flash: bool = True, shuffle=True,
-             mode: str = "auto") -> float:  # fmt: skip
-    """Seconds for one layer's MLA of n_new queries after ctx tokens (flash=False: 'ref')."""
+             mode: str = "auto", copies: int = 1) -> float:  # fmt: skip
+    """Seconds for one layer's MLA of n_new queries after ctx tokens (flash=False: 'ref');
+    copies > 1: the mean over that many distinct caches (as the model's layers: a cache that
+    misses the CPU's caches is read from DRAM)."""
     ql, qp, kv, md = mla_case(ctx, n_new, shuffle=shuffle)
+    kvs = [kv] + [kv.clone() for _ in range(copies - 1)]
     mode = mode if flash else "ref"
     be = backend(mode)
-    run = lambda: timeit(lambda: be.forward(ql, qp, kv, md, SCALE), reps)  # noqa: E731
+
+    def layers():
+        for k in kvs:
+            be.forward(ql, qp, k, md, SCALE)
+
+    run = lambda: timeit(layers, reps) / copies  # noqa: E731
     return forced_flash(run) if mode == "flash" else run()
 
 
