@@ -2,22 +2,22 @@
 // Included by k2cpu.cpp after k2amx.h (one translation unit; the build key hashes this file).
 //
 // One call = the new tokens of one sequence (a decode, or a speculative verify step of a few
-// tokens): rows = tokens x heads, q [rows, E] bf16 (E = latent L + rope R), the cache rows
-// [S, E] bf16 read in place through the block table (no gather), out [rows, L] bf16 =
-// softmax(scale * q . k) . k[:, :L], token t of n seeing keys 0 .. S - n + t (causal).
+// tokens): rows = tokens x heads, q = [q_latent (L) | q_pe (R)] per row, bf16 (E = L + R), the
+// cache rows [S, E] bf16 read in place through the block table (no gather), out [rows, L] bf16
+// = softmax(scale * q . k) . k[:, :L], token t of n seeing keys 0 .. S - n + t (causal).
 //
 // Split-KV: the keys are cut into one contiguous range per pool thread (32-key aligned), each
-// range in chunks of KC keys; per chunk, all rows at once:
+// range in chunks of KC keys; per chunk, V packed once, then per group of 64 rows:
 //   1. scores^T [keys, rows] float32 (lanes = rows);
 //      AMX: C (16 keys x 16 rows) += A (16 cache rows x 32 dims, loaded straight from the page
 //      with the row stride E) x B (Q^T in the tile unit's pair layout, packed once per call);
 //      AVX512-BF16: per key, 16 rows += Q^T pair vectors (the same packing) x the key's dims
 //      broadcast two at a time (vdpbf16ps);
-//   2. softmax in float32 with a running max per row (online: the thread's accumulator is
-//      rescaled when a row's max grows), p = exp(s - m) rounded to bf16 into P [rows, keys]
-//      (16 x 16 transposes);
-//   3. V = the chunk's latent columns, key pairs interleaved (the B layout, 1 KB per 32 keys x
-//      16 columns), then acc [rows, L] += P x V (AMX: 2 x 2 tiles of C; AVX512: vdpbf16ps with
+//   2. softmax in float32 (log2 units) with a running max per row (online: the thread's
+//      accumulator is rescaled when a row's max grows), p = 2^(s - m) rounded to bf16 into
+//      P [rows, keys] (16 x 16 transposes);
+//   3. acc [rows, L] += P x V, V = the chunk's latent columns with key pairs interleaved (the
+//      B layout, 1 KB per 32 keys x 16 columns) (AMX: 2 x 2 tiles of C; AVX512: vdpbf16ps with
 //      P's key pairs broadcast);
 // then, after a barrier, each thread merges a share of the rows over the threads' (max, sum,
 // acc) with float32 log-sum-exp weights and writes bf16. Scores, softmax and sums are float32;
