@@ -155,3 +155,21 @@ def test_cpu_amx_off_keeps_the_kernel_off_the_tiles(monkeypatch):
     assert cpu_mla.mla_decode(ql, qp, kv, pages, 40, 0.1, out, cpu_mla.PATH_AMX) is None
     got = cpu_mla.mla_decode(ql, qp, kv, pages, 40, 0.1, out)
     assert got == (cpu_mla.PATH_AVX512 if cpu_mla.PATH_AVX512 in PATHS else None)
+
+
+def test_padding_rows_past_the_last_sequence_stay_zero():
+    """The backend's output is made with empty(): rows no sequence owns (a padded batch) are
+    zeroed, as with the zeros() before."""
+    q, kv, pages = case(1, 8, 64, 32, 16, 40)
+    md = AttentionMetadata(
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens=torch.tensor([40], dtype=torch.int32),
+        context_lens=torch.tensor([39], dtype=torch.int32), block_table=pages[None],
+        slot_mapping=torch.zeros(3, dtype=torch.int64), max_query_len=1, max_seq_len=40,
+        page_size=16, num_decodes=1,
+    )  # fmt: skip
+    q3 = torch.cat([q, torch.full_like(q, float("nan")), q])  # 3 rows, 1 owned
+    for be in (TorchMLABackend(), TorchMLABackend(cpu_flash=False)):
+        out = be.forward(q3[..., :64], q3[..., 64:], kv, md, 0.1)
+        assert out.shape == (3, 8, 64) and torch.isfinite(out[0].float()).all()
+        assert (out[1:] == 0).all()
