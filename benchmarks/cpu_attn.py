@@ -10,13 +10,18 @@ weights, dummy values. Parts, as the model runs them on the CPU (model/deepseek_
   context's latents, 1,152 bytes per token), on shuffled pages;
 - MLA prefill: --prefill-queries new queries at the end of an 8K / 32K context, FLOP/s against
   torch's float32 and bf16 matmul rate measured in the same run.
-Both run the backend's CPU flash path (bf16 operands, float32 scores: attention/cpu_flash.py)
-and, as 'ref', its float32 einsums (cpu_flash=False, the path before); first a check of the
-flash result against the einsums on the same inputs (max abs difference, next to the bf16
-rounding of the einsum result itself).
+The decode runs three ways: the backend's default (bf16: the native kernel, kernels/cpu/k2mla.h,
+on AMX where the CPU has it), torch's CPU flash kernel (attention/cpu_flash.py, forced for every
+decode: cpu_kernel=False, DECODE_MIN_KEYS=0) and, as 'ref', the float32 einsums (cpu_flash=False,
+the path before); plus the kernel's vdpbf16ps path (the one CPUs without AMX get) and a
+speculative verify step of --verify-tokens tokens (kernel vs flash). The prefill runs the flash
+path (the backend's choice for prompts) and the einsums. First a check of the kernel's and the
+flash path's results against the einsums on the same inputs (max abs difference, next to the
+bf16 rounding of the einsum result itself).
 
     python benchmarks/cpu_attn.py                # all of it
     python benchmarks/cpu_attn.py --contexts 8192 --prefill-queries 128 --no-ref
+    python benchmarks/cpu_attn.py --rows 1 --prefill-queries 0 --define K2_MLA_KC=512
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from k2serve.attention import cpu_flash  # noqa: E402
 from k2serve.attention.base import AttentionMetadata  # noqa: E402
 from k2serve.attention.torch_ref import TorchMLABackend  # noqa: E402
+from k2serve.kernels.cpu import mla as cpu_mla  # noqa: E402
 from k2serve.quant.linear import linear  # noqa: E402
 
 D, NH, QL, KL, RO, NO, VD = 7168, 64, 1536, 512, 64, 128, 128
@@ -108,20 +114,73 @@ def mla_case(ctx: int, n_new: int, page: int = 64, shuffle: bool = True):
     return ql, qp, kv, md
 
 
-def time_mla(ctx: int, n_new: int, reps: int = 3, flash: bool = True, shuffle=True) -> float:
+def backend(mode: str) -> TorchMLABackend:
+    """'auto': the backend's default choice; 'flash': torch's flash kernel for every bf16
+    sequence; 'ref': the float32 einsums."""
+    if mode == "ref":
+        return TorchMLABackend(cpu_flash=False)
+    return TorchMLABackend(cpu_kernel=mode == "auto")
+
+
+def forced_flash(fn):
+    """fn() with every decode on the flash path (no DECODE_MIN_KEYS cut-off)."""
+    keep, cpu_flash.DECODE_MIN_KEYS = cpu_flash.DECODE_MIN_KEYS, 0
+    try:
+        return fn()
+    finally:
+        cpu_flash.DECODE_MIN_KEYS = keep
+
+
+def time_mla(ctx: int, n_new: int, reps: int = 3, flash: bool = True, shuffle=True,
+             mode: str = "auto", copies: int = 1) -> float:  # fmt: skip
+    """Seconds for one layer's MLA of n_new queries after ctx tokens (flash=False: 'ref');
+    copies > 1: the mean over that many distinct caches (as the model's layers: a cache that
+    misses the CPU's caches is read from DRAM)."""
     ql, qp, kv, md = mla_case(ctx, n_new, shuffle=shuffle)
-    be = TorchMLABackend(cpu_flash=flash)
-    return timeit(lambda: be.forward(ql, qp, kv, md, SCALE), reps)
+    kvs = [kv] + [kv.clone() for _ in range(copies - 1)]
+    mode = mode if flash else "ref"
+    be = backend(mode)
+
+    def layers():
+        for k in kvs:
+            be.forward(ql, qp, k, md, SCALE)
+
+    run = lambda: timeit(layers, reps) / copies  # noqa: E731
+    return forced_flash(run) if mode == "flash" else run()
 
 
-def check_mla(ctx: int, n_new: int) -> str:
-    """Flash path vs the float32 einsums on the same bf16 inputs."""
+def time_kernel(ctx: int, n_new: int, path: int, reps: int = 3) -> float:
+    """The native kernel alone on one path (nan where it does not run here)."""
     ql, qp, kv, md = mla_case(ctx, n_new)
-    fast = TorchMLABackend().forward(ql, qp, kv, md, SCALE).float()
+    out = torch.empty(n_new, NH, KL, dtype=torch.bfloat16)
+    pages, S = md.block_table[0], ctx + n_new
+    if cpu_mla.mla_decode(ql, qp, kv, pages, S, SCALE, out, path) != path:
+        return float("nan")
+    return timeit(lambda: cpu_mla.mla_decode(ql, qp, kv, pages, S, SCALE, out, path), reps)
+
+
+def check_mla(ctx: int, n_new: int, mode: str = "auto") -> str:
+    """The bf16 path (`mode`) vs the float32 einsums on the same bf16 inputs."""
+    ql, qp, kv, md = mla_case(ctx, n_new)
+    run = lambda: backend(mode).forward(ql, qp, kv, md, SCALE).float()  # noqa: E731
+    fast = forced_flash(run) if mode == "flash" else run()
     ref = TorchMLABackend(cpu_flash=False).forward(ql.float(), qp.float(), kv, md, SCALE)
     err, rnd = (fast - ref).abs().max().item(), (ref.bfloat16().float() - ref).abs().max().item()
-    return (f"# check ctx {ctx} + {n_new} new: max|flash - f32 einsum| {err:.2e} (bf16 rounding "
+    name = "flash" if mode == "flash" else f"default ({decode_path(n_new)})"
+    return (f"# check ctx {ctx} + {n_new} new: max|{name} - f32 einsum| {err:.2e} (bf16 rounding "
             f"of the f32 result: {rnd:.2e}; |f32| max {ref.abs().max().item():.2f})")  # fmt: skip
+
+
+def decode_path(n_new: int = 1) -> str:
+    """What the backend runs for a bf16 decode of n_new tokens on this CPU (scattered pages)."""
+    from k2serve.attention.torch_ref import KERNEL_MAX_TOKENS
+
+    paths = cpu_mla.mla_paths() if n_new <= KERNEL_MAX_TOKENS else []
+    if cpu_mla.PATH_AMX in paths:
+        return "native kernel, AMX"
+    if cpu_mla.PATH_AVX512 in paths and n_new == 1:
+        return "native kernel, vdpbf16ps (short contexts)"
+    return "torch flash / einsums"
 
 
 def mla_flops(ctx: int, n_new: int) -> float:
@@ -143,7 +202,14 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-queries", type=int, default=256)
     ap.add_argument("--bw-gib", type=float, default=2.0)
     ap.add_argument("--no-ref", action="store_true", help="skip timing the float32 einsums")
+    ap.add_argument("--verify-tokens", type=int, default=4, help="a verify step's tokens")
+    ap.add_argument("--define", action="append", default=[],
+                    help="NAME=VALUE: build a kernel variant (its own cache entry)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.define:
+        from k2serve.kernels import cpu as ck
+
+        ck.CXX_FLAGS = ck.CXX_FLAGS + tuple(f"-D{d}" for d in args.define)
     from cpu_e2e import read_bandwidth  # benchmarks/cpu_e2e.py
 
     bw = read_bandwidth(args.bw_gib)
@@ -167,38 +233,61 @@ def main(argv=None) -> int:
           f"{KVB_BYTES / ta / 1e9:.1f} GB/s = {KVB_BYTES / ta / 1e9 / bw:.0%} of BW")  # fmt: skip
     ctxs = [int(c) for c in args.contexts.split(",") if c]
     n = args.prefill_queries
+    print(
+        f"# decode path here: {decode_path()}; kernel paths that run: "
+        f"{[cpu_mla.PATH_NAMES[p] for p in cpu_mla.mla_paths()]}, defines {args.define}"
+    )
     for ctx in ctxs[:1]:
         print(check_mla(ctx, 1))
+        print(check_mla(ctx, 1, "flash"))
+        if args.verify_tokens > 1:
+            print(check_mla(ctx - args.verify_tokens, args.verify_tokens))
         if n:
             print(check_mla(ctx - n, n))
     print(f"{'context':>8} {'decode ms':>10} {'GB/s':>6} {'TFLOP/s':>8} {'of bf16':>8} "
-          f"{'ref ms':>7} {'x ref':>6} {'prefill q':>10} {'ms':>8} {'TFLOP/s':>8} {'of f32':>7} "
-          f"{'of bf16':>8} {'ref ms':>8} {'x ref':>6} {'ms/2K q':>8}")  # fmt: skip
+          f"{'flash ms':>9} {'ref ms':>7} {'x flash':>8} {'x ref':>6} {'vdpbf16':>8}")  # fmt: skip
     for ctx in ctxs:
-        td = time_mla(ctx, 1)
+        td = time_mla(ctx, 1, reps=5)
+        tf = time_mla(ctx, 1, reps=5, mode="flash")
         tdr = float("nan") if args.no_ref else time_mla(ctx, 1, flash=False)
+        tv = time_kernel(ctx, 1, cpu_mla.PATH_AVX512, reps=2)
         nb = (ctx + 1) * (KL + RO) * 2
         rd = mla_flops(ctx, 1) / td / 1e12
-        tp = time_mla(ctx - n, n, reps=1) if n else float("nan")
-        tpr = float("nan") if args.no_ref or not n else time_mla(ctx - n, n, 1, flash=False)
+        print(f"{ctx:>8} {td * 1e3:>10.3f} {nb / td / 1e9:>6.1f} {rd:>8.3f} {rd / bf16:>8.0%} "
+              f"{tf * 1e3:>9.3f} {tdr * 1e3:>7.2f} {tf / td:>8.2f} {tdr / td:>6.1f} "
+              f"{tv * 1e3:>8.2f}")  # fmt: skip
+    v = args.verify_tokens
+    if v > 1:
+        for ctx in ctxs:
+            tk, tf = time_mla(ctx - v, v, reps=5), time_mla(ctx - v, v, reps=5, mode="flash")
+            print(f"# verify step, {v} tokens at {ctx}: default {tk * 1e3:.3f} ms "
+                  f"({decode_path(v)}), flash {tf * 1e3:.3f} ms, x flash {tf / tk:.2f}, "
+                  f"{mla_flops(ctx - v, v) / tk / 1e12:.3f} TFLOP/s")  # fmt: skip
+    if n:
+        print(f"{'context':>8} {'prefill q':>10} {'ms':>8} {'TFLOP/s':>8} {'of f32':>7} "
+              f"{'of bf16':>8} {'ref ms':>8} {'x ref':>6} {'ms/2K q':>8}")  # fmt: skip
+    for ctx in ctxs if n else []:
+        tp = time_mla(ctx - n, n, reps=1)
+        tpr = float("nan") if args.no_ref else time_mla(ctx - n, n, 1, flash=False)
         rate = mla_flops(ctx - n, n) / tp / 1e12
-        print(f"{ctx:>8} {td * 1e3:>10.2f} {nb / td / 1e9:>6.1f} {rd:>8.3f} {rd / bf16:>8.0%} "
-              f"{tdr * 1e3:>7.2f} {tdr / td:>6.1f} {n:>10} {tp * 1e3:>8.1f} {rate:>8.3f} "
-              f"{rate / f32:>7.0%} {rate / bf16:>8.0%} {tpr * 1e3:>8.1f} {tpr / tp:>6.1f} "
-              f"{tp * 2048 / max(n, 1) * 1e3:>8.0f}")  # fmt: skip
+        print(f"{ctx:>8} {n:>10} {tp * 1e3:>8.1f} {rate:>8.3f} {rate / f32:>7.0%} "
+              f"{rate / bf16:>8.0%} {tpr * 1e3:>8.1f} {tpr / tp:>6.1f} "
+              f"{tp * 2048 / n * 1e3:>8.0f}")  # fmt: skip
     hr = cpu_flash.HEAD_ROWS
     for rows in (hr, NH):  # a decode's heads: blocks of HEAD_ROWS rows vs one block of NH
         cpu_flash.HEAD_ROWS = rows
-        print(f"# decode at {ctxs[0]}, {rows} rows per kernel head: "
-              f"{time_mla(ctxs[0], 1, reps=5) * 1e3:.2f} ms")  # fmt: skip
+        print(f"# flash decode at {ctxs[0]}, {rows} rows per kernel head: "
+              f"{time_mla(ctxs[0], 1, reps=5, mode='flash') * 1e3:.2f} ms")  # fmt: skip
     cpu_flash.HEAD_ROWS = hr
-    print(f"# decode at {ctxs[0]} on pages 0, 1, ... (read in place, no gather): "
-          f"{time_mla(ctxs[0], 1, reps=5, shuffle=False) * 1e3:.2f} ms")  # fmt: skip
+    print(f"# decode at {ctxs[0]} on pages 0, 1, ... (read in place): default "
+          f"{time_mla(ctxs[0], 1, reps=5, shuffle=False) * 1e3:.3f} ms, flash "
+          f"{time_mla(ctxs[0], 1, reps=5, shuffle=False, mode='flash') * 1e3:.2f} ms")  # fmt: skip
     print(
-        "# decode: one query over the context (bytes = its bf16 latents; FLOP/s of the useful "
-        "products, vs the bf16 matmul rate); prefill: the last 'prefill q' queries of that "
-        "context; 'ref': the float32 einsums (the path before); 'ms/2K q': scaled to 2,048 "
-        "such queries"
+        "# decode: one query over the context, shuffled pages (bytes = its bf16 latents; "
+        "FLOP/s of the useful products, vs the bf16 matmul rate; 'decode ms': the backend's "
+        "default path, 'flash ms': torch's flash kernel, 'ref': the float32 einsums, the path "
+        "before; 'vdpbf16': the native kernel's non-AMX path); prefill: the last 'prefill q' "
+        "queries of that context; 'ms/2K q': scaled to 2,048 such queries"
     )
     return 0
 

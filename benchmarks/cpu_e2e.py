@@ -87,6 +87,9 @@ def main(argv=None) -> int:
     ap.add_argument("--full-k2", action="store_true", help="full-K2 extrapolation from parts")
     ap.add_argument("--context", type=int, default=2048, help="--full-k2: decode context")
     ap.add_argument("--chunk", type=int, default=2048, help="--full-k2: prefill chunk tokens")
+    ap.add_argument("--mla", choices=("auto", "flash", "ref"), default="auto",
+                    help="--full-k2: the decode's MLA as the engine runs it (auto), torch's "
+                         "flash kernel, or the float32 einsums (ref)")  # fmt: skip
     ap.add_argument("--gpu-tbs", type=float, default=2.7,
                     help="--full-k2: the GPU's effective TB/s for the hybrid figure (H100: "
                          "3.35 peak x ~0.8)")  # fmt: skip

@@ -37,7 +37,8 @@ MIN_KEYS_PER_SPLIT = 512  # the kernel's key block: smaller splits only add merg
 HEAD_ROWS = 32  # a decode's rows per kernel head (2-core box, 64 rows at 8K: 1.63 ms vs 2.1)
 # a one-token decode over fewer keys on scattered pages stays on the float32 einsums: the 16-core
 # H100 host, K2 shapes, shuffled pages: 8K 2.64 ms here vs 2.39 einsums, 32K 8.76 vs 21.6; on
-# consecutive pages (read in place) 8K takes 1.00 ms (benchmarks/cpu_attn.py, RESULTS.md)
+# consecutive pages (read in place) 8K takes 1.00 ms (benchmarks/cpu_attn.py, RESULTS.md).
+# Where the native kernel runs (kernels/cpu/mla.py) decodes and verify steps take it instead.
 DECODE_MIN_KEYS = 16384
 
 

@@ -8,10 +8,15 @@ Invariants:
 - fp8 cache (kv_cache.dtype float8_e4m3fn): stored value = clamp(x / kv_scale, +-448) rounded
   to e4m3; read value = stored * kv_scale in float32. `kv_scale` is one per-tensor scale shared
   by every layer (1.0 default: the normed latent and the roped key are O(1)).
-- bf16 queries over a bf16 cache on the CPU (a bf16 model served on the CPU) take the flash path
-  of `cpu_flash.py` instead (bf16 operands, float32 scores and softmax, as the GPU kernels):
-  the float32 einsums here were 2% of the read bandwidth at decode. `cpu_flash=False` keeps
-  the einsums (the oracle); float32, fp8 and GPU tensors always run them, bit for bit as before.
+- bf16 queries over a bf16 cache on the CPU (a bf16 model served on the CPU) take a bf16 path
+  instead (bf16 operands, float32 scores and softmax, as the GPU kernels): the float32 einsums
+  here were 2% of the read bandwidth at decode. A decode or a verify step of at most
+  KERNEL_MAX_TOKENS tokens runs the native kernel (kernels/cpu/mla.py: pages read in place,
+  split-KV over the kernel's threads) on AMX tiles where the CPU has them; its vdpbf16ps path
+  only replaces the einsums (a short decode on scattered pages: faster than them, slower than
+  the flash kernel); prompts take torch's CPU flash kernel (`cpu_flash.py`). `cpu_kernel=False`
+  skips the native kernel; `cpu_flash=False` keeps the einsums (the oracle); float32, fp8 and
+  GPU tensors always run them, bit for bit as before.
 """
 
 from __future__ import annotations
@@ -20,10 +25,14 @@ import torch
 
 from k2serve.attention import cpu_flash
 from k2serve.attention.base import AttentionMetadata, MLABackend
+from k2serve.kernels.cpu import mla as cpu_mla
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCORES_MAX_ELEMS = 1 << 26  # float32 scores per query chunk (256 MB)
+# new tokens per sequence up to which the native kernel runs (decodes, speculative verify
+# steps); prompts take the flash path (benchmarks/cpu_attn.py, RESULTS.md)
+KERNEL_MAX_TOKENS = 8
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
@@ -34,21 +43,27 @@ class TorchMLABackend(MLABackend):
     name = "torch"
     graph_safe = False  # per-sequence loops over host copies of the lengths
 
-    def __init__(self, kv_scale: float = 1.0, cpu_flash: bool = True) -> None:
+    def __init__(
+        self, kv_scale: float = 1.0, cpu_flash: bool = True, cpu_kernel: bool = True
+    ) -> None:
         if not kv_scale > 0:
             raise ValueError(f"kv_scale={kv_scale} must be positive")
         self.kv_scale = float(kv_scale)
         self.cpu_flash = cpu_flash
+        self.cpu_kernel = cpu_kernel
 
-    def _flash_path(self, q_latent, q_pe, kv_cache) -> bool:
-        """bf16 queries and cache on the CPU, and torch has the CPU flash kernel."""
+    def _bf16_path(self, q_latent, q_pe, kv_cache) -> bool:
+        """bf16 queries and cache on the CPU (the native kernel or the flash path)."""
         return (
             self.cpu_flash
             and q_latent.device.type == "cpu"
             and q_latent.dtype == q_pe.dtype == kv_cache.dtype == torch.bfloat16
             and kv_cache.is_contiguous()
-            and cpu_flash.available()
         )
+
+    def _flash_path(self, q_latent, q_pe, kv_cache) -> bool:
+        """The bf16 path, and torch has the CPU flash kernel."""
+        return self._bf16_path(q_latent, q_pe, kv_cache) and cpu_flash.available()
 
     def _to_cache(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if is_fp8(dtype):
@@ -88,13 +103,16 @@ class TorchMLABackend(MLABackend):
     ) -> torch.Tensor:
         T, H, L = q_latent.shape
         page_size = kv_cache.shape[1]
-        out = torch.zeros(T, H, L, dtype=q_latent.dtype, device=q_latent.device)
         qsl = metadata.query_start_loc.tolist()
+        # every row of a sequence is written below; rows past the last sequence (padding) are 0
+        out = torch.empty(T, H, L, dtype=q_latent.dtype, device=q_latent.device)
+        out[qsl[-1] :].zero_()
         seq_lens = metadata.seq_lens.tolist()
         ctx_lens = metadata.context_lens.tolist()
-        flash = self._flash_path(q_latent, q_pe, kv_cache)
-        if flash:
-            q = torch.cat([q_latent, q_pe], dim=-1)  # [T, H, L + R]
+        bf16 = self._bf16_path(q_latent, q_pe, kv_cache)
+        flash = bf16 and cpu_flash.available()
+        kernel = bf16 and self.cpu_kernel
+        q = None  # [T, H, L + R] for the flash path, made when first needed
         for b, (seq_len, ctx) in enumerate(zip(seq_lens, ctx_lens, strict=True)):
             start, end = qsl[b], qsl[b + 1]
             n_new = end - start
@@ -102,11 +120,20 @@ class TorchMLABackend(MLABackend):
                 continue
             n_pages = -(-seq_len // page_size)
             pages = metadata.block_table[b, :n_pages].to(torch.long)
-            if flash and (
+            use_flash = flash and (
                 n_new > 1
                 or seq_len >= cpu_flash.DECODE_MIN_KEYS
                 or bool((pages.diff() == 1).all())  # one run of pages: read in place
-            ):
+            )
+            if kernel and n_new <= KERNEL_MAX_TOKENS:
+                # the kernel on AMX beats both torch paths; on vdpbf16ps only the einsums
+                path = cpu_mla.PATH_AMX if use_flash else cpu_mla.PATH_AUTO
+                ql, qp, o = q_latent[start:end], q_pe[start:end], out[start:end]
+                if cpu_mla.mla_decode(ql, qp, kv_cache, pages, seq_len, scale, o, path):
+                    continue
+            if use_flash:
+                if q is None:
+                    q = torch.cat([q_latent, q_pe], dim=-1)
                 cpu_flash.mla_sequence(q[start:end], kv_cache, pages, ctx, scale, out[start:end])
                 continue
             kv = kv_cache[pages].reshape(n_pages * page_size, -1)[:seq_len]  # [S, L + R]

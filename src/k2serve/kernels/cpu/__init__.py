@@ -1,4 +1,5 @@
-"""The native CPU expert kernel (k2cpu.cpp): built on first use, cached, loaded through ctypes.
+"""The native CPU kernel (k2cpu.cpp: the experts, dense GEMVs, the MLA decode of k2mla.h, see
+mla.py): built on first use, cached, loaded through ctypes.
 
 Owns: `load_kernel()` (compile with the system C++ compiler, `-O3 -march=native`, into
 `$K2SERVE_CACHE_DIR/cpu_kernel/` (default ~/.cache/k2serve/cpu_kernel/) keyed by the source hash,
@@ -10,7 +11,8 @@ Environment (read once per process, in `kernel_settings()`):
 - K2SERVE_CPU_KERNEL: "auto" (default: native when it builds, else the torch path), "native"
   (fail when it does not build), "torch" (never build).
 - K2SERVE_CPU_AMX: "1" (default) lets prompt-sized steps (many tokens per expert) run the expert
-  GEMMs on AMX tiles when the CPU has them (k2amx.h); "0" keeps every step on the dot-product path.
+  GEMMs on AMX tiles when the CPU has them (k2amx.h), and the MLA decode (k2mla.h, mla.py) run
+  on them; "0" keeps every step on the dot-product path (vdpbf16ps).
 - K2SERVE_CPU_THREADS: threads of the kernel's pool (default: torch.get_num_threads()).
 - K2SERVE_NUMA_TOPOLOGY: an injected topology, node cpulists separated by ";" (e.g.
   "0-7;8-15", or "0;0" to test a 2-node split on one core); default: read from /sys.
@@ -39,7 +41,8 @@ from k2serve import envs
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("k2cpu.cpp")
-HEADERS = (Path(__file__).with_name("k2amx.h"),)  # included by SOURCE (part of the build key)
+# included by SOURCE (part of the build key): the AMX expert GEMMs, the MLA decode kernel
+HEADERS = tuple(Path(__file__).with_name(h) for h in ("k2amx.h", "k2mla.h"))
 CXX_FLAGS = ("-O3", "-march=native", "-std=gnu++17", "-shared", "-fPIC", "-pthread")
 KERNEL_MODES = ("auto", "native", "torch")
 
@@ -216,6 +219,27 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.k2_linear.restype = i
     lib.k2_linear_batched.argtypes = [p, i, p, i, i, i, p, i, i, p]
     lib.k2_linear_batched.restype = i
+    i64 = ctypes.c_int64
+    lib.k2_mla_decode.argtypes = [
+        p,
+        p,
+        i64,
+        p,
+        i64,
+        i,
+        i,
+        p,
+        i,
+        i,
+        i,
+        i,
+        p,
+        i,
+        ctypes.c_float,
+        p,
+        i,
+    ]
+    lib.k2_mla_decode.restype = i
     return lib
 
 

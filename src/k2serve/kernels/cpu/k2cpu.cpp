@@ -34,6 +34,7 @@
 //      the result is bit-identical to a one-node run; no partial sums to add.
 // Prompt-sized steps with bf16 activations take the AMX tile path instead (k2amx.h, included
 // below; k2_layer_set_tiles turns it on per layer where the CPU and the build have AMX).
+// The absorbed MLA decode over the paged latent cache is in k2mla.h (k2_mla_decode).
 #include <errno.h>
 #include <pthread.h>
 #include <sched.h>
@@ -832,6 +833,7 @@ static void forward_impl(Layer* L, Pool* P, Scratch& sc, float* out,
 }
 
 #include "k2amx.h"
+#include "k2mla.h"
 
 static void mk_mat(Mat& m, int fmt, int64_t w, int64_t s, int cols) {
   m.w = (const uint8_t*)w;
