@@ -45,6 +45,7 @@
 #include <atomic>
 #include <cmath>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -105,6 +106,9 @@ enum { FMT_I4BF = 4, FMT_BFBF = 5 };
 #define K2_HAS_I4BF 0
 #endif
 enum { X_F32 = 0, X_BF16 = 1 };
+#ifndef K2_SYNC_BARRIERS  // 1: the previous decode-path sync (before/after measurements): every
+#define K2_SYNC_BARRIERS 0  // thread waits at a barrier after the prologue and after gate/up
+#endif
 #ifndef K2_I4BF_LEGACY  // 1: the previous INT4 x bf16 decode loop (before/after measurements)
 #define K2_I4BF_LEGACY 0
 #endif
@@ -562,6 +566,9 @@ struct Pool {
   std::atomic<uint32_t> gen{0};
   std::atomic<int> sleepers{0};
   std::atomic<int> pending{0};
+  std::atomic<uint32_t> closed{0};  // the last generation whose job is finished
+  std::atomic<int> inside{0};       // workers inside a job (or checking whether it is closed)
+  int delay_rank = -1, delay_us = 0;  // tests: this worker starts its jobs late (k2_pool_delay)
   std::function<void(int, int)> job;
   std::atomic<bool> stop{false};
   int spin = 20000;
@@ -595,18 +602,36 @@ struct Pool {
       }
       if (stop.load(std::memory_order_acquire)) return;
       seen = g;
+      // a worker that wakes after its job was closed (an elastic job finished without it)
+      // must not touch that job: `job` may already be the next one's
+      inside.fetch_add(1);  // seq_cst: pairs with run()'s store of `closed`, then load
+      if ((int32_t)(closed.load() - g) >= 0) {
+        inside.fetch_sub(1);
+        continue;
+      }
+      if (delay_rank == tid) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
       job(node_of[tid], rank_of[tid]);
       pending.fetch_sub(1, std::memory_order_acq_rel);
+      inside.fetch_sub(1, std::memory_order_release);
     }
   }
 
-  void run(std::function<void(int, int)> fn) {
+  // Run fn(node, rank) on every thread; the caller is rank 0 of node 0. `elastic`: fn takes its
+  // work from shared counters and never waits for a given thread (its phases wait for work
+  // done, not for threads arrived), so the call returns once the caller's fn returned and the
+  // workers inside fn left it: a worker that did not get a core in time (torch's OpenMP
+  // threads still spinning after its last parallel op, another process) skips the job instead
+  // of holding up the step. Otherwise every worker runs fn before run() returns.
+  void run(std::function<void(int, int)> fn, bool elastic = false) {
     job = std::move(fn);
     pending.store(nthreads - 1, std::memory_order_release);
-    gen.fetch_add(1);
+    const uint32_t g = gen.fetch_add(1) + 1;
     if (sleepers.load() > 0) futex_wake_all(&gen);
     job(node_of[0], rank_of[0]);
-    for (int n = 0; pending.load(std::memory_order_acquire) != 0; ++n) relax(n);
+    if (!elastic)
+      for (int n = 0; pending.load(std::memory_order_acquire) != 0; ++n) relax(n);
+    closed.store(g);  // seq_cst (see worker)
+    for (int n = 0; inside.load() != 0; ++n) relax(n);
   }
 
   ~Pool() {
@@ -642,6 +667,9 @@ struct Scratch {
   std::vector<float> xsum, hsum;  // I4BF: per 32-column group sums of x / h
   std::vector<int> pair_tok, expert_start, active;
   std::vector<float> pair_w;
+  std::vector<float> acc;  // [T, H] float32 sums when the caller takes bf16
+  std::unique_ptr<std::atomic<int>[]> ready;  // per active expert: gate/up items done
+  size_t ready_n = 0;
 };
 
 static const int RB1 = 32;  // gate/up rows per work item (whole INT4 groups of h)
@@ -732,13 +760,15 @@ static void gate_up_item(const Layer* L, int e, int i0, int i1, const int* toks,
 }
 
 template <int FMT>
-static void down_item(const Layer* L, const Scratch& sc, int o0, int o1, float* out) {
+static void down_item(const Layer* L, const Scratch& sc, int o0, int o1, float* out,
+                      const std::atomic<int>* ready, int need) {
   const int H = L->H, I = L->I, AB = act_bytes<FMT>();
   const char* hb = (const char*)sc.h.data();
   float y[RB2 * 8];
   const int A = sc.active.size();
   for (int a = 0; a < A; ++a) {
     const int e = sc.active[a];
+    for (int n = 0; ready[a].load(std::memory_order_acquire) < need; ++n) relax(n);
     const Mat* next = a + 1 < A ? &L->down[sc.active[a + 1]] : nullptr;
     int p0 = sc.expert_start[e], p1 = sc.expert_start[e + 1];
     for (int q0 = p0; q0 < p1; q0 += 8) {
@@ -774,8 +804,23 @@ struct AllBarrier {
   }
 };
 
+// The float32 sums of rows [o0, o1) of every token -> bf16 (round to nearest even)
+static void rows_to_bf16(const float* acc, uint16_t* dst, int T, int H, int o0, int o1) {
+  for (int t = 0; t < T; ++t)
+    for (int r = o0; r < o1; ++r) dst[(int64_t)t * H + r] = f32_to_bf16(acc[(int64_t)t * H + r]);
+}
+
+// An elastic pool job (Pool::run): no phase waits for a thread, only for work done, so a
+// thread that starts late (its core busy elsewhere) joins where the work is or finds none.
+//   prologue: returns once every token's activations are in place (counted per token);
+//   phase 1: (expert, block of gate/up rows) items in expert order; each done item counts
+//     for its expert in sc.ready;
+//   phase 2: blocks of output rows; a block takes the active experts in a fixed order (the
+//     same sums in the same order as with a barrier) and waits only for that expert's gate/up
+//     items, so down_proj starts while the last experts' gate/up items finish.
+// out: float32 sums [T, H]; out_bf16 (may be null): also written as bf16, per row block.
 template <int FMT>
-static void forward_impl(Layer* L, Pool* P, Scratch& sc, float* out,
+static void forward_impl(Layer* L, Pool* P, Scratch& sc, float* out, uint16_t* out_bf16, int T,
                          const std::function<void()>& prologue) {
   const int I = L->I, H = L->H, nn = P->nnodes;
   const int Pn = sc.pair_tok.size();
@@ -784,46 +829,60 @@ static void forward_impl(Layer* L, Pool* P, Scratch& sc, float* out,
   char* hb = (char*)sc.h.data();
   float* hs = sc.hsum.data();
   const int A = sc.active.size();
+  int need = 0;  // gate/up items per expert over all nodes
   for (int n = 0; n < nn; ++n) {
     P->sync[n].next.store(0);
     P->sync[n].next2.store(0);
+    int r0, r1;
+    node_range(P, n, I, 32, r0, r1);
+    need += (r1 - r0 + RB1 - 1) / RB1;
   }
-  AllBarrier bar;
+  if (sc.ready_n < (size_t)A) {
+    sc.ready.reset(new std::atomic<int>[A]);
+    sc.ready_n = A;
+  }
+  std::atomic<int>* ready = sc.ready.get();
+  for (int a = 0; a < A; ++a) ready[a].store(0, std::memory_order_relaxed);
   const double t_run = now_s();
   double t_in = 0, t_pro = 0, t_gu = 0;
-  P->run([&](int node, int rank) {
-    Pool::NodeSync& s = P->sync[node];
-    const bool caller = node == 0 && rank == 0;
-    if (caller) t_in = now_s();
-    prologue();  // activations in the kernel's layout, output zeroed (threads split over rows)
-    bar.wait(P->nthreads);
-    if (caller) t_pro = now_s();
-    // phase 1: this node's rows of every active expert's gate + up
-    int r0, r1;
-    node_range(P, node, I, 32, r0, r1);
-    const int nb = (r1 - r0 + RB1 - 1) / RB1;
-    const int64_t items1 = (int64_t)A * nb;
-    for (;;) {
-      int64_t it = s.next.fetch_add(1, std::memory_order_relaxed);
-      if (it >= items1) break;
-      int e = sc.active[it / nb];
-      int i0 = r0 + (int)(it % nb) * RB1, i1 = std::min(r1, i0 + RB1);
-      int p0 = sc.expert_start[e], p1 = sc.expert_start[e + 1];
-      gate_up_item<FMT>(L, e, i0, i1, sc.pair_tok.data() + p0, p1 - p0, sc, hb, hs, p0);
-    }
-    bar.wait(P->nthreads);
-    if (caller) t_gu = now_s();
-    // phase 2: this node's output rows, each row block owned by one thread
-    int o0n, o1n;
-    node_range(P, node, H, RB2, o0n, o1n);
-    const int64_t items2 = (o1n - o0n + RB2 - 1) / RB2;
-    for (;;) {
-      int64_t it = s.next2.fetch_add(1, std::memory_order_relaxed);
-      if (it >= items2) break;
-      int o0 = o0n + (int)it * RB2, o1 = std::min(o1n, o0 + RB2);
-      down_item<FMT>(L, sc, o0, o1, out);
-    }
-  });
+  AllBarrier bar;  // K2_SYNC_BARRIERS only
+  P->run(
+      [&](int node, int rank) {
+        Pool::NodeSync& s = P->sync[node];
+        const bool caller = node == 0 && rank == 0;
+        if (caller) t_in = now_s();
+        prologue();  // activations in the kernel's layout, output zeroed
+        if (K2_SYNC_BARRIERS) bar.wait(P->nthreads);
+        if (caller) t_pro = now_s();
+        // phase 1: this node's rows of every active expert's gate + up
+        int r0, r1;
+        node_range(P, node, I, 32, r0, r1);
+        const int nb = (r1 - r0 + RB1 - 1) / RB1;
+        const int64_t items1 = (int64_t)A * nb;
+        for (;;) {
+          int64_t it = s.next.fetch_add(1, std::memory_order_relaxed);
+          if (it >= items1) break;
+          const int a = it / nb, e = sc.active[a];
+          int i0 = r0 + (int)(it % nb) * RB1, i1 = std::min(r1, i0 + RB1);
+          int p0 = sc.expert_start[e], p1 = sc.expert_start[e + 1];
+          gate_up_item<FMT>(L, e, i0, i1, sc.pair_tok.data() + p0, p1 - p0, sc, hb, hs, p0);
+          ready[a].fetch_add(1, std::memory_order_release);
+        }
+        if (K2_SYNC_BARRIERS) bar.wait(P->nthreads);
+        if (caller) t_gu = now_s();
+        // phase 2: this node's output rows, each row block owned by one thread
+        int o0n, o1n;
+        node_range(P, node, H, RB2, o0n, o1n);
+        const int64_t items2 = (o1n - o0n + RB2 - 1) / RB2;
+        for (;;) {
+          int64_t it = s.next2.fetch_add(1, std::memory_order_relaxed);
+          if (it >= items2) break;
+          int o0 = o0n + (int)it * RB2, o1 = std::min(o1n, o0 + RB2);
+          down_item<FMT>(L, sc, o0, o1, out, ready, need);
+          if (out_bf16) rows_to_bf16(out, out_bf16, T, H, o0, o1);
+        }
+      },
+      /*elastic=*/!K2_SYNC_BARRIERS);
   const double t_end = now_s();
   g_profile.wake = t_in - t_run;
   g_profile.prologue = t_pro - t_in;
@@ -902,6 +961,15 @@ void* k2_pool_create(int nthreads, int nnodes, const int* node_of_thread, const 
 
 void k2_pool_destroy(void* p) { delete (Pool*)p; }
 
+// Tests: worker `rank` (1..nthreads-1; -1: none) sleeps `usec` before each job it runs, as a
+// thread whose core is taken by another would start late. Results must not change.
+void k2_pool_delay(void* p, int rank, int usec) {
+  Pool* P = (Pool*)p;
+  std::lock_guard<std::mutex> call(P->call_mu);
+  P->delay_rank = rank;
+  P->delay_us = usec;
+}
+
 // ptrs: per expert gate_w, gate_s, up_w, up_s, down_w, down_s (6 * E int64 addresses)
 void* k2_layer_create(int fmt, int E, int H, int I, const int64_t* ptrs) {
   Layer* L = new Layer();
@@ -966,13 +1034,15 @@ int k2_layer_bind(void* layer, void* pool, const int* node_ids) {
 }
 
 // hidden x [T, H] (f32 or bf16), topk ids [T, k] int64 (global ids), weights [T, k] f32,
-// local_of [num_global] int32 (-1: not an expert of this layer object), out [T, H] float32
-// (overwritten; rows of tokens without a local expert are zero). Returns 0, or 1 when an
-// expert id is outside [0, num_global) (nothing is computed then).
+// local_of [num_global] int32 (-1: not an expert of this layer object), out [T, H] in
+// out_dtype (X_F32: float32; X_BF16: bf16, the float32 sums rounded to nearest even; written
+// by the kernel's threads, so the caller needs no conversion pass) (overwritten; rows of tokens
+// without a local expert are zero). Returns 0, 1 when an expert id is outside [0, num_global)
+// (nothing is computed then), 2 for an unknown out_dtype.
 int k2_moe_forward(void* layer, void* pool, int T, int k, const void* x, int x_dtype,
                    const int64_t* ids, const float* w, const int32_t* local_of, int num_global,
-                   float* out, void* unused) {
-  (void)unused;
+                   void* out_arg, int out_dtype) {
+  if (out_dtype != X_F32 && out_dtype != X_BF16) return 2;
   Layer* L = (Layer*)layer;
   Pool* P = (Pool*)pool;
   const int H = L->H, E = L->E;
@@ -1016,7 +1086,12 @@ int k2_moe_forward(void* layer, void* pool, int T, int k, const void* x, int x_d
                        : fmt;
   if (sc.x.size() < (size_t)T * H) sc.x.resize((size_t)T * H);
   if (kfmt == FMT_I4BF && sc.xsum.size() < (size_t)T * (H / 32)) sc.xsum.resize((size_t)T * H / 32);
-  std::atomic<int> next{0};
+  // bf16 out: the float32 sums go to scratch, each row block is rounded once it is complete
+  uint16_t* out_bf16 = out_dtype == X_BF16 ? (uint16_t*)out_arg : nullptr;
+  if (out_bf16 && sc.acc.size() < (size_t)T * H) sc.acc.resize((size_t)T * H);
+  float* out = out_bf16 ? sc.acc.data() : (float*)out_arg;
+  std::atomic<int> next{0}, done{0};
+  // every thread of the call runs it: tokens from a counter; returns when all T are ready
   auto prologue = [&]() {
     for (;;) {
       int t = next.fetch_add(1);
@@ -1047,10 +1122,12 @@ int k2_moe_forward(void* layer, void* pool, int T, int k, const void* x, int x_d
           memcpy(dst + c, row, sizeof(row));
         }
       }
+      done.fetch_add(1, std::memory_order_release);
     }
+    for (int n = 0; done.load(std::memory_order_acquire) < T; ++n) relax(n);
   };
   if (Pn == 0) {  // no pair on these experts: zeros
-    memset(out, 0, sizeof(float) * (size_t)T * H);
+    memset(out_arg, 0, (out_bf16 ? 2 : 4) * (size_t)T * H);
     return 0;
   }
 #if K2_HAS_AMX
@@ -1067,6 +1144,12 @@ int k2_moe_forward(void* layer, void* pool, int T, int k, const void* x, int x_d
       forward_tiles<FMT_FP8>(L, P, sc, T, xb, out);
     else
       forward_tiles<FMT_BF16>(L, P, sc, T, xb, out);
+    if (out_bf16) {  // a prompt's step: one more pass over [T, H] is noise against its GEMMs
+      std::atomic<int> row{0};
+      P->run([&](int, int) {
+        for (int t; (t = row.fetch_add(1)) < T;) rows_to_bf16(out + (int64_t)t * H, out_bf16 + (int64_t)t * H, 1, H, 0, H);
+      }, /*elastic=*/true);
+    }
     g_profile.total = now_s() - t_start;
     return 0;
   }
@@ -1074,19 +1157,19 @@ int k2_moe_forward(void* layer, void* pool, int T, int k, const void* x, int x_d
   // 2, 3. gate + up, then down
 #if K2_HAS_I4BF
   if (kfmt == FMT_I4BF) {
-    forward_impl<FMT_I4BF>(L, P, sc, out, prologue);
+    forward_impl<FMT_I4BF>(L, P, sc, out, out_bf16, T, prologue);
     g_profile.total = now_s() - t_start;
     return 0;
   }
 #endif
   if (fmt == FMT_INT4)
-    forward_impl<FMT_INT4>(L, P, sc, out, prologue);
+    forward_impl<FMT_INT4>(L, P, sc, out, out_bf16, T, prologue);
   else if (fmt == FMT_FP8)
-    forward_impl<FMT_FP8>(L, P, sc, out, prologue);
+    forward_impl<FMT_FP8>(L, P, sc, out, out_bf16, T, prologue);
   else if (fmt == FMT_BF16)
-    forward_impl<FMT_BF16>(L, P, sc, out, prologue);
+    forward_impl<FMT_BF16>(L, P, sc, out, out_bf16, T, prologue);
   else
-    forward_impl<FMT_F32>(L, P, sc, out, prologue);
+    forward_impl<FMT_F32>(L, P, sc, out, out_bf16, T, prologue);
   g_profile.total = now_s() - t_start;
   return 0;
 }
@@ -1108,7 +1191,7 @@ double k2_stream_read(void* pool, const void* p, int64_t nbytes) {
   std::atomic<int64_t> next{0};
   std::vector<double> part(P->nthreads, 0.0);
   std::atomic<int> slot{0};
-  P->run([&](int, int) {
+  P->run([&](int, int) {  // elastic: a late thread finds the chunks taken
     int me = slot.fetch_add(1);
     v16f a0 = {}, a1 = {}, a2 = {}, a3 = {};
     for (;;) {
@@ -1123,7 +1206,7 @@ double k2_stream_read(void* pool, const void* p, int64_t nbytes) {
       }
     }
     part[me] = hsum(a0 + a1 + a2 + a3);
-  });
+  }, /*elastic=*/true);
   double s = 0;
   for (double v : part) s += v;
   return s;
@@ -1184,7 +1267,7 @@ int k2_linear_batched(void* pool, int wfmt, const void* W, int B, int N, int K, 
         }
       }
     }
-  });
+  }, /*elastic=*/true);  // items from a counter: a late thread finds them taken
   return 0;
 }
 
