@@ -6,9 +6,11 @@ pool: "after" (the shipped kernel: elastic step, bf16 written by the kernel) and
 (`-DK2_SYNC_BARRIERS=1`: every thread waits at a barrier after the prologue and after gate/up,
 and the float32 result converted by torch, as the backend did). Calls alternate between the
 two on the same inputs, with a gap between calls (an engine's layers are ms apart, so the
-pools' workers sleep between calls in both). Two cases: inputs ready (a hybrid step: the
-kernel follows copies from the GPU) and a torch op on [T, hidden] right before each call (a
-CPU-only model: torch's OpenMP threads then spin beside the kernel's for a while). The read
+pools' workers sleep between calls in both; "after + prewake": the engine's prewake, issued
+before that gap as a hybrid step does once its routing is known). Two cases: inputs ready (a
+hybrid step: the kernel follows copies from the GPU) and a torch op on [T, hidden] right
+before each call (a CPU-only model: torch's OpenMP threads then spin beside the kernel's for
+a while). The read
 bandwidth is measured in the same run (kernel threads and torch.sum, before and after the
 timings; the limit is the largest). The verify table: T = 1..8 consecutive tokens against
 their bytes floor (distinct experts x expert size at that bandwidth).
@@ -58,6 +60,8 @@ def timed_calls(variants, steps, gap_s, torch_op):
     for i, (x, ids, w) in enumerate(steps):
         order = variants if i % 2 == 0 else variants[::-1]
         for name, fn in order:
+            if getattr(fn, "prewake", None):
+                fn.prewake()  # as the engine does once the step's routing is known
             time.sleep(gap_s)
             xi = x.mul(1.0) if torch_op else x  # [T, hidden] on torch's threads
             t0 = time.perf_counter()
@@ -102,8 +106,12 @@ def main(argv=None) -> int:
         out = torch.empty(x.shape[0], 7168)
         return before._run_native(x, ids, w, out).to(torch.bfloat16)
 
+    def call_prewoken(x, ids, w):
+        return after(x, ids, w)
+
     call_after.lib, call_before.lib = after._lib, before._lib  # type: ignore[attr-defined]
-    variants = [("before", call_before), ("after", call_after)]
+    call_prewoken.lib, call_prewoken.prewake = after._lib, after.prewake  # type: ignore[attr-defined]
+    variants = [("before", call_before), ("after", call_after), ("prewoken", call_prewoken)]
     # correctness first: the two builds give the same bits (same sums in the same order)
     for T in (1, 5, 16):
         ids, w = cm.routing(T, E, k, g)
@@ -143,11 +151,12 @@ def main(argv=None) -> int:
     print("\n## one MoE layer, median ms per call (of read bandwidth); kernel view: median "
           "prologue / total ms")  # fmt: skip
     print("| before the call | T | experts | before ms | after ms | after vs before | "
-          "before kernel | after kernel |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+          "before kernel | after kernel | after + prewake ms |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for torch_op, T, hit, ts, prof in rows:
         mb = statistics.median(ts["before"])
         ma = statistics.median(ts["after"])
+        mp = statistics.median(ts["prewoken"])
         gb = hit * per_expert / 1e9
 
         def kv(name, prof=prof):
@@ -159,11 +168,11 @@ def main(argv=None) -> int:
         case = "torch op" if torch_op else "inputs ready"
         print(f"| {case} | {T} | {hit:.1f} | {mb * 1e3:.2f} ({gb / mb / limit:.0%}) | "
               f"{ma * 1e3:.2f} ({gb / ma / limit:.0%}) | {mb / ma:.2f}x | {kv('before')} | "
-              f"{kv('after')} |")  # fmt: skip
+              f"{kv('after')} | {mp * 1e3:.2f} ({gb / mp / limit:.0%}) |")  # fmt: skip
     if vrows:
         print("\n## verify step of T consecutive tokens (q = 0), inputs ready: ms / bytes floor")
         print("| T | experts | floor ms | before ms | before / floor | after ms | after / floor |")
-        print("|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|")  # after: without prewake
         for T, hit, ts in vrows:
             floor = hit * per_expert / (limit * 1e9)
             mb, ma = statistics.median(ts["before"]), statistics.median(ts["after"])

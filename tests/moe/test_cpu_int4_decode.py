@@ -123,3 +123,20 @@ def test_the_kernel_writes_bf16_and_into_a_given_tensor(T):
     none = CpuExpertBackend(be.experts[:2], [0, 1], NE, kernel="native", threads=3, amx=False)
     far = torch.full_like(ids, NE - 1)
     assert torch.equal(none(x, far, w), torch.zeros(T, HID, dtype=torch.bfloat16))
+
+
+@native
+def test_prewake_changes_nothing_and_runs_beside_a_call():
+    """prewake (the engine calls it once a step's routing is known) only wakes the pool's
+    threads: results are unchanged, and it takes no lock, so it may come while another
+    thread's call runs."""
+    be, x, ids, w = _int4_case(6)
+    ref = be(x, ids, w)
+    be.prewake(5000)
+    assert torch.equal(be(x, ids, w), ref)
+    be.submit(x, ids, w)  # on the backend's worker thread
+    for _ in range(20):
+        be.prewake(100)
+    assert torch.equal(be.wait(), ref)
+    torch_be = CpuExpertBackend(be.experts, range(NE), NE, kernel="torch")
+    torch_be.prewake()  # no kernel: nothing to wake

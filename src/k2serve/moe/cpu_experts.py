@@ -112,6 +112,9 @@ AMX_MIN_TOKENS = 128
 # chunk this long costs one more read of the weights (~0.1 s per K2 layer) against seconds of
 # products
 NATIVE_CHUNK_TOKENS = 4096
+# How long the kernel's threads keep spinning after a prewake (a hybrid step's CPU part starts
+# once the GPU reached the routing: usually well within this; later, they sleep again)
+PREWAKE_USEC = 3000
 
 
 class CpuExpertBackend(ExpertBackend):
@@ -281,6 +284,13 @@ class CpuExpertBackend(ExpertBackend):
     def __call__(self, hidden, topk_ids, topk_weights) -> torch.Tensor:  # [T, hidden]
         self.submit(hidden, topk_ids, topk_weights, inline=True)
         return self.wait()
+
+    def prewake(self, usec: int = PREWAKE_USEC) -> None:
+        """A step comes soon (its routing is known, its inputs are on their way to the host):
+        wake the kernel's sleeping threads and keep them spinning for `usec`, so the step
+        starts on running threads (no-op on the torch path)."""
+        if self.impl == "native":
+            self._lib.k2_pool_prewake(self._pool._ptr, usec)
 
     # the previous two-step interface, kept for callers written against it
     def to_host(self, hidden, topk_ids, topk_weights):

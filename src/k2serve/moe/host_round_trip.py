@@ -48,6 +48,7 @@ class HostJob:
             return
         if self.event is not None:
             self.event.record()
+            self.backend.cpu_backend.prewake()  # its threads spin until finish() submits
         else:
             self.backend.cpu_backend.submit(self.x, self.ids, self.w, out=self.out)
 
@@ -71,6 +72,7 @@ class HostJob:
     def launch(self) -> None:
         """Host action between graph pieces: mark the staged inputs, queue the job."""
         self.signal.record()
+        self.backend.cpu_backend.prewake()
         self.backend.deferred.append(self)
 
     def complete(self) -> None:

@@ -199,6 +199,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.k2_pool_create.restype = p
     lib.k2_pool_destroy.argtypes = [p]
     lib.k2_pool_delay.argtypes = [p, i, i]
+    lib.k2_pool_prewake.argtypes = [p, i]
     lib.k2_layer_create.argtypes = [i, i, i, i, ctypes.POINTER(ctypes.c_int64)]
     lib.k2_layer_create.restype = p
     lib.k2_layer_destroy.argtypes = [p]

@@ -557,6 +557,12 @@ static inline void futex_wait(std::atomic<uint32_t>*, uint32_t) { std::this_thre
 static inline void futex_wake_all(std::atomic<uint32_t>*) {}
 #endif
 
+static inline int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 struct Pool {
   int nthreads = 1;
   int nnodes = 1;
@@ -569,6 +575,7 @@ struct Pool {
   std::atomic<uint32_t> closed{0};  // the last generation whose job is finished
   std::atomic<int> inside{0};       // workers inside a job (or checking whether it is closed)
   int delay_rank = -1, delay_us = 0;  // tests: this worker starts its jobs late (k2_pool_delay)
+  std::atomic<int64_t> spin_until{0};  // steady-clock ns: idle workers spin (not sleep) until then
   std::function<void(int, int)> job;
   std::atomic<bool> stop{false};
   int spin = 20000;
@@ -589,16 +596,17 @@ struct Pool {
     uint32_t seen = 0;
     for (;;) {
       uint32_t g;
-      int n = 0;
-      while ((g = gen.load(std::memory_order_acquire)) == seen && n < spin) {
-        K2_PAUSE();
-        ++n;
-      }
-      while (g == seen) {
+      for (;;) {  // spin `spin` pauses (and until spin_until: prewake), then sleep
+        int n = 0;
+        while ((g = gen.load(std::memory_order_acquire)) == seen) {
+          if (++n >= spin && (n & 255) == 0 && steady_ns() >= spin_until.load(std::memory_order_relaxed))
+            break;
+          K2_PAUSE();
+        }
+        if (g != seen) break;
         sleepers.fetch_add(1);  // seq_cst: pairs with run()'s gen increment, then load
-        futex_wait(&gen, seen);
+        futex_wait(&gen, seen);  // returns for a job, a prewake (spin again) or spuriously
         sleepers.fetch_sub(1);
-        g = gen.load(std::memory_order_acquire);
       }
       if (stop.load(std::memory_order_acquire)) return;
       seen = g;
@@ -632,6 +640,14 @@ struct Pool {
       for (int n = 0; pending.load(std::memory_order_acquire) != 0; ++n) relax(n);
     closed.store(g);  // seq_cst (see worker)
     for (int n = 0; inside.load() != 0; ++n) relax(n);
+  }
+
+  // Wake sleeping workers and keep idle ones spinning for `usec`: a step about to come (its
+  // routing known, its inputs on the way) then starts on running threads instead of waking
+  // them (a futex wake-up per thread; from a deep idle state, tens to hundreds of us).
+  void prewake(int usec) {
+    spin_until.store(steady_ns() + (int64_t)usec * 1000, std::memory_order_relaxed);
+    if (sleepers.load() > 0) futex_wake_all(&gen);
   }
 
   ~Pool() {
@@ -960,6 +976,10 @@ void* k2_pool_create(int nthreads, int nnodes, const int* node_of_thread, const 
 }
 
 void k2_pool_destroy(void* p) { delete (Pool*)p; }
+
+// Wake the pool's sleeping workers and keep them spinning for `usec` (see Pool::prewake); no
+// lock: callable while another thread's call runs.
+void k2_pool_prewake(void* p, int usec) { ((Pool*)p)->prewake(usec); }
 
 // Tests: worker `rank` (1..nthreads-1; -1: none) sleeps `usec` before each job it runs, as a
 // thread whose core is taken by another would start late. Results must not change.
