@@ -117,6 +117,21 @@ NATIVE_CHUNK_TOKENS = 4096
 PREWAKE_USEC = 3000
 
 
+class _Done:
+    """An inline submit's outcome, read by wait() as a Future's (a Future builds a condition
+    variable: microseconds per MoE layer for nothing to wait on)."""
+
+    __slots__ = ("value", "error")
+
+    def __init__(self, value, error: BaseException | None) -> None:
+        self.value, self.error = value, error
+
+    def result(self):
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
 class CpuExpertBackend(ExpertBackend):
     name = "cpu"
 
@@ -260,12 +275,11 @@ class CpuExpertBackend(ExpertBackend):
         native = self.impl == "native" and not (inline and ck.dispatch_mode_active())
         run = self._run_native if native else self._run_torch  # a recording mode sees torch ops
         if inline:
-            fut: concurrent.futures.Future = concurrent.futures.Future()
             try:
-                fut.set_result(run(x, ids, w, out))
+                done = _Done(run(x, ids, w, out), None)
             except Exception as e:  # re-raised by wait(), as from the worker thread
-                fut.set_exception(e)
-            self._pending = (fut, like)
+                done = _Done(None, e)
+            self._pending = (done, like)
             return
         self._pending = (_executor().submit(run, x, ids, w, out), like)
 
