@@ -22,6 +22,7 @@ their bytes floor (distinct experts x expert size at that bandwidth).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
 import sys
@@ -54,11 +55,12 @@ def make_backend(experts, defines, threads):
 
 
 def timed_calls(variants, steps, gap_s, torch_op):
-    """{name: [seconds]} and {name: [kernel-view profile]} over `steps`, variants alternating."""
+    """{name: [seconds]} and {name: [kernel-view profile]} over `steps`, variants alternating
+    (each variant in turn first)."""
     ts = {n: [] for n, _ in variants}
     prof = {n: [] for n, _ in variants}
     for i, (x, ids, w) in enumerate(steps):
-        order = variants if i % 2 == 0 else variants[::-1]
+        order = variants[i % len(variants) :] + variants[: i % len(variants)]
         for name, fn in order:
             if getattr(fn, "prewake", None):
                 fn.prewake()  # as the engine does once the step's routing is known
@@ -69,7 +71,11 @@ def timed_calls(variants, steps, gap_s, torch_op):
             dt = time.perf_counter() - t0
             if i:  # the first step warms up
                 ts[name].append(dt)
-                prof[name].append(ck.last_profile(fn.lib))
+                p = ck.last_profile(fn.lib)
+                wk = (ctypes.c_int * 2)()
+                fn.lib.k2_last_workers(wk)  # workers that ran the step / came late
+                p["joined"], p["late"] = wk[0], wk[1]
+                prof[name].append(p)
     return ts, prof
 
 
@@ -121,9 +127,18 @@ def main(argv=None) -> int:
         print(f"# check T={T}: after == before bit for bit: {same}")
         if not same:
             return 1
-    bw = [cm.read_bandwidth(after, args.bw_gib)]
+    bw = cm.read_bandwidth(after, args.bw_gib)
+    limit = max(bw)
+    print(f"# read bandwidth ({args.bw_gib} GiB): kernel threads {bw[0]:.1f} GB/s, torch.sum "
+          f"{bw[1]:.1f} GB/s; limit used = {limit:.1f} GB/s (again at the end)")  # fmt: skip
+    # rows are printed as they are measured (a time limit keeps what was done)
+    print(f"\n## one MoE layer, median ms per call (of read bandwidth); kernel view: median "
+          f"prologue / total ms (after: / workers that ran the step, of {threads - 1} / of "
+          f"those, late: gate/up all handed out)")  # fmt: skip
+    print("| before the call | T | experts | before ms | after ms | after vs before | "
+          "before kernel | after kernel | after + prewake ms |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     cases = [int(t) for t in args.batches.split(",") if t]
-    rows = []
     for torch_op in (False, True):
         for T in cases:
             steps = []
@@ -132,52 +147,44 @@ def main(argv=None) -> int:
                 steps.append((torch.randn(T, 7168, generator=g).bfloat16(), ids, w))
             hit = sum(s[1].unique().numel() for s in steps[1:]) / args.iters
             ts, prof = timed_calls(variants, steps, args.gap_ms / 1e3, torch_op)
-            rows.append((torch_op, T, hit, ts, prof))
-    vrows = []
-    for T in [int(t) for t in args.verify.split(",") if t]:
+            mb = statistics.median(ts["before"])
+            ma = statistics.median(ts["after"])
+            mp = statistics.median(ts["prewoken"])
+            gb = hit * per_expert / 1e9
+
+            def kv(name, prof=prof):
+                p = prof[name]
+                pro = statistics.median(q["prologue"] for q in p) * 1e3
+                tot = statistics.median(q["total"] for q in p) * 1e3
+                if name == "before":  # every worker runs a barrier step
+                    return f"{pro:.3f} / {tot:.2f}"
+                jn = statistics.median(q["joined"] for q in p)
+                lt = statistics.median(q["late"] for q in p)
+                return f"{pro:.3f} / {tot:.2f} / {jn:g} / {lt:g}"
+
+            case = "torch op" if torch_op else "inputs ready"
+            print(f"| {case} | {T} | {hit:.1f} | {mb * 1e3:.2f} ({gb / mb / limit:.0%}) | "
+                  f"{ma * 1e3:.2f} ({gb / ma / limit:.0%}) | {mb / ma:.2f}x | {kv('before')} | "
+                  f"{kv('after')} | {mp * 1e3:.2f} ({gb / mp / limit:.0%}) |")  # fmt: skip
+    verify = [int(t) for t in args.verify.split(",") if t]
+    if verify:
+        print("\n## verify step of T consecutive tokens (q = 0), inputs ready: ms / bytes floor")
+        print("| T | experts | floor ms | before ms | before / floor | after ms | after / floor |")
+        print("|---|---|---|---|---|---|---|")  # after: without prewake
+    for T in verify:
         steps = []
         for _ in range(args.iters + 1):
             ids, w = cm.consecutive_routing(T, E, k, 0.0, g)
             steps.append((torch.randn(T, 7168, generator=g).bfloat16(), ids, w))
         hit = sum(s[1].unique().numel() for s in steps[1:]) / args.iters
-        ts, _ = timed_calls(variants, steps, args.gap_ms / 1e3, False)
-        vrows.append((T, hit, ts))
-    bw.append(cm.read_bandwidth(after, args.bw_gib))
-    limit = max(max(b) for b in bw)
-    print(f"# read bandwidth ({args.bw_gib} GiB): kernel threads "
-          f"{' / '.join(f'{b[0]:.1f}' for b in bw)} GB/s, torch.sum "
-          f"{' / '.join(f'{b[1]:.1f}' for b in bw)} GB/s (before / after the timings); "
-          f"limit used = {limit:.1f} GB/s")  # fmt: skip
-    print("\n## one MoE layer, median ms per call (of read bandwidth); kernel view: median "
-          "prologue / total ms")  # fmt: skip
-    print("| before the call | T | experts | before ms | after ms | after vs before | "
-          "before kernel | after kernel | after + prewake ms |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
-    for torch_op, T, hit, ts, prof in rows:
-        mb = statistics.median(ts["before"])
-        ma = statistics.median(ts["after"])
-        mp = statistics.median(ts["prewoken"])
-        gb = hit * per_expert / 1e9
-
-        def kv(name, prof=prof):
-            p = prof[name]
-            pro = statistics.median(q["prologue"] for q in p) * 1e3
-            tot = statistics.median(q["total"] for q in p) * 1e3
-            return f"{pro:.3f} / {tot:.2f}"
-
-        case = "torch op" if torch_op else "inputs ready"
-        print(f"| {case} | {T} | {hit:.1f} | {mb * 1e3:.2f} ({gb / mb / limit:.0%}) | "
-              f"{ma * 1e3:.2f} ({gb / ma / limit:.0%}) | {mb / ma:.2f}x | {kv('before')} | "
-              f"{kv('after')} | {mp * 1e3:.2f} ({gb / mp / limit:.0%}) |")  # fmt: skip
-    if vrows:
-        print("\n## verify step of T consecutive tokens (q = 0), inputs ready: ms / bytes floor")
-        print("| T | experts | floor ms | before ms | before / floor | after ms | after / floor |")
-        print("|---|---|---|---|---|---|---|")  # after: without prewake
-        for T, hit, ts in vrows:
-            floor = hit * per_expert / (limit * 1e9)
-            mb, ma = statistics.median(ts["before"]), statistics.median(ts["after"])
-            print(f"| {T} | {hit:.1f} | {floor * 1e3:.2f} | {mb * 1e3:.2f} | {mb / floor:.2f} | "
-                  f"{ma * 1e3:.2f} | {ma / floor:.2f} |")  # fmt: skip
+        ts, _ = timed_calls(variants[:2], steps, args.gap_ms / 1e3, False)
+        floor = hit * per_expert / (limit * 1e9)
+        mb, ma = statistics.median(ts["before"]), statistics.median(ts["after"])
+        print(f"| {T} | {hit:.1f} | {floor * 1e3:.2f} | {mb * 1e3:.2f} | {mb / floor:.2f} | "
+              f"{ma * 1e3:.2f} | {ma / floor:.2f} |")  # fmt: skip
+    bw2 = cm.read_bandwidth(after, args.bw_gib)
+    print(f"\n# read bandwidth again: kernel threads {bw2[0]:.1f} GB/s, torch.sum {bw2[1]:.1f} "
+          f"GB/s (the % above use {limit:.1f})")  # fmt: skip
     return 0
 
 

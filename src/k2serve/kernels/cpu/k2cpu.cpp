@@ -670,6 +670,7 @@ struct Layer {
 // Seconds spent in the last call's parts, on the calling thread (k2_last_profile).
 struct Profile {
   double bucket = 0, wake = 0, prologue = 0, gate_up = 0, down = 0, total = 0;
+  int joined = 0, late = 0;  // decode step: workers that ran it / found gate/up handed out
 };
 static Profile g_profile;  // NOTE: written by the one call in flight (calls are serialized)
 static inline double now_s() {
@@ -862,11 +863,13 @@ static void forward_impl(Layer* L, Pool* P, Scratch& sc, float* out, uint16_t* o
   const double t_run = now_s();
   double t_in = 0, t_pro = 0, t_gu = 0;
   AllBarrier bar;  // K2_SYNC_BARRIERS only
+  std::atomic<int> joined{0}, late{0};
   P->run(
       [&](int node, int rank) {
         Pool::NodeSync& s = P->sync[node];
         const bool caller = node == 0 && rank == 0;
         if (caller) t_in = now_s();
+        if (!caller) joined.fetch_add(1, std::memory_order_relaxed);
         prologue();  // activations in the kernel's layout, output zeroed
         if (K2_SYNC_BARRIERS) bar.wait(P->nthreads);
         if (caller) t_pro = now_s();
@@ -875,9 +878,12 @@ static void forward_impl(Layer* L, Pool* P, Scratch& sc, float* out, uint16_t* o
         node_range(P, node, I, 32, r0, r1);
         const int nb = (r1 - r0 + RB1 - 1) / RB1;
         const int64_t items1 = (int64_t)A * nb;
-        for (;;) {
+        for (bool first = true;; first = false) {
           int64_t it = s.next.fetch_add(1, std::memory_order_relaxed);
-          if (it >= items1) break;
+          if (it >= items1) {
+            if (first && !caller) late.fetch_add(1, std::memory_order_relaxed);
+            break;
+          }
           const int a = it / nb, e = sc.active[a];
           int i0 = r0 + (int)(it % nb) * RB1, i1 = std::min(r1, i0 + RB1);
           int p0 = sc.expert_start[e], p1 = sc.expert_start[e + 1];
@@ -900,6 +906,8 @@ static void forward_impl(Layer* L, Pool* P, Scratch& sc, float* out, uint16_t* o
       },
       /*elastic=*/!K2_SYNC_BARRIERS);
   const double t_end = now_s();
+  g_profile.joined = joined.load();
+  g_profile.late = late.load();
   g_profile.wake = t_in - t_run;
   g_profile.prologue = t_pro - t_in;
   g_profile.gate_up = t_gu - t_pro;
@@ -1199,6 +1207,13 @@ void k2_last_profile(double* out6) {
   const Profile& p = g_profile;
   double v[6] = {p.bucket, p.wake, p.prologue, p.gate_up, p.down, p.total};
   memcpy(out6, v, sizeof(v));
+}
+
+// The last decode step's workers (the calling thread not counted): out[0] ran it, out[1] of
+// those found every gate/up item handed out (woke late); the rest never came (elastic step).
+void k2_last_workers(int* out2) {
+  out2[0] = g_profile.joined;
+  out2[1] = g_profile.late;
 }
 
 // Read nbytes at p with the pool's threads (each node reads its share), summing 32-bit words as
