@@ -1120,13 +1120,17 @@ int k2_moe_forward(void* layer, void* pool, int T, int k, const void* x, int x_d
   float* out = out_bf16 ? sc.acc.data() : (float*)out_arg;
   std::atomic<int> next{0}, done{0};
   // every thread of the call runs it: tokens from a counter; returns when all T are ready
+  // items: (token, 1024 columns): a one-token step's prologue is spread over 7 threads at K2's
+  // hidden size instead of one (the others waited for it)
+  const int PC = 1024, nch = (H + PC - 1) / PC, items0 = T * nch;
   auto prologue = [&]() {
     for (;;) {
-      int t = next.fetch_add(1);
-      if (t >= T) break;
-      memset(out + (int64_t)t * H, 0, sizeof(float) * H);
+      const int it = next.fetch_add(1);
+      if (it >= items0) break;
+      const int t = it / nch, c0 = (it % nch) * PC, c1 = std::min(H, c0 + PC);
+      memset(out + (int64_t)t * H + c0, 0, sizeof(float) * (c1 - c0));
       float row[32];
-      for (int c = 0; c < H; c += 32) {
+      for (int c = c0; c < c1; c += 32) {
         if (x_dtype == X_BF16) {
           const uint16_t* src = (const uint16_t*)x + (int64_t)t * H + c;
           if (kfmt == FMT_I4BF) {
@@ -1152,7 +1156,7 @@ int k2_moe_forward(void* layer, void* pool, int T, int k, const void* x, int x_d
       }
       done.fetch_add(1, std::memory_order_release);
     }
-    for (int n = 0; done.load(std::memory_order_acquire) < T; ++n) relax(n);
+    for (int n = 0; done.load(std::memory_order_acquire) < items0; ++n) relax(n);
   };
   if (Pn == 0) {  // no pair on these experts: zeros
     memset(out_arg, 0, (out_bf16 ? 2 : 4) * (size_t)T * H);
