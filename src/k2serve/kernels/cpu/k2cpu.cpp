@@ -21,16 +21,18 @@
 //
 // One call (k2_moe_forward):
 //   0. pairs (token, local expert, weight) are bucketed by expert (counting sort);
-//   1. x -> float32 (permuted for INT4), threads split over tokens;
+//   1. x -> the activation layout, threads split over (token, 1024 columns);
 //   2. gate+up: work items (expert, block of intermediate rows); the same thread computes the
 //      gate and up rows for all tokens routed to that expert (each weight row unpacked once
 //      per group of <= 8 tokens), writes h = silu(g) * u in the layout down_proj reads;
-//   3. down: work items = blocks of output rows; each item loops over the active experts and
-//      accumulates weight * (down_e @ h) into its own rows (no atomics);
+//   3. down: work items = blocks of output rows; each item loops over the active experts in
+//      order (waiting, per expert, for that expert's gate/up items: no barrier) and accumulates
+//      weight * (down_e @ h) into its own rows (no atomics); the result is written in the
+//      caller's dtype (float32, or bf16 rounded per finished row block);
 //   4. with several NUMA nodes, node n's threads compute its share of every expert's gate/up
-//      rows (intermediate dim split) and, after one barrier over all threads, its share of the
-//      output rows of down_proj (hidden dim split); those row ranges are moved to node n's
-//      memory at load (k2_layer_bind, mbind). Each row is computed exactly as on one node, so
+//      rows (intermediate dim split) and then its share of the output rows of down_proj
+//      (hidden dim split; an expert's down waits for its gate/up rows of every node); those
+//      row ranges are moved to node n's memory at load (k2_layer_bind, mbind). Each row is computed exactly as on one node, so
 //      the result is bit-identical to a one-node run; no partial sums to add.
 // Prompt-sized steps with bf16 activations take the AMX tile path instead (k2amx.h, included
 // below; k2_layer_set_tiles turns it on per layer where the CPU and the build have AMX).
@@ -65,6 +67,9 @@ static inline void relax(int n) {
     std::this_thread::yield();
 }
 
+// The decode step is elastic (Pool::run): a pool thread that does not get a core in time skips
+// the step or joins it midway; no phase waits for a given thread.
+//
 // Every helper that takes or returns a 16-float vector is inlined: without AVX-512 such values
 // would otherwise cross calls through memory (the AVX2 build ran 30x slower).
 #define K2_INLINE inline __attribute__((always_inline))
@@ -829,7 +834,7 @@ static void rows_to_bf16(const float* acc, uint16_t* dst, int T, int H, int o0, 
 
 // An elastic pool job (Pool::run): no phase waits for a thread, only for work done, so a
 // thread that starts late (its core busy elsewhere) joins where the work is or finds none.
-//   prologue: returns once every token's activations are in place (counted per token);
+//   prologue: returns once every token's activations are in place (counted per item);
 //   phase 1: (expert, block of gate/up rows) items in expert order; each done item counts
 //     for its expert in sc.ready;
 //   phase 2: blocks of output rows; a block takes the active experts in a fixed order (the
