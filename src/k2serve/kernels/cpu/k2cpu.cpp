@@ -34,6 +34,9 @@
 //      (hidden dim split; an expert's down waits for its gate/up rows of every node); those
 //      row ranges are moved to node n's memory at load (k2_layer_bind, mbind). Each row is computed exactly as on one node, so
 //      the result is bit-identical to a one-node run; no partial sums to add.
+// The decode step is elastic (Pool::run): a pool thread that does not get a core in time (torch's
+// OpenMP threads spinning after their last op, another process) skips the step or joins it
+// midway; no phase waits for a given thread, and every sum keeps its order.
 // Prompt-sized steps with bf16 activations take the AMX tile path instead (k2amx.h, included
 // below; k2_layer_set_tiles turns it on per layer where the CPU and the build have AMX).
 #include <errno.h>
@@ -67,9 +70,6 @@ static inline void relax(int n) {
     std::this_thread::yield();
 }
 
-// The decode step is elastic (Pool::run): a pool thread that does not get a core in time skips
-// the step or joins it midway; no phase waits for a given thread.
-//
 // Every helper that takes or returns a 16-float vector is inlined: without AVX-512 such values
 // would otherwise cross calls through memory (the AVX2 build ran 30x slower).
 #define K2_INLINE inline __attribute__((always_inline))
