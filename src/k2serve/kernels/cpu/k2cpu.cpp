@@ -32,8 +32,9 @@
 //   4. with several NUMA nodes, node n's threads compute its share of every expert's gate/up
 //      rows (intermediate dim split) and then its share of the output rows of down_proj
 //      (hidden dim split; an expert's down waits for its gate/up rows of every node); those
-//      row ranges are moved to node n's memory at load (k2_layer_bind, mbind). Each row is computed exactly as on one node, so
-//      the result is bit-identical to a one-node run; no partial sums to add.
+//      row ranges are moved to node n's memory at load (k2_layer_bind, mbind). Each row is
+//      computed exactly as on one node, so the result is bit-identical to a one-node run; no
+//      partial sums to add.
 // The decode step is elastic (Pool::run): a pool thread that does not get a core in time (torch's
 // OpenMP threads spinning after their last op, another process) skips the step or joins it
 // midway; no phase waits for a given thread, and every sum keeps its order.
