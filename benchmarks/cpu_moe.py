@@ -120,9 +120,13 @@ def spec_verify(be, E, k, per_expert, bw, g, iters, overlaps, threads) -> None:
         base_t = base_n = None
         for T in range(1, 7):
             ts, hits = [], []
-            for i in range(iters + 1):
+            steps = []  # inputs made before the timed calls (see time_backend)
+            for _ in range(iters + 1):
                 ids, w = consecutive_routing(T, E, k, q, g)
-                x = torch.randn(T, HIDDEN, generator=g).bfloat16()
+                steps.append((torch.randn(T, HIDDEN, generator=g).bfloat16(), ids, w))
+            for i, (x, ids, w) in enumerate(steps):
+                if TORCH_OP_BEFORE[0]:
+                    x = x.mul(1.0)
                 t0 = time.perf_counter()
                 be(x, ids, w)
                 if i:  # the first call warms up
@@ -153,11 +157,21 @@ def read_bandwidth(backend: CpuExpertBackend, gib: float, reps: int = 5) -> tupl
 
 
 def time_backend(fn, T, E, k, g, iters, warmup=1):
+    """Median seconds per call and mean distinct experts hit, fresh routing per call. The inputs
+    are made before the timed calls: a torch op on [T, hidden] runs on torch's OpenMP threads
+    when T * hidden >= 32768 (T >= 5 at K2's hidden), and they spin for ms afterwards on the
+    cores the kernel's threads need (in a hybrid step the kernel follows copies from the GPU,
+    no such op); TORCH_OP_BEFORE[0] = True puts one back before each call (a CPU-only model's
+    preceding ops)."""
+    steps = []
+    for _ in range(warmup + iters):
+        ids, w = routing(T, E, k, g)
+        steps.append((torch.randn(T, HIDDEN, generator=g).bfloat16(), ids, w))
     ts = []
     hits = []
-    for i in range(warmup + iters):
-        ids, w = routing(T, E, k, g)
-        x = torch.randn(T, HIDDEN, generator=g).bfloat16()
+    for i, (x, ids, w) in enumerate(steps):
+        if TORCH_OP_BEFORE[0]:
+            x = x.mul(1.0)  # [T, hidden] on torch's threads, as a model's op before the layer
         t0 = time.perf_counter()
         fn(x, ids, w)
         dt = time.perf_counter() - t0
@@ -166,6 +180,20 @@ def time_backend(fn, T, E, k, g, iters, warmup=1):
             hits.append(ids.unique().numel())
     ts.sort()
     return ts[len(ts) // 2], sum(hits) / len(hits)  # median time, mean distinct experts hit
+
+
+TORCH_OP_BEFORE = [False]  # --torch-op-before
+
+
+def legacy_call(be):
+    """The backend's output path before the kernel wrote bf16 (--legacy-out): float32 sums,
+    then torch's conversion to bf16 (on its OpenMP threads from T * hidden >= 32768)."""
+
+    def call(x, ids, w):
+        out = torch.empty(x.shape[0], be.hidden_size)
+        return be._run_native(x, ids, w, out).to(torch.bfloat16)
+
+    return call
 
 
 def matmul_limit(experts, pairs_per_expert: int, threads: int, reps: int = 3) -> dict:
@@ -245,12 +273,25 @@ def main(argv=None) -> int:
         "these overlaps q of consecutive tokens' experts (comma list, e.g. 0,0.5)",
     )
     ap.add_argument(
+        "--torch-op-before",
+        action="store_true",
+        help="a torch op on the step's [T, hidden] activations right before each timed call "
+        "(its OpenMP threads then spin beside the kernel's; a CPU-only model's case)",
+    )
+    ap.add_argument(
+        "--legacy-out",
+        action="store_true",
+        help="the previous output path: float32 from the kernel, torch converts to bf16 "
+        "(with --define K2_SYNC_BARRIERS=1: the previous decode step, for before/after runs)",
+    )
+    ap.add_argument(
         "--define",
         action="append",
         default=[],
         help="NAME=VALUE: a kernel build macro (variants, e.g. K2_AMX_KB=16)",
     )
     args = ap.parse_args(argv)
+    TORCH_OP_BEFORE[0] = args.torch_op_before
     if args.define:  # a different build: rebuilt into its own cache entry
         ck.CXX_FLAGS = ck.CXX_FLAGS + tuple(f"-D{d}" for d in args.define)
     HIDDEN = args.hidden
@@ -341,9 +382,13 @@ def main(argv=None) -> int:
            f"{'KT ms':>8} {'x KT':>6} {tps:>10}")  # fmt: skip
     print(hdr)
     profiles = []
+    timed = legacy_call(native) if args.legacy_out else native
+    out_path = "float32 out + torch conversion (--legacy-out)" if args.legacy_out else "bf16 out"
+    before = "a torch op on [T, hidden]" if args.torch_op_before else "nothing on torch's threads"
+    print(f"# timed: {out_path}; before each call: {before}")
     for T in cases:
         iters = args.iters if T <= 64 else max(2, args.iters // 5)
-        t_new, hit = time_backend(native, T, E, k, g, iters)
+        t_new, hit = time_backend(timed, T, E, k, g, iters)
         read = hit * per_expert
         gbs = read / t_new / 1e9
         prof = ck.last_profile(native._lib)  # the last timed call's parts

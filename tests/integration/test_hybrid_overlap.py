@@ -77,7 +77,7 @@ def test_layerwise_prefill_streams_the_cpu_experts_and_keeps_the_logits(n_gpu):
     cpu = model.model.layers[1].mlp.expert_backend.cpu_backend
     calls = []
     submit = cpu.submit
-    cpu.submit = lambda *a: (calls.append(a[0].shape[0]), submit(*a))[1]
+    cpu.submit = lambda *a, **k: (calls.append(a[0].shape[0]), submit(*a, **k))[1]
     runs = []
     run = lw.run
     lw.run = lambda i, x, *a: (runs.append((i, x.shape[0])), run(i, x, *a))[1]

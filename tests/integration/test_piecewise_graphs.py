@@ -116,7 +116,7 @@ def test_piecewise_graph_replay_equals_the_eager_model(n_gpu):
         cpu = graphed.model.layers[1].mlp.expert_backend.cpu_backend
         calls = []
         submit = cpu.submit
-        cpu.submit = lambda *a: (calls.append(a[0].shape[0]), submit(*a))[1]
+        cpu.submit = lambda *a, **k: (calls.append(a[0].shape[0]), submit(*a, **k))[1]
     lens = [3, 6, 9]
     ids = torch.randint(0, 500, (3,))
     for _ in range(5):

@@ -112,6 +112,24 @@ AMX_MIN_TOKENS = 128
 # chunk this long costs one more read of the weights (~0.1 s per K2 layer) against seconds of
 # products
 NATIVE_CHUNK_TOKENS = 4096
+# How long the kernel's threads keep spinning after a prewake (a hybrid step's CPU part starts
+# once the GPU reached the routing: usually well within this; later, they sleep again)
+PREWAKE_USEC = 3000
+
+
+class _Done:
+    """An inline submit's outcome, read by wait() as a Future's (a Future builds a condition
+    variable: microseconds per MoE layer for nothing to wait on)."""
+
+    __slots__ = ("value", "error")
+
+    def __init__(self, value, error: BaseException | None) -> None:
+        self.value, self.error = value, error
+
+    def result(self):
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
 class CpuExpertBackend(ExpertBackend):
@@ -233,9 +251,14 @@ class CpuExpertBackend(ExpertBackend):
             self._lib.k2_layer_destroy(layer)
 
     # ------------------------------------------------------------------ interface
-    def submit(self, hidden, topk_ids, topk_weights, *, inline: bool = False) -> None:
+    def submit(self, hidden, topk_ids, topk_weights, *, inline: bool = False, out=None) -> None:
         """Start the CPU experts for this step (see the module docstring); `inline`: compute
-        now on this thread (what `__call__` does), so wait() only returns the result."""
+        now on this thread (what `__call__` does), so wait() only returns the result. `out`:
+        a host tensor [T, hidden] for the result, which wait() then returns (when it has
+        hidden's dtype and device, else converted as any result); the native kernel writes
+        it directly when it is contiguous bf16 / float32, so no conversion or copy runs after
+        the kernel on torch's OpenMP threads, whose spinning afterwards would take the cores
+        from the next layer's kernel call."""
         if self._pending is not None:
             raise RuntimeError("CpuExpertBackend.submit: the previous submit was not waited on")
         T = hidden.shape[0]
@@ -252,29 +275,36 @@ class CpuExpertBackend(ExpertBackend):
         native = self.impl == "native" and not (inline and ck.dispatch_mode_active())
         run = self._run_native if native else self._run_torch  # a recording mode sees torch ops
         if inline:
-            fut: concurrent.futures.Future = concurrent.futures.Future()
             try:
-                fut.set_result(run(x, ids, w))
+                done = _Done(run(x, ids, w, out), None)
             except Exception as e:  # re-raised by wait(), as from the worker thread
-                fut.set_exception(e)
-            self._pending = (fut, like)
+                done = _Done(None, e)
+            self._pending = (done, like)
             return
-        self._pending = (_executor().submit(run, x, ids, w), like)
+        self._pending = (_executor().submit(run, x, ids, w, out), like)
 
     def wait(self) -> torch.Tensor:  # [T, hidden]
-        """The result of the last submit (see the module docstring)."""
+        """The result of the last submit (see the module docstring): submit's `out` when it
+        was given, else a new tensor."""
         if self._pending is None:
             raise RuntimeError("CpuExpertBackend.wait: nothing was submitted")
         fut, (dtype, device, T, H) = self._pending
         self._pending = None
         if fut is None:
             return torch.zeros(T, H, dtype=dtype, device=device)
-        out = fut.result()  # [T, hidden] float32 on the CPU; re-raises the worker's error
-        return out.to(device=device, dtype=dtype, non_blocking=False)
+        out = fut.result()  # [T, hidden] on the CPU; re-raises the worker's error
+        return out.to(device=device, dtype=dtype, non_blocking=False)  # no-op when they match
 
     def __call__(self, hidden, topk_ids, topk_weights) -> torch.Tensor:  # [T, hidden]
         self.submit(hidden, topk_ids, topk_weights, inline=True)
         return self.wait()
+
+    def prewake(self, usec: int = PREWAKE_USEC) -> None:
+        """A step comes soon (its routing is known, its inputs are on their way to the host):
+        wake the kernel's sleeping threads and keep them spinning for `usec`, so the step
+        starts on running threads (no-op on the torch path)."""
+        if self.impl == "native":
+            self._lib.k2_pool_prewake(self._pool._ptr, usec)
 
     # the previous two-step interface, kept for callers written against it
     def to_host(self, hidden, topk_ids, topk_weights):
@@ -294,29 +324,48 @@ class CpuExpertBackend(ExpertBackend):
                 f"max {int(ids.max())}): the router's input was probably not finite"
             )
 
-    def _run_native(self, x, ids, w) -> torch.Tensor:
+    def _run_native(self, x, ids, w, out=None) -> torch.Tensor:
+        """x [T, hidden] bf16 / float32, ids [T, k] int64, w [T, k] float32, all contiguous;
+        the result in `out` when it is a contiguous host [T, hidden] bf16 / float32 tensor,
+        else in a new tensor of x's dtype (the kernel rounds its float32 sums to bf16)."""
         T, k = ids.shape
+        H = self.hidden_size
         if self._pool.pid != os.getpid():  # a forked child: the parent's threads are not here
             self._pool = ck.shared_pool(*self._pool_key, os.getpid())
-        out = torch.empty(T, self.hidden_size, dtype=torch.float32)
+        dst = out
+        direct = (
+            out is not None
+            and out.device.type == "cpu"
+            and out.dtype in (torch.bfloat16, torch.float32)
+            and out.shape == (T, H)
+            and out.is_contiguous()
+        )
+        if not direct:
+            dst = torch.empty(T, H, dtype=x.dtype)  # [T, hidden]
         xcode = ck.X_BF16 if x.dtype == torch.bfloat16 else ck.X_F32
+        ocode = ck.X_BF16 if dst.dtype == torch.bfloat16 else ck.X_F32
+        xp, ip, wp, op = x.data_ptr(), ids.data_ptr(), w.data_ptr(), dst.data_ptr()
+        xb, ob = H * x.element_size(), H * dst.element_size()  # bytes per token
         for t0 in range(0, T, NATIVE_CHUNK_TOKENS):  # tokens are independent
             n = min(NATIVE_CHUNK_TOKENS, T - t0)
             rc = self._lib.k2_moe_forward(
-                self._layer, self._pool._ptr, n, k, x[t0].data_ptr(), xcode, ids[t0].data_ptr(),
-                w[t0].data_ptr(), self._local_of32.data_ptr(), self.num_experts,
-                out[t0].data_ptr(), None,
+                self._layer, self._pool._ptr, n, k, xp + t0 * xb, xcode, ip + t0 * k * 8,
+                wp + t0 * k * 4, self._local_of32.data_ptr(), self.num_experts, op + t0 * ob,
+                ocode,
             )  # fmt: skip
             if rc != 0:
                 self._check_ids(ids)
                 raise RuntimeError(f"CPU expert kernel failed (code {rc})")
-        return out
+        if out is not None and not direct:
+            out.copy_(dst)
+            return out
+        return dst
 
-    def _run_torch(self, x, ids, w) -> torch.Tensor:
+    def _run_torch(self, x, ids, w, out=None) -> torch.Tensor:
         self._check_ids(ids)
         T, k = ids.shape
         x = x.to(self.compute_dtype)
-        out = torch.zeros(T, x.shape[1], dtype=torch.float32)  # [T, hidden]
+        acc = torch.zeros(T, x.shape[1], dtype=torch.float32)  # [T, hidden]
         local = self.local_of[ids].reshape(-1)  # [T * k], -1 = not a CPU expert
         for le in local[local >= 0].unique().tolist():
             sel = (local == le).nonzero()[:, 0]  # pair indices routed to this expert
@@ -325,8 +374,11 @@ class CpuExpertBackend(ExpertBackend):
             xe = x[tok]  # [m, hidden]
             h = F.silu(expert.gate_proj(xe)) * expert.up_proj(xe)  # [m, inter]
             y = expert.down_proj(h).to(torch.float32) * w.reshape(-1)[sel, None]  # [m, hidden]
-            out.index_add_(0, tok, y)
-        return out
+            acc.index_add_(0, tok, y)
+        if out is not None:
+            out.copy_(acc)
+            return out
+        return acc
 
 
 class HybridExpertBackend(ExpertBackend):

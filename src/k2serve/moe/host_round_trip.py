@@ -48,8 +48,9 @@ class HostJob:
             return
         if self.event is not None:
             self.event.record()
+            self.backend.cpu_backend.prewake()  # its threads spin until finish() submits
         else:
-            self.backend.cpu_backend.submit(self.x, self.ids, self.w)
+            self.backend.cpu_backend.submit(self.x, self.ids, self.w, out=self.out)
 
     def finish(self) -> None:
         if self.backend.dry_run:  # a warm-up pass: the CPU part contributes zeros
@@ -58,13 +59,20 @@ class HostJob:
         cpu = self.backend.cpu_backend
         if self.event is not None:
             self.event.synchronize()  # the staged inputs are in host memory
-            cpu.submit(self.x, self.ids, self.w, inline=True)  # this thread waits anyway
-        self.out.copy_(cpu.wait())
+            cpu.submit(self.x, self.ids, self.w, inline=True, out=self.out)  # waits anyway
+        self._take(cpu.wait())
+
+    def _take(self, res: torch.Tensor) -> None:
+        """The CPU part's result into `out` (the kernel wrote it there already when it could:
+        no copy on torch's threads)."""
+        if res.data_ptr() != self.out.data_ptr():
+            self.out.copy_(res)
 
     # ------------------------------------------------------------------ device wait
     def launch(self) -> None:
         """Host action between graph pieces: mark the staged inputs, queue the job."""
         self.signal.record()
+        self.backend.cpu_backend.prewake()
         self.backend.deferred.append(self)
 
     def complete(self) -> None:
@@ -77,8 +85,8 @@ class HostJob:
                 self.out.zero_()
             else:
                 cpu = self.backend.cpu_backend
-                cpu.submit(self.x, self.ids, self.w, inline=True)
-                self.out.copy_(cpu.wait())
+                cpu.submit(self.x, self.ids, self.w, inline=True, out=self.out)
+                self._take(cpu.wait())
         finally:
             sig.release()
 

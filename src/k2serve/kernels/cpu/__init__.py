@@ -201,6 +201,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.k2_pool_create.argtypes = [i, i, ip, ip, ip, i, i]
     lib.k2_pool_create.restype = p
     lib.k2_pool_destroy.argtypes = [p]
+    lib.k2_pool_delay.argtypes = [p, i, i]
+    lib.k2_pool_prewake.argtypes = [p, i]
     lib.k2_layer_create.argtypes = [i, i, i, i, ctypes.POINTER(ctypes.c_int64)]
     lib.k2_layer_create.restype = p
     lib.k2_layer_destroy.argtypes = [p]
@@ -209,7 +211,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.k2_amx_available.restype = i
     lib.k2_layer_bind.argtypes = [p, p, ip]
     lib.k2_layer_bind.restype = i
-    lib.k2_moe_forward.argtypes = [p, p, i, i, p, i, p, p, p, i, p, p]
+    lib.k2_moe_forward.argtypes = [p, p, i, i, p, i, p, p, p, i, p, i]
     lib.k2_moe_forward.restype = i
     lib.k2_simd_width.restype = i
     lib.k2_stream_read.argtypes = [p, p, ctypes.c_int64]

@@ -21,17 +21,23 @@
 //
 // One call (k2_moe_forward):
 //   0. pairs (token, local expert, weight) are bucketed by expert (counting sort);
-//   1. x -> float32 (permuted for INT4), threads split over tokens;
+//   1. x -> the activation layout, threads split over (token, 1024 columns);
 //   2. gate+up: work items (expert, block of intermediate rows); the same thread computes the
 //      gate and up rows for all tokens routed to that expert (each weight row unpacked once
 //      per group of <= 8 tokens), writes h = silu(g) * u in the layout down_proj reads;
-//   3. down: work items = blocks of output rows; each item loops over the active experts and
-//      accumulates weight * (down_e @ h) into its own rows (no atomics);
+//   3. down: work items = blocks of output rows; each item loops over the active experts in
+//      order (waiting, per expert, for that expert's gate/up items: no barrier) and accumulates
+//      weight * (down_e @ h) into its own rows (no atomics); the result is written in the
+//      caller's dtype (float32, or bf16 rounded per finished row block);
 //   4. with several NUMA nodes, node n's threads compute its share of every expert's gate/up
-//      rows (intermediate dim split) and, after one barrier over all threads, its share of the
-//      output rows of down_proj (hidden dim split); those row ranges are moved to node n's
-//      memory at load (k2_layer_bind, mbind). Each row is computed exactly as on one node, so
-//      the result is bit-identical to a one-node run; no partial sums to add.
+//      rows (intermediate dim split) and then its share of the output rows of down_proj
+//      (hidden dim split; an expert's down waits for its gate/up rows of every node); those
+//      row ranges are moved to node n's memory at load (k2_layer_bind, mbind). Each row is
+//      computed exactly as on one node, so the result is bit-identical to a one-node run; no
+//      partial sums to add.
+// The decode step is elastic (Pool::run): a pool thread that does not get a core in time (torch's
+// OpenMP threads spinning after their last op, another process) skips the step or joins it
+// midway; no phase waits for a given thread, and every sum keeps its order.
 // Prompt-sized steps with bf16 activations take the AMX tile path instead (k2amx.h, included
 // below; k2_layer_set_tiles turns it on per layer where the CPU and the build have AMX).
 // The absorbed MLA decode over the paged latent cache is in k2mla.h (k2_mla_decode).
@@ -46,6 +52,7 @@
 #include <atomic>
 #include <cmath>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -106,6 +113,9 @@ enum { FMT_I4BF = 4, FMT_BFBF = 5 };
 #define K2_HAS_I4BF 0
 #endif
 enum { X_F32 = 0, X_BF16 = 1 };
+#ifndef K2_SYNC_BARRIERS  // 1: the previous decode-path sync (before/after measurements): every
+#define K2_SYNC_BARRIERS 0  // thread waits at a barrier after the prologue and after gate/up
+#endif
 #ifndef K2_I4BF_LEGACY  // 1: the previous INT4 x bf16 decode loop (before/after measurements)
 #define K2_I4BF_LEGACY 0
 #endif
@@ -554,6 +564,12 @@ static inline void futex_wait(std::atomic<uint32_t>*, uint32_t) { std::this_thre
 static inline void futex_wake_all(std::atomic<uint32_t>*) {}
 #endif
 
+static inline int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 struct Pool {
   int nthreads = 1;
   int nnodes = 1;
@@ -563,6 +579,10 @@ struct Pool {
   std::atomic<uint32_t> gen{0};
   std::atomic<int> sleepers{0};
   std::atomic<int> pending{0};
+  std::atomic<uint32_t> closed{0};  // the last generation whose job is finished
+  std::atomic<int> inside{0};       // workers inside a job (or checking whether it is closed)
+  int delay_rank = -1, delay_us = 0;  // tests: this worker starts its jobs late (k2_pool_delay)
+  std::atomic<int64_t> spin_until{0};  // steady-clock ns: idle workers spin (not sleep) until then
   std::function<void(int, int)> job;
   std::atomic<bool> stop{false};
   int spin = 20000;
@@ -583,31 +603,58 @@ struct Pool {
     uint32_t seen = 0;
     for (;;) {
       uint32_t g;
-      int n = 0;
-      while ((g = gen.load(std::memory_order_acquire)) == seen && n < spin) {
-        K2_PAUSE();
-        ++n;
-      }
-      while (g == seen) {
+      for (;;) {  // spin `spin` pauses (and until spin_until: prewake), then sleep
+        int n = 0;
+        while ((g = gen.load(std::memory_order_acquire)) == seen) {
+          if (++n >= spin && (n & 255) == 0 && steady_ns() >= spin_until.load(std::memory_order_relaxed))
+            break;
+          K2_PAUSE();
+        }
+        if (g != seen) break;
         sleepers.fetch_add(1);  // seq_cst: pairs with run()'s gen increment, then load
-        futex_wait(&gen, seen);
+        futex_wait(&gen, seen);  // returns for a job, a prewake (spin again) or spuriously
         sleepers.fetch_sub(1);
-        g = gen.load(std::memory_order_acquire);
       }
       if (stop.load(std::memory_order_acquire)) return;
       seen = g;
+      // a worker that wakes after its job was closed (an elastic job finished without it)
+      // must not touch that job: `job` may already be the next one's
+      inside.fetch_add(1);  // seq_cst: pairs with run()'s store of `closed`, then load
+      if ((int32_t)(closed.load() - g) >= 0) {
+        inside.fetch_sub(1);
+        continue;
+      }
+      if (delay_rank == tid) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
       job(node_of[tid], rank_of[tid]);
       pending.fetch_sub(1, std::memory_order_acq_rel);
+      inside.fetch_sub(1, std::memory_order_release);
     }
   }
 
-  void run(std::function<void(int, int)> fn) {
+  // Run fn(node, rank) on every thread; the caller is rank 0 of node 0. `elastic`: fn takes its
+  // work from shared counters and never waits for a given thread (its phases wait for work
+  // done, not for threads arrived), so the call returns once the caller's fn returned and the
+  // workers inside fn left it: a worker that did not get a core in time (torch's OpenMP
+  // threads still spinning after its last parallel op, another process) skips the job instead
+  // of holding up the step. Otherwise every worker runs fn before run() returns.
+  void run(std::function<void(int, int)> fn, bool elastic = false) {
     job = std::move(fn);
     pending.store(nthreads - 1, std::memory_order_release);
-    gen.fetch_add(1);
+    const uint32_t g = gen.fetch_add(1) + 1;
     if (sleepers.load() > 0) futex_wake_all(&gen);
     job(node_of[0], rank_of[0]);
-    for (int n = 0; pending.load(std::memory_order_acquire) != 0; ++n) relax(n);
+    if (!elastic)
+      for (int n = 0; pending.load(std::memory_order_acquire) != 0; ++n) relax(n);
+    closed.store(g);  // seq_cst (see worker)
+    for (int n = 0; inside.load() != 0; ++n) relax(n);
+  }
+
+  // Wake sleeping workers and keep idle ones spinning for `usec`: a step about to come (its
+  // routing known, its inputs on the way) then starts on running threads instead of waking
+  // them (a futex wake-up per thread; from a deep idle state, tens to hundreds of us).
+  void prewake(int usec) {
+    spin_until.store(steady_ns() + (int64_t)usec * 1000, std::memory_order_relaxed);
+    if (sleepers.load() > 0) futex_wake_all(&gen);
   }
 
   ~Pool() {
@@ -630,6 +677,7 @@ struct Layer {
 // Seconds spent in the last call's parts, on the calling thread (k2_last_profile).
 struct Profile {
   double bucket = 0, wake = 0, prologue = 0, gate_up = 0, down = 0, total = 0;
+  int joined = 0, late = 0;  // decode step: workers that ran it / found gate/up handed out
 };
 static Profile g_profile;  // NOTE: written by the one call in flight (calls are serialized)
 static inline double now_s() {
@@ -643,6 +691,9 @@ struct Scratch {
   std::vector<float> xsum, hsum;  // I4BF: per 32-column group sums of x / h
   std::vector<int> pair_tok, expert_start, active;
   std::vector<float> pair_w;
+  std::vector<float> acc;  // [T, H] float32 sums when the caller takes bf16
+  std::unique_ptr<std::atomic<int>[]> ready;  // per active expert: gate/up items done
+  size_t ready_n = 0;
 };
 
 static const int RB1 = 32;  // gate/up rows per work item (whole INT4 groups of h)
@@ -733,13 +784,15 @@ static void gate_up_item(const Layer* L, int e, int i0, int i1, const int* toks,
 }
 
 template <int FMT>
-static void down_item(const Layer* L, const Scratch& sc, int o0, int o1, float* out) {
+static void down_item(const Layer* L, const Scratch& sc, int o0, int o1, float* out,
+                      const std::atomic<int>* ready, int need) {
   const int H = L->H, I = L->I, AB = act_bytes<FMT>();
   const char* hb = (const char*)sc.h.data();
   float y[RB2 * 8];
   const int A = sc.active.size();
   for (int a = 0; a < A; ++a) {
     const int e = sc.active[a];
+    for (int n = 0; ready[a].load(std::memory_order_acquire) < need; ++n) relax(n);
     const Mat* next = a + 1 < A ? &L->down[sc.active[a + 1]] : nullptr;
     int p0 = sc.expert_start[e], p1 = sc.expert_start[e + 1];
     for (int q0 = p0; q0 < p1; q0 += 8) {
@@ -775,8 +828,23 @@ struct AllBarrier {
   }
 };
 
+// The float32 sums of rows [o0, o1) of every token -> bf16 (round to nearest even)
+static void rows_to_bf16(const float* acc, uint16_t* dst, int T, int H, int o0, int o1) {
+  for (int t = 0; t < T; ++t)
+    for (int r = o0; r < o1; ++r) dst[(int64_t)t * H + r] = f32_to_bf16(acc[(int64_t)t * H + r]);
+}
+
+// An elastic pool job (Pool::run): no phase waits for a thread, only for work done, so a
+// thread that starts late (its core busy elsewhere) joins where the work is or finds none.
+//   prologue: returns once every token's activations are in place (counted per item);
+//   phase 1: (expert, block of gate/up rows) items in expert order; each done item counts
+//     for its expert in sc.ready;
+//   phase 2: blocks of output rows; a block takes the active experts in a fixed order (the
+//     same sums in the same order as with a barrier) and waits only for that expert's gate/up
+//     items, so down_proj starts while the last experts' gate/up items finish.
+// out: float32 sums [T, H]; out_bf16 (may be null): also written as bf16, per row block.
 template <int FMT>
-static void forward_impl(Layer* L, Pool* P, Scratch& sc, float* out,
+static void forward_impl(Layer* L, Pool* P, Scratch& sc, float* out, uint16_t* out_bf16, int T,
                          const std::function<void()>& prologue) {
   const int I = L->I, H = L->H, nn = P->nnodes;
   const int Pn = sc.pair_tok.size();
@@ -785,47 +853,68 @@ static void forward_impl(Layer* L, Pool* P, Scratch& sc, float* out,
   char* hb = (char*)sc.h.data();
   float* hs = sc.hsum.data();
   const int A = sc.active.size();
+  int need = 0;  // gate/up items per expert over all nodes
   for (int n = 0; n < nn; ++n) {
     P->sync[n].next.store(0);
     P->sync[n].next2.store(0);
+    int r0, r1;
+    node_range(P, n, I, 32, r0, r1);
+    need += (r1 - r0 + RB1 - 1) / RB1;
   }
-  AllBarrier bar;
+  if (sc.ready_n < (size_t)A) {
+    sc.ready.reset(new std::atomic<int>[A]);
+    sc.ready_n = A;
+  }
+  std::atomic<int>* ready = sc.ready.get();
+  for (int a = 0; a < A; ++a) ready[a].store(0, std::memory_order_relaxed);
   const double t_run = now_s();
   double t_in = 0, t_pro = 0, t_gu = 0;
-  P->run([&](int node, int rank) {
-    Pool::NodeSync& s = P->sync[node];
-    const bool caller = node == 0 && rank == 0;
-    if (caller) t_in = now_s();
-    prologue();  // activations in the kernel's layout, output zeroed (threads split over rows)
-    bar.wait(P->nthreads);
-    if (caller) t_pro = now_s();
-    // phase 1: this node's rows of every active expert's gate + up
-    int r0, r1;
-    node_range(P, node, I, 32, r0, r1);
-    const int nb = (r1 - r0 + RB1 - 1) / RB1;
-    const int64_t items1 = (int64_t)A * nb;
-    for (;;) {
-      int64_t it = s.next.fetch_add(1, std::memory_order_relaxed);
-      if (it >= items1) break;
-      int e = sc.active[it / nb];
-      int i0 = r0 + (int)(it % nb) * RB1, i1 = std::min(r1, i0 + RB1);
-      int p0 = sc.expert_start[e], p1 = sc.expert_start[e + 1];
-      gate_up_item<FMT>(L, e, i0, i1, sc.pair_tok.data() + p0, p1 - p0, sc, hb, hs, p0);
-    }
-    bar.wait(P->nthreads);
-    if (caller) t_gu = now_s();
-    // phase 2: this node's output rows, each row block owned by one thread
-    int o0n, o1n;
-    node_range(P, node, H, RB2, o0n, o1n);
-    const int64_t items2 = (o1n - o0n + RB2 - 1) / RB2;
-    for (;;) {
-      int64_t it = s.next2.fetch_add(1, std::memory_order_relaxed);
-      if (it >= items2) break;
-      int o0 = o0n + (int)it * RB2, o1 = std::min(o1n, o0 + RB2);
-      down_item<FMT>(L, sc, o0, o1, out);
-    }
-  });
+  AllBarrier bar;  // K2_SYNC_BARRIERS only
+  std::atomic<int> joined{0}, late{0};
+  P->run(
+      [&](int node, int rank) {
+        Pool::NodeSync& s = P->sync[node];
+        const bool caller = node == 0 && rank == 0;
+        if (caller) t_in = now_s();
+        if (!caller) joined.fetch_add(1, std::memory_order_relaxed);
+        prologue();  // activations in the kernel's layout, output zeroed
+        if (K2_SYNC_BARRIERS) bar.wait(P->nthreads);
+        if (caller) t_pro = now_s();
+        // phase 1: this node's rows of every active expert's gate + up
+        int r0, r1;
+        node_range(P, node, I, 32, r0, r1);
+        const int nb = (r1 - r0 + RB1 - 1) / RB1;
+        const int64_t items1 = (int64_t)A * nb;
+        for (bool first = true;; first = false) {
+          int64_t it = s.next.fetch_add(1, std::memory_order_relaxed);
+          if (it >= items1) {
+            if (first && !caller) late.fetch_add(1, std::memory_order_relaxed);
+            break;
+          }
+          const int a = it / nb, e = sc.active[a];
+          int i0 = r0 + (int)(it % nb) * RB1, i1 = std::min(r1, i0 + RB1);
+          int p0 = sc.expert_start[e], p1 = sc.expert_start[e + 1];
+          gate_up_item<FMT>(L, e, i0, i1, sc.pair_tok.data() + p0, p1 - p0, sc, hb, hs, p0);
+          ready[a].fetch_add(1, std::memory_order_release);
+        }
+        if (K2_SYNC_BARRIERS) bar.wait(P->nthreads);
+        if (caller) t_gu = now_s();
+        // phase 2: this node's output rows, each row block owned by one thread
+        int o0n, o1n;
+        node_range(P, node, H, RB2, o0n, o1n);
+        const int64_t items2 = (o1n - o0n + RB2 - 1) / RB2;
+        for (;;) {
+          int64_t it = s.next2.fetch_add(1, std::memory_order_relaxed);
+          if (it >= items2) break;
+          int o0 = o0n + (int)it * RB2, o1 = std::min(o1n, o0 + RB2);
+          down_item<FMT>(L, sc, o0, o1, out, ready, need);
+          if (out_bf16) rows_to_bf16(out, out_bf16, T, H, o0, o1);
+        }
+      },
+      /*elastic=*/!K2_SYNC_BARRIERS);
   const double t_end = now_s();
+  g_profile.joined = joined.load();
+  g_profile.late = late.load();
   g_profile.wake = t_in - t_run;
   g_profile.prologue = t_pro - t_in;
   g_profile.gate_up = t_gu - t_pro;
@@ -904,6 +993,19 @@ void* k2_pool_create(int nthreads, int nnodes, const int* node_of_thread, const 
 
 void k2_pool_destroy(void* p) { delete (Pool*)p; }
 
+// Wake the pool's sleeping workers and keep them spinning for `usec` (see Pool::prewake); no
+// lock: callable while another thread's call runs.
+void k2_pool_prewake(void* p, int usec) { ((Pool*)p)->prewake(usec); }
+
+// Tests: worker `rank` (1..nthreads-1; -1: none) sleeps `usec` before each job it runs, as a
+// thread whose core is taken by another would start late. Results must not change.
+void k2_pool_delay(void* p, int rank, int usec) {
+  Pool* P = (Pool*)p;
+  std::lock_guard<std::mutex> call(P->call_mu);
+  P->delay_rank = rank;
+  P->delay_us = usec;
+}
+
 // ptrs: per expert gate_w, gate_s, up_w, up_s, down_w, down_s (6 * E int64 addresses)
 void* k2_layer_create(int fmt, int E, int H, int I, const int64_t* ptrs) {
   Layer* L = new Layer();
@@ -968,13 +1070,15 @@ int k2_layer_bind(void* layer, void* pool, const int* node_ids) {
 }
 
 // hidden x [T, H] (f32 or bf16), topk ids [T, k] int64 (global ids), weights [T, k] f32,
-// local_of [num_global] int32 (-1: not an expert of this layer object), out [T, H] float32
-// (overwritten; rows of tokens without a local expert are zero). Returns 0, or 1 when an
-// expert id is outside [0, num_global) (nothing is computed then).
+// local_of [num_global] int32 (-1: not an expert of this layer object), out [T, H] in
+// out_dtype (X_F32: float32; X_BF16: bf16, the float32 sums rounded to nearest even; written
+// by the kernel's threads, so the caller needs no conversion pass) (overwritten; rows of tokens
+// without a local expert are zero). Returns 0, 1 when an expert id is outside [0, num_global)
+// (nothing is computed then), 2 for an unknown out_dtype.
 int k2_moe_forward(void* layer, void* pool, int T, int k, const void* x, int x_dtype,
                    const int64_t* ids, const float* w, const int32_t* local_of, int num_global,
-                   float* out, void* unused) {
-  (void)unused;
+                   void* out_arg, int out_dtype) {
+  if (out_dtype != X_F32 && out_dtype != X_BF16) return 2;
   Layer* L = (Layer*)layer;
   Pool* P = (Pool*)pool;
   const int H = L->H, E = L->E;
@@ -1018,14 +1122,23 @@ int k2_moe_forward(void* layer, void* pool, int T, int k, const void* x, int x_d
                        : fmt;
   if (sc.x.size() < (size_t)T * H) sc.x.resize((size_t)T * H);
   if (kfmt == FMT_I4BF && sc.xsum.size() < (size_t)T * (H / 32)) sc.xsum.resize((size_t)T * H / 32);
-  std::atomic<int> next{0};
+  // bf16 out: the float32 sums go to scratch, each row block is rounded once it is complete
+  uint16_t* out_bf16 = out_dtype == X_BF16 ? (uint16_t*)out_arg : nullptr;
+  if (out_bf16 && sc.acc.size() < (size_t)T * H) sc.acc.resize((size_t)T * H);
+  float* out = out_bf16 ? sc.acc.data() : (float*)out_arg;
+  std::atomic<int> next{0}, done{0};
+  // every thread of the call runs it: tokens from a counter; returns when all T are ready
+  // items: (token, 1024 columns): a one-token step's prologue is spread over 7 threads at K2's
+  // hidden size instead of one (the others waited for it)
+  const int PC = 1024, nch = (H + PC - 1) / PC, items0 = T * nch;
   auto prologue = [&]() {
     for (;;) {
-      int t = next.fetch_add(1);
-      if (t >= T) break;
-      memset(out + (int64_t)t * H, 0, sizeof(float) * H);
+      const int it = next.fetch_add(1);
+      if (it >= items0) break;
+      const int t = it / nch, c0 = (it % nch) * PC, c1 = std::min(H, c0 + PC);
+      memset(out + (int64_t)t * H + c0, 0, sizeof(float) * (c1 - c0));
       float row[32];
-      for (int c = 0; c < H; c += 32) {
+      for (int c = c0; c < c1; c += 32) {
         if (x_dtype == X_BF16) {
           const uint16_t* src = (const uint16_t*)x + (int64_t)t * H + c;
           if (kfmt == FMT_I4BF) {
@@ -1049,10 +1162,12 @@ int k2_moe_forward(void* layer, void* pool, int T, int k, const void* x, int x_d
           memcpy(dst + c, row, sizeof(row));
         }
       }
+      done.fetch_add(1, std::memory_order_release);
     }
+    for (int n = 0; done.load(std::memory_order_acquire) < items0; ++n) relax(n);
   };
   if (Pn == 0) {  // no pair on these experts: zeros
-    memset(out, 0, sizeof(float) * (size_t)T * H);
+    memset(out_arg, 0, (out_bf16 ? 2 : 4) * (size_t)T * H);
     return 0;
   }
 #if K2_HAS_AMX
@@ -1069,6 +1184,12 @@ int k2_moe_forward(void* layer, void* pool, int T, int k, const void* x, int x_d
       forward_tiles<FMT_FP8>(L, P, sc, T, xb, out);
     else
       forward_tiles<FMT_BF16>(L, P, sc, T, xb, out);
+    if (out_bf16) {  // a prompt's step: one more pass over [T, H] is noise against its GEMMs
+      std::atomic<int> row{0};
+      P->run([&](int, int) {
+        for (int t; (t = row.fetch_add(1)) < T;) rows_to_bf16(out + (int64_t)t * H, out_bf16 + (int64_t)t * H, 1, H, 0, H);
+      }, /*elastic=*/true);
+    }
     g_profile.total = now_s() - t_start;
     return 0;
   }
@@ -1076,19 +1197,19 @@ int k2_moe_forward(void* layer, void* pool, int T, int k, const void* x, int x_d
   // 2, 3. gate + up, then down
 #if K2_HAS_I4BF
   if (kfmt == FMT_I4BF) {
-    forward_impl<FMT_I4BF>(L, P, sc, out, prologue);
+    forward_impl<FMT_I4BF>(L, P, sc, out, out_bf16, T, prologue);
     g_profile.total = now_s() - t_start;
     return 0;
   }
 #endif
   if (fmt == FMT_INT4)
-    forward_impl<FMT_INT4>(L, P, sc, out, prologue);
+    forward_impl<FMT_INT4>(L, P, sc, out, out_bf16, T, prologue);
   else if (fmt == FMT_FP8)
-    forward_impl<FMT_FP8>(L, P, sc, out, prologue);
+    forward_impl<FMT_FP8>(L, P, sc, out, out_bf16, T, prologue);
   else if (fmt == FMT_BF16)
-    forward_impl<FMT_BF16>(L, P, sc, out, prologue);
+    forward_impl<FMT_BF16>(L, P, sc, out, out_bf16, T, prologue);
   else
-    forward_impl<FMT_F32>(L, P, sc, out, prologue);
+    forward_impl<FMT_F32>(L, P, sc, out, out_bf16, T, prologue);
   g_profile.total = now_s() - t_start;
   return 0;
 }
@@ -1098,6 +1219,13 @@ void k2_last_profile(double* out6) {
   const Profile& p = g_profile;
   double v[6] = {p.bucket, p.wake, p.prologue, p.gate_up, p.down, p.total};
   memcpy(out6, v, sizeof(v));
+}
+
+// The last decode step's workers (the calling thread not counted): out[0] ran it, out[1] of
+// those found every gate/up item handed out (woke late); the rest never came (elastic step).
+void k2_last_workers(int* out2) {
+  out2[0] = g_profile.joined;
+  out2[1] = g_profile.late;
 }
 
 // Read nbytes at p with the pool's threads (each node reads its share), summing 32-bit words as
@@ -1110,7 +1238,7 @@ double k2_stream_read(void* pool, const void* p, int64_t nbytes) {
   std::atomic<int64_t> next{0};
   std::vector<double> part(P->nthreads, 0.0);
   std::atomic<int> slot{0};
-  P->run([&](int, int) {
+  P->run([&](int, int) {  // elastic: a late thread finds the chunks taken
     int me = slot.fetch_add(1);
     v16f a0 = {}, a1 = {}, a2 = {}, a3 = {};
     for (;;) {
@@ -1125,7 +1253,7 @@ double k2_stream_read(void* pool, const void* p, int64_t nbytes) {
       }
     }
     part[me] = hsum(a0 + a1 + a2 + a3);
-  });
+  }, /*elastic=*/true);
   double s = 0;
   for (double v : part) s += v;
   return s;
@@ -1186,7 +1314,7 @@ int k2_linear_batched(void* pool, int wfmt, const void* W, int B, int N, int K, 
         }
       }
     }
-  });
+  }, /*elastic=*/true);  // items from a counter: a late thread finds them taken
   return 0;
 }
 

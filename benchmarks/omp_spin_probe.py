@@ -1,0 +1,59 @@
+"""How long torch's OpenMP threads keep a CPU busy after one small parallel op.
+
+A torch op on [T, 7168] (K2's hidden size) runs on torch's OpenMP threads from T * 7168 >=
+32768 elements (T >= 5); libgomp's workers then spin (OMP_WAIT_POLICY unset: up to
+GOMP_SPINCOUNT iterations) on the cores a native kernel's own threads want. This runs the
+float32 -> bf16 conversion the CPU expert backend used to do after each call, sleeps 20 ms,
+and prints the CPU time every other thread of the process used meanwhile (Linux schedstat).
+
+    python benchmarks/omp_spin_probe.py
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+
+def cpu_ns() -> dict[str, int]:
+    """Nanoseconds on a CPU per thread of this process."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[tid] = int(f.read().split()[0])
+        except OSError:
+            continue
+    return out
+
+
+def main() -> int:
+    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY="
+          f"{os.environ.get('OMP_WAIT_POLICY')}, GOMP_SPINCOUNT="
+          f"{os.environ.get('GOMP_SPINCOUNT')}")  # fmt: skip
+    main_tid = str(os.getpid())
+    for _ in range(3):  # start the OpenMP team
+        torch.randn(64, 7168).to(torch.bfloat16)
+    for T in (4, 5, 16):
+        x = torch.randn(T, 7168)
+        spent = []
+        for _ in range(5):
+            time.sleep(0.3)  # the team asleep
+            a = cpu_ns()
+            x.to(torch.bfloat16)
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < 0.02:
+                time.sleep(0.001)
+            b = cpu_ns()
+            spent.append(sum(b[t] - a.get(t, 0) for t in b if t != main_tid) / 1e6)
+        spent.sort()
+        print(f"T={T:3d}: [T, 7168] float32 -> bf16, then 20 ms asleep: the other threads "
+              f"used {spent[2]:.2f} ms of CPU (median of 5; min {spent[0]:.2f}, "
+              f"max {spent[-1]:.2f})")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
