@@ -507,7 +507,7 @@ if HAS_TRITON:
         A_DIV: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, W: tl.constexpr, WPG: tl.constexpr, USE_ASM: tl.constexpr,
         GS: tl.constexpr, SKIP: tl.constexpr, PREFETCH: tl.constexpr, F16SUM: tl.constexpr,
-        X2: tl.constexpr, STAGES: tl.constexpr,
+        X2: tl.constexpr, STAGES: tl.constexpr, NPB: tl.constexpr,
     ):  # fmt: skip
         """Grouped decode GEMV: a program per (aligned block of BLOCK_M <= 8 rows of one
         expert, N-block). c[pair] = W_e a[pair // A_DIV] for each real pair of the block:
@@ -517,11 +517,14 @@ if HAS_TRITON:
         blocks past the alignment's rows in use return at once. STAGES (None: a plain loop):
         Triton's software pipelining of the K loop (`tl.range(num_stages=STAGES)`: the next
         STAGES - 1 K-blocks' loads in flight through shared memory, no registers held for
-        them). X2: w_ptr and a_ptr are int64 views, W and WPG count word pairs (int4_x2.py)."""
+        them). X2: w_ptr and a_ptr are int64 views, W and WPG count word pairs (int4_x2.py).
+        NPB > 1: a program runs NPB consecutive N-blocks in one flat loop (its block's rows,
+        expert and pointers set up once; the pipeline does not drain between N-blocks; each
+        N-block's rows stored after its last K-block)."""
         pid = tl.program_id(0)
-        nbn = tl.cdiv(N, BLOCK_N)
-        pid_m = pid // nbn
-        pid_n = pid % nbn
+        nbp = tl.cdiv(tl.cdiv(N, BLOCK_N), NPB)
+        pid_m = pid // nbp
+        pid_n = pid % nbp
         if pid_m * BLOCK_M >= tl.load(npost_ptr):
             return
         e = tl.load(eid_ptr + pid_m).to(tl.int64)
@@ -560,7 +563,12 @@ if HAS_TRITON:
         if GATED:
             pu, su = _load_words(w_base, s_base, offs_n + N, n_ok, 0, w_stride_n, s_stride_n,
                                  W, WPG, GS)  # fmt: skip
-        for kb in tl.range(0, nk, num_stages=STAGES):
+        for it in tl.range(0, nk * NPB, num_stages=STAGES):
+            kb = it
+            if NPB > 1:  # N-block pid_n * NPB + it // nk of this program
+                kb = it % nk
+                offs_n = (pid_n * NPB + it // nk) * BLOCK_N + tl.arange(0, BLOCK_N)
+                n_ok = offs_n < N
             pc, sc, puc, suc = p, s, pu, su
             if PREFETCH:  # the next K-block's loads in flight during this one's products
                 kn = tl.minimum(kb + 1, nk - 1)
@@ -608,17 +616,41 @@ if HAS_TRITON:
                                 a_off, W, GATED, GS, WPG, USE_ASM, SKIP, F16SUM, X2)  # fmt: skip
                 c7, u7 = _g_row(c7, u7, ar7, ok7, q0, q1, q2, q3, sg, g0, g1, g2, g3, sug,
                                 a_off, W, GATED, GS, WPG, USE_ASM, SKIP, F16SUM, X2)  # fmt: skip
-        _g_out(c0, u0, p0, ok0, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
-        if BLOCK_M > 1:
-            _g_out(c1, u1, p1, ok1, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
-        if BLOCK_M > 2:
-            _g_out(c2, u2, p2, ok2, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
-            _g_out(c3, u3, p3, ok3, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
-        if BLOCK_M > 4:
-            _g_out(c4, u4, p4, ok4, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
-            _g_out(c5, u5, p5, ok5, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
-            _g_out(c6, u6, p6, ok6, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
-            _g_out(c7, u7, p7, ok7, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
+            if NPB > 1:
+                if kb == nk - 1:  # this N-block's rows are done: store, start the next
+                    _g_out(c0, u0, p0, ok0, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV,
+                           GATED)  # fmt: skip
+                    if BLOCK_M > 1:
+                        _g_out(c1, u1, p1, ok1, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok,
+                               A_DIV, GATED)  # fmt: skip
+                    if BLOCK_M > 2:
+                        _g_out(c2, u2, p2, ok2, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok,
+                               A_DIV, GATED)  # fmt: skip
+                        _g_out(c3, u3, p3, ok3, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok,
+                               A_DIV, GATED)  # fmt: skip
+                    if BLOCK_M > 4:
+                        _g_out(c4, u4, p4, ok4, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok,
+                               A_DIV, GATED)  # fmt: skip
+                        _g_out(c5, u5, p5, ok5, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok,
+                               A_DIV, GATED)  # fmt: skip
+                        _g_out(c6, u6, p6, ok6, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok,
+                               A_DIV, GATED)  # fmt: skip
+                        _g_out(c7, u7, p7, ok7, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok,
+                               A_DIV, GATED)  # fmt: skip
+                    c0, c1, c2, c3, c4, c5, c6, c7 = z, z, z, z, z, z, z, z
+                    u0, u1, u2, u3, u4, u5, u6, u7 = z, z, z, z, z, z, z, z
+        if NPB == 1:
+            _g_out(c0, u0, p0, ok0, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
+            if BLOCK_M > 1:
+                _g_out(c1, u1, p1, ok1, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
+            if BLOCK_M > 2:
+                _g_out(c2, u2, p2, ok2, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
+                _g_out(c3, u3, p3, ok3, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
+            if BLOCK_M > 4:
+                _g_out(c4, u4, p4, ok4, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
+                _g_out(c5, u5, p5, ok5, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
+                _g_out(c6, u6, p6, ok6, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
+                _g_out(c7, u7, p7, ok7, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
 
 
 GROUPED_BLOCK_M = (1, 2, 4, 8)
@@ -631,14 +663,15 @@ def _launch_grouped(a, rs, w, s, c, tw, sorted_ids, expert_ids, npost, N, K, num
     x2 = bool(cfg.get("X2", 0))
     if x2:  # word pairs: the int64 views (int4_x2.py), W and words per group halved
         a, w, W, wpg = a.view(torch.int64), w.view(torch.int64), W // 2, wpg // 2
-    grid = (expert_ids.numel() * cdiv(N, cfg["BLOCK_N"]),)
+    npb = max(1, int(cfg.get("NPB", 1)))
+    grid = (expert_ids.numel() * cdiv(cdiv(N, cfg["BLOCK_N"]), npb),)
     _int4_gemv_h2_grouped_kernel[grid](
         a, rs, w, s, c, tw, sorted_ids, expert_ids, npost, N, K, num_pairs, a.stride(0),
         c.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), A_DIV=a_div,
         GATED=gated, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], W=W, WPG=wpg,
         USE_ASM=use_asm(asm), GS=cfg.get("GS", 1), SKIP=cfg.get("SKIP", 1),
         PREFETCH=cfg.get("PREFETCH", 0), F16SUM=0 if x2 else cfg.get("F16SUM", 0), X2=x2,
-        STAGES=_stages(cfg), num_warps=cfg["num_warps"],
+        STAGES=_stages(cfg), NPB=npb, num_warps=cfg["num_warps"],
     )  # fmt: skip
 
 
@@ -655,8 +688,8 @@ def _check_grouped(cfg: dict, D: int, I: int, group: int, w13, w2) -> None:  # n
     if D % pb or I % pb or group % 8 or W % (group // 8):
         raise ValueError(f"int4_moe_decode_grouped: D={D}, I={I} must be multiples of {pb} "
                          f"and group {group} must divide it")  # fmt: skip
-    if _stages(cfg) and cfg.get("PREFETCH", 0):
-        raise ValueError("int4_moe_decode_grouped: STAGES (pipelined loads) or PREFETCH "
+    if (_stages(cfg) or cfg.get("NPB", 1) > 1) and cfg.get("PREFETCH", 0):
+        raise ValueError("int4_moe_decode_grouped: STAGES (pipelined loads) or NPB, or PREFETCH "
                          "(registers), not both")  # fmt: skip
     if cfg.get("X2", 0):
         if group % 16 or W % 2:
@@ -686,7 +719,8 @@ def int4_moe_decode_grouped(
     read and dequantized once per block of BLOCK_M rows); no host synchronisation. `config`:
     BLOCK_M (1, 2, 4 or 8), BLOCK_N, W, num_warps, optionally GS (default 1), SKIP (default
     1: padding rows skip their products), STAGES (default none: the K loop software-pipelined
-    that deep), X2 (default 0; 1: word pairs, int4_x2.py), PREFETCH and F16SUM (default 0) of
+    that deep), X2 (default 0; 1: word pairs, int4_x2.py), NPB (default 1: N-blocks per
+    program, one flat loop), PREFETCH and F16SUM (default 0) of
     the gate+up launch, and optionally "w2": overrides for the down launch (the kernel
     policy's `int4_decode_grouped`). W is halved for models too small for it."""
     from .moe_align import moe_align_block_size
