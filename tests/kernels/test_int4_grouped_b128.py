@@ -56,6 +56,52 @@ def _ragged(T=7, E=6, D=256):
     return x, w, ids
 
 
+def test_b128_x2_word_pair_arithmetic():
+    """dq_x2 + dot_x2 on random word pairs and fp16 activations (as pack_h2 lays them out)
+    against exact float64 math: the plain path here; on a GPU also the inline PTX, whose fp16
+    chain must agree to its rounding (8 products per half) and never overflow at the bound."""
+    from k2serve.kernels.int4_dequant import use_asm
+
+    N = 64
+    p = torch.randint(-(2**62), 2**62, (N,), dtype=torch.int64)
+    xs = (torch.rand(N, 16) * 1022 - 511).half()  # |x| < 512, as pack_h2 scales
+    p[0] = 0  # every nibble 0: weights -8, the largest products, one sign: the bound
+    xs[0] = 511.0
+
+    def pair(lo, hi):
+        return (lo.view(torch.int16).long() & 0xFFFF) | (
+            (hi.view(torch.int16).long() & 0xFFFF) << 16
+        )
+
+    # plane j: (x_j, x_j+4) of word 2i in the low half, (x_8+j, x_12+j) of word 2i+1 high
+    a = torch.stack([pair(xs[:, j], xs[:, j + 4]) | (pair(xs[:, 8 + j], xs[:, 12 + j]) << 32)
+                     for j in range(4)])  # fmt: skip
+    nib = torch.stack([(p >> (4 * c)) & 0xF for c in range(16)], 1).double() - 8
+    exact = (nib * xs.double()).sum(1)
+    for asm in sorted({False, use_asm(True)}):
+        o = torch.empty(N, device=DEVICE)
+        _x2_kernel[(1,)](p.to(DEVICE), a.to(DEVICE).contiguous(), o, N=N, USE_ASM=asm)
+        o = o.double().cpu()
+        assert torch.isfinite(o).all()
+        # fp32 sums: ulp(65408) = 2^-8; the fp16 chain: |partial sums| < 32768, ulp <= 16
+        tol = 0.05 if not asm else 8 * 16.0
+        assert (o - exact).abs().max().item() <= tol, (asm, (o - exact).abs().max().item())
+    assert exact[0].item() == -8 * 511.0 * 16
+
+
+def test_b128_policy_table_variant_keys_load():
+    """The shipped table's grouped entry carries the variant switches (today: off) and runs."""
+    from k2serve.kernels import int4_gemv
+    from k2serve.kernels.policy import load_tables
+
+    cfg = dict(load_tables().int4_decode_grouped)
+    assert {"STAGES", "X2"} <= set(cfg) and not cfg["X2"] and not cfg["STAGES"]
+    ew = _experts(6, 256, 128)
+    x, w, ids = _ragged(T=4)
+    out = int4_gemv.int4_moe_decode_grouped(x, ew, w, ids, cfg)
+    assert rel(out, fm.fused_moe_ref(x, ew, w, ids)) < 2e-2
+
+
 VARIANTS = [
     dict(BLOCK_M=4, BLOCK_N=32, W=16, num_warps=4, STAGES=2),
     dict(BLOCK_M=4, BLOCK_N=32, W=16, num_warps=4, STAGES=3, w2=dict(STAGES=0)),
@@ -129,49 +175,3 @@ def test_b128_grouped_variants_reject_bad_configs():
     odd = fm.ExpertWeights("int4", buf[:, :, 1:], ew.w2, ew.w13_scale, ew.w2_scale, 32)
     with pytest.raises(ValueError, match="int64"):  # odd word offset: no int64 view
         int4_gemv.int4_moe_decode_grouped(x, odd, w, ids, {**base, "X2": 1})
-
-
-def test_b128_x2_word_pair_arithmetic():
-    """dq_x2 + dot_x2 on random word pairs and fp16 activations (as pack_h2 lays them out)
-    against exact float64 math: the plain path here; on a GPU also the inline PTX, whose fp16
-    chain must agree to its rounding (8 products per half) and never overflow at the bound."""
-    from k2serve.kernels.int4_dequant import use_asm
-
-    N = 64
-    p = torch.randint(-(2**62), 2**62, (N,), dtype=torch.int64)
-    xs = (torch.rand(N, 16) * 1022 - 511).half()  # |x| < 512, as pack_h2 scales
-    p[0] = 0  # every nibble 0: weights -8, the largest products, one sign: the bound
-    xs[0] = 511.0
-
-    def pair(lo, hi):
-        return (lo.view(torch.int16).long() & 0xFFFF) | (
-            (hi.view(torch.int16).long() & 0xFFFF) << 16
-        )
-
-    # plane j: (x_j, x_j+4) of word 2i in the low half, (x_8+j, x_12+j) of word 2i+1 high
-    a = torch.stack([pair(xs[:, j], xs[:, j + 4]) | (pair(xs[:, 8 + j], xs[:, 12 + j]) << 32)
-                     for j in range(4)])  # fmt: skip
-    nib = torch.stack([(p >> (4 * c)) & 0xF for c in range(16)], 1).double() - 8
-    exact = (nib * xs.double()).sum(1)
-    for asm in sorted({False, use_asm(True)}):
-        o = torch.empty(N, device=DEVICE)
-        _x2_kernel[(1,)](p.to(DEVICE), a.to(DEVICE).contiguous(), o, N=N, USE_ASM=asm)
-        o = o.double().cpu()
-        assert torch.isfinite(o).all()
-        # fp32 sums: ulp(65408) = 2^-8; the fp16 chain: |partial sums| < 32768, ulp <= 16
-        tol = 0.05 if not asm else 8 * 16.0
-        assert (o - exact).abs().max().item() <= tol, (asm, (o - exact).abs().max().item())
-    assert exact[0].item() == -8 * 511.0 * 16
-
-
-def test_b128_policy_table_variant_keys_load():
-    """The shipped table's grouped entry carries the variant switches (today: off) and runs."""
-    from k2serve.kernels import int4_gemv
-    from k2serve.kernels.policy import load_tables
-
-    cfg = dict(load_tables().int4_decode_grouped)
-    assert {"STAGES", "X2"} <= set(cfg) and not cfg["X2"] and not cfg["STAGES"]
-    ew = _experts(6, 256, 128)
-    x, w, ids = _ragged(T=4)
-    out = int4_gemv.int4_moe_decode_grouped(x, ew, w, ids, cfg)
-    assert rel(out, fm.fused_moe_ref(x, ew, w, ids)) < 2e-2
