@@ -128,6 +128,12 @@ def main(argv=None):
     ap.add_argument("--split-tokens", default="128")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument(
+        "--budget",
+        type=float,
+        default=95.0,
+        help="seconds: no new case starts after this (the summary still prints)",
+    )
+    ap.add_argument(
         "--no-refs",
         action="store_true",
         help="do not time the per-pair GEMV and the GEMM (still the reference)",
@@ -178,7 +184,11 @@ def main(argv=None):
     split_at = {int(t) for t in args.split_tokens.split(",") if t}
     res: dict[tuple[int, str], dict[str, float]] = {}
     pct: dict[tuple[int, str], dict[str, float]] = {}
+    t_start = time.time()
     for T, mode in cases:
+        if time.time() - t_start > args.budget:
+            log(f"  budget of {args.budget:.0f}s spent: T={T} {mode} and later cases not run")
+            break
         tag = f"T={T} {mode}"
         x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
         tw = torch.rand(T, K, device=dev)
