@@ -8,7 +8,10 @@ Owns: `int4_moe_decode` (the routed-expert output of a decode step: both project
 SiLU-and-mul and the weighted top-k sum in two launches), `pack_h2` (the activation layout the
 kernel reads) and `_int4_gemv_h2_kernel`; `int4_moe_decode_grouped`, the same arithmetic with
 the pairs grouped by expert (`_int4_gemv_h2_grouped_kernel`: each weight tile loaded and
-dequantized once per block of up to 8 rows). The MoE backend runs the grouped one for the
+dequantized once per block of up to 8 rows; selectable variants for batches of ~3 rows per
+expert, T=128 x top-8 on K2: STAGES, the K loop software-pipelined through shared memory;
+X2, word pairs in one f16x2 chain, int4_x2.py; NPB, N-blocks per program in one flat loop;
+benchmarks/b128_layer.py times them). The MoE backend runs the grouped one for the
 kernel policy's `int4_decode_grouped_min_pairs..max_pairs` (token, expert) pairs, else the
 per-pair one up to `int4_decode_max_pairs`; above, the grouped GEMM of int4_gemm.py.
 
