@@ -35,18 +35,26 @@ from model_speed import CEIL, FAILS, log, print_table, row, run_part, timed  # n
 
 # overrides of the shipped `int4_decode_grouped` entry; "w2": of the down launch only
 VARIANTS = {
-    "shipped": {},
-    "S2": {"STAGES": 2},
-    "S3": {"STAGES": 3},
-    "S4": {"STAGES": 4},
-    "X2": {"X2": 1},
-    "X2_S2": {"X2": 1, "STAGES": 2},
-    "X2_S3": {"X2": 1, "STAGES": 3},
-    "X2_S4": {"X2": 1, "STAGES": 4},
-    "S3_P4": {"STAGES": 3, "NPB": 4},
+    # (w13 registers / programs of 4 warps per SM, sm_90, Triton 3.9: b128_compile.py)
+    "shipped": {},  # 167 / 3; down 80 / 6
+    "X2_S3_W32_P4": {"X2": 1, "STAGES": 3, "W": 32, "NPB": 4, "w2": {"W": 32}},  # 128 / 4
+    "X2_S3": {"X2": 1, "STAGES": 3},  # 238 / 2
+    "X2_S4_W32": {"X2": 1, "STAGES": 4, "W": 32, "w2": {"W": 32}},  # 140 / 3
+    "X2_S3_W32": {"X2": 1, "STAGES": 3, "W": 32, "w2": {"W": 32}},  # 140 / 3
+    "S3_W32_P4": {"STAGES": 3, "W": 32, "NPB": 4, "w2": {"W": 32}},  # 128 / 4
+    "X2_S4_W32_P4": {"X2": 1, "STAGES": 4, "W": 32, "NPB": 4, "w2": {"W": 32}},  # 131 / 3
+    "S3": {"STAGES": 3},  # 241 / 2
+    "X2_S3_BN8": {"X2": 1, "STAGES": 3, "BLOCK_N": 8, "w2": {"BLOCK_N": 8}},  # 140 / 3
+    "X2_S3_R168": {"X2": 1, "STAGES": 3, "maxnreg": 168},  # 168 + 56 B spilled / 3
     "X2_S3_P4": {"X2": 1, "STAGES": 3, "NPB": 4},
     "X2_S3_w2P4": {"X2": 1, "STAGES": 3, "w2": {"NPB": 4}},
-    "X2_S3_M8": {"X2": 1, "STAGES": 3, "BLOCK_M": 8},
+    "X2": {"X2": 1},  # 168 / 3
+    "S2": {"STAGES": 2},  # 192 / 2
+    "X2_S3_W32_P8": {"X2": 1, "STAGES": 3, "W": 32, "NPB": 8, "w2": {"W": 32}},
+    "S4": {"STAGES": 4},
+    "X2_S4": {"X2": 1, "STAGES": 4},  # 238 / 2
+    "S3_P4": {"STAGES": 3, "NPB": 4},
+    "X2_S3_M8": {"X2": 1, "STAGES": 3, "BLOCK_M": 8},  # 255 + 88 B spilled / 1
     "X2_S3_w2N32": {"X2": 1, "STAGES": 3, "w2": {"BLOCK_N": 32}},
     "F16SUM_S3": {"F16SUM": 1, "STAGES": 3},
 }
@@ -96,17 +104,16 @@ def ceil_bw(dev):
     log(f"ceilings: copy {CEIL['bw']:.0f} GB/s (read+write, 8 GiB)")
 
 
-def split_launches(ew, x, tw, ids, cfg, asm, dev):
+def split_launches(ew, x, tw, ids, cfg, asm, dev, label=""):
     """(gate+up ms, down ms) of the grouped GEMV's two launches alone (routing prep, packing
     and the intermediate done outside the timing)."""
-    from k2serve.kernels.int4_gemv import _launch_grouped, pack_h2
+    from k2serve.kernels.int4_gemv import _launch_grouped, grouped_launch_configs, pack_h2
     from k2serve.kernels.moe_align import moe_align_block_size
 
     T, D = x.shape
     k, I = ids.shape[1], ew.intermediate
     M = T * k
-    c13 = {kk: v for kk, v in cfg.items() if kk != "w2"}
-    c2 = {**c13, **cfg.get("w2", {})}
+    c13, c2 = grouped_launch_configs(cfg, ew, D)
     twf = tw.reshape(-1).float().contiguous()
     srt, eid, npost = moe_align_block_size(ids, ew.num_experts, c13["BLOCK_M"])
     inter = torch.empty(M, I, dtype=torch.float32, device=dev)
@@ -114,6 +121,13 @@ def split_launches(ew, x, tw, ids, cfg, asm, dev):
     a, rs = pack_h2(x, c13["W"])
     a2, rs2 = pack_h2(torch.randn(M, I, device=dev), c2["W"])
     g = ew.group_size
+    for name, kern in (("gate+up", _launch_grouped(a, rs, ew.w13, ew.w13_scale, inter, twf, srt, eid,
+                                                   npost, I, D, M, k, True, c13, g, asm)),
+                       ("down", _launch_grouped(a2, rs2, ew.w2, ew.w2_scale, out, twf, srt, eid,
+                                                npost, D, I, M, 1, False, c2, g, asm))):  # fmt: skip
+        regs = (getattr(kern, "n_regs", "?"), getattr(kern, "n_spills", "?"),
+                getattr(getattr(kern, "metadata", None), "shared", "?"))  # fmt: skip
+        log(f"  {label} {name}: registers {regs[0]}, spilled {regs[1]}, shared memory {regs[2]} B")
     ms13 = measure(lambda: _launch_grouped(a, rs, ew.w13, ew.w13_scale, inter, twf, srt, eid, npost,
                                            I, D, M, k, True, c13, g, asm), dev)  # fmt: skip
     ms2 = measure(lambda: _launch_grouped(a2, rs2, ew.w2, ew.w2_scale, out, twf, srt, eid, npost,
@@ -230,7 +244,7 @@ def main(argv=None):
                 f"{note}; {base / ms:.3f}x shipped; diff {err:.1e}")  # fmt: skip
             if T in split_at:
                 try:
-                    m13, m2 = split_launches(ew, x, tw, ids, cfg, asm, dev)
+                    m13, m2 = split_launches(ew, x, tw, ids, cfg, asm, dev, f"{tag} {name}")
                     row("b128-split", f"{tag} {name} gate+up", m13, hits * per13)
                     row("b128-split", f"{tag} {name} down", m2, hits * per2)
                 except Exception as e:  # noqa: BLE001

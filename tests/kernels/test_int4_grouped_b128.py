@@ -120,6 +120,9 @@ VARIANTS = [
     dict(BLOCK_M=4, BLOCK_N=16, W=16, num_warps=4, F16SUM=1, STAGES=3),
     dict(BLOCK_M=4, BLOCK_N=32, W=16, num_warps=4, STAGES=3, NPB=3),  # 4 / 8 N-blocks: a tail
     dict(BLOCK_M=2, BLOCK_N=32, W=16, num_warps=4, X2=1, STAGES=2, w2=dict(NPB=4)),
+    dict(
+        BLOCK_M=4, BLOCK_N=16, W=32, num_warps=4, X2=1, STAGES=3, NPB=4, maxnreg=128, w2=dict(W=32)
+    ),  # fmt: skip
 ]
 
 

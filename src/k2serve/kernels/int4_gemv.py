@@ -668,13 +668,14 @@ def _launch_grouped(a, rs, w, s, c, tw, sorted_ids, expert_ids, npost, N, K, num
         a, w, W, wpg = a.view(torch.int64), w.view(torch.int64), W // 2, wpg // 2
     npb = max(1, int(cfg.get("NPB", 1)))
     grid = (expert_ids.numel() * cdiv(cdiv(N, cfg["BLOCK_N"]), npb),)
-    _int4_gemv_h2_grouped_kernel[grid](
+    return _int4_gemv_h2_grouped_kernel[grid](
         a, rs, w, s, c, tw, sorted_ids, expert_ids, npost, N, K, num_pairs, a.stride(0),
         c.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), A_DIV=a_div,
         GATED=gated, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], W=W, WPG=wpg,
         USE_ASM=use_asm(asm), GS=cfg.get("GS", 1), SKIP=cfg.get("SKIP", 1),
         PREFETCH=cfg.get("PREFETCH", 0), F16SUM=0 if x2 else cfg.get("F16SUM", 0), X2=x2,
         STAGES=_stages(cfg), NPB=npb, num_warps=cfg["num_warps"],
+        **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),
     )  # fmt: skip
 
 
@@ -709,6 +710,27 @@ def _check_grouped(cfg: dict, D: int, I: int, group: int, w13, w2) -> None:  # n
                                  "they must be contiguous in K with even strides")  # fmt: skip
 
 
+def grouped_launch_configs(config, ew, D: int) -> tuple[dict, dict]:
+    """The grouped GEMV's (gate+up, down) launch configs from a policy entry (`config`, its
+    "w2" overrides for the down launch) for these weights and hidden size D: W halved for
+    models too small for it, every launch checked (ValueError)."""
+    I = ew.intermediate  # noqa: E741
+    cfg = {key: v for key, v in config.items() if key != "w2"}
+    cfg2 = {**cfg, **config.get("w2", {})}
+    if cfg2["BLOCK_M"] != cfg["BLOCK_M"]:
+        raise ValueError("int4_moe_decode_grouped: one BLOCK_M for both launches (one alignment)")
+    if cfg["BLOCK_M"] not in GROUPED_BLOCK_M:
+        raise ValueError(f"int4_moe_decode_grouped: BLOCK_M={cfg['BLOCK_M']}: use one of "
+                         f"{GROUPED_BLOCK_M}")  # fmt: skip
+    for c in (cfg, cfg2):
+        W = c["W"]
+        while (D % (8 * W) or I % (8 * W)) and W > 16:
+            W //= 2
+        c["W"] = W
+        _check_grouped(c, D, I, ew.group_size, ew.w13, ew.w2)
+    return cfg, cfg2
+
+
 def int4_moe_decode_grouped(
     x: torch.Tensor,  # [T, D] bf16
     ew,  # ExpertWeights, quant "int4"
@@ -723,7 +745,8 @@ def int4_moe_decode_grouped(
     BLOCK_M (1, 2, 4 or 8), BLOCK_N, W, num_warps, optionally GS (default 1), SKIP (default
     1: padding rows skip their products), STAGES (default none: the K loop software-pipelined
     that deep), X2 (default 0; 1: word pairs, int4_x2.py), NPB (default 1: N-blocks per
-    program, one flat loop), PREFETCH and F16SUM (default 0) of
+    program, one flat loop), maxnreg (default none: ptxas's register cap, e.g. 168 keeps 3
+    programs of 4 warps per SM where pipelining needs ~240), PREFETCH and F16SUM (default 0) of
     the gate+up launch, and optionally "w2": overrides for the down launch (the kernel
     policy's `int4_decode_grouped`). W is halved for models too small for it."""
     from .moe_align import moe_align_block_size
@@ -732,19 +755,7 @@ def int4_moe_decode_grouped(
     T, D = x.shape
     I = ew.intermediate  # noqa: E741
     k = topk_ids.shape[1]
-    cfg = {key: v for key, v in config.items() if key != "w2"}
-    cfg2 = {**cfg, **config.get("w2", {})}
-    if cfg2["BLOCK_M"] != cfg["BLOCK_M"]:
-        raise ValueError("int4_moe_decode_grouped: one BLOCK_M for both launches (one alignment)")
-    if cfg["BLOCK_M"] not in GROUPED_BLOCK_M:
-        raise ValueError(f"int4_moe_decode_grouped: BLOCK_M={cfg['BLOCK_M']}: use one of "
-                         f"{GROUPED_BLOCK_M}")  # fmt: skip
-    for c in (cfg, cfg2):
-        W = c["W"]
-        while (D % (8 * W) or I % (8 * W)) and W > 16:
-            W //= 2
-        c["W"] = W
-        _check_grouped(c, D, I, ew.group_size, ew.w13, ew.w2)
+    cfg, cfg2 = grouped_launch_configs(config, ew, D)
     M = T * k
     tw = topk_weights.reshape(-1).float().contiguous()
     sorted_ids, expert_ids, npost = moe_align_block_size(topk_ids, ew.num_experts, cfg["BLOCK_M"])
