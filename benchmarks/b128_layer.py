@@ -38,6 +38,22 @@ VARIANTS = {
     # (w13 registers / programs of 4 warps per SM, sm_90, Triton 3.9: b128_compile.py)
     "shipped": {},  # 167 / 3; down 80 / 6
     "X2_S3_W32_P4": {"X2": 1, "STAGES": 3, "W": 32, "NPB": 4, "w2": {"W": 32}},  # 128 / 4
+    "X2_S4_W32_P4_BN8": {
+        "X2": 1,
+        "STAGES": 4,
+        "W": 32,
+        "NPB": 4,
+        "BLOCK_N": 8,
+        "w2": {"W": 32, "BLOCK_N": 8},
+    },  # 80 / 6; down 64 / 8
+    "X2_S4_W32_P4_R128": {
+        "X2": 1,
+        "STAGES": 4,
+        "W": 32,
+        "NPB": 4,
+        "maxnreg": 128,
+        "w2": {"W": 32},
+    },  # 128 + 24 B spilled / 4
     "X2_S3": {"X2": 1, "STAGES": 3},  # 238 / 2
     "X2_S4_W32": {"X2": 1, "STAGES": 4, "W": 32, "w2": {"W": 32}},  # 140 / 3
     "X2_S3_W32": {"X2": 1, "STAGES": 3, "W": 32, "w2": {"W": 32}},  # 140 / 3
