@@ -24,7 +24,7 @@ tail -3 "$OUT/b128_tests.txt"
 grep -E "^FAILED|^ERROR" "$OUT/b128_tests.txt" | head -8
 
 # variants in order of interest: a part cut by its limit keeps the rows printed before
-run 115 layer python3 benchmarks/b128_layer.py --budget 95 \
+run 115 layer python3 benchmarks/b128_layer.py --budget 88 \
   --variants shipped,X2_S3_W32_P4,X2_S4_W32_P4_BN8,X2_S3,X2_S4_W32,X2_S3_W32,S3_W32_P4,X2_S4_W32_P4,X2_S4_W32_P4_R128,S3,X2_S3_BN8,X2_S3_R168,X2_S3_P4,X2_S3_w2P4,X2,S2
 grep -E "^\| |^ceilings|^pick|^for configs|FAIL|Traceback|Error|not timed|checks failed" \
   "$OUT/b128_layer.txt" | grep -v "^| part\|^| b128 \|^| b128-split" | tail -24

@@ -239,6 +239,9 @@ def main(argv=None):
             except Exception as e:  # noqa: BLE001 - report, go on
                 log(f"  {tag} {name}: {e!r}"[:300])
         for name, cfg in cfgs.items():
+            if time.time() - t_start > args.budget + 10:  # the summary must still print
+                log(f"  budget spent: {tag} {name} and the variants after it not run")
+                break
             try:
                 out = int4_moe_decode_grouped(x, ew, tw, ids, cfg, asm)
                 err = rel(out, ref)
