@@ -44,7 +44,7 @@ def _experts(E, D, I, group=32):  # noqa: E741
     return fm.ExpertWeights("int4", pk(2 * I, D), pk(D, I), sc(2 * I, D), sc(D, I), group)
 
 
-def _ragged(T=7, E=6, D=256):
+def _ragged(T=7, E=6, D=128):
     """Uneven pairs per expert: expert 0 in every token (7 rows: two blocks of 4), expert 1 in
     three, expert 2 in two, expert 4 in one, experts 3 and 5 in none; rows far from unit."""
     x = torch.randn(T, D, device=DEVICE, dtype=torch.bfloat16)
@@ -96,7 +96,7 @@ def test_b128_policy_table_variant_keys_load():
 
     cfg = dict(load_tables().int4_decode_grouped)
     assert {"STAGES", "X2"} <= set(cfg) and not cfg["X2"] and not cfg["STAGES"]
-    ew = _experts(6, 256, 128)
+    ew = _experts(6, 128, 128)
     x, w, ids = _ragged(T=4)
     out = int4_gemv.int4_moe_decode_grouped(x, ew, w, ids, cfg)
     assert rel(out, fm.fused_moe_ref(x, ew, w, ids)) < 2e-2
@@ -132,7 +132,7 @@ def test_b128_grouped_variants_match_reference(cfg):
     fp16 sums); the output is bf16 of the input's shape."""
     from k2serve.kernels import int4_gemv
 
-    ew = _experts(6, 256, 128)
+    ew = _experts(6, 128, 128)
     x, w, ids = _ragged()
     out = int4_gemv.int4_moe_decode_grouped(x, ew, w, ids, cfg)
     assert out.shape == x.shape and out.dtype == torch.bfloat16
