@@ -38,7 +38,7 @@ def compile_launch(cfg: dict, gated: bool, arch: int) -> str:
     cons = dict(A_DIV=8 if gated else 1, GATED=gated, BLOCK_M=cfg["BLOCK_M"],
                 BLOCK_N=cfg["BLOCK_N"], W=cfg["W"] // 2 if x2 else cfg["W"], WPG=2 if x2 else 4,
                 USE_ASM=True, GS=cfg.get("GS", 1), SKIP=cfg.get("SKIP", 1),
-                PREFETCH=cfg.get("PREFETCH", 0), F16SUM=0 if x2 else cfg.get("F16SUM", 0), X2=x2,
+                PREFETCH=cfg.get("PREFETCH", 0), F16SUM=cfg.get("F16SUM", 0), X2=x2,
                 STAGES=_stages(cfg), NPB=max(1, int(cfg.get("NPB", 1))))  # fmt: skip
     sig = {**ptrs, **dict.fromkeys(ints, "i32"), **dict.fromkeys(cons, "constexpr")}
     div16 = [i for i, k in enumerate(sig) if k in ptrs or k in ints[3:]]  # pointers, strides

@@ -171,6 +171,8 @@ def test_b128_grouped_variants_reject_bad_configs():
         int4_gemv.int4_moe_decode_grouped(x, ew, w, ids, {**base, "STAGES": 2, "PREFETCH": 1})
     with pytest.raises(ValueError, match="not both"):
         int4_gemv.int4_moe_decode_grouped(x, ew, w, ids, {**base, "NPB": 2, "PREFETCH": 1})
+    with pytest.raises(ValueError, match="not both"):
+        int4_gemv.int4_moe_decode_grouped(x, ew, w, ids, {**base, "X2": 1, "F16SUM": 1})
     ew8 = _experts(2, 256, 128, group=8)  # one word per group: no word pairs
     with pytest.raises(ValueError, match="X2"):
         int4_gemv.int4_moe_decode_grouped(x, ew8, w, ids, {**base, "X2": 1})

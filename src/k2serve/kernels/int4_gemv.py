@@ -673,7 +673,7 @@ def _launch_grouped(a, rs, w, s, c, tw, sorted_ids, expert_ids, npost, N, K, num
         c.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), A_DIV=a_div,
         GATED=gated, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], W=W, WPG=wpg,
         USE_ASM=use_asm(asm), GS=cfg.get("GS", 1), SKIP=cfg.get("SKIP", 1),
-        PREFETCH=cfg.get("PREFETCH", 0), F16SUM=0 if x2 else cfg.get("F16SUM", 0), X2=x2,
+        PREFETCH=cfg.get("PREFETCH", 0), F16SUM=cfg.get("F16SUM", 0), X2=x2,
         STAGES=_stages(cfg), NPB=npb, num_warps=cfg["num_warps"],
         **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),
     )  # fmt: skip
@@ -696,6 +696,9 @@ def _check_grouped(cfg: dict, D: int, I: int, group: int, w13, w2) -> None:  # n
         raise ValueError("int4_moe_decode_grouped: STAGES (pipelined loads) or NPB, or PREFETCH "
                          "(registers), not both")  # fmt: skip
     if cfg.get("X2", 0):
+        if cfg.get("F16SUM", 0):
+            raise ValueError("int4_moe_decode_grouped: X2 sums 8 products per fp16 half already; "
+                             "F16SUM (16) would overflow its bound: not both")  # fmt: skip
         if group % 16 or W % 2:
             raise ValueError(f"int4_moe_decode_grouped: X2 needs an even W ({W}) and words per "
                              f"group ({group // 8})")  # fmt: skip
