@@ -154,6 +154,9 @@ class StubCpu:
     def wait(self):
         return self._out
 
+    def prewake(self, usec: int = 0) -> None:  # nothing to wake
+        pass
+
 
 def set_stub(model, on: bool):
     for be in hybrid_backends(model):
