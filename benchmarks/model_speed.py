@@ -952,26 +952,10 @@ def _tag(base, mode):
     return base if mode == "dummy" else f"{base}[{mode.split('/')[-1]}]"
 
 
-def grouped_policy(name):
-    """The engine's policy with the grouped INT4 decode GEMV's variant `name`
-    (b128_layer.VARIANTS: overrides of the table's `int4_decode_grouped`; "w2": the down
-    launch's) in place of the table's entry."""
-    from b128_layer import VARIANTS, variant
-
-    from k2serve.kernels.policy import FrozenMap
-
-    pol = engine_policy()
-    cfg = variant(dict(pol.tables.int4_decode_grouped), VARIANTS[name])
-    cfg = FrozenMap({**cfg, "w2": FrozenMap(cfg["w2"])})
-    return replace(pol, tables=replace(pol.tables, int4_decode_grouped=cfg))
-
-
-def part_model_and_peer(layers, do_peer, routings=("dummy",), quick=False, grouped=(),
-                        batches=(1, 8, 32, 128), prefills=(1024, 8192)):  # fmt: skip
+def part_model_and_peer(layers, do_peer, routings=("dummy",), quick=False):
     """k2-slice decode / prefill (and the transformers peer on 3 layers) for each routing
     (routing_modes.py: the dummy router, uniform, or replayed from a --record-routing file).
-    quick: no pinned fidelity check, no fusions-off rows, no profiles. grouped: names of
-    grouped-GEMV variants (b128_layer.VARIANTS) whose decode rows follow, tagged with it."""
+    quick: no pinned fidelity check, no fusions-off rows, no profiles."""
     from routing_modes import RoutingOverride
 
     if not quick:
@@ -985,14 +969,7 @@ def part_model_and_peer(layers, do_peer, routings=("dummy",), quick=False, group
     for mode in routings:
         with RoutingOverride(model, mode, 8192):
             prof = (1, 8) if mode == routings[0] and not quick else ()
-            bench_model(model, _tag("model", mode), batches=batches, prefills=prefills,
-                        profile_batches=prof, expanded=True)  # fmt: skip
-    for name in grouped:
-        setup(model, grouped_policy(name), expand=True)
-        for mode in routings:
-            with RoutingOverride(model, mode, 8192):
-                bench_model(model, f"{_tag('model', mode)} {name}", batches=batches, prefills=(),
-                            expanded=True)  # fmt: skip
+            bench_model(model, _tag("model", mode), profile_batches=prof, expanded=True)
     del model
     gc.collect()
     torch.cuda.empty_cache()
@@ -1098,14 +1075,6 @@ def main(argv=None):
         action="store_true",
         help="model part: no pinned check, no fusions-off rows, no profiles",
     )
-    ap.add_argument("--batches", default="1,8,32,128", help="model part: decode batch sizes")
-    ap.add_argument("--prefills", default="1024,8192", help="model part: prompt lengths ('': none)")
-    ap.add_argument(
-        "--grouped-variants",
-        default="",
-        help="model part: also decode with these grouped INT4 GEMV variants "
-        "(names in benchmarks/b128_layer.py VARIANTS, comma-separated)",
-    )
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # routing_modes, fidelity
     if not torch.cuda.is_available():
@@ -1132,11 +1101,8 @@ def main(argv=None):
         from routing_modes import parse_modes
 
         routings = tuple(parse_modes(args.routing))
-        grouped = tuple(n for n in args.grouped_variants.split(",") if n)
-        batches = tuple(int(b) for b in args.batches.split(",") if b)
-        prefills = tuple(int(t) for t in args.prefills.split(",") if t)
         run_part("model", lambda: part_model_and_peer(args.layers, "peer" in parts, routings,
-                                                      args.quick, grouped, batches, prefills))  # fmt: skip
+                                                      args.quick))  # fmt: skip
     if "warmup" in parts:
         run_part("warmup", lambda: part_warmup(args.layers))
     if "overlap" in parts:

@@ -8,10 +8,7 @@ Owns: `int4_moe_decode` (the routed-expert output of a decode step: both project
 SiLU-and-mul and the weighted top-k sum in two launches), `pack_h2` (the activation layout the
 kernel reads) and `_int4_gemv_h2_kernel`; `int4_moe_decode_grouped`, the same arithmetic with
 the pairs grouped by expert (`_int4_gemv_h2_grouped_kernel`: each weight tile loaded and
-dequantized once per block of up to 8 rows; selectable variants for batches of ~3 rows per
-expert, T=128 x top-8 on K2: STAGES, the K loop software-pipelined through shared memory;
-X2, word pairs in one f16x2 chain, int4_x2.py; NPB, N-blocks per program in one flat loop;
-benchmarks/b128_layer.py times them). The MoE backend runs the grouped one for the
+dequantized once per block of up to 8 rows). The MoE backend runs the grouped one for the
 kernel policy's `int4_decode_grouped_min_pairs..max_pairs` (token, expert) pairs, else the
 per-pair one up to `int4_decode_max_pairs`; above, the grouped GEMM of int4_gemm.py.
 
@@ -39,7 +36,6 @@ from .int4_dequant import use_asm
 
 if HAS_TRITON:
     from .int4_dequant import store_rows
-    from .int4_x2 import dot_x2, dq_x2
 
     @triton.jit
     def _word_dot_h2(p, a0, a1, a2, a3, USE_ASM: tl.constexpr):
@@ -424,15 +420,12 @@ if HAS_TRITON:
 
     @triton.jit
     def _g_sum(acc, q0, q1, q2, q3, a0, a1, a2, a3, s, GS: tl.constexpr, WPG: tl.constexpr,
-               USE_ASM: tl.constexpr, F16SUM: tl.constexpr, X2: tl.constexpr):  # fmt: skip
+               USE_ASM: tl.constexpr, F16SUM: tl.constexpr):  # fmt: skip
         """acc += scale * word sums of one row (as `_h2_sum`, weights already dequantized).
         GS: s is the group scale as [BN, W // WPG, 1] (`_g_scales`), multiplied before the
         in-thread group sum so that acc stays in that sum's layout (no layout conversion per
-        row). X2: the elements are word pairs (int4_x2.py; W and WPG count pairs)."""
-        if X2:
-            ws = dot_x2(q0, q1, q2, q3, a0, a1, a2, a3, USE_ASM)
-        else:
-            ws = _dot_h2(q0, q1, q2, q3, a0, a1, a2, a3, USE_ASM, F16SUM)
+        row)."""
+        ws = _dot_h2(q0, q1, q2, q3, a0, a1, a2, a3, USE_ASM, F16SUM)
         if GS:
             BN: tl.constexpr = ws.shape[0]
             W: tl.constexpr = ws.shape[1]
@@ -444,8 +437,7 @@ if HAS_TRITON:
     @triton.jit
     def _g_row(acc, acc_u, a_row_ptr, ok, q0, q1, q2, q3, s, u0, u1, u2, u3, su, a_off,
                W: tl.constexpr, GATED: tl.constexpr, GS: tl.constexpr, WPG: tl.constexpr,
-               USE_ASM: tl.constexpr, SKIP: tl.constexpr, F16SUM: tl.constexpr,
-               X2: tl.constexpr):  # fmt: skip
+               USE_ASM: tl.constexpr, SKIP: tl.constexpr, F16SUM: tl.constexpr):  # fmt: skip
         """One row of the block: its 4 activation planes of this K-block (loaded whether or
         not the row is real: padding rows read row 0), then with SKIP the products only for a
         real row (`ok`: uniform over the program, a branch), else always."""
@@ -457,16 +449,15 @@ if HAS_TRITON:
         a3 = tl.broadcast_to(tl.load(ab + 3 * W)[None, :], [BN, W])
         if SKIP:
             if ok:
-                acc = _g_sum(acc, q0, q1, q2, q3, a0, a1, a2, a3, s, GS, WPG, USE_ASM, F16SUM,
-                             X2)  # fmt: skip
+                acc = _g_sum(acc, q0, q1, q2, q3, a0, a1, a2, a3, s, GS, WPG, USE_ASM, F16SUM)
                 if GATED:
                     acc_u = _g_sum(acc_u, u0, u1, u2, u3, a0, a1, a2, a3, su, GS, WPG,
-                                   USE_ASM, F16SUM, X2)  # fmt: skip
+                                   USE_ASM, F16SUM)  # fmt: skip
         else:
-            acc = _g_sum(acc, q0, q1, q2, q3, a0, a1, a2, a3, s, GS, WPG, USE_ASM, F16SUM, X2)
+            acc = _g_sum(acc, q0, q1, q2, q3, a0, a1, a2, a3, s, GS, WPG, USE_ASM, F16SUM)
             if GATED:
                 acc_u = _g_sum(acc_u, u0, u1, u2, u3, a0, a1, a2, a3, su, GS, WPG, USE_ASM,
-                               F16SUM, X2)  # fmt: skip
+                               F16SUM)  # fmt: skip
         return acc, acc_u
 
     @triton.jit
@@ -510,24 +501,17 @@ if HAS_TRITON:
         A_DIV: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, W: tl.constexpr, WPG: tl.constexpr, USE_ASM: tl.constexpr,
         GS: tl.constexpr, SKIP: tl.constexpr, PREFETCH: tl.constexpr, F16SUM: tl.constexpr,
-        X2: tl.constexpr, STAGES: tl.constexpr, NPB: tl.constexpr,
     ):  # fmt: skip
         """Grouped decode GEMV: a program per (aligned block of BLOCK_M <= 8 rows of one
         expert, N-block). c[pair] = W_e a[pair // A_DIV] for each real pair of the block:
         GATED: silu(gate) * up (w rows n and N + n); else times the pair's top-k weight (the
         caller sums the top-k). Each weight word is loaded and dequantized once per program.
         N-blocks are innermost in the grid (one expert's programs read adjacent memory);
-        blocks past the alignment's rows in use return at once. STAGES (None: a plain loop):
-        Triton's software pipelining of the K loop (`tl.range(num_stages=STAGES)`: the next
-        STAGES - 1 K-blocks' loads in flight through shared memory, no registers held for
-        them). X2: w_ptr and a_ptr are int64 views, W and WPG count word pairs (int4_x2.py).
-        NPB > 1: a program runs NPB consecutive N-blocks in one flat loop (its block's rows,
-        expert and pointers set up once; the pipeline does not drain between N-blocks; each
-        N-block's rows stored after its last K-block)."""
+        blocks past the alignment's rows in use return at once."""
         pid = tl.program_id(0)
-        nbp = tl.cdiv(tl.cdiv(N, BLOCK_N), NPB)
-        pid_m = pid // nbp
-        pid_n = pid % nbp
+        nbn = tl.cdiv(N, BLOCK_N)
+        pid_m = pid // nbn
+        pid_n = pid % nbn
         if pid_m * BLOCK_M >= tl.load(npost_ptr):
             return
         e = tl.load(eid_ptr + pid_m).to(tl.int64)
@@ -558,20 +542,13 @@ if HAS_TRITON:
         z = tl.zeros([BLOCK_N, AW], tl.float32)
         c0, c1, c2, c3, c4, c5, c6, c7 = z, z, z, z, z, z, z, z
         u0, u1, u2, u3, u4, u5, u6, u7 = z, z, z, z, z, z, z, z
-        nk = K // (8 * W)  # K-blocks of W words (X2: of W word pairs)
-        if X2:
-            nk = nk // 2
+        nk = K // (8 * W)
         p, s = _load_words(w_base, s_base, offs_n, n_ok, 0, w_stride_n, s_stride_n, W, WPG, GS)
         pu, su = p, s
         if GATED:
             pu, su = _load_words(w_base, s_base, offs_n + N, n_ok, 0, w_stride_n, s_stride_n,
                                  W, WPG, GS)  # fmt: skip
-        for it in tl.range(0, nk * NPB, num_stages=STAGES):
-            kb = it
-            if NPB > 1:  # N-block pid_n * NPB + it // nk of this program
-                kb = it % nk
-                offs_n = (pid_n * NPB + it // nk) * BLOCK_N + tl.arange(0, BLOCK_N)
-                n_ok = offs_n < N
+        for kb in range(0, nk):
             pc, sc, puc, suc = p, s, pu, su
             if PREFETCH:  # the next K-block's loads in flight during this one's products
                 kn = tl.minimum(kb + 1, nk - 1)
@@ -587,73 +564,43 @@ if HAS_TRITON:
                     puc, suc = _load_words(w_base, s_base, offs_n + N, n_ok, kb, w_stride_n,
                                            s_stride_n, W, WPG, GS)  # fmt: skip
             sg = _g_scales(sc, GS)
-            if X2:
-                q0, q1, q2, q3 = dq_x2(pc, USE_ASM)
-            else:
-                q0, q1, q2, q3 = _dq_h2(pc, USE_ASM)
+            q0, q1, q2, q3 = _dq_h2(pc, USE_ASM)
             sug = sg
             g0, g1, g2, g3 = q0, q1, q2, q3
             if GATED:
                 sug = _g_scales(suc, GS)
-                if X2:
-                    g0, g1, g2, g3 = dq_x2(puc, USE_ASM)
-                else:
-                    g0, g1, g2, g3 = _dq_h2(puc, USE_ASM)
+                g0, g1, g2, g3 = _dq_h2(puc, USE_ASM)
             a_off = kb * 4 * W + tl.arange(0, W)
             c0, u0 = _g_row(c0, u0, ar0, ok0, q0, q1, q2, q3, sg, g0, g1, g2, g3, sug, a_off,
-                            W, GATED, GS, WPG, USE_ASM, False, F16SUM, X2)  # fmt: skip
+                            W, GATED, GS, WPG, USE_ASM, False, F16SUM)  # fmt: skip
             if BLOCK_M > 1:
                 c1, u1 = _g_row(c1, u1, ar1, ok1, q0, q1, q2, q3, sg, g0, g1, g2, g3, sug,
-                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP, F16SUM, X2)  # fmt: skip
+                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP, F16SUM)  # fmt: skip
             if BLOCK_M > 2:
                 c2, u2 = _g_row(c2, u2, ar2, ok2, q0, q1, q2, q3, sg, g0, g1, g2, g3, sug,
-                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP, F16SUM, X2)  # fmt: skip
+                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP, F16SUM)  # fmt: skip
                 c3, u3 = _g_row(c3, u3, ar3, ok3, q0, q1, q2, q3, sg, g0, g1, g2, g3, sug,
-                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP, F16SUM, X2)  # fmt: skip
+                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP, F16SUM)  # fmt: skip
             if BLOCK_M > 4:
                 c4, u4 = _g_row(c4, u4, ar4, ok4, q0, q1, q2, q3, sg, g0, g1, g2, g3, sug,
-                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP, F16SUM, X2)  # fmt: skip
+                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP, F16SUM)  # fmt: skip
                 c5, u5 = _g_row(c5, u5, ar5, ok5, q0, q1, q2, q3, sg, g0, g1, g2, g3, sug,
-                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP, F16SUM, X2)  # fmt: skip
+                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP, F16SUM)  # fmt: skip
                 c6, u6 = _g_row(c6, u6, ar6, ok6, q0, q1, q2, q3, sg, g0, g1, g2, g3, sug,
-                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP, F16SUM, X2)  # fmt: skip
+                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP, F16SUM)  # fmt: skip
                 c7, u7 = _g_row(c7, u7, ar7, ok7, q0, q1, q2, q3, sg, g0, g1, g2, g3, sug,
-                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP, F16SUM, X2)  # fmt: skip
-            if NPB > 1:
-                if kb == nk - 1:  # this N-block's rows are done: store, start the next
-                    _g_out(c0, u0, p0, ok0, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV,
-                           GATED)  # fmt: skip
-                    if BLOCK_M > 1:
-                        _g_out(c1, u1, p1, ok1, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok,
-                               A_DIV, GATED)  # fmt: skip
-                    if BLOCK_M > 2:
-                        _g_out(c2, u2, p2, ok2, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok,
-                               A_DIV, GATED)  # fmt: skip
-                        _g_out(c3, u3, p3, ok3, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok,
-                               A_DIV, GATED)  # fmt: skip
-                    if BLOCK_M > 4:
-                        _g_out(c4, u4, p4, ok4, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok,
-                               A_DIV, GATED)  # fmt: skip
-                        _g_out(c5, u5, p5, ok5, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok,
-                               A_DIV, GATED)  # fmt: skip
-                        _g_out(c6, u6, p6, ok6, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok,
-                               A_DIV, GATED)  # fmt: skip
-                        _g_out(c7, u7, p7, ok7, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok,
-                               A_DIV, GATED)  # fmt: skip
-                    c0, c1, c2, c3, c4, c5, c6, c7 = z, z, z, z, z, z, z, z
-                    u0, u1, u2, u3, u4, u5, u6, u7 = z, z, z, z, z, z, z, z
-        if NPB == 1:
-            _g_out(c0, u0, p0, ok0, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
-            if BLOCK_M > 1:
-                _g_out(c1, u1, p1, ok1, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
-            if BLOCK_M > 2:
-                _g_out(c2, u2, p2, ok2, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
-                _g_out(c3, u3, p3, ok3, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
-            if BLOCK_M > 4:
-                _g_out(c4, u4, p4, ok4, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
-                _g_out(c5, u5, p5, ok5, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
-                _g_out(c6, u6, p6, ok6, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
-                _g_out(c7, u7, p7, ok7, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
+                                a_off, W, GATED, GS, WPG, USE_ASM, SKIP, F16SUM)  # fmt: skip
+        _g_out(c0, u0, p0, ok0, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
+        if BLOCK_M > 1:
+            _g_out(c1, u1, p1, ok1, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
+        if BLOCK_M > 2:
+            _g_out(c2, u2, p2, ok2, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
+            _g_out(c3, u3, p3, ok3, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
+        if BLOCK_M > 4:
+            _g_out(c4, u4, p4, ok4, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
+            _g_out(c5, u5, p5, ok5, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
+            _g_out(c6, u6, p6, ok6, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
+            _g_out(c7, u7, p7, ok7, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
 
 
 GROUPED_BLOCK_M = (1, 2, 4, 8)
@@ -662,76 +609,14 @@ GROUPED_BLOCK_M = (1, 2, 4, 8)
 def _launch_grouped(a, rs, w, s, c, tw, sorted_ids, expert_ids, npost, N, K, num_pairs, a_div,
                     gated, cfg, group, asm):  # fmt: skip
     bm = cfg["BLOCK_M"]
-    W, wpg = cfg["W"], group // 8
-    x2 = bool(cfg.get("X2", 0))
-    if x2:  # word pairs: the int64 views (int4_x2.py), W and words per group halved
-        a, w, W, wpg = a.view(torch.int64), w.view(torch.int64), W // 2, wpg // 2
-    npb = max(1, int(cfg.get("NPB", 1)))
-    grid = (expert_ids.numel() * cdiv(cdiv(N, cfg["BLOCK_N"]), npb),)
-    return _int4_gemv_h2_grouped_kernel[grid](
+    grid = (expert_ids.numel() * cdiv(N, cfg["BLOCK_N"]),)
+    _int4_gemv_h2_grouped_kernel[grid](
         a, rs, w, s, c, tw, sorted_ids, expert_ids, npost, N, K, num_pairs, a.stride(0),
         c.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), A_DIV=a_div,
-        GATED=gated, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], W=W, WPG=wpg,
+        GATED=gated, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], W=cfg["W"], WPG=group // 8,
         USE_ASM=use_asm(asm), GS=cfg.get("GS", 1), SKIP=cfg.get("SKIP", 1),
-        PREFETCH=cfg.get("PREFETCH", 0), F16SUM=cfg.get("F16SUM", 0), X2=x2,
-        STAGES=_stages(cfg), NPB=npb, num_warps=cfg["num_warps"],
-        **({"maxnreg": int(cfg["maxnreg"])} if cfg.get("maxnreg") else {}),
+        PREFETCH=cfg.get("PREFETCH", 0), F16SUM=cfg.get("F16SUM", 0), num_warps=cfg["num_warps"],
     )  # fmt: skip
-
-
-def _stages(cfg: dict) -> int | None:
-    """The K loop's pipelining depth (config STAGES; 0, 1 or absent: None, a plain loop)."""
-    n = int(cfg.get("STAGES") or 0)
-    return n if n > 1 else None
-
-
-def _check_grouped(cfg: dict, D: int, I: int, group: int, w13, w2) -> None:  # noqa: E741
-    """Raise ValueError for a grouped launch config these weights cannot run."""
-    W = cfg["W"]
-    pb = 8 * W
-    if D % pb or I % pb or group % 8 or W % (group // 8):
-        raise ValueError(f"int4_moe_decode_grouped: D={D}, I={I} must be multiples of {pb} "
-                         f"and group {group} must divide it")  # fmt: skip
-    if (_stages(cfg) or cfg.get("NPB", 1) > 1) and cfg.get("PREFETCH", 0):
-        raise ValueError("int4_moe_decode_grouped: STAGES (pipelined loads) or NPB, or PREFETCH "
-                         "(registers), not both")  # fmt: skip
-    if cfg.get("X2", 0):
-        if cfg.get("F16SUM", 0):
-            raise ValueError("int4_moe_decode_grouped: X2 sums 8 products per fp16 half already; "
-                             "F16SUM (16) would overflow its bound: not both")  # fmt: skip
-        if group % 16 or W % 2:
-            raise ValueError(f"int4_moe_decode_grouped: X2 needs an even W ({W}) and words per "
-                             f"group ({group // 8})")  # fmt: skip
-        for t in (w13, w2):
-            if (
-                t.stride(-1) != 1
-                or t.shape[-1] % 2
-                or t.storage_offset() % 2
-                or any(st % 2 for st in t.stride()[:-1])
-            ):
-                raise ValueError("int4_moe_decode_grouped: X2 reads the packed weights as int64: "
-                                 "they must be contiguous in K with even strides")  # fmt: skip
-
-
-def grouped_launch_configs(config, ew, D: int) -> tuple[dict, dict]:
-    """The grouped GEMV's (gate+up, down) launch configs from a policy entry (`config`, its
-    "w2" overrides for the down launch) for these weights and hidden size D: W halved for
-    models too small for it, every launch checked (ValueError)."""
-    I = ew.intermediate  # noqa: E741
-    cfg = {key: v for key, v in config.items() if key != "w2"}
-    cfg2 = {**cfg, **config.get("w2", {})}
-    if cfg2["BLOCK_M"] != cfg["BLOCK_M"]:
-        raise ValueError("int4_moe_decode_grouped: one BLOCK_M for both launches (one alignment)")
-    if cfg["BLOCK_M"] not in GROUPED_BLOCK_M:
-        raise ValueError(f"int4_moe_decode_grouped: BLOCK_M={cfg['BLOCK_M']}: use one of "
-                         f"{GROUPED_BLOCK_M}")  # fmt: skip
-    for c in (cfg, cfg2):
-        W = c["W"]
-        while (D % (8 * W) or I % (8 * W)) and W > 16:
-            W //= 2
-        c["W"] = W
-        _check_grouped(c, D, I, ew.group_size, ew.w13, ew.w2)
-    return cfg, cfg2
 
 
 def int4_moe_decode_grouped(
@@ -745,20 +630,32 @@ def int4_moe_decode_grouped(
 ) -> torch.Tensor:  # [T, D]
     """Routed-expert output with the grouped h2 GEMV (rows grouped by expert, each weight tile
     read and dequantized once per block of BLOCK_M rows); no host synchronisation. `config`:
-    BLOCK_M (1, 2, 4 or 8), BLOCK_N, W, num_warps, optionally GS (default 1), SKIP (default
-    1: padding rows skip their products), STAGES (default none: the K loop software-pipelined
-    that deep), X2 (default 0; 1: word pairs, int4_x2.py), NPB (default 1: N-blocks per
-    program, one flat loop), maxnreg (default none: ptxas's register cap, e.g. 168 keeps 3
-    programs of 4 warps per SM where pipelining needs ~240), PREFETCH and F16SUM (default 0) of
-    the gate+up launch, and optionally "w2": overrides for the down launch (the kernel
-    policy's `int4_decode_grouped`). W is halved for models too small for it."""
+    BLOCK_M (1, 2, 4 or 8), BLOCK_N, W, num_warps, optionally GS (default 1) and SKIP (default
+    1: padding rows skip their products) of the gate+up launch, and optionally "w2": overrides
+    for the down launch (the kernel policy's `int4_decode_grouped`). W is halved for models
+    too small for it."""
     from .moe_align import moe_align_block_size
 
     require_triton(x)
     T, D = x.shape
     I = ew.intermediate  # noqa: E741
     k = topk_ids.shape[1]
-    cfg, cfg2 = grouped_launch_configs(config, ew, D)
+    cfg = {key: v for key, v in config.items() if key != "w2"}
+    cfg2 = {**cfg, **config.get("w2", {})}
+    if cfg2["BLOCK_M"] != cfg["BLOCK_M"]:
+        raise ValueError("int4_moe_decode_grouped: one BLOCK_M for both launches (one alignment)")
+    if cfg["BLOCK_M"] not in GROUPED_BLOCK_M:
+        raise ValueError(f"int4_moe_decode_grouped: BLOCK_M={cfg['BLOCK_M']}: use one of "
+                         f"{GROUPED_BLOCK_M}")  # fmt: skip
+    for c in (cfg, cfg2):
+        W = c["W"]
+        while (D % (8 * W) or I % (8 * W)) and W > 16:
+            W //= 2
+        c["W"] = W
+        pb = 8 * W
+        if D % pb or I % pb or ew.group_size % 8 or W % (ew.group_size // 8):
+            raise ValueError(f"int4_moe_decode_grouped: D={D}, I={I} must be multiples of {pb} "
+                             f"and group {ew.group_size} must divide it")  # fmt: skip
     M = T * k
     tw = topk_weights.reshape(-1).float().contiguous()
     sorted_ids, expert_ids, npost = moe_align_block_size(topk_ids, ew.num_experts, cfg["BLOCK_M"])
