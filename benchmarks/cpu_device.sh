@@ -14,20 +14,8 @@ mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-src}
 PY=${PY:-python3}
 BUDGET=${BUDGET:-172}  # seconds for all parts (the device command's limit is 180)
-run() {  # name, seconds, command...: each part gets at most what is left of BUDGET
-  local name=$1 secs=$2
-  shift 2
-  local left=$((BUDGET - SECONDS))
-  ((secs > left)) && secs=$left
-  if ((secs < 5)); then
-    echo "## $name: skipped (time budget spent)" | tee -a "$OUT/cpu_summary.txt"
-    return
-  fi
-  local t0=$SECONDS
-  timeout "$secs" "$@" >"$OUT/cpu_$name.txt" 2>&1
-  echo "## $name: rc $? in $((SECONDS - t0)) s (limit $secs)" | tee -a "$OUT/cpu_summary.txt"
-}
-: >"$OUT/cpu_summary.txt"
+PREFIX=cpu
+source benchmarks/device_parts.sh  # run NAME SECONDS COMMAND...: budgeted parts, fail soft
 lscpu | grep -E "Model name|^CPU\(s\)|NUMA node\(s\)|L3" >"$OUT/cpu_host.txt" 2>&1
 run tests 33 $PY -m pytest -q -x -p no:cacheprovider tests/moe/test_cpu_int4_decode.py \
   tests/moe/test_cpu_linear.py tests/kernels/test_mla_chunked.py

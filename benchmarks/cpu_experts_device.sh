@@ -19,20 +19,8 @@ export PYTHONPATH=${PYTHONPATH:-src}
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 BUDGET=${BUDGET:-145}  # seconds for all parts (the device command's limit is 150)
-run() {  # name, seconds, command...: each part gets at most what is left of BUDGET
-  local name=$1 secs=$2
-  shift 2
-  local left=$((BUDGET - SECONDS))
-  ((secs > left)) && secs=$left
-  if ((secs < 5)); then
-    echo "## $name: skipped (time budget spent)" | tee -a "$OUT/cpuexp_summary.txt"
-    return
-  fi
-  local t0=$SECONDS
-  timeout "$secs" "$@" >"$OUT/cpuexp_$name.txt" 2>&1
-  echo "## $name: rc $? in $((SECONDS - t0)) s (limit $secs)" | tee -a "$OUT/cpuexp_summary.txt"
-}
-: >"$OUT/cpuexp_summary.txt"
+PREFIX=cpuexp
+source benchmarks/device_parts.sh  # run NAME SECONDS COMMAND...: budgeted parts, fail soft
 {
   lscpu | grep -E "Model name|^CPU\(s\)|Thread\(s\) per core|NUMA node\(s\)|L3"
   echo "load: $(cat /proc/loadavg)"

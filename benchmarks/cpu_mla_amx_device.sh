@@ -20,20 +20,8 @@ SECONDS=0
 source benchmarks/device_env.sh  # OUT, PYTHONPATH (src, wheels from .whl if any)
 PY=${PY:-python3}
 BUDGET=${BUDGET:-145}  # seconds for all parts (the device command's limit is 150)
-run() {  # name, seconds, command...: each part gets at most what is left of BUDGET
-  local name=$1 secs=$2
-  shift 2
-  local left=$((BUDGET - SECONDS))
-  ((secs > left)) && secs=$left
-  if ((secs < 5)); then
-    echo "## $name: skipped (time budget spent)" | tee -a "$OUT/cpumla_summary.txt"
-    return
-  fi
-  local t0=$SECONDS
-  timeout "$secs" "$@" >"$OUT/cpumla_$name.txt" 2>&1
-  echo "## $name: rc $? in $((SECONDS - t0)) s (limit $secs)" | tee -a "$OUT/cpumla_summary.txt"
-}
-: >"$OUT/cpumla_summary.txt"
+PREFIX=cpumla
+source benchmarks/device_parts.sh  # run NAME SECONDS COMMAND...: budgeted parts, fail soft
 lscpu | grep -E "Model name|^CPU\(s\)|NUMA node\(s\)|L3|amx" | cut -c1-160 >"$OUT/cpumla_host.txt" 2>&1
 run build 30 env K2SERVE_CPU_KERNEL=native $PY -c "
 from k2serve.kernels import cpu as ck
