@@ -36,7 +36,7 @@ from cpu_attn import (
 )
 from cpu_quiet import BwProbe, OmpTeam
 
-from k2serve.kernels.cpu import cpu_head_gemv, cpu_linear
+from k2serve.kernels.cpu import cpu_head_gemv
 from k2serve.quant.linear import linear
 
 LAYERS, DENSE, MOE = 61, 1, 60
@@ -66,10 +66,25 @@ def time_mlp(ws, rows: int, fn, reps: int = 3, timer=None) -> float:
     return (timer or timeit)(run, reps) / len(ws)
 
 
-def shared_variants(ws, timer) -> dict[str, float]:
-    """One row through the shared expert (SiLU(x Wg) * (x Wu)) Wd three ways: the model's CPU
-    path today (3 linear() GEMVs), gate and up as one GEMV over the rows' concatenation, and one
-    call of the CPU experts kernel (one bf16 expert, always selected, weight 1)."""
+def time_mlp_fused(ws, timer) -> float:
+    """One row through an MLP as the model's CPU path runs it now (kernel policy
+    fused_projections): gate and up as one GEMV over their rows' concatenation, then down."""
+    x, n = torch.randn(1, D).bfloat16(), ws[0][0].shape[0]
+    fused = [(torch.cat([g, u]), d) for g, u, d in ws]  # [2 I, D], [D, I]
+
+    def run():
+        for gu, d in fused:
+            a, b = linear(x, gu).split([n, n], dim=-1)
+            linear(F.silu(a) * b, d)
+
+    return timer(run, 7) / len(ws)
+
+
+def shared_variants(ws, timer_of) -> dict[str, float]:
+    """One row through the shared expert (SiLU(x Wg) * (x Wu)) Wd three ways: 3 linear() GEMVs
+    (the model's CPU path before fused_projections was on for the CPU), gate and up as one GEMV
+    (now), and one call of the CPU experts kernel (one bf16 expert, always selected, weight 1);
+    the last two checked against the first."""
     from torch import nn
 
     from k2serve.moe.cpu_experts import CpuExpertBackend
@@ -77,38 +92,34 @@ def shared_variants(ws, timer) -> dict[str, float]:
 
     x = torch.randn(1, D).bfloat16()
     ids, wt = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1)
-    fused, kern = [], []
+    kern = []
     for g, u, d in ws:
-        gu = torch.cat([g, u])  # [2 I, D]
         m = nn.Module()
-        for name, w in (("gate_proj", gu[:I_MOE]), ("up_proj", gu[I_MOE:]), ("down_proj", d)):
+        for name, w in (("gate_proj", g), ("up_proj", u), ("down_proj", d)):
             lin = UnquantizedLinear(w.shape[1], w.shape[0], torch.bfloat16)
             lin.weight = nn.Parameter(w, requires_grad=False)
             setattr(m, name, lin)
-        fused.append((gu, d))
         kern.append(CpuExpertBackend([m], [0], 1, kernel="native"))
 
     def three():
         for g, u, d in ws:
             linear(F.silu(linear(x, g)) * linear(x, u), d)
 
-    def two():
-        for gu, d in fused:
-            a, b = cpu_linear(x, gu).split([I_MOE, I_MOE], dim=-1)
-            linear(F.silu(a) * b, d)
-
     def one():
         for be in kern:
             be(x, ids, wt)
 
-    ref = linear(F.silu(linear(x, ws[0][0])) * linear(x, ws[0][1]), ws[0][2]).float()
-    for name in ("fused", "kernel"):  # the same products (bf16 rounding)
-        a, b = cpu_linear(x, fused[0][0]).split([I_MOE, I_MOE], dim=-1)
-        out = linear(F.silu(a) * b, fused[0][1]) if name == "fused" else kern[0](x, ids, wt)
+    g, u, d = ws[0]
+    ref = linear(F.silu(linear(x, g)) * linear(x, u), d).float()
+    a, b = linear(x, torch.cat([g, u])).split([I_MOE, I_MOE], dim=-1)
+    for name, out in (("fused", linear(F.silu(a) * b, d)), ("kernel", kern[0](x, ids, wt))):
         err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
         assert err < 3e-2, f"shared expert {name}: rel err {err:.2e}"
-    return {k: timer(f, 7) / len(ws) for k, f in (("3 GEMVs", three), ("fused gate_up", two),
-                                                  ("experts kernel", one))}  # fmt: skip
+    return {
+        "3 GEMVs": timer_of("shared expert (3 GEMVs)")(three, 7) / len(ws),
+        "fused gate_up": time_mlp_fused(ws, timer_of("shared expert")),
+        "experts kernel": timer_of("shared expert (kernel)")(one, 7) / len(ws),
+    }
 
 
 def time_absorb_kernel(copies: int, rows: int, timer=None) -> float:
@@ -212,12 +223,13 @@ def full_k2(args, bw: float) -> int:
            "ref": "the float32 einsums"}[args.mla]  # fmt: skip
     print(f"# MLA decode: {how} (shuffled pages, 16 distinct caches)")
     sw = mlp_weights(I_MOE, 4)
-    t_sh = time_mlp(sw, 1, linear, timer=timer("shared expert"))
-    shv = shared_variants(sw, timer("shared expert variants")) if quiet else {}
+    # quiet: as the model runs it now (gate + up fused); legacy: the previous 3 GEMVs
+    shv = shared_variants(sw, timer) if quiet else {}
+    t_sh = shv["fused gate_up"] if quiet else time_mlp(sw, 1, linear)
     t_sh_p = 0.0 if args.decode_only else time_mlp(sw[:1], P, F.linear, reps=1) / P
     del sw
     dw = mlp_weights(I_DENSE, 1)
-    t_dense = time_mlp(dw, 1, linear, timer=timer("dense layer MLP"))
+    t_dense = time_mlp_fused(dw, timer("dense layer MLP")) if quiet else time_mlp(dw, 1, linear)
     pd = min(P, 512)
     t_dense_p = 0.0 if args.decode_only else time_mlp(dw, pd, F.linear, reps=1) / pd
     del dw
@@ -248,11 +260,12 @@ def full_k2(args, bw: float) -> int:
         ("dense layer MLP", DENSE, DENSE_BYTES, t_dense),
         ("lm_head", 1, LM_BYTES, t_lm),
     ]  # fmt: skip
-    for k, t in shv.items():
+    for (k, t), sp in zip(shv.items(), ("3 GEMVs", "", "kernel"), strict=True):
         gbs = SHARED_BYTES / t / 1e9
+        spin = spins.get(f"shared expert ({sp})" if sp else "shared expert", 0.0)
         print(f"# shared expert as {k:<15}: {t * 1e3:.3f} ms/layer, {gbs:.1f} GB/s = "
               f"{gbs / bw:.0%} of BW (median of 7; torch team's CPU during them "
-              f"{spins.get('shared expert variants', 0.0):.1f} ms)")  # fmt: skip
+              f"{spin:.1f} ms)")  # fmt: skip
     tot_b = sum(c * b for _, c, b, _ in parts)
     tot_t = sum(c * t for _, c, _, t in parts)
     print(f"{'part (decode, 1 token)':<34} {'count':>5} {'MB/token':>9} {'of bytes':>8} "
