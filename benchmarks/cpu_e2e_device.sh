@@ -39,7 +39,7 @@ run checks 30 env K2SERVE_CPU_KERNEL=native $PY -m pytest -q -x -p no:cacheprovi
   tests/integration/test_backends.py -k "cpu_linear or cpu_head or policy or fused_projections"
 run e2e 28 $PY $E2E
 run e2e_legacy 18 $PY $E2E --timing legacy
-run e2e_2t 30 env OMP_NUM_THREADS=2 $PY $E2E
+run e2e_2t 35 env OMP_NUM_THREADS=2 $PY $E2E
 run e2e_2t_legacy 25 env OMP_NUM_THREADS=2 $PY $E2E --timing legacy
 {
   echo "=== host"; cat "$OUT/e2e_host.txt"

@@ -11,7 +11,7 @@ that size, so its kernel calls run beside an idle team. A benchmark that builds 
 - `OmpTeam.timed(fn, reps)`: quiesce, warm up, then `reps` timed calls: the median, and the CPU
   the team used during the timed calls (0 when the part ran as the engine runs it);
 - `BwProbe`: the read-bandwidth probe repeated between parts (torch's sum and the kernel's
-  stream read, best of 3 each); its max over the run is the limit (conservative: the probes
+  stream read, best of 2 each); its max over the run is the limit (conservative: the probes
   swing by 1.5x between parts of one run on a loaded host).
 """
 
@@ -85,7 +85,7 @@ class BwProbe:
         self.buf = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
         self.runs: list[float] = []
 
-    def probe(self, reps: int = 3) -> float:
+    def probe(self, reps: int = 2) -> float:
         buf = self.buf
         best = float("inf")
         for _ in range(reps):
