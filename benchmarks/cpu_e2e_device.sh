@@ -3,7 +3,8 @@
 # read bandwidth, on 2 threads and on 16): cpu_e2e.py --full-k2 on the device host's CPU (the
 # GPU stays idle), in < 120 s, decode parts only (--decode-only):
 #   0. checks: the CPU GEMV's pieced bf16 rounding (same values as one .to()), the CPU kernel
-#      policy (fused q_a + kv_a, gate + up), the fused-projection logits test; kernel build
+#      policy (fused q_a + kv_a, gate + up), the fused-projection logits test; kernel build;
+#      omp_spin_probe.py: CPU the other threads burn after a parallel op / a wide GEMV output
 #   1. e2e: --timing quiet (the new method: each part beside an idle torch OpenMP team,
 #      checked; median of >= 7 calls; bandwidth probed per part, limit = the max) on 16 threads;
 #      the shared expert three ways (3 GEMVs = before, fused gate_up = now, experts kernel)
@@ -17,7 +18,7 @@ set -u
 SECONDS=0
 source benchmarks/device_env.sh  # OUT, PYTHONPATH (src, wheels from .whl if any)
 PY=${PY:-python3}
-BUDGET=${BUDGET:-115}  # seconds for all parts (the device command's limit is 120)
+BUDGET=${BUDGET:-117}  # seconds for all parts (the device command's limit is 120)
 run() {  # name, seconds, command...: each part gets at most what is left of BUDGET
   local name=$1 secs=$2
   shift 2
@@ -34,16 +35,19 @@ run() {  # name, seconds, command...: each part gets at most what is left of BUD
 : >"$OUT/e2e_summary.txt"
 lscpu | grep -E "Model name|^CPU\(s\)|NUMA node\(s\)|L3|amx" | cut -c1-160 >"$OUT/e2e_host.txt" 2>&1
 E2E="benchmarks/cpu_e2e.py --full-k2 --experts 48 --context 8192 --decode-only"
-run checks 30 env K2SERVE_CPU_KERNEL=native $PY -m pytest -q -x -p no:cacheprovider \
+run checks 25 env K2SERVE_CPU_KERNEL=native $PY -m pytest -q -x -p no:cacheprovider \
   tests/moe/test_cpu_linear.py tests/kernels/test_policy.py \
   tests/integration/test_backends.py -k "cpu_linear or cpu_head or policy or fused_projections"
-run e2e 28 $PY $E2E
-run e2e_legacy 18 $PY $E2E --timing legacy
-run e2e_2t 35 env OMP_NUM_THREADS=2 $PY $E2E
+run spin 14 $PY benchmarks/omp_spin_probe.py
+run e2e 26 $PY $E2E
+run e2e_legacy 16 $PY $E2E --timing legacy
+run e2e_2t 30 env OMP_NUM_THREADS=2 $PY $E2E
 run e2e_2t_legacy 25 env OMP_NUM_THREADS=2 $PY $E2E --timing legacy
 {
   echo "=== host"; cat "$OUT/e2e_host.txt"
   echo "=== checks"; tail -n 2 "$OUT/e2e_checks.txt"
+  echo "=== omp_spin_probe (torch team's spin after a parallel op; after a wide GEMV output)"
+  grep -E "^T=|^GEMV" "$OUT/e2e_spin.txt" | cut -c1-200
   for p in e2e e2e_legacy e2e_2t e2e_2t_legacy; do
     [ -f "$OUT/e2e_$p.txt" ] || continue
     echo "=== cpu_e2e --full-k2 ($p)"
