@@ -10,9 +10,12 @@
 #      the shared expert three ways (3 GEMVs = before, fused gate_up = now, experts kernel)
 #   2. e2e_legacy: --timing legacy (the previous method: best of 3 right after building the
 #      weights, one bandwidth probe; shared expert as 3 GEMVs) on 16 threads
-#   3. e2e_2t: as 1 on 2 threads (OMP_NUM_THREADS=2: the kernel's pool, torch, the probe)
-#   4. e2e_2t_legacy: as 2 on 2 threads, if the budget allows
-# Each part has its own time limit and fails soft. Full outputs: $OUT/e2e_*.txt.
+#   3. moe: cpu_moe.py's one-token MoE layer over the same 48 experts (16 threads): the e2e's
+#      routed-experts part should agree with it (ms/layer = the e2e's ms/token / 60)
+#   4. e2e_2t: as 1 on 2 threads (OMP_NUM_THREADS=2: the kernel's pool, torch, the probe)
+#   5. e2e_2t_legacy: as 2 on 2 threads, if the budget allows
+# Run in the order checks, 1, 2, 4, spin, 3, 5 (what matters most first); each part has its own
+# time limit and fails soft. Full outputs: $OUT/e2e_*.txt.
 #   bash benchmarks/cpu_e2e_device.sh
 set -u
 SECONDS=0
@@ -35,13 +38,15 @@ run() {  # name, seconds, command...: each part gets at most what is left of BUD
 : >"$OUT/e2e_summary.txt"
 lscpu | grep -E "Model name|^CPU\(s\)|NUMA node\(s\)|L3|amx" | cut -c1-160 >"$OUT/e2e_host.txt" 2>&1
 E2E="benchmarks/cpu_e2e.py --full-k2 --experts 48 --context 8192 --decode-only"
-run checks 25 env K2SERVE_CPU_KERNEL=native $PY -m pytest -q -x -p no:cacheprovider \
+run checks 22 env K2SERVE_CPU_KERNEL=native $PY -m pytest -q -x -p no:cacheprovider \
   tests/moe/test_cpu_linear.py tests/kernels/test_policy.py \
   tests/integration/test_backends.py -k "cpu_linear or cpu_head or policy or fused_projections"
-run spin 14 $PY benchmarks/omp_spin_probe.py
-run e2e 26 $PY $E2E
+run e2e 24 $PY $E2E
 run e2e_legacy 16 $PY $E2E --timing legacy
 run e2e_2t 30 env OMP_NUM_THREADS=2 $PY $E2E
+run spin 13 $PY benchmarks/omp_spin_probe.py
+run moe 16 $PY benchmarks/cpu_moe.py --experts 48 --batches 1 --prefill 0 --no-old --no-peer \
+  --no-limit --no-forced --iters 15
 run e2e_2t_legacy 25 env OMP_NUM_THREADS=2 $PY $E2E --timing legacy
 {
   echo "=== host"; cat "$OUT/e2e_host.txt"
@@ -55,5 +60,7 @@ run e2e_2t_legacy 25 env OMP_NUM_THREADS=2 $PY $E2E --timing legacy
     sed -n '/^part/,/^EXTRAPOLATED full K2 decode/p' "$OUT/e2e_$p.txt" | cut -c1-220
     grep -E "Error|error" "$OUT/e2e_$p.txt" | tail -n 3 | cut -c1-220
   done
+  echo "=== cpu_moe --experts 48, 1 token (16 threads): compare with the e2e routed row / 60"
+  grep -E "read bandwidth|^ +tokens|^ +1 " "$OUT/e2e_moe.txt" | head -n 3 | cut -c1-200
   echo "=== parts"; cat "$OUT/e2e_summary.txt"
 } 2>&1 | tee "$OUT/e2e_table.txt"
