@@ -93,6 +93,15 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-tbs", type=float, default=2.7,
                     help="--full-k2: the GPU's effective TB/s for the hybrid figure (H100: "
                          "3.35 peak x ~0.8)")  # fmt: skip
+    ap.add_argument("--timing", choices=("quiet", "legacy"), default="quiet",
+                    help="--full-k2: each decode part beside an idle torch OpenMP team, median, "
+                         "bandwidth probed per part (quiet), or the previous best-of-3 right "
+                         "after building the weights (legacy)")  # fmt: skip
+    ap.add_argument(
+        "--decode-only",
+        action="store_true",
+        help="--full-k2: skip the prefill parts and figures (saves time)",
+    )
     args = ap.parse_args(argv)
     if args.full_k2:
         from cpu_e2e_k2 import full_k2  # benchmarks/cpu_e2e_k2.py

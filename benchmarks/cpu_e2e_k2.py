@@ -4,6 +4,14 @@ Each part of one layer is timed with the model's own CPU code path on K2-sized w
 values), over enough distinct copies to miss the caches, then multiplied by its count in the
 full model (61 layers: 1 dense + 60 MoE). Nothing here runs the whole model: the figures are
 extrapolations and are printed as such.
+
+--timing quiet (default): each decode part as the engine runs it at batch 1: its weights and
+inputs built first, then torch's OpenMP team left to go idle (cpu_quiet.OmpTeam.quiesce: its
+threads' CPU time is read, not assumed), then the median of several calls; the CPU the team
+used during them is printed per part (0.0: the part ran beside an idle team). The read
+bandwidth is probed again before each part; the limit is the max of the probes (min / median
+/ max printed). --timing legacy: the previous method (the best of 3 right after building the
+weights, so torch's team may still spin beside the kernel's threads; one probe).
 """
 
 from __future__ import annotations
@@ -16,12 +24,17 @@ from cpu_attn import (
     KVB_BYTES,
     PROJ,
     PROJ_BYTES,
+    SCALE,
+    backend,
     decode_path,
+    forced_flash,
+    mla_case,
     mla_flops,
     proj_weights,
     time_mla,
     timeit,
 )
+from cpu_quiet import BwProbe, OmpTeam
 
 from k2serve.kernels.cpu import cpu_head_gemv
 from k2serve.quant.linear import linear
@@ -43,17 +56,73 @@ def mlp_weights(inter: int, copies: int) -> list[tuple]:
     return [(mk(inter, D), mk(inter, D), mk(D, inter)) for _ in range(copies)]
 
 
-def time_mlp(ws, rows: int, fn, reps: int = 3) -> float:
+def time_mlp(ws, rows: int, fn, reps: int = 3, timer=None) -> float:
     x, h = torch.randn(rows, D).bfloat16(), torch.randn(rows, ws[0][0].shape[0]).bfloat16()
 
     def run():
         for g, u, d in ws:
             fn(x, g), fn(x, u), fn(h, d)
 
-    return timeit(run, reps) / len(ws)
+    return (timer or timeit)(run, reps) / len(ws)
 
 
-def time_absorb_kernel(copies: int, rows: int) -> float:
+def time_mlp_fused(ws, timer) -> float:
+    """One row through an MLP as the model's CPU path runs it now (kernel policy
+    fused_projections): gate and up as one GEMV over their rows' concatenation, then down."""
+    x, n = torch.randn(1, D).bfloat16(), ws[0][0].shape[0]
+    fused = [(torch.cat([g, u]), d) for g, u, d in ws]  # [2 I, D], [D, I]
+
+    def run():
+        for gu, d in fused:
+            a, b = linear(x, gu).split([n, n], dim=-1)
+            linear(F.silu(a) * b, d)
+
+    return timer(run, 7) / len(ws)
+
+
+def shared_variants(ws, timer_of) -> dict[str, float]:
+    """One row through the shared expert (SiLU(x Wg) * (x Wu)) Wd three ways: 3 linear() GEMVs
+    (the model's CPU path before fused_projections was on for the CPU), gate and up as one GEMV
+    (now), and one call of the CPU experts kernel (one bf16 expert, always selected, weight 1);
+    the last two checked against the first."""
+    from torch import nn
+
+    from k2serve.moe.cpu_experts import CpuExpertBackend
+    from k2serve.quant.linear import UnquantizedLinear
+
+    x = torch.randn(1, D).bfloat16()
+    ids, wt = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1)
+    kern = []
+    for g, u, d in ws:
+        m = nn.Module()
+        for name, w in (("gate_proj", g), ("up_proj", u), ("down_proj", d)):
+            lin = UnquantizedLinear(w.shape[1], w.shape[0], torch.bfloat16)
+            lin.weight = nn.Parameter(w, requires_grad=False)
+            setattr(m, name, lin)
+        kern.append(CpuExpertBackend([m], [0], 1, kernel="native"))
+
+    def three():
+        for g, u, d in ws:
+            linear(F.silu(linear(x, g)) * linear(x, u), d)
+
+    def one():
+        for be in kern:
+            be(x, ids, wt)
+
+    g, u, d = ws[0]
+    ref = linear(F.silu(linear(x, g)) * linear(x, u), d).float()
+    a, b = linear(x, torch.cat([g, u])).split([I_MOE, I_MOE], dim=-1)
+    for name, out in (("fused", linear(F.silu(a) * b, d)), ("kernel", kern[0](x, ids, wt))):
+        err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+        assert err < 3e-2, f"shared expert {name}: rel err {err:.2e}"
+    return {
+        "3 GEMVs": timer_of("shared expert (3 GEMVs)")(three, 7) / len(ws),
+        "fused gate_up": time_mlp_fused(ws, timer_of("shared expert")),
+        "experts kernel": timer_of("shared expert (kernel)")(one, 7) / len(ws),
+    }
+
+
+def time_absorb_kernel(copies: int, rows: int, timer=None) -> float:
     """The absorbed kv_b at decode as the model runs it (cpu_head_gemv, else bmm)."""
     wk = [torch.randn(NH, 512, 128).bfloat16() for _ in range(copies)]
     wv = [torch.randn(NH, 128, 512).bfloat16() for _ in range(copies)]
@@ -66,10 +135,25 @@ def time_absorb_kernel(copies: int, rows: int) -> float:
             if cpu_head_gemv(ol, b) is None:
                 torch.bmm(ol.transpose(0, 1), b.transpose(1, 2))
 
-    return timeit(run, 3) / copies
+    return (timer or timeit)(run, 3) / copies
 
 
-def time_routed(n_experts: int, tokens: int, iters: int) -> tuple[float, int]:
+def time_mla_quiet(ctx: int, mode: str, copies: int, timer) -> float:
+    """cpu_attn.time_mla's decode (1 query after ctx, shuffled pages, `copies` distinct caches),
+    the caches built before the timer's quiet calls."""
+    ql, qp, kv, md = mla_case(ctx, 1, shuffle=True)
+    kvs = [kv] + [kv.clone() for _ in range(copies - 1)]
+    be = backend(mode)
+
+    def layers():
+        for k in kvs:
+            be.forward(ql, qp, k, md, SCALE)
+
+    run = lambda: timer(layers, 3) / copies  # noqa: E731
+    return forced_flash(run) if mode == "flash" else run()
+
+
+def time_routed(n_experts: int, tokens: int, iters: int, timer=None) -> tuple[float, int]:
     """(seconds per call, bytes per expert) for one MoE layer's routed experts at `tokens`."""
     from cpu_moe import Expert, routing
 
@@ -80,6 +164,13 @@ def time_routed(n_experts: int, tokens: int, iters: int) -> tuple[float, int]:
     experts = [Expert("int4", D, I_MOE, g, cache, e) for e in range(n_experts)]
     per = sum(t.numel() * t.element_size() for t in experts[0].parameters())
     be = CpuExpertBackend(experts, range(n_experts), n_experts, kernel="native")
+    if timer is not None:  # inputs made first (iters >= 7), then timer(): fresh routing per call
+        steps = []
+        for _ in range(iters + 1):
+            ids, w = routing(tokens, n_experts, TOPK, g)
+            steps.append((torch.randn(tokens, D, generator=g).bfloat16(), ids, w))
+        it = iter(steps)  # one for the timer's warm-up
+        return timer(lambda: be(*next(it)), iters), per
     ts = []
     for i in range(iters + 1):
         ids, w = routing(tokens, n_experts, TOPK, g)
@@ -93,75 +184,120 @@ def time_routed(n_experts: int, tokens: int, iters: int) -> tuple[float, int]:
 
 def full_k2(args, bw: float) -> int:
     P = args.chunk
+    quiet = args.timing == "quiet"
+    team = OmpTeam() if quiet else None
+    probe = BwProbe(args.bw_gib) if quiet else None
+    spins: dict[str, float] = {}
+
+    def timer(name: str):
+        """The part's timer: quiet (probe, quiesce, median; torch team's CPU kept) or legacy."""
+        if not quiet:
+            return timeit
+
+        def t(fn, reps):
+            probe.probe()
+            sec, spins[name] = team.timed(fn, max(reps, 7))
+            return sec
+
+        return t
+
+    how_t = (f"quiet: weights built first, torch's OpenMP team ({len(team.tids)} threads) idle "
+             f"before each part (checked), median of >= 7 calls" if quiet else
+             "legacy: best of 3 right after building the weights")  # fmt: skip
     print(f"# full K2 EXTRAPOLATED from parts measured on this CPU ({torch.get_num_threads()} "
-          f"threads; read bandwidth {bw:.1f} GB/s in this run); decode context "
-          f"{args.context}")  # fmt: skip
+          f"threads; read bandwidth {bw:.1f} GB/s in the first probe); decode context "
+          f"{args.context}; timing {how_t}")  # fmt: skip
     pw = proj_weights(3)
-    t_proj = time_projections_linear(pw, 1)
-    t_proj_p = time_projections_linear(pw[:1], P, reps=1) / P
+    t_proj = time_projections_linear(pw, 1, timer=timer("attention projections"))
+    t_proj_p = 0.0 if args.decode_only else time_projections_linear(pw[:1], P, reps=1) / P
     del pw
-    t_abs = time_absorb_kernel(8, 1)
+    t_abs = time_absorb_kernel(8, 1, timer=timer("absorbed kv_b (W_UK, W_UV)"))
     # the backend's default bf16 decode (or --mla flash / ref), shuffled pages, over 16 distinct
     # caches (150 MB at 8K: as 61 layers' caches, they miss the CPU's last-level cache)
-    t_mla = time_mla(args.context, 1, flash=args.mla != "ref", mode=args.mla, copies=16)
+    mla_name = f"MLA over {args.context} cached tokens"
+    if quiet:
+        t_mla = time_mla_quiet(args.context, args.mla, 16, timer(mla_name))
+    else:
+        t_mla = time_mla(args.context, 1, flash=args.mla != "ref", mode=args.mla, copies=16)
     how = {"auto": f"as the engine runs it here: {decode_path()}", "flash": "torch's flash kernel",
            "ref": "the float32 einsums"}[args.mla]  # fmt: skip
     print(f"# MLA decode: {how} (shuffled pages, 16 distinct caches)")
     sw = mlp_weights(I_MOE, 4)
-    t_sh = time_mlp(sw, 1, linear)
-    t_sh_p = time_mlp(sw[:1], P, F.linear, reps=1) / P
+    # quiet: as the model runs it now (gate + up fused); legacy: the previous 3 GEMVs
+    shv = shared_variants(sw, timer) if quiet else {}
+    t_sh = shv["fused gate_up"] if quiet else time_mlp(sw, 1, linear)
+    t_sh_p = 0.0 if args.decode_only else time_mlp(sw[:1], P, F.linear, reps=1) / P
     del sw
     dw = mlp_weights(I_DENSE, 1)
-    t_dense = time_mlp(dw, 1, linear)
-    t_dense_p = time_mlp(dw, min(P, 512), F.linear, reps=1) / min(P, 512)
+    t_dense = time_mlp_fused(dw, timer("dense layer MLP")) if quiet else time_mlp(dw, 1, linear)
+    pd = min(P, 512)
+    t_dense_p = 0.0 if args.decode_only else time_mlp(dw, pd, F.linear, reps=1) / pd
     del dw
     # distinct memory, repeated values (fast to make; the caches see 2.35 GB either way)
     lm = (torch.randn(VOCAB // 40, D) * D**-0.5).bfloat16().repeat(40, 1)
     x1 = torch.randn(1, D).bfloat16()
-    t_lm = timeit(lambda: linear(x1, lm), 3)
-    t_rt, per_exp = time_routed(args.experts, 1, 8)
+    t_lm = timer("lm_head")(lambda: linear(x1, lm), 3)
+    lm = x1 = None  # free the 2.35 GB
+    rt_timer = timer("routed experts (8 INT4)") if quiet else None
+    t_rt, per_exp = time_routed(args.experts, 1, 15 if quiet else 8, rt_timer)
     # a prompt chunk: 43 pairs per expert as a 2K-token step over 384 experts
     pre_tokens = max(16, round(P * args.experts / 384))
-    t_rt_p = time_routed(args.experts, pre_tokens, 2)[0] / pre_tokens
+    t_rt_p = 0.0 if args.decode_only else time_routed(args.experts, pre_tokens, 2)[0] / pre_tokens
     # attention's quadratic part: seconds per (query, key) pair, measured at 8K
     nq = 128
-    t_q = time_mla(8192 - nq, nq, reps=1)
+    t_q = 0.0 if args.decode_only else time_mla(8192 - nq, nq, reps=1)
     per_key = t_q / (mla_flops(8192 - nq, nq) / (2 * NH * (512 + 64 + 512)))
+    if quiet:
+        probe.runs.append(bw)
+        bw = max(probe.runs)
+        print(f"# {probe.summary()}")
     parts = [  # name, count, bytes per token, seconds per token
         ("attention projections", LAYERS, PROJ_BYTES, t_proj),
         ("absorbed kv_b (W_UK, W_UV)", LAYERS, KVB_BYTES, t_abs),
-        (f"MLA over {args.context} cached tokens", LAYERS,
-         (args.context + 1) * KV_BYTES_PER_TOKEN, t_mla),
+        (mla_name, LAYERS, (args.context + 1) * KV_BYTES_PER_TOKEN, t_mla),
         ("shared expert", MOE, SHARED_BYTES, t_sh),
         ("routed experts (8 INT4)", MOE, TOPK * per_exp, t_rt),
         ("dense layer MLP", DENSE, DENSE_BYTES, t_dense),
         ("lm_head", 1, LM_BYTES, t_lm),
     ]  # fmt: skip
+    for (k, t), sp in zip(shv.items(), ("3 GEMVs", "", "kernel"), strict=False):  # quiet only
+        gbs = SHARED_BYTES / t / 1e9
+        spin = spins.get(f"shared expert ({sp})" if sp else "shared expert", 0.0)
+        print(f"# shared expert as {k:<15}: {t * 1e3:.3f} ms/layer, {gbs:.1f} GB/s = "
+              f"{gbs / bw:.0%} of BW (median of 7; torch team's CPU during them "
+              f"{spin:.1f} ms)")  # fmt: skip
     tot_b = sum(c * b for _, c, b, _ in parts)
     tot_t = sum(c * t for _, c, _, t in parts)
     print(f"{'part (decode, 1 token)':<34} {'count':>5} {'MB/token':>9} {'of bytes':>8} "
-          f"{'ms/token':>9} {'of time':>8} {'GB/s':>6} {'of BW':>6}")  # fmt: skip
+          f"{'ms/token':>9} {'of time':>8} {'GB/s':>6} {'of BW':>6} {'omp ms':>6}")  # fmt: skip
     for name, c, b, t in parts:
         gbs = b / t / 1e9
+        spin = f"{spins[name]:>6.1f}" if name in spins else f"{'-':>6}"
         print(f"{name:<34} {c:>5} {c * b / 1e6:>9.0f} {c * b / tot_b:>8.0%} {c * t * 1e3:>9.1f} "
-              f"{c * t / tot_t:>8.0%} {gbs:>6.1f} {gbs / bw:>6.0%}")  # fmt: skip
+              f"{c * t / tot_t:>8.0%} {gbs:>6.1f} {gbs / bw:>6.0%} {spin}")  # fmt: skip
+    if quiet:
+        print(
+            "# omp ms: CPU time torch's OpenMP threads used during the part's timed calls "
+            "(0.0: beside an idle team, as the engine's batch-1 decode)"
+        )
     gbs = tot_b / tot_t / 1e9
     print(f"EXTRAPOLATED full K2 decode, batch 1, context {args.context}: {tot_t * 1e3:.0f} "
           f"ms/token = {1 / tot_t:.2f} tok/s; {tot_b / 1e9:.2f} GB/token at {gbs:.1f} GB/s = "
           f"{gbs / bw:.0%} of the read bandwidth")  # fmt: skip
-    lin = LAYERS * t_proj_p + MOE * (t_sh_p + t_rt_p) + DENSE * t_dense_p  # s per token
-    print(f"# prefill per token (chunks of {P}): projections {t_proj_p * 1e3:.3f} ms/layer, "
-          f"shared {t_sh_p * 1e3:.3f}, routed {t_rt_p * 1e3:.3f} ({pre_tokens} tokens over "
-          f"{args.experts} experts = {pre_tokens * TOPK / args.experts:.0f} pairs per expert, "
-          f"as a {P}-token step over K2's 384), dense "
-          f"{t_dense_p * 1e3:.3f}; MLA {per_key * 1e9:.2f} ns per (query, key) per layer "
-          f"(measured at 8K)")  # fmt: skip
-    for prompt in (2048, 16384):
-        quad = LAYERS * per_key * prompt * (prompt + 1) / 2
-        total = lin * prompt + quad + t_lm
-        print(f"EXTRAPOLATED full K2 prefill {prompt} tokens: {total:.1f} s = "
-              f"{prompt / total:.1f} tok/s (attention's quadratic part "
-              f"{quad / total:.0%})")  # fmt: skip
+    if not args.decode_only:
+        lin = LAYERS * t_proj_p + MOE * (t_sh_p + t_rt_p) + DENSE * t_dense_p  # s per token
+        print(f"# prefill per token (chunks of {P}): projections {t_proj_p * 1e3:.3f} ms/layer, "
+              f"shared {t_sh_p * 1e3:.3f}, routed {t_rt_p * 1e3:.3f} ({pre_tokens} tokens over "
+              f"{args.experts} experts = {pre_tokens * TOPK / args.experts:.0f} pairs per expert, "
+              f"as a {P}-token step over K2's 384), dense "
+              f"{t_dense_p * 1e3:.3f}; MLA {per_key * 1e9:.2f} ns per (query, key) per layer "
+              f"(measured at 8K)")  # fmt: skip
+        for prompt in (2048, 16384):
+            quad = LAYERS * per_key * prompt * (prompt + 1) / 2
+            total = lin * prompt + quad + t_lm
+            print(f"EXTRAPOLATED full K2 prefill {prompt} tokens: {total:.1f} s = "
+                  f"{prompt / total:.1f} tok/s (attention's quadratic part "
+                  f"{quad / total:.0%})")  # fmt: skip
     # hybrid: everything but the routed experts on one GPU at --gpu-tbs (an ASSUMPTION)
     gpu_b = tot_b - MOE * TOPK * per_exp
     gpu_t = gpu_b / (args.gpu_tbs * 1e12)
@@ -176,7 +312,7 @@ def full_k2(args, bw: float) -> int:
     return 0
 
 
-def time_projections_linear(ws, rows: int, reps: int = 5) -> float:
+def time_projections_linear(ws, rows: int, reps: int = 5, timer=None) -> float:
     """One layer's projections (fused q_a + kv_a, q_b, o_proj) through the model's linear()."""
     x = {k: torch.randn(rows, kk).bfloat16() for k, (_, kk) in PROJ.items()}
 
@@ -185,4 +321,4 @@ def time_projections_linear(ws, rows: int, reps: int = 5) -> float:
             for k in PROJ:
                 linear(x[k], w[k])
 
-    return timeit(run, reps) / len(ws)
+    return (timer or timeit)(run, reps) / len(ws)

@@ -5,6 +5,8 @@ A torch op on [T, 7168] (K2's hidden size) runs on torch's OpenMP threads from T
 GOMP_SPINCOUNT iterations) on the cores a native kernel's own threads want. This runs the
 float32 -> bf16 conversion the CPU expert backend used to do after each call, sleeps 20 ms,
 and prints the CPU time every other thread of the process used meanwhile (Linux schedstat).
+Then the same after one CPU-kernel GEMV with an lm_head-wide output (163,840): its float32 ->
+bf16 rounding in pieces below the grain (kernels.cpu._cast, what linear() does) vs one .to().
 
     python benchmarks/omp_spin_probe.py
 """
@@ -52,6 +54,28 @@ def main() -> int:
         print(f"T={T:3d}: [T, 7168] float32 -> bf16, then 20 ms asleep: the other threads "
               f"used {spent[2]:.2f} ms of CPU (median of 5; min {spent[0]:.2f}, "
               f"max {spent[-1]:.2f})")  # fmt: skip
+    from k2serve.kernels import cpu as ck
+
+    if ck.load_kernel() is None:
+        return 0
+    w = torch.randn(163840, 256).bfloat16()  # the lm_head's output width, short rows
+    x = torch.randn(1, 256).bfloat16()
+    cases = (("pieces (linear)", lambda: ck.cpu_linear(x, w)),
+             ("one .to()", lambda: ck._gemv(x, w, 1, 1).to(torch.bfloat16)))  # fmt: skip
+    for name, fn in cases:
+        fn()
+        spent = []
+        for _ in range(5):
+            time.sleep(0.3)
+            a = cpu_ns()
+            fn()
+            time.sleep(0.02)
+            b = cpu_ns()
+            spent.append(sum(b[t] - a.get(t, 0) for t in b if t != main_tid) / 1e6)
+        spent.sort()
+        print(f"GEMV [1, 163840] bf16 out, rounded in {name}: the other threads (kernel pool "
+              f"+ torch's team) used {spent[2]:.2f} ms of CPU (median of 5; min "
+              f"{spent[0]:.2f}, max {spent[-1]:.2f})")  # fmt: skip
     return 0
 
 

@@ -30,6 +30,20 @@ def test_cpu_linear_matches_f_linear(wdt, xdt, rows):
     torch.testing.assert_close(linear(x, w).float(), ref, rtol=tol, atol=tol)
 
 
+@native
+def test_cpu_linear_wide_output_is_rounded_in_pieces_the_same():
+    """An output over torch's parallel grain (a fused gate_up, the lm_head) is rounded to bf16
+    in pieces on the calling thread (kernels.cpu._cast): the same values as one .to()."""
+    g = torch.Generator().manual_seed(5)
+    n = 2 * ck.TORCH_GRAIN + 96  # three pieces, the last partial
+    w = torch.randn(n, 64, generator=g).bfloat16()
+    x = torch.randn(2, 64, generator=g).bfloat16()
+    y = ck.cpu_linear(x, w)
+    assert y is not None and y.dtype == torch.bfloat16 and y.shape == (2, n)
+    assert torch.equal(y, ck._gemv(x, w, 1, 2).to(torch.bfloat16).reshape(2, n))
+    torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), rtol=1e-2, atol=1e-2)
+
+
 def test_cpu_linear_declines_what_it_does_not_cover():
     w = torch.randn(8, 96)
     rows = ck.LINEAR_MAX_ROWS + 1  # beyond decode-sized: torch's GEMM

@@ -209,7 +209,9 @@ class KernelPolicy:
     triton: bool = False  # Triton kernels can run on the device (CUDA + Triton importable)
     fused_rope: bool = False  # one Triton launch rotates q_pe and k_pe
     triton_router: bool = False  # one Triton program per token for the router's top-k
-    fused_projections: bool = False  # one GEMM for q_a + kv_a and for gate + up (bf16)
+    # one GEMM for q_a + kv_a and for gate + up (bf16): CUDA, and the CPU (one GEMV call of the
+    # CPU kernel instead of two at decode: 3-4% faster on 2 threads, benchmarks/RESULTS.md)
+    fused_projections: bool = False
     decode_gemv: bool = False  # one-row GEMV for bf16 projections, Triton W_UK / W_UV products
     shared_stream: bool = False  # the shared expert on a second CUDA stream
     fp8_gemm: bool = False  # FP8 block linears: the fp8 GEMM kernel for few rows
@@ -255,7 +257,7 @@ class KernelPolicy:
             triton=ok,
             fused_rope=ok,
             triton_router=ok,
-            fused_projections=cuda,
+            fused_projections=cuda or device.type == "cpu",
             decode_gemv=ok,
             fp8_gemm=ok,
             shared_stream=cuda and side,

@@ -116,10 +116,11 @@ class MLP(nn.Module):
 
                 if use_gemv(x, self.gate_up_weight, table):
                     return self.down_proj(gemv_silu_mul(x, self.gate_up_weight, table))
-            # NOTE: the width comes from the linears, not the config: TP shards them (the
-            # one-row GEMV case is handled above, so this is always the GEMM)
+            # NOTE: the width comes from the linears, not the config: TP shards them (on CUDA
+            # the one-row GEMV case is handled above, so this is the GEMM; on the CPU linear()
+            # is the CPU kernel's GEMV at decode: one call for gate and up)
             n = self.gate_proj.out_features
-            g, u = F.linear(x, self.gate_up_weight).split([n, n], dim=-1)
+            g, u = linear(x, self.gate_up_weight).split([n, n], dim=-1)
             return self.down_proj(F.silu(g) * u)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
