@@ -22,20 +22,8 @@ SECONDS=0
 source benchmarks/device_env.sh  # OUT, PYTHONPATH (src, wheels from .whl if any)
 PY=${PY:-python3}
 BUDGET=${BUDGET:-117}  # seconds for all parts (the device command's limit is 120)
-run() {  # name, seconds, command...: each part gets at most what is left of BUDGET
-  local name=$1 secs=$2
-  shift 2
-  local left=$((BUDGET - SECONDS))
-  ((secs > left)) && secs=$left
-  if ((secs < 5)); then
-    echo "## $name: skipped (time budget spent)" | tee -a "$OUT/e2e_summary.txt"
-    return
-  fi
-  local t0=$SECONDS
-  timeout "$secs" "$@" >"$OUT/e2e_$name.txt" 2>&1
-  echo "## $name: rc $? in $((SECONDS - t0)) s (limit $secs)" | tee -a "$OUT/e2e_summary.txt"
-}
-: >"$OUT/e2e_summary.txt"
+PREFIX=e2e
+source benchmarks/device_parts.sh  # run NAME SECONDS COMMAND...: budgeted parts, fail soft
 lscpu | grep -E "Model name|^CPU\(s\)|NUMA node\(s\)|L3|amx" | cut -c1-160 >"$OUT/e2e_host.txt" 2>&1
 E2E="benchmarks/cpu_e2e.py --full-k2 --experts 48 --context 8192 --decode-only"
 run checks 22 env K2SERVE_CPU_KERNEL=native $PY -m pytest -q -x -p no:cacheprovider \
