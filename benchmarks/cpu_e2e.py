@@ -37,26 +37,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 
 def read_bandwidth(gib: float, reps: int = 5) -> float:
-    buf = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - t0)
-    try:  # the CPU expert kernel's own threads, when it builds
-        from k2serve.kernels import cpu as ck
+    from cpu_quiet import read_gbs  # benchmarks/cpu_quiet.py
 
-        lib = ck.load_kernel()
-        if lib is not None:
-            nodes = tuple(tuple(n) for n in ck.numa_topology())
-            pool = ck.shared_pool(lib, nodes, torch.get_num_threads(), os.getpid())
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                lib.k2_stream_read(pool._ptr, buf.data_ptr(), buf.numel() * 4)
-                best = min(best, time.perf_counter() - t0)
-    except Exception:
-        pass
-    return buf.numel() * 4 / best / 1e9
+    return read_gbs(torch.ones(int(gib * 2**30) // 4, dtype=torch.float32), reps)
 
 
 def token_bytes(model) -> tuple[int, int]:

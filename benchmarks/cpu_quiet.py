@@ -78,6 +78,30 @@ class OmpTeam:
         return statistics.median(ts), self.used_ms(a, cpu_ns())
 
 
+def read_gbs(buf: torch.Tensor, reps: int) -> float:
+    """GB/s of the best of `reps` reads of `buf` by torch's sum and by the CPU expert kernel's
+    own threads (k2_stream_read), when the kernel builds."""
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    try:
+        from k2serve.kernels import cpu as ck
+
+        lib = ck.load_kernel()
+        if lib is not None:
+            nodes = tuple(tuple(n) for n in ck.numa_topology())
+            pool = ck.shared_pool(lib, nodes, torch.get_num_threads(), os.getpid())
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                lib.k2_stream_read(pool._ptr, buf.data_ptr(), buf.numel() * 4)
+                best = min(best, time.perf_counter() - t0)
+    except Exception:  # noqa: BLE001 - no kernel here: torch's figure alone
+        pass
+    return buf.numel() * 4 / best / 1e9
+
+
 class BwProbe:
     """Read bandwidth of this CPU, probed again at each call of `probe()`."""
 
@@ -86,26 +110,7 @@ class BwProbe:
         self.runs: list[float] = []
 
     def probe(self, reps: int = 2) -> float:
-        buf = self.buf
-        best = float("inf")
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            buf.sum()
-            best = min(best, time.perf_counter() - t0)
-        try:  # the CPU expert kernel's own threads, when it builds
-            from k2serve.kernels import cpu as ck
-
-            lib = ck.load_kernel()
-            if lib is not None:
-                nodes = tuple(tuple(n) for n in ck.numa_topology())
-                pool = ck.shared_pool(lib, nodes, torch.get_num_threads(), os.getpid())
-                for _ in range(reps):
-                    t0 = time.perf_counter()
-                    lib.k2_stream_read(pool._ptr, buf.data_ptr(), buf.numel() * 4)
-                    best = min(best, time.perf_counter() - t0)
-        except Exception:
-            pass
-        self.runs.append(buf.numel() * 4 / best / 1e9)
+        self.runs.append(read_gbs(self.buf, reps))
         return self.runs[-1]
 
     def summary(self) -> str:

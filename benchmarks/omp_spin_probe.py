@@ -17,18 +17,7 @@ import os
 import time
 
 import torch
-
-
-def cpu_ns() -> dict[str, int]:
-    """Nanoseconds on a CPU per thread of this process."""
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                out[tid] = int(f.read().split()[0])
-        except OSError:
-            continue
-    return out
+from cpu_quiet import cpu_ns  # benchmarks/cpu_quiet.py
 
 
 def main() -> int:
