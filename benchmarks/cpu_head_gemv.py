@@ -27,23 +27,26 @@ NH = 64
 SHAPES = {"W_UK^T [64,512,128]": (512, 128), "W_UV [64,128,512]": (128, 512)}
 
 
-def load_builds() -> dict[str, tuple]:
-    """{name: (lib, pool)}: the default build and the per-row (legacy) one, own pools."""
+def build(define: str) -> ctypes.CDLL:
+    flags = ck.CXX_FLAGS
+    try:
+        ck.CXX_FLAGS = flags + (f"-D{define}",)
+        return ck._declare(ctypes.CDLL(str(ck._build(Path.home() / ".cache/k2serve/cpu_kernel"))))
+    finally:
+        ck.CXX_FLAGS = flags
+
+
+def load_builds(defines: list[str]) -> dict[str, tuple]:
+    """{name: (lib, pool)}: the default build, the per-row (legacy) one and one per define
+    (variants to compare), each with its own pool."""
     lib = ck.load_kernel()
     if lib is None:
         raise SystemExit("the native CPU kernel does not build here")
-    flags = ck.CXX_FLAGS
-    try:
-        ck.CXX_FLAGS = flags + ("-DK2_HEADS_LEGACY=1",)
-        legacy = ck._declare(ctypes.CDLL(str(ck._build(Path.home() / ".cache/k2serve/cpu_kernel"))))
-    finally:
-        ck.CXX_FLAGS = flags
+    libs = {"16-row": lib, "per-row": build("K2_HEADS_LEGACY=1")}
+    libs.update({d: build(d) for d in defines})
     nodes = [list(n) for n in ck.numa_topology()]
     threads = torch.get_num_threads()
-    return {
-        "16-row": (lib, ck.KernelPool(lib, nodes, threads)),
-        "per-row": (legacy, ck.KernelPool(legacy, nodes, threads)),
-    }
+    return {name: (lb, ck.KernelPool(lb, nodes, threads)) for name, lb in libs.items()}
 
 
 def gemv(build, w, x, out) -> None:
@@ -81,8 +84,10 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--copies", type=int, default=80, help="distinct weights per timing")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--define", action="append", default=[],
+                    help="NAME=VALUE: a kernel variant to time beside the two")  # fmt: skip
     args = ap.parse_args(argv)
-    builds = load_builds()
+    builds = load_builds(args.define)
     err = check(builds)
     print(f"# check: max error vs float32 einsum {err:.1e} of the largest output (both builds)")
     assert err < 1e-2, err
@@ -90,7 +95,7 @@ def main(argv=None) -> None:
     buf = torch.ones(2**28, dtype=torch.float32)  # 1 GiB
     print(f"# cpu_head_gemv: {torch.get_num_threads()} threads, {args.copies} copies, "
           f"{args.reps} reps, load {os.getloadavg()[0]:.2f}; median of reps")  # fmt: skip
-    print(f"{'weight':<20} {'rows':>4} {'BW GB/s':>8} {'build':>8} {'us':>7} {'GB/s':>6} "
+    print(f"{'weight':<20} {'rows':>4} {'BW GB/s':>8} {'build':>18} {'us':>7} {'GB/s':>6} "
           f"{'of BW':>6}")  # fmt: skip
     sums: dict[str, list[float]] = {}
     for name, (n, k) in SHAPES.items():
@@ -121,7 +126,7 @@ def main(argv=None) -> None:
                 share = statistics.median(s for _, s in v)
                 if rows == 1:
                     sums.setdefault(b, []).append(t)
-                print(f"{name:<20} {rows:>4} {statistics.median(bws):>8.1f} {b:>8} "
+                print(f"{name:<20} {rows:>4} {statistics.median(bws):>8.1f} {b:>18} "
                       f"{t * 1e6:>7.1f} {nbytes / t / 1e9:>6.1f} {share:>6.0%}")  # fmt: skip
         del ws
     for b, ts in sums.items():

@@ -1259,10 +1259,10 @@ double k2_stream_read(void* pool, const void* p, int64_t nbytes) {
   return s;
 }
 
-#ifndef K2_HEADS_ITEM  // bytes of weight rows per work item of the per-head GEMV
-#define K2_HEADS_ITEM 32768
+#ifndef K2_HEADS_ITEM  // bytes of weight rows per work item of the per-head GEMV (at most a head)
+#define K2_HEADS_ITEM 131072
 #endif
-#ifndef K2_HEADS_PF  // its prefetch distance, in blocks of 16 / T rows
+#ifndef K2_HEADS_PF  // its prefetch distance, in blocks of 16 / T rows (0: none)
 #define K2_HEADS_PF 1
 #endif
 #ifndef K2_HEADS_LEGACY  // 1: k2_linear_batched's per-row path at T <= 2 too (benchmarks)
@@ -1303,7 +1303,7 @@ static K2_INLINE __m512 dot16_bfbf(const uint8_t* w, int64_t rb, int K, const ui
     for (int t = 0; t < NT; ++t) xb[t] = (__m512bh)_mm512_loadu_si512(xs[t] + c);
     for (int i = 0; i < R; ++i) {
       const uint8_t* wp = w + i * rb + (int64_t)c * 2;
-      _mm_prefetch((const char*)wp + pf, _MM_HINT_T0);
+      if (K2_HEADS_PF > 0) _mm_prefetch((const char*)wp + pf, _MM_HINT_T0);
       __m512bh wv = (__m512bh)_mm512_loadu_si512(wp);
       for (int t = 0; t < NT; ++t) acc[i * NT + t] = _mm512_dpbf16_ps(acc[i * NT + t], wv, xb[t]);
     }
@@ -1312,9 +1312,10 @@ static K2_INLINE __m512 dot16_bfbf(const uint8_t* w, int64_t rb, int K, const ui
 }
 
 // k2_linear_batched for bf16 x bf16 at T <= 2 (decode; the absorbed MLA weights: W_UK^T rows of
-// 128, W_UV rows of 512): items of (head, ~32 KB of rows) from a counter, each read as one stream
-// in blocks of 16 / T rows whose sums are reduced together (no per-row horizontal sum, which
-// bounded rows of 128), prefetching one block ahead.
+// 128, W_UV rows of 512): items of (head, up to K2_HEADS_ITEM bytes of its rows: K2's whole
+// head, 128 KB) from a counter, each read as one stream (items of 32 KB read ~20% slower: every
+// item restarts the stream) in blocks of 16 / T rows whose sums are reduced together (no per-row
+// horizontal sum, which bounded rows of 128), prefetching one block ahead.
 template <int NT>
 static void linear_heads_bfbf(Pool* P, const uint16_t* W, int B, int N, int K, const uint16_t* x,
                               float* out) {
