@@ -1321,7 +1321,11 @@ static void linear_heads_bfbf(Pool* P, const uint16_t* W, int B, int N, int K, c
                               float* out) {
   constexpr int R = 16 / NT;
   const int64_t rb = (int64_t)K * 2;
-  int RB = std::max<int>(R, (int)(K2_HEADS_ITEM / rb) / R * R);  // rows per item
+  // item bytes: up to K2_HEADS_ITEM, but >= 8 items per thread (a call's last item is the wait:
+  // 16 threads over K2's 8.4 MB get items of 64 KB), at least 32 KB
+  const int64_t total = (int64_t)B * N * rb;
+  const int64_t ib = std::max<int64_t>(32768, std::min<int64_t>(K2_HEADS_ITEM, total / (8 * P->nthreads)));
+  int RB = std::max<int>(R, (int)(ib / rb) / R * R);  // rows per item
   if (RB > N) RB = (N + R - 1) / R * R;
   const int64_t per_b = (N + RB - 1) / RB, items = per_b * B;
   std::atomic<int64_t> next{0};
