@@ -99,3 +99,9 @@ def test_cpu_head_gemv_blocks_and_tails(rows, H, N, K):
     # the float32 sums before the cast: exact products, only the order of the sums differs
     out = ck._gemv(x, w, H, rows)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+    # the kernel's bf16 rounding (to nearest even) is torch's
+    assert torch.equal(y, out.to(torch.bfloat16))
+    # float32 weights, bf16 rows: the per-row path, rounded after it
+    y32 = ck.cpu_head_gemv(x, w.float())
+    assert y32 is not None and y32.dtype == torch.bfloat16
+    assert torch.equal(y32, ck._gemv(x, w.float(), H, rows).to(torch.bfloat16))

@@ -1262,6 +1262,9 @@ double k2_stream_read(void* pool, const void* p, int64_t nbytes) {
 #ifndef K2_HEADS_ITEM  // bytes of weight rows per work item of the per-head GEMV (at most a head)
 #define K2_HEADS_ITEM 131072
 #endif
+#ifndef K2_HEADS_PER_THREAD  // at least this many items per pool thread
+#define K2_HEADS_PER_THREAD 8
+#endif
 #ifndef K2_HEADS_PF  // its prefetch distance, in blocks of 16 / T rows (0: none)
 #define K2_HEADS_PF 1
 #endif
@@ -1316,15 +1319,26 @@ static K2_INLINE __m512 dot16_bfbf(const uint8_t* w, int64_t rb, int K, const ui
 // head, 128 KB) from a counter, each read as one stream (items of 32 KB read ~20% slower: every
 // item restarts the stream) in blocks of 16 / T rows whose sums are reduced together (no per-row
 // horizontal sum, which bounded rows of 128), prefetching one block ahead.
-template <int NT>
+// out: float32, or bf16 (BF: rounded here, to nearest even; torch's float -> bf16 .to() took
+// ~80 us for [1, 64, 512] on the dev box, a quarter of the GEMV).
+template <int NT, bool BF>
 static void linear_heads_bfbf(Pool* P, const uint16_t* W, int B, int N, int K, const uint16_t* x,
-                              float* out) {
+                              void* out_) {
+  float* out = (float*)out_;
+  uint16_t* outb = (uint16_t*)out_;
+  auto put = [&](int64_t i, float v) {
+    if constexpr (BF)
+      outb[i] = f32_to_bf16(v);
+    else
+      out[i] = v;
+  };
   constexpr int R = 16 / NT;
   const int64_t rb = (int64_t)K * 2;
-  // item bytes: up to K2_HEADS_ITEM, but >= 8 items per thread (a call's last item is the wait:
-  // 16 threads over K2's 8.4 MB get items of 64 KB), at least 32 KB
+  // item bytes: up to K2_HEADS_ITEM, but >= K2_HEADS_PER_THREAD items per thread (a call's last
+  // item is the wait: 16 threads over K2's 8.4 MB get items of 64 KB), at least 32 KB
   const int64_t total = (int64_t)B * N * rb;
-  const int64_t ib = std::max<int64_t>(32768, std::min<int64_t>(K2_HEADS_ITEM, total / (8 * P->nthreads)));
+  const int64_t ib = std::max<int64_t>(
+      32768, std::min<int64_t>(K2_HEADS_ITEM, total / (K2_HEADS_PER_THREAD * P->nthreads)));
   int RB = std::max<int>(R, (int)(ib / rb) / R * R);  // rows per item
   if (RB > N) RB = (N + R - 1) / R * R;
   const int64_t per_b = (N + RB - 1) / RB, items = per_b * B;
@@ -1342,12 +1356,14 @@ static void linear_heads_bfbf(Pool* P, const uint16_t* W, int B, int N, int K, c
       int r = r0;
       for (; r + R <= r1; r += R) {
         __m512 y = dot16_bfbf<NT>(wb + r * rb, rb, K, xs, K2_HEADS_PF * R * rb);
-        if constexpr (NT == 1) {
+        if constexpr (NT == 1 && BF) {
+          _mm256_storeu_si256((__m256i*)(outb + (int64_t)b * N + r), (__m256i)_mm512_cvtneps_pbh(y));
+        } else if constexpr (NT == 1) {
           _mm512_storeu_ps(out + (int64_t)b * N + r, y);
         } else {
           _mm512_store_ps(sums, y);
           for (int t = 0; t < NT; ++t)
-            for (int i = 0; i < R; ++i) out[((int64_t)t * B + b) * N + r + i] = sums[i * NT + t];
+            for (int i = 0; i < R; ++i) put(((int64_t)t * B + b) * N + r + i, sums[i * NT + t]);
         }
       }
       for (; r < r1; ++r) {  // tail rows of the head
@@ -1355,13 +1371,19 @@ static void linear_heads_bfbf(Pool* P, const uint16_t* W, int B, int N, int K, c
         Mat m;
         m.w = wb, m.s = nullptr, m.row_bytes = rb, m.cols = K, m.s_cols = 0;
         dot_rows_bfbf<1, NT>(m, r, (const void* const*)xs, o);
-        for (int t = 0; t < NT; ++t) out[((int64_t)t * B + b) * N + r] = o[t];
+        for (int t = 0; t < NT; ++t) put(((int64_t)t * B + b) * N + r, o[t]);
       }
     }
   }, /*elastic=*/true);
 }
 }  // extern "C++"
 #endif
+
+// k2_linear_batched's per-head decode path (bf16 x bf16, several matrices, T <= 2)?
+static bool heads_path(int wfmt, int x_dtype, int B, int T) {
+  return K2_HAS_I4BF && !K2_HEADS_LEGACY && wfmt == FMT_BF16 && x_dtype == X_BF16 && B > 1 &&
+         T <= 2;
+}
 
 // out [T, B, N] float32 = per b: x [T, b, K] @ W[b][N, K]^T for dense bf16 / float32 weights
 // W [B, N, K] (decode-sized T; B = 1: one linear layer, B = heads: the absorbed MLA weights):
@@ -1378,11 +1400,11 @@ int k2_linear_batched(void* pool, int wfmt, const void* W, int B, int N, int K, 
   for (int b = 0; b < B; ++b) mk_mat(ms[b], wfmt, (int64_t)W + b * wb, 0, K);
   const bool bfbf = K2_HAS_I4BF && wfmt == FMT_BF16 && x_dtype == X_BF16;
 #if K2_HAS_I4BF
-  if (bfbf && B > 1 && T <= 2 && !K2_HEADS_LEGACY) {  // per-head decode rows: 16 sums per reduction
+  if (heads_path(wfmt, x_dtype, B, T)) {  // per-head decode rows: 16 sums per reduction
     if (T == 1)
-      linear_heads_bfbf<1>(P, (const uint16_t*)W, B, N, K, (const uint16_t*)x, out);
+      linear_heads_bfbf<1, false>(P, (const uint16_t*)W, B, N, K, (const uint16_t*)x, out);
     else
-      linear_heads_bfbf<2>(P, (const uint16_t*)W, B, N, K, (const uint16_t*)x, out);
+      linear_heads_bfbf<2, false>(P, (const uint16_t*)W, B, N, K, (const uint16_t*)x, out);
     return 0;
   }
 #endif
@@ -1435,6 +1457,30 @@ int k2_linear_batched(void* pool, int wfmt, const void* W, int B, int N, int K, 
 int k2_linear(void* pool, int wfmt, const void* W, int N, int K, const void* x, int x_dtype,
               int T, float* out) {
   return k2_linear_batched(pool, wfmt, W, 1, N, K, x, x_dtype, T, out);
+}
+
+// k2_linear_batched with out [T, B, N] in out_dtype (X_F32 or X_BF16: rounded to nearest even
+// by the per-head path's threads, else after the float32 call). Returns as k2_linear_batched.
+int k2_linear_batched_out(void* pool, int wfmt, const void* W, int B, int N, int K, const void* x,
+                          int x_dtype, int T, void* out, int out_dtype) {
+  if (out_dtype != X_BF16) return k2_linear_batched(pool, wfmt, W, B, N, K, x, x_dtype, T, (float*)out);
+#if K2_HAS_I4BF
+  if (K % 32 == 0 && heads_path(wfmt, x_dtype, B, T)) {
+    Pool* P = (Pool*)pool;
+    std::lock_guard<std::mutex> call(P->call_mu);
+    if (T == 1)
+      linear_heads_bfbf<1, true>(P, (const uint16_t*)W, B, N, K, (const uint16_t*)x, out);
+    else
+      linear_heads_bfbf<2, true>(P, (const uint16_t*)W, B, N, K, (const uint16_t*)x, out);
+    return 0;
+  }
+#endif
+  static thread_local std::vector<float> acc_tl;
+  const int64_t n = (int64_t)T * B * N;
+  acc_tl.resize(n);
+  int rc = k2_linear_batched(pool, wfmt, W, B, N, K, x, x_dtype, T, acc_tl.data());
+  if (rc == 0) rows_to_bf16(acc_tl.data(), (uint16_t*)out, 1, (int)n, 0, (int)n);
+  return rc;
 }
 
 int k2_simd_width() {
