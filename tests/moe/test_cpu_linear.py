@@ -72,3 +72,36 @@ def test_cpu_head_gemv_matches_einsum(wdt, xdt, rows):
     torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol)
     assert ck.cpu_head_gemv(x, w[:-1]) is None  # heads differ
     assert ck.cpu_head_gemv(torch.randn(ck.LINEAR_MAX_ROWS + 1, H, K).to(xdt), w) is None
+
+
+@native
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize(
+    "H,N,K",
+    [
+        (3, 37, 128),  # W_UK^T-like rows of 128: two 16-row blocks (8 at two rows) + a tail
+        (5, 20, 512),  # W_UV-like rows of 512: one block + a tail of 4
+        (2, 300, 128),  # several work items per head (~32 KB of rows each), a tail item
+        (7, 7, 32),  # every row a tail row, odd heads
+        (4, 128, 96),  # K not a power of two
+    ],
+)
+def test_cpu_head_gemv_blocks_and_tails(rows, H, N, K):
+    """The bf16 x bf16 decode path (16 rows per reduction, items of head row ranges) on shapes
+    whose heads, rows and columns leave tails, against float32 einsum."""
+    g = torch.Generator().manual_seed(H * N + K + rows)
+    w = torch.randn(H, N, K, generator=g).bfloat16()
+    x = torch.randn(rows, H, K, generator=g).bfloat16()
+    y = ck.cpu_head_gemv(x, w)
+    assert y is not None and y.dtype == torch.bfloat16 and y.shape == (rows, H, N)
+    ref = torch.einsum("thk,hnk->thn", x.float(), w.float())
+    torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=1e-2)
+    # the float32 sums before the cast: exact products, only the order of the sums differs
+    out = ck._gemv(x, w, H, rows)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+    # the kernel's bf16 rounding (to nearest even) is torch's
+    assert torch.equal(y, out.to(torch.bfloat16))
+    # float32 weights, bf16 rows: the per-row path, rounded after it
+    y32 = ck.cpu_head_gemv(x, w.float())
+    assert y32 is not None and y32.dtype == torch.bfloat16
+    assert torch.equal(y32, ck._gemv(x, w.float(), H, rows).to(torch.bfloat16))

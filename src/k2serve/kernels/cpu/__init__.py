@@ -221,6 +221,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.k2_linear.restype = i
     lib.k2_linear_batched.argtypes = [p, i, p, i, i, i, p, i, i, p]
     lib.k2_linear_batched.restype = i
+    lib.k2_linear_batched_out.argtypes = [p, i, p, i, i, i, p, i, i, p, i]
+    lib.k2_linear_batched_out.restype = i
     i64 = ctypes.c_int64
     lib.k2_mla_decode.argtypes = [
         p,
@@ -366,8 +368,9 @@ def _gemv_ok(x, w, rows: int) -> bool:
     )
 
 
-def _gemv(x, w, B: int, rows: int):
-    """x [rows, B, K] (any contiguous view of it), w [B, N, K] -> [rows, B, N] float32 or None."""
+def _gemv(x, w, B: int, rows: int, out_dtype=None):
+    """x [rows, B, K] (any contiguous view of it), w [B, N, K] -> [rows, B, N] float32 (or
+    out_dtype: float32 / bfloat16, rounded by the kernel) or None."""
     import torch
 
     lp = _default_pool(os.getpid())
@@ -376,11 +379,12 @@ def _gemv(x, w, B: int, rows: int):
     lib, pool = lp
     N, K = w.shape[-2], w.shape[-1]
     xc = x.contiguous()
-    out = torch.empty(rows, B, N, dtype=torch.float32)
+    out = torch.empty(rows, B, N, dtype=out_dtype or torch.float32)
     wfmt = FMT_BF16 if w.dtype == torch.bfloat16 else FMT_F32
     xcode = X_BF16 if xc.dtype == torch.bfloat16 else X_F32
-    rc = lib.k2_linear_batched(pool._ptr, wfmt, w.data_ptr(), B, N, K, xc.data_ptr(), xcode,
-                               rows, out.data_ptr())  # fmt: skip
+    ocode = X_BF16 if out.dtype == torch.bfloat16 else X_F32
+    rc = lib.k2_linear_batched_out(pool._ptr, wfmt, w.data_ptr(), B, N, K, xc.data_ptr(), xcode,
+                                   rows, out.data_ptr(), ocode)  # fmt: skip
     return out if rc == 0 else None
 
 
@@ -422,8 +426,8 @@ def cpu_head_gemv(x, w):
         return None
     if not _gemv_ok(x, w, x.shape[0]):
         return None
-    out = _gemv(x, w, w.shape[0], x.shape[0])
-    return None if out is None else _cast(out, x.dtype)
+    out = _gemv(x, w, w.shape[0], x.shape[0], x.dtype)  # rounded to bf16 by the kernel
+    return out
 
 
 @functools.cache

@@ -1259,6 +1259,132 @@ double k2_stream_read(void* pool, const void* p, int64_t nbytes) {
   return s;
 }
 
+#ifndef K2_HEADS_ITEM  // bytes of weight rows per work item of the per-head GEMV (at most a head)
+#define K2_HEADS_ITEM 131072
+#endif
+#ifndef K2_HEADS_PER_THREAD  // at least this many items per pool thread
+#define K2_HEADS_PER_THREAD 8
+#endif
+#ifndef K2_HEADS_PF  // its prefetch distance, in blocks of 16 / T rows (0: none)
+#define K2_HEADS_PF 1
+#endif
+#ifndef K2_HEADS_LEGACY  // 1: k2_linear_batched's per-row path at T <= 2 too (benchmarks)
+#define K2_HEADS_LEGACY 0
+#endif
+
+#if K2_HAS_I4BF
+extern "C++" {  // templates, inside the library's extern "C" block
+// Sums of 16 vectors: lane s of the result = the sum of v[s]'s 16 lanes (a transpose tree: 45
+// shuffles / adds for 16 rows instead of 16 horizontal reductions of ~8 dependent steps each).
+static K2_INLINE __m512 hsum16(const __m512* v) {
+  __m512 u[8], w[4], x[2];
+  for (int i = 0; i < 8; ++i)  // 256-bit halves: v[i], v[i + 8]
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44),
+                         _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+  for (int j = 0; j < 4; ++j)  // 128-bit lanes: v[j], v[j + 8], v[j + 4], v[j + 12]
+    w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(u[j], u[j + 4], 0x88),
+                         _mm512_shuffle_f32x4(u[j], u[j + 4], 0xDD));
+  for (int k = 0; k < 2; ++k)  // float pairs of lane L: w[k]'s, w[k + 2]'s
+    x[k] = _mm512_add_ps(_mm512_shuffle_ps(w[k], w[k + 2], 0x44),
+                         _mm512_shuffle_ps(w[k], w[k + 2], 0xEE));
+  __m512 y = _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], 0x88), _mm512_shuffle_ps(x[0], x[1], 0xDD));
+  // lane 4L + f of y holds v[m(L) + g(f)], m = {0, 8, 4, 12}, g = {0, 2, 1, 3}: back to order
+  const __m512i idx = _mm512_set_epi32(15, 13, 14, 12, 7, 5, 6, 4, 11, 9, 10, 8, 3, 1, 2, 0);
+  return _mm512_permutexvar_ps(idx, y);
+}
+
+// 16 / NT rows of one head x NT tokens (bf16 x bf16): acc slot i * NT + t, reduced together.
+// w: the first row's bytes (rows `rb` bytes apart), xs[t]: token t's K activations.
+template <int NT>
+static K2_INLINE __m512 dot16_bfbf(const uint8_t* w, int64_t rb, int K, const uint16_t* const* xs,
+                                   int64_t pf) {
+  constexpr int R = 16 / NT;
+  __m512 acc[16];
+  for (int s = 0; s < 16; ++s) acc[s] = _mm512_setzero_ps();
+  for (int c = 0; c < K; c += 32) {
+    __m512bh xb[NT];
+    for (int t = 0; t < NT; ++t) xb[t] = (__m512bh)_mm512_loadu_si512(xs[t] + c);
+    for (int i = 0; i < R; ++i) {
+      const uint8_t* wp = w + i * rb + (int64_t)c * 2;
+      if (K2_HEADS_PF > 0) _mm_prefetch((const char*)wp + pf, _MM_HINT_T0);
+      __m512bh wv = (__m512bh)_mm512_loadu_si512(wp);
+      for (int t = 0; t < NT; ++t) acc[i * NT + t] = _mm512_dpbf16_ps(acc[i * NT + t], wv, xb[t]);
+    }
+  }
+  return hsum16(acc);
+}
+
+// k2_linear_batched for bf16 x bf16 at T <= 2 (decode; the absorbed MLA weights: W_UK^T rows of
+// 128, W_UV rows of 512): items of (head, up to K2_HEADS_ITEM bytes of its rows: K2's whole
+// head, 128 KB) from a counter, each read as one stream (items of 32 KB read ~20% slower: every
+// item restarts the stream) in blocks of 16 / T rows whose sums are reduced together (no per-row
+// horizontal sum, which bounded rows of 128), prefetching one block ahead.
+// out: float32, or bf16 (BF: rounded here, to nearest even; torch's float -> bf16 .to() took
+// ~80 us for [1, 64, 512] on the dev box, a quarter of the GEMV).
+template <int NT, bool BF>
+static void linear_heads_bfbf(Pool* P, const uint16_t* W, int B, int N, int K, const uint16_t* x,
+                              void* out_) {
+  float* out = (float*)out_;
+  uint16_t* outb = (uint16_t*)out_;
+  auto put = [&](int64_t i, float v) {
+    if constexpr (BF)
+      outb[i] = f32_to_bf16(v);
+    else
+      out[i] = v;
+  };
+  constexpr int R = 16 / NT;
+  const int64_t rb = (int64_t)K * 2;
+  // item bytes: up to K2_HEADS_ITEM, but >= K2_HEADS_PER_THREAD items per thread (a call's last
+  // item is the wait: 16 threads over K2's 8.4 MB get items of 64 KB), at least 32 KB
+  const int64_t total = (int64_t)B * N * rb;
+  const int64_t ib = std::max<int64_t>(
+      32768, std::min<int64_t>(K2_HEADS_ITEM, total / (K2_HEADS_PER_THREAD * P->nthreads)));
+  int RB = std::max<int>(R, (int)(ib / rb) / R * R);  // rows per item
+  if (RB > N) RB = (N + R - 1) / R * R;
+  const int64_t per_b = (N + RB - 1) / RB, items = per_b * B;
+  std::atomic<int64_t> next{0};
+  P->run([&](int, int) {
+    alignas(64) float sums[16];
+    for (;;) {
+      const int64_t it = next.fetch_add(1, std::memory_order_relaxed);
+      if (it >= items) break;
+      const int b = (int)(it / per_b);
+      const int r0 = (int)(it % per_b) * RB, r1 = std::min(N, r0 + RB);
+      const uint8_t* wb = (const uint8_t*)W + (int64_t)b * N * rb;
+      const uint16_t* xs[NT];
+      for (int t = 0; t < NT; ++t) xs[t] = x + ((int64_t)t * B + b) * K;
+      int r = r0;
+      for (; r + R <= r1; r += R) {
+        __m512 y = dot16_bfbf<NT>(wb + r * rb, rb, K, xs, K2_HEADS_PF * R * rb);
+        if constexpr (NT == 1 && BF) {
+          _mm256_storeu_si256((__m256i*)(outb + (int64_t)b * N + r), (__m256i)_mm512_cvtneps_pbh(y));
+        } else if constexpr (NT == 1) {
+          _mm512_storeu_ps(out + (int64_t)b * N + r, y);
+        } else {
+          _mm512_store_ps(sums, y);
+          for (int t = 0; t < NT; ++t)
+            for (int i = 0; i < R; ++i) put(((int64_t)t * B + b) * N + r + i, sums[i * NT + t]);
+        }
+      }
+      for (; r < r1; ++r) {  // tail rows of the head
+        float o[NT];
+        Mat m;
+        m.w = wb, m.s = nullptr, m.row_bytes = rb, m.cols = K, m.s_cols = 0;
+        dot_rows_bfbf<1, NT>(m, r, (const void* const*)xs, o);
+        for (int t = 0; t < NT; ++t) put(((int64_t)t * B + b) * N + r, o[t]);
+      }
+    }
+  }, /*elastic=*/true);
+}
+}  // extern "C++"
+#endif
+
+// k2_linear_batched's per-head decode path (bf16 x bf16, several matrices, T <= 2)?
+static bool heads_path(int wfmt, int x_dtype, int B, int T) {
+  return K2_HAS_I4BF && !K2_HEADS_LEGACY && wfmt == FMT_BF16 && x_dtype == X_BF16 && B > 1 &&
+         T <= 2;
+}
+
 // out [T, B, N] float32 = per b: x [T, b, K] @ W[b][N, K]^T for dense bf16 / float32 weights
 // W [B, N, K] (decode-sized T; B = 1: one linear layer, B = heads: the absorbed MLA weights):
 // (b, block of 32 rows) items over the pool's threads, tokens in blocks of 8 (each weight row is
@@ -1273,6 +1399,15 @@ int k2_linear_batched(void* pool, int wfmt, const void* W, int B, int N, int K, 
   std::vector<Mat> ms(B);
   for (int b = 0; b < B; ++b) mk_mat(ms[b], wfmt, (int64_t)W + b * wb, 0, K);
   const bool bfbf = K2_HAS_I4BF && wfmt == FMT_BF16 && x_dtype == X_BF16;
+#if K2_HAS_I4BF
+  if (heads_path(wfmt, x_dtype, B, T)) {  // per-head decode rows: 16 sums per reduction
+    if (T == 1)
+      linear_heads_bfbf<1, false>(P, (const uint16_t*)W, B, N, K, (const uint16_t*)x, out);
+    else
+      linear_heads_bfbf<2, false>(P, (const uint16_t*)W, B, N, K, (const uint16_t*)x, out);
+    return 0;
+  }
+#endif
   static thread_local std::vector<float> xf_tl;
   std::vector<float>& xf = xf_tl;
   const int64_t xn = (int64_t)T * B * K;
@@ -1322,6 +1457,30 @@ int k2_linear_batched(void* pool, int wfmt, const void* W, int B, int N, int K, 
 int k2_linear(void* pool, int wfmt, const void* W, int N, int K, const void* x, int x_dtype,
               int T, float* out) {
   return k2_linear_batched(pool, wfmt, W, 1, N, K, x, x_dtype, T, out);
+}
+
+// k2_linear_batched with out [T, B, N] in out_dtype (X_F32 or X_BF16: rounded to nearest even
+// by the per-head path's threads, else after the float32 call). Returns as k2_linear_batched.
+int k2_linear_batched_out(void* pool, int wfmt, const void* W, int B, int N, int K, const void* x,
+                          int x_dtype, int T, void* out, int out_dtype) {
+  if (out_dtype != X_BF16) return k2_linear_batched(pool, wfmt, W, B, N, K, x, x_dtype, T, (float*)out);
+#if K2_HAS_I4BF
+  if (K % 32 == 0 && heads_path(wfmt, x_dtype, B, T)) {
+    Pool* P = (Pool*)pool;
+    std::lock_guard<std::mutex> call(P->call_mu);
+    if (T == 1)
+      linear_heads_bfbf<1, true>(P, (const uint16_t*)W, B, N, K, (const uint16_t*)x, out);
+    else
+      linear_heads_bfbf<2, true>(P, (const uint16_t*)W, B, N, K, (const uint16_t*)x, out);
+    return 0;
+  }
+#endif
+  static thread_local std::vector<float> acc_tl;
+  const int64_t n = (int64_t)T * B * N;
+  acc_tl.resize(n);
+  int rc = k2_linear_batched(pool, wfmt, W, B, N, K, x, x_dtype, T, acc_tl.data());
+  if (rc == 0) rows_to_bf16(acc_tl.data(), (uint16_t*)out, 1, (int)n, 0, (int)n);
+  return rc;
 }
 
 int k2_simd_width() {
