@@ -325,6 +325,38 @@ static K2_INLINE void dot_rows_f32(const Mat& m, int r0, const void* const* xv, 
 // sums[t][g] is the sum of group g's 32 activations. Needs cols % 128 == 0.
 static const int I4BF_MAX_GROUPS = 1024;
 
+// The R rows' group scales as float32: sf[i][g] (both loops below).
+template <int R>
+static K2_INLINE void i4bf_row_scales(const Mat& m, int r0, int groups,
+                                      float (*sf)[I4BF_MAX_GROUPS]) {
+  for (int i = 0; i < R; ++i) {
+    const uint16_t* sp = (const uint16_t*)m.s + (int64_t)(r0 + i) * m.s_cols;
+    int g = 0;
+    for (; g + 16 <= groups; g += 16) {
+      __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sp + g)));
+      _mm512_store_ps(&sf[i][g], _mm512_castsi512_ps(_mm512_slli_epi32(u, 16)));
+    }
+    for (; g < groups; ++g) sf[i][g] = bf16_to_f32(sp[g]);
+  }
+}
+
+// out[i][t] = sum of acc[i][t] - 136 x the scales' dot with the activations' group sums: the
+// stored nibbles as bf16 are 128 + u = (n - 8) + 136, so each product carried 136 x scale x x.
+template <int R, int NT>
+static K2_INLINE void i4bf_finish(const float (*sf)[I4BF_MAX_GROUPS], int groups,
+                                  const float* const* sums, const __m512 (*acc)[NT], float* out) {
+  for (int i = 0; i < R; ++i)
+    for (int t = 0; t < NT; ++t) {
+      __m512 c = _mm512_setzero_ps();
+      int g = 0;
+      for (; g + 16 <= groups; g += 16)
+        c = _mm512_fmadd_ps(_mm512_load_ps(&sf[i][g]), _mm512_loadu_ps(sums[t] + g), c);
+      float corr = _mm512_reduce_add_ps(c);
+      for (; g < groups; ++g) corr += sf[i][g] * sums[t][g];
+      out[i * NT + t] = _mm512_reduce_add_ps(acc[i][t]) - 136.f * corr;
+    }
+}
+
 #if K2_I4BF_LEGACY
 // The previous layout, for before/after measurements (--define K2_I4BF_LEGACY=1): 64 columns
 // per 32-byte load widened to words, two FMAs per 64 columns, prefetch 1 KB ahead in the row.
@@ -335,15 +367,7 @@ static K2_INLINE void dot_rows_i4bf(const Mat& m, int r0, const void* const* xv,
   const uint16_t* const* xs = (const uint16_t* const*)xv;
   const int groups = m.cols >> 5, pairs = m.cols >> 6;
   alignas(64) float sf[R][I4BF_MAX_GROUPS];
-  for (int i = 0; i < R; ++i) {
-    const uint16_t* sp = (const uint16_t*)m.s + (int64_t)(r0 + i) * m.s_cols;
-    int g = 0;
-    for (; g + 16 <= groups; g += 16) {
-      __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sp + g)));
-      _mm512_store_ps(&sf[i][g], _mm512_castsi512_ps(_mm512_slli_epi32(u, 16)));
-    }
-    for (; g < groups; ++g) sf[i][g] = bf16_to_f32(sp[g]);
-  }
+  i4bf_row_scales<R>(m, r0, groups, sf);
   __m512 acc[R][NT];
   for (int i = 0; i < R; ++i)
     for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_ps();
@@ -371,16 +395,7 @@ static K2_INLINE void dot_rows_i4bf(const Mat& m, int r0, const void* const* xv,
       }
     }
   }
-  for (int i = 0; i < R; ++i)
-    for (int t = 0; t < NT; ++t) {
-      __m512 c = _mm512_setzero_ps();
-      int g = 0;
-      for (; g + 16 <= groups; g += 16)
-        c = _mm512_fmadd_ps(_mm512_load_ps(&sf[i][g]), _mm512_loadu_ps(sums[t] + g), c);
-      float corr = _mm512_reduce_add_ps(c);
-      for (; g < groups; ++g) corr += sf[i][g] * sums[t][g];
-      out[i * NT + t] = _mm512_reduce_add_ps(acc[i][t]) - 136.f * corr;
-    }
+  i4bf_finish<R, NT>(sf, groups, sums, acc, out);
 }
 
 #else
@@ -395,15 +410,7 @@ static K2_INLINE void dot_rows_i4bf(const Mat& m, int r0, const void* const* xv,
   alignas(64) float sf[R][I4BF_MAX_GROUPS];
   const int64_t sb = (int64_t)m.s_cols * 2;  // scale bytes per row
   for (int64_t o = 0; o < R * sb; o += 64) _mm_prefetch((const char*)ps + o, _MM_HINT_T0);
-  for (int i = 0; i < R; ++i) {
-    const uint16_t* sp = (const uint16_t*)m.s + (int64_t)(r0 + i) * m.s_cols;
-    int g = 0;
-    for (; g + 16 <= groups; g += 16) {
-      __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(sp + g)));
-      _mm512_store_ps(&sf[i][g], _mm512_castsi512_ps(_mm512_slli_epi32(u, 16)));
-    }
-    for (; g < groups; ++g) sf[i][g] = bf16_to_f32(sp[g]);
-  }
+  i4bf_row_scales<R>(m, r0, groups, sf);
   __m512 acc[R][NT];
   for (int i = 0; i < R; ++i)
     for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_ps();
@@ -436,16 +443,7 @@ static K2_INLINE void dot_rows_i4bf(const Mat& m, int r0, const void* const* xv,
       }
     }
   }
-  for (int i = 0; i < R; ++i)
-    for (int t = 0; t < NT; ++t) {
-      __m512 c = _mm512_setzero_ps();
-      int g = 0;
-      for (; g + 16 <= groups; g += 16)
-        c = _mm512_fmadd_ps(_mm512_load_ps(&sf[i][g]), _mm512_loadu_ps(sums[t] + g), c);
-      float corr = _mm512_reduce_add_ps(c);
-      for (; g < groups; ++g) corr += sf[i][g] * sums[t][g];
-      out[i * NT + t] = _mm512_reduce_add_ps(acc[i][t]) - 136.f * corr;
-    }
+  i4bf_finish<R, NT>(sf, groups, sums, acc, out);
 }
 #endif  // K2_I4BF_LEGACY
 
