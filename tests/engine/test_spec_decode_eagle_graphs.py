@@ -7,40 +7,13 @@ CUDA run is in test_spec_decode_gpu.py."""
 
 import pytest
 import torch
-from tests.integration.fake_graphs import TapeGraphFactory
+from tests.integration.fake_graphs import GraphSafeMLA, TapeGraphFactory
 
-from k2serve.attention.torch_ref import TorchMLABackend
 from k2serve.engine.sampling_params import SamplingParams
 from k2serve.engine.spec_decode.eagle_graphs import draft_buckets
 
 from .test_spec_decode import generate
 from .test_spec_decode_eagle import BASE, draft_dir, eagle_engine, prompts, target  # noqa: F401
-
-
-class GraphSafeMLA(TorchMLABackend):
-    """TorchMLABackend with a host-sync-free decode path: every page of the block table, the
-    keys past the sequence length masked; padding rows (slot -1) written to slot 0 first and
-    then overwritten by the real rows (CPU index_put writes in order)."""
-
-    graph_safe = True
-
-    def store(self, kv_cache, latent, k_pe, slot_mapping):
-        flat = kv_cache.view(-1, kv_cache.shape[-1])
-        keep = slot_mapping >= 0
-        idx = torch.where(keep, slot_mapping, torch.zeros_like(slot_mapping))
-        new = torch.cat([latent, k_pe], dim=-1).to(flat.dtype)
-        flat[idx.flip(0)] = torch.where(keep[:, None], new, flat[idx]).flip(0)
-
-    def forward(self, q_latent, q_pe, kv_cache, md, scale):
-        if md.max_query_len != 1:
-            return super().forward(q_latent, q_pe, kv_cache, md, scale)
-        B, L = q_latent.shape[0], q_latent.shape[-1]
-        kv = kv_cache[md.block_table.long()].reshape(B, -1, kv_cache.shape[-1]).float()
-        s = torch.einsum("bhl,bsl->bhs", q_latent.float(), kv[..., :L])
-        s = (s + torch.einsum("bhr,bsr->bhs", q_pe.float(), kv[..., L:])) * scale
-        pos = torch.arange(kv.shape[1])
-        s = s.masked_fill((pos[None, :] >= md.seq_lens[:, None])[:, None, :], float("-inf"))
-        return torch.einsum("bhs,bsl->bhl", s.softmax(-1), kv[..., :L]).to(q_latent.dtype)
 
 
 def _record(eng) -> list:

@@ -7,6 +7,8 @@ reads the current contents of the captured inputs and writes the same output ten
 need the host to see device data (`.item()`, `nonzero`, ...) raise, as they break a CUDA
 graph capture; so does anything shape-dependent that the tape would bake in.
 
+`GraphSafeMLA`: the torch MLA backend with a decode path such a capture can take (no host sync).
+
 `StreamTapeGraphFactory` replays on a "device" thread (one FIFO, like a CUDA stream) and gives
 host signals (the interface of kernels.stream_wait.CudaHostSignal) whose `gpu_wait()` is a step
 of the tape that blocks that thread until the host releases it: the device-wait overlap of
@@ -21,6 +23,8 @@ import threading
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from k2serve.attention.torch_ref import TorchMLABackend
 
 aten = torch.ops.aten
 HOST_SYNC_OPS = {
@@ -162,3 +166,29 @@ class StreamTapeGraphFactory(TapeGraphFactory):
         launched, self.launched = self.launched, []
         for f in launched:
             f.result(TIMEOUT_S)  # re-raises a step's error
+
+
+class GraphSafeMLA(TorchMLABackend):
+    """TorchMLABackend with a host-sync-free decode path: every page of the block table, the
+    keys past the sequence length masked; padding rows (slot -1) written to slot 0 first and
+    then overwritten by the real rows (CPU index_put writes in order)."""
+
+    graph_safe = True
+
+    def store(self, kv_cache, latent, k_pe, slot_mapping):
+        flat = kv_cache.view(-1, kv_cache.shape[-1])
+        keep = slot_mapping >= 0
+        idx = torch.where(keep, slot_mapping, torch.zeros_like(slot_mapping))
+        new = torch.cat([latent, k_pe], dim=-1).to(flat.dtype)
+        flat[idx.flip(0)] = torch.where(keep[:, None], new, flat[idx]).flip(0)
+
+    def forward(self, q_latent, q_pe, kv_cache, md, scale):
+        if md.max_query_len != 1:
+            return super().forward(q_latent, q_pe, kv_cache, md, scale)
+        B, L = q_latent.shape[0], q_latent.shape[-1]
+        kv = kv_cache[md.block_table.long()].reshape(B, -1, kv_cache.shape[-1]).float()
+        s = torch.einsum("bhl,bsl->bhs", q_latent.float(), kv[..., :L])
+        s = (s + torch.einsum("bhr,bsr->bhs", q_pe.float(), kv[..., L:])) * scale
+        pos = torch.arange(kv.shape[1])
+        s = s.masked_fill((pos[None, :] >= md.seq_lens[:, None])[:, None, :], float("-inf"))
+        return torch.einsum("bhs,bsl->bhl", s.softmax(-1), kv[..., :L]).to(q_latent.dtype)

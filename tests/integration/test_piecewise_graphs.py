@@ -9,40 +9,15 @@ import pytest
 import torch
 
 from k2serve.attention import AttentionMetadata
-from k2serve.attention.torch_ref import TorchMLABackend
 from k2serve.model.cuda_graph import DecodeGraphRunner
 from k2serve.moe import make_placement
 from k2serve.moe.base import ExpertBackend
 
 from .conftest import load_tiny, needs_cuda
-from .fake_graphs import TapeGraphFactory
+from .fake_graphs import GraphSafeMLA, TapeGraphFactory
 
 PS = 4  # page size
 PAGES = 8  # pages per sequence
-
-
-class GraphSafeMLA(TorchMLABackend):
-    """TorchMLABackend with a sync-free decode path (every page of the block table, masked)."""
-
-    graph_safe = True
-
-    def store(self, kv_cache, latent, k_pe, slot_mapping):
-        flat = kv_cache.view(-1, kv_cache.shape[-1])
-        keep = slot_mapping >= 0  # padding rows (-1) write back what is there
-        idx = torch.where(keep, slot_mapping, torch.zeros_like(slot_mapping))
-        new = torch.cat([latent, k_pe], dim=-1).to(flat.dtype)
-        flat[idx] = torch.where(keep[:, None], new, flat[idx])
-
-    def forward(self, q_latent, q_pe, kv_cache, md, scale):
-        if md.max_query_len != 1:
-            return super().forward(q_latent, q_pe, kv_cache, md, scale)
-        B, L = q_latent.shape[0], q_latent.shape[-1]
-        kv = kv_cache[md.block_table.long()].reshape(B, -1, kv_cache.shape[-1]).float()
-        s = torch.einsum("bhl,bsl->bhs", q_latent.float(), kv[..., :L])
-        s = (s + torch.einsum("bhr,bsr->bhs", q_pe.float(), kv[..., L:])) * scale
-        pos = torch.arange(kv.shape[1])
-        s = s.masked_fill((pos[None, :] >= md.seq_lens[:, None])[:, None, :], float("-inf"))
-        return torch.einsum("bhs,bsl->bhl", s.softmax(-1), kv[..., :L]).to(q_latent.dtype)
 
 
 class DenseExpertBackend(ExpertBackend):
