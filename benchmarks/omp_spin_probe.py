@@ -20,6 +20,20 @@ import torch
 from cpu_quiet import cpu_ns  # benchmarks/cpu_quiet.py
 
 
+def others_ms(fn, main_tid: str, reps: int = 5) -> list[float]:
+    """CPU ms the process's other threads used over `fn()` and 20 ms asleep after it, each of
+    `reps` tries after 0.3 s asleep (the team asleep); sorted."""
+    spent = []
+    for _ in range(reps):
+        time.sleep(0.3)
+        a = cpu_ns()
+        fn()
+        time.sleep(0.02)
+        b = cpu_ns()
+        spent.append(sum(b[t] - a.get(t, 0) for t in b if t != main_tid) / 1e6)
+    return sorted(spent)
+
+
 def main() -> int:
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY="
           f"{os.environ.get('OMP_WAIT_POLICY')}, GOMP_SPINCOUNT="
@@ -29,17 +43,7 @@ def main() -> int:
         torch.randn(64, 7168).to(torch.bfloat16)
     for T in (4, 5, 16):
         x = torch.randn(T, 7168)
-        spent = []
-        for _ in range(5):
-            time.sleep(0.3)  # the team asleep
-            a = cpu_ns()
-            x.to(torch.bfloat16)
-            t0 = time.perf_counter()
-            while time.perf_counter() - t0 < 0.02:
-                time.sleep(0.001)
-            b = cpu_ns()
-            spent.append(sum(b[t] - a.get(t, 0) for t in b if t != main_tid) / 1e6)
-        spent.sort()
+        spent = others_ms(lambda x=x: x.to(torch.bfloat16), main_tid)
         print(f"T={T:3d}: [T, 7168] float32 -> bf16, then 20 ms asleep: the other threads "
               f"used {spent[2]:.2f} ms of CPU (median of 5; min {spent[0]:.2f}, "
               f"max {spent[-1]:.2f})")  # fmt: skip
@@ -53,15 +57,7 @@ def main() -> int:
              ("one .to()", lambda: ck._gemv(x, w, 1, 1).to(torch.bfloat16)))  # fmt: skip
     for name, fn in cases:
         fn()
-        spent = []
-        for _ in range(5):
-            time.sleep(0.3)
-            a = cpu_ns()
-            fn()
-            time.sleep(0.02)
-            b = cpu_ns()
-            spent.append(sum(b[t] - a.get(t, 0) for t in b if t != main_tid) / 1e6)
-        spent.sort()
+        spent = others_ms(fn, main_tid)
         print(f"GEMV [1, 163840] bf16 out, rounded in {name}: the other threads (kernel pool "
               f"+ torch's team) used {spent[2]:.2f} ms of CPU (median of 5; min "
               f"{spent[0]:.2f}, max {spent[-1]:.2f})")  # fmt: skip
