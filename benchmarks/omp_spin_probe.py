@@ -6,7 +6,7 @@ GOMP_SPINCOUNT iterations) on the cores a native kernel's own threads want. This
 float32 -> bf16 conversion the CPU expert backend used to do after each call, sleeps 20 ms,
 and prints the CPU time every other thread of the process used meanwhile (Linux schedstat).
 Then the same after one CPU-kernel GEMV with an lm_head-wide output (163,840): its float32 ->
-bf16 rounding in pieces below the grain (kernels.cpu._cast, what linear() does) vs one .to().
+bf16 rounding by the kernel on its calling thread (what linear() does) vs one .to().
 
     python benchmarks/omp_spin_probe.py
 """
@@ -53,7 +53,7 @@ def main() -> int:
         return 0
     w = torch.randn(163840, 256).bfloat16()  # the lm_head's output width, short rows
     x = torch.randn(1, 256).bfloat16()
-    cases = (("pieces (linear)", lambda: ck.cpu_linear(x, w)),
+    cases = (("the kernel (linear)", lambda: ck.cpu_linear(x, w)),
              ("one .to()", lambda: ck._gemv(x, w, 1, 1).to(torch.bfloat16)))  # fmt: skip
     for name, fn in cases:
         fn()

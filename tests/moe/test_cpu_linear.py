@@ -31,11 +31,11 @@ def test_cpu_linear_matches_f_linear(wdt, xdt, rows):
 
 
 @native
-def test_cpu_linear_wide_output_is_rounded_in_pieces_the_same():
-    """An output over torch's parallel grain (a fused gate_up, the lm_head) is rounded to bf16
-    in pieces on the calling thread (kernels.cpu._cast): the same values as one .to()."""
+def test_cpu_linear_wide_output_is_rounded_the_same():
+    """An output over torch's parallel grain (32,768: a fused gate_up, the lm_head) is rounded
+    to bf16 by the kernel on its calling thread: the same values as one .to()."""
     g = torch.Generator().manual_seed(5)
-    n = 2 * ck.TORCH_GRAIN + 96  # three pieces, the last partial
+    n = 2 * 32768 + 96  # wider than torch's grain, not a multiple of it
     w = torch.randn(n, 64, generator=g).bfloat16()
     x = torch.randn(2, 64, generator=g).bfloat16()
     y = ck.cpu_linear(x, w)

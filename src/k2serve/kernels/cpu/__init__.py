@@ -326,8 +326,6 @@ class KernelPool:
 # torch at 1 row, even at 4, 0.35-0.6x at 8-16; the H100 host's 16 cores: 2.6-2.7x torch at
 # 1-2 rows, 0.76x at 4, about 1.0x at 8-16; benchmarks/cpu_attn.py, RESULTS.md)
 LINEAR_MAX_ROWS = 2
-# torch runs an elementwise op on its OpenMP threads above this many elements (at::GRAIN_SIZE)
-TORCH_GRAIN = 32768
 
 
 def dispatch_mode_active() -> bool:
@@ -388,22 +386,6 @@ def _gemv(x, w, B: int, rows: int, out_dtype=None):
     return out if rc == 0 else None
 
 
-def _cast(out, dtype):
-    """out.to(dtype), in pieces of at most TORCH_GRAIN elements: each stays on the calling
-    thread. One op over more (a fused gate_up at decode: 2 x 18,432; the lm_head: 163,840) wakes
-    torch's OpenMP team, whose threads then spin for milliseconds on the cores the kernel's pool
-    needs for the next call (benchmarks/omp_spin_probe.py, RESULTS.md)."""
-    if out.dtype == dtype or out.numel() <= TORCH_GRAIN:
-        return out.to(dtype)
-    import torch
-
-    y = torch.empty(out.shape, dtype=dtype)
-    src, dst = out.view(-1), y.view(-1)
-    for i in range(0, src.numel(), TORCH_GRAIN):
-        dst[i : i + TORCH_GRAIN].copy_(src[i : i + TORCH_GRAIN])
-    return y
-
-
 def cpu_linear(x, w):
     """x [..., K] @ w[N, K]^T on the CPU with the kernel's GEMV (bf16 or float32 weight, at most
     LINEAR_MAX_ROWS rows: decode), in x's dtype; None when it does not apply (then F.linear).
@@ -413,8 +395,12 @@ def cpu_linear(x, w):
     rows = x.numel() // max(1, x.shape[-1])
     if not _gemv_ok(x, w, rows):
         return None
-    out = _gemv(x.reshape(rows, x.shape[-1]), w, 1, rows)
-    return None if out is None else _cast(out, x.dtype).reshape(*x.shape[:-1], w.shape[0])
+    # rounded to x's dtype by the kernel on its calling thread: a torch .to() of a wide output
+    # (a fused gate_up at decode: 2 x 18,432; the lm_head: 163,840) would run on torch's OpenMP
+    # team, whose threads then spin for milliseconds on the cores the kernel's pool needs next
+    # (benchmarks/omp_spin_probe.py, RESULTS.md)
+    out = _gemv(x.reshape(rows, x.shape[-1]), w, 1, rows, x.dtype)
+    return None if out is None else out.reshape(*x.shape[:-1], w.shape[0])
 
 
 def cpu_head_gemv(x, w):
