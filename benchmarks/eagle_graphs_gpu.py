@@ -27,30 +27,21 @@ import torch
 from spec_decode_common import (  # noqa: E402 - benchmarks/ is sys.path[0]
     CTX,
     _free,
-    _sync,
     _sync_time,
     k25_vocab,
     make_engine,
     model_dir,
+    time_propose,
 )
 
 
 def _time_draft(eng, prop, iters: int) -> tuple[float, float]:
     """(median draft step ms, median engine step ms) over `iters` steps."""
-    inner, times = prop.propose, []
-
-    def timed(want, sched):
-        _sync()
-        t = time.perf_counter()
-        inner(want, sched)
-        _sync()
-        times.append((time.perf_counter() - t) * 1e3)
-
-    prop.propose = timed
+    times = time_propose(prop)
     try:
         steps = [_sync_time(eng.step) for _ in range(iters)]
     finally:
-        prop.propose = inner
+        del prop.propose  # the wrapper is an instance attribute over the method
     return statistics.median(times[2:] or times), statistics.median(steps[2:] or steps)
 
 

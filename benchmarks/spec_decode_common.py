@@ -100,6 +100,22 @@ def time_execute(eng) -> list[float]:
     return spent
 
 
+def time_propose(prop) -> list[float]:
+    """Wrap the drafter's `prop.propose` so each call's milliseconds (synced before and after)
+    are appended to the returned list; `del prop.propose` undoes it."""
+    inner, times = prop.propose, []
+
+    def timed(want, sched):
+        _sync()
+        t = time.perf_counter()
+        inner(want, sched)
+        _sync()
+        times.append((time.perf_counter() - t) * 1e3)
+
+    prop.propose = timed
+    return times
+
+
 def chain_fraction(succ, outputs: list[list[int]]) -> tuple[int, int]:
     """(greedy tokens that are the successor of the token before, tokens checked)."""
     pairs = [(a, b) for o in outputs for a, b in zip(o, o[1:], strict=False)]

@@ -63,7 +63,6 @@ from spec_decode_common import (  # noqa: E402 - benchmarks/ is sys.path[0]
     _free,
     _graph_ms,
     _nbytes,
-    _sync,
     _sync_time,
     byte_mix,
     floor_bytes,
@@ -73,6 +72,7 @@ from spec_decode_common import (  # noqa: E402 - benchmarks/ is sys.path[0]
     model_dir,
     moe_layers,
     routed_ids,
+    time_propose,
     uniform_distinct,
     verify_step,
 )
@@ -238,18 +238,7 @@ def draft_steps(preset: str, layers: int, batches: list[int], ctx: int, iters: i
                                         draft_vocab_size=32000)  # fmt: skip
                 spec = {"method": "eagle3", "model": d, "num_speculative_tokens": 3}
                 eng = make_engine(path, max(batches), spec)
-                prop = eng.drafter.eagle
-                inner = prop.propose
-                times: list[float] = []
-
-                def timed(want, sched, inner=inner, times=times):
-                    _sync()
-                    t = time.perf_counter()
-                    inner(want, sched)
-                    _sync()
-                    times.append((time.perf_counter() - t) * 1e3)
-
-                prop.propose = timed
+                times = time_propose(eng.drafter.eagle)
                 for B in batches:
                     rng = random.Random(B)
                     params = SamplingParams(temperature=0, max_tokens=iters + 8, ignore_eos=True)
