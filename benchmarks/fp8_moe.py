@@ -65,11 +65,12 @@ def expert_bytes(ew, hit):
     return hit * per
 
 
-def inputs(T, seed):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    x = torch.randn(T, D, device=DEV, dtype=torch.bfloat16, generator=g)
-    tw = torch.rand(T, K, device=DEV, generator=g)
-    ids = torch.rand(T, E, device=DEV, generator=g).argsort(-1)[:, :K].int()
+def inputs(T, seed, dev=DEV):
+    """One K2 MoE layer's inputs for T tokens: x [T, D] bf16, top-K weights and uniform ids."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    x = torch.randn(T, D, device=dev, dtype=torch.bfloat16, generator=g)
+    tw = torch.rand(T, K, device=dev, generator=g)
+    ids = torch.rand(T, E, device=dev, generator=g).argsort(-1)[:, :K].int()
     return x, tw, ids
 
 

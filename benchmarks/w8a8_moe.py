@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
+import fp8_moe  # noqa: E402  (the layer inputs)
 import model_speed as ms  # noqa: E402  (timers)
 
 E, D, I, K = 384, 7168, 2048, 8
@@ -97,11 +98,7 @@ def make_experts(fmt):
 
 
 def inputs(T, seed):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    x = torch.randn(T, D, device=DEV, dtype=torch.bfloat16, generator=g)
-    tw = torch.rand(T, K, device=DEV, generator=g)
-    ids = torch.rand(T, E, device=DEV, generator=g).argsort(-1)[:, :K].int()
-    return x, tw, ids
+    return fp8_moe.inputs(T, seed, DEV)  # the same layer shape and routing as fp8_moe.py
 
 
 def errs(out, ref) -> tuple[float, float]:
