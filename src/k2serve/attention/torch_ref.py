@@ -119,18 +119,19 @@ class TorchMLABackend(MLABackend):
             if n_new == 0:
                 continue
             n_pages = -(-seq_len // page_size)
-            pages = metadata.block_table[b, :n_pages].to(torch.long)
+            blk = metadata.block_table[b, :n_pages]  # [n_pages] int32, as the kernel takes it
             use_flash = flash and (
                 n_new > 1
                 or seq_len >= cpu_flash.DECODE_MIN_KEYS
-                or bool((pages.diff() == 1).all())  # one run of pages: read in place
+                or bool((blk.diff() == 1).all())  # one run of pages: read in place
             )
             if kernel and n_new <= KERNEL_MAX_TOKENS:
                 # the kernel on AMX beats both torch paths; on vdpbf16ps only the einsums
                 path = cpu_mla.PATH_AMX if use_flash else cpu_mla.PATH_AUTO
                 ql, qp, o = q_latent[start:end], q_pe[start:end], out[start:end]
-                if cpu_mla.mla_decode(ql, qp, kv_cache, pages, seq_len, scale, o, path):
+                if cpu_mla.mla_decode(ql, qp, kv_cache, blk, seq_len, scale, o, path):
                     continue
+            pages = blk.to(torch.long)
             if use_flash:
                 if q is None:
                     q = torch.cat([q_latent, q_pe], dim=-1)
