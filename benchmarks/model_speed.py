@@ -997,6 +997,63 @@ def part_model_and_peer(layers, do_peer, routings=("dummy",), quick=False):
             f"ours/peer tok/s = {p['prefill8192'] / ms_ours_pf:.2f}x")  # fmt: skip
 
 
+class TritonCompiles:
+    """Counts Triton JIT compiles (in-memory cache misses) between start() and stop() through
+    triton.knobs.runtime's jit_cache_hook / jit_post_compile_hook: kernel names and seconds."""
+
+    def __init__(self):
+        import triton
+
+        self.knobs = getattr(triton, "knobs", None)
+        self.names: list[str] = []
+        self.specs: list[str] = []
+        self.seconds = 0.0
+        self._t0 = 0.0
+        self.on = False
+        if self.knobs is not None:
+            self.knobs.runtime.jit_cache_hook = self._before
+            self.knobs.runtime.jit_post_compile_hook = self._after
+
+    def _before(self, *args, **kwargs):
+        self._t0 = time.time()
+        if self.on:
+            r = str(kwargs.get("repr", "?"))
+            self.names.append(r.split("[")[0])
+            self.specs.append(r.split("](")[-1][:400])  # the argument types: i32 / i32D / i1 ...
+        return False  # compile
+
+    def _after(self, *args, **kwargs):
+        if self.on:
+            self.seconds += time.time() - self._t0
+        return False
+
+    def start(self):
+        self.names, self.specs, self.seconds, self.on = [], [], 0.0, True
+
+    def stop(self) -> tuple[list[str], float]:
+        self.on = False
+        return self.names, self.seconds
+
+    def close(self):
+        if self.knobs is not None:
+            self.knobs.runtime.jit_cache_hook = None
+            self.knobs.runtime.jit_post_compile_hook = None
+
+
+def sdpa_backend(flash_only: bool):
+    """A context that keeps F.scaled_dot_product_attention off cuDNN's backend (flash, then
+    memory-efficient for masks, then math), or nothing."""
+    import contextlib
+
+    if not flash_only:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(
+        [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    )
+
+
 def part_warmup(layers, max_tokens=8192):
     """Start-up warm-up (engine.warmup) on the k2-slice: how long it takes (cold: compiles; a
     warm Triton cache: loads), then the first call of prompt shapes it never ran (odd lengths,
@@ -1019,24 +1076,38 @@ def part_warmup(layers, max_tokens=8192):
     row(
         "warmup", f"engine.warmup, {len(counts) + 2} steps", dt * 1e3, note=f"token counts {counts}"
     )
-    for step in (WarmupStep((777,), (0,)), WarmupStep((3001,), (0,)),
-                 WarmupStep((301,) * 16, (0,) * 16), WarmupStep((1, 555), (700, 0))):  # fmt: skip
-        ids, pos, md, _ = step_inputs(step, ps, "cuda")
-        fn = lambda: model.compute_logits(
-            model(ids, pos, md, kv)[(md.query_start_loc[1:] - 1).long()]
-        )  # noqa: E731
-        with torch.inference_mode():
-            torch.cuda.synchronize()
-            t0 = time.time()
-            fn()
-            torch.cuda.synchronize()
-            first = (time.time() - t0) * 1e3
-            steady = timed(fn, iters=3, warmup=1)
-        name = f"{len(step.new_tokens)}x{step.new_tokens[-1]}" + (
-            " +ctx" if any(step.context) else ""
-        )
-        row("warmup", f"first step {name} after warm-up", first, note=f"steady {steady:.1f} ms: "
-            f"first / steady = {first / steady:.2f}x")  # fmt: skip
+    compiles = TritonCompiles()
+    first_steps = [((777,), (0,)), ((3001,), (0,)), ((301,) * 16, (0,) * 16), ((1, 555), (700, 0))]
+    # the same kinds of step again at other new lengths, SDPA kept off cuDNN: a spike left
+    # there is not a per-shape plan of cuDNN's attention
+    flash_steps = [((779,), (0,)), ((3003,), (0,)), ((303,) * 16, (0,) * 16), ((1, 557), (702, 0))]
+    for steps, flash in ((first_steps, False), (flash_steps, True)):
+        for new_tokens, context in steps:
+            step = WarmupStep(new_tokens, context)
+            ids, pos, md, _ = step_inputs(step, ps, "cuda")
+            fn = lambda: model.compute_logits(
+                model(ids, pos, md, kv)[(md.query_start_loc[1:] - 1).long()]
+            )  # noqa: E731
+            with torch.inference_mode(), sdpa_backend(flash):
+                torch.cuda.synchronize()
+                compiles.start()
+                t0 = time.time()
+                fn()
+                torch.cuda.synchronize()
+                first = (time.time() - t0) * 1e3
+                names, compile_s = compiles.stop()
+                steady = timed(fn, iters=3, warmup=1)
+            name = (
+                f"{len(step.new_tokens)}x{step.new_tokens[-1]}"
+                + (" +ctx" if any(step.context) else "")
+                + (" (SDPA without cuDNN)" if flash else "")
+            )
+            row("warmup", f"first step {name} after warm-up", first, note=f"steady {steady:.1f} ms: "
+                f"first / steady = {first / steady:.2f}x; Triton compiles {len(names)} "
+                f"({compile_s * 1e3:.0f} ms) {sorted(set(names))}")  # fmt: skip
+            for n, spec in zip(names, compiles.specs, strict=True):
+                print(f"#   compiled {n}({spec})", flush=True)
+    compiles.close()
     del model, kv
     gc.collect()
     torch.cuda.empty_cache()
