@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from k2serve.attention.base import AttentionMetadata, MLABackend
 from k2serve.kernels.kv_store import store_latent_kv
 from k2serve.kernels.mla_attention import FP8_KV_DTYPES, mla_attention
+from k2serve.kernels.sdpa import sdpa
 
 
 class TritonMLABackend(MLABackend):
@@ -116,11 +117,11 @@ def mla_prefill_expanded(attn, q_nope, q_pe, latent, k_pe, md: AttentionMetadata
         q = torch.cat([q_nope[t0:t1], q_pe[t0:t1]], dim=-1)  # [Tq, H, N + R]
         q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, H, *, N + R]
         if c == 0:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
+            o = sdpa(q, k, v, is_causal=True, scale=attn.scaling)
         else:
             i = torch.arange(t1 - t0, device=q.device)
             mask = torch.arange(S, device=q.device)[None, :] <= (c + i)[:, None]  # [Tq, S]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling)
+            o = sdpa(q, k, v, attn_mask=mask, scale=attn.scaling)
         out[t0:t1] = o[0, :, :, :V].transpose(0, 1)
     return out
 

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k2serve.kernels.sdpa import sdpa
 from k2serve.model.layers import RMSNorm, YarnRotaryEmbedding
 
 LLAMA_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -199,7 +200,7 @@ def paged_gqa(q: torch.Tensor, flat: torch.Tensor, md) -> torch.Tensor:
         qb = q[qsl[b] : qsl[b + 1]].transpose(0, 1)  # [H, t, D]
         t = qb.shape[1]
         mask = pos[None, :] <= (c + torch.arange(t, device=q.device))[:, None]  # [t, S]
-        o = F.scaled_dot_product_attention(qb, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
+        o = sdpa(qb, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
         out[qsl[b] : qsl[b + 1]] = o.transpose(0, 1)
     return out
 

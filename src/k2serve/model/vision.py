@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k2serve.kernels.sdpa import sdpa
 from k2serve.vision_config import VisionConfig
 
 
@@ -98,7 +99,7 @@ def varlen_attention(q, k, v, seqlens: list[int]) -> torch.Tensor:
         def bhnd(t: torch.Tensor) -> torch.Tensor:
             return t.view(b, n, *t.shape[1:]).transpose(1, 2)  # [B, heads, n, hd]
 
-        o = F.scaled_dot_product_attention(bhnd(q), bhnd(k), bhnd(v))
+        o = sdpa(bhnd(q), bhnd(k), bhnd(v))
         return o.transpose(1, 2).reshape(q.shape)  # [N, heads, hd]
     out = torch.empty_like(q)
     starts = [0]
@@ -110,7 +111,7 @@ def varlen_attention(q, k, v, seqlens: list[int]) -> torch.Tensor:
     for n, idx in groups.items():
         segs = [slice(starts[i], starts[i] + n) for i in idx]
         qg, kg, vg = (torch.stack([t[s] for s in segs]).transpose(1, 2) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(qg, kg, vg).transpose(1, 2)  # [B, n, heads, hd]
+        o = sdpa(qg, kg, vg).transpose(1, 2)  # [B, n, heads, hd]
         for j, s in enumerate(segs):
             out[s] = o[j]
     return out
