@@ -114,25 +114,29 @@ if HAS_GLUON:
             r = p >> 8
         else:
             r = p >> 16
-        SH: gl.constexpr = 8 + 4 * (J % 2)
-        bits = (r & (0xF << SH)) | ((150 - SH) << 23)
+        if J % 2 == 0:  # nibble at bits 8-11: (r & 0xF00) | float bits of 2^15
+            bits = gl.inline_asm_elementwise("lop3.b32 $0, $1, 0xF00, 0x47000000, 0xEA;", "=r,r",
+                                             [r], dtype=gl.int32, is_pure=True, pack=1)  # fmt: skip
+        else:  # bits 12-15: (r & 0xF000) | float bits of 2^11
+            bits = gl.inline_asm_elementwise("lop3.b32 $0, $1, 0xF000, 0x45000000, 0xEA;", "=r,r",
+                                             [r], dtype=gl.int32, is_pure=True, pack=1)  # fmt: skip
         return gl.fma(bits.to(gl.float32, bitcast=True), s, c).to(gl.bfloat16)
 
     @gluon.jit
     def _issue(u, NU, a_ptrs, a_ok, w_ptrs, w_ok, s_ptrs, s_ok, a_smem, w_smem, s_smem,
                STAGES: gl.constexpr, W2: gl.constexpr):  # fmt: skip
         """cp.async sub-step u (parity u % 2 of K step u // 2) into ring slot u % STAGES, one
-        commit group (empty past the last sub-step, so the group count stays uniform)."""
+        commit group. Past the last sub-step the last one is loaded again (into a slot nobody
+        reads): the masks stay loop-invariant and the group count uniform."""
         slot = u % STAGES
-        live = u < NU
+        u = gl.minimum(u, NU - 1)
         ks = u // 2
         par = u % 2
-        async_copy.async_copy_global_to_shared(a_smem.index(slot), a_ptrs + u * (8 * W2),
-                                               mask=a_ok & live)  # fmt: skip
+        async_copy.async_copy_global_to_shared(a_smem.index(slot), a_ptrs + u * (8 * W2), mask=a_ok)
         async_copy.async_copy_global_to_shared(w_smem.index(slot), w_ptrs + (ks * 2 * W2 + par * 4),
-                                               mask=w_ok & live)  # fmt: skip
+                                               mask=w_ok)  # fmt: skip
         async_copy.async_copy_global_to_shared(s_smem.index(slot), s_ptrs + ks * (W2 // 4),
-                                               mask=s_ok & live)  # fmt: skip
+                                               mask=s_ok)  # fmt: skip
         async_copy.commit_group()
 
     @gluon.jit
@@ -169,7 +173,9 @@ if HAS_GLUON:
         # shared ring: activation planes (wgmma B, K-major), words, scale words
         a_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * W2, element_bitwidth=16,
                                                   rank=2)  # fmt: skip
-        w_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8,
+        # words: 16-byte pieces XOR-swizzled by row; the plane layout's 8-byte loads of a warp
+        # then hit distinct banks (gl.bank_conflicts: 0 for BLOCK_N 128, W2 16; 1 with vec=2)
+        w_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=W2 // 4,
                                                      order=[1, 0])  # fmt: skip
         s_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
                                                      order=[1, 0])  # fmt: skip
