@@ -4,7 +4,9 @@ the dequant of one nibble plane overlaps the wgmma of the previous one.
 
 Owns: `gemm_gluon` (one launch, the drop-in for `int4_gemm._gemm`: same operands, the same
 moe_align_block_size rows, A_DIV / MUL_W / PERM_OUT meanings, activations in `to_gemm_order`),
-`gluon_available`, `GLUON_CONFIG` and `check_config`.
+whether it can run (`gluon_available`, `gluon_usable`), its configs (`GLUON_CONFIG`,
+`GLUON_TABLE` by pair count, `check_config`, `smem_bytes`). int4_gemm.int4_moe_gemm picks it
+with backend="gluon" (argument, config key or K2SERVE_INT4_GEMM).
 
 Why: Triton 3.6 waits for every register-operand wgmma before dequantizing the next plane
 (`warpgroup.wait 0`), so the CUDA-core dequant and the tensor-core MMA never overlap. Here the
@@ -51,8 +53,16 @@ try:  # pragma: no cover - depends on the installed Triton
 except Exception:  # noqa: BLE001 - no Triton, no Gluon, or another Gluon API
     HAS_GLUON = False
 
-# BLOCK_M pairs x BLOCK_N outputs, W2 words per parity tile row, ring slots, warps
-GLUON_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, W2=16, STAGES=5, num_warps=4)
+# Configs by (token, expert) pair count, as int4_gemm.PREFILL_TABLE: BLOCK_M pairs x BLOCK_N
+# outputs, W2 words per parity-tile row, STAGES ring slots, warps (4 per 64-row MMA slice).
+# Untuned: benchmarks/gluon_int4_device.py sweeps them on the device.
+GLUON_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, W2=16, STAGES=4, num_warps=4)
+GLUON_TABLE = (
+    dict(max_pairs=4096, BLOCK_M=16, BLOCK_N=64, W2=16, STAGES=6, num_warps=4),
+    dict(max_pairs=16384, BLOCK_M=32, BLOCK_N=128, W2=16, STAGES=6, num_warps=4),
+    dict(max_pairs=None, **GLUON_CONFIG),
+)
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "W2", "STAGES", "num_warps")
 
 
 def gluon_available() -> bool:
@@ -60,6 +70,20 @@ def gluon_available() -> bool:
     if not HAS_GLUON:
         return False
     return triton.__version__.startswith("3.6")
+
+
+def gluon_usable(device: torch.device | str) -> bool:
+    """Whether the kernel runs on `device`: Triton 3.6's Gluon and an sm_90 GPU (wgmma)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not gluon_available() or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def smem_bytes(cfg: dict) -> int:
+    """Shared memory of the ring (the epilogue's layout conversion reuses it)."""
+    bm, bn, w2 = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["W2"]
+    return cfg["STAGES"] * (8 * bm * w2 * 2 + bn * w2 * 4 + bn * (w2 // 4) * 4)
 
 
 def check_config(cfg: dict) -> None:
@@ -72,6 +96,8 @@ def check_config(cfg: dict) -> None:
                          f"({nw}, a multiple of 4)")  # fmt: skip
     if cfg["W2"] not in (16, 32) or cfg["STAGES"] < 3:
         raise ValueError("gluon int4 GEMM: W2 must be 16 or 32 and STAGES >= 3")
+    if smem_bytes(cfg) > 227 * 1024:
+        raise ValueError(f"gluon int4 GEMM: {smem_bytes(cfg)} B of shared memory (> 227 KiB)")
 
 
 if HAS_GLUON:
@@ -262,11 +288,12 @@ if HAS_GLUON:
 
 def gemm_gluon(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, perm_out, cfg):
     """One launch of the Gluon kernel; arguments as int4_gemm._gemm (a in gemm order with
-    cfg["W2"], s bf16 [E, N, K/32], c [M, N] written at the aligned pairs' rows)."""
+    cfg["W2"], s bf16 [E, N, K/32], c [M, N] written at the aligned pairs' rows); cfg holds
+    CONFIG_KEYS (others are ignored)."""
     if not gluon_available():
         raise RuntimeError("the Gluon int4 GEMM needs Triton 3.6 with Gluon (K2SERVE_INT4_GEMM="
                            "triton selects the Triton kernel)")  # fmt: skip
-    cfg = {**GLUON_CONFIG, **{k: v for k, v in cfg.items() if k not in ("kernel", "backend")}}
+    cfg = {k: cfg[k] for k in CONFIG_KEYS}
     check_config(cfg)
     if K % (16 * cfg["W2"]):
         raise ValueError(f"gluon int4 GEMM: K={K} is not a multiple of {16 * cfg['W2']}")
