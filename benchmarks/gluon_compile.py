@@ -6,7 +6,7 @@ wgmma left in flight while the next plane is dequantized; 0x0 = wait for all).
 
 Run (no GPU needed; Triton 3.6, the API the kernel is written against):
   PYTHONPATH=/tmp/tri36:src python3 benchmarks/gluon_compile.py [--configs 64x128s5w4,...] [--sass]
-A config name is BLOCK_Mx BLOCK_N s STAGES w num_warps (W2 = 16).
+A config name is BLOCK_Mx BLOCK_N s STAGES w num_warps [k W2] (W2 = 16 unless given).
 """
 
 from __future__ import annotations
@@ -20,13 +20,23 @@ import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 
-CONFIGS = ["64x128s5w4", "32x128s6w4", "128x128s4w8", "64x128s5w8", "16x64s6w4", "128x128s4w4"]
+CONFIGS = [
+    "8x64s6w4",
+    "16x64s6w4",
+    "16x128s6w4",
+    "32x128s6w4",
+    "64x128s4w4",
+    "64x128s5w4",
+    "64x128s5w8",
+    "64x128s3w8k32",
+    "128x128s4w8",
+]  # gluon_int4_device.SWEEP
 
 
 def parse(name: str) -> dict:
-    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)w(\d+)", name)
-    bm, bn, st, nw = (int(v) for v in m.groups())
-    return dict(BLOCK_M=bm, BLOCK_N=bn, STAGES=st, num_warps=nw, W2=16)
+    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)w(\d+)(?:k(\d+))?", name)
+    bm, bn, st, nw = (int(v) for v in m.groups()[:4])
+    return dict(BLOCK_M=bm, BLOCK_N=bn, STAGES=st, num_warps=nw, W2=int(m.group(5) or 16))
 
 
 def compile_one(cfg: dict, a_div: int, mul_w: bool, perm_out: bool, arch: int = 90):
