@@ -6,7 +6,8 @@ wgmma left in flight while the next plane is dequantized; 0x0 = wait for all).
 
 Run (no GPU needed; Triton 3.6, the API the kernel is written against):
   PYTHONPATH=/tmp/tri36:src python3 benchmarks/gluon_compile.py [--configs 64x128s5w4,...] [--sass]
-A config name is BLOCK_Mx BLOCK_N s STAGES w num_warps [k W2] (W2 = 16 unless given).
+A config name is BLOCK_Mx BLOCK_N s STAGES w num_warps [k W2] [h] [i N] (W2 = 16 unless given;
+h: the bf16x2 dequant; i N: N wgmmas in flight, 1 unless given).
 """
 
 from __future__ import annotations
@@ -20,23 +21,23 @@ import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 
-CONFIGS = [
-    "8x64s6w4",
-    "16x64s6w4",
-    "16x128s6w4",
-    "32x128s6w4",
-    "64x128s4w4",
-    "64x128s5w4",
-    "64x128s5w8",
-    "64x128s3w8k32",
-    "128x128s4w8",
-]  # gluon_int4_device.SWEEP
+CONFIGS = ["8x64s6w4", "16x64s6w4", "16x64s6w4h", "16x128s6w4", "32x128s6w4", "64x128s4w4",
+           "64x128s4w4h", "64x128s4w4hi2", "64x128s5w4", "64x128s5w8", "64x128s3w8k32",
+           "128x128s4w8", "128x128s4w8h"]  # gluon_int4_device.SWEEP  # fmt: skip
 
 
 def parse(name: str) -> dict:
-    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)w(\d+)(?:k(\d+))?", name)
+    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)w(\d+)(?:k(\d+))?(h?)(?:i(\d))?", name)
     bm, bn, st, nw = (int(v) for v in m.groups()[:4])
-    return dict(BLOCK_M=bm, BLOCK_N=bn, STAGES=st, num_warps=nw, W2=int(m.group(5) or 16))
+    return dict(
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        STAGES=st,
+        num_warps=nw,
+        W2=int(m.group(5) or 16),
+        BF16X2=m.group(6) == "h",
+        INFLIGHT=int(m.group(7) or 1),
+    )
 
 
 def compile_one(cfg: dict, a_div: int, mul_w: bool, perm_out: bool, arch: int = 90):
@@ -51,7 +52,8 @@ def compile_one(cfg: dict, a_div: int, mul_w: bool, perm_out: bool, arch: int = 
     ints = ["N", "K", "num_pairs", "a_stride", "c_stride", "w_stride_e", "w_stride_n",
             "s_stride_e", "s_stride_n"]  # fmt: skip
     cons = dict(A_DIV=a_div, MUL_W=mul_w, PERM_OUT=perm_out, BLOCK_M=cfg["BLOCK_M"],
-                BLOCK_N=cfg["BLOCK_N"], W2=cfg["W2"], STAGES=cfg["STAGES"], NW=cfg["num_warps"])  # fmt: skip
+                BLOCK_N=cfg["BLOCK_N"], W2=cfg["W2"], STAGES=cfg["STAGES"], NW=cfg["num_warps"],
+                BF16X2=cfg["BF16X2"], INFLIGHT=cfg["INFLIGHT"])  # fmt: skip
     sig = {**ptrs, **dict.fromkeys(ints, "i32"), **dict.fromkeys(cons, "constexpr")}
     div16 = [i for i, k in enumerate(sig) if k in ptrs or k in ints[3:]]
     src = GluonASTSource(fn=_int4_gemm_gluon_kernel, signature=sig, constexprs=cons,
@@ -66,8 +68,25 @@ def tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin", name)
 
 
-def report(k, nw: int) -> tuple[str, str]:
+def loop_body(sass: str) -> int:
+    """SASS instructions of the K loop (one sub-step: 8 planes): from the target of the
+    backward branch after the last HGMMA to that branch."""
+    ins = []
+    for line in sass.splitlines():
+        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    last = max((i for i, x in enumerate(ins) if x[1].startswith("HGMMA")), default=-1)
+    for j in range(max(last, 0), len(ins)):
+        t = re.search(r"0x([0-9a-f]+)", ins[j][2]) if ins[j][1].startswith("BRA") else None
+        if t and int(t.group(1), 16) < ins[j][0]:
+            return sum(1 for a, _, _ in ins if int(t.group(1), 16) <= a <= ins[j][0])
+    return 0
+
+
+def report(k, cfg: dict) -> tuple[str, str]:
     """One line of figures, and the SASS text."""
+    nw = cfg["num_warps"]
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])
     usage = subprocess.run(
@@ -84,10 +103,13 @@ def report(k, nw: int) -> tuple[str, str]:
     waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass)
     counts = {w: waits.count(w) for w in sorted(set(waits))}
     wgmma = len(re.findall(r"\bHGMMA\.", sass))
+    body = loop_body(sass)
+    per_thread = 8 * cfg["BLOCK_N"] * cfg["W2"] / (32 * nw)  # weights a thread dequantizes
     line = (f"registers {regs:3d}, spilled {stack:3d} B, shared {k.metadata.shared:6d} B, "
             f"CTAs/SM {min(per_sm_regs, per_sm_smem)}; HGMMA {wgmma}, DEPBAR waits {counts}, "
             f"WARPGROUP.ARRIVE {sass.count('WARPGROUP.ARRIVE')}, BAR.SYNC {len(re.findall(r'BAR.SYNC', sass))}, "
-            f"LDGSTS {sass.count('LDGSTS')}")  # fmt: skip
+            f"LDGSTS {sass.count('LDGSTS')}; loop {body} instr/sub-step = {body / per_thread:.2f} "
+            f"per weight")  # fmt: skip
     return line, sass
 
 
@@ -105,7 +127,7 @@ def main(argv=None) -> int:
         for gemm, a_div, mul_w, perm in (("gate_up", 8, False, True), ("down", 1, True, False)):
             try:
                 k = compile_one(cfg, a_div, mul_w, perm)
-                line, sass = report(k, cfg["num_warps"])
+                line, sass = report(k, cfg)
                 print(f"{name:12s} {gemm:8s} {line}", flush=True)
                 if args.sass and i == 0 and gemm == "gate_up":
                     os.makedirs(args.sass, exist_ok=True)

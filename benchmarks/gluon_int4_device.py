@@ -29,11 +29,13 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 E, D, I, K = 384, 7168, 2048, 8
 TS = (128, 2048, 8192, 16384)
-# Gluon sweep: BLOCK_M x BLOCK_N s STAGES w num_warps (W2 = 16); registers / shared memory /
-# SASS waits of each: benchmarks/gluon_compile.py
-SWEEP = ["8x64s6w4", "16x64s6w4", "16x128s6w4", "32x128s6w4", "64x128s4w4", "64x128s5w4",
-         "64x128s5w8", "64x128s3w8k32", "128x128s4w8"]  # fmt: skip
-CHECK = ["8x64s6w4", "16x64s6w4", "32x128s6w4", "64x128s4w4", "128x128s4w8", "64x128s3w8k32"]
+# Gluon sweep (names: cfg_of); registers / shared memory / SASS waits of each:
+# benchmarks/gluon_compile.py
+SWEEP = ["8x64s6w4", "16x64s6w4", "16x64s6w4h", "16x128s6w4", "32x128s6w4", "64x128s4w4",
+         "64x128s4w4h", "64x128s4w4hi2", "64x128s5w4", "64x128s5w8", "64x128s3w8k32",
+         "128x128s4w8", "128x128s4w8h"]  # fmt: skip
+CHECK = ["8x64s6w4", "16x64s6w4", "16x64s6w4h", "32x128s6w4", "64x128s4w4", "64x128s4w4hi2",
+         "128x128s4w8", "64x128s3w8k32"]  # fmt: skip
 BUDGET_S = 235
 
 
@@ -46,10 +48,19 @@ def result(**kv):  # one machine-readable line for the driver
 
 
 def cfg_of(name: str) -> dict:
-    """BLOCK_M x BLOCK_N s STAGES w num_warps [k W2]: "64x128s4w4", "64x128s3w4k32"."""
-    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)w(\d+)(?:k(\d+))?", name)
+    """BLOCK_M x BLOCK_N s STAGES w num_warps [k W2] [h: bf16x2 dequant] [i INFLIGHT]:
+    "64x128s4w4", "64x128s3w8k32", "64x128s4w4hi2"."""
+    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)w(\d+)(?:k(\d+))?(h?)(?:i(\d))?", name)
     bm, bn, st, nw = (int(v) for v in m.groups()[:4])
-    return dict(BLOCK_M=bm, BLOCK_N=bn, W2=int(m.group(5) or 16), STAGES=st, num_warps=nw)
+    return dict(
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        W2=int(m.group(5) or 16),
+        STAGES=st,
+        num_warps=nw,
+        BF16X2=m.group(6) == "h",
+        INFLIGHT=int(m.group(7) or 1),
+    )
 
 
 def rel(a, b) -> float:
@@ -198,7 +209,7 @@ def part_check():
             log(f"  {args[0]}: ERROR {type(e).__name__}: {str(e)[:600]}")
     for T in (64, 2048):
         try:
-            layer_case(T, ["16x64s6w4", "64x128s4w4", "128x128s4w8"])
+            layer_case(T, ["16x64s6w4h", "64x128s4w4", "64x128s4w4hi2", "128x128s4w8"])
         except Exception as e:  # noqa: BLE001
             log(f"  K2 layer T={T}: ERROR {type(e).__name__}: {str(e)[:600]}")
 

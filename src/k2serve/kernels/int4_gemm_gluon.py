@@ -62,7 +62,10 @@ GLUON_TABLE = (
     dict(max_pairs=16384, BLOCK_M=32, BLOCK_N=128, W2=16, STAGES=6, num_warps=4),
     dict(max_pairs=None, **GLUON_CONFIG),
 )
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "W2", "STAGES", "num_warps")
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "W2", "STAGES", "num_warps", "BF16X2", "INFLIGHT")
+# BF16X2: the planes made two weights per instruction (bf16x2 PTX) instead of fp32 math;
+# INFLIGHT: wgmmas left in flight while the next planes are dequantized (1 or 2)
+CONFIG_DEFAULTS = dict(BF16X2=False, INFLIGHT=1)
 
 
 def gluon_available() -> bool:
@@ -96,6 +99,8 @@ def check_config(cfg: dict) -> None:
                          f"({nw}, a multiple of 4)")  # fmt: skip
     if cfg["W2"] not in (16, 32) or cfg["STAGES"] < 3:
         raise ValueError("gluon int4 GEMM: W2 must be 16 or 32 and STAGES >= 3")
+    if cfg.get("INFLIGHT", 1) not in (1, 2):
+        raise ValueError("gluon int4 GEMM: INFLIGHT must be 1 or 2")
     if smem_bytes(cfg) > 227 * 1024:
         raise ValueError(f"gluon int4 GEMM: {smem_bytes(cfg)} B of shared memory (> 227 KiB)")
 
@@ -148,6 +153,38 @@ if HAS_GLUON:
                                              [r], dtype=gl.int32, is_pure=True, pack=1)  # fmt: skip
         return gl.fma(bits.to(gl.float32, bitcast=True), s, c).to(gl.bfloat16)
 
+    @triton.constexpr_function
+    def _pair_asm(M):
+        """PTX of `_plane_pair_bf16x2` for byte M of the words ($2, $3: the words of a k pair,
+        $4: their bf16 scale pair; $0, $1: planes 2M and 2M + 1 as bf16 pairs)."""
+        sel = M | (M << 4) | ((4 + M) << 8) | ((4 + M) << 12)
+        return (
+            "{ .reg .b32 t, lo, hi, one, b, z;\n"
+            "mov.b32 one, 0x3F803F80;\n"  # bf16 1.0, 1.0
+            "mov.b32 b, 0xC308C308;\n"  # bf16 -136, -136
+            "mov.b32 z, 0x80008000;\n"  # bf16 -0, -0
+            f"prmt.b32 t, $2, $3, {sel:#x};\n"
+            "lop3.b32 lo, t, 0x000F000F, 0x43004300, 0xEA;\n"
+            "shr.u32 t, t, 4;\n"
+            "lop3.b32 hi, t, 0x000F000F, 0x43004300, 0xEA;\n"
+            "fma.rn.bf16x2 lo, lo, one, b;\n"
+            "fma.rn.bf16x2 hi, hi, one, b;\n"
+            "fma.rn.bf16x2 $0, lo, $4, z;\n"
+            "fma.rn.bf16x2 $1, hi, $4, z; }"
+        )
+
+    @gluon.jit
+    def _plane_pair_bf16x2(p, s2, M: gl.constexpr):
+        """Nibble planes 2M and 2M + 1 of words p as bf16 (n - 8) * s, two k-adjacent weights
+        per instruction: one prmt puts byte M of both words of a k pair (the plane layout's
+        register pair) in bytes 0 and 2, one lop3 per plane makes the bf16 pair 128 + n (the
+        odd plane after a shift), an exact bf16x2 fma subtracts 136, one more multiplies by
+        the scale pair s2 (one rounding: the same values as `_plane`)."""
+        ASM: gl.constexpr = _pair_asm(M)
+        return gl.inline_asm_elementwise(ASM, "=r,=r,r,r,r", [p, s2],
+                                         dtype=(gl.bfloat16, gl.bfloat16), is_pure=True,
+                                         pack=2)  # fmt: skip
+
     @gluon.jit
     def _issue(u, NU, a_ptrs, a_ok, w_ptrs, w_ok, s_ptrs, s_ok, a_smem, w_smem, s_smem,
                STAGES: gl.constexpr, W2: gl.constexpr):  # fmt: skip
@@ -171,7 +208,7 @@ if HAS_GLUON:
         N, K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
         A_DIV: gl.constexpr, MUL_W: gl.constexpr, PERM_OUT: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, W2: gl.constexpr, STAGES: gl.constexpr,
-        NW: gl.constexpr,
+        NW: gl.constexpr, BF16X2: gl.constexpr, INFLIGHT: gl.constexpr,
     ):  # fmt: skip
         """c[pair, n] = sum_k a[pair // A_DIV, k] * dequant(w[e, n, k]) (* tw[pair]) for one
         aligned block of BLOCK_M pairs of expert e and BLOCK_N outputs (acc[n, pair], weights
@@ -236,7 +273,9 @@ if HAS_GLUON:
             _issue(u, NU, a_ptrs, a_ok, w_ptrs, w_ok, s_ptrs, s_ok, a_smem, w_smem, s_smem,
                    STAGES, W2)  # fmt: skip
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
-        w_prev = gl.zeros([BLOCK_N, W2], gl.bfloat16, layout=dl)  # the in-flight MMA's plane
+        # the planes of the MMAs in flight (kept alive through the waits' deps)
+        w_p0 = gl.zeros([BLOCK_N, W2], gl.bfloat16, layout=dl)
+        w_p1 = gl.zeros([BLOCK_N, W2], gl.bfloat16, layout=dl)
         for u in range(NU):
             async_copy.wait_group(STAGES - 3)  # sub-step u landed (this thread's copies)
             fence_async_shared()  # ... visible to the wgmma's async proxy
@@ -247,21 +286,37 @@ if HAS_GLUON:
             sp = s_smem.index(slot).load(sl)
             sb = gl.where((u % 2) == 0, sp << 16, sp & -65536).to(gl.float32, bitcast=True)
             s = _to_plane(sb, l3, dl, BLOCK_N, W2)
-            c15 = _to_plane(sb * -32776.0, l3, dl, BLOCK_N, W2)  # -(2^15 + 8) * s
-            c11 = _to_plane(sb * -2056.0, l3, dl, BLOCK_N, W2)  # -(2^11 + 8) * s
+            if BF16X2:
+                s2 = s.to(gl.bfloat16)  # exact: the scales are bf16
+            else:
+                c15 = _to_plane(sb * -32776.0, l3, dl, BLOCK_N, W2)  # -(2^15 + 8) * s
+                c11 = _to_plane(sb * -2056.0, l3, dl, BLOCK_N, W2)  # -(2^11 + 8) * s
             p = w_smem.index(slot).load(dl)
             a_slot = a_smem.index(slot)
-            for J in gl.static_range(8):
-                if J % 2 == 0:
-                    w = _plane(p, s, c15, J)
+            for M in gl.static_range(4):  # planes 2M (low nibble of byte M) and 2M + 1
+                if BF16X2:
+                    w0, w1 = _plane_pair_bf16x2(p, s2, M)
                 else:
-                    w = _plane(p, s, c11, J)
-                b = a_slot.slice(J * BLOCK_M, BLOCK_M).permute((1, 0))  # [W2, BLOCK_M]
-                acc = warpgroup_mma(w, b, acc, is_async=True)
-                # retire the previous plane's MMA; this one's registers live to the next wait
-                acc, w_prev, w = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w_prev, w))
-                w_prev = w
-        acc, w_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_prev))
+                    w0 = _plane(p, s, c15, 2 * M)
+                    w1 = _plane(p, s, c11, 2 * M + 1)
+                b0 = a_slot.slice(2 * M * BLOCK_M, BLOCK_M).permute((1, 0))  # [W2, BLOCK_M]
+                b1 = a_slot.slice((2 * M + 1) * BLOCK_M, BLOCK_M).permute((1, 0))
+                if INFLIGHT == 1:
+                    # retire the previous plane's MMA; this one's registers live to the next wait
+                    acc = warpgroup_mma(w0, b0, acc, is_async=True)
+                    acc, w_p1, w0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w_p1, w0))
+                    acc = warpgroup_mma(w1, b1, acc, is_async=True)
+                    acc, w0, w1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w0, w1))
+                    w_p1 = w1
+                else:
+                    # both planes' MMAs in flight while the next pair is dequantized
+                    acc = warpgroup_mma(w0, b0, acc, is_async=True)
+                    acc = warpgroup_mma(w1, b1, acc, is_async=True)
+                    acc, w_p0, w_p1, w0, w1 = warpgroup_mma_wait(
+                        num_outstanding=2, deps=(acc, w_p0, w_p1, w0, w1))  # fmt: skip
+                    w_p0 = w0
+                    w_p1 = w1
+        acc, w_p0, w_p1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_p0, w_p1))
         async_copy.wait_group(0)
 
         # epilogue: n-contiguous layout, (routing weight), store pairs' rows
@@ -293,7 +348,8 @@ def gemm_gluon(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, p
     if not gluon_available():
         raise RuntimeError("the Gluon int4 GEMM needs Triton 3.6 with Gluon (K2SERVE_INT4_GEMM="
                            "triton selects the Triton kernel)")  # fmt: skip
-    cfg = {k: cfg[k] for k in CONFIG_KEYS}
+    cfg = {k: cfg[k] for k in CONFIG_KEYS if k in cfg}
+    cfg = {**CONFIG_DEFAULTS, **cfg}
     check_config(cfg)
     if K % (16 * cfg["W2"]):
         raise ValueError(f"gluon int4 GEMM: K={K} is not a multiple of {16 * cfg['W2']}")
