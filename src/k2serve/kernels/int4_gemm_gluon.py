@@ -12,18 +12,27 @@ Why: Triton 3.6 waits for every register-operand wgmma before dequantizing the n
 (`warpgroup.wait 0`), so the CUDA-core dequant and the tensor-core MMA never overlap. Here the
 waits are ours: `warpgroup_mma(..., is_async=True)` then `warpgroup_mma_wait(1, deps=...)`
 retires the previous plane's MMA only, and the in-flight plane's registers stay alive through
-the wait's deps (the next wait retires them).
+the wait's deps (the next wait retires them). SASS (benchmarks/gluon_compile.py): one
+`WARPGROUP.DEPBAR.LE gsb0, 0x1` per plane (0x2 per pair with INFLIGHT=2), no ptxas
+serialization; `gl.assume(NU > 0)` is what keeps it so (the zero-trip path's accumulator
+init made ptxas serialize every wgmma, C7515).
 
-Layout: the same math and order as `_int4_gemm_kernel` (int4_gemm.py's docstring): the
-weights are the MMA's left operand (`DotOperandLayout` of an `NVMMADistributedLayout` v3, rows
-= BLOCK_N outputs), the tokens its N (BLOCK_M aligned (token, slot) pairs of one expert). A
-sub-step is one parity tile of a K step of 16 * W2 columns: words [BLOCK_N, W2] (group pair
-c // 4, word c % 4 of the even or odd group), their scale words [BLOCK_N, W2 / 4] and the 8
-activation planes [8, BLOCK_M, W2] (each K-major, `NVMMASharedLayout`, the wgmma's B through
-a transposed view). Sub-steps are cp.async'ed into a ring of STAGES slots, one commit group
-each, loaded STAGES - 2 ahead: the slot refilled at sub-step u was read at u - 2, whose MMAs
-every warpgroup has retired (the slack lets several warpgroups share the ring with one
-barrier per sub-step). The scale words are broadcast over their 4 columns by loading them in
+Dequant: planes are made in pairs (2M, 2M + 1: the two nibbles of byte M). fp32 (default):
+int4_gemm._plane_w's math, one lop3 + one FFMA per weight, a cvt per two. BF16X2: two
+k-adjacent weights per instruction (prmt, lop3, two bf16x2 FMAs per pair of a plane), the same
+correctly rounded values, ~20% fewer instructions per sub-step.
+
+Layout: the same order as `_int4_gemm_kernel` (int4_gemm.py's docstring): the weights are
+the MMA's left operand (`DotOperandLayout` of an `NVMMADistributedLayout` v3, rows = BLOCK_N
+outputs), the tokens its N (BLOCK_M aligned (token, slot) pairs of one expert). A sub-step is
+one parity tile of a K step of 16 * W2 columns: words [BLOCK_N, W2] (group pair c // 4, word
+c % 4 of the even or odd group), their scale words [BLOCK_N, W2 / 4] and the 8 activation
+planes [BLOCK_M, W2] (each K-major, `NVMMASharedLayout`, the wgmma's B through a transposed
+view; stored as one [8 * BLOCK_M, W2] tile). Sub-steps are cp.async'ed into a ring of STAGES
+slots, one commit group each, loaded STAGES - 2 ahead: the slot refilled at sub-step u was
+read at u - 2, whose MMAs every warpgroup has retired (the slack lets several warpgroups
+share the ring; per sub-step one explicit barrier after the copies landed, and Triton's own
+for the ring's reuse). The scale words are broadcast over their 4 columns by loading them in
 the plane layout split as [BLOCK_N, W2 / 4, 4] (a layout conversion that moves no data).
 
 Invariants: Hopper (sm_90) only, Triton 3.6's Gluon API (3.9's differs: `gluon_available`
