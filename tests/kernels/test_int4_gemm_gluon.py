@@ -56,6 +56,10 @@ def test_backend_selection(monkeypatch):
 
 
 def test_check_config():
+    # the same bands as the Triton table: the warm-up's config key (the entry index) holds
+    assert [e["max_pairs"] for e in GLUON_TABLE] == [
+        e["max_pairs"] for e in int4_gemm.PREFILL_TABLE
+    ]
     for e in GLUON_TABLE:
         check_config({k: v for k, v in e.items() if k != "max_pairs"})
     ok = dict(BLOCK_M=64, BLOCK_N=128, W2=16, STAGES=4, num_warps=4)

@@ -62,13 +62,15 @@ try:  # pragma: no cover - depends on the installed Triton
 except Exception:  # noqa: BLE001 - no Triton, no Gluon, or another Gluon API
     HAS_GLUON = False
 
-# Configs by (token, expert) pair count, as int4_gemm.PREFILL_TABLE: BLOCK_M pairs x BLOCK_N
-# outputs, W2 words per parity-tile row, STAGES ring slots, warps (4 per 64-row MMA slice).
-# Untuned: benchmarks/gluon_int4_device.py sweeps them on the device.
+# Configs by (token, expert) pair count: BLOCK_M pairs x BLOCK_N outputs, W2 words per
+# parity-tile row, STAGES ring slots, warps (4 per 64-row MMA slice). The same pair-count
+# bands as int4_gemm.PREFILL_TABLE, so the engine's warm-up (FusedMoEBackend.config_key: the
+# table entry's index) compiles every entry either backend can pick. Untuned:
+# benchmarks/gluon_int4_device.py sweeps them on the device.
 GLUON_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, W2=16, STAGES=4, num_warps=4)
 GLUON_TABLE = (
     dict(max_pairs=4096, BLOCK_M=16, BLOCK_N=64, W2=16, STAGES=6, num_warps=4),
-    dict(max_pairs=16384, BLOCK_M=32, BLOCK_N=128, W2=16, STAGES=6, num_warps=4),
+    dict(max_pairs=8192, BLOCK_M=32, BLOCK_N=128, W2=16, STAGES=6, num_warps=4),
     dict(max_pairs=None, **GLUON_CONFIG),
 )
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "W2", "STAGES", "num_warps", "BF16X2", "INFLIGHT")
