@@ -31,9 +31,10 @@ planes [BLOCK_M, W2] (each K-major, `NVMMASharedLayout`, the wgmma's B through a
 view; stored as one [8 * BLOCK_M, W2] tile). Sub-steps are cp.async'ed into a ring of STAGES
 slots, one commit group each, loaded STAGES - 2 ahead: the slot refilled at sub-step u was
 read at u - 2, whose MMAs every warpgroup has retired (the slack lets several warpgroups
-share the ring; per sub-step one explicit barrier after the copies landed, and Triton's own
-for the ring's reuse). The scale words are broadcast over their 4 columns by loading them in
-the plane layout split as [BLOCK_N, W2 / 4, 4] (a layout conversion that moves no data).
+share the ring). Per sub-step two barriers, both Triton's (after the copies landed; between
+the refill and the reads of the ring), with the async-proxy fence between them. The scale
+words are broadcast over their 4 columns by loading them in the plane layout split as
+[BLOCK_N, W2 / 4, 4] (a layout conversion that moves no data).
 
 Invariants: Hopper (sm_90) only, Triton 3.6's Gluon API (3.9's differs: `gluon_available`
 says whether this Triton has what the kernel uses; the module imports without Triton, Gluon
@@ -288,9 +289,11 @@ if HAS_GLUON:
         w_p0 = gl.zeros([BLOCK_N, W2], gl.bfloat16, layout=dl)
         w_p1 = gl.zeros([BLOCK_N, W2], gl.bfloat16, layout=dl)
         for u in range(NU):
-            async_copy.wait_group(STAGES - 3)  # sub-step u landed (this thread's copies)
-            fence_async_shared()  # ... visible to the wgmma's async proxy
-            gl.thread_barrier()  # ... and every thread's; slot (u - 2) % STAGES is free
+            # sub-step u landed (this thread's copies; Triton's barrier: everyone's) and is
+            # visible to the wgmma's async proxy. Triton also puts a barrier between the refill
+            # below and the reads (it cannot tell the slots apart): slot (u - 2) % STAGES is free
+            async_copy.wait_group(STAGES - 3)
+            fence_async_shared()
             _issue(u + STAGES - 2, NU, a_ptrs, a_ok, w_ptrs, w_ok, s_ptrs, s_ok, a_smem, w_smem,
                    s_smem, STAGES, W2)  # fmt: skip
             slot = u % STAGES
