@@ -305,7 +305,7 @@ def main(argv=None) -> int:
     out_dir = os.environ.get("OUT", "/tmp/k2out")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "gluon_int4.txt"), "w") as sink:
-        res = child(["--part", "check"], 110, sink)
+        res = child(["--part", "check"], 130, sink)
         ceil = next(
             (r for r in res if r["kind"] == "ceil"), {"bw": float("nan"), "mm": float("nan")}
         )
