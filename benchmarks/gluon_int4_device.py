@@ -311,6 +311,7 @@ def main(argv=None) -> int:
         )
         checks = [r for r in res if r["kind"] == "check"]
         gluon_ok = bool(checks) and all(r["ok"] for r in checks)
+        failed = ", ".join(f"{r['case']} {r['cfg']}" for r in checks if not r["ok"])[:600]
         # a config that failed a check is still timed (its rows say so); none ran: no Gluon
         for T in (int(t) for t in args.ts.split(",")):
             left = BUDGET_S - (time.time() - t0)
@@ -323,7 +324,7 @@ def main(argv=None) -> int:
             "",
             f"ceilings: copy {ceil['bw']:.0f} GB/s, bf16 matmul {ceil['mm']:.0f} TFLOP/s; "
             f"gluon checks: {sum(r['ok'] for r in checks)}/{len(checks)} passed"
-            f"{'' if gluon_ok else ' (FAILED: ' + ', '.join(r['case'] + ' ' + r['cfg'] for r in checks if not r['ok'])[:600] + ')'}",
+            + ("" if gluon_ok else " (none ran)" if not checks else " (FAILED: " + failed + ")"),
             "| T | kernel | ms | TFLOP/s | % bf16 matmul | % copy bw (INT4 bytes) | rel diff vs shipped |",
             "|---:|---|---:|---:|---:|---:|---:|",
         ]
