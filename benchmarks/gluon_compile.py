@@ -21,9 +21,9 @@ import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 
-CONFIGS = ["8x64s6w4", "16x64s6w4", "16x64s6w4h", "16x128s6w4", "32x128s6w4", "64x128s4w4",
-           "64x128s4w4h", "64x128s4w4hi2", "64x128s5w4", "64x128s5w8", "64x128s3w8k32",
-           "128x128s4w8", "128x128s4w8h"]  # gluon_int4_device.SWEEP  # fmt: skip
+CONFIGS = ["8x64s6w4", "16x64s6w4h", "16x128s6w4h", "32x128s6w4h", "64x128s4w4h",
+           "64x128s3w8k32h", "64x128s4w8k32h", "64x256s5w8h", "64x256s3w8k32h", "32x256s4w8k32h",
+           "128x128s4w8h", "128x256s4w8h", "128x256s3w8h"]  # gluon_int4_device.SWEEP  # fmt: skip
 
 
 def parse(name: str) -> dict:

@@ -333,6 +333,8 @@ def int4_moe_gemm(
     gluon = cfg.get("kernel") != "tile" and gemm_backend(backend, cfg, x.device) == "gluon"
     if gluon and "STAGES" not in cfg:
         cfg = pick_config(GLUON_TABLE, T * k)
+    if gluon and not gemm_supported(ew, cfg["W2"]) and gemm_supported(ew, 16):
+        cfg = {**cfg, "W2": 16}  # K not a multiple of 16 * W2: the same tile, K steps of 256
     cfg = {k: v for k, v in cfg.items() if k != "backend"}
     tile = cfg.get("kernel") == "tile" or not gemm_supported(ew, cfg.get("W2", 16))
     if tile and "W" not in cfg:
