@@ -7,7 +7,7 @@ wgmma left in flight while the next plane is dequantized; 0x0 = wait for all).
 Run (no GPU needed; Triton 3.6, the API the kernel is written against):
   PYTHONPATH=/tmp/tri36:src python3 benchmarks/gluon_compile.py [--configs 64x128s5w4,...] [--sass]
 A config name is BLOCK_Mx BLOCK_N s STAGES w num_warps [k W2] [h] [i N] (W2 = 16 unless given;
-h: the bf16x2 dequant; i N: N wgmmas in flight, 1 unless given).
+h: the bf16x2 dequant; i N: N wgmmas in flight, 1 unless given; f: the proxy fence).
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 
-CONFIGS = ["8x64s6w4", "16x64s6w4h", "16x128s6w4h", "32x128s6w4h", "64x128s4w4h",
+CONFIGS = ["8x64s6w4", "16x64s6w4h", "16x128s6w4h", "32x128s6w4h", "64x128s4w4h", "64x128s4w4hf",
            "64x128s3w8k32h", "64x128s4w8k32h", "64x256s5w8h", "64x256s3w8k32h", "32x256s4w8k32h",
            "128x128s4w8h", "128x256s4w8h", "128x256s3w8h"]  # gluon_int4_device.SWEEP  # fmt: skip
 
 
 def parse(name: str) -> dict:
-    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)w(\d+)(?:k(\d+))?(h?)(?:i(\d))?", name)
+    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)w(\d+)(?:k(\d+))?(h?)(?:i(\d))?(f?)", name)
     bm, bn, st, nw = (int(v) for v in m.groups()[:4])
     return dict(
         BLOCK_M=bm,
@@ -37,6 +37,7 @@ def parse(name: str) -> dict:
         W2=int(m.group(5) or 16),
         BF16X2=m.group(6) == "h",
         INFLIGHT=int(m.group(7) or 1),
+        FENCE=m.group(8) == "f",
     )
 
 
@@ -53,7 +54,7 @@ def compile_one(cfg: dict, a_div: int, mul_w: bool, perm_out: bool, arch: int = 
             "s_stride_e", "s_stride_n"]  # fmt: skip
     cons = dict(A_DIV=a_div, MUL_W=mul_w, PERM_OUT=perm_out, BLOCK_M=cfg["BLOCK_M"],
                 BLOCK_N=cfg["BLOCK_N"], W2=cfg["W2"], STAGES=cfg["STAGES"], NW=cfg["num_warps"],
-                BF16X2=cfg["BF16X2"], INFLIGHT=cfg["INFLIGHT"])  # fmt: skip
+                BF16X2=cfg["BF16X2"], INFLIGHT=cfg["INFLIGHT"], FENCE=cfg["FENCE"])  # fmt: skip
     sig = {**ptrs, **dict.fromkeys(ints, "i32"), **dict.fromkeys(cons, "constexpr")}
     div16 = [i for i, k in enumerate(sig) if k in ptrs or k in ints[3:]]
     src = GluonASTSource(fn=_int4_gemm_gluon_kernel, signature=sig, constexprs=cons,

@@ -31,7 +31,7 @@ E, D, I, K = 384, 7168, 2048, 8
 TS = (128, 2048, 8192, 16384)
 # Gluon sweep (names: cfg_of); registers / shared memory / SASS waits of each:
 # benchmarks/gluon_compile.py
-SWEEP = ["8x64s6w4", "16x64s6w4h", "16x128s6w4h", "32x128s6w4h", "64x128s4w4h",
+SWEEP = ["8x64s6w4", "16x64s6w4h", "16x128s6w4h", "32x128s6w4h", "64x128s4w4h", "64x128s4w4hf",
          "64x128s3w8k32h", "64x128s4w8k32h", "64x256s5w8h", "64x256s3w8k32h", "32x256s4w8k32h",
          "128x128s4w8h", "128x256s4w8h", "128x256s3w8h"]  # fmt: skip
 CHECK = ["8x64s6w4", "16x64s6w4h", "64x128s4w4hi2", "128x128s4w8", "64x128s3w8k32h",
@@ -48,9 +48,9 @@ def result(**kv):  # one machine-readable line for the driver
 
 
 def cfg_of(name: str) -> dict:
-    """BLOCK_M x BLOCK_N s STAGES w num_warps [k W2] [h: bf16x2 dequant] [i INFLIGHT]:
-    "64x128s4w4", "64x128s3w8k32", "64x128s4w4hi2"."""
-    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)w(\d+)(?:k(\d+))?(h?)(?:i(\d))?", name)
+    """BLOCK_M x BLOCK_N s STAGES w num_warps [k W2] [h: bf16x2 dequant] [i INFLIGHT]
+    [f: proxy fence]: "64x128s4w4", "64x128s3w8k32", "64x128s4w4hi2", "64x128s4w4hf"."""
+    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)w(\d+)(?:k(\d+))?(h?)(?:i(\d))?(f?)", name)
     bm, bn, st, nw = (int(v) for v in m.groups()[:4])
     return dict(
         BLOCK_M=bm,
@@ -60,6 +60,7 @@ def cfg_of(name: str) -> dict:
         num_warps=nw,
         BF16X2=m.group(6) == "h",
         INFLIGHT=int(m.group(7) or 1),
+        FENCE=m.group(8) == "f",
     )
 
 

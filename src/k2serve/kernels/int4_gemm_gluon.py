@@ -77,10 +77,11 @@ GLUON_TABLE = (
     dict(max_pairs=8192, BLOCK_M=32, BLOCK_N=128, W2=16, STAGES=6, num_warps=4, BF16X2=True),
     dict(max_pairs=None, **GLUON_CONFIG),
 )
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "W2", "STAGES", "num_warps", "BF16X2", "INFLIGHT")
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "W2", "STAGES", "num_warps", "BF16X2", "INFLIGHT", "FENCE")
 # BF16X2: the planes made two weights per instruction (bf16x2 PTX) instead of fp32 math;
-# INFLIGHT: wgmmas left in flight while the next planes are dequantized (1 or 2)
-CONFIG_DEFAULTS = dict(BF16X2=False, INFLIGHT=1)
+# INFLIGHT: wgmmas left in flight while the next planes are dequantized (1 or 2); FENCE: a
+# proxy fence after each sub-step's copies land (the first device run had it; see the loop)
+CONFIG_DEFAULTS = dict(BF16X2=False, INFLIGHT=1, FENCE=False)
 
 
 def gluon_available() -> bool:
@@ -223,7 +224,7 @@ if HAS_GLUON:
         N, K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
         A_DIV: gl.constexpr, MUL_W: gl.constexpr, PERM_OUT: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, W2: gl.constexpr, STAGES: gl.constexpr,
-        NW: gl.constexpr, BF16X2: gl.constexpr, INFLIGHT: gl.constexpr,
+        NW: gl.constexpr, BF16X2: gl.constexpr, INFLIGHT: gl.constexpr, FENCE: gl.constexpr,
     ):  # fmt: skip
         """c[pair, n] = sum_k a[pair // A_DIV, k] * dequant(w[e, n, k]) (* tw[pair]) for one
         aligned block of BLOCK_M pairs of expert e and BLOCK_N outputs (acc[n, pair], weights
@@ -292,11 +293,15 @@ if HAS_GLUON:
         w_p0 = gl.zeros([BLOCK_N, W2], gl.bfloat16, layout=dl)
         w_p1 = gl.zeros([BLOCK_N, W2], gl.bfloat16, layout=dl)
         for u in range(NU):
-            # sub-step u landed (this thread's copies; Triton's barrier: everyone's) and is
-            # visible to the wgmma's async proxy. Triton also puts a barrier between the refill
-            # below and the reads (it cannot tell the slots apart): slot (u - 2) % STAGES is free
+            # sub-step u landed (this thread's copies; Triton's barrier: everyone's). Triton
+            # also puts a barrier between the refill below and the reads (it cannot tell the
+            # slots apart): slot (u - 2) % STAGES is free. No proxy fence by default, as in
+            # Triton's own cp.async + wgmma pipelines: fence.proxy.async compiles to
+            # MEMBAR.ALL.CTA, which (the suspicion from the first device run) waits for every
+            # copy in flight, the whole prefetch; FENCE=True measures it
             async_copy.wait_group(STAGES - 3)
-            fence_async_shared()
+            if FENCE:
+                fence_async_shared()
             _issue(u + STAGES - 2, NU, a_ptrs, a_ok, w_ptrs, w_ok, s_ptrs, s_ok, a_smem, w_smem,
                    s_smem, STAGES, W2)  # fmt: skip
             slot = u % STAGES
