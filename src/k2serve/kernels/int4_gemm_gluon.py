@@ -32,7 +32,7 @@ view; stored as one [8 * BLOCK_M, W2] tile). Sub-steps are cp.async'ed into a ri
 slots, one commit group each, loaded STAGES - 2 ahead: the slot refilled at sub-step u was
 read at u - 2, whose MMAs every warpgroup has retired (the slack lets several warpgroups
 share the ring). Per sub-step two barriers, both Triton's (after the copies landed; between
-the refill and the reads of the ring), with the async-proxy fence between them. The scale
+the refill and the reads of the ring), no proxy fence (FENCE: see the loop). The scale
 words are broadcast over their 4 columns by loading them in the plane layout split as
 [BLOCK_N, W2 / 4, 4] (a layout conversion that moves no data).
 
