@@ -9,6 +9,7 @@ monkeypatch. Nothing else in k2serve reads `os.environ` for a `K2SERVE_*` name.
 |---|---|---|---|
 | K2SERVE_SHARED_STREAM | bool | true | kernel policy: shared expert on a second CUDA stream |
 | K2SERVE_INT4_ASM | bool | true | kernel policy: inline-PTX INT4 dequant (false: plain Triton) |
+| K2SERVE_INT4_GEMM | str | unset | INT4 grouped GEMM kernel: triton or gluon (unset: config) |
 | K2SERVE_API_KEY | str | unset | `k2serve serve --api-key` default |
 | K2SERVE_DIST_TIMEOUT_S | float > 0 | 600 | tensor-parallel collective timeout |
 | K2SERVE_WORKER_START_TIMEOUT_S | float > 0 | 300 | tensor-parallel worker start-up timeout |
@@ -80,6 +81,20 @@ def router_nonfinite_count() -> bool:
 def int4_asm() -> bool:
     """K2SERVE_INT4_ASM: the inline-PTX INT4 dequant in the MoE kernels (false: plain Triton)."""
     return env_bool("K2SERVE_INT4_ASM", True)
+
+
+INT4_GEMM_BACKENDS = ("triton", "gluon")
+
+
+def int4_gemm_backend() -> str | None:
+    """K2SERVE_INT4_GEMM: the INT4 grouped GEMM's kernel, "triton" or "gluon" (Hopper, Triton
+    3.6's Gluon); None when unset (the config's "backend" key, else triton)."""
+    raw = _raw("K2SERVE_INT4_GEMM")
+    if raw is None:
+        return None
+    if raw.lower() not in INT4_GEMM_BACKENDS:
+        raise ValueError(f"K2SERVE_INT4_GEMM={raw!r}: expected one of {INT4_GEMM_BACKENDS}")
+    return raw.lower()
 
 
 def api_key() -> str | None:

@@ -42,14 +42,21 @@ multiples of 16 W2 (256 with W2 = 16); tile kernel: K % (8W) == 0, W % (group / 
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 
+from k2serve import envs
+
 from ._triton import HAS_TRITON, cdiv, dot_dtype, require_triton, tl, triton
 from .int4_dequant import dequant_int4_planes, permute_planes, pick_pb, use_asm
+from .int4_gemm_gluon import GLUON_TABLE, gemm_gluon, gluon_usable
 from .moe_align import max_blocks, moe_align_block_size
+
+logger = logging.getLogger(__name__)
 
 if HAS_TRITON:
     from .int4_dequant import planes_bf16
@@ -270,6 +277,30 @@ def _gemm(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, perm_o
     )  # fmt: skip
 
 
+@functools.lru_cache(maxsize=8)
+def _log_no_gluon(device: str) -> None:  # once per device
+    logger.warning("int4 GEMM backend gluon asked for (K2SERVE_INT4_GEMM or the config) but "
+                   "it needs Triton 3.6's Gluon and an sm_90 GPU; %s runs the Triton kernel",
+                   device)  # fmt: skip
+
+
+def gemm_backend(backend: str | None, cfg: Mapping, device) -> str:
+    """The register-operand GEMM's kernel: `backend` if given, else K2SERVE_INT4_GEMM, else
+    cfg["backend"], else "triton". "gluon" where it cannot run (gluon_usable): an explicit
+    `backend` raises, the variable or the config log one line and fall back to Triton."""
+    chosen = backend or envs.int4_gemm_backend() or cfg.get("backend", "triton")
+    if chosen not in envs.INT4_GEMM_BACKENDS:
+        raise ValueError(f"int4 GEMM backend {chosen!r}: expected one of "
+                         f"{envs.INT4_GEMM_BACKENDS}")  # fmt: skip
+    if chosen == "gluon" and not gluon_usable(device):
+        if backend:
+            raise RuntimeError(f"int4 GEMM backend gluon needs Triton 3.6's Gluon and an sm_90 "
+                               f"GPU (device {device})")  # fmt: skip
+        _log_no_gluon(str(device))
+        return "triton"
+    return chosen
+
+
 def gemm_supported(ew, w2: int = 16) -> bool:
     """Whether the register-operand kernel takes these experts with K steps of 16 w2 columns:
     group 32 and both K (hidden, intermediate) multiples of 16 w2; otherwise the tile kernel
@@ -286,16 +317,25 @@ def int4_moe_gemm(
     config=None,  # one launch config, or a table by pair count (pick_config)
     asm: bool = True,
     active: torch.Tensor | None = None,  # [1] int32 on the device: 0 = skip (moe_select.py)
+    backend: str | None = None,  # "triton" / "gluon" (gemm_backend)
 ) -> torch.Tensor:  # [T, D]
     """Routed-expert output: gate+up grouped GEMM, SiLU(gate) * up, down grouped GEMM scaled by
     the routing weights, sum over the top-k. No host synchronisation. `config` None:
     PREFILL_TABLE. config["kernel"] == "tile" (or experts `gemm_supported` refuses): the tile
-    kernel, whose `asm` picks the inline-PTX dequant where it compiles (`use_asm`)."""
+    kernel, whose `asm` picks the inline-PTX dequant where it compiles (`use_asm`). Backend
+    "gluon" (`gemm_backend`): int4_gemm_gluon's kernel, with the config if it names STAGES,
+    else GLUON_TABLE's."""
     require_triton(x)
     T, D = x.shape
     k = topk_ids.shape[1]
     I, E = ew.intermediate, ew.num_experts
     cfg = pick_config(PREFILL_TABLE if config is None else config, T * k)
+    gluon = cfg.get("kernel") != "tile" and gemm_backend(backend, cfg, x.device) == "gluon"
+    if gluon and "STAGES" not in cfg:
+        cfg = pick_config(GLUON_TABLE, T * k)
+    if gluon and not gemm_supported(ew, cfg["W2"]) and gemm_supported(ew, 16):
+        cfg = {**cfg, "W2": 16}  # K not a multiple of 16 * W2: the same tile, K steps of 256
+    cfg = {k: v for k, v in cfg.items() if k != "backend"}
     tile = cfg.get("kernel") == "tile" or not gemm_supported(ew, cfg.get("W2", 16))
     if tile and "W" not in cfg:
         cfg = dict(TILE_CONFIG)
@@ -318,12 +358,13 @@ def int4_moe_gemm(
                    cfg, ew.group_size, asm)  # fmt: skip
     else:
         # h comes out in gemm order (I % 256 == 0, so gate and up halves each are too)
+        gemm = gemm_gluon if gluon else _gemm
         xg = to_gemm_order(x, cfg["W2"])
-        _gemm(xg, ew.w13, ew.w13_scale, h, tw, sorted_ids, eids, npost, 2 * I, D, M, k, False,
-              True, cfg)  # fmt: skip
+        gemm(xg, ew.w13, ew.w13_scale, h, tw, sorted_ids, eids, npost, 2 * I, D, M, k, False,
+             True, cfg)  # fmt: skip
         act = F.silu(h[:, :I]) * h[:, I:]
-        _gemm(act, ew.w2, ew.w2_scale, out, tw, sorted_ids, eids, npost, D, I, M, 1, True,
-              False, cfg)  # fmt: skip
+        gemm(act, ew.w2, ew.w2_scale, out, tw, sorted_ids, eids, npost, D, I, M, 1, True,
+             False, cfg)  # fmt: skip
     return out.view(T, k, D).sum(1)
 
 

@@ -1,0 +1,153 @@
+# ruff: noqa: E501
+"""Compile the Gluon INT4 GEMM (kernels/int4_gemm_gluon.py) for sm_90 without a GPU and print,
+per config and per GEMM of a K2 MoE layer: registers, spilled bytes, shared memory, and the
+SASS evidence of the overlap: the WGMMA count and the WARPGROUP.DEPBAR waits (gsb0, 0x1 = one
+wgmma left in flight while the next plane is dequantized; 0x0 = wait for all).
+
+Run (no GPU needed; Triton 3.6, the API the kernel is written against):
+  PYTHONPATH=/tmp/tri36:src python3 benchmarks/gluon_compile.py [--configs 64x128s5w4,...] [--sass]
+A config name is BLOCK_Mx BLOCK_N s STAGES w num_warps [k W2] [h] [i N] (W2 = 16 unless given;
+h: the bf16x2 dequant; i N: N wgmmas in flight, 1 unless given; f: the proxy fence).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+CONFIGS = ["8x64s6w4", "16x64s6w4h", "16x128s6w4h", "32x128s6w4h", "64x128s4w4h", "64x128s4w4hf",
+           "64x128s3w8k32h", "64x128s4w8k32h", "64x256s5w8h", "64x256s3w8k32h", "32x256s4w8k32h",
+           "128x128s4w8h", "128x256s4w8h", "128x256s3w8h"]  # gluon_int4_device.SWEEP  # fmt: skip
+
+
+def parse(name: str) -> dict:
+    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)w(\d+)(?:k(\d+))?(h?)(?:i(\d))?(f?)", name)
+    bm, bn, st, nw = (int(v) for v in m.groups()[:4])
+    return dict(
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        STAGES=st,
+        num_warps=nw,
+        W2=int(m.group(5) or 16),
+        BF16X2=m.group(6) == "h",
+        INFLIGHT=int(m.group(7) or 1),
+        FENCE=m.group(8) == "f",
+    )
+
+
+def compile_one(cfg: dict, a_div: int, mul_w: bool, perm_out: bool, arch: int = 90):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from k2serve.kernels.int4_gemm_gluon import _int4_gemm_gluon_kernel
+
+    ptrs = {"a_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*i32", "c_ptr": "*bf16",
+            "tw_ptr": "*fp32", "sorted_ptr": "*i32", "eid_ptr": "*i32", "npost_ptr": "*i32"}  # fmt: skip
+    ints = ["N", "K", "num_pairs", "a_stride", "c_stride", "w_stride_e", "w_stride_n",
+            "s_stride_e", "s_stride_n"]  # fmt: skip
+    cons = dict(A_DIV=a_div, MUL_W=mul_w, PERM_OUT=perm_out, BLOCK_M=cfg["BLOCK_M"],
+                BLOCK_N=cfg["BLOCK_N"], W2=cfg["W2"], STAGES=cfg["STAGES"], NW=cfg["num_warps"],
+                BF16X2=cfg["BF16X2"], INFLIGHT=cfg["INFLIGHT"], FENCE=cfg["FENCE"])  # fmt: skip
+    sig = {**ptrs, **dict.fromkeys(ints, "i32"), **dict.fromkeys(cons, "constexpr")}
+    div16 = [i for i, k in enumerate(sig) if k in ptrs or k in ints[3:]]
+    src = GluonASTSource(fn=_int4_gemm_gluon_kernel, signature=sig, constexprs=cons,
+                         attrs={(i,): [["tt.divisibility", 16]] for i in div16})  # fmt: skip
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": cfg["num_warps"]})  # fmt: skip
+
+
+def tool(name: str) -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin", name)
+
+
+def loop_body(sass: str) -> int:
+    """SASS instructions of the K loop (one sub-step: 8 planes): from the target of the
+    backward branch after the last HGMMA to that branch."""
+    ins = []
+    for line in sass.splitlines():
+        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    last = max((i for i, x in enumerate(ins) if x[1].startswith("HGMMA")), default=-1)
+    for j in range(max(last, 0), len(ins)):
+        t = re.search(r"0x([0-9a-f]+)", ins[j][2]) if ins[j][1].startswith("BRA") else None
+        if t and int(t.group(1), 16) < ins[j][0]:
+            return sum(1 for a, _, _ in ins if int(t.group(1), 16) <= a <= ins[j][0])
+    return 0
+
+
+def report(k, cfg: dict) -> tuple[str, str]:
+    """One line of figures, and the SASS text."""
+    nw = cfg["num_warps"]
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    usage = subprocess.run(
+        [tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True
+    ).stdout
+    sass = subprocess.run(
+        [tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True
+    ).stdout
+    os.unlink(f.name)
+    m = re.search(r"REG:(\d+).*?STACK:(\d+)", usage.replace("\n", " "))
+    regs, stack = (int(m.group(1)), int(m.group(2))) if m else (0, -1)
+    per_sm_regs = 65536 // max(1, -(-regs // 8) * 8 * 32 * nw)
+    per_sm_smem = 232448 // max(1, k.metadata.shared)
+    waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass)
+    counts = {w: waits.count(w) for w in sorted(set(waits))}
+    wgmma = len(re.findall(r"\bHGMMA\.", sass))
+    body = loop_body(sass)
+    per_thread = 8 * cfg["BLOCK_N"] * cfg["W2"] / (32 * nw)  # weights a thread dequantizes
+    line = (f"registers {regs:3d}, spilled {stack:3d} B, shared {k.metadata.shared:6d} B, "
+            f"CTAs/SM {min(per_sm_regs, per_sm_smem)}; HGMMA {wgmma}, DEPBAR waits {counts}, "
+            f"WARPGROUP.ARRIVE {sass.count('WARPGROUP.ARRIVE')}, BAR.SYNC {len(re.findall(r'BAR.SYNC', sass))}, "
+            f"LDGSTS {sass.count('LDGSTS')}; loop {body} instr/sub-step = {body / per_thread:.2f} "
+            f"per weight")  # fmt: skip
+    return line, sass
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--sass", default="", help="write the first config's SASS/PTX/TTGIR here")
+    args = ap.parse_args(argv)
+    import triton
+
+    print(f"triton {triton.__version__}, target sm_90", flush=True)
+    ok = True
+    for i, name in enumerate(args.configs.split(",")):
+        cfg = parse(name)
+        for gemm, a_div, mul_w, perm in (("gate_up", 8, False, True), ("down", 1, True, False)):
+            try:
+                k = compile_one(cfg, a_div, mul_w, perm)
+                line, sass = report(k, cfg)
+                print(f"{name:12s} {gemm:8s} {line}", flush=True)
+                if args.sass and i == 0 and gemm == "gate_up":
+                    os.makedirs(args.sass, exist_ok=True)
+                    for ext, text in (
+                        ("sass", sass),
+                        ("ptx", k.asm["ptx"]),
+                        ("ttgir", k.asm["ttgir"]),
+                    ):
+                        with open(os.path.join(args.sass, f"gluon_int4.{ext}"), "w") as f:
+                            f.write(text)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                ok = False
+                msg = str(e).strip().splitlines()
+                print(
+                    f"{name:12s} {gemm:8s} FAILED {type(e).__name__}: {' | '.join(msg[-6:])[:1500]}",
+                    flush=True,
+                )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

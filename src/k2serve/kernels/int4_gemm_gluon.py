@@ -1,0 +1,385 @@
+# ruff: noqa: E741
+"""INT4 W4A16 grouped MoE GEMM written in Gluon (Triton's explicit-layout dialect) for Hopper:
+the dequant of one nibble plane overlaps the wgmma of the previous one.
+
+Owns: `gemm_gluon` (one launch, the drop-in for `int4_gemm._gemm`: same operands, the same
+moe_align_block_size rows, A_DIV / MUL_W / PERM_OUT meanings, activations in `to_gemm_order`),
+whether it can run (`gluon_available`, `gluon_usable`), its configs (`GLUON_CONFIG`,
+`GLUON_TABLE` by pair count, `check_config`, `smem_bytes`). int4_gemm.int4_moe_gemm picks it
+with backend="gluon" (argument, config key or K2SERVE_INT4_GEMM).
+
+Why: Triton 3.6 waits for every register-operand wgmma before dequantizing the next plane
+(`warpgroup.wait 0`), so the CUDA-core dequant and the tensor-core MMA never overlap. Here the
+waits are ours: `warpgroup_mma(..., is_async=True)` then `warpgroup_mma_wait(1, deps=...)`
+retires the previous plane's MMA only, and the in-flight plane's registers stay alive through
+the wait's deps (the next wait retires them). SASS (benchmarks/gluon_compile.py): one
+`WARPGROUP.DEPBAR.LE gsb0, 0x1` per plane (0x2 per pair with INFLIGHT=2), no ptxas
+serialization; `gl.assume(NU > 0)` is what keeps it so (the zero-trip path's accumulator
+init made ptxas serialize every wgmma, C7515).
+
+Dequant: planes are made in pairs (2M, 2M + 1: the two nibbles of byte M). fp32 (default):
+int4_gemm._plane_w's math, one lop3 + one FFMA per weight, a cvt per two. BF16X2: two
+k-adjacent weights per instruction (prmt, lop3, two bf16x2 FMAs per pair of a plane), the same
+correctly rounded values, ~20% fewer instructions per sub-step.
+
+Layout: the same order as `_int4_gemm_kernel` (int4_gemm.py's docstring): the weights are
+the MMA's left operand (`DotOperandLayout` of an `NVMMADistributedLayout` v3, rows = BLOCK_N
+outputs), the tokens its N (BLOCK_M aligned (token, slot) pairs of one expert). A sub-step is
+one parity tile of a K step of 16 * W2 columns: words [BLOCK_N, W2] (group pair c // 4, word
+c % 4 of the even or odd group), their scale words [BLOCK_N, W2 / 4] and the 8 activation
+planes [BLOCK_M, W2] (each K-major, `NVMMASharedLayout`, the wgmma's B through a transposed
+view; stored as one [8 * BLOCK_M, W2] tile). Sub-steps are cp.async'ed into a ring of STAGES
+slots, one commit group each, loaded STAGES - 2 ahead: the slot refilled at sub-step u was
+read at u - 2, whose MMAs every warpgroup has retired (the slack lets several warpgroups
+share the ring). Per sub-step two barriers, both Triton's (after the copies landed; between
+the refill and the reads of the ring), no proxy fence (FENCE: see the loop). The scale
+words are broadcast over their 4 columns by loading them in the plane layout split as
+[BLOCK_N, W2 / 4, 4] (a layout conversion that moves no data).
+
+Invariants: Hopper (sm_90) only, Triton 3.6's Gluon API (3.9's differs: `gluon_available`
+says whether this Triton has what the kernel uses; the module imports without Triton, Gluon
+or CUDA). group 32, K % (16 * W2) == 0, BLOCK_N % (16 * num_warps) == 0 (each warpgroup owns
+64-row MMAs), BLOCK_M in 8..256, multiple of 8. No host sync; CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import cdiv
+
+try:  # pragma: no cover - depends on the installed Triton
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    HAS_GLUON = True
+except Exception:  # noqa: BLE001 - no Triton, no Gluon, or another Gluon API
+    HAS_GLUON = False
+
+# Configs by (token, expert) pair count: BLOCK_M pairs x BLOCK_N outputs, W2 words per
+# parity-tile row, STAGES ring slots, warps (4 per 64-row MMA slice). The same pair-count
+# bands as int4_gemm.PREFILL_TABLE, so the engine's warm-up (FusedMoEBackend.config_key: the
+# table entry's index) compiles every entry either backend can pick. From the first device run
+# (H100, one K2 layer, uniform routing; benchmarks/gluon_int4_device.py): T=128 16x128 6.84 ms
+# (the Triton table 8.20); T=2048 64x128 W2=32 9.81 ms (12.13), T=8192 29.8 (38.5), T=16384
+# 57.9 (75.2); 128x128 is faster from T=8192 (28.6 / 51.1 ms) but wastes 2/3 of a tile at
+# T=2048. BF16X2 gave the same values and never lost.
+GLUON_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, W2=32, STAGES=3, num_warps=8, BF16X2=True)
+GLUON_TABLE = (
+    dict(max_pairs=4096, BLOCK_M=16, BLOCK_N=128, W2=16, STAGES=6, num_warps=4, BF16X2=True),
+    dict(max_pairs=8192, BLOCK_M=32, BLOCK_N=128, W2=16, STAGES=6, num_warps=4, BF16X2=True),
+    dict(max_pairs=None, **GLUON_CONFIG),
+)
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "W2", "STAGES", "num_warps", "BF16X2", "INFLIGHT", "FENCE")
+# BF16X2: the planes made two weights per instruction (bf16x2 PTX) instead of fp32 math;
+# INFLIGHT: wgmmas left in flight while the next planes are dequantized (1 or 2); FENCE: a
+# proxy fence after each sub-step's copies land (the first device run had it; see the loop)
+CONFIG_DEFAULTS = dict(BF16X2=False, INFLIGHT=1, FENCE=False)
+
+
+def gluon_available() -> bool:
+    """Gluon with the Hopper API this kernel is written against (Triton 3.6's)."""
+    if not HAS_GLUON:
+        return False
+    return triton.__version__.startswith("3.6")
+
+
+def gluon_usable(device: torch.device | str) -> bool:
+    """Whether the kernel runs on `device`: Triton 3.6's Gluon and an sm_90 GPU (wgmma)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not gluon_available() or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def smem_bytes(cfg: dict) -> int:
+    """Shared memory of the ring (the epilogue's layout conversion reuses it)."""
+    bm, bn, w2 = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["W2"]
+    return cfg["STAGES"] * (8 * bm * w2 * 2 + bn * w2 * 4 + bn * (w2 // 4) * 4)
+
+
+def check_config(cfg: dict) -> None:
+    """Raise ValueError for a config the kernel cannot take."""
+    bm, bn, nw = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"]
+    if bm % 8 or not 8 <= bm <= 256:
+        raise ValueError(f"gluon int4 GEMM: BLOCK_M={bm} must be a multiple of 8 in 8..256")
+    if nw % 4 or bn % (16 * nw):
+        raise ValueError(f"gluon int4 GEMM: BLOCK_N={bn} must be a multiple of 16 * num_warps "
+                         f"({nw}, a multiple of 4)")  # fmt: skip
+    if cfg["W2"] not in (16, 32) or cfg["STAGES"] < 3:
+        raise ValueError("gluon int4 GEMM: W2 must be 16 or 32 and STAGES >= 3")
+    if cfg.get("INFLIGHT", 1) not in (1, 2):
+        raise ValueError("gluon int4 GEMM: INFLIGHT must be 1 or 2")
+    if smem_bytes(cfg) > 227 * 1024:
+        raise ValueError(f"gluon int4 GEMM: {smem_bytes(cfg)} B of shared memory (> 227 KiB)")
+
+
+if HAS_GLUON:
+
+    @triton.constexpr_function
+    def _split_cols(ll, BLOCK_N, W2):
+        """The plane layout's linear layout over [BLOCK_N, W2] seen as [BLOCK_N, W2 / 4, 4]
+        (column c = 4h + r): each basis [n, c] -> [n, c >> 2, c & 3]."""
+
+        def split(b):
+            return [b[0], b[1] >> 2, b[1] & 3]
+
+        return gl.DistributedLinearLayout(
+            reg_bases=[split(b) for b in ll.reg_bases],
+            lane_bases=[split(b) for b in ll.lane_bases],
+            warp_bases=[split(b) for b in ll.warp_bases],
+            block_bases=[split(b) for b in ll.block_bases],
+            shape=[BLOCK_N, W2 // 4, 4],
+        )
+
+    @gluon.jit
+    def _to_plane(x4, l3: gl.constexpr, dl: gl.constexpr, BLOCK_N: gl.constexpr,
+                  W2: gl.constexpr):  # fmt: skip
+        """[BLOCK_N, W2 / 4] (layout SliceLayout(2, l3)) -> [BLOCK_N, W2] in the plane layout
+        dl, each value repeated over its 4 columns; no data moves."""
+        x3 = gl.expand_dims(x4, 2)
+        x3 = gl.broadcast(x3, gl.full([BLOCK_N, W2 // 4, 4], 0, x4.dtype, l3))[0]
+        return gl.convert_layout(gl.reshape(x3, [BLOCK_N, W2]), dl, assert_trivial=True)
+
+    @gluon.jit
+    def _plane(p, s, c, J: gl.constexpr):
+        """Nibble plane J of words p as bf16 (n - 8) * s (int4_gemm._plane_w's exact math:
+        one and/or to the float bits of 2^E + n, one FMA with c = -(2^E + 8) * s, one
+        rounding)."""
+        if J < 2:
+            r = p << 8
+        elif J < 4:
+            r = p
+        elif J < 6:
+            r = p >> 8
+        else:
+            r = p >> 16
+        if J % 2 == 0:  # nibble at bits 8-11: (r & 0xF00) | float bits of 2^15
+            bits = gl.inline_asm_elementwise("lop3.b32 $0, $1, 0xF00, 0x47000000, 0xEA;", "=r,r",
+                                             [r], dtype=gl.int32, is_pure=True, pack=1)  # fmt: skip
+        else:  # bits 12-15: (r & 0xF000) | float bits of 2^11
+            bits = gl.inline_asm_elementwise("lop3.b32 $0, $1, 0xF000, 0x45000000, 0xEA;", "=r,r",
+                                             [r], dtype=gl.int32, is_pure=True, pack=1)  # fmt: skip
+        return gl.fma(bits.to(gl.float32, bitcast=True), s, c).to(gl.bfloat16)
+
+    @triton.constexpr_function
+    def _pair_asm(M):
+        """PTX of `_plane_pair_bf16x2` for byte M of the words ($2, $3: the words of a k pair,
+        $4: their bf16 scale pair; $0, $1: planes 2M and 2M + 1 as bf16 pairs)."""
+        sel = M | (M << 4) | ((4 + M) << 8) | ((4 + M) << 12)
+        return (
+            "{ .reg .b32 t, lo, hi, one, b, z;\n"
+            "mov.b32 one, 0x3F803F80;\n"  # bf16 1.0, 1.0
+            "mov.b32 b, 0xC308C308;\n"  # bf16 -136, -136
+            "mov.b32 z, 0x80008000;\n"  # bf16 -0, -0
+            f"prmt.b32 t, $2, $3, {sel:#x};\n"
+            "lop3.b32 lo, t, 0x000F000F, 0x43004300, 0xEA;\n"
+            "shr.u32 t, t, 4;\n"
+            "lop3.b32 hi, t, 0x000F000F, 0x43004300, 0xEA;\n"
+            "fma.rn.bf16x2 lo, lo, one, b;\n"
+            "fma.rn.bf16x2 hi, hi, one, b;\n"
+            "fma.rn.bf16x2 $0, lo, $4, z;\n"
+            "fma.rn.bf16x2 $1, hi, $4, z; }"
+        )
+
+    @gluon.jit
+    def _plane_pair_bf16x2(p, s2, M: gl.constexpr):
+        """Nibble planes 2M and 2M + 1 of words p as bf16 (n - 8) * s, two k-adjacent weights
+        per instruction: one prmt puts byte M of both words of a k pair (the plane layout's
+        register pair) in bytes 0 and 2, one lop3 per plane makes the bf16 pair 128 + n (the
+        odd plane after a shift), an exact bf16x2 fma subtracts 136, one more multiplies by
+        the scale pair s2 (one rounding: the same values as `_plane`)."""
+        ASM: gl.constexpr = _pair_asm(M)
+        return gl.inline_asm_elementwise(ASM, "=r,=r,r,r,r", [p, s2],
+                                         dtype=(gl.bfloat16, gl.bfloat16), is_pure=True,
+                                         pack=2)  # fmt: skip
+
+    @gluon.jit
+    def _issue(u, NU, a_ptrs, a_ok, w_ptrs, w_ok, s_ptrs, s_ok, a_smem, w_smem, s_smem,
+               STAGES: gl.constexpr, W2: gl.constexpr):  # fmt: skip
+        """cp.async sub-step u (parity u % 2 of K step u // 2) into ring slot u % STAGES, one
+        commit group. Past the last sub-step the last one is loaded again (into a slot nobody
+        reads): the masks stay loop-invariant and the group count uniform."""
+        slot = u % STAGES
+        u = gl.minimum(u, NU - 1)
+        ks = u // 2
+        par = u % 2
+        async_copy.async_copy_global_to_shared(a_smem.index(slot), a_ptrs + u * (8 * W2), mask=a_ok)
+        async_copy.async_copy_global_to_shared(w_smem.index(slot), w_ptrs + (ks * 2 * W2 + par * 4),
+                                               mask=w_ok)  # fmt: skip
+        async_copy.async_copy_global_to_shared(s_smem.index(slot), s_ptrs + ks * (W2 // 4),
+                                               mask=s_ok)  # fmt: skip
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _int4_gemm_gluon_kernel(
+        a_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, eid_ptr, npost_ptr,
+        N, K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
+        A_DIV: gl.constexpr, MUL_W: gl.constexpr, PERM_OUT: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, W2: gl.constexpr, STAGES: gl.constexpr,
+        NW: gl.constexpr, BF16X2: gl.constexpr, INFLIGHT: gl.constexpr, FENCE: gl.constexpr,
+    ):  # fmt: skip
+        """c[pair, n] = sum_k a[pair // A_DIV, k] * dequant(w[e, n, k]) (* tw[pair]) for one
+        aligned block of BLOCK_M pairs of expert e and BLOCK_N outputs (acc[n, pair], weights
+        = the wgmma's register operand). s_ptr: the bf16 scales viewed as int32 (a word holds
+        the scales of groups 2h, low half, and 2h + 1)."""
+        pid = gl.program_id(0)
+        num_n = gl.cdiv(N, BLOCK_N)
+        pid_m = pid // num_n
+        pid_n = pid % num_n
+        if pid_m * BLOCK_M >= gl.load(npost_ptr):
+            return
+        e = gl.load(eid_ptr + pid_m).to(gl.int64)
+
+        # register layouts: the MMA (acc [BLOCK_N, BLOCK_M]), its A operand (one plane
+        # [BLOCK_N, W2]), the same split [BLOCK_N, W2 / 4, 4] for the scales
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                      instr_shape=[16, BLOCK_M, 16])  # fmt: skip
+        dl: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        l3: gl.constexpr = _split_cols(gl.to_linear_layout(dl, [BLOCK_N, W2]), BLOCK_N, W2)
+        sl: gl.constexpr = gl.SliceLayout(2, l3)
+        # global -> shared copy layouts (16-byte pieces)
+        la: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (W2 // 8), W2 // 8], [NW, 1], [1, 0])
+        lw: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (W2 // 4), W2 // 4], [NW, 1], [1, 0])
+        ls: gl.constexpr = gl.BlockedLayout([1, W2 // 4], [32, 1], [NW, 1], [1, 0])
+        # shared ring: activation planes (wgmma B, K-major), words, scale words
+        a_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * W2, element_bitwidth=16,
+                                                  rank=2)  # fmt: skip
+        # words: 16-byte pieces XOR-swizzled by row; the plane layout's 8-byte loads of a warp
+        # then hit distinct banks (gl.bank_conflicts: 0 for BLOCK_N 128, W2 16; 1 with vec=2)
+        w_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=W2 // 4,
+                                                     order=[1, 0])  # fmt: skip
+        s_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
+                                                     order=[1, 0])  # fmt: skip
+        a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 8 * BLOCK_M, W2], a_sl)
+        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, W2], w_sl)
+        s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, W2 // 4], s_sl)
+
+        # activation planes as one [8 * BLOCK_M, W2] tile per slot: row q = plane q // BLOCK_M
+        # of pair q % BLOCK_M (padding pairs: not read, zeros)
+        q_a = gl.arange(0, 8 * BLOCK_M, layout=gl.SliceLayout(1, la))
+        pair_a = gl.load(sorted_ptr + pid_m * BLOCK_M + q_a % BLOCK_M)
+        rows = gl.where(pair_a < num_pairs, pair_a // A_DIV, 0).to(gl.int64)
+        c_a = gl.arange(0, W2, layout=gl.SliceLayout(0, la))
+        a_ptrs = (a_ptr + gl.expand_dims(rows * a_stride + (q_a // BLOCK_M) * W2, 1)
+                  + gl.expand_dims(c_a, 0))  # fmt: skip
+        a_ok = gl.expand_dims(pair_a < num_pairs, 1) & gl.expand_dims(c_a >= 0, 0)
+        # words: column c of a parity tile is word (c // 4) * 8 + c % 4 of the K step (+ 4 odd)
+        n_w = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lw))
+        c_w = gl.arange(0, W2, layout=gl.SliceLayout(0, lw))
+        w_ptrs = (w_ptr + e * w_stride_e + gl.expand_dims(n_w * w_stride_n, 1)
+                  + gl.expand_dims((c_w // 4) * 8 + c_w % 4, 0))  # fmt: skip
+        w_ok = gl.expand_dims(n_w < N, 1) & gl.expand_dims(c_w >= 0, 0)
+        n_s = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ls))
+        c_s = gl.arange(0, W2 // 4, layout=gl.SliceLayout(0, ls))
+        s_ptrs = (s_ptr + e * s_stride_e + gl.expand_dims(n_s * s_stride_n, 1)
+                  + gl.expand_dims(c_s, 0))  # fmt: skip
+        s_ok = gl.expand_dims(n_s < N, 1) & gl.expand_dims(c_s >= 0, 0)
+
+        NU = K // (8 * W2)  # sub-steps: the even then the odd tile of each K step
+        gl.assume(NU > 0)
+        for u in gl.static_range(STAGES - 2):
+            _issue(u, NU, a_ptrs, a_ok, w_ptrs, w_ok, s_ptrs, s_ok, a_smem, w_smem, s_smem,
+                   STAGES, W2)  # fmt: skip
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+        # the planes of the MMAs in flight (kept alive through the waits' deps)
+        w_p0 = gl.zeros([BLOCK_N, W2], gl.bfloat16, layout=dl)
+        w_p1 = gl.zeros([BLOCK_N, W2], gl.bfloat16, layout=dl)
+        for u in range(NU):
+            # sub-step u landed (this thread's copies; Triton's barrier: everyone's). Triton
+            # also puts a barrier between the refill below and the reads (it cannot tell the
+            # slots apart): slot (u - 2) % STAGES is free. No proxy fence by default, as in
+            # Triton's own cp.async + wgmma pipelines: fence.proxy.async compiles to
+            # MEMBAR.ALL.CTA, which (the suspicion from the first device run) waits for every
+            # copy in flight, the whole prefetch; FENCE=True measures it
+            async_copy.wait_group(STAGES - 3)
+            if FENCE:
+                fence_async_shared()
+            _issue(u + STAGES - 2, NU, a_ptrs, a_ok, w_ptrs, w_ok, s_ptrs, s_ok, a_smem, w_smem,
+                   s_smem, STAGES, W2)  # fmt: skip
+            slot = u % STAGES
+            sp = s_smem.index(slot).load(sl)
+            sb = gl.where((u % 2) == 0, sp << 16, sp & -65536).to(gl.float32, bitcast=True)
+            s = _to_plane(sb, l3, dl, BLOCK_N, W2)
+            if BF16X2:
+                s2 = s.to(gl.bfloat16)  # exact: the scales are bf16
+            else:
+                c15 = _to_plane(sb * -32776.0, l3, dl, BLOCK_N, W2)  # -(2^15 + 8) * s
+                c11 = _to_plane(sb * -2056.0, l3, dl, BLOCK_N, W2)  # -(2^11 + 8) * s
+            p = w_smem.index(slot).load(dl)
+            a_slot = a_smem.index(slot)
+            for M in gl.static_range(4):  # planes 2M (low nibble of byte M) and 2M + 1
+                if BF16X2:
+                    w0, w1 = _plane_pair_bf16x2(p, s2, M)
+                else:
+                    w0 = _plane(p, s, c15, 2 * M)
+                    w1 = _plane(p, s, c11, 2 * M + 1)
+                b0 = a_slot.slice(2 * M * BLOCK_M, BLOCK_M).permute((1, 0))  # [W2, BLOCK_M]
+                b1 = a_slot.slice((2 * M + 1) * BLOCK_M, BLOCK_M).permute((1, 0))
+                if INFLIGHT == 1:
+                    # retire the previous plane's MMA; this one's registers live to the next wait
+                    acc = warpgroup_mma(w0, b0, acc, is_async=True)
+                    acc, w_p1, w0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w_p1, w0))
+                    acc = warpgroup_mma(w1, b1, acc, is_async=True)
+                    acc, w0, w1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w0, w1))
+                    w_p1 = w1
+                else:
+                    # both planes' MMAs in flight while the next pair is dequantized
+                    acc = warpgroup_mma(w0, b0, acc, is_async=True)
+                    acc = warpgroup_mma(w1, b1, acc, is_async=True)
+                    acc, w_p0, w_p1, w0, w1 = warpgroup_mma_wait(
+                        num_outstanding=2, deps=(acc, w_p0, w_p1, w0, w1))  # fmt: skip
+                    w_p0 = w0
+                    w_p1 = w1
+        acc, w_p0, w_p1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_p0, w_p1))
+        async_copy.wait_group(0)
+
+        # epilogue: n-contiguous layout, (routing weight), store pairs' rows
+        TN: gl.constexpr = min(32, BLOCK_N // 8)
+        lo: gl.constexpr = gl.BlockedLayout([8, 1], [TN, 32 // TN], [1, NW], [0, 1])
+        out = gl.convert_layout(acc, lo)
+        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lo))
+        pair = gl.load(sorted_ptr + pid_m * BLOCK_M
+                       + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, lo)))  # fmt: skip
+        pair_ok = pair < num_pairs
+        if MUL_W:
+            out = out * gl.expand_dims(gl.load(tw_ptr + pair, mask=pair_ok, other=0.0), 0)
+        if PERM_OUT:  # column n -> its place in gemm order (int4_gemm.to_gemm_order)
+            r = offs_n % (16 * W2)
+            cols = (offs_n - r + ((r // 32) % 2) * 8 * W2 + (r % 8) * W2 + (r // 64) * 4
+                    + (r // 8) % 4)  # fmt: skip
+        else:
+            cols = offs_n
+        c_ptrs = (c_ptr + gl.expand_dims(pair.to(gl.int64) * c_stride, 0)
+                  + gl.expand_dims(cols, 1))  # fmt: skip
+        ok = gl.expand_dims(pair_ok, 0) & gl.expand_dims(offs_n < N, 1)
+        gl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=ok)
+
+
+def gemm_gluon(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, perm_out, cfg):
+    """One launch of the Gluon kernel; arguments as int4_gemm._gemm (a in gemm order with
+    cfg["W2"], s bf16 [E, N, K/32], c [M, N] written at the aligned pairs' rows); cfg holds
+    CONFIG_KEYS (others are ignored)."""
+    if not gluon_available():
+        raise RuntimeError("the Gluon int4 GEMM needs Triton 3.6 with Gluon (K2SERVE_INT4_GEMM="
+                           "triton selects the Triton kernel)")  # fmt: skip
+    cfg = {k: cfg[k] for k in CONFIG_KEYS if k in cfg}
+    cfg = {**CONFIG_DEFAULTS, **cfg}
+    check_config(cfg)
+    if K % (16 * cfg["W2"]):
+        raise ValueError(f"gluon int4 GEMM: K={K} is not a multiple of {16 * cfg['W2']}")
+    s32 = s.view(torch.int32)
+    nw = cfg.pop("num_warps")
+    grid = (eids.shape[0] * cdiv(N, cfg["BLOCK_N"]),)
+    _int4_gemm_gluon_kernel[grid](
+        a, w, s32, c, tw, sorted_ids, eids, npost, N, K, M, a.stride(0), c.stride(0),
+        w.stride(0), w.stride(1), s32.stride(0), s32.stride(1), A_DIV=a_div, MUL_W=mul_w,
+        PERM_OUT=perm_out, NW=nw, num_warps=nw, **cfg,
+    )  # fmt: skip

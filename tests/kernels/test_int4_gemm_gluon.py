@@ -1,0 +1,126 @@
+"""The Gluon INT4 grouped GEMM: its switch and configs on CPU, the kernel against the Triton one
+on an sm_90 GPU with Triton 3.6 (skipped elsewhere)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from k2serve.kernels import int4_gemm, int4_gemm_gluon
+from k2serve.kernels.int4_gemm_gluon import GLUON_TABLE, check_config, gluon_usable
+
+
+def test_module_imports_without_gluon():
+    """With Gluon unimportable (CPU CI: no Triton, or another Triton) both modules import and
+    report the kernel unavailable."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.startswith('triton.experimental'):\n"
+        "            raise ImportError('blocked')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from k2serve.kernels import int4_gemm, int4_gemm_gluon as g\n"
+        "assert not g.HAS_GLUON and not g.gluon_available() and not g.gluon_usable('cpu')\n"
+        "assert int4_gemm.gemm_backend(None, {'backend': 'gluon'}, 'cpu') == 'triton'\n"
+        "print('ok')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_backend_selection(monkeypatch):
+    monkeypatch.delenv("K2SERVE_INT4_GEMM", raising=False)
+    assert int4_gemm.gemm_backend(None, {}, "cpu") == "triton"
+    # asked for where it cannot run: the variable / config fall back, the argument raises
+    assert int4_gemm.gemm_backend(None, {"backend": "gluon"}, "cpu") == "triton"
+    monkeypatch.setenv("K2SERVE_INT4_GEMM", "gluon")
+    assert int4_gemm.gemm_backend(None, {}, "cpu") == "triton"
+    with pytest.raises(RuntimeError, match="sm_90"):
+        int4_gemm.gemm_backend("gluon", {}, "cpu")
+    monkeypatch.setenv("K2SERVE_INT4_GEMM", "cutlass")
+    with pytest.raises(ValueError, match="K2SERVE_INT4_GEMM"):
+        int4_gemm.gemm_backend(None, {}, "cpu")
+    with pytest.raises(ValueError, match="backend 'tilelang'"):
+        int4_gemm.gemm_backend("tilelang", {}, "cpu")
+    # where it can run: argument > variable > config key > triton
+    monkeypatch.setattr(int4_gemm, "gluon_usable", lambda device: True)
+    monkeypatch.setenv("K2SERVE_INT4_GEMM", "gluon")
+    assert int4_gemm.gemm_backend(None, {"backend": "triton"}, "cuda") == "gluon"
+    assert int4_gemm.gemm_backend("triton", {}, "cuda") == "triton"
+    monkeypatch.setenv("K2SERVE_INT4_GEMM", "triton")
+    assert int4_gemm.gemm_backend(None, {"backend": "gluon"}, "cuda") == "triton"
+    monkeypatch.delenv("K2SERVE_INT4_GEMM")
+    assert int4_gemm.gemm_backend(None, {"backend": "gluon"}, "cuda") == "gluon"
+
+
+def test_check_config():
+    # the same bands as the Triton table: the warm-up's config key (the entry index) holds
+    assert [e["max_pairs"] for e in GLUON_TABLE] == [
+        e["max_pairs"] for e in int4_gemm.PREFILL_TABLE
+    ]
+    for e in GLUON_TABLE:
+        check_config({k: v for k, v in e.items() if k != "max_pairs"})
+    ok = dict(BLOCK_M=64, BLOCK_N=128, W2=16, STAGES=4, num_warps=4)
+    check_config(ok)
+    for bad in (
+        dict(BLOCK_M=12),  # not a multiple of 8
+        dict(BLOCK_N=64, num_warps=8),  # two warpgroups need 128 rows
+        dict(num_warps=2),  # wgmma: whole warpgroups
+        dict(STAGES=2),  # the ring needs 2 slots of slack
+        dict(BLOCK_M=256, STAGES=6),  # 6 * 74 KiB of shared memory
+    ):
+        with pytest.raises(ValueError):
+            check_config({**ok, **bad})
+
+
+def test_env_gluon_on_cpu_runs_the_triton_kernel(monkeypatch):
+    """K2SERVE_INT4_GEMM=gluon where Gluon cannot run: the Triton kernel's (right) result."""
+    if torch.cuda.is_available():
+        pytest.skip("the fallback is exercised on CPU (the interpreter)")
+    pytest.importorskip("triton")
+    from k2serve.kernels import fused_moe as fm
+
+    torch.manual_seed(0)
+    E, D, I = 3, 256, 256  # noqa: E741
+    pk = lambda n, k: torch.randint(-(2**31), 2**31 - 1, (E, n, k // 8), dtype=torch.int32)  # noqa: E731
+    sc = lambda n, k: (torch.rand(E, n, k // 32) * 0.004 + 0.002).bfloat16()  # noqa: E731
+    ew = fm.ExpertWeights("int4", pk(2 * I, D), pk(D, I), sc(2 * I, D), sc(D, I), 32)
+    T, k = 6, 2
+    x = torch.randn(T, D, dtype=torch.bfloat16)
+    w = torch.rand(T, k)
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).int()
+    monkeypatch.setenv("K2SERVE_INT4_GEMM", "gluon")
+    cfg = dict(BLOCK_M=16, BLOCK_N=64, W2=16, num_warps=4, num_stages=2)
+    out = int4_gemm.int4_moe_gemm(x, ew, w, ids, cfg)
+    ref = fm.fused_moe_ref(x, ew, w, ids)
+    assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gluon_usable("cuda"), reason="needs an sm_90 GPU and Triton 3.6 Gluon")
+@pytest.mark.parametrize("T", [5, 300])
+@pytest.mark.parametrize("cfg", [None, dict(BLOCK_M=16, BLOCK_N=64, W2=16, STAGES=3, num_warps=4)])
+def test_gluon_matches_triton(T, cfg):
+    from k2serve.kernels import fused_moe as fm
+
+    torch.manual_seed(T)
+    E, D, I, k = 8, 768, 512, 4  # noqa: E741
+    dev = "cuda"
+    pk = lambda n, kk: torch.randint(
+        -(2**31), 2**31 - 1, (E, n, kk // 8), dtype=torch.int32, device=dev
+    )  # noqa: E731, E501
+    sc = lambda n, kk: (torch.rand(E, n, kk // 32, device=dev) * 0.004 + 0.002).bfloat16()  # noqa: E731
+    ew = fm.ExpertWeights("int4", pk(2 * I, D), pk(D, I), sc(2 * I, D), sc(D, I), 32)
+    x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
+    w = torch.rand(T, k, device=dev)
+    ids = torch.stack([torch.randperm(E - 1)[:k] for _ in range(T)]).int().to(dev)  # E-1: none
+    ref = fm.fused_moe_ref(x, ew, w, ids).float()
+    tri = int4_gemm.int4_moe_gemm(x, ew, w, ids, backend="triton").float()
+    glu = int4_gemm.int4_moe_gemm(x, ew, w, ids, cfg, backend="gluon").float()
+    e_tri = ((tri - ref).norm() / ref.norm()).item()
+    e_glu = ((glu - ref).norm() / ref.norm()).item()
+    assert torch.isfinite(glu).all()
+    assert e_glu < max(2 * e_tri, 1e-3), (e_glu, e_tri)
+    assert int4_gemm_gluon.gluon_available()
