@@ -73,6 +73,12 @@ def test_every_shipped_table_entry_is_warmed():
     for band in t.int4_routing_select:  # every candidate of every band is launched
         n = band["min_pairs"] // TOP_K + 1
         assert {p[0] for p in config_key([int4], n, TOP_K)[0][0]} == set(band["paths"])
+    gluon = backend("int4", gemm_backend="gluon", prefill_config=None, prefill_min_tokens=None)
+    assert gluon.prefill_config == t.int4_prefill_gluon
+    keys = {config_key([gluon], n, TOP_K) for n in warmup_token_counts([gluon], TOP_K, MAX_TOKENS)}
+    picks = {p for k in keys for p in k[0][0]}
+    assert {("gemm", i) for i in range(len(t.int4_prefill_gluon))} <= picks
+    assert t.int4_prefill_gluon_min_tokens is None and ("grouped_mm",) not in picks
     fp8 = backend("fp8", fp8_impl="gemm")
     keys = {config_key([fp8], n, TOP_K) for n in warmup_token_counts([fp8], TOP_K, MAX_TOKENS)}
     assert {p for k in keys for p in k[0][0]} == {("fp8_gemm", i) for i in range(len(t.fp8_moe))}
@@ -98,6 +104,8 @@ TABLE_FIELDS = {
     "int4_decode_grouped_max_pairs": "FusedMoEBackend.plan",
     "int4_routing_select": "config_key: every path of a band",
     "moe_prefill_fp8_min_tokens": "FusedMoEBackend.plan: path 'w8a8' from that many tokens",
+    "int4_prefill_gluon": "config_key ('gemm', entry) with gemm_backend='gluon'",
+    "int4_prefill_gluon_min_tokens": "config_key path 'grouped_mm' with gemm_backend='gluon'",
 }
 
 

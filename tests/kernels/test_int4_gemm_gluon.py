@@ -124,3 +124,61 @@ def test_gluon_matches_triton(T, cfg):
     assert torch.isfinite(glu).all()
     assert e_glu < max(2 * e_tri, 1e-3), (e_glu, e_tri)
     assert int4_gemm_gluon.gluon_available()
+
+
+def test_policy_picks_gluon_only_where_it_runs(monkeypatch, caplog):
+    from k2serve.kernels import policy as pol
+
+    monkeypatch.delenv("K2SERVE_INT4_GEMM", raising=False)
+    t = pol.load_tables()
+    assert t.int4_prefill_gluon and t.int4_prefill_gluon_min_tokens is None
+    for e in t.int4_prefill_gluon:
+        check_config(dict(e))
+    bands = [e["max_pairs"] for e in t.int4_prefill_gluon]
+    assert bands[-1] is None and bands[:-1] == sorted(bands[:-1])
+    # the CPU: the tables name the Gluon configs, the device cannot run them
+    assert pol.pick_int4_gemm_backend(None, t, "cpu") == "triton"
+    assert pol.KernelPolicy.for_device("cpu").int4_gemm_backend == "triton"
+    with caplog.at_level("WARNING"):
+        assert pol.pick_int4_gemm_backend("gluon", t, "cpu") == "triton"
+    assert "Gluon" in caplog.text
+    with pytest.raises(ValueError, match="cutlass"):
+        pol.pick_int4_gemm_backend("cutlass", t, "cpu")
+    # where it runs: the tables' choice unless told otherwise
+    monkeypatch.setattr(int4_gemm_gluon, "gluon_usable", lambda device: True)
+    assert pol.pick_int4_gemm_backend(None, t, "cuda") == "gluon"
+    assert pol.pick_int4_gemm_backend("triton", t, "cuda") == "triton"
+    no_gluon = pol.KernelTables.from_json("x", {**_h200_json(), "int4_prefill_gluon": []})
+    assert pol.pick_int4_gemm_backend(None, no_gluon, "cuda") == "triton"
+
+
+def _h200_json() -> dict:
+    import json
+    from importlib import resources
+
+    return json.loads(resources.files("k2serve.kernels").joinpath("configs/h200.json").read_text())
+
+
+def test_moe_backend_with_gluon_takes_its_table_and_never_grouped_mm():
+    from dataclasses import replace
+
+    from k2serve.kernels.fused_moe import ExpertWeights
+    from k2serve.kernels.policy import KernelPolicy
+    from k2serve.moe.fused_moe import FusedMoEBackend
+
+    E, D, I = 384, 7168, 2048  # noqa: E741
+    m = "meta"
+    ew = ExpertWeights("int4", torch.empty(E, 2 * I, D // 8, dtype=torch.int32, device=m),
+                       torch.empty(E, D, I // 8, dtype=torch.int32, device=m),
+                       torch.empty(E, 2 * I, D // 32, device=m),
+                       torch.empty(E, D, I // 32, device=m))  # fmt: skip
+    pol = KernelPolicy.reference()
+    triton_be = FusedMoEBackend(ew, **pol.moe_kwargs())
+    gluon_be = FusedMoEBackend(ew, **replace(pol, int4_gemm_backend="gluon").moe_kwargs())
+    assert triton_be.gemm_backend == "triton" and gluon_be.gemm_backend == "gluon"
+    assert gluon_be.prefill_config == pol.tables.int4_prefill_gluon
+    assert triton_be.plan(16384, 8)[0] == ("grouped_mm",)
+    assert gluon_be.plan(16384, 8)[0] == ("gemm",) and gluon_be.plan(65536, 8)[0] == ("gemm",)
+    assert gluon_be.plan(1, 8)[0] == triton_be.plan(1, 8)[0]  # decode paths are unchanged
+    with pytest.raises(ValueError, match="gemm_backend"):
+        FusedMoEBackend(ew, gemm_backend="cutlass")

@@ -112,6 +112,11 @@ class KernelTables:
     # "grouped", "gemm", "pairs_per_expert": ascending limits between them}; inside a band
     # they replace the pair-count rule above; absent from a table: off
     int4_routing_select: tuple[Mapping[str, Any], ...] = ()
+    # the Gluon INT4 grouped GEMM (int4_gemm_gluon.py; Triton 3.6 on sm_90): its configs by max
+    # pair count, and the fewest tokens from which dequant + grouped_mm runs instead (None:
+    # never); empty: the Triton kernel everywhere
+    int4_prefill_gluon: tuple[Mapping[str, Any], ...] = ()
+    int4_prefill_gluon_min_tokens: int | None = None
 
     @classmethod
     def from_json(cls, kind: str, data: Mapping[str, Any]) -> KernelTables:
@@ -133,6 +138,8 @@ class KernelTables:
                 int4_decode_max_pairs=int(data["int4_decode_max_pairs"]),
                 int4_prefill=tuple(_frozen(e) for e in data["int4_prefill"]),
                 int4_prefill_min_tokens=int(data["int4_prefill_min_tokens"]),
+                int4_prefill_gluon=tuple(_frozen(e) for e in data.get("int4_prefill_gluon", ())),
+                int4_prefill_gluon_min_tokens=_opt_int(data, "int4_prefill_gluon_min_tokens"),
                 side_stream_max_tokens=int(data["side_stream_max_tokens"]),
                 fp8_moe=tuple(_frozen(e) for e in data["fp8_moe"]),
                 fp8_moe_generic_max_pairs=int(data["fp8_moe_generic_max_pairs"]),
@@ -169,6 +176,23 @@ def triton_usable(device: torch.device | str) -> bool:
     from ._triton import HAS_TRITON
 
     return HAS_TRITON
+
+
+def pick_int4_gemm_backend(asked: str | None, tables: KernelTables, device) -> str:
+    """The INT4 grouped GEMM's kernel on `device`: `asked` ("triton" / "gluon", e.g.
+    K2SERVE_INT4_GEMM) or, when None, "gluon" where `tables` have its configs; "gluon" where it
+    cannot run (Triton 3.6's Gluon on sm_90) logs one line and gives "triton"."""
+    from k2serve.kernels.int4_gemm_gluon import gluon_usable
+
+    if asked not in (None, "triton", "gluon"):
+        raise ValueError(f"int4 GEMM backend {asked!r}: use 'triton' or 'gluon'")
+    want = asked or ("gluon" if tables.int4_prefill_gluon else "triton")
+    if want == "gluon" and not gluon_usable(device):
+        if asked:
+            logger.warning("int4 GEMM backend gluon needs Triton 3.6's Gluon and an sm_90 GPU; "
+                           "%s runs the Triton kernel", device)  # fmt: skip
+        return "triton"
+    return want
 
 
 def device_kind(device: torch.device | str) -> str:
@@ -217,6 +241,9 @@ class KernelPolicy:
     fp8_gemm: bool = False  # FP8 block linears: the fp8 GEMM kernel for few rows
     int4_asm: bool = True  # inline-PTX INT4 dequant (where it compiles)
     int4_prefill_impl: str = "auto"  # FusedMoEBackend's prefill_impl (benchmarks compare them)
+    # the INT4 grouped GEMM's kernel: "gluon" (int4_gemm_gluon.py, with the tables'
+    # int4_prefill_gluon) or "triton" (int4_gemm.py, int4_prefill)
+    int4_gemm_backend: str = "triton"
     fp8_moe_impl: str = "auto"  # FusedMoEBackend's fp8_impl: "auto", "gemm" or "kernel"
     # routed experts of prompts on FP8 tensor cores (FP8 activations, w8a8_moe.py): "bf16"
     # never, "fp8" from `moe_prefill_min_tokens` tokens (None: the table's, else
@@ -238,11 +265,13 @@ class KernelPolicy:
         int4_asm: bool | None = None,
         kind: str | None = None,
         moe_prefill_precision: str = "auto",
+        int4_gemm_backend: str | None = None,
     ) -> KernelPolicy:
         """The engine's policy on `device`: every fusion that the device supports. None for
         `shared_stream` / `int4_asm` = the K2SERVE_SHARED_STREAM / K2SERVE_INT4_ASM variables;
         `kind` overrides the device kind whose tables are used; `moe_prefill_precision` is
-        EngineConfig's (auto, bf16, fp8)."""
+        EngineConfig's (auto, bf16, fp8); `int4_gemm_backend` None = K2SERVE_INT4_GEMM, else
+        "gluon" where the tables have its configs and the device runs it (int4_gemm_backend)."""
         from k2serve import envs
 
         device = torch.device(device)
@@ -263,6 +292,9 @@ class KernelPolicy:
             shared_stream=cuda and side,
             int4_asm=envs.int4_asm() if int4_asm is None else int4_asm,
             moe_prefill_precision=check_moe_prefill_precision(moe_prefill_precision),
+            int4_gemm_backend=pick_int4_gemm_backend(
+                int4_gemm_backend or envs.int4_gemm_backend(), tables, device
+            ),
             tables=tables,
         )
 
@@ -274,6 +306,7 @@ class KernelPolicy:
                 ("router", self.triton_router),
                 ("gemv", self.decode_gemv),
                 ("shared-expert stream", self.shared_stream),
+                ("gluon int4 gemm", self.int4_gemm_backend == "gluon"),
             )
             if v
         ]
@@ -306,6 +339,7 @@ class KernelPolicy:
     def moe_kwargs(self) -> dict[str, Any]:
         """FusedMoEBackend's keyword arguments from this policy."""
         t = self.tables
+        gluon = self.int4_gemm_backend == "gluon"
         return dict(
             prefill_impl=self.int4_prefill_impl,
             decode_config=t.int4_decode,
@@ -314,8 +348,11 @@ class KernelPolicy:
             grouped_min_pairs=t.int4_decode_grouped_min_pairs,
             grouped_max_pairs=t.int4_decode_grouped_max_pairs,
             routing_select=t.int4_routing_select,
-            prefill_config=t.int4_prefill,
-            prefill_min_tokens=t.int4_prefill_min_tokens,
+            prefill_config=t.int4_prefill_gluon if gluon else t.int4_prefill,
+            prefill_min_tokens=t.int4_prefill_gluon_min_tokens
+            if gluon
+            else t.int4_prefill_min_tokens,
+            gemm_backend=self.int4_gemm_backend,
             asm=self.int4_asm,
             fp8_impl=self.fp8_moe_impl,
             fp8_table=t.fp8_moe,

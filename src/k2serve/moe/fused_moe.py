@@ -21,7 +21,10 @@ the per-pair GEMV, grouped GEMV and GEMM are launched, and kernels/moe_select.py
 the device from the pairs per distinct expert hit (the others' programs return at once; the
 same CUDA graph serves every routing); `plan()` names the path(s) for a token count. On one
 K2 layer the grouped GEMM beats both others up to 8192 tokens (dequant + grouped_mm wins at
-16384; benchmarks/RESULTS.md).
+16384; benchmarks/RESULTS.md). `gemm_backend` "gluon" (the policy's choice on sm_90 with Triton
+3.6) runs the grouped GEMM as kernels/int4_gemm_gluon.py's kernel with the tables'
+`int4_prefill_gluon` configs, and dequant + grouped_mm from `int4_prefill_gluon_min_tokens`
+(None: never; the Gluon GEMM was 1.6x faster than it at 16,384 tokens).
 FP8-block experts (`fp8_impl`): "auto" (default) runs the generic
 fused_moe kernel up to `fp8_generic_max_pairs` (token, expert) pairs, where it is faster (decode
 and small batches: one H100, benchmarks/RESULTS.md), and kernels/fp8_moe.py's grouped GEMMs (fp8
@@ -44,6 +47,7 @@ from torch import nn
 from k2serve.kernels.fp8_moe import check_table, fp8_moe
 from k2serve.kernels.fused_moe import ExpertWeights, fused_moe
 from k2serve.kernels.int4_gemm import int4_moe_gemm, int4_moe_grouped_mm
+from k2serve.kernels.int4_gemm_gluon import GLUON_TABLE
 from k2serve.kernels.int4_gemv import int4_moe_decode, int4_moe_decode_grouped
 from k2serve.kernels.moe_select import moe_select
 from k2serve.kernels.policy import load_tables
@@ -114,6 +118,7 @@ class FusedMoEBackend(ExpertBackend):
         fp8_table: Sequence[Mapping[str, Any]] | None = None,
         fp8_generic_max_pairs: int | None = None,
         w8a8_min_tokens: Mapping[str, int | None] | None = None,
+        gemm_backend: str = "triton",
     ) -> None:
         """None limits / configs: the default device kind's tuned tables (kernels/configs)."""
         if int4_impl not in ("auto", "planes", "legacy"):
@@ -132,9 +137,16 @@ class FusedMoEBackend(ExpertBackend):
         self.use_planes = planes_ok and int4_impl != "legacy"
         self.prefill_impl = prefill_impl
         t = load_tables()
-        self.prefill_min_tokens = (
-            t.int4_prefill_min_tokens if prefill_min_tokens is None else prefill_min_tokens
-        )
+        if gemm_backend not in ("triton", "gluon"):
+            raise ValueError(f"gemm_backend={gemm_backend!r}: use 'triton' or 'gluon'")
+        self.gemm_backend = gemm_backend  # int4_moe_gemm's kernel (KernelPolicy picks it)
+        gluon = gemm_backend == "gluon"
+        # from this many tokens dequant + grouped_mm (None: never)
+        self.prefill_min_tokens = prefill_min_tokens
+        if prefill_min_tokens is None and not gluon:
+            self.prefill_min_tokens = t.int4_prefill_min_tokens
+        if prefill_min_tokens is None and gluon:
+            self.prefill_min_tokens = t.int4_prefill_gluon_min_tokens
         self.decode_config = dict(t.int4_decode if decode_config is None else decode_config)
         self.decode_max_pairs = (
             t.int4_decode_max_pairs if decode_max_pairs is None else decode_max_pairs
@@ -159,7 +171,10 @@ class FusedMoEBackend(ExpertBackend):
         self.routing_select = tuple(bands)
         check_routing_select(self.routing_select, bool(self.grouped_config))
         # one config, or a table of configs by max pair count (int4_gemm.pick_config)
-        self.prefill_config = t.int4_prefill if prefill_config is None else prefill_config
+        default_table: Sequence[Mapping[str, Any]] = (
+            (t.int4_prefill_gluon or GLUON_TABLE) if gluon else t.int4_prefill
+        )
+        self.prefill_config = default_table if prefill_config is None else prefill_config
         self.asm = asm
         self.fp8_impl = fp8_impl if w.quant == "fp8" else None
         self.fp8_table = tuple(t.fp8_moe if fp8_table is None else fp8_table)
@@ -201,7 +216,8 @@ class FusedMoEBackend(ExpertBackend):
         if not self.use_planes:
             return ("kernel",), ()
         impl = self.prefill_impl
-        if impl in ("auto", "grouped_mm") and num_tokens >= self.prefill_min_tokens:
+        big = self.prefill_min_tokens is not None and num_tokens >= self.prefill_min_tokens
+        if impl in ("auto", "grouped_mm") and big:
             return ("grouped_mm",), ()
         if impl == "auto":
             for band in self.routing_select:
@@ -265,7 +281,14 @@ class FusedMoEBackend(ExpertBackend):
             )
         if path == "gemm":
             return int4_moe_gemm(
-                hidden, w, topk_weights, topk_ids, self.prefill_config, self.asm, active
+                hidden,
+                w,
+                topk_weights,
+                topk_ids,
+                self.prefill_config,
+                self.asm,
+                active,
+                backend=self.gemm_backend,
             )
         return fused_moe(hidden, w, topk_weights, topk_ids)
 
