@@ -236,9 +236,10 @@ def part_time(T: int, with_gluon: bool):
              ("dequant+grouped_mm", lambda: ig.int4_moe_grouped_mm(x, ew, tw, ti), None)]  # fmt: skip
     if with_gluon:
         cases.append(("gluon table", None, None))
-        for c in SWEEP:
+        for c in os.environ.get("GLUON_SWEEP", ",".join(SWEEP)).split(","):
             bm, per = cfg_of(c)["BLOCK_M"], T * K // E  # an expert's rows
-            if 8 * bm >= per and bm <= 2 * max(16, per):  # no tiles far past them, nor far below
+            told = "GLUON_SWEEP" in os.environ  # configs named on the command line: all of them
+            if told or (8 * bm >= per and bm <= 2 * max(16, per)):  # no tiles far past / below
                 cases.append((f"gluon {c}", None, cfg_of(c)))
     for name, fn, cfg in cases:
         if fn is None:
@@ -292,7 +293,10 @@ def main(argv=None) -> int:
     ap.add_argument("--T", type=int, default=0)
     ap.add_argument("--no-gluon", action="store_true")
     ap.add_argument("--ts", default=",".join(map(str, TS)))
+    ap.add_argument("--sweep", default="", help="configs to time instead of SWEEP (a,b,...)")
     args = ap.parse_args(argv)
+    if args.sweep:
+        os.environ["GLUON_SWEEP"] = args.sweep  # the time parts' processes inherit it
     sys.path.insert(0, HERE)
     if args.part == "check":
         part_check()

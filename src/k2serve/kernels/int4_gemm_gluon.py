@@ -64,17 +64,16 @@ except Exception:  # noqa: BLE001 - no Triton, no Gluon, or another Gluon API
     HAS_GLUON = False
 
 # Configs by (token, expert) pair count: BLOCK_M pairs x BLOCK_N outputs, W2 words per
-# parity-tile row, STAGES ring slots, warps (4 per 64-row MMA slice). The same pair-count
-# bands as int4_gemm.PREFILL_TABLE, so the engine's warm-up (FusedMoEBackend.config_key: the
-# table entry's index) compiles every entry either backend can pick. From the first device run
-# (H100, one K2 layer, uniform routing; benchmarks/gluon_int4_device.py): T=128 16x128 6.84 ms
-# (the Triton table 8.20); T=2048 64x128 W2=32 9.81 ms (12.13), T=8192 29.8 (38.5), T=16384
-# 57.9 (75.2); 128x128 is faster from T=8192 (28.6 / 51.1 ms) but wastes 2/3 of a tile at
-# T=2048. BF16X2 gave the same values and never lost.
-GLUON_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, W2=32, STAGES=3, num_warps=8, BF16X2=True)
+# parity-tile row, STAGES ring slots, warps (4 per 64-row MMA slice). The engine takes its
+# configs from the kernel tables (configs/h200.json "int4_prefill_gluon", measured there; the
+# warm-up keys on that table's entries); this is the kernel's own default, the same values.
+# The larger tiles win from ~85 rows per expert (T=4096 on K2) although they waste part of a
+# tile: each weight and activation tile is re-read from L2 fewer times per FLOP.
+GLUON_CONFIG = dict(BLOCK_M=128, BLOCK_N=256, W2=16, STAGES=4, num_warps=8, BF16X2=True)
 GLUON_TABLE = (
-    dict(max_pairs=4096, BLOCK_M=16, BLOCK_N=128, W2=16, STAGES=6, num_warps=4, BF16X2=True),
-    dict(max_pairs=8192, BLOCK_M=32, BLOCK_N=128, W2=16, STAGES=6, num_warps=4, BF16X2=True),
+    dict(max_pairs=2048, BLOCK_M=16, BLOCK_N=128, W2=16, STAGES=6, num_warps=4, BF16X2=True),
+    dict(max_pairs=4096, BLOCK_M=32, BLOCK_N=128, W2=16, STAGES=6, num_warps=4, BF16X2=True),
+    dict(max_pairs=16384, BLOCK_M=64, BLOCK_N=256, W2=32, STAGES=3, num_warps=8, BF16X2=True),
     dict(max_pairs=None, **GLUON_CONFIG),
 )
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "W2", "STAGES", "num_warps", "BF16X2", "INFLIGHT", "FENCE")
