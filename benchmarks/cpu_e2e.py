@@ -69,6 +69,12 @@ def main(argv=None) -> int:
     ap.add_argument("--bw-gib", type=float, default=2.0)
     ap.add_argument("--full-k2", action="store_true", help="full-K2 extrapolation from parts")
     ap.add_argument("--context", type=int, default=2048, help="--full-k2: decode context")
+    ap.add_argument("--also-context", default="1024",
+                    help="--full-k2: other decode contexts (comma-separated; '' for none): the "
+                         "MLA timed there too, a decode figure printed for each")  # fmt: skip
+    ap.add_argument("--define", action="append", default=[],
+                    help="NAME=VALUE: build the CPU kernel with this define (a variant, "
+                         "its own cache entry; a *_LEGACY=1 switch: before/after)")  # fmt: skip
     ap.add_argument("--chunk", type=int, default=2048, help="--full-k2: prefill chunk tokens")
     ap.add_argument("--mla", choices=("auto", "flash", "ref"), default="auto",
                     help="--full-k2: the decode's MLA as the engine runs it (auto), torch's "
@@ -86,6 +92,12 @@ def main(argv=None) -> int:
         help="--full-k2: skip the prefill parts and figures (saves time)",
     )
     args = ap.parse_args(argv)
+    args.also_context = [int(c) for c in args.also_context.split(",") if c]
+    if args.define:
+        from k2serve.kernels import cpu as ck
+
+        ck.CXX_FLAGS = ck.CXX_FLAGS + tuple(f"-D{d}" for d in args.define)
+        print(f"# CPU kernel built with {args.define}")
     if args.full_k2:
         from cpu_e2e_k2 import full_k2  # benchmarks/cpu_e2e_k2.py
 

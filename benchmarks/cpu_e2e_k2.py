@@ -212,13 +212,19 @@ def full_k2(args, bw: float) -> int:
     t_proj_p = 0.0 if args.decode_only else time_projections_linear(pw[:1], P, reps=1) / P
     del pw
     t_abs = time_absorb_kernel(8, 1, timer=timer("absorbed kv_b (W_UK, W_UV)"))
+
     # the backend's default bf16 decode (or --mla flash / ref), shuffled pages, over 16 distinct
     # caches (150 MB at 8K: as 61 layers' caches, they miss the CPU's last-level cache)
+    def mla_at(ctx: int) -> float:
+        if quiet:
+            return time_mla_quiet(ctx, args.mla, 16, timer(f"MLA over {ctx} cached tokens"))
+        return time_mla(ctx, 1, flash=args.mla != "ref", mode=args.mla, copies=16)
+
     mla_name = f"MLA over {args.context} cached tokens"
-    if quiet:
-        t_mla = time_mla_quiet(args.context, args.mla, 16, timer(mla_name))
-    else:
-        t_mla = time_mla(args.context, 1, flash=args.mla != "ref", mode=args.mla, copies=16)
+    t_mla = mla_at(args.context)
+    # the same decode at other contexts (--also-context): MLA is compute-bound on a CPU (~1.1
+    # GFLOP a layer at 8K), so a short context's figure is printed beside the long one's
+    t_mla_at = {c: mla_at(c) for c in args.also_context if c != args.context}
     how = {"auto": f"as the engine runs it here: {decode_path()}", "flash": "torch's flash kernel",
            "ref": "the float32 einsums"}[args.mla]  # fmt: skip
     print(f"# MLA decode: {how} (shuffled pages, 16 distinct caches)")
@@ -280,10 +286,20 @@ def full_k2(args, bw: float) -> int:
             "# omp ms: CPU time torch's OpenMP threads used during the part's timed calls "
             "(0.0: beside an idle team, as the engine's batch-1 decode)"
         )
-    gbs = tot_b / tot_t / 1e9
-    print(f"EXTRAPOLATED full K2 decode, batch 1, context {args.context}: {tot_t * 1e3:.0f} "
-          f"ms/token = {1 / tot_t:.2f} tok/s; {tot_b / 1e9:.2f} GB/token at {gbs:.1f} GB/s = "
-          f"{gbs / bw:.0%} of the read bandwidth")  # fmt: skip
+    for ctx, tm in t_mla_at.items():  # the other contexts' MLA (not in the totals below)
+        b = (ctx + 1) * KV_BYTES_PER_TOKEN
+        name = f"(MLA over {ctx} cached tokens)"
+        spin = f"{spins[name[1:-1]]:>6.1f}" if name[1:-1] in spins else f"{'-':>6}"
+        print(f"{name:<34} {LAYERS:>5} {LAYERS * b / 1e6:>9.0f} {'':>8} {LAYERS * tm * 1e3:>9.1f} "
+              f"{'':>8} {b / tm / 1e9:>6.1f} {b / tm / 1e9 / bw:>6.0%} {spin}")  # fmt: skip
+    mla_i = [p[0] for p in parts].index(mla_name)
+    for ctx, tm in {args.context: t_mla, **t_mla_at}.items():
+        b_ctx = tot_b + LAYERS * (ctx - args.context) * KV_BYTES_PER_TOKEN
+        t_ctx = tot_t + LAYERS * (tm - parts[mla_i][3])
+        gbs = b_ctx / t_ctx / 1e9
+        print(f"EXTRAPOLATED full K2 decode, batch 1, context {ctx}: {t_ctx * 1e3:.0f} "
+              f"ms/token = {1 / t_ctx:.2f} tok/s; {b_ctx / 1e9:.2f} GB/token at {gbs:.1f} GB/s "
+              f"= {gbs / bw:.0%} of the read bandwidth")  # fmt: skip
     if not args.decode_only:
         lin = LAYERS * t_proj_p + MOE * (t_sh_p + t_rt_p) + DENSE * t_dense_p  # s per token
         print(f"# prefill per token (chunks of {P}): projections {t_proj_p * 1e3:.3f} ms/layer, "
