@@ -13,6 +13,7 @@ Scores, softmax and the split-KV merge are float32; P and the output are rounded
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -96,6 +97,18 @@ def mla_decode(
     return rc or None
 
 
+def amx_ready() -> bool:
+    """True when PATH_AUTO runs on AMX here (the kernel builds, Linux grants the tiles,
+    K2SERVE_CPU_AMX is not 0); cheap after the first call."""
+    return envs.cpu_amx() and _amx_granted()
+
+
+@functools.cache
+def _amx_granted() -> bool:
+    lib = ck.load_kernel()
+    return lib is not None and bool(lib.k2_amx_available())
+
+
 def mla_paths() -> list[int]:
     """The kernel's paths that run on this CPU with this build (probed on a tiny case)."""
     kv = torch.zeros(1, 16, 64, dtype=torch.bfloat16)
@@ -109,4 +122,12 @@ def mla_paths() -> list[int]:
     return got
 
 
-__all__ = ["PATH_AMX", "PATH_AUTO", "PATH_AVX512", "PATH_NAMES", "mla_decode", "mla_paths"]
+__all__ = [
+    "amx_ready",
+    "PATH_AMX",
+    "PATH_AUTO",
+    "PATH_AVX512",
+    "PATH_NAMES",
+    "mla_decode",
+    "mla_paths",
+]
