@@ -210,8 +210,10 @@ class MoE(nn.Module):
     def shared(self, x: torch.Tensor) -> torch.Tensor:
         """The shared expert: at CPU decode from moe.cpu_shared.KERNEL_MIN_THREADS pool threads
         one call of the CPU experts kernel (faster there, measured), else the module."""
-        y = self.cpu_shared(self.shared_experts, x) if x.device.type == "cpu" else None
-        return self.shared_experts(x) if y is None else y
+        mlp = self.shared_experts
+        assert mlp is not None
+        y = self.cpu_shared(mlp, x) if x.device.type == "cpu" else None
+        return mlp(x) if y is None else y
 
     def routed_plus_shared(self, x: torch.Tensor, routed) -> torch.Tensor:
         """routed(x) + shared_experts(x). With a side stream (CUDA) the shared expert is

@@ -21,6 +21,8 @@ the module's forward, not bit-identical to it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -45,20 +47,20 @@ def _weights(mlp: nn.Module) -> tuple | None:
     lins = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     if any(m is None or _expert_format(m) != ck.FMT_BF16 for m in lins):
         return None
-    ws = tuple(m.weight for m in lins)
+    ws = tuple(m.weight for m in lins if m is not None)
     return ws if all(w.device.type == "cpu" for w in ws) else None
 
 
 class CpuSharedExpert:
     def __init__(self) -> None:
         self._key: tuple | None = None
-        self._backend = None  # CpuExpertBackend over the one expert, or None (not native)
+        self._backend: Any = None  # CpuExpertBackend over the one expert; None: not native
 
     def __getstate__(self) -> dict:  # the kernel's handles are per process: rebuilt on use
         return {}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__()
+        self._key, self._backend = None, None
 
     def __call__(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         if not (
