@@ -3,8 +3,10 @@
 # bandwidth, on 2 threads and on 16): before/after of the wave-7 e2e changes on the device host's
 # CPU (the GPU stays idle), in < 300 s. "before" = the CPU kernel built with
 # -DK2_BFBF_PF_LEGACY=1 (the bf16 GEMV's previous prefetch and 32-row items: attention
-# projections, shared expert, dense MLP, lm_head); "after" = the default build. (The MLA
-# forward's Python trim is not switchable: both columns have it.)
+# projections, shared expert, dense MLP, lm_head); "after" = the default build. (Not switchable,
+# so in both columns: the MLA forward's Python trim, and the shared expert's rule, moe.cpu_shared:
+# from 8 pool threads one experts-kernel call, else the fused gate_up; the e2e prints which it
+# timed and all three ways, "shared as ...".)
 #   0. build both kernel variants (so no part times a compile); checks: the GEMV / head GEMV /
 #      MLA kernel / policy / fused-projection tests
 #   1. cpu_e2e.py --full-k2 --experts 48 --context 8192 --decode-only (quiet timing: each part
@@ -42,8 +44,9 @@ ck.CXX_FLAGS = flags + ('-D$BEFORE',)
 base = Path(os.environ.get('K2SERVE_CACHE_DIR') or Path.home() / '.cache' / 'k2serve')
 print('before variant built:', ck._build(base / 'cpu_kernel'))"
 run checks 30 env K2SERVE_CPU_KERNEL=native $PY -m pytest -q -x -p no:cacheprovider \
-  tests/moe/test_cpu_linear.py tests/kernels/test_mla_cpu_kernel.py tests/kernels/test_policy.py \
-  tests/integration/test_backends.py -k "cpu_linear or cpu_head or mla or policy or fused_projections"
+  tests/moe/test_cpu_linear.py tests/moe/test_cpu_shared.py tests/kernels/test_mla_cpu_kernel.py \
+  tests/kernels/test_policy.py tests/integration/test_backends.py \
+  -k "cpu_linear or cpu_head or cpu_shared or mla or policy or fused_projections"
 run after 35 $PY $E2E
 run before 35 $PY $E2E --define $BEFORE
 run after_2t 45 env OMP_NUM_THREADS=2 $PY $E2E
