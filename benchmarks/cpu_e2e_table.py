@@ -27,7 +27,9 @@ def parse(path: str) -> dict[str, str]:
         return got
     in_table = False  # after the parts table's header
     for line in lines:
-        if m := LIMIT.match(line):
+        if line.startswith("# shared expert as the engine runs it here: "):
+            got["shared expert timed as"] = line.split(": ", 1)[1].strip()
+        elif m := LIMIT.match(line):
             got["limit GB/s (min/med/max)"] = f"{m[1]}/{m[2]}/{m[3]}"
         elif m := SHARED.match(line):
             got[f"shared as {m[1]} (ms/layer)"] = f"{m[2]} {m[3]}%"
