@@ -134,7 +134,9 @@ class TorchMLABackend(MLABackend):
                 path = cpu_mla.PATH_AMX  # the flash test (3 torch ops) only without AMX
                 if not cpu_mla.amx_ready() and not _flash_seq(flash, n_new, seq_len, blk):
                     path = cpu_mla.PATH_AUTO
-                ql, qp, o = q_latent[start:end], q_pe[start:end], out[start:end]
+                ql, qp, o = q_latent, q_pe, out  # one sequence, every row: no slicing ops
+                if n_new != T:
+                    ql, qp, o = q_latent[start:end], q_pe[start:end], out[start:end]
                 if cpu_mla.mla_decode(ql, qp, kv_cache, blk, seq_len, scale, o, path):
                     continue
             use_flash = _flash_seq(flash, n_new, seq_len, blk)

@@ -82,9 +82,9 @@ def mla_decode(
     need = -(-seq_len // ps)
     if seq_len < n or pages.numel() < need:
         raise ValueError(f"seq_len {seq_len}: {n} new tokens, {pages.numel()} pages of {ps}")
-    pg = pages[:need]
-    if pg.dtype != torch.int32 or not pg.is_contiguous() or pg.device.type != "cpu":
-        pg = pg.to(device="cpu", dtype=torch.int32).contiguous()
+    pg = pages  # the kernel reads its first `need` ids
+    if pages.dtype != torch.int32 or pages.stride(-1) != 1 or pages.device.type != "cpu":
+        pg = pages[:need].to(device="cpu", dtype=torch.int32).contiguous()
     ql, qp = _rows(q_latent), _rows(q_pe)
     num_pages = kv_cache.shape[0]
     rc = lib.k2_mla_decode(pool._ptr, ql.data_ptr(), ql.stride(1), qp.data_ptr(), qp.stride(1),
