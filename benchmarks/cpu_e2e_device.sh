@@ -17,7 +17,8 @@
 #      (what cpu_attn's 0.484 ms measured), over 16 caches (what the e2e part reads), through
 #      TorchMLABackend.forward, and with the cache and the kernel's buffers cold (as in the
 #      engine: ~500 MB of weights pass between two layers' MLA), on 16 and 2 threads
-#   3. a second after/before pair on 16 threads, if the budget allows
+#   3. a second after/before pair on 16 threads, then the new prefetch with 32-row items
+#      (-DK2_LINEAR_PER_THREAD=1: which of the two GEMV changes did it), if the budget allows
 # Each part has its own time limit and fails soft. Full outputs: $OUT/e2e_*.txt; the table:
 # $OUT/e2e_table.txt.
 #   bash benchmarks/cpu_e2e_device.sh
@@ -55,6 +56,7 @@ run mla 20 $PY benchmarks/cpu_mla_e2e.py --contexts 1024,8192
 run mla_2t 25 env OMP_NUM_THREADS=2 $PY benchmarks/cpu_mla_e2e.py --contexts 1024,8192 --reps 7
 run after_b 35 $PY $E2E
 run before_b 35 $PY $E2E --define $BEFORE
+run items32 30 $PY $E2E --define K2_LINEAR_PER_THREAD=1  # the new prefetch, 32-row items
 {
   echo "=== host"; cat "$OUT/e2e_host.txt"
   echo "=== build"; tail -n 2 "$OUT/e2e_build.txt" | cut -c1-200
@@ -62,8 +64,9 @@ run before_b 35 $PY $E2E --define $BEFORE
   echo "=== cpu_e2e --full-k2 (before = -D$BEFORE), ms/token and % of each run's max probe"
   $PY benchmarks/cpu_e2e_table.py 16t_before="$OUT/e2e_before.txt" 16t_after="$OUT/e2e_after.txt" \
     16t_before_b="$OUT/e2e_before_b.txt" 16t_after_b="$OUT/e2e_after_b.txt" \
-    2t_before="$OUT/e2e_before_2t.txt" 2t_after="$OUT/e2e_after_2t.txt"
-  for p in after before after_2t before_2t after_b before_b; do
+    2t_before="$OUT/e2e_before_2t.txt" 2t_after="$OUT/e2e_after_2t.txt" \
+    16t_items32="$OUT/e2e_items32.txt"
+  for p in after before after_2t before_2t after_b before_b items32; do
     [ -f "$OUT/e2e_$p.txt" ] && grep -E "Error|error" "$OUT/e2e_$p.txt" | tail -n 3 | sed "s/^/$p: /" | cut -c1-220
   done
   for p in mla mla_2t; do
