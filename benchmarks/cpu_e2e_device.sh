@@ -32,7 +32,7 @@ source benchmarks/device_parts.sh  # run NAME SECONDS COMMAND...: budgeted parts
 lscpu | grep -E "Model name|^CPU\(s\)|NUMA node\(s\)|L2|L3|amx" | cut -c1-160 >"$OUT/e2e_host.txt" 2>&1
 BEFORE=K2_BFBF_PF_LEGACY=1
 E2E="benchmarks/cpu_e2e.py --full-k2 --experts 48 --context 8192 --also-context 1024 --decode-only"
-run build 45 env K2SERVE_CPU_KERNEL=native $PY -c "
+run build 60 env K2SERVE_CPU_KERNEL=native $PY -c "
 from k2serve.kernels import cpu as ck
 from k2serve.kernels.cpu import mla
 lib = ck.load_kernel('native')
@@ -41,9 +41,10 @@ print('kernel built; AMX granted:', bool(lib.k2_amx_available()), '; MLA paths:'
 from pathlib import Path
 import os
 flags = ck.CXX_FLAGS
-ck.CXX_FLAGS = flags + ('-D$BEFORE',)
 base = Path(os.environ.get('K2SERVE_CACHE_DIR') or Path.home() / '.cache' / 'k2serve')
-print('before variant built:', ck._build(base / 'cpu_kernel'))"
+for d in ('$BEFORE', 'K2_LINEAR_PER_THREAD=1'):
+    ck.CXX_FLAGS = flags + ('-D' + d,)
+    print(d, 'variant built:', ck._build(base / 'cpu_kernel'))"
 run checks 30 env K2SERVE_CPU_KERNEL=native $PY -m pytest -q -x -p no:cacheprovider \
   tests/moe/test_cpu_linear.py tests/moe/test_cpu_shared.py tests/kernels/test_mla_cpu_kernel.py \
   tests/kernels/test_policy.py tests/integration/test_backends.py \
@@ -59,7 +60,7 @@ run before_b 35 $PY $E2E --define $BEFORE
 run items32 30 $PY $E2E --define K2_LINEAR_PER_THREAD=1  # the new prefetch, 32-row items
 {
   echo "=== host"; cat "$OUT/e2e_host.txt"
-  echo "=== build"; tail -n 2 "$OUT/e2e_build.txt" | cut -c1-200
+  echo "=== build"; tail -n 3 "$OUT/e2e_build.txt" | cut -c1-200
   echo "=== checks"; tail -n 2 "$OUT/e2e_checks.txt"
   echo "=== cpu_e2e --full-k2 (before = -D$BEFORE), ms/token and % of each run's max probe"
   $PY benchmarks/cpu_e2e_table.py 16t_before="$OUT/e2e_before.txt" 16t_after="$OUT/e2e_after.txt" \
