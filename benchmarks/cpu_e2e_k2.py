@@ -45,6 +45,8 @@ D, I_MOE, I_DENSE, VOCAB, TOPK, NH = 7168, 2048, 18432, 163840, 8, 64
 SHARED_BYTES = 3 * D * I_MOE * 2
 DENSE_BYTES = 3 * D * I_DENSE * 2
 LM_BYTES = VOCAB * D * 2
+N_EXPERTS = 384
+ROUTER_BYTES = N_EXPERTS * D * 2  # the gate's bf16 weight
 KV_BYTES_PER_TOKEN = (512 + 64) * 2  # bf16 latent + roped key, per layer
 
 
@@ -137,6 +139,30 @@ def time_absorb_kernel(copies: int, rows: int, timer=None) -> float:
                 torch.bmm(ol.transpose(0, 1), b.transpose(1, 2))
 
     return (timer or timeit)(run, 3) / copies
+
+
+def time_router(copies: int, timer) -> float:
+    """One MoE layer's router (gate: float32 logits, grouped top-8) at decode as the model runs
+    it (model.router.TopkRouter, K2's 384 experts), over `copies` distinct weights."""
+    from types import SimpleNamespace
+
+    from k2serve.model.router import TopkRouter
+
+    cfg = SimpleNamespace(num_experts_per_tok=TOPK, n_routed_experts=N_EXPERTS, n_group=1,
+                          topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.827,
+                          hidden_size=D)  # fmt: skip
+    gates = []
+    for _ in range(copies):
+        gate = TopkRouter(cfg, torch.bfloat16)
+        gate.weight.data.normal_(0, D**-0.5)
+        gates.append(gate)
+    x = torch.randn(1, D).bfloat16()
+
+    def run():
+        for gate in gates:
+            gate(x)
+
+    return timer(run, 7) / copies
 
 
 def time_mla_quiet(ctx: int, mode: str, copies: int, timer) -> float:
@@ -249,6 +275,7 @@ def full_k2(args, bw: float) -> int:
     x1 = torch.randn(1, D).bfloat16()
     t_lm = timer("lm_head")(lambda: linear(x1, lm), 3)
     lm = x1 = None  # free the 2.35 GB
+    t_gate = time_router(16, timer("router (gate, top-8)"))
     rt_timer = timer("routed experts (8 INT4)") if quiet else None
     t_rt, per_exp = time_routed(args.experts, 1, 15 if quiet else 8, rt_timer)
     # a prompt chunk: 43 pairs per expert as a 2K-token step over 384 experts
@@ -268,6 +295,7 @@ def full_k2(args, bw: float) -> int:
         (mla_name, LAYERS, (args.context + 1) * KV_BYTES_PER_TOKEN, t_mla),
         ("shared expert", MOE, SHARED_BYTES, t_sh),
         ("routed experts (8 INT4)", MOE, TOPK * per_exp, t_rt),
+        ("router (gate, top-8)", MOE, ROUTER_BYTES, t_gate),
         ("dense layer MLP", DENSE, DENSE_BYTES, t_dense),
         ("lm_head", 1, LM_BYTES, t_lm),
     ]  # fmt: skip
