@@ -165,6 +165,33 @@ def time_router(copies: int, timer) -> float:
     return timer(run, 7) / copies
 
 
+def router_then_experts(n_experts: int, timer) -> dict[str, float]:
+    """One MoE layer's router + routed experts, quiet timing, with the router's logits on the
+    CPU kernel (now) and on torch's float32 GEMV over a float32 weight copy (before: it ran on
+    torch's OpenMP team, whose threads then spin beside the experts call)."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from k2serve.kernels.router_torch import grouped_topk_torch
+    from k2serve.model.router import TopkRouter
+
+    cfg = SimpleNamespace(num_experts_per_tok=TOPK, n_routed_experts=N_EXPERTS, n_group=1,
+                          topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.827,
+                          hidden_size=D)  # fmt: skip
+    gate = TopkRouter(cfg, torch.bfloat16)
+    gate.weight.data.normal_(0, D**-0.5)
+    w32, x = gate.weight.float(), torch.randn(1, D).bfloat16()
+    bias = gate.e_score_correction_bias
+
+    def before():
+        grouped_topk_torch(F.linear(x.float(), w32), bias, TOPK, 1, 1, True, 2.827)
+
+    ways = {"router on the kernel (now)": lambda: gate(x), "router on torch f32 (before)": before}
+    return {k: time_routed(n_experts, 1, 15, timer(f"router+experts {k}"), pre=f)[0]
+            for k, f in ways.items()}  # fmt: skip
+
+
 def time_mla_quiet(ctx: int, mode: str, copies: int, timer) -> float:
     """cpu_attn.time_mla's decode (1 query after ctx, shuffled pages, `copies` distinct caches),
     the caches built before the timer's quiet calls."""
@@ -180,8 +207,9 @@ def time_mla_quiet(ctx: int, mode: str, copies: int, timer) -> float:
     return forced_flash(run) if mode == "flash" else run()
 
 
-def time_routed(n_experts: int, tokens: int, iters: int, timer=None) -> tuple[float, int]:
-    """(seconds per call, bytes per expert) for one MoE layer's routed experts at `tokens`."""
+def time_routed(n_experts: int, tokens: int, iters: int, timer=None, pre=None) -> tuple[float, int]:
+    """(seconds per call, bytes per expert) for one MoE layer's routed experts at `tokens`;
+    `pre` (quiet timing): run before each call, inside the timed span (the router)."""
     from cpu_moe import Expert, routing
 
     from k2serve.moe.cpu_experts import CpuExpertBackend
@@ -197,7 +225,13 @@ def time_routed(n_experts: int, tokens: int, iters: int, timer=None) -> tuple[fl
             ids, w = routing(tokens, n_experts, TOPK, g)
             steps.append((torch.randn(tokens, D, generator=g).bfloat16(), ids, w))
         it = iter(steps)  # one for the timer's warm-up
-        return timer(lambda: be(*next(it)), iters), per
+
+        def call():
+            if pre is not None:
+                pre()
+            be(*next(it))
+
+        return timer(call, iters), per
     ts = []
     for i in range(iters + 1):
         ids, w = routing(tokens, n_experts, TOPK, g)
@@ -276,6 +310,12 @@ def full_k2(args, bw: float) -> int:
     t_lm = timer("lm_head")(lambda: linear(x1, lm), 3)
     lm = x1 = None  # free the 2.35 GB
     t_gate = time_router(16, timer("router (gate, top-8)"))
+    if quiet:  # the engine's order: the router, then the experts (a torch op before: spin)
+        got = router_then_experts(args.experts, timer)
+        print("# MoE layer in the engine's order (router, then the routed experts), ms/layer "
+              "(torch team's CPU during the calls): " + ", ".join(
+                  f"{k} {v * 1e3:.3f} ({spins.get(f'router+experts {k}', 0.0):.1f} ms)"
+                  for k, v in got.items()))  # fmt: skip
     rt_timer = timer("routed experts (8 INT4)") if quiet else None
     t_rt, per_exp = time_routed(args.experts, 1, 15 if quiet else 8, rt_timer)
     # a prompt chunk: 43 pairs per expert as a 2K-token step over 384 experts
