@@ -4,9 +4,12 @@
 # CPU (the GPU stays idle), in < 300 s. "before" = the CPU kernel built with
 # -DK2_BFBF_PF_LEGACY=1 (the bf16 GEMV's previous prefetch and 32-row items: attention
 # projections, shared expert, dense MLP, lm_head); "after" = the default build. (Not switchable,
-# so in both columns: the MLA forward's Python trim, and the shared expert's rule, moe.cpu_shared:
-# from 8 pool threads one experts-kernel call, else the fused gate_up; the e2e prints which it
-# timed and all three ways, "shared as ...".)
+# so in both columns: the MLA forward's Python trim, the router's logits on the CPU kernel (the
+# e2e's "MoE layer in the engine's order" line times router + experts with the router both
+# ways: before = torch's float32 GEMV, which left torch's OpenMP team spinning beside the
+# experts call), and the shared expert's rule, moe.cpu_shared: from 8 pool threads one
+# experts-kernel call, else the fused gate_up; the e2e prints which it timed and all three
+# ways, "shared as ...".)
 #   0. build both kernel variants (so no part times a compile); checks: the GEMV / head GEMV /
 #      MLA kernel / policy / fused-projection tests
 #   1. cpu_e2e.py --full-k2 --experts 48 --context 8192 --decode-only (quiet timing: each part
@@ -68,7 +71,9 @@ run items32 30 $PY $E2E --define K2_LINEAR_PER_THREAD=1  # the new prefetch, 32-
     2t_before="$OUT/e2e_before_2t.txt" 2t_after="$OUT/e2e_after_2t.txt" \
     16t_items32="$OUT/e2e_items32.txt"
   for p in after before after_2t before_2t after_b before_b items32; do
-    [ -f "$OUT/e2e_$p.txt" ] && grep -E "Error|error" "$OUT/e2e_$p.txt" | tail -n 3 | sed "s/^/$p: /" | cut -c1-220
+    [ -f "$OUT/e2e_$p.txt" ] || continue
+    grep -E "engine's order" "$OUT/e2e_$p.txt" | sed "s/^# MoE layer in the engine's order/$p: router+experts/" | cut -c1-260
+    grep -E "Error|error" "$OUT/e2e_$p.txt" | tail -n 3 | sed "s/^/$p: /" | cut -c1-220
   done
   for p in mla mla_2t; do
     echo "=== cpu_mla_e2e ($p): one layer's MLA decode, kernel alone vs the e2e's read vs forward vs cold"
