@@ -16,8 +16,8 @@ them per layer, so its bytes are those of the full model's layers). Then:
 --full-k2 (no checkpoint, no LLM): the full Kimi-K2 (61 layers: 1 dense, 60 MoE; bf16 attention,
 shared expert, dense MLP and lm_head; INT4 routed experts) EXTRAPOLATED from parts of one layer
 measured on this CPU with the model's own code paths (quant.linear.linear, the CPU expert kernel,
-TorchMLABackend, cpu_head_gemv, TopkRouter), each over weights that miss the caches: a per-part byte mix
-of a decode token (MB, ms, GB/s, % of the read bandwidth measured in the same run), decode tok/s
+TorchMLABackend, cpu_head_gemv, TopkRouter), each over weights that miss the caches: a per-part
+byte mix of a decode token (MB, ms, GB/s, % of the read bandwidth measured in the same run), decode tok/s
 at --context tokens of context, prefill tok/s for 2K and 16K prompts (per-token parts measured at
 prompt-sized chunks, attention's quadratic part from a per-key cost measured at 8K), and a
 hybrid one-GPU decode figure whose GPU part is an assumption (printed), not a measurement.
