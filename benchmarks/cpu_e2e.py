@@ -17,10 +17,11 @@ them per layer, so its bytes are those of the full model's layers). Then:
 shared expert, dense MLP and lm_head; INT4 routed experts) EXTRAPOLATED from parts of one layer
 measured on this CPU with the model's own code paths (quant.linear.linear, the CPU expert kernel,
 TorchMLABackend, cpu_head_gemv, TopkRouter), each over weights that miss the caches: a per-part
-byte mix of a decode token (MB, ms, GB/s, % of the read bandwidth measured in the same run), decode tok/s
-at --context tokens of context, prefill tok/s for 2K and 16K prompts (per-token parts measured at
-prompt-sized chunks, attention's quadratic part from a per-key cost measured at 8K), and a
-hybrid one-GPU decode figure whose GPU part is an assumption (printed), not a measurement.
+byte mix of a decode token (MB, ms, GB/s, % of the read bandwidth measured in the same run),
+decode tok/s at --context tokens of context (and at --also-context), prefill tok/s for 2K and
+16K prompts (per-token parts measured at prompt-sized chunks, attention's quadratic part from a
+per-key cost measured at 8K), and a hybrid one-GPU decode figure whose GPU part is an
+assumption (printed), not a measurement.
 """
 
 from __future__ import annotations
