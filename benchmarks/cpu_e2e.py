@@ -16,11 +16,12 @@ them per layer, so its bytes are those of the full model's layers). Then:
 --full-k2 (no checkpoint, no LLM): the full Kimi-K2 (61 layers: 1 dense, 60 MoE; bf16 attention,
 shared expert, dense MLP and lm_head; INT4 routed experts) EXTRAPOLATED from parts of one layer
 measured on this CPU with the model's own code paths (quant.linear.linear, the CPU expert kernel,
-TorchMLABackend, cpu_head_gemv), each over weights that miss the caches: a per-part byte mix
-of a decode token (MB, ms, GB/s, % of the read bandwidth measured in the same run), decode tok/s
-at --context tokens of context, prefill tok/s for 2K and 16K prompts (per-token parts measured at
-prompt-sized chunks, attention's quadratic part from a per-key cost measured at 8K), and a
-hybrid one-GPU decode figure whose GPU part is an assumption (printed), not a measurement.
+TorchMLABackend, cpu_head_gemv, TopkRouter), each over weights that miss the caches: a per-part
+byte mix of a decode token (MB, ms, GB/s, % of the read bandwidth measured in the same run),
+decode tok/s at --context tokens of context (and at --also-context), prefill tok/s for 2K and
+16K prompts (per-token parts measured at prompt-sized chunks, attention's quadratic part from a
+per-key cost measured at 8K), and a hybrid one-GPU decode figure whose GPU part is an
+assumption (printed), not a measurement.
 """
 
 from __future__ import annotations
@@ -69,6 +70,12 @@ def main(argv=None) -> int:
     ap.add_argument("--bw-gib", type=float, default=2.0)
     ap.add_argument("--full-k2", action="store_true", help="full-K2 extrapolation from parts")
     ap.add_argument("--context", type=int, default=2048, help="--full-k2: decode context")
+    ap.add_argument("--also-context", default="1024",
+                    help="--full-k2: other decode contexts (comma-separated; '' for none): the "
+                         "MLA timed there too, a decode figure printed for each")  # fmt: skip
+    ap.add_argument("--define", action="append", default=[],
+                    help="NAME=VALUE: build the CPU kernel with this define (a variant, "
+                         "its own cache entry; a *_LEGACY=1 switch: before/after)")  # fmt: skip
     ap.add_argument("--chunk", type=int, default=2048, help="--full-k2: prefill chunk tokens")
     ap.add_argument("--mla", choices=("auto", "flash", "ref"), default="auto",
                     help="--full-k2: the decode's MLA as the engine runs it (auto), torch's "
@@ -86,6 +93,12 @@ def main(argv=None) -> int:
         help="--full-k2: skip the prefill parts and figures (saves time)",
     )
     args = ap.parse_args(argv)
+    args.also_context = [int(c) for c in args.also_context.split(",") if c]
+    if args.define:
+        from k2serve.kernels import cpu as ck
+
+        ck.CXX_FLAGS = ck.CXX_FLAGS + tuple(f"-D{d}" for d in args.define)
+        print(f"# CPU kernel built with {args.define}")
     if args.full_k2:
         from cpu_e2e_k2 import full_k2  # benchmarks/cpu_e2e_k2.py
 

@@ -1,54 +1,83 @@
 #!/usr/bin/env bash
-# Issue 33 item 5 (target: CPU-only decode end to end with the full-model byte mix >= 65% of
-# read bandwidth, on 2 threads and on 16): cpu_e2e.py --full-k2 on the device host's CPU (the
-# GPU stays idle), in < 120 s, decode parts only (--decode-only):
-#   0. checks: the CPU GEMV's pieced bf16 rounding (same values as one .to()), the CPU kernel
-#      policy (fused q_a + kv_a, gate + up), the fused-projection logits test; kernel build;
-#      omp_spin_probe.py: CPU the other threads burn after a parallel op / a wide GEMV output
-#   1. e2e: --timing quiet (the new method: each part beside an idle torch OpenMP team,
-#      checked; median of >= 7 calls; bandwidth probed per part, limit = the max) on 16 threads;
-#      the shared expert three ways (3 GEMVs = before, fused gate_up = now, experts kernel)
-#   2. e2e_legacy: --timing legacy (the previous method: best of 3 right after building the
-#      weights, one bandwidth probe; shared expert as 3 GEMVs) on 16 threads
-#   3. moe: cpu_moe.py's one-token MoE layer over the same 48 experts (16 threads): the e2e's
-#      routed-experts part should agree with it (ms/layer = the e2e's ms/token / 60)
-#   4. e2e_2t: as 1 on 2 threads (OMP_NUM_THREADS=2: the kernel's pool, torch, the probe)
-#   5. e2e_2t_legacy: as 2 on 2 threads, if the budget allows
-# Run in the order checks, 1, 2, 4, spin, 3, 5 (what matters most first); each part has its own
-# time limit and fails soft. Full outputs: $OUT/e2e_*.txt.
+# Issue 33 (target: CPU-only decode end to end with the full-model byte mix >= 65% of read
+# bandwidth, on 2 threads and on 16): before/after of the wave-7 e2e changes on the device host's
+# CPU (the GPU stays idle), in < 300 s. "before" = the CPU kernel built with
+# -DK2_BFBF_PF_LEGACY=1 (the bf16 GEMV's previous prefetch and 32-row items: attention
+# projections, shared expert, dense MLP, lm_head); "after" = the default build. (Not switchable,
+# so in both columns: the MLA forward's Python trim, the router's logits on the CPU kernel (the
+# e2e's "MoE layer in the engine's order" line times router + experts with the router both
+# ways: before = torch's float32 GEMV, which left torch's OpenMP team spinning beside the
+# experts call), and the shared expert's rule, moe.cpu_shared: from 8 pool threads one
+# experts-kernel call, else the fused gate_up; the e2e prints which it timed and all three
+# ways, "shared as ...".)
+#   0. build both kernel variants (so no part times a compile); checks: the GEMV / head GEMV /
+#      MLA kernel / policy / fused-projection tests
+#   1. cpu_e2e.py --full-k2 --experts 48 --context 8192 --decode-only (quiet timing: each part
+#      beside an idle torch OpenMP team, median of >= 7, bandwidth probed per part, limit = the
+#      max probe; the MLA also at 1K context: a second decode figure), after and before, on 16
+#      threads, then on 2 (OMP_NUM_THREADS=2: the kernel's pool, torch and the probe), alternated
+#   2. cpu_mla_e2e.py: one layer's MLA decode at 1K and 8K as the kernel alone on one hot cache
+#      (what cpu_attn's 0.484 ms measured), over 16 caches (what the e2e part reads), through
+#      TorchMLABackend.forward, and with the cache and the kernel's buffers cold (as in the
+#      engine: ~500 MB of weights pass between two layers' MLA), on 16 and 2 threads
+#   3. a second after/before pair on 16 threads, then the new prefetch with 32-row items
+#      (-DK2_LINEAR_PER_THREAD=1: which of the two GEMV changes did it), if the budget allows
+# Each part has its own time limit and fails soft. Full outputs: $OUT/e2e_*.txt; the table:
+# $OUT/e2e_table.txt.
 #   bash benchmarks/cpu_e2e_device.sh
 set -u
 SECONDS=0
 source benchmarks/device_env.sh  # OUT, PYTHONPATH (src, wheels from .whl if any)
 PY=${PY:-python3}
-BUDGET=${BUDGET:-117}  # seconds for all parts (the device command's limit is 120)
+BUDGET=${BUDGET:-290}  # seconds for all parts (the device command's limit is 300)
 PREFIX=e2e
 source benchmarks/device_parts.sh  # run NAME SECONDS COMMAND...: budgeted parts, fail soft
-lscpu | grep -E "Model name|^CPU\(s\)|NUMA node\(s\)|L3|amx" | cut -c1-160 >"$OUT/e2e_host.txt" 2>&1
-E2E="benchmarks/cpu_e2e.py --full-k2 --experts 48 --context 8192 --decode-only"
-run checks 22 env K2SERVE_CPU_KERNEL=native $PY -m pytest -q -x -p no:cacheprovider \
-  tests/moe/test_cpu_linear.py tests/kernels/test_policy.py \
-  tests/integration/test_backends.py -k "cpu_linear or cpu_head or policy or fused_projections"
-run e2e 24 $PY $E2E
-run e2e_legacy 16 $PY $E2E --timing legacy
-run e2e_2t 30 env OMP_NUM_THREADS=2 $PY $E2E
-run spin 13 $PY benchmarks/omp_spin_probe.py
-run moe 16 $PY benchmarks/cpu_moe.py --experts 48 --batches 1 --prefill 0 --no-old --no-peer \
-  --no-limit --no-forced --iters 15
-run e2e_2t_legacy 25 env OMP_NUM_THREADS=2 $PY $E2E --timing legacy
+lscpu | grep -E "Model name|^CPU\(s\)|NUMA node\(s\)|L2|L3|amx" | cut -c1-160 >"$OUT/e2e_host.txt" 2>&1
+BEFORE=K2_BFBF_PF_LEGACY=1
+E2E="benchmarks/cpu_e2e.py --full-k2 --experts 48 --context 8192 --also-context 1024 --decode-only"
+run build 60 env K2SERVE_CPU_KERNEL=native $PY -c "
+from k2serve.kernels import cpu as ck
+from k2serve.kernels.cpu import mla
+lib = ck.load_kernel('native')
+print('kernel built; AMX granted:', bool(lib.k2_amx_available()), '; MLA paths:',
+      [mla.PATH_NAMES[p] for p in mla.mla_paths()])
+from pathlib import Path
+import os
+flags = ck.CXX_FLAGS
+base = Path(os.environ.get('K2SERVE_CACHE_DIR') or Path.home() / '.cache' / 'k2serve')
+for d in ('$BEFORE', 'K2_LINEAR_PER_THREAD=1'):
+    ck.CXX_FLAGS = flags + ('-D' + d,)
+    print(d, 'variant built:', ck._build(base / 'cpu_kernel'))"
+run checks 30 env K2SERVE_CPU_KERNEL=native $PY -m pytest -q -x -p no:cacheprovider \
+  tests/moe/test_cpu_linear.py tests/moe/test_cpu_shared.py tests/kernels/test_mla_cpu_kernel.py \
+  tests/kernels/test_policy.py tests/integration/test_backends.py \
+  -k "cpu_linear or cpu_head or cpu_shared or mla or policy or fused_projections"
+run after 35 $PY $E2E
+run before 35 $PY $E2E --define $BEFORE
+run after_2t 45 env OMP_NUM_THREADS=2 $PY $E2E
+run before_2t 45 env OMP_NUM_THREADS=2 $PY $E2E --define $BEFORE
+run mla 20 $PY benchmarks/cpu_mla_e2e.py --contexts 1024,8192
+run mla_2t 25 env OMP_NUM_THREADS=2 $PY benchmarks/cpu_mla_e2e.py --contexts 1024,8192 --reps 7
+run after_b 35 $PY $E2E
+run before_b 35 $PY $E2E --define $BEFORE
+run items32 30 $PY $E2E --define K2_LINEAR_PER_THREAD=1  # the new prefetch, 32-row items
 {
   echo "=== host"; cat "$OUT/e2e_host.txt"
+  echo "=== build"; tail -n 3 "$OUT/e2e_build.txt" | cut -c1-200
   echo "=== checks"; tail -n 2 "$OUT/e2e_checks.txt"
-  echo "=== omp_spin_probe (torch team's spin after a parallel op; after a wide GEMV output)"
-  grep -E "^T=|^GEMV" "$OUT/e2e_spin.txt" | cut -c1-200
-  for p in e2e e2e_legacy e2e_2t e2e_2t_legacy; do
+  echo "=== cpu_e2e --full-k2 (before = -D$BEFORE), ms/token and % of each run's max probe"
+  $PY benchmarks/cpu_e2e_table.py 16t_before="$OUT/e2e_before.txt" 16t_after="$OUT/e2e_after.txt" \
+    16t_before_b="$OUT/e2e_before_b.txt" 16t_after_b="$OUT/e2e_after_b.txt" \
+    2t_before="$OUT/e2e_before_2t.txt" 2t_after="$OUT/e2e_after_2t.txt" \
+    16t_items32="$OUT/e2e_items32.txt"
+  for p in after before after_2t before_2t after_b before_b items32; do
     [ -f "$OUT/e2e_$p.txt" ] || continue
-    echo "=== cpu_e2e --full-k2 ($p)"
-    grep -E "^# full K2|^# MLA|^# read bandwidth|^# shared expert as" "$OUT/e2e_$p.txt" | cut -c1-220
-    sed -n '/^part/,/^EXTRAPOLATED full K2 decode/p' "$OUT/e2e_$p.txt" | cut -c1-220
-    grep -E "Error|error" "$OUT/e2e_$p.txt" | tail -n 3 | cut -c1-220
+    grep -E "engine's order" "$OUT/e2e_$p.txt" | sed "s/^# MoE layer in the engine's order/$p: router+experts/" | cut -c1-260
+    grep -E "Error|error" "$OUT/e2e_$p.txt" | tail -n 3 | sed "s/^/$p: /" | cut -c1-220
   done
-  echo "=== cpu_moe --experts 48, 1 token (16 threads): compare with the e2e routed row / 60"
-  grep -E "read bandwidth|^ +tokens|^ +1 " "$OUT/e2e_moe.txt" | head -n 3 | cut -c1-200
+  for p in mla mla_2t; do
+    echo "=== cpu_mla_e2e ($p): one layer's MLA decode, kernel alone vs the e2e's read vs forward vs cold"
+    grep -vE "^\s*$" "$OUT/e2e_$p.txt" | tail -n 14 | cut -c1-200
+  done
   echo "=== parts"; cat "$OUT/e2e_summary.txt"
 } 2>&1 | tee "$OUT/e2e_table.txt"

@@ -37,6 +37,7 @@ from cpu_attn import (
 from cpu_quiet import BwProbe, OmpTeam
 
 from k2serve.kernels.cpu import cpu_head_gemv
+from k2serve.moe.cpu_shared import use_kernel
 from k2serve.quant.linear import linear
 
 LAYERS, DENSE, MOE = 61, 1, 60
@@ -44,6 +45,8 @@ D, I_MOE, I_DENSE, VOCAB, TOPK, NH = 7168, 2048, 18432, 163840, 8, 64
 SHARED_BYTES = 3 * D * I_MOE * 2
 DENSE_BYTES = 3 * D * I_DENSE * 2
 LM_BYTES = VOCAB * D * 2
+N_EXPERTS = 384
+ROUTER_BYTES = N_EXPERTS * D * 2  # the gate's bf16 weight
 KV_BYTES_PER_TOKEN = (512 + 64) * 2  # bf16 latent + roped key, per layer
 
 
@@ -138,6 +141,57 @@ def time_absorb_kernel(copies: int, rows: int, timer=None) -> float:
     return (timer or timeit)(run, 3) / copies
 
 
+def time_router(copies: int, timer) -> float:
+    """One MoE layer's router (gate: float32 logits, grouped top-8) at decode as the model runs
+    it (model.router.TopkRouter, K2's 384 experts), over `copies` distinct weights."""
+    from types import SimpleNamespace
+
+    from k2serve.model.router import TopkRouter
+
+    cfg = SimpleNamespace(num_experts_per_tok=TOPK, n_routed_experts=N_EXPERTS, n_group=1,
+                          topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.827,
+                          hidden_size=D)  # fmt: skip
+    gates = []
+    for _ in range(copies):
+        gate = TopkRouter(cfg, torch.bfloat16)
+        gate.weight.data.normal_(0, D**-0.5)
+        gates.append(gate)
+    x = torch.randn(1, D).bfloat16()
+
+    def run():
+        for gate in gates:
+            gate(x)
+
+    return timer(run, 7) / copies
+
+
+def router_then_experts(n_experts: int, timer) -> dict[str, float]:
+    """One MoE layer's router + routed experts, quiet timing, with the router's logits on the
+    CPU kernel (now) and on torch's float32 GEMV over a float32 weight copy (before: it ran on
+    torch's OpenMP team, whose threads then spin beside the experts call)."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from k2serve.kernels.router_torch import grouped_topk_torch
+    from k2serve.model.router import TopkRouter
+
+    cfg = SimpleNamespace(num_experts_per_tok=TOPK, n_routed_experts=N_EXPERTS, n_group=1,
+                          topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.827,
+                          hidden_size=D)  # fmt: skip
+    gate = TopkRouter(cfg, torch.bfloat16)
+    gate.weight.data.normal_(0, D**-0.5)
+    w32, x = gate.weight.float(), torch.randn(1, D).bfloat16()
+    bias = gate.e_score_correction_bias
+
+    def before():
+        grouped_topk_torch(F.linear(x.float(), w32), bias, TOPK, 1, 1, True, 2.827)
+
+    ways = {"router on the kernel (now)": lambda: gate(x), "router on torch f32 (before)": before}
+    return {k: time_routed(n_experts, 1, 15, timer(f"router+experts {k}"), pre=f)[0]
+            for k, f in ways.items()}  # fmt: skip
+
+
 def time_mla_quiet(ctx: int, mode: str, copies: int, timer) -> float:
     """cpu_attn.time_mla's decode (1 query after ctx, shuffled pages, `copies` distinct caches),
     the caches built before the timer's quiet calls."""
@@ -153,8 +207,9 @@ def time_mla_quiet(ctx: int, mode: str, copies: int, timer) -> float:
     return forced_flash(run) if mode == "flash" else run()
 
 
-def time_routed(n_experts: int, tokens: int, iters: int, timer=None) -> tuple[float, int]:
-    """(seconds per call, bytes per expert) for one MoE layer's routed experts at `tokens`."""
+def time_routed(n_experts: int, tokens: int, iters: int, timer=None, pre=None) -> tuple[float, int]:
+    """(seconds per call, bytes per expert) for one MoE layer's routed experts at `tokens`;
+    `pre` (quiet timing): run before each call, inside the timed span (the router)."""
     from cpu_moe import Expert, routing
 
     from k2serve.moe.cpu_experts import CpuExpertBackend
@@ -170,7 +225,13 @@ def time_routed(n_experts: int, tokens: int, iters: int, timer=None) -> tuple[fl
             ids, w = routing(tokens, n_experts, TOPK, g)
             steps.append((torch.randn(tokens, D, generator=g).bfloat16(), ids, w))
         it = iter(steps)  # one for the timer's warm-up
-        return timer(lambda: be(*next(it)), iters), per
+
+        def call():
+            if pre is not None:
+                pre()
+            be(*next(it))
+
+        return timer(call, iters), per
     ts = []
     for i in range(iters + 1):
         ids, w = routing(tokens, n_experts, TOPK, g)
@@ -212,20 +273,30 @@ def full_k2(args, bw: float) -> int:
     t_proj_p = 0.0 if args.decode_only else time_projections_linear(pw[:1], P, reps=1) / P
     del pw
     t_abs = time_absorb_kernel(8, 1, timer=timer("absorbed kv_b (W_UK, W_UV)"))
+
     # the backend's default bf16 decode (or --mla flash / ref), shuffled pages, over 16 distinct
     # caches (150 MB at 8K: as 61 layers' caches, they miss the CPU's last-level cache)
+    def mla_at(ctx: int) -> float:
+        if quiet:
+            return time_mla_quiet(ctx, args.mla, 16, timer(f"MLA over {ctx} cached tokens"))
+        return time_mla(ctx, 1, flash=args.mla != "ref", mode=args.mla, copies=16)
+
     mla_name = f"MLA over {args.context} cached tokens"
-    if quiet:
-        t_mla = time_mla_quiet(args.context, args.mla, 16, timer(mla_name))
-    else:
-        t_mla = time_mla(args.context, 1, flash=args.mla != "ref", mode=args.mla, copies=16)
+    t_mla = mla_at(args.context)
+    # the same decode at other contexts (--also-context): MLA is compute-bound on a CPU (~1.1
+    # GFLOP a layer at 8K), so a short context's figure is printed beside the long one's
+    t_mla_at = {c: mla_at(c) for c in args.also_context if c != args.context}
     how = {"auto": f"as the engine runs it here: {decode_path()}", "flash": "torch's flash kernel",
            "ref": "the float32 einsums"}[args.mla]  # fmt: skip
     print(f"# MLA decode: {how} (shuffled pages, 16 distinct caches)")
     sw = mlp_weights(I_MOE, 4)
-    # quiet: as the model runs it now (gate + up fused); legacy: the previous 3 GEMVs
+    # quiet: as the model runs it now (moe.cpu_shared's rule: one experts-kernel call from
+    # KERNEL_MIN_THREADS pool threads, else gate + up fused); legacy: the previous 3 GEMVs
     shv = shared_variants(sw, timer) if quiet else {}
-    t_sh = shv["fused gate_up"] if quiet else time_mlp(sw, 1, linear)
+    sh_way = "experts kernel" if use_kernel() else "fused gate_up"
+    t_sh = shv[sh_way] if quiet else time_mlp(sw, 1, linear)
+    if quiet:
+        print(f"# shared expert as the engine runs it here: {sh_way}")
     t_sh_p = 0.0 if args.decode_only else time_mlp(sw[:1], P, F.linear, reps=1) / P
     del sw
     dw = mlp_weights(I_DENSE, 1)
@@ -238,6 +309,13 @@ def full_k2(args, bw: float) -> int:
     x1 = torch.randn(1, D).bfloat16()
     t_lm = timer("lm_head")(lambda: linear(x1, lm), 3)
     lm = x1 = None  # free the 2.35 GB
+    t_gate = time_router(16, timer("router (gate, top-8)"))
+    if quiet:  # the engine's order: the router, then the experts (a torch op before: spin)
+        got = router_then_experts(args.experts, timer)
+        print("# MoE layer in the engine's order (router, then the routed experts), ms/layer "
+              "(torch team's CPU during the calls): " + ", ".join(
+                  f"{k} {v * 1e3:.3f} ({spins.get(f'router+experts {k}', 0.0):.1f} ms)"
+                  for k, v in got.items()))  # fmt: skip
     rt_timer = timer("routed experts (8 INT4)") if quiet else None
     t_rt, per_exp = time_routed(args.experts, 1, 15 if quiet else 8, rt_timer)
     # a prompt chunk: 43 pairs per expert as a 2K-token step over 384 experts
@@ -257,6 +335,7 @@ def full_k2(args, bw: float) -> int:
         (mla_name, LAYERS, (args.context + 1) * KV_BYTES_PER_TOKEN, t_mla),
         ("shared expert", MOE, SHARED_BYTES, t_sh),
         ("routed experts (8 INT4)", MOE, TOPK * per_exp, t_rt),
+        ("router (gate, top-8)", MOE, ROUTER_BYTES, t_gate),
         ("dense layer MLP", DENSE, DENSE_BYTES, t_dense),
         ("lm_head", 1, LM_BYTES, t_lm),
     ]  # fmt: skip
@@ -280,10 +359,20 @@ def full_k2(args, bw: float) -> int:
             "# omp ms: CPU time torch's OpenMP threads used during the part's timed calls "
             "(0.0: beside an idle team, as the engine's batch-1 decode)"
         )
-    gbs = tot_b / tot_t / 1e9
-    print(f"EXTRAPOLATED full K2 decode, batch 1, context {args.context}: {tot_t * 1e3:.0f} "
-          f"ms/token = {1 / tot_t:.2f} tok/s; {tot_b / 1e9:.2f} GB/token at {gbs:.1f} GB/s = "
-          f"{gbs / bw:.0%} of the read bandwidth")  # fmt: skip
+    for ctx, tm in t_mla_at.items():  # the other contexts' MLA (not in the totals below)
+        b = (ctx + 1) * KV_BYTES_PER_TOKEN
+        name = f"(MLA over {ctx} cached tokens)"
+        spin = f"{spins[name[1:-1]]:>6.1f}" if name[1:-1] in spins else f"{'-':>6}"
+        print(f"{name:<34} {LAYERS:>5} {LAYERS * b / 1e6:>9.0f} {'':>8} {LAYERS * tm * 1e3:>9.1f} "
+              f"{'':>8} {b / tm / 1e9:>6.1f} {b / tm / 1e9 / bw:>6.0%} {spin}")  # fmt: skip
+    mla_i = [p[0] for p in parts].index(mla_name)
+    for ctx, tm in {args.context: t_mla, **t_mla_at}.items():
+        b_ctx = tot_b + LAYERS * (ctx - args.context) * KV_BYTES_PER_TOKEN
+        t_ctx = tot_t + LAYERS * (tm - parts[mla_i][3])
+        gbs = b_ctx / t_ctx / 1e9
+        print(f"EXTRAPOLATED full K2 decode, batch 1, context {ctx}: {t_ctx * 1e3:.0f} "
+              f"ms/token = {1 / t_ctx:.2f} tok/s; {b_ctx / 1e9:.2f} GB/token at {gbs:.1f} GB/s "
+              f"= {gbs / bw:.0%} of the read bandwidth")  # fmt: skip
     if not args.decode_only:
         lin = LAYERS * t_proj_p + MOE * (t_sh_p + t_rt_p) + DENSE * t_dense_p  # s per token
         print(f"# prefill per token (chunks of {P}): projections {t_proj_p * 1e3:.3f} ms/layer, "

@@ -66,6 +66,23 @@ def test_router_logits_float32_from_a_cached_weight_copy():
     torch.testing.assert_close(gate.router_logits(x), F.linear(x.float(), gate.weight.float()))
 
 
+def test_router_decode_logits_on_the_cpu_kernel():
+    """A decode row's logits on the CPU come from the kernel's GEMV on its pool (no torch
+    OpenMP op, no float32 weight copy): the upcast computation's values up to summation order."""
+    from k2serve.kernels import cpu as ck
+
+    model = load_tiny(dtype=torch.bfloat16)
+    gate = model.model.layers[1].mlp.gate
+    for T in (1, 2):
+        x = torch.randn(T, 128, dtype=torch.bfloat16)
+        got = gate.router_logits(x)
+        assert got.dtype == torch.float32 and got.shape == (T, gate.weight.shape[0])
+        want = F.linear(x.float(), gate.weight.float())
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    if ck.load_kernel() is not None:
+        assert gate._w32 is None  # the kernel read the bf16 weight itself
+
+
 def test_deferred_residual_equals_plain_residual_adds():
     model = load_tiny(dtype=torch.bfloat16)
     layer = model.model.layers[1]

@@ -39,6 +39,14 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FP8_DTYPES
 
 
+def _flash_seq(flash: bool, n_new: int, seq_len: int, pages: torch.Tensor) -> bool:
+    """A bf16 sequence's torch path: the flash kernel (prompts, long contexts, pages in one
+    run: read in place), else the einsums."""
+    return flash and (
+        n_new > 1 or seq_len >= cpu_flash.DECODE_MIN_KEYS or bool((pages.diff() == 1).all())
+    )
+
+
 class TorchMLABackend(MLABackend):
     name = "torch"
     graph_safe = False  # per-sequence loops over host copies of the lengths
@@ -106,7 +114,8 @@ class TorchMLABackend(MLABackend):
         qsl = metadata.query_start_loc.tolist()
         # every row of a sequence is written below; rows past the last sequence (padding) are 0
         out = torch.empty(T, H, L, dtype=q_latent.dtype, device=q_latent.device)
-        out[qsl[-1] :].zero_()
+        if qsl[-1] < T:
+            out[qsl[-1] :].zero_()
         seq_lens = metadata.seq_lens.tolist()
         ctx_lens = metadata.context_lens.tolist()
         bf16 = self._bf16_path(q_latent, q_pe, kv_cache)
@@ -120,17 +129,17 @@ class TorchMLABackend(MLABackend):
                 continue
             n_pages = -(-seq_len // page_size)
             blk = metadata.block_table[b, :n_pages]  # [n_pages] int32, as the kernel takes it
-            use_flash = flash and (
-                n_new > 1
-                or seq_len >= cpu_flash.DECODE_MIN_KEYS
-                or bool((blk.diff() == 1).all())  # one run of pages: read in place
-            )
             if kernel and n_new <= KERNEL_MAX_TOKENS:
                 # the kernel on AMX beats both torch paths; on vdpbf16ps only the einsums
-                path = cpu_mla.PATH_AMX if use_flash else cpu_mla.PATH_AUTO
-                ql, qp, o = q_latent[start:end], q_pe[start:end], out[start:end]
+                path = cpu_mla.PATH_AMX  # the flash test (3 torch ops) only without AMX
+                if not cpu_mla.amx_ready() and not _flash_seq(flash, n_new, seq_len, blk):
+                    path = cpu_mla.PATH_AUTO
+                ql, qp, o = q_latent, q_pe, out  # one sequence, every row: no slicing ops
+                if n_new != T:
+                    ql, qp, o = q_latent[start:end], q_pe[start:end], out[start:end]
                 if cpu_mla.mla_decode(ql, qp, kv_cache, blk, seq_len, scale, o, path):
                     continue
+            use_flash = _flash_seq(flash, n_new, seq_len, blk)
             pages = blk.to(torch.long)
             if use_flash:
                 if q is None:

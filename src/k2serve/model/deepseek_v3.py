@@ -44,6 +44,7 @@ from k2serve.model.router import TopkRouter
 from k2serve.model.vision import MoonViT, PatchMergerProjector, encode_images
 from k2serve.moe import ExpertBackend, TorchExpertBackend
 from k2serve.moe.cpu_experts import drive
+from k2serve.moe.cpu_shared import CpuSharedExpert
 from k2serve.moe.placement import ExpertPlacement
 from k2serve.quant import LinearBase, linear_scheme, make_linear
 from k2serve.quant.linear import Fp8BlockLinear, linear
@@ -150,6 +151,8 @@ class MoE(nn.Module):
             else None
         )
         self.expert_backend: ExpertBackend = TorchExpertBackend(self.experts)
+        # CPU decode on many threads: the shared expert as one CPU experts-kernel call
+        self.cpu_shared = CpuSharedExpert()
         # CUDA: a second stream on which the shared expert runs while the router and the
         # routed experts run on the current one, for steps of up to side_stream_max_tokens
         # tokens (decode is memory-bound, so the two overlap; above, two compute-bound GEMMs
@@ -204,6 +207,14 @@ class MoE(nn.Module):
         self._record_routing(topk_ids)
         return self.expert_backend(x, topk_ids, topk_weights)
 
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert: at CPU decode from moe.cpu_shared.KERNEL_MIN_THREADS pool threads
+        one call of the CPU experts kernel (faster there, measured), else the module."""
+        mlp = self.shared_experts
+        assert mlp is not None
+        y = self.cpu_shared(mlp, x) if x.device.type == "cpu" else None
+        return mlp(x) if y is None else y
+
     def routed_plus_shared(self, x: torch.Tensor, routed) -> torch.Tensor:
         """routed(x) + shared_experts(x). With a side stream (CUDA) the shared expert is
         enqueued there first and joined before the sum: the two are independent, and the
@@ -214,7 +225,7 @@ class MoE(nn.Module):
             return routed(x)
         side = self.side_stream
         if side is None or not x.is_cuda or x.shape[0] > self.side_stream_max_tokens:
-            return routed(x) + self.shared_experts(x)
+            return routed(x) + self.shared(x)
         main = torch.cuda.current_stream(x.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):

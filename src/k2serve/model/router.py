@@ -61,8 +61,9 @@ class TopkRouter(nn.Module):
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:  # [T, E] float32
         """float32 logits as transformers computes them (x and weight upcast), without
         converting the weight per call: on CUDA a bf16/fp16 GEMM with float32 output (products
-        of bf16 values are exact in float32, accumulation is float32), elsewhere a float32
-        copy of the weight made once (and remade if the weight is replaced or moved)."""
+        of bf16 values are exact in float32, accumulation is float32), on the CPU at decode the
+        CPU kernel's GEMV (bf16 weight, float32 x, float32 sums), elsewhere a float32 copy of
+        the weight made once (and remade if the weight is replaced or moved)."""
         w = self.weight
         if w.dtype == torch.float32:
             return F.linear(x.to(torch.float32), w)
@@ -76,6 +77,18 @@ class TopkRouter(nn.Module):
                 return torch.mm(x, w.t(), out_dtype=torch.float32)
             except (RuntimeError, TypeError):  # torch without mm(out_dtype=) for this dtype
                 self._mm_out_dtype_ok = False
+        if x.device.type == "cpu" and w.device.type == "cpu":
+            from k2serve.kernels.cpu import cpu_linear
+
+            # decode rows: the CPU kernel's GEMV on its pool (bf16 x bf16: exact products,
+            # float32 sums: the upcast computation's values up to summation order; float32 x
+            # or weight: widened exactly). torch's float32 GEMV here woke its OpenMP team,
+            # whose threads then spun for ms on the cores the experts kernel call right after
+            # this needs (dev box: 0.8 ms of CPU in the 20 ms after one call)
+            xk = x if x.dtype == w.dtype else x.to(torch.float32)
+            y = cpu_linear(xk, w, torch.float32)  # [T, E] float32, or None (a prompt)
+            if y is not None:
+                return y
         key = (w.data_ptr(), w.device, tuple(w.shape))
         if self._w32 is None or self._w32_key != key:
             self._w32 = w.detach().to(torch.float32)  # [E, hidden], not a parameter

@@ -386,9 +386,10 @@ def _gemv(x, w, B: int, rows: int, out_dtype=None):
     return out if rc == 0 else None
 
 
-def cpu_linear(x, w):
+def cpu_linear(x, w, out_dtype=None):
     """x [..., K] @ w[N, K]^T on the CPU with the kernel's GEMV (bf16 or float32 weight, at most
-    LINEAR_MAX_ROWS rows: decode), in x's dtype; None when it does not apply (then F.linear).
+    LINEAR_MAX_ROWS rows: decode), in out_dtype (None: x's dtype; float32: the kernel's float32
+    sums as they are); None when it does not apply (then F.linear).
     torch's CPU bf16 GEMV reads a weight at a fraction of the memory bandwidth."""
     if w.dim() != 2:
         return None
@@ -399,7 +400,7 @@ def cpu_linear(x, w):
     # (a fused gate_up at decode: 2 x 18,432; the lm_head: 163,840) would run on torch's OpenMP
     # team, whose threads then spin for milliseconds on the cores the kernel's pool needs next
     # (benchmarks/omp_spin_probe.py, RESULTS.md)
-    out = _gemv(x.reshape(rows, x.shape[-1]), w, 1, rows, x.dtype)
+    out = _gemv(x.reshape(rows, x.shape[-1]), w, 1, rows, out_dtype or x.dtype)
     return None if out is None else out.reshape(*x.shape[:-1], w.shape[0])
 
 

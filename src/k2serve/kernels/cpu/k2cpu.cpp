@@ -160,6 +160,12 @@ static K2_INLINE v16f splat(float f) { return (v16f){} + f; }
 #ifndef K2_PREFETCH
 #define K2_PREFETCH 1024
 #endif
+#ifndef K2_BFBF_PF_LEGACY  // 1: the bf16 GEMV's previous prefetch and items of 32 rows (before/
+#define K2_BFBF_PF_LEGACY 0  // after measurements)
+#endif
+#ifndef K2_LINEAR_PER_THREAD  // the bf16 GEMV's items per pool thread, at least (rows per item
+#define K2_LINEAR_PER_THREAD 16  // 8..32)
+#endif
 static inline void prefetch_ahead(const void* p) {
 #if defined(__x86_64__) || defined(__i386__)
   if (K2_PREFETCH > 0) _mm_prefetch((const char*)p + K2_PREFETCH, _MM_HINT_T0);
@@ -448,8 +454,13 @@ static K2_INLINE void dot_rows_i4bf(const Mat& m, int r0, const void* const* xv,
 #endif  // K2_I4BF_LEGACY
 
 // bf16 weights x bf16 activations: one vdpbf16ps per 32 products, no conversion at all.
+// Prefetch K2_PREFETCH bytes ahead in each row; past a row's end, into row i of the next R rows
+// the thread reads (pw: the first of them; rows of the same size), so that their first KB is not
+// read cold (the rows are 3-16 KB: 7-33% of a row's bytes). K2_BFBF_PF_LEGACY=1: ahead in
+// the same address range (past the end: the following row, already read but for the last).
 template <int R, int NT>
-static K2_INLINE void dot_rows_bfbf(const Mat& m, int r0, const void* const* xv, float* out) {
+static K2_INLINE void dot_rows_bfbf(const Mat& m, int r0, const void* const* xv, float* out,
+                                    const uint8_t* pw = nullptr) {
   const uint16_t* const* xs = (const uint16_t* const*)xv;
   __m512 acc[R][NT];
   for (int i = 0; i < R; ++i)
@@ -457,9 +468,15 @@ static K2_INLINE void dot_rows_bfbf(const Mat& m, int r0, const void* const* xv,
   const int chunks = m.cols >> 5;
   for (int c = 0; c < chunks; ++c) {
     __m512i w[R];
+    const int64_t off = (int64_t)c * 64 + K2_PREFETCH;
+    const bool wrap = !K2_BFBF_PF_LEGACY && pw != nullptr && off >= m.row_bytes;
     for (int i = 0; i < R; ++i) {
       const uint8_t* wp = m.w + (int64_t)(r0 + i) * m.row_bytes + (int64_t)c * 64;
-      prefetch_ahead(wp);
+      if (wrap)
+        _mm_prefetch((const char*)pw + (int64_t)i * m.row_bytes + (off - m.row_bytes),
+                     _MM_HINT_T0);
+      else
+        prefetch_ahead(wp);
       w[i] = _mm512_loadu_si512(wp);
     }
     for (int t = 0; t < NT; ++t) {
@@ -484,7 +501,7 @@ static K2_INLINE void dot_rows(const Mat& m, int r0, const void* const* xs, cons
   }
   if constexpr (FMT == FMT_BFBF) {
     (void)sums;
-    dot_rows_bfbf<R, NT>(m, r0, xs, out);
+    dot_rows_bfbf<R, NT>(m, r0, xs, out, pw);
     return;
   }
 #endif
@@ -1414,17 +1431,31 @@ int k2_linear_batched(void* pool, int wfmt, const void* W, int B, int N, int K, 
     for (int64_t i = 0; i < xn; ++i)
       xf[i] = x_dtype == X_BF16 ? bf16_to_f32(((const uint16_t*)x)[i]) : ((const float*)x)[i];
   }
-  const int RB = 32;
+  // rows per item: 32, fewer (a multiple of 4, at least 8) where that leaves a thread fewer
+  // than K2_LINEAR_PER_THREAD items: a call ends when its last item does, so on 16 threads the
+  // fused q_a + kv_a (2,112 rows: 66 items of 32 = 4.1 a thread) or gate_up (4,096 rows: 8 a
+  // thread) waited up to a whole 458 KB item on the slowest thread (K2_BFBF_PF_LEGACY=1: 32)
+  const int64_t want = (int64_t)K2_LINEAR_PER_THREAD * P->nthreads;
+  const int RB = K2_BFBF_PF_LEGACY || !bfbf
+                     ? 32
+                     : (int)std::max<int64_t>(8, std::min<int64_t>(32, (int64_t)N * B / want) & ~3);
   const int64_t per_b = (N + RB - 1) / RB, items = per_b * B;
   std::atomic<int64_t> next{0};
+  // bf16 x bf16: a thread claims its next item before it reads the current one's last rows,
+  // and prefetches that item's rows there (dot_block's `next`): its stream does not restart
+  // cold at every item (K2_BFBF_PF_LEGACY=1: claimed when the current one is done)
+  const bool ahead = bfbf && !K2_BFBF_PF_LEGACY;
   P->run([&](int, int) {
-    float y[RB * 8];
+    float y[32 * 8];
+    int64_t it = next.fetch_add(1, std::memory_order_relaxed);
     for (;;) {
-      int64_t it = next.fetch_add(1, std::memory_order_relaxed);
       if (it >= items) break;
+      const int64_t nit = ahead ? next.fetch_add(1, std::memory_order_relaxed) : items;
       const int b = it / per_b;
       const Mat& m = ms[b];
       int r0 = (it % per_b) * RB, r1 = std::min<int64_t>(N, r0 + RB);
+      const Mat* nm = nit < items ? &ms[nit / per_b] : nullptr;
+      const int nr0 = nit < items ? (int)(nit % per_b) * RB : 0;
       for (int t0 = 0; t0 < T; t0 += 8) {
         int nt = std::min(8, T - t0);
         const void* xs[8];
@@ -1434,7 +1465,7 @@ int k2_linear_batched(void* pool, int wfmt, const void* W, int B, int N, int K, 
         }
 #if K2_HAS_I4BF
         if (bfbf)
-          dot_block<FMT_BFBF>(m, r0, r1 - r0, xs, nullptr, nt, y);
+          dot_block<FMT_BFBF>(m, r0, r1 - r0, xs, nullptr, nt, y, t0 + 8 >= T ? nm : nullptr, nr0);
         else
 #endif
         if (wfmt == FMT_BF16)
@@ -1446,6 +1477,7 @@ int k2_linear_batched(void* pool, int wfmt, const void* W, int B, int N, int K, 
           for (int r = r0; r < r1; ++r) o[r] = y[(r - r0) * 8 + t];
         }
       }
+      it = ahead ? nit : next.fetch_add(1, std::memory_order_relaxed);
     }
   }, /*elastic=*/true);  // items from a counter: a late thread finds them taken
   return 0;

@@ -13,6 +13,7 @@ Scores, softmax and the split-KV merge are float32; P and the output are rounded
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -81,9 +82,9 @@ def mla_decode(
     need = -(-seq_len // ps)
     if seq_len < n or pages.numel() < need:
         raise ValueError(f"seq_len {seq_len}: {n} new tokens, {pages.numel()} pages of {ps}")
-    pg = pages[:need]
-    if pg.dtype != torch.int32 or not pg.is_contiguous() or pg.device.type != "cpu":
-        pg = pg.to(device="cpu", dtype=torch.int32).contiguous()
+    pg = pages  # the kernel reads its first `need` ids
+    if pages.dtype != torch.int32 or pages.stride(-1) != 1 or pages.device.type != "cpu":
+        pg = pages[:need].to(device="cpu", dtype=torch.int32).contiguous()
     ql, qp = _rows(q_latent), _rows(q_pe)
     num_pages = kv_cache.shape[0]
     rc = lib.k2_mla_decode(pool._ptr, ql.data_ptr(), ql.stride(1), qp.data_ptr(), qp.stride(1),
@@ -94,6 +95,18 @@ def mla_decode(
                          f"{tuple(kv_cache.shape)}, out {tuple(out.shape)}, seq_len {seq_len}, "
                          f"pages {pg.tolist()[:8]} (ids must be < {num_pages})")  # fmt: skip
     return rc or None
+
+
+def amx_ready() -> bool:
+    """True when PATH_AUTO runs on AMX here (the kernel builds, Linux grants the tiles,
+    K2SERVE_CPU_AMX is not 0); cheap after the first call."""
+    return envs.cpu_amx() and _amx_granted()
+
+
+@functools.cache
+def _amx_granted() -> bool:
+    lib = ck.load_kernel()
+    return lib is not None and bool(lib.k2_amx_available())
 
 
 def mla_paths() -> list[int]:
@@ -109,4 +122,12 @@ def mla_paths() -> list[int]:
     return got
 
 
-__all__ = ["PATH_AMX", "PATH_AUTO", "PATH_AVX512", "PATH_NAMES", "mla_decode", "mla_paths"]
+__all__ = [
+    "amx_ready",
+    "PATH_AMX",
+    "PATH_AUTO",
+    "PATH_AVX512",
+    "PATH_NAMES",
+    "mla_decode",
+    "mla_paths",
+]
