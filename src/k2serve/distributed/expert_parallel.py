@@ -95,9 +95,7 @@ class EPMoE(MoE):
         nn.Module.__init__(self)
         self.ctx, self.moe_index = ctx, moe_index
         self.gate = moe.gate
-        self.shared_experts = moe.shared_experts
-        self.side_stream = moe.side_stream
-        self.side_stream_max_tokens = moe.side_stream_max_tokens
+        self.take_shared_expert(moe)
         self.routing_counts = self.routing_valid = None
         slots = ctx.expert_map.rank_slots(moe_index, ctx.rank)
         self.experts = ExpertSlots({e: moe.experts[e] for e in set(slots)})

@@ -168,9 +168,7 @@ class ParallelMoE(MoE):
             self.expert_start, self.num_local_experts = 0, E
             self.experts = moe.experts
             self.expert_backend = moe.expert_backend
-        self.shared_experts = moe.shared_experts
-        self.side_stream = moe.side_stream
-        self.side_stream_max_tokens = moe.side_stream_max_tokens
+        self.take_shared_expert(moe)  # intermediate-sharded: partial sums, all-reduced
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         return self.ctx.all_reduce(self.routed_plus_shared(x, self.routed))

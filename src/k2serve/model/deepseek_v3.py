@@ -207,6 +207,15 @@ class MoE(nn.Module):
         self._record_routing(topk_ids)
         return self.expert_backend(x, topk_ids, topk_weights)
 
+    def take_shared_expert(self, moe: MoE) -> None:
+        """Use `moe`'s shared expert and how it runs (the CPU decode path, the CUDA side
+        stream): for the parallel MoE blocks, which are built from a MoE without its
+        __init__."""
+        self.shared_experts = moe.shared_experts
+        self.cpu_shared = moe.cpu_shared
+        self.side_stream = moe.side_stream
+        self.side_stream_max_tokens = moe.side_stream_max_tokens
+
     def shared(self, x: torch.Tensor) -> torch.Tensor:
         """The shared expert: at CPU decode from moe.cpu_shared.KERNEL_MIN_THREADS pool threads
         one call of the CPU experts kernel (faster there, measured), else the module."""
