@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("k2cpu.cpp")
 # included by SOURCE (part of the build key): the AMX expert GEMMs, the MLA decode kernel
-HEADERS = tuple(Path(__file__).with_name(h) for h in ("k2amx.h", "k2mla.h"))
+HEADERS = tuple(Path(__file__).with_name(h) for h in ("k2pool.h", "k2amx.h", "k2mla.h"))
 CXX_FLAGS = ("-O3", "-march=native", "-std=gnu++17", "-shared", "-fPIC", "-pthread")
 KERNEL_MODES = ("auto", "native", "torch")
 
