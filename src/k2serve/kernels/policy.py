@@ -118,6 +118,16 @@ class KernelTables:
     int4_prefill_gluon: tuple[Mapping[str, Any], ...] = ()
     int4_prefill_gluon_min_tokens: int | None = None
 
+    def int4_gemm_configs(self, backend: str) -> tuple[tuple[Mapping[str, Any], ...], int | None]:
+        """The INT4 grouped GEMM `backend`'s launch configs by max pair count and the fewest
+        tokens from which dequant + grouped_mm runs instead (None: never). Gluon without
+        configs in the table: the kernel's own GLUON_TABLE."""
+        if backend == "gluon":
+            from k2serve.kernels.int4_gemm_gluon import GLUON_TABLE
+
+            return self.int4_prefill_gluon or GLUON_TABLE, self.int4_prefill_gluon_min_tokens
+        return self.int4_prefill, self.int4_prefill_min_tokens
+
     @classmethod
     def from_json(cls, kind: str, data: Mapping[str, Any]) -> KernelTables:
         try:
@@ -182,9 +192,10 @@ def pick_int4_gemm_backend(asked: str | None, tables: KernelTables, device) -> s
     """The INT4 grouped GEMM's kernel on `device`: `asked` ("triton" / "gluon", e.g.
     K2SERVE_INT4_GEMM) or, when None, "gluon" where `tables` have its configs; "gluon" where it
     cannot run (Triton 3.6's Gluon on sm_90) logs one line and gives "triton"."""
+    from k2serve import envs
     from k2serve.kernels.int4_gemm_gluon import gluon_usable
 
-    if asked not in (None, "triton", "gluon"):
+    if asked is not None and asked not in envs.INT4_GEMM_BACKENDS:
         raise ValueError(f"int4 GEMM backend {asked!r}: use 'triton' or 'gluon'")
     want = asked or ("gluon" if tables.int4_prefill_gluon else "triton")
     if want == "gluon" and not gluon_usable(device):
@@ -339,7 +350,7 @@ class KernelPolicy:
     def moe_kwargs(self) -> dict[str, Any]:
         """FusedMoEBackend's keyword arguments from this policy."""
         t = self.tables
-        gluon = self.int4_gemm_backend == "gluon"
+        gemm_configs, grouped_mm_min_tokens = t.int4_gemm_configs(self.int4_gemm_backend)
         return dict(
             prefill_impl=self.int4_prefill_impl,
             decode_config=t.int4_decode,
@@ -348,10 +359,8 @@ class KernelPolicy:
             grouped_min_pairs=t.int4_decode_grouped_min_pairs,
             grouped_max_pairs=t.int4_decode_grouped_max_pairs,
             routing_select=t.int4_routing_select,
-            prefill_config=t.int4_prefill_gluon if gluon else t.int4_prefill,
-            prefill_min_tokens=t.int4_prefill_gluon_min_tokens
-            if gluon
-            else t.int4_prefill_min_tokens,
+            prefill_config=gemm_configs,
+            prefill_min_tokens=grouped_mm_min_tokens,
             gemm_backend=self.int4_gemm_backend,
             asm=self.int4_asm,
             fp8_impl=self.fp8_moe_impl,

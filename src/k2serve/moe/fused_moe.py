@@ -44,10 +44,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from k2serve import envs
 from k2serve.kernels.fp8_moe import check_table, fp8_moe
 from k2serve.kernels.fused_moe import ExpertWeights, fused_moe
 from k2serve.kernels.int4_gemm import int4_moe_gemm, int4_moe_grouped_mm
-from k2serve.kernels.int4_gemm_gluon import GLUON_TABLE
 from k2serve.kernels.int4_gemv import int4_moe_decode, int4_moe_decode_grouped
 from k2serve.kernels.moe_select import moe_select
 from k2serve.kernels.policy import load_tables
@@ -137,16 +137,14 @@ class FusedMoEBackend(ExpertBackend):
         self.use_planes = planes_ok and int4_impl != "legacy"
         self.prefill_impl = prefill_impl
         t = load_tables()
-        if gemm_backend not in ("triton", "gluon"):
+        if gemm_backend not in envs.INT4_GEMM_BACKENDS:
             raise ValueError(f"gemm_backend={gemm_backend!r}: use 'triton' or 'gluon'")
         self.gemm_backend = gemm_backend  # int4_moe_gemm's kernel (KernelPolicy picks it)
-        gluon = gemm_backend == "gluon"
+        gemm_configs, grouped_mm_min_tokens = t.int4_gemm_configs(gemm_backend)
         # from this many tokens dequant + grouped_mm (None: never)
-        self.prefill_min_tokens = prefill_min_tokens
-        if prefill_min_tokens is None and not gluon:
-            self.prefill_min_tokens = t.int4_prefill_min_tokens
-        if prefill_min_tokens is None and gluon:
-            self.prefill_min_tokens = t.int4_prefill_gluon_min_tokens
+        self.prefill_min_tokens = (
+            grouped_mm_min_tokens if prefill_min_tokens is None else prefill_min_tokens
+        )
         self.decode_config = dict(t.int4_decode if decode_config is None else decode_config)
         self.decode_max_pairs = (
             t.int4_decode_max_pairs if decode_max_pairs is None else decode_max_pairs
@@ -171,10 +169,7 @@ class FusedMoEBackend(ExpertBackend):
         self.routing_select = tuple(bands)
         check_routing_select(self.routing_select, bool(self.grouped_config))
         # one config, or a table of configs by max pair count (int4_gemm.pick_config)
-        default_table: Sequence[Mapping[str, Any]] = (
-            (t.int4_prefill_gluon or GLUON_TABLE) if gluon else t.int4_prefill
-        )
-        self.prefill_config = default_table if prefill_config is None else prefill_config
+        self.prefill_config = gemm_configs if prefill_config is None else prefill_config
         self.asm = asm
         self.fp8_impl = fp8_impl if w.quant == "fp8" else None
         self.fp8_table = tuple(t.fp8_moe if fp8_table is None else fp8_table)
