@@ -1275,6 +1275,16 @@ static void linear_heads_bfbf(Pool* P, const uint16_t* W, int B, int N, int K, c
     }
   }, /*elastic=*/true);
 }
+
+// linear_heads_bfbf for T (1 or 2: heads_path) rows, out float32 or bf16 (BF).
+template <bool BF>
+static void linear_heads_rows(Pool* P, const void* W, int B, int N, int K, const void* x, int T,
+                              void* out) {
+  if (T == 1)
+    linear_heads_bfbf<1, BF>(P, (const uint16_t*)W, B, N, K, (const uint16_t*)x, out);
+  else
+    linear_heads_bfbf<2, BF>(P, (const uint16_t*)W, B, N, K, (const uint16_t*)x, out);
+}
 }  // extern "C++"
 #endif
 
@@ -1300,10 +1310,7 @@ int k2_linear_batched(void* pool, int wfmt, const void* W, int B, int N, int K, 
   const bool bfbf = K2_HAS_I4BF && wfmt == FMT_BF16 && x_dtype == X_BF16;
 #if K2_HAS_I4BF
   if (heads_path(wfmt, x_dtype, B, T)) {  // per-head decode rows: 16 sums per reduction
-    if (T == 1)
-      linear_heads_bfbf<1, false>(P, (const uint16_t*)W, B, N, K, (const uint16_t*)x, out);
-    else
-      linear_heads_bfbf<2, false>(P, (const uint16_t*)W, B, N, K, (const uint16_t*)x, out);
+    linear_heads_rows<false>(P, W, B, N, K, x, T, out);
     return 0;
   }
 #endif
@@ -1382,10 +1389,7 @@ int k2_linear_batched_out(void* pool, int wfmt, const void* W, int B, int N, int
   if (K % 32 == 0 && heads_path(wfmt, x_dtype, B, T)) {
     Pool* P = (Pool*)pool;
     std::lock_guard<std::mutex> call(P->call_mu);
-    if (T == 1)
-      linear_heads_bfbf<1, true>(P, (const uint16_t*)W, B, N, K, (const uint16_t*)x, out);
-    else
-      linear_heads_bfbf<2, true>(P, (const uint16_t*)W, B, N, K, (const uint16_t*)x, out);
+    linear_heads_rows<true>(P, W, B, N, K, x, T, out);
     return 0;
   }
 #endif
