@@ -750,6 +750,48 @@ def profile_step(model, kv, B, ctx, ps=64):
             log(f"  (sort by {key}: {e!r})")
 
 
+PREFILL_BUCKETS = (  # kernel-name substrings -> the part of a prompt step they belong to
+    ("INT4 MoE GEMM", ("int4_gemm", "gluon")),
+    ("attention", ("flash", "fmha", "attention", "mla", "sdpa")),
+    ("bf16 GEMM", ("gemm", "xmma", "cutlass", "nvjet", "sm90", "matmul")),
+    ("routing / align", ("moe_align", "topk", "router", "sort", "select", "scatter", "gather")),
+    ("norm / rope / act", ("norm", "rope", "silu", "act_", "mul")),
+)
+
+
+def part_pprof(layers, T=8192, ps=64):
+    """Kernel split of a T-token prompt step (issue 28: where the prefill's time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from k2serve.attention import allocate_kv_caches
+
+    model = load_slice(layers)
+    setup(model)
+    kv = allocate_kv_caches(model.config, -(-T // ps) + 1, ps, torch.bfloat16, "cuda")
+    ids, pos, md = prefill_inputs(T, ps)
+    step = lambda: model.compute_logits(model(ids, pos, md, kv)[-1:])  # noqa: E731
+    with torch.inference_mode():
+        ms = timed(step, iters=5, warmup=2)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+    log(f"== profile: prefill T={T}, {layers} layers, {ms:.1f} ms a step; 3 steps, CUDA kernels")
+    ka = prof.key_averages()
+    log(ka.table(sort_by="device_time_total", row_limit=30, max_name_column_width=90))
+    sums: dict[str, float] = {}
+    for e in ka:
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        name = e.key.lower()
+        part = next((b for b, keys in PREFILL_BUCKETS if any(k in name for k in keys)), "other")
+        sums[part] = sums.get(part, 0.0) + us / 3e3
+    total = sum(sums.values())
+    for part, v in sorted(sums.items(), key=lambda kv_: -kv_[1]):
+        row("pprof", f"T={T} {part}", v, note=f"{v / total * 100:.0f}% of {total:.1f} ms kernels")
+    del kv, model
+    torch.cuda.empty_cache()
+
+
 def bench_prefill(model, tag, prefills=(1024, 8192), expanded=False, ps=64):
     from k2serve.attention import allocate_kv_caches
 
@@ -1174,6 +1216,8 @@ def main(argv=None):
         routings = tuple(parse_modes(args.routing))
         run_part("model", lambda: part_model_and_peer(args.layers, "peer" in parts, routings,
                                                       args.quick))  # fmt: skip
+    if "pprof" in parts:
+        run_part("pprof", lambda: part_pprof(args.layers))
     if "warmup" in parts:
         run_part("warmup", lambda: part_warmup(args.layers))
     if "overlap" in parts:

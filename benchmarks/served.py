@@ -23,6 +23,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -56,11 +57,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir: str, port: int, max_seqs: int, log_path: str, extra: str = ""):
+def start_server(
+    model_dir: str, port: int, max_seqs: int, log_path: str, extra: str = "", spy: str = ""
+):
     cmd = [sys.executable, "-m", "k2serve.cli", "serve", "--model", model_dir,
            "--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port),
            "--max-num-seqs", str(max_seqs), "--max-model-len", "8192"]  # fmt: skip
     cmd += shlex.split(extra)
+    if spy:  # the server under py-spy (its child: no ptrace rights needed), raw stacks by thread
+        cmd = [shutil.which("py-spy") or "py-spy", "record", "--nonblocking", "--idle",
+               "--threads", "-r", "200", "-f", "raw", "-o", spy, "--", *cmd]  # fmt: skip
     log = open(log_path, "w")  # noqa: SIM115 - closed by stop_server
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     import httpx
@@ -80,7 +86,11 @@ def start_server(model_dir: str, port: int, max_seqs: int, log_path: str, extra:
 
 
 def stop_server(proc, log) -> None:
-    proc.terminate()
+    kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
+    for pid in kids.stdout.split():  # under py-spy: stop the server, py-spy then writes
+        os.kill(int(pid), signal.SIGTERM)
+    if not kids.stdout.split():
+        proc.terminate()
     try:
         proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
@@ -160,6 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="C requests per concurrency C")
     ap.add_argument("--out", default=None, help="directory for the logs and bench JSON")
     ap.add_argument("--server-args", default="", help="more `k2serve serve` flags, one string")
+    ap.add_argument("--py-spy", default="", help="record the server with py-spy into this file")
     ap.add_argument("--no-prefix", action="store_true", help="skip the shared-4K-prefix workload")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -176,7 +187,12 @@ def main(argv=None) -> int:
         port = free_port()
         t0 = time.time()
         proc, log = start_server(
-            d, port, max(concs), os.path.join(out_dir, "server.log"), args.server_args
+            d,
+            port,
+            max(concs),
+            os.path.join(out_dir, "server.log"),
+            args.server_args,
+            args.py_spy,
         )
         print(f"server up in {time.time() - t0:.0f}s")
         served = {}
