@@ -34,6 +34,7 @@ import sys
 import time
 from dataclasses import replace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -604,14 +605,10 @@ def setup(model, policy=None, expand=False):
     """Set the engine's GPU backends up on `model` with `policy` (None: the engine's), as the
     engine does (`k2serve.model.backends`); expand: pure prefills take the expanded attention
     path."""
-    from k2serve.attention.triton_mla import TritonMLABackend, install_prefill_expand
     from k2serve.model.backends import setup_backends
 
-    setup_backends(model, "triton", "triton", "triton", policy=policy or engine_policy())
-    model.set_attn_backend(TritonMLABackend(prefill="expand" if expand else "absorbed"))
-    if not getattr(model, "_expand_installed", False):
-        install_prefill_expand(model)
-        model._expand_installed = True
+    policy = replace(policy or engine_policy(), mla_prefill="expand" if expand else "absorbed")
+    setup_backends(model, "triton", "triton", "triton", policy=policy)
     torch.cuda.empty_cache()
 
 
@@ -654,6 +651,7 @@ def prefill_inputs(T, ps, dev="cuda"):
         context_lens=torch.zeros(1, device=dev, dtype=torch.int32),
         block_table=torch.arange(pages, device=dev, dtype=torch.int32)[None],
         slot_mapping=torch.arange(T, device=dev), max_query_len=T, max_seq_len=T, page_size=ps,
+        query_start_loc_host=np.array([0, T]), context_lens_host=np.zeros(1, dtype=np.int64),
     )  # fmt: skip
     return torch.randint(0, 2000, (T,), device=dev), torch.arange(T, device=dev), md
 
@@ -759,35 +757,64 @@ PREFILL_BUCKETS = (  # kernel-name substrings -> the part of a prompt step they 
 )
 
 
+def part_mlasweep(layers, ps=64, Ts=(256, 512, 1024, 2048, 4096, 8192)):
+    """A prompt step of T tokens with the expanded and the absorbed MLA (where "expand" pays)."""
+    from k2serve.attention import allocate_kv_caches
+
+    model = load_slice(layers)
+    kv = allocate_kv_caches(model.config, -(-max(Ts) // ps) + 1, ps, torch.bfloat16, "cuda")
+    for T in Ts:
+        ids, pos, md = prefill_inputs(T, ps)
+        ms = {}
+        for expand in (True, False):
+            setup(model, expand=expand)
+            with torch.inference_mode():
+                ms[expand] = timed(lambda: model.compute_logits(model(ids, pos, md, kv)[-1:]),
+                                   iters=5, warmup=2)  # fmt: skip
+        fl = prefill_flops(model, T, expanded=True)
+        for expand in (True, False):
+            row("mla", f"T={T} MLA {'expand' if expand else 'absorbed'}", ms[expand], 0, fl,
+                f"absorbed / expand = {ms[False] / ms[True]:.2f}")  # fmt: skip
+    del kv, model
+    torch.cuda.empty_cache()
+
+
 def part_pprof(layers, T=8192, ps=64):
-    """Kernel split of a T-token prompt step (issue 28: where the prefill's time goes)."""
+    """Kernel split of a T-token prompt step (issue 28: where the prefill's time goes), with
+    the expanded MLA prompt path (the engine's) and the absorbed one."""
     from torch.profiler import ProfilerActivity, profile
 
     from k2serve.attention import allocate_kv_caches
 
     model = load_slice(layers)
-    setup(model)
     kv = allocate_kv_caches(model.config, -(-T // ps) + 1, ps, torch.bfloat16, "cuda")
     ids, pos, md = prefill_inputs(T, ps)
     step = lambda: model.compute_logits(model(ids, pos, md, kv)[-1:])  # noqa: E731
-    with torch.inference_mode():
-        ms = timed(step, iters=5, warmup=2)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                step()
-            torch.cuda.synchronize()
-    log(f"== profile: prefill T={T}, {layers} layers, {ms:.1f} ms a step; 3 steps, CUDA kernels")
-    ka = prof.key_averages()
-    log(ka.table(sort_by="device_time_total", row_limit=30, max_name_column_width=90))
-    sums: dict[str, float] = {}
-    for e in ka:
-        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
-        name = e.key.lower()
-        part = next((b for b, keys in PREFILL_BUCKETS if any(k in name for k in keys)), "other")
-        sums[part] = sums.get(part, 0.0) + us / 3e3
-    total = sum(sums.values())
-    for part, v in sorted(sums.items(), key=lambda kv_: -kv_[1]):
-        row("pprof", f"T={T} {part}", v, note=f"{v / total * 100:.0f}% of {total:.1f} ms kernels")
+    for expand in (True, False):
+        setup(model, expand=expand)
+        mode = "expand" if expand else "absorbed"
+        with torch.inference_mode():
+            ms = timed(step, iters=5, warmup=2)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    step()
+                torch.cuda.synchronize()
+        fl = prefill_flops(model, T, expanded=True)
+        row("pprof", f"T={T} step, MLA {mode}", ms, 0, fl, "FLOPs of the expanded form")
+        log(f"== profile: prefill T={T}, {layers} layers, MLA {mode}, {ms:.1f} ms a step")
+        ka = prof.key_averages()
+        log(ka.table(sort_by="device_time_total", row_limit=25, max_name_column_width=90))
+        sums: dict[str, float] = {}
+        for e in ka:
+            us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+            name = e.key.lower()
+            part = next((b for b, keys in PREFILL_BUCKETS if any(k in name for k in keys)),
+                        "other")  # fmt: skip
+            sums[part] = sums.get(part, 0.0) + us / 3e3
+        total = sum(sums.values())
+        for part, v in sorted(sums.items(), key=lambda kv_: -kv_[1]):
+            row("pprof", f"T={T} {mode}: {part}", v,
+                note=f"{v / total * 100:.0f}% of {total:.1f} ms kernels")  # fmt: skip
     del kv, model
     torch.cuda.empty_cache()
 
@@ -1216,6 +1243,8 @@ def main(argv=None):
         routings = tuple(parse_modes(args.routing))
         run_part("model", lambda: part_model_and_peer(args.layers, "peer" in parts, routings,
                                                       args.quick))  # fmt: skip
+    if "mlasweep" in parts:
+        run_part("mlasweep", lambda: part_mlasweep(args.layers))
     if "pprof" in parts:
         run_part("pprof", lambda: part_pprof(args.layers))
     if "warmup" in parts:

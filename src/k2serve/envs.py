@@ -66,6 +66,18 @@ def env_seconds(name: str, default: float) -> float:
     return v
 
 
+def gil_switch_interval_s() -> float | None:
+    """K2SERVE_GIL_SWITCH_INTERVAL: seconds, Python's thread switch interval in `k2serve serve`
+    (sys.setswitchinterval). The engine thread releases the GIL on every torch op, numpy loop
+    and device sync; with a busy event loop each re-acquisition can wait one whole interval
+    (Python's default 5 ms). None: the server's default (k2serve.server.launch)."""
+    return (
+        env_seconds("K2SERVE_GIL_SWITCH_INTERVAL", 0)
+        if _raw("K2SERVE_GIL_SWITCH_INTERVAL")
+        else None
+    )
+
+
 def shared_stream() -> bool:
     """K2SERVE_SHARED_STREAM: run the shared expert on a second CUDA stream (decode steps)."""
     return env_bool("K2SERVE_SHARED_STREAM", True)

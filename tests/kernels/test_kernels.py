@@ -347,11 +347,10 @@ def test_permute_planes_is_a_column_permutation():
 
 
 def test_expanded_prefill_matches_absorbed_with_cached_prefix(monkeypatch):
-    """install_prefill_expand: a prefill step over a cached prefix in the non-absorbed form
-    (kv_b_proj + SDPA) equals the absorbed torch-reference path and the cache-free model."""
+    """A backend with prefill="expand": a prompt step over a cached prefix in the non-absorbed
+    form (kv_b_proj + SDPA) equals the absorbed torch-reference path and the cache-free model."""
     from k2serve.attention import TorchMLABackend, allocate_kv_caches, triton_mla
     from k2serve.attention.base import AttentionMetadata
-    from k2serve.attention.triton_mla import install_prefill_expand
     from k2serve.config import ModelConfig
     from k2serve.weights.loader import load_model
     from k2serve.weights.presets import preset_config
@@ -359,7 +358,6 @@ def test_expanded_prefill_matches_absorbed_with_cached_prefix(monkeypatch):
     torch.manual_seed(0)
     cfg = ModelConfig.from_hf(preset_config("tiny", "bf16", layers=2))
     model = load_model(None, load_format="dummy", config=cfg, device="cpu", dtype=torch.float32)
-    assert install_prefill_expand(model) == 2
     ps, n0, n1 = 8, 13, 7
     ids = torch.randint(0, cfg.vocab_size, (n0 + n1,))
 
@@ -390,6 +388,73 @@ def test_expanded_prefill_matches_absorbed_with_cached_prefix(monkeypatch):
     full = model(ids, torch.arange(n0 + n1))[n0:]  # naive MLA, no cache
     assert rel(outs["expand"], outs["absorbed"]) < 1e-4
     assert rel(outs["expand"], full) < 1e-4
+
+
+@pytest.mark.parametrize("host_lens", [True, False])
+def test_expanded_prefill_in_a_mixed_step(monkeypatch, host_lens):
+    """A step of two decodes, a prompt chunk over a cached prefix and a fresh prompt: with
+    prefill="expand" the decodes stay absorbed (split_decodes) and the two prompts run expanded;
+    every row equals the all-absorbed step and the cache-free model, with or without the
+    metadata's host copies of the lengths (without them: one device read, same result)."""
+    import numpy as np
+
+    from k2serve.attention import TorchMLABackend, allocate_kv_caches, triton_mla
+    from k2serve.attention.base import AttentionMetadata
+    from k2serve.config import ModelConfig
+    from k2serve.weights.loader import load_model
+    from k2serve.weights.presets import preset_config
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_hf(preset_config("tiny", "bf16", layers=2))
+    model = load_model(None, load_format="dummy", config=cfg, device="cpu", dtype=torch.float32)
+    ps, pages_per = 8, 4
+    # per sequence: tokens cached by a first step, tokens of the mixed step
+    plan = [(9, 1), (16, 1), (5, 6), (0, 11)]
+    seqs = [torch.randint(0, cfg.vocab_size, (c + q,)) for c, q in plan]
+
+    def meta(lens, rows):  # lens: (ctx, q) per sequence; rows: page-table rows
+        qsl = np.concatenate([[0], np.cumsum([q for _, q in lens])]).astype(np.int32)
+        ctx = np.array([c for c, _ in lens], dtype=np.int64)
+        table = torch.tensor([[r * pages_per + j for j in range(pages_per)] for r in rows],
+                             dtype=torch.int32)  # fmt: skip
+        pos = [torch.arange(c, c + q) for c, q in lens]  # each new token's position
+        slots = torch.cat([table[b][p // ps] * ps + p % ps for b, p in enumerate(pos)])
+        return AttentionMetadata(
+            query_start_loc=torch.from_numpy(qsl), seq_lens=torch.tensor(
+                [c + q for c, q in lens], dtype=torch.int32),
+            context_lens=torch.from_numpy(ctx.astype(np.int32)), block_table=table,
+            slot_mapping=slots.long(), max_query_len=max(q for _, q in lens),
+            max_seq_len=max(c + q for c, q in lens), page_size=ps,
+            num_decodes=sum(q == 1 for _, q in lens),
+            query_start_loc_host=qsl if host_lens else None,
+            context_lens_host=ctx if host_lens else None,
+        )  # fmt: skip
+
+    calls = []
+    orig = triton_mla.mla_prefill_expanded
+    monkeypatch.setattr(triton_mla, "mla_prefill_expanded",
+                        lambda *a: calls.append(a[5].num_seqs) or orig(*a))  # fmt: skip
+    outs = {}
+    for mode in ("absorbed", "expand"):
+        be = TorchMLABackend()
+        be.prefill = mode
+        model.set_attn_backend(be)
+        kv = allocate_kv_caches(cfg, pages_per * len(plan), ps, torch.float32, "cpu")
+        first = [(b, c) for b, (c, _) in enumerate(plan) if c]  # the cached prefixes
+        for b, c in first:  # one prompt step each (a pure prefill)
+            model(seqs[b][:c], torch.arange(c), meta([(0, c)], [b]), kv)
+        calls.clear()
+        ids = torch.cat([s[c:] for s, (c, _) in zip(seqs, plan, strict=True)])
+        pos = torch.cat([torch.arange(c, c + q) for c, q in plan])
+        outs[mode] = model(ids, pos, meta(plan, range(len(plan))), kv)
+        if mode == "expand":
+            assert calls == [2, 2]  # per layer: the two prompts in one call, decodes apart
+    assert rel(outs["expand"], outs["absorbed"]) < 1e-4
+    t0 = 0
+    for s, (c, q) in zip(seqs, plan, strict=True):
+        full = model(s, torch.arange(c + q))[c:]  # naive MLA, no cache
+        assert rel(outs["expand"][t0 : t0 + q], full) < 1e-4
+        t0 += q
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

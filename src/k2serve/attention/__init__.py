@@ -50,7 +50,10 @@ def make_attention_backend(
     from k2serve.kernels.policy import KernelPolicy
 
     policy = policy or KernelPolicy()  # the default kind's tables (setup passes its policy)
-    return TritonMLABackend(decode_configs={f: policy.mla_decode_config(f) for f in (False, True)})
+    return TritonMLABackend(
+        prefill=policy.mla_prefill,
+        decode_configs={f: policy.mla_decode_config(f) for f in (False, True)},
+    )
 
 
 __all__ = [

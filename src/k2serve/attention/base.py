@@ -7,12 +7,15 @@ Invariants (see docs/interfaces.md):
   batch, they sit at positions context_lens[b] .. seq_lens[b]-1, and token i of them sees the
   cache positions < context_lens[b] + i + 1.
 - slot_mapping[t] = page * page_size + offset of new token t (negative = padding, not stored).
+- `query_start_loc_host` / `context_lens_host`, when given (the engine's steps), equal the
+  device tensors: a prompt path that loops over sequences reads them without a device sync.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -27,6 +30,35 @@ class AttentionMetadata:
     max_seq_len: int
     page_size: int
     num_decodes: int = 0
+    query_start_loc_host: np.ndarray | None = None  # [B + 1], as query_start_loc
+    context_lens_host: np.ndarray | None = None  # [B], as context_lens
+    # decode steps' KV splits (Triton MLA): None = the kernel picks from B and max_seq_len
+    num_kv_splits: int | None = None
+
+    def split_decodes(self) -> tuple[AttentionMetadata, AttentionMetadata]:
+        """(the first num_decodes sequences, the rest): each part's own metadata, the second
+        with its tokens renumbered from 0. Decodes come first, one token each, so the parts'
+        tokens are rows [:num_decodes] and [num_decodes:] of the flat batch. The decodes take
+        one KV split (as they did inside a whole-step prompt kernel): a count picked per step
+        would compile the split kernels inside requests (eager steps of any batch size)."""
+        d = self.num_decodes
+        qh, ch = self.query_start_loc_host, self.context_lens_host
+        decodes = AttentionMetadata(
+            self.query_start_loc[: d + 1], self.seq_lens[:d], self.context_lens[:d],
+            self.block_table[:d], self.slot_mapping[:d], max_query_len=1,
+            max_seq_len=self.max_seq_len, page_size=self.page_size, num_decodes=d,
+            num_kv_splits=1,  # the split count follows B and lengths: a compile per new one
+            query_start_loc_host=None if qh is None else qh[: d + 1],
+            context_lens_host=None if ch is None else ch[:d],
+        )  # fmt: skip
+        rest = AttentionMetadata(
+            self.query_start_loc[d:] - d, self.seq_lens[d:], self.context_lens[d:],
+            self.block_table[d:], self.slot_mapping[d:], max_query_len=self.max_query_len,
+            max_seq_len=self.max_seq_len, page_size=self.page_size, num_decodes=0,
+            query_start_loc_host=None if qh is None else qh[d:] - d,
+            context_lens_host=None if ch is None else ch[d:],
+        )  # fmt: skip
+        return decodes, rest
 
     @property
     def num_seqs(self) -> int:

@@ -1,17 +1,18 @@
 """Triton MLA backend: the same interface as `TorchMLABackend` (store + absorbed forward).
 
-Owns: `TritonMLABackend`, `mla_prefill_expanded` and `install_prefill_expand`. With
-`TritonMLABackend(prefill="expand")`, steps without decodes (pure prefill, with or without a
-cached prefix) run the NON-absorbed form: the sequence's latents (cached prefix + new) are
-expanded by kv_b_proj into per-head K [S, H, nope + rope] and V [S, H, v], and torch's
-scaled_dot_product_attention (flash path, V zero-padded to the qk width) computes the causal
-attention: ~3x fewer FLOPs than the absorbed form at long prompts. The model calls the backend
-with the absorbed query only, so until the model has an integration hook `install_prefill_expand
-(model)` rebinds each MLAAttention's `_absorbed` from the outside (the benchmark does this).
-Invariants: no host synchronisation in `store` or `forward` (CUDA
+Owns: `TritonMLABackend` and `mla_prefill_expanded`. With `TritonMLABackend(prefill="expand")`
+(the engine's on CUDA: KernelPolicy.mla_prefill), the prompts of a step (with or without a
+cached prefix; a mixed step's decodes stay absorbed, `MLAAttention._absorbed`) run the
+NON-absorbed form: each sequence's latents (cached prefix + new) are expanded by kv_b_proj into
+per-head K [S, H, nope + rope] and V [S, H, v], and torch's scaled_dot_product_attention (flash
+path, V zero-padded to the qk width) computes the causal attention: ~3x fewer FLOPs than the
+absorbed form at long prompts (8K prompt, 3 K2 layers on an H100: 16.7 ms a layer absorbed,
+benchmarks/RESULTS.md). Invariants: no host synchronisation in `store` or `forward` (CUDA
 graph safe when the metadata tensors are static buffers); the number of KV splits depends only
 on the host-side ints in the metadata (max_query_len, max_seq_len, batch size), so a captured
-graph stays valid while sequence lengths change inside it.
+graph stays valid while sequence lengths change inside it. The expanded prompt path loops over
+sequences on the host (prompt steps are never captured) and reads their lengths from the
+metadata's host copies when the engine gave them (else one device sync).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from k2serve.attention.base import AttentionMetadata, MLABackend
 from k2serve.kernels.kv_store import store_latent_kv
@@ -42,7 +44,10 @@ class TritonMLABackend(MLABackend):
         decode_configs: Mapping[bool, Mapping] | None = None,
     ) -> None:
         """decode_configs: {fp8 cache?: mla_attention config} for decode steps, from the
-        kernel policy's tables (KernelPolicy.mla_decode_config); None = the kernel's rule."""
+        kernel policy's tables (KernelPolicy.mla_decode_config); None = the kernel's rule.
+        prefill="expand": every step with a prompt runs its prompts expanded (H100, 3 K2
+        layers: as fast as absorbed at 512 tokens, 1.07-1.44x faster at 256 and 1K-8K;
+        `model_speed.py --parts mlasweep`, benchmarks/RESULTS.md)."""
         if prefill not in ("absorbed", "expand"):
             raise ValueError(f"TritonMLABackend prefill={prefill!r}: use 'absorbed' or 'expand'")
         if not kv_scale > 0:
@@ -81,21 +86,24 @@ class TritonMLABackend(MLABackend):
             scale,
             max_query_len=metadata.max_query_len,
             max_seq_len=metadata.max_seq_len,
+            num_splits=metadata.num_kv_splits,
             kv_scale=self.kv_scale,
             config=config,
         )
 
 
 def mla_prefill_expanded(attn, q_nope, q_pe, latent, k_pe, md: AttentionMetadata, kv_cache):
-    """Non-absorbed MLA for a step of prefills (no decodes). attn: the model's MLAAttention.
-    q_nope [T, H, N], q_pe [T, H, R], latent [T, L], k_pe [T, R] -> [T, H, V]. The new tokens
-    are stored in the cache first; a cached prefix is read back from its pages (one host sync
-    for the per-sequence lengths: prefill steps are not graph-captured)."""
+    """Non-absorbed MLA for a step's prompts (no decodes: `md.split_decodes` parts them).
+    attn: the model's MLAAttention. q_nope [T, H, N], q_pe [T, H, R], latent [T, L],
+    k_pe [T, R] -> [T, H, V]. The new tokens are stored in the cache first; a cached prefix is
+    read back from its pages. The sequences' lengths come from md's host copies (else one
+    device sync: prompt steps are not captured)."""
     H, N, V = attn.num_heads, attn.qk_nope_head_dim, attn.v_head_dim
     L, R = attn.kv_lora_rank, attn.qk_rope_head_dim
     attn.backend.store(kv_cache, latent, k_pe, md.slot_mapping)
-    qsl = md.query_start_loc.tolist()
-    ctx = md.context_lens.tolist()
+    qh, ch = md.query_start_loc_host, md.context_lens_host
+    qsl = md.query_start_loc.tolist() if qh is None else [int(x) for x in qh]
+    ctx = md.context_lens.tolist() if ch is None else [int(x) for x in ch]
     ps = kv_cache.shape[1]
     out = torch.empty(q_nope.shape[0], H, V, dtype=q_nope.dtype, device=q_nope.device)
     for b, c in enumerate(ctx):
@@ -118,29 +126,7 @@ def mla_prefill_expanded(attn, q_nope, q_pe, latent, k_pe, md: AttentionMetadata
         q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, H, *, N + R]
         if c == 0:
             o = sdpa(q, k, v, is_causal=True, scale=attn.scaling)
-        else:
-            i = torch.arange(t1 - t0, device=q.device)
-            mask = torch.arange(S, device=q.device)[None, :] <= (c + i)[:, None]  # [Tq, S]
-            o = sdpa(q, k, v, attn_mask=mask, scale=attn.scaling)
+        else:  # new token i sees keys <= c + i: causal aligned to the bottom right, no mask
+            o = sdpa(q, k, v, attn_mask=causal_lower_right(t1 - t0, S), scale=attn.scaling)
         out[t0:t1] = o[0, :, :, :V].transpose(0, 1)
     return out
-
-
-def install_prefill_expand(model) -> int:
-    """Rebind every MLAAttention's `_absorbed` so that pure-prefill steps take the expanded
-    path when its backend is `TritonMLABackend(prefill="expand")`. Returns layers patched."""
-    n = 0
-    for layer in model.model.layers:
-        attn = layer.self_attn
-        orig = attn._absorbed
-
-        def absorbed(q_nope, q_pe, latent, k_pe, md, kv_cache, _attn=attn, _orig=orig):
-            be = _attn.backend
-            if (getattr(be, "prefill", "absorbed") == "expand" and md.num_decodes == 0
-                    and md.max_query_len > 1 and kv_cache is not None):  # fmt: skip
-                return mla_prefill_expanded(_attn, q_nope, q_pe, latent, k_pe, md, kv_cache)
-            return _orig(q_nope, q_pe, latent, k_pe, md, kv_cache)
-
-        attn._absorbed = absorbed
-        n += 1
-    return n

@@ -159,6 +159,8 @@ class BatchBuilder:
             max_seq_len=int(ends.max()),
             page_size=ps,
             num_decodes=num_decodes,
+            query_start_loc_host=qsl,
+            context_lens_host=starts,
         )
         return ModelInput(
             input_ids=ids_t,

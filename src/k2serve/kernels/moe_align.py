@@ -69,7 +69,10 @@ if HAS_TRITON:
         group_m = tl.minimum(num_m - first_m, GROUP_M)
         return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
 
-    @triton.jit
+    # M and NB vary with the step's token count: not specialized (divisibility by 16), so one
+    # compile serves every step (NB's class was not in the warm-up's key: served runs compiled
+    # this kernel inside requests, benchmarks/RESULTS.md "Served throughput", wave 8)
+    @triton.jit(do_not_specialize=["M", "NB"])
     def _align_count_kernel(
         ids_ptr, sorted_ptr, eid_ptr, npost_ptr, cursor_ptr, M, NB,
         E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
@@ -104,7 +107,7 @@ if HAS_TRITON:
         e = tl.load(eid_ptr + pid_m).to(tl.int64)
         return pair, ok, rows, e
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])
     def _align_scatter_kernel(ids_ptr, sorted_ptr, cursor_ptr, M, CHUNK: tl.constexpr):
         o = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
         ok = o < M

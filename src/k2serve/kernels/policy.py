@@ -261,6 +261,9 @@ class KernelPolicy:
     # FP8_PREFILL_MIN_TOKENS), "auto" where the table has a threshold for the expert format
     moe_prefill_precision: str = "bf16"
     moe_prefill_min_tokens: int | None = None
+    # the Triton MLA backend's prompts: "expand" (kv_b_proj + flash attention, decodes
+    # absorbed) or "absorbed" (the latent kernel for every row; 3x the FLOPs at long prompts)
+    mla_prefill: str = "expand"
     tables: KernelTables = field(default_factory=load_tables)
 
     @classmethod

@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -194,6 +195,8 @@ class Batch:
             max_seq_len=max(c + n for c, n in zip(self.context, self.new, strict=True)),
             page_size=ps,
             num_decodes=len(self.new) if decodes else 0,
+            query_start_loc_host=np.array(starts, dtype=np.int64),  # as the engine's steps
+            context_lens_host=np.array(self.context, dtype=np.int64),
         )
         ids = torch.randint(0, vocab, (starts[-1],), generator=g).to(device)
         return ids, torch.tensor(pos, dtype=torch.long, device=device), md

@@ -1,0 +1,30 @@
+#!/bin/bash
+# Wave 8 checks on one GPU: GPU tests (kernels, engine, model), the 8K prompt step's kernel split
+# with the expanded and absorbed MLA (model_speed --parts pprof), the served bench at C=16, 256.
+# Usage (repo root, .whl carried): OUT=/dir [PARTS="tests pprof served"] bash benchmarks/w8_check.sh
+cd "$(dirname "$0")/.." || exit 1
+source benchmarks/device_env.sh
+export PATH=/tmp/site/bin:$PATH
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+for part in ${PARTS:-tests pprof served}; do
+  case $part in
+  tests)
+    timeout ${TLIMIT:-220} python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/kernels \
+      tests/engine tests/model > "$OUT/gpu_tests.txt" 2>&1
+    echo "tests rc=$? at ${SECONDS}s"; tail -n 4 "$OUT/gpu_tests.txt" ;;
+  mlasweep)
+    timeout 150 python3 benchmarks/model_speed.py --parts ceil,mlasweep --layers 3 > "$OUT/mlasweep.txt" 2>&1
+    echo "mlasweep rc=$? at ${SECONDS}s"; grep -E "^\| mla|ceilings" "$OUT/mlasweep.txt" ;;
+  pprof)
+    timeout 150 python3 benchmarks/model_speed.py --parts ceil,pprof --layers 3 > "$OUT/pprof.txt" 2>&1
+    echo "pprof rc=$? at ${SECONDS}s"; grep -E "^\| pprof|ceilings" "$OUT/pprof.txt" ;;
+  served)
+    timeout 200 python3 benchmarks/served.py --layers 6 --concurrency ${CONC:-16,256} --no-prefix \
+      --server-args "${SERVER_ARGS:-}" --out /tmp/served ${SPY:+--py-spy $OUT/spy.txt} \
+      > "$OUT/served.txt" 2>&1
+    [ -n "$SPY" ] && python3 benchmarks/spy_summary.py "$OUT/spy.txt" --top 30 > "$OUT/spy_sum.txt" \
+      && rm -f "$OUT/spy.txt" && sed -n '/k2serve-engine/,/^==/p' "$OUT/spy_sum.txt" | head -60
+    echo "served rc=$? at ${SECONDS}s"; grep -A3 "^workload" "$OUT/served.txt"; grep "model alone" "$OUT/served.txt"
+    grep -E "switch interval|warm-up" /tmp/served/server.log | tail -3 ;;
+  esac
+done
