@@ -462,7 +462,7 @@ def test_sigterm_drains_and_exits_0(model_dir):
     cmd = [sys.executable, "-m", "k2serve.cli", "serve", "--model", model_dir, "--host",
            "127.0.0.1", "--port", str(port), "--num-kv-pages", "256", "--max-model-len", "1024",
            "--device", "cpu", "--drain-timeout", "2"]  # fmt: skip
-    env = {**os.environ, "K2SERVE_API_KEY": ""}
+    env = {**os.environ, "K2SERVE_API_KEY": "", "K2SERVE_GIL_SWITCH_INTERVAL": "0.0002"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)  # fmt: skip
     try:
@@ -503,6 +503,7 @@ def test_sigterm_drains_and_exits_0(model_dir):
             httpx.get(url + "/health", timeout=2)
         log = proc.stdout.read()
         assert "draining" in log and "serving on" in log and "Traceback" not in log
+        assert "GIL switch interval 0.20 ms" in log  # the env var reached sys.setswitchinterval
     finally:
         if proc.poll() is None:
             proc.kill()
