@@ -390,12 +390,13 @@ def test_expanded_prefill_matches_absorbed_with_cached_prefix(monkeypatch):
     assert rel(outs["expand"], full) < 1e-4
 
 
-@pytest.mark.parametrize("host_lens", [True, False])
-def test_expanded_prefill_in_a_mixed_step(monkeypatch, host_lens):
+@pytest.mark.parametrize("fmt,host_lens", [("bf16", True), ("bf16", False), ("fp8", True)])
+def test_expanded_prefill_in_a_mixed_step(monkeypatch, fmt, host_lens):
     """A step of two decodes, a prompt chunk over a cached prefix and a fresh prompt: with
     prefill="expand" the decodes stay absorbed (split_decodes) and the two prompts run expanded;
     every row equals the all-absorbed step and the cache-free model, with or without the
-    metadata's host copies of the lengths (without them: one device read, same result)."""
+    metadata's host copies of the lengths (without them: one device read, same result); FP8
+    block weights (kv_b_proj quantized, as in the FP8 checkpoints) too."""
     import numpy as np
 
     from k2serve.attention import TorchMLABackend, allocate_kv_caches, triton_mla
@@ -405,7 +406,7 @@ def test_expanded_prefill_in_a_mixed_step(monkeypatch, host_lens):
     from k2serve.weights.presets import preset_config
 
     torch.manual_seed(0)
-    cfg = ModelConfig.from_hf(preset_config("tiny", "bf16", layers=2))
+    cfg = ModelConfig.from_hf(preset_config("tiny", fmt, layers=2))
     model = load_model(None, load_format="dummy", config=cfg, device="cpu", dtype=torch.float32)
     ps, pages_per = 8, 4
     # per sequence: tokens cached by a first step, tokens of the mixed step
