@@ -42,6 +42,7 @@ class SamplerOutput:
     logprobs: list[float | None]  # logprob of the sampled token (None if not requested)
     ranks: list[int | None]
     top_logprobs: list[list[tuple[int, float]] | None]  # top tokens, most likely first
+    token_ids_t: torch.Tensor | None = None  # [B] long on the logits' device (async scheduling)
 
 
 class Sampler:
@@ -182,7 +183,9 @@ class Sampler:
             tokens = torch.where(torch.tensor(greedy, device=logits.device), tokens, sampled)
 
         token_list = tokens.tolist()  # the step's one device->host sync (with logprobs below)
-        out = SamplerOutput(token_list, [None] * num_rows, [None] * num_rows, [None] * num_rows)
+        out = SamplerOutput(
+            token_list, [None] * num_rows, [None] * num_rows, [None] * num_rows, tokens
+        )
         if logp is not None:
             chosen = logp.gather(1, tokens[:, None])  # [B, 1]
             ranks = (logp > chosen).sum(dim=-1) + 1  # [B]

@@ -1,0 +1,158 @@
+"""Async scheduling (vLLM's `--async-scheduling`): the engine's host work overlaps the model.
+
+With it on, `LLMEngine.step()` schedules and prepares step N+1 while step N computes on the
+`k2serve-step` thread (`StepWorker`), then processes step N's samples (stop checks,
+detokenizing, outputs) while step N+1 computes. A one-deep pipeline:
+
+    engine thread:  schedule N+1 | prepare N+1 | submit | wait N | outputs of N | schedule N+2 ...
+    step thread:    ... forward + sample N ...| forward + sample N+1 ...
+
+The scheduler counts the token that step N samples for each request as a placeholder
+(`Request.num_output_placeholders`, engine.scheduler's docstring), and the runner fills the
+placeholder inputs of step N+1 from step N's sampled-token tensor on the device
+(`ModelInput.fill`): the worker runs steps in order, so step N's tokens exist when N+1 starts.
+Outputs are one step behind the model, tokens are the same: a request found finished by step N
+(stop token, stop string, max_tokens, abort) drops the token step N+1 computed for it.
+
+What the host must know before the next step runs cannot be overlapped:
+- engine-wide (decided once, `resolve_async_scheduling`, logged at start-up): tensor parallel
+  (the workers step in lock-step with the executor), data-parallel ranks (lock-step MoE
+  collectives), speculative decoding (drafts are proposed from the step's accepted tokens), the
+  host KV tier (copies are planned per step against the step's outcome) and image inputs (the
+  encoder's rows are taken from the scheduled requests' progress);
+- per request (`needs_sync`): repetition / frequency / presence penalties, min_tokens, logits
+  processors and structured outputs read the previous token on the host; while such a request
+  is unfinished the engine drains the pipeline and steps synchronously.
+
+Invariants: one step at most in flight; only the engine thread touches requests, the scheduler
+and the KV cache manager (the step thread runs the model and the sampler on a prepared batch);
+a step's samples are applied exactly once, in step order.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+
+from k2serve.engine.request import Request
+from k2serve.engine.runner import ModelInput
+from k2serve.engine.sampler import SamplerOutput
+from k2serve.engine.sampling_params import SamplingParams
+from k2serve.engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+# what `--async-scheduling` resolves to when not given (the lead flips it after the GPU check)
+ASYNC_SCHEDULING_DEFAULT = True
+
+SYNC_REQUEST_FEATURES = (
+    "penalties, min_tokens, logits processors and structured outputs (they read the previous "
+    "token on the host)"
+)
+
+
+def resolve_async_scheduling(
+    asked: bool | None, *, tp_size: int, model, speculative: bool, host_tier: bool
+) -> tuple[bool, str]:
+    """(on, why) for the RuntimeSpec: `asked` is the flag (None: ASYNC_SCHEDULING_DEFAULT)."""
+    if asked is False or (asked is None and not ASYNC_SCHEDULING_DEFAULT):
+        return False, "off (--no-async-scheduling)" if asked is False else "off (the default)"
+    blockers = []
+    if tp_size > 1:
+        blockers.append("tensor parallel (the workers step in lock-step)")
+    if getattr(model, "ep_context", None) is not None:
+        blockers.append("data-parallel ranks (lock-step MoE collectives)")
+    if speculative:
+        blockers.append("speculative decoding (drafts come from the step's tokens)")
+    if host_tier:
+        blockers.append("the KV host tier (copies are planned from each step's outcome)")
+    if getattr(getattr(model, "config", None), "vision", None) is not None:
+        blockers.append("image inputs (the encoder reads the scheduled progress)")
+    if blockers:
+        return False, "off: steps run one after another with " + "; ".join(blockers)
+    return True, "on; steps of requests using " + SYNC_REQUEST_FEATURES + " run synchronously"
+
+
+def needs_sync(params: SamplingParams) -> bool:
+    """Whether a request's sampling reads its previous token on the host (module docstring)."""
+    return bool(
+        params.needs_penalties
+        or params.min_tokens
+        or params.logits_processors
+        or params.structured_outputs is not None
+    )
+
+
+class InFlight:
+    """A step submitted to the worker: its schedule, its batch and its result to come."""
+
+    __slots__ = ("sched", "inp", "future", "rows")
+
+    def __init__(self, sched: SchedulerOutput, inp: ModelInput, future: Future) -> None:
+        self.sched = sched
+        self.inp = inp
+        self.future = future
+        # id(request) -> its sampler row (where the next step's placeholders read)
+        self.rows = {id(r): i for i, r in enumerate(inp.sample_reqs)}
+
+    def result(self) -> tuple[list[Request], SamplerOutput | None]:
+        return self.future.result()
+
+
+class StepWorker:
+    """Runs prepared steps in submission order on the `k2serve-step` thread; each step gets the
+    samples of the one before (the source of its placeholder tokens). After a failure every
+    later step fails with the same error."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.inflight: InFlight | None = None
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._prev: SamplerOutput | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.inflight is not None
+
+    def submit(self, sched: SchedulerOutput, inp: ModelInput) -> InFlight | None:
+        """Queue a step; returns the step that was in flight before it (to be processed)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="k2serve-step", daemon=True)
+            self._thread.start()
+        fut: Future = Future()
+        self._q.put((sched, inp, fut))
+        prev, self.inflight = self.inflight, InFlight(sched, inp, fut)
+        return prev
+
+    def take(self) -> InFlight | None:
+        prev, self.inflight = self.inflight, None
+        return prev
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            sched, inp, fut = item
+            if self._error is not None:
+                fut.set_exception(self._error)
+                continue
+            try:
+                reqs, samples = self.runner.run(sched, inp, self._prev)
+            except BaseException as e:  # noqa: BLE001 - handed to the engine thread
+                self._error = e
+                fut.set_exception(e)
+                continue
+            self._prev = samples
+            fut.set_result((reqs, samples))
+
+    def close(self) -> None:
+        """Stop the thread after the steps queued; idempotent."""
+        if self._thread is not None:
+            self._q.put(None)
+            self._thread.join(timeout=30)
+            self._thread = None
