@@ -210,7 +210,11 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         eng = self.engine
         try:
+            delay = getattr(eng, "schedule_delay", None)  # async scheduling (engine.pipeline)
             while not self._stop:
+                wait = delay() if delay is not None else 0.0
+                if wait > 0:  # a long step in flight: let requests arriving now join the next
+                    eng.wait_in_flight(wait)
                 self._drain_commands()
                 if not eng.has_unfinished_requests():
                     self._stats = eng.get_stats()

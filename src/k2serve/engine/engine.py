@@ -356,6 +356,7 @@ class LLMEngine:
 
     def _step_async(self, pipe: StepWorker, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Schedule and submit the next step, then process the one in flight (pipeline)."""
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule(async_step=True)
         if sched.is_empty:
             done = pipe.take()
@@ -370,9 +371,21 @@ class LLMEngine:
             inp = self.runner.prepare(sched, self.kv, prev_rows)
             self.scheduler.advance_async(sched)
             done = pipe.submit(sched, inp)
+            pipe.note_host_time(time.perf_counter() - t0)
         if done is not None:
             self._process_step(done.sched, *done.result(), outputs)
         return outputs
+
+    def schedule_delay(self) -> float:
+        """Async scheduling: seconds the caller may wait (for new requests to arrive) before
+        the next `step()` without delaying the model (k2serve.engine.pipeline); 0 otherwise."""
+        pipe = self.pipeline
+        return pipe.schedule_delay() if pipe is not None and not self._sync_reqs else 0.0
+
+    def wait_in_flight(self, timeout: float) -> None:
+        """Wait up to `timeout` s for the step in flight to finish (async scheduling)."""
+        if self.pipeline is not None:
+            self.pipeline.wait(timeout)
 
     def _process_step(self, sched: SchedulerOutput, sample_reqs, samples, outputs) -> None:
         """Apply a step's samples: advance the requests, finish those that end, detokenize and

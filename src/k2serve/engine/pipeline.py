@@ -24,6 +24,14 @@ What the host must know before the next step runs cannot be overlapped:
   processors and structured outputs read the previous token on the host; while such a request
   is unfinished the engine drains the pipeline and steps synchronously.
 
+Scheduling late: a step scheduled ahead is fixed before requests that arrive while the step
+before computes, so they wait one step more than in the synchronous engine (their prefill goes
+into the step after next). For a long step (one with prompt tokens: tens of ms) that costs TTFT,
+so the server schedules the next step only shortly before the one in flight is expected to end
+(`StepWorker.schedule_delay`: the worker's measured step times, minus the host's own time to
+schedule and prepare, with margin), draining the requests that arrived meanwhile; decode-only
+steps (a few ms) are scheduled at once.
+
 Invariants: one step at most in flight; only the engine thread touches requests, the scheduler
 and the KV cache manager (the step thread runs the model and the sampler on a prepared batch);
 a step's samples are applied exactly once, in step order.
@@ -34,6 +42,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 
 from k2serve.engine.request import Request
@@ -88,12 +97,13 @@ def needs_sync(params: SamplingParams) -> bool:
 class InFlight:
     """A step submitted to the worker: its schedule, its batch and its result to come."""
 
-    __slots__ = ("sched", "inp", "future", "rows")
+    __slots__ = ("sched", "inp", "future", "rows", "started")
 
     def __init__(self, sched: SchedulerOutput, inp: ModelInput, future: Future) -> None:
         self.sched = sched
         self.inp = inp
         self.future = future
+        self.started: float | None = None  # perf_counter when the worker started it
         # id(request) -> its sampler row (where the next step's placeholders read)
         self.rows = {id(r): i for i, r in enumerate(inp.sample_reqs)}
 
@@ -113,6 +123,11 @@ class StepWorker:
         self._thread: threading.Thread | None = None
         self._prev: SamplerOutput | None = None
         self._error: BaseException | None = None
+        # step-time model for schedule_delay (seconds, EWMAs): a decode-only step, one prompt
+        # token more, the engine thread's schedule + prepare
+        self.decode_s = 0.0
+        self.token_s = 0.0
+        self.host_s = 0.0
 
     @property
     def busy(self) -> bool:
@@ -124,9 +139,43 @@ class StepWorker:
             self._thread = threading.Thread(target=self._loop, name="k2serve-step", daemon=True)
             self._thread.start()
         fut: Future = Future()
-        self._q.put((sched, inp, fut))
-        prev, self.inflight = self.inflight, InFlight(sched, inp, fut)
+        step = InFlight(sched, inp, fut)
+        self._q.put(step)
+        prev, self.inflight = self.inflight, step
         return prev
+
+    def note_host_time(self, seconds: float) -> None:
+        self.host_s += 0.2 * (seconds - self.host_s)
+
+    def schedule_delay(self) -> float:
+        """Seconds to wait before scheduling the next step (module docstring): 0 unless the
+        step in flight has prompt tokens and is expected to run longer than the host needs."""
+        step = self.inflight
+        if step is None or step.started is None or step.future.done():
+            return 0.0
+        prompt = step.sched.num_batched_tokens - step.sched.num_decodes
+        if prompt <= 0:
+            return 0.0
+        expected = self.decode_s + prompt * self.token_s
+        due = step.started + 0.9 * expected - 2 * self.host_s - 0.5e-3
+        return max(0.0, due - time.perf_counter())
+
+    def wait(self, timeout: float) -> None:
+        """Wait up to `timeout` s for the step in flight (returns early when it is done)."""
+        step = self.inflight
+        if step is not None and timeout > 0:
+            try:
+                step.future.exception(timeout=timeout)
+            except TimeoutError:
+                pass
+
+    def _learn(self, sched: SchedulerOutput, seconds: float) -> None:
+        prompt = sched.num_batched_tokens - sched.num_decodes
+        if prompt <= 0:
+            self.decode_s += 0.3 * (seconds - self.decode_s)
+        elif prompt >= 16:
+            per = max(0.0, seconds - self.decode_s) / prompt
+            self.token_s += 0.3 * (per - self.token_s)
 
     def take(self) -> InFlight | None:
         prev, self.inflight = self.inflight, None
@@ -134,21 +183,22 @@ class StepWorker:
 
     def _loop(self) -> None:
         while True:
-            item = self._q.get()
-            if item is None:
+            step = self._q.get()
+            if step is None:
                 return
-            sched, inp, fut = item
             if self._error is not None:
-                fut.set_exception(self._error)
+                step.future.set_exception(self._error)
                 continue
+            step.started = t0 = time.perf_counter()
             try:
-                reqs, samples = self.runner.run(sched, inp, self._prev)
+                reqs, samples = self.runner.run(step.sched, step.inp, self._prev)
             except BaseException as e:  # noqa: BLE001 - handed to the engine thread
                 self._error = e
-                fut.set_exception(e)
+                step.future.set_exception(e)
                 continue
+            self._learn(step.sched, time.perf_counter() - t0)
             self._prev = samples
-            fut.set_result((reqs, samples))
+            step.future.set_result((reqs, samples))
 
     def close(self) -> None:
         """Stop the thread after the steps queued; idempotent."""
