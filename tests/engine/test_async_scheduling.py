@@ -8,6 +8,7 @@ import argparse
 import threading
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -278,3 +279,40 @@ def test_default_fake_engine_uses_the_pipeline():
     out = drive(eng, [])["x"]
     assert out.outputs[0].token_ids == reference_greedy([3, 1], 4)
     assert EOS == 0
+
+
+def real_outputs(ckpt, async_scheduling: bool, device: str = "cpu", **kw):
+    """The tiny checkpoint's outputs for a mixed batch: greedy and seeded, n=2, stop token ids,
+    max_tokens, logprobs, a prompt longer than the step budget (chunked prefill)."""
+    cfg = dict(model=ckpt, device=device, dtype="float32", num_kv_pages=64, page_size=16,
+               max_model_len=256, max_num_batched_tokens=48, max_num_seqs=8)  # fmt: skip
+    cfg.update(kw)
+    eng = LLMEngine(EngineConfig(async_scheduling=async_scheduling, **cfg))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 60, (n,), generator=g).tolist() for n in (3, 9, 70, 17)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.9, seed=7, n=2, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True),
+    ]
+    ref = {}
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        eng.add_request(str(i), p, sp)
+    ref = drive(eng, [])
+    # the first greedy request's 5th token as a stop token: finished early in both modes
+    stop = ref["0"].outputs[0].token_ids[4]
+    eng.add_request("stop", prompts[0], SamplingParams(temperature=0, stop_token_ids=[stop],
+                                                       max_tokens=20, ignore_eos=True))  # fmt: skip
+    eng.add_request("long", prompts[2], SamplingParams(temperature=0, max_tokens=8))
+    ref.update(drive(eng, []))
+    assert eng.spec.async_scheduling == async_scheduling
+    return eng, {rid: summary(out) for rid, out in ref.items()}
+
+
+def test_tiny_model_async_equals_sync(ckpt):
+    _, ref = real_outputs(ckpt, False)
+    eng, got = real_outputs(ckpt, True)
+    assert got == ref
+    assert ref["stop"][0][3] == "stop"
+    eng.shutdown()
