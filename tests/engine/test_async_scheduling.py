@@ -6,6 +6,9 @@ slot or a page reused too early shows up as a wrong token."""
 
 import argparse
 import threading
+import time
+from concurrent.futures import Future
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,8 +17,9 @@ from hypothesis import strategies as st
 
 from k2serve.engine.config import EngineConfig
 from k2serve.engine.engine import LLMEngine
-from k2serve.engine.pipeline import needs_sync, resolve_async_scheduling
+from k2serve.engine.pipeline import InFlight, StepWorker, needs_sync, resolve_async_scheduling
 from k2serve.engine.sampling_params import SamplingParams
+from k2serve.engine.scheduler import SchedulerOutput
 
 from .conftest import make_fake_engine
 from .fakes import EOS, VOCAB, FakeModel, FakeTokenizer, fake_kv_caches, reference_greedy
@@ -316,3 +320,33 @@ def test_tiny_model_async_equals_sync(ckpt):
     assert got == ref
     assert ref["stop"][0][3] == "stop"
     eng.shutdown()
+
+
+def test_late_scheduling_waits_only_for_long_steps():
+    """schedule_delay: a step with prompt tokens in flight is waited on until shortly before
+    its expected end (learned step times minus the host's time); a decode step is not."""
+    w = StepWorker(runner=None)
+    for _ in range(30):  # learn: decode steps 5 ms, 20 us a prompt token
+        w._learn(SchedulerOutput(num_decodes=4, num_batched_tokens=4), 0.005)
+        w._learn(SchedulerOutput(num_decodes=4, num_batched_tokens=1004), 0.025)
+        w.note_host_time(0.001)
+    assert w.decode_s == pytest.approx(0.005, rel=1e-2)
+    assert w.token_s == pytest.approx(20e-6, rel=1e-2)
+    assert w.host_s == pytest.approx(0.001, rel=1e-2)
+    fut: Future = Future()
+    long = InFlight(SchedulerOutput(num_decodes=4, num_batched_tokens=1004),
+                    SimpleNamespace(sample_reqs=[]), fut)  # fmt: skip
+    w.inflight = long
+    assert w.schedule_delay() == 0.0  # not started yet
+    long.started = time.perf_counter()
+    assert 0.018 < w.schedule_delay() <= 0.9 * 0.025 - 0.0025
+    w.inflight = InFlight(SchedulerOutput(num_decodes=4, num_batched_tokens=4),
+                          SimpleNamespace(sample_reqs=[]), fut)  # fmt: skip
+    w.inflight.started = time.perf_counter()
+    assert w.schedule_delay() == 0.0  # a decode step: schedule at once
+    w.inflight = long
+    fut.set_result(([], None))
+    assert w.schedule_delay() == 0.0  # done already
+    t = time.perf_counter()
+    w.wait(1.0)  # returns at once: the step is done
+    assert time.perf_counter() - t < 0.5

@@ -45,6 +45,8 @@ import threading
 import time
 from concurrent.futures import Future
 
+import torch
+
 from k2serve.engine.request import Request
 from k2serve.engine.runner import ModelInput
 from k2serve.engine.sampler import SamplerOutput
@@ -182,6 +184,9 @@ class StepWorker:
         return prev
 
     def _loop(self) -> None:
+        dev = getattr(self.runner, "device", None)
+        if dev is not None and dev.type == "cuda" and dev.index is not None:
+            torch.cuda.set_device(dev)  # kernels that launch on the thread's current device
         while True:
             step = self._q.get()
             if step is None:
