@@ -350,3 +350,19 @@ def test_late_scheduling_waits_only_for_long_steps():
     t = time.perf_counter()
     w.wait(1.0)  # returns at once: the step is done
     assert time.perf_counter() - t < 0.5
+
+
+def test_cuda_launch_handoff_logic_on_the_cpu():
+    """The CUDA order (the engine thread waits until the next step's kernels are queued before
+    processing outputs) forced on the CPU: same outputs, and the wait returns for every step."""
+    eng = make(True)
+    pipe = eng.pipeline
+    pipe.cuda = True
+    eng.runner.sampler.on_launched = pipe._on_launched
+    reqs = [([1, 2, 3], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True), 0, None),
+            ([5] * 30, SamplingParams(temperature=0, max_tokens=4), 1, None)]  # fmt: skip
+    t = time.perf_counter()
+    got = drive(eng, reqs)
+    assert time.perf_counter() - t < 5
+    ref = drive(make(False), reqs)
+    assert {k: summary(v) for k, v in got.items()} == {k: summary(v) for k, v in ref.items()}

@@ -373,7 +373,9 @@ class LLMEngine:
             done = pipe.submit(sched, inp)
             pipe.note_host_time(time.perf_counter() - t0)
         if done is not None:
-            self._process_step(done.sched, *done.result(), outputs)
+            result = done.result()
+            pipe.wait_launched()  # CUDA: the next step's kernels first, then the outputs
+            self._process_step(done.sched, *result, outputs)
         return outputs
 
     def schedule_delay(self) -> float:

@@ -99,13 +99,15 @@ def needs_sync(params: SamplingParams) -> bool:
 class InFlight:
     """A step submitted to the worker: its schedule, its batch and its result to come."""
 
-    __slots__ = ("sched", "inp", "future", "rows", "started")
+    __slots__ = ("sched", "inp", "future", "rows", "started", "launched")
 
     def __init__(self, sched: SchedulerOutput, inp: ModelInput, future: Future) -> None:
         self.sched = sched
         self.inp = inp
         self.future = future
         self.started: float | None = None  # perf_counter when the worker started it
+        # set once its device work is queued (the sampler's host sync comes next) or it ended
+        self.launched = threading.Event()
         # id(request) -> its sampler row (where the next step's placeholders read)
         self.rows = {id(r): i for i, r in enumerate(inp.sample_reqs)}
 
@@ -125,6 +127,13 @@ class StepWorker:
         self._thread: threading.Thread | None = None
         self._prev: SamplerOutput | None = None
         self._error: BaseException | None = None
+        self._running: InFlight | None = None  # the step the worker is on
+        # CUDA: the engine thread lets the step thread queue the next step's kernels before it
+        # takes the GIL for the outputs (the GPU would wait for that launch); on the CPU the
+        # forward runs inside the launch, so nothing waits for it
+        self.cuda = getattr(getattr(runner, "device", None), "type", None) == "cuda"
+        if self.cuda:
+            runner.sampler.on_launched = self._on_launched
         # step-time model for schedule_delay (seconds, EWMAs): a decode-only step, one prompt
         # token more, the engine thread's schedule + prepare
         self.decode_s = 0.0
@@ -145,6 +154,17 @@ class StepWorker:
         self._q.put(step)
         prev, self.inflight = self.inflight, step
         return prev
+
+    def _on_launched(self) -> None:
+        step = self._running
+        if step is not None:
+            step.launched.set()
+
+    def wait_launched(self, timeout: float = 2e-3) -> None:
+        """CUDA: wait (at most `timeout` s) until the step in flight's kernels are queued."""
+        step = self.inflight
+        if self.cuda and step is not None:
+            step.launched.wait(timeout)
 
     def note_host_time(self, seconds: float) -> None:
         self.host_s += 0.2 * (seconds - self.host_s)
@@ -195,12 +215,16 @@ class StepWorker:
                 step.future.set_exception(self._error)
                 continue
             step.started = t0 = time.perf_counter()
+            self._running = step
             try:
                 reqs, samples = self.runner.run(step.sched, step.inp, self._prev)
             except BaseException as e:  # noqa: BLE001 - handed to the engine thread
                 self._error = e
                 step.future.set_exception(e)
                 continue
+            finally:
+                self._running = None
+                step.launched.set()
             self._learn(step.sched, time.perf_counter() - t0)
             self._prev = samples
             step.future.set_result((reqs, samples))
