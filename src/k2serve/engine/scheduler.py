@@ -198,8 +198,9 @@ class Scheduler:
         for req, num_new in out.scheduled:
             req.num_computed_tokens += num_new
             if req.num_computed_tokens == req.num_tokens:
-                req.num_output_placeholders += 1
-            self.kv.cache_computed_pages(req)
+                req.num_output_placeholders += 1  # its pages are cached once the token is in
+            else:  # a prompt chunk: its full pages can be hit from the next step on
+                self.kv.cache_computed_pages(req)
 
     def _preempt(self, req: Request) -> None:
         req.spec_token_ids = []  # drafts are proposed again after the next step
