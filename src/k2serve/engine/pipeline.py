@@ -45,6 +45,7 @@ import threading
 import time
 from concurrent.futures import Future
 
+import numpy as np
 import torch
 
 from k2serve.engine.request import Request
@@ -57,6 +58,8 @@ logger = logging.getLogger(__name__)
 
 # what `--async-scheduling` resolves to when not given (the lead flips it after the GPU check)
 ASYNC_SCHEDULING_DEFAULT = True
+
+_RIDGE = np.diag([1e-6, 1e-9, 1e-12])  # feature scales: 1, decodes, prompt tokens
 
 SYNC_REQUEST_FEATURES = (
     "penalties, min_tokens, logits processors and structured outputs (they read the previous "
@@ -134,10 +137,11 @@ class StepWorker:
         self.cuda = getattr(getattr(runner, "device", None), "type", None) == "cuda"
         if self.cuda:
             runner.sampler.on_launched = self._on_launched
-        # step-time model for schedule_delay (seconds, EWMAs): a decode-only step, one prompt
-        # token more, the engine thread's schedule + prepare
-        self.decode_s = 0.0
-        self.token_s = 0.0
+        # step-time model for schedule_delay: seconds = c0 + c1 * decodes + c2 * prompt tokens,
+        # least squares over the recent steps (normal equations, forgetting 0.98); and an EWMA
+        # of the engine thread's schedule + prepare time
+        self._xtx = np.zeros((3, 3))
+        self._xty = np.zeros(3)
         self.host_s = 0.0
 
     @property
@@ -178,7 +182,7 @@ class StepWorker:
         prompt = step.sched.num_batched_tokens - step.sched.num_decodes
         if prompt <= 0:
             return 0.0
-        expected = self.decode_s + prompt * self.token_s
+        expected = self.expected_seconds(step.sched)
         due = step.started + 0.9 * expected - 2 * self.host_s - 0.5e-3
         return max(0.0, due - time.perf_counter())
 
@@ -191,13 +195,20 @@ class StepWorker:
             except TimeoutError:
                 pass
 
+    @staticmethod
+    def _features(sched: SchedulerOutput) -> np.ndarray:
+        decodes = sched.num_decodes
+        return np.array([1.0, decodes, sched.num_batched_tokens - decodes])
+
+    def expected_seconds(self, sched: SchedulerOutput) -> float:
+        """The step time model's estimate for a step (0 until it has seen steps)."""
+        coef = np.linalg.solve(self._xtx + _RIDGE, self._xty)  # the ridge: never singular
+        return max(0.0, float(coef @ self._features(sched)))
+
     def _learn(self, sched: SchedulerOutput, seconds: float) -> None:
-        prompt = sched.num_batched_tokens - sched.num_decodes
-        if prompt <= 0:
-            self.decode_s += 0.3 * (seconds - self.decode_s)
-        elif prompt >= 16:
-            per = max(0.0, seconds - self.decode_s) / prompt
-            self.token_s += 0.3 * (per - self.token_s)
+        x = self._features(sched)
+        self._xtx = 0.98 * self._xtx + np.outer(x, x)
+        self._xty = 0.98 * self._xty + x * seconds
 
     def take(self) -> InFlight | None:
         prev, self.inflight = self.inflight, None
