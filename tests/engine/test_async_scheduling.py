@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from k2serve.engine.config import EngineConfig
 from k2serve.engine.engine import LLMEngine
+from k2serve.engine.logits_processors import BanTokens, LogitBias
 from k2serve.engine.pipeline import InFlight, StepWorker, needs_sync, resolve_async_scheduling
 from k2serve.engine.sampling_params import SamplingParams
 from k2serve.engine.scheduler import SchedulerOutput
@@ -127,7 +128,11 @@ def workloads(draw):
             stop_token_ids=draw(st.sampled_from([[], [3, 7], [11]])),
             include_stop_str_in_output=draw(st.booleans()),
             logprobs=draw(st.sampled_from([None, 0, 2])),
+            logits_processors=draw(
+                st.sampled_from([[], [BanTokens([3, 9, 11])], [LogitBias({5: 4.0, 7: -2.0})]])
+            ),
         )
+        assert not needs_sync(params)
         reqs.append((prompt, params, draw(st.integers(0, 8))))
     return cfg, reqs
 

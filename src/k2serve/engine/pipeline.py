@@ -21,7 +21,8 @@ What the host must know before the next step runs cannot be overlapped:
   host KV tier (copies are planned per step against the step's outcome) and image inputs (the
   encoder's rows are taken from the scheduled requests' progress);
 - per request (`needs_sync`): repetition / frequency / presence penalties, min_tokens, logits
-  processors and structured outputs read the previous token on the host; while such a request
+  processors (other than token bans and logit biases) and structured outputs read the previous
+  token on the host; while such a request
   is unfinished the engine drains the pipeline and steps synchronously.
 
 Scheduling late: a step scheduled ahead is fixed before requests that arrive while the step
@@ -48,6 +49,7 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
+from k2serve.engine.logits_processors import BanTokens, LogitBias
 from k2serve.engine.request import Request
 from k2serve.engine.runner import ModelInput
 from k2serve.engine.sampler import SamplerOutput
@@ -59,11 +61,13 @@ logger = logging.getLogger(__name__)
 # what `--async-scheduling` resolves to when not given (the lead flips it after the GPU check)
 ASYNC_SCHEDULING_DEFAULT = True
 
+# logits processors that do not read the output so far
+_HISTORY_FREE = (BanTokens, LogitBias)
 _RIDGE = np.diag([1e-6, 1e-9, 1e-12])  # feature scales: 1, decodes, prompt tokens
 
 SYNC_REQUEST_FEATURES = (
-    "penalties, min_tokens, logits processors and structured outputs (they read the previous "
-    "token on the host)"
+    "penalties, min_tokens, logits processors (not bans or logit_bias) and structured outputs "
+    "(they read the previous token on the host)"
 )
 
 
@@ -90,11 +94,13 @@ def resolve_async_scheduling(
 
 
 def needs_sync(params: SamplingParams) -> bool:
-    """Whether a request's sampling reads its previous token on the host (module docstring)."""
+    """Whether a request's sampling reads its previous token on the host (module docstring).
+    Token bans and logit biases do not (the chat API bans the tool-call markers of every request
+    without tools)."""
     return bool(
         params.needs_penalties
         or params.min_tokens
-        or params.logits_processors
+        or any(not isinstance(p, _HISTORY_FREE) for p in params.logits_processors)
         or params.structured_outputs is not None
     )
 
