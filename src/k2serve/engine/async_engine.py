@@ -11,6 +11,8 @@ event loop costs one wake-up per step, not one per token.
 Invariants:
 - Only the engine thread touches the LLMEngine's mutable state; `validate()` (which reads only
   fixed settings) runs on the caller's side so bad requests fail before anything is queued.
+  With async scheduling the model and the sampler run a prepared step on the engine's own
+  `k2serve-step` thread (k2serve.engine.pipeline); requests, scheduler and cache stay here.
 - Every request that `generate()` started ends in the engine: finished, or aborted when the
   caller leaves the iterator early (return, `aclose()`, cancellation, garbage collection).
 - If the step loop fails, every open stream gets `EngineDeadError` and new requests are refused.
