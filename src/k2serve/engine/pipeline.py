@@ -33,6 +33,12 @@ so the server schedules the next step only shortly before the one in flight is e
 schedule and prepare, with margin), draining the requests that arrived meanwhile; decode-only
 steps (a few ms) are scheduled at once.
 
+The GIL: the engine thread's Python (and the server's event loop) runs while the step thread
+waits on the device, and the step thread needs the GIL again for each launch after a wait. With
+CPython's default switch interval (5 ms) a busy thread can hold it that long before handing it
+over, so the step thread starts the interpreter with GIL_SWITCH_INTERVAL_S (0.5 ms; the served
+rig at C=256: 0.89 -> 0.94 of the ideal, benchmarks/RESULTS.md).
+
 Invariants: one step at most in flight; only the engine thread touches requests, the scheduler
 and the KV cache manager (the step thread runs the model and the sampler on a prepared batch);
 a step's samples are applied exactly once, in step order.
@@ -42,6 +48,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -60,6 +67,8 @@ logger = logging.getLogger(__name__)
 
 # what `--async-scheduling` resolves to when not given (the lead flips it after the GPU check)
 ASYNC_SCHEDULING_DEFAULT = True
+# the interpreter's GIL switch interval while the pipeline runs (module docstring)
+GIL_SWITCH_INTERVAL_S = 5e-4
 
 # logits processors that do not read the output so far
 _HISTORY_FREE = (BanTokens, LogitBias)
@@ -157,6 +166,10 @@ class StepWorker:
     def submit(self, sched: SchedulerOutput, inp: ModelInput) -> InFlight | None:
         """Queue a step; returns the step that was in flight before it (to be processed)."""
         if self._thread is None:
+            if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
+                logger.info("async scheduling: GIL switch interval %.1f -> %.1f ms",
+                            sys.getswitchinterval() * 1e3, GIL_SWITCH_INTERVAL_S * 1e3)  # fmt: skip
+                sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
             self._thread = threading.Thread(target=self._loop, name="k2serve-step", daemon=True)
             self._thread.start()
         fut: Future = Future()
