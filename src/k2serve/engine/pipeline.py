@@ -26,12 +26,14 @@ What the host must know before the next step runs cannot be overlapped:
   is unfinished the engine drains the pipeline and steps synchronously.
 
 Scheduling late: a step scheduled ahead is fixed before requests that arrive while the step
-before computes, so they wait one step more than in the synchronous engine (their prefill goes
-into the step after next). For a long step (one with prompt tokens: tens of ms) that costs TTFT,
-so the server schedules the next step only shortly before the one in flight is expected to end
-(`StepWorker.schedule_delay`: the worker's measured step times, minus the host's own time to
-schedule and prepare, with margin), draining the requests that arrived meanwhile; decode-only
-steps (a few ms) are scheduled at once.
+before computes, so they would wait one step more than in the synchronous engine (their prefill
+in the step after next). So the server schedules the next step only shortly before the one in
+flight is expected to end (`StepWorker.schedule_delay`: a least-squares model of the measured
+step times, minus twice the host's own time to schedule and prepare, minus 0.5 ms), draining
+the requests that arrived meanwhile. If the model overestimates, the wait ends when the step
+does (the synchronous engine's gap for that step). On the served rig this also raised
+throughput (C=16 0.91 -> 0.95 of the ideal: the step thread's launch no longer competes with the
+scheduling for the GIL).
 
 The GIL: the engine thread's Python (and the server's event loop) runs while the step thread
 waits on the device, and the step thread needs the GIL again for each launch after a wait. With
@@ -193,13 +195,10 @@ class StepWorker:
         self.host_s += 0.2 * (seconds - self.host_s)
 
     def schedule_delay(self) -> float:
-        """Seconds to wait before scheduling the next step (module docstring): 0 unless the
-        step in flight has prompt tokens and is expected to run longer than the host needs."""
+        """Seconds to wait before scheduling the next step (module docstring): until shortly
+        before the step in flight is expected to end; 0 if it is not running."""
         step = self.inflight
         if step is None or step.started is None or step.future.done():
-            return 0.0
-        prompt = step.sched.num_batched_tokens - step.sched.num_decodes
-        if prompt <= 0:
             return 0.0
         expected = self.expected_seconds(step.sched)
         due = step.started + 0.9 * expected - 2 * self.host_s - 0.5e-3
