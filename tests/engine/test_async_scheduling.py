@@ -388,3 +388,18 @@ def test_step_time_model_stays_finite_on_one_shape():
     assert w.expected_seconds(one) == pytest.approx(0.002, rel=1e-2)
     est = w.expected_seconds(SchedulerOutput(num_decodes=1, num_batched_tokens=1000))
     assert 0.0 <= est < 10.0
+
+
+def test_offline_llm_takes_the_flag(ckpt):
+    from k2serve.engine.llm import LLM
+
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = {}
+    for flag in (False, True):
+        llm = LLM(ckpt, device="cpu", dtype="float32", num_kv_pages=32, max_model_len=128,
+                  async_scheduling=flag)  # fmt: skip
+        assert llm.llm_engine.spec.async_scheduling is flag
+        outs[flag] = [o.outputs[0].token_ids for o in llm.generate([[5, 6, 7], [9] * 20], sp)]
+        llm.llm_engine.check_integrity()
+        llm.llm_engine.shutdown()
+    assert outs[True] == outs[False] and all(len(t) == 6 for t in outs[True])
