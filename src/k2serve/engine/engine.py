@@ -368,7 +368,7 @@ class LLMEngine:
                 )
         else:
             prev_rows = pipe.inflight.rows if pipe.inflight is not None else None
-            inp = self.runner.prepare(sched, self.kv, prev_rows)
+            inp = pipe.runner.prepare(sched, self.kv, prev_rows)  # a ModelRunner (one process)
             self.scheduler.advance_async(sched)
             done = pipe.submit(sched, inp)
             pipe.note_host_time(time.perf_counter() - t0)
