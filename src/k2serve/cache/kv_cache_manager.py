@@ -142,7 +142,9 @@ class KVCacheManager:
         pages = self.req_pages.get(req.request_id)
         if not pages:
             return
-        num_full = min(req.num_computed_tokens // self.page_size, len(pages))
+        # async scheduling: tokens computed ahead are known only once sampled (placeholders)
+        known = min(req.num_computed_tokens, len(req.all_token_ids))
+        num_full = min(known // self.page_size, len(pages))
         start = self._num_registered.get(req.request_id, 0)
         if num_full <= start:
             return

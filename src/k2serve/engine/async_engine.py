@@ -11,6 +11,8 @@ event loop costs one wake-up per step, not one per token.
 Invariants:
 - Only the engine thread touches the LLMEngine's mutable state; `validate()` (which reads only
   fixed settings) runs on the caller's side so bad requests fail before anything is queued.
+  With async scheduling the model and the sampler run a prepared step on the engine's own
+  `k2serve-step` thread (k2serve.engine.pipeline); requests, scheduler and cache stay here.
 - Every request that `generate()` started ends in the engine: finished, or aborted when the
   caller leaves the iterator early (return, `aclose()`, cancellation, garbage collection).
 - If the step loop fails, every open stream gets `EngineDeadError` and new requests are refused.
@@ -210,7 +212,11 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         eng = self.engine
         try:
+            delay = getattr(eng, "schedule_delay", None)  # async scheduling (engine.pipeline)
             while not self._stop:
+                wait = delay() if delay is not None else 0.0
+                if wait > 0:  # a long step in flight: let requests arriving now join the next
+                    eng.wait_in_flight(wait)
                 self._drain_commands()
                 if not eng.has_unfinished_requests():
                     self._stats = eng.get_stats()

@@ -45,6 +45,11 @@ _HELP = {
     "(FP8 tensor cores, activations quantized per token and 128 columns as DeepSeek-V3 / vLLM "
     "W8A8 block; FP8-block and INT4 checkpoints, CUDA), auto (fp8 only where this device's "
     "kernel table says it is faster and within the fidelity budget, else bf16)",
+    "async_scheduling": "overlap the engine's host work (scheduling, batch preparation, output "
+    "processing) with the model's step before, as vLLM; steps of requests with penalties, "
+    "min_tokens, logits processors or structured outputs, and engines with tensor / data "
+    "parallel, speculative decoding, the KV host tier or images, run synchronously (default: "
+    "on)",
     "enforce_eager": "never capture CUDA graphs (decode steps run eagerly), as vLLM",
     "num_gpu_experts": "routed experts per MoE layer kept on the GPU, the rest in host memory "
     "computed on the CPU (default: all on the GPU; `k2serve plan` prints a value)",
@@ -178,6 +183,7 @@ class EngineConfig:
     moe_backend: str = "auto"
     moe_prefill_precision: str = "auto"
     enforce_eager: bool = False
+    async_scheduling: bool | None = None  # None: engine.pipeline.ASYNC_SCHEDULING_DEFAULT
     num_gpu_experts: int | None = None
     expert_placement_file: str | None = None
     record_routing: str | None = None
@@ -247,6 +253,8 @@ class EngineConfig:
         check_data_parallel(self)  # may rewrite SGLang's / torchrun's spellings (issue 29)
         check_nodes(self.nnodes, self.node_rank, self.tensor_parallel_size, self.master_port)
         positive("dist_join_timeout")
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling={self.async_scheduling!r} must be a bool or None")
         for name in ("max_model_len", "kv_cache_memory", "num_kv_pages", "max_waiting"):
             positive(name, allow_none=True)
         seed = self.seed
@@ -315,7 +323,7 @@ class EngineConfig:
             flag = "--" + f.name.replace("_", "-")
             default = getattr(defaults, f.name)
             help_ = _HELP.get(f.name, "")
-            if isinstance(default, bool):
+            if isinstance(default, bool) or f.name == "async_scheduling":
                 parser.add_argument(
                     flag, action=argparse.BooleanOptionalAction, default=default, help=help_
                 )

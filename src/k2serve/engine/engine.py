@@ -10,6 +10,10 @@ Where a request goes, top to bottom:
 3. `abort_request` finishes a request at any moment; its final output (finish_reason "abort")
    comes out of the next `step()`.
 
+With async scheduling (`spec.async_scheduling`, k2serve.engine.pipeline) step 2 is pipelined:
+`step()` schedules and submits step N+1, then processes step N's samples while N+1 computes;
+each `step()` returns the outputs of the step before (the first returns none).
+
 Invariant: every request that ends, however it ends, returns its pages (`check_integrity()`).
 Not thread-safe: `AsyncLLMEngine` drives it from one thread.
 
@@ -34,10 +38,11 @@ from k2serve.engine.errors import PromptTooLongError
 from k2serve.engine.kv_tier import host_tier_stats, make_host_tier, num_host_pages
 from k2serve.engine.multimodal import MultiModalInputs
 from k2serve.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from k2serve.engine.pipeline import StepWorker, needs_sync
 from k2serve.engine.request import Request, RequestStatus
 from k2serve.engine.runner import ModelRunner
 from k2serve.engine.sampling_params import SamplingParams
-from k2serve.engine.scheduler import Scheduler
+from k2serve.engine.scheduler import Scheduler, SchedulerOutput
 from k2serve.engine.setup import eos_token_ids, load_tokenizer, resolve_device, setup_rank
 from k2serve.engine.spec_decode.drafter import SpecDecodingStats
 from k2serve.multimodal.inputs import ImageInput
@@ -177,6 +182,9 @@ class LLMEngine:
             )
         else:
             self.runner = ModelRunner(model, kv_caches, spec, kv_host_pages=host_pages)
+        # async scheduling: the step thread (None: every step runs on the caller's thread)
+        self.pipeline = StepWorker(self.runner) if spec.async_scheduling else None
+        self._sync_reqs: set[str] = set()  # unfinished requests whose steps run synchronously
         self.mm = MultiModalInputs.for_model(self.model_config, model_dir, cfg)
         self.eos_token_ids = eos_token_ids(self.model_config, tokenizer, model_dir)
         self.vocab_size = self.model_config.vocab_size
@@ -284,6 +292,8 @@ class LLMEngine:
 
                 req.grammar = GrammarState(self._grammar, compiled, constraint)  # one per sequence
             children.append(req)
+            if needs_sync(params):
+                self._sync_reqs.add(cid)
             self._requests[cid] = req
             self._states[cid] = _OutputState(req, self.tokenizer)
             self.scheduler.add_request(req)
@@ -304,7 +314,11 @@ class LLMEngine:
                 self._pending.append(out)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self._pending)
+            or (self.pipeline is not None and self.pipeline.busy)
+        )
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._parents)
@@ -312,6 +326,13 @@ class LLMEngine:
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        pipe = self.pipeline
+        if pipe is not None and not self._sync_reqs:
+            return self._step_async(pipe, outputs)
+        if pipe is not None and pipe.busy:  # a request that needs the host: drain, then sync
+            done = pipe.take()
+            assert done is not None
+            self._process_step(done.sched, *done.result(), outputs)
         if self.kv.host is not None:  # K2 host tier: restored requests whose copy is done
             self.kv.host.loads_done_seq = self.runner.kv_loads_done()
         sched = self.scheduler.schedule()
@@ -330,6 +351,47 @@ class LLMEngine:
                 )
             return outputs
         sample_reqs, samples = self.runner.execute(sched, self.kv)
+        self._process_step(sched, sample_reqs, samples, outputs)
+        return outputs
+
+    def _step_async(self, pipe: StepWorker, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Schedule and submit the next step, then process the one in flight (pipeline)."""
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule(async_step=True)
+        if sched.is_empty:
+            done = pipe.take()
+            if done is None and (self.scheduler.running or self.scheduler.waiting):
+                raise RuntimeError(
+                    f"scheduler made no progress: {len(self.scheduler.running)} running, "
+                    f"{len(self.scheduler.waiting)} waiting, "
+                    f"{self.kv.pool.num_free_pages} free pages"
+                )
+        else:
+            prev_rows = pipe.inflight.rows if pipe.inflight is not None else None
+            inp = pipe.runner.prepare(sched, self.kv, prev_rows)  # a ModelRunner (one process)
+            self.scheduler.advance_async(sched)
+            done = pipe.submit(sched, inp)
+            pipe.note_host_time(time.perf_counter() - t0)
+        if done is not None:
+            result = done.result()
+            pipe.wait_launched()  # CUDA: the next step's kernels first, then the outputs
+            self._process_step(done.sched, *result, outputs)
+        return outputs
+
+    def schedule_delay(self) -> float:
+        """Async scheduling: seconds the caller may wait (for new requests to arrive) before
+        the next `step()` without delaying the model (k2serve.engine.pipeline); 0 otherwise."""
+        pipe = self.pipeline
+        return pipe.schedule_delay() if pipe is not None and not self._sync_reqs else 0.0
+
+    def wait_in_flight(self, timeout: float) -> None:
+        """Wait up to `timeout` s for the step in flight to finish (async scheduling)."""
+        if self.pipeline is not None:
+            self.pipeline.wait(timeout)
+
+    def _process_step(self, sched: SchedulerOutput, sample_reqs, samples, outputs) -> None:
+        """Apply a step's samples: advance the requests, finish those that end, detokenize and
+        append the step's RequestOutputs to `outputs`."""
         sampled: dict[str, int | list[int]] = {}
         rows: dict[str, list[int]] = {}  # spec decode: each request's sampler rows
         num_before: dict[str, int] = {}
@@ -340,7 +402,7 @@ class LLMEngine:
             sampled = {r.request_id: samples.token_ids[i] for i, r in enumerate(sample_reqs)}
             for i, r in enumerate(sample_reqs):
                 lp = samples.logprobs[i]
-                if lp is not None and r.logprobs is not None:
+                if lp is not None and r.logprobs is not None and not r.is_finished:
                     r.cumulative_logprob += lp
                     r.logprobs.append(self._logprob_entry(samples, i))
         updated = self.scheduler.update_from_output(sched, sampled)
@@ -363,7 +425,6 @@ class LLMEngine:
         if self.drafter is not None:  # drafts for the next step
             self.drafter.propose(self.scheduler.running, sched)
             self.drafter.maybe_log()
-        return outputs
 
     def _logprob_entry(self, samples, i: int) -> dict[int, Logprob]:
         tok = samples.token_ids[i]
@@ -469,6 +530,7 @@ class LLMEngine:
                 if self.drafter is not None:
                     self.drafter.finish(req)
                 st.done_sent = True
+                self._sync_reqs.discard(req.request_id)
                 req.metrics.finished_time = time.monotonic()
                 self._requests.pop(req.request_id, None)
                 self._num_finished += 1
@@ -499,6 +561,9 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop what the runner started (tensor-parallel worker processes); idempotent. The
         engine cannot step afterwards."""
+        pipe = getattr(self, "pipeline", None)
+        if pipe is not None:
+            pipe.close()
         stop = getattr(getattr(self, "runner", None), "shutdown", None)
         if stop is not None:
             stop()

@@ -10,6 +10,9 @@ Invariants:
   `num_computed_tokens == num_tokens` (so a partial prefill chunk never samples).
 - Preemption (recompute) resets `num_computed_tokens` to 0 but keeps `output_token_ids`: the
   outputs are recomputed as part of the prompt and sampling continues where it stopped.
+- Async scheduling (engine.pipeline): `num_output_placeholders` counts the tokens sampled by a
+  step still in flight (0 or 1 when the scheduler runs); `num_tokens` includes them, so the
+  next step can be scheduled before the token is known.
 """
 
 from __future__ import annotations
@@ -83,10 +86,12 @@ class Request:
         # speculative decoding: drafts proposed after the last step, verified in the next one
         # (the scheduler cuts them to its budget; k2serve.engine.spec_decode)
         self.spec_token_ids: list[int] = []
+        # async scheduling: tokens a step in flight samples for this request (not yet appended)
+        self.num_output_placeholders = 0
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -11,6 +11,11 @@ On CUDA those 1 + K tokens are laid out as 1 + K one-token sequences (`_flatten_
 step of decodes and verifications is a decode-only step and replays the decode CUDA graphs
 (captured up to max_num_seqs x (1 + K) rows, at most the largest bucket).
 
+Async scheduling (engine.pipeline): a decode whose input token is sampled by the step still in
+flight gets a placeholder in `input_ids`; `ModelInput.fill` names those rows and the previous
+step's sampler rows, and `run` copies the tokens in on the device (`SamplerOutput.token_ids_t`)
+just before the forward, so no step waits on the host for the previous one's tokens.
+
 Invariant: token j of sequence b sits at position context_lens[b] + j and is written to slot
 `block_table[b, pos // page_size] * page_size + pos % page_size`.
 
@@ -59,6 +64,8 @@ class ModelInput:
     # [B] context lengths, [B + 1] start of each request's tokens in the flat batch
     context_lens: np.ndarray | None = None
     query_start_loc: np.ndarray | None = None
+    # async scheduling: ([P] rows of input_ids, [P] rows of the previous step's samples)
+    fill: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class BatchBuilder:
@@ -73,7 +80,11 @@ class BatchBuilder:
         # (see `_flatten_verify`); the ModelRunner turns it on for CUDA
         self.flatten_verify = False
 
-    def prepare(self, sched: SchedulerOutput, kv: KVCacheManager) -> ModelInput:
+    def prepare(
+        self, sched: SchedulerOutput, kv: KVCacheManager, prev_rows: dict[int, int] | None = None
+    ) -> ModelInput:
+        """`prev_rows`: async scheduling, id(request) -> its sampler row in the step in flight
+        (where the input token of a placeholder comes from)."""
         # One Python pass over the requests (no per-token work); positions, slots and the block
         # table are computed with numpy and reach the device in one copy per dtype.
         ps = self.page_size
@@ -89,6 +100,8 @@ class BatchBuilder:
         row_of = self.block_tables.row_of
         num_tokens = 0
         verify: list[int] = []  # spec decode: sequences carrying drafts
+        fill_dst: list[int] = []  # async: placeholder rows, and where their tokens come from
+        fill_src: list[int] = []
         for b, (req, n) in enumerate(scheduled):
             start = req.num_computed_tokens
             end = start + n
@@ -98,7 +111,13 @@ class BatchBuilder:
             counts[b] = n
             rows.append(row_of(req, pages, req_pages))
             if n == 1:
-                input_ids.append(req.all_token_ids[start])
+                if start < len(req.all_token_ids):
+                    input_ids.append(req.all_token_ids[start])
+                else:  # async: sampled by the step in flight
+                    assert prev_rows is not None, req
+                    fill_dst.append(num_tokens)
+                    fill_src.append(prev_rows[id(req)])
+                    input_ids.append(0)
             else:
                 input_ids.extend(req.all_token_ids[start:end])
             num_tokens += n
@@ -149,6 +168,12 @@ class BatchBuilder:
             ],
             dev,
         )
+        fill = None
+        if fill_dst:
+            dst_t, src_t = to_device(
+                [np.array(fill_dst, dtype=np.int64), np.array(fill_src, dtype=np.int64)], dev
+            )
+            fill = (dst_t, src_t)
         md = AttentionMetadata(
             query_start_loc=qsl_t,
             seq_lens=seq_lens_t,
@@ -170,6 +195,7 @@ class BatchBuilder:
             sample_reqs=sample_reqs,
             context_lens=sched_starts,
             query_start_loc=sched_qsl,
+            fill=fill,
         )
 
 
@@ -263,12 +289,23 @@ class ModelRunner(BatchBuilder):
             else "",
         )
 
-    @torch.inference_mode()
     def execute(
         self, sched: SchedulerOutput, kv: KVCacheManager
     ) -> tuple[list[Request], SamplerOutput | None]:
         """Run one step; returns the requests that sampled and their samples (same order)."""
-        inp = self.last_input = self.prepare(sched, kv)
+        return self.run(sched, self.prepare(sched, kv))
+
+    @torch.inference_mode()
+    def run(
+        self, sched: SchedulerOutput, inp: ModelInput, prev: SamplerOutput | None = None
+    ) -> tuple[list[Request], SamplerOutput | None]:
+        """The forward and the sampling of a prepared step. `prev`: the samples of the step
+        before (async scheduling: the tokens of `inp.fill`'s placeholders)."""
+        self.last_input = inp
+        if inp.fill is not None:
+            assert prev is not None and prev.token_ids_t is not None
+            dst, src = inp.fill
+            inp.input_ids[dst] = prev.token_ids_t[src]  # on the device: no host round trip
         md = inp.attn_metadata
         if self.kv_copier is not None:  # K2 host tier: this step's copies, then the forward
             self.kv_copier.apply(sched.transfers)

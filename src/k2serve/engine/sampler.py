@@ -42,6 +42,7 @@ class SamplerOutput:
     logprobs: list[float | None]  # logprob of the sampled token (None if not requested)
     ranks: list[int | None]
     top_logprobs: list[list[tuple[int, float]] | None]  # top tokens, most likely first
+    token_ids_t: torch.Tensor | None = None  # [B] long on the logits' device (async scheduling)
 
 
 class Sampler:
@@ -50,6 +51,8 @@ class Sampler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self._bitmask: torch.Tensor | None = None  # host [rows, words] int32, reused
+        # async scheduling: called once the step's device work is queued, before the host sync
+        self.on_launched: Any = None
 
     def _apply_grammars(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
         """Mask the rows of requests with an active grammar; returns those rows."""
@@ -181,8 +184,12 @@ class Sampler:
             sampled = self._sample(logits, reqs, params)
             tokens = torch.where(torch.tensor(greedy, device=logits.device), tokens, sampled)
 
+        if self.on_launched is not None:
+            self.on_launched()
         token_list = tokens.tolist()  # the step's one device->host sync (with logprobs below)
-        out = SamplerOutput(token_list, [None] * num_rows, [None] * num_rows, [None] * num_rows)
+        out = SamplerOutput(
+            token_list, [None] * num_rows, [None] * num_rows, [None] * num_rows, tokens
+        )
         if logp is not None:
             chosen = logp.gather(1, tokens[:, None])  # [B, 1]
             ranks = (logp > chosen).sum(dim=-1) + 1  # [B]

@@ -17,6 +17,18 @@ this step if the copy is small, else from the first step after the copy is done 
 overlaps compute; no step waits for it). `SchedulerOutput.transfers` carries the step's
 copies to the runner.
 
+Async scheduling (engine.pipeline; `schedule(async_step=True)`): the step is scheduled while
+the previous one is still computing. A request the previous step samples has a placeholder for
+that token (`Request.num_output_placeholders`, counted in `num_tokens`), so it is scheduled for
+its next decode now; the runner fills the token in from the previous step's samples. The
+scheduled requests' `num_computed_tokens` move once the batch is prepared (`advance_async`: the
+step in flight computes them), and `update_from_output` then only turns placeholders into
+tokens. A request whose placeholders will reach max_tokens is not scheduled again (it is
+certain to finish). A request that turns out finished by the previous step's token had one
+more token scheduled: the step computes it into its pages and the token is dropped. Its pages
+may be freed and handed to other requests while that step is in flight, which is safe because
+steps run in order on one stream: any later use of a page runs after the step that writes it.
+
 Invariants:
 - Every request that leaves (finished, aborted, preempted) returns all its pages.
 - A request is in exactly one of `waiting` / `running`, or in neither once finished.
@@ -42,6 +54,7 @@ class SchedulerOutput:
     num_decodes: int = 0
     num_batched_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
+    async_step: bool = False  # scheduled ahead (placeholders; see the module docstring)
     transfers: KVTransfers | None = None  # host KV tier copies, run before this step's forward
 
     @property
@@ -85,8 +98,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- one step ----------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    def schedule(self, async_step: bool = False) -> SchedulerOutput:
+        """`async_step`: schedule while the previous step is in flight (module docstring)."""
+        out = SchedulerOutput(async_step=async_step)
         budget = self.max_num_batched_tokens
         self.kv.begin_step()  # K2 host tier: restored pages whose copy is done get cached
 
@@ -102,6 +116,11 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if not self.kv.ready(req):
                 continue  # K2 host tier: its pages are still being copied in
+            if (
+                req.num_output_placeholders
+                and req.num_output_tokens + req.num_output_placeholders >= req.max_tokens
+            ):
+                continue  # async: the token in flight is its last
             num_new = req.num_tokens - req.num_computed_tokens
             if num_new == 1 and req.spec_token_ids:  # spec decode: verify the drafts too
                 num_new += len(req.spec_token_ids)
@@ -126,6 +145,7 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
+                assert req.num_output_placeholders == 0, req  # async: resolved before admission
                 # K2 host tier: a swapped-out request comes back, a prefix may continue in RAM
                 swapped = self.kv.is_swapped(req)
                 fresh = req.num_computed_tokens == 0
@@ -171,6 +191,17 @@ class Scheduler:
         out.transfers = self.kv.take_transfers()
         return out
 
+    def advance_async(self, out: SchedulerOutput) -> None:
+        """Async scheduling, once the step's batch is prepared: its tokens count as computed
+        (the step in flight computes them) and each request it samples gets a placeholder."""
+        assert out.async_step
+        for req, num_new in out.scheduled:
+            req.num_computed_tokens += num_new
+            if req.num_computed_tokens == req.num_tokens:
+                req.num_output_placeholders += 1  # its pages are cached once the token is in
+            else:  # a prompt chunk: its full pages can be hit from the next step on
+                self.kv.cache_computed_pages(req)
+
     def _preempt(self, req: Request) -> None:
         req.spec_token_ids = []  # drafts are proposed again after the next step
         if not self.kv.swap_out(req):  # K2 host tier: swap when it has room, else recompute
@@ -191,6 +222,8 @@ class Scheduler:
         Returns the requests that got new tokens (finished ones already removed and their
         pages freed).
         """
+        if out.async_step:
+            return self._update_async(out, sampled)
         updated = []
         for req, num_new in out.scheduled:
             tok = sampled.get(req.request_id)
@@ -207,16 +240,36 @@ class Scheduler:
             updated.append(req)
         return updated
 
+    def _update_async(self, out: SchedulerOutput, sampled: dict[str, int | list[int]]):
+        """update_from_output of a step scheduled ahead: its tokens were counted as computed
+        at scheduling time, so only the placeholders become tokens. A request finished since
+        (aborted, or ended by the previous step's token) drops its token; one preempted since
+        (waiting, no pages) keeps it, as it would have had it before being preempted."""
+        updated = []
+        for req, _ in out.scheduled:
+            tok = sampled.get(req.request_id)
+            if tok is None:
+                continue
+            assert not isinstance(tok, list), "speculative decoding steps run synchronously"
+            req.num_output_placeholders -= 1
+            if req.is_finished:
+                continue
+            self._append_token(req, tok)
+            updated.append(req)
+            if req.status == RequestStatus.RUNNING:
+                self.kv.cache_computed_pages(req)
+        return updated
+
     def _append_token(self, req: Request, tok: int) -> bool:
         """Append one sampled token; finish the request if it ends there (EOS, stop token,
         max_tokens). -> whether it finished."""
         req.append_output_token(tok)
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = time.monotonic()
+        status = req.status  # RUNNING, or PREEMPTED (async: preempted after the step ran)
         if not req.check_stop_token():
             return False
-        status = req.status
-        req.status = RequestStatus.RUNNING
+        status, req.status = req.status, status
         self.finish_request(req, status)
         return True
 

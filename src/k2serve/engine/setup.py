@@ -352,6 +352,17 @@ def setup_rank(
         kv_dtype = kv_caches[0].dtype
         backends = choose_backends(cfg, device, kv_dtype, sharded=tp_size > 1)
         install_backends(model, backends, placement)
+    from k2serve.engine.pipeline import resolve_async_scheduling
+
+    overlap, why = resolve_async_scheduling(
+        cfg.async_scheduling,
+        tp_size=tp_size,
+        model=model,
+        speculative=cfg.speculative_config is not None,
+        host_tier=bool(cfg.kv_offloading_size or cfg.swap_space),
+    )
+    if tp_rank == 0:
+        logger.info("async scheduling: %s", why)
     spec = RuntimeSpec(
         device=device,
         dtype=dtype,
@@ -371,5 +382,6 @@ def setup_rank(
         expert_placement_interval=cfg.expert_placement_interval,
         gpu_prefill_token_threshold=cfg.gpu_prefill_token_threshold,
         drafter=cfg.speculative_config,
+        async_scheduling=overlap,
     )
     return RankSetup(model, kv_caches, spec)

@@ -54,6 +54,9 @@ class RuntimeSpec:
     dynamic_expert_placement: bool = False
     expert_placement_interval: int = 1000
     gpu_prefill_token_threshold: int | None = None
+    # --async-scheduling, resolved (engine.pipeline.resolve_async_scheduling): schedule and
+    # process outputs while the model computes the step before
+    async_scheduling: bool = False
     # slots for the next features (decisions 15-17)
     encoder: Any = None
     drafter: Any = None  # --speculative-config (engine.spec_decode.SpeculativeConfig) or None

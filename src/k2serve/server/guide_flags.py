@@ -77,6 +77,8 @@ FLAGS: tuple[GuideFlag, ...] = (
             ("--enable-prefix-caching", True, ""),
             ("--enable-chunked-prefill", True, ""),
             ("--enforce-eager", True, ""),
+            ("--async-scheduling", True, ""),
+            ("--no-async-scheduling", True, ""),
             ("--dtype", False, "bfloat16"),
             ("--load-format", False, "auto"),
             ("--trust-remote-code", True, ""),
@@ -133,12 +135,6 @@ FLAGS: tuple[GuideFlag, ...] = (
         "--quantization-param-path",
         "k2serve's fp8 KV cache needs no scaling-factor file",
         "scales.json",
-    ),
-    _w(
-        "vLLM",
-        "--no-async-scheduling --async-scheduling",
-        "k2serve schedules each step after the previous one; there is no switch",
-        switch=True,
     ),
     _w(
         "vLLM",
