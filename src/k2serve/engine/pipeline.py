@@ -38,8 +38,8 @@ scheduling for the GIL).
 The GIL: the engine thread's Python (and the server's event loop) runs while the step thread
 waits on the device, and the step thread needs the GIL again for each launch after a wait. With
 CPython's default switch interval (5 ms) a busy thread can hold it that long before handing it
-over, so the step thread starts the interpreter with GIL_SWITCH_INTERVAL_S (0.5 ms; the served
-rig at C=256: 0.89 -> 0.94 of the ideal, benchmarks/RESULTS.md).
+over, so the step thread lowers the interpreter's switch interval to envs.gil_switch_interval_s()
+(0.1 ms; the served rig at C=256: 0.89 -> 0.94 of the ideal at 0.5 ms, benchmarks/RESULTS.md).
 
 Invariants: one step at most in flight; only the engine thread touches requests, the scheduler
 and the KV cache manager (the step thread runs the model and the sampler on a prepared batch);
@@ -58,6 +58,7 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
+from k2serve import envs
 from k2serve.engine.logits_processors import BanTokens, LogitBias
 from k2serve.engine.request import Request
 from k2serve.engine.runner import ModelInput
@@ -69,8 +70,6 @@ logger = logging.getLogger(__name__)
 
 # what `--async-scheduling` resolves to when not given (the lead flips it after the GPU check)
 ASYNC_SCHEDULING_DEFAULT = True
-# the interpreter's GIL switch interval while the pipeline runs (module docstring)
-GIL_SWITCH_INTERVAL_S = 5e-4
 
 # logits processors that do not read the output so far
 _HISTORY_FREE = (BanTokens, LogitBias)
@@ -168,10 +167,11 @@ class StepWorker:
     def submit(self, sched: SchedulerOutput, inp: ModelInput) -> InFlight | None:
         """Queue a step; returns the step that was in flight before it (to be processed)."""
         if self._thread is None:
-            if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
+            want = envs.gil_switch_interval_s()
+            if sys.getswitchinterval() > want:
                 logger.info("async scheduling: GIL switch interval %.1f -> %.1f ms",
-                            sys.getswitchinterval() * 1e3, GIL_SWITCH_INTERVAL_S * 1e3)  # fmt: skip
-                sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+                            sys.getswitchinterval() * 1e3, want * 1e3)  # fmt: skip
+                sys.setswitchinterval(want)
             self._thread = threading.Thread(target=self._loop, name="k2serve-step", daemon=True)
             self._thread.start()
         fut: Future = Future()

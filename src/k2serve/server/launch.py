@@ -15,11 +15,6 @@ from k2serve import envs
 
 logger = logging.getLogger("k2serve.server")
 
-# sys.setswitchinterval for the server process (K2SERVE_GIL_SWITCH_INTERVAL overrides): the
-# engine thread drops the GIL on each torch op and device sync and must get it back quickly
-# while the event loop streams (benchmarks/RESULTS.md, "Served throughput", wave 8)
-GIL_SWITCH_INTERVAL_S = 0.0001
-
 
 def _exit_on_lost_rank(message: str) -> None:
     """A multi-node group cannot go on without a rank: say why and exit (the orchestrator
@@ -183,8 +178,9 @@ def serve(args, engine, model_dir, chat_template, sampling_defaults, sock) -> in
         media_policy=media_policy(args),
     )
     state = app.state.k2
-    switch = envs.gil_switch_interval_s()
-    sys.setswitchinterval(switch if switch is not None else GIL_SWITCH_INTERVAL_S)
+    # the engine thread drops the GIL on each torch op and device sync and must get it back
+    # quickly while the event loop streams (envs.GIL_SWITCH_INTERVAL_S)
+    sys.setswitchinterval(envs.gil_switch_interval_s())
     logger.info("GIL switch interval %.2f ms (K2SERVE_GIL_SWITCH_INTERVAL)",
                 sys.getswitchinterval() * 1e3)  # fmt: skip
     _log_startup(engine, state, model_dir, names, args)
