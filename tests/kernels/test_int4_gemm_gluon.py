@@ -184,3 +184,45 @@ def test_moe_backend_with_gluon_takes_its_table_and_never_grouped_mm():
     assert gluon_be.plan(1, 8)[0] == triton_be.plan(1, 8)[0]  # decode paths are unchanged
     with pytest.raises(ValueError, match="gemm_backend"):
         FusedMoEBackend(ew, gemm_backend="cutlass")
+
+
+@pytest.mark.parametrize(
+    "T,E,k,bm", [(1, 4, 2, 16), (37, 5, 2, 32), (1024, 384, 8, 128), (300, 9, 3, 64)]
+)
+def test_tail_units_cover_every_block_once(T, E, k, bm):
+    """TAIL's program rows (on CPU, the alignment's torch reference): every aligned block of
+    bm / 2 rows in use is run exactly once, by a unit at an even place in its expert's blocks,
+    as a bm tile with the next block where that is the same expert's, else alone; an expert's
+    units are adjacent and in order; the rest of the grid is the no-work sentinel."""
+    from k2serve.kernels.moe_align import max_blocks, moe_align_block_size_ref
+
+    torch.manual_seed(T + E)
+    ids = torch.randint(0, E - 1, (T, k), dtype=torch.int32)  # expert E - 1: no pairs
+    ids[: T // 3] = 0  # one expert with many pairs
+    _, eids, npost = moe_align_block_size_ref(ids, E, bm // 2)
+    nb, n_units = eids.shape[0], max_blocks(T * k, E, bm)
+    units = int4_gemm_gluon.tail_units(eids, E, n_units)
+    assert units.dtype == torch.int32 and units.shape == (n_units,)
+    used = int(npost) // (bm // 2)
+    real = [int(b) for b in units if b < nb]
+    assert all(int(b) == nb for b in units[len(real) :])  # sentinels only after the units
+    assert real == sorted(real) and all(b * (bm // 2) < int(npost) for b in real)
+    covered = []
+    for b in real:
+        first = b
+        while first > 0 and eids[first - 1] == eids[b]:
+            first -= 1
+        assert (b - first) % 2 == 0
+        full = b + 1 < used and eids[b + 1] == eids[b]
+        covered += [b, b + 1] if full else [b]
+    assert covered == list(range(used))
+    counts = torch.bincount(ids.reshape(-1).long(), minlength=E)
+    assert len(real) == int(((counts + bm - 1) // bm).sum())  # cdiv(pairs, bm) an expert
+
+
+def test_tail_config_and_alignment():
+    check_config(dict(BLOCK_M=128, BLOCK_N=256, W2=16, STAGES=4, num_warps=8, TAIL=True))
+    with pytest.raises(ValueError, match="TAIL"):
+        check_config(dict(BLOCK_M=24, BLOCK_N=128, W2=16, STAGES=4, num_warps=4, TAIL=True))
+    assert int4_gemm_gluon.align_m(dict(BLOCK_M=128, TAIL=True)) == 64
+    assert int4_gemm_gluon.align_m(dict(BLOCK_M=128)) == 128

@@ -47,6 +47,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import cdiv
+from .moe_align import max_blocks, moe_align_block_size
 
 try:  # pragma: no cover - depends on the installed Triton
     import triton
@@ -76,11 +77,14 @@ GLUON_TABLE = (
     dict(max_pairs=16384, BLOCK_M=64, BLOCK_N=256, W2=32, STAGES=3, num_warps=8, BF16X2=True),
     dict(max_pairs=None, **GLUON_CONFIG),
 )
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "W2", "STAGES", "num_warps", "BF16X2", "INFLIGHT", "FENCE")
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "W2", "STAGES", "num_warps", "BF16X2", "INFLIGHT", "FENCE",
+               "TAIL")  # fmt: skip
 # BF16X2: the planes made two weights per instruction (bf16x2 PTX) instead of fp32 math;
 # INFLIGHT: wgmmas left in flight while the next planes are dequantized (1 or 2); FENCE: a
-# proxy fence after each sub-step's copies land (the first device run had it; see the loop)
-CONFIG_DEFAULTS = dict(BF16X2=False, INFLIGHT=1, FENCE=False)
+# proxy fence after each sub-step's copies land (the first device run had it; see the loop);
+# TAIL: rows aligned to BLOCK_M / 2, an expert's last <= BLOCK_M / 2 pairs run as a tile of
+# BLOCK_M / 2 (`tail_units`; at T=8192 on K2, 171 pairs an expert: 192 rows instead of 256)
+CONFIG_DEFAULTS = dict(BF16X2=False, INFLIGHT=1, FENCE=False, TAIL=False)
 
 
 def gluon_available() -> bool:
@@ -114,10 +118,46 @@ def check_config(cfg: dict) -> None:
                          f"({nw}, a multiple of 4)")  # fmt: skip
     if cfg["W2"] not in (16, 32) or cfg["STAGES"] < 3:
         raise ValueError("gluon int4 GEMM: W2 must be 16 or 32 and STAGES >= 3")
+    if cfg.get("TAIL") and bm % 16:
+        raise ValueError(f"gluon int4 GEMM: TAIL needs BLOCK_M={bm} a multiple of 16")
     if cfg.get("INFLIGHT", 1) not in (1, 2):
         raise ValueError("gluon int4 GEMM: INFLIGHT must be 1 or 2")
     if smem_bytes(cfg) > 227 * 1024:
         raise ValueError(f"gluon int4 GEMM: {smem_bytes(cfg)} B of shared memory (> 227 KiB)")
+
+
+def align_m(cfg: dict) -> int:
+    """The rows' alignment (moe_align_block_size's block_m) the config runs on."""
+    return cfg["BLOCK_M"] // 2 if cfg.get("TAIL") else cfg["BLOCK_M"]
+
+
+def tail_units(eids: torch.Tensor, num_experts: int, num_units: int) -> torch.Tensor:
+    """The program rows of a TAIL launch: eids [nb] int32, the expert of each aligned block of
+    BLOCK_M / 2 rows (num_experts past the end) -> units [num_units] int32: the blocks at an
+    even place in their expert's run, in order (an expert's units stay adjacent: its weight
+    tiles stay in L2), then nb (no work). num_units >= the units there can be:
+    max_blocks(pairs, experts, BLOCK_M) (an expert's units are cdiv(pairs, BLOCK_M)). No
+    host sync (CUDA-graph safe)."""
+    nb = eids.shape[0]
+    idx = torch.arange(nb, device=eids.device)
+    start = torch.ones(nb, dtype=torch.bool, device=eids.device)
+    start[1:] = eids[1:] != eids[:-1]
+    first = torch.where(start, idx, 0).cummax(0).values  # the first block of each one's expert
+    unit = ((idx - first) % 2 == 0) & (eids < num_experts)
+    dest = torch.where(unit, unit.long().cumsum(0) - 1, num_units)  # non-units: a spare slot
+    units = torch.full((num_units + 1,), nb, dtype=torch.int32, device=eids.device)
+    units.scatter_(0, dest, idx.int())
+    return units[:num_units]
+
+
+def gluon_align(topk_ids: torch.Tensor, num_experts: int, cfg: dict):
+    """moe_align_block_size for the config (`align_m`) and, for TAIL, its `tail_units`:
+    (sorted_ids, expert_ids, num_post_padded, units or None)."""
+    sid, eids, npost = moe_align_block_size(topk_ids, num_experts, align_m(cfg))
+    if not cfg.get("TAIL"):
+        return sid, eids, npost, None
+    num_units = max_blocks(topk_ids.numel(), num_experts, cfg["BLOCK_M"])
+    return sid, eids, npost, tail_units(eids, num_experts, num_units)
 
 
 if HAS_GLUON:
@@ -218,29 +258,20 @@ if HAS_GLUON:
         async_copy.commit_group()
 
     @gluon.jit
-    def _int4_gemm_gluon_kernel(
-        a_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, eid_ptr, npost_ptr,
+    def _tile(
+        a_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, row0, e, pid_n,
         N, K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
         A_DIV: gl.constexpr, MUL_W: gl.constexpr, PERM_OUT: gl.constexpr,
-        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, W2: gl.constexpr, STAGES: gl.constexpr,
+        BM: gl.constexpr, BLOCK_N: gl.constexpr, W2: gl.constexpr, STAGES: gl.constexpr,
         NW: gl.constexpr, BF16X2: gl.constexpr, INFLIGHT: gl.constexpr, FENCE: gl.constexpr,
     ):  # fmt: skip
-        """c[pair, n] = sum_k a[pair // A_DIV, k] * dequant(w[e, n, k]) (* tw[pair]) for one
-        aligned block of BLOCK_M pairs of expert e and BLOCK_N outputs (acc[n, pair], weights
-        = the wgmma's register operand). s_ptr: the bf16 scales viewed as int32 (a word holds
-        the scales of groups 2h, low half, and 2h + 1)."""
-        pid = gl.program_id(0)
-        num_n = gl.cdiv(N, BLOCK_N)
-        pid_m = pid // num_n
-        pid_n = pid % num_n
-        if pid_m * BLOCK_M >= gl.load(npost_ptr):
-            return
-        e = gl.load(eid_ptr + pid_m).to(gl.int64)
-
-        # register layouts: the MMA (acc [BLOCK_N, BLOCK_M]), its A operand (one plane
+        """One output tile: the BM aligned pairs at sorted rows row0.. (all of expert e) x the
+        BLOCK_N outputs of N tile pid_n (acc[n, pair]), with its own ring (freed before the
+        epilogue, whose layout conversion reuses it)."""
+        # register layouts: the MMA (acc [BLOCK_N, BM]), its A operand (one plane
         # [BLOCK_N, W2]), the same split [BLOCK_N, W2 / 4, 4] for the scales
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
-                                                      instr_shape=[16, BLOCK_M, 16])  # fmt: skip
+                                                      instr_shape=[16, BM, 16])  # fmt: skip
         dl: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         l3: gl.constexpr = _split_cols(gl.to_linear_layout(dl, [BLOCK_N, W2]), BLOCK_N, W2)
         sl: gl.constexpr = gl.SliceLayout(2, l3)
@@ -257,17 +288,17 @@ if HAS_GLUON:
                                                      order=[1, 0])  # fmt: skip
         s_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
                                                      order=[1, 0])  # fmt: skip
-        a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 8 * BLOCK_M, W2], a_sl)
+        a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 8 * BM, W2], a_sl)
         w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, W2], w_sl)
         s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, W2 // 4], s_sl)
 
-        # activation planes as one [8 * BLOCK_M, W2] tile per slot: row q = plane q // BLOCK_M
-        # of pair q % BLOCK_M (padding pairs: not read, zeros)
-        q_a = gl.arange(0, 8 * BLOCK_M, layout=gl.SliceLayout(1, la))
-        pair_a = gl.load(sorted_ptr + pid_m * BLOCK_M + q_a % BLOCK_M)
+        # activation planes as one [8 * BM, W2] tile per slot: row q = plane q // BM of pair
+        # q % BM (padding pairs: not read, zeros)
+        q_a = gl.arange(0, 8 * BM, layout=gl.SliceLayout(1, la))
+        pair_a = gl.load(sorted_ptr + row0 + q_a % BM)
         rows = gl.where(pair_a < num_pairs, pair_a // A_DIV, 0).to(gl.int64)
         c_a = gl.arange(0, W2, layout=gl.SliceLayout(0, la))
-        a_ptrs = (a_ptr + gl.expand_dims(rows * a_stride + (q_a // BLOCK_M) * W2, 1)
+        a_ptrs = (a_ptr + gl.expand_dims(rows * a_stride + (q_a // BM) * W2, 1)
                   + gl.expand_dims(c_a, 0))  # fmt: skip
         a_ok = gl.expand_dims(pair_a < num_pairs, 1) & gl.expand_dims(c_a >= 0, 0)
         # words: column c of a parity tile is word (c // 4) * 8 + c % 4 of the K step (+ 4 odd)
@@ -287,7 +318,7 @@ if HAS_GLUON:
         for u in gl.static_range(STAGES - 2):
             _issue(u, NU, a_ptrs, a_ok, w_ptrs, w_ok, s_ptrs, s_ok, a_smem, w_smem, s_smem,
                    STAGES, W2)  # fmt: skip
-        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+        acc = gl.zeros([BLOCK_N, BM], gl.float32, layout=mma)
         # the planes of the MMAs in flight (kept alive through the waits' deps)
         w_p0 = gl.zeros([BLOCK_N, W2], gl.bfloat16, layout=dl)
         w_p1 = gl.zeros([BLOCK_N, W2], gl.bfloat16, layout=dl)
@@ -320,8 +351,8 @@ if HAS_GLUON:
                 else:
                     w0 = _plane(p, s, c15, 2 * M)
                     w1 = _plane(p, s, c11, 2 * M + 1)
-                b0 = a_slot.slice(2 * M * BLOCK_M, BLOCK_M).permute((1, 0))  # [W2, BLOCK_M]
-                b1 = a_slot.slice((2 * M + 1) * BLOCK_M, BLOCK_M).permute((1, 0))
+                b0 = a_slot.slice(2 * M * BM, BM).permute((1, 0))  # [W2, BM]
+                b1 = a_slot.slice((2 * M + 1) * BM, BM).permute((1, 0))
                 if INFLIGHT == 1:
                     # retire the previous plane's MMA; this one's registers live to the next wait
                     acc = warpgroup_mma(w0, b0, acc, is_async=True)
@@ -345,8 +376,7 @@ if HAS_GLUON:
         lo: gl.constexpr = gl.BlockedLayout([8, 1], [TN, 32 // TN], [1, NW], [0, 1])
         out = gl.convert_layout(acc, lo)
         offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lo))
-        pair = gl.load(sorted_ptr + pid_m * BLOCK_M
-                       + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, lo)))  # fmt: skip
+        pair = gl.load(sorted_ptr + row0 + gl.arange(0, BM, layout=gl.SliceLayout(0, lo)))
         pair_ok = pair < num_pairs
         if MUL_W:
             out = out * gl.expand_dims(gl.load(tw_ptr + pair, mask=pair_ok, other=0.0), 0)
@@ -361,11 +391,64 @@ if HAS_GLUON:
         ok = gl.expand_dims(pair_ok, 0) & gl.expand_dims(offs_n < N, 1)
         gl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=ok)
 
+    @gluon.jit
+    def _int4_gemm_gluon_kernel(
+        a_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, eid_ptr, npost_ptr, unit_ptr,
+        N, K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
+        num_blocks,
+        A_DIV: gl.constexpr, MUL_W: gl.constexpr, PERM_OUT: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, W2: gl.constexpr, STAGES: gl.constexpr,
+        NW: gl.constexpr, BF16X2: gl.constexpr, INFLIGHT: gl.constexpr, FENCE: gl.constexpr,
+        TAIL: gl.constexpr,
+    ):  # fmt: skip
+        """c[pair, n] = sum_k a[pair // A_DIV, k] * dequant(w[e, n, k]) (* tw[pair]) for one
+        aligned block of BLOCK_M pairs of expert e and BLOCK_N outputs (acc[n, pair], weights
+        = the wgmma's register operand). s_ptr: the bf16 scales viewed as int32 (a word holds
+        the scales of groups 2h, low half, and 2h + 1). TAIL: the rows are aligned to BLOCK_M
+        / 2 and program row pid // num_n is unit unit_ptr[pid // num_n] (`tail_units`): a
+        block b at an even place in its expert's blocks, run as a BLOCK_M tile with block
+        b + 1 where that is the same expert's, else alone as a BLOCK_M / 2 tile (an expert's
+        last pairs waste at most BLOCK_M / 2 rows, not BLOCK_M)."""
+        pid = gl.program_id(0)
+        num_n = gl.cdiv(N, BLOCK_N)
+        pid_m = pid // num_n
+        pid_n = pid % num_n
+        if TAIL:
+            HALF: gl.constexpr = BLOCK_M // 2
+            b = gl.load(unit_ptr + pid_m)
+            npost = gl.load(npost_ptr)
+            if b * HALF >= npost:
+                return
+            e32 = gl.load(eid_ptr + b)
+            e_next = gl.load(eid_ptr + gl.minimum(b + 1, num_blocks - 1))
+            full = ((b + 1) * HALF < npost) & (e_next == e32)
+            e = e32.to(gl.int64)
+            if full:
+                _tile(a_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, b * HALF, e, pid_n, N, K,
+                      num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e,
+                      s_stride_n, A_DIV, MUL_W, PERM_OUT, BLOCK_M, BLOCK_N, W2, STAGES, NW,
+                      BF16X2, INFLIGHT, FENCE)  # fmt: skip
+            else:
+                _tile(a_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, b * HALF, e, pid_n, N, K,
+                      num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e,
+                      s_stride_n, A_DIV, MUL_W, PERM_OUT, HALF, BLOCK_N, W2, STAGES, NW,
+                      BF16X2, INFLIGHT, FENCE)  # fmt: skip
+        else:
+            if pid_m * BLOCK_M >= gl.load(npost_ptr):
+                return
+            e = gl.load(eid_ptr + pid_m).to(gl.int64)
+            _tile(a_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, pid_m * BLOCK_M, e, pid_n, N,
+                  K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e,
+                  s_stride_n, A_DIV, MUL_W, PERM_OUT, BLOCK_M, BLOCK_N, W2, STAGES, NW, BF16X2,
+                  INFLIGHT, FENCE)  # fmt: skip
 
-def gemm_gluon(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, perm_out, cfg):
+
+def gemm_gluon(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, perm_out, cfg,
+               units=None):  # fmt: skip
     """One launch of the Gluon kernel; arguments as int4_gemm._gemm (a in gemm order with
     cfg["W2"], s bf16 [E, N, K/32], c [M, N] written at the aligned pairs' rows); cfg holds
-    CONFIG_KEYS (others are ignored)."""
+    CONFIG_KEYS (others are ignored). TAIL: the rows aligned to BLOCK_M / 2 and `units`
+    (`gluon_align` gives both)."""
     if not gluon_available():
         raise RuntimeError("the Gluon int4 GEMM needs Triton 3.6 with Gluon (K2SERVE_INT4_GEMM="
                            "triton selects the Triton kernel)")  # fmt: skip
@@ -374,11 +457,14 @@ def gemm_gluon(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, p
     check_config(cfg)
     if K % (16 * cfg["W2"]):
         raise ValueError(f"gluon int4 GEMM: K={K} is not a multiple of {16 * cfg['W2']}")
+    if cfg["TAIL"] and units is None:
+        raise ValueError("gluon int4 GEMM: TAIL needs the units (gluon_align)")
     s32 = s.view(torch.int32)
     nw = cfg.pop("num_warps")
-    grid = (eids.shape[0] * cdiv(N, cfg["BLOCK_N"]),)
+    rows = units.shape[0] if cfg["TAIL"] else eids.shape[0]
+    grid = (rows * cdiv(N, cfg["BLOCK_N"]),)
     _int4_gemm_gluon_kernel[grid](
-        a, w, s32, c, tw, sorted_ids, eids, npost, N, K, M, a.stride(0), c.stride(0),
-        w.stride(0), w.stride(1), s32.stride(0), s32.stride(1), A_DIV=a_div, MUL_W=mul_w,
-        PERM_OUT=perm_out, NW=nw, num_warps=nw, **cfg,
+        a, w, s32, c, tw, sorted_ids, eids, npost, units if cfg["TAIL"] else eids, N, K, M,
+        a.stride(0), c.stride(0), w.stride(0), w.stride(1), s32.stride(0), s32.stride(1),
+        eids.shape[0], A_DIV=a_div, MUL_W=mul_w, PERM_OUT=perm_out, NW=nw, num_warps=nw, **cfg,
     )  # fmt: skip
