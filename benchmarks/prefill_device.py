@@ -1,0 +1,244 @@
+# ruff: noqa: E741, E501
+"""Prefill MoE GEMM variants (issue 28, wave 8) on one H100: each variant checked against the
+reference first, then one K2 MoE layer timed at T = 1024 .. 16384 for the current table and
+each variant; a table at the end. Full output in $OUT/prefill_gemm.txt.
+
+Run (repo root, one H100, < 300 s): bash benchmarks/prefill_device.sh
+  [--variants 128x256s4w8ht,...] [--ts 1024,...] [--routing uniform,third]
+Variants are gluon_int4_device.cfg_of names (t: TAIL, an expert's last <= BLOCK_M / 2 pairs
+in a BLOCK_M / 2 tile). Parts, each in its own process (a kernel fault cannot take the later
+ones with it), each variant fail-soft (the error is printed, the next one runs):
+  check  small grouped GEMMs against a float32 torch reference and the Triton kernel (padding
+         rows, a partial N block, an expert without pairs, experts with 100 and 150 pairs:
+         full tiles plus tails), then int4_moe_gemm on a K2 layer: T=1, 64, 2048 against
+         fused_moe_ref, T=8192, 16384 against the current table's output (bit-identical
+         expected where the accumulation order is the same).
+  time   one K2 MoE layer (E=384, D=7168, I=2048, top-8, group 32): the table (the engine's
+         configs today) and each variant, CUDA-event median; routing "uniform" or "third"
+         (every token's experts drawn from a fixed third of them, like the k2-slice's dummy
+         router).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+E, D, I, K = 384, 7168, 2048, 8
+VARIANTS = ["128x256s4w8h", "128x256s4w8ht", "128x256s3w8ht", "64x256s3w8k32ht"]
+TS = (1024, 2048, 4096, 8192, 16384)
+BUDGET_S = 285
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def result(**kv):
+    log("RESULT " + json.dumps(kv))
+
+
+def route(T, routing, dev="cuda"):
+    import model_speed as ms
+    import torch
+
+    if routing == "uniform":
+        return ms._route(T, E, K, dev)
+    g = torch.Generator(device="cpu").manual_seed(7)
+    third = torch.randperm(E, generator=g)[: E // 3].to(dev)
+    ids = third[torch.rand(T, E // 3, device=dev).argsort(-1)[:, :K]].int()
+    return torch.rand(T, K, device=dev), ids
+
+
+def part_check(variants):
+    import gluon_int4_device as gd
+    import torch
+    import triton
+
+    from k2serve.kernels import int4_gemm as ig
+    from k2serve.kernels import int4_gemm_gluon as gg
+    from k2serve.kernels.fused_moe import fused_moe_ref
+
+    log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} "
+        f"gluon usable {gg.gluon_usable('cuda')}")  # fmt: skip
+    gd.ceilings()
+    for args in (
+        ("gate_up E5 N512 K512 T37 top2 (padding rows, perm_out)", 5, 512, 512, 37, 2, True),
+        ("down E5 N320 K768 T37 top2 (partial N block, mul_w)", 5, 320, 768, 37, 2, False),
+        ("gate_up E5 N512 K512 T200 top2 (100 pairs an expert)", 5, 512, 512, 200, 2, True),
+        ("down E5 N768 K1024 T300 top2 (150 pairs an expert)", 5, 768, 1024, 300, 2, False),
+        ("down E3 N256 K256 T1 top2 (2 sub-steps < ring)", 3, 256, 256, 1, 2, False),
+    ):
+        try:
+            gd.gemm_case(*args, variants)
+        except Exception as e:  # noqa: BLE001
+            log(f"  {args[0]}: ERROR {type(e).__name__}: {str(e)[:600]}")
+    for T in (1, 64, 2048, 8192, 16384):
+        try:
+            torch.manual_seed(T)
+            import model_speed as ms
+
+            ew = ms._rand_experts("int4", E, D, I, "cuda")
+            tw, ti = ms._route(T, E, K, "cuda")
+            x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+            table = ig.int4_moe_gemm(x, ew, tw, ti, backend="gluon")
+            if T <= 2048:
+                ref = fused_moe_ref(x, ew, tw, ti)
+                tri = ig.int4_moe_gemm(x, ew, tw, ti, backend="triton")
+                et, mt = gd.rel(tri, ref), gd.maxrel(tri, ref)
+                log(
+                    f"  K2 T={T}: triton rel {et:.2e} max {mt:.2e}; table rel {gd.rel(table, ref):.2e}"
+                )
+            else:
+                # against the table: the same sums (bit-identical) or reordered ones (W2=32)
+                ref, et, mt = table, 2.5e-3, 2.5e-3
+            for name in variants:
+                try:
+                    out = ig.int4_moe_gemm(x, ew, tw, ti, gd.cfg_of(name), backend="gluon")
+                    torch.cuda.synchronize()
+                    eg, mg = gd.rel(out, ref), gd.maxrel(out, ref)
+                    same = bool(torch.equal(out, table))
+                    ok = (
+                        bool(torch.isfinite(out.float()).all())
+                        and eg <= 2 * et + 1e-6
+                        and mg <= 2 * mt + 1e-6
+                    )
+                    log(f"  K2 T={T}: {name} rel {eg:.2e} max {mg:.2e} "
+                        f"{'bit-identical to the table' if same else 'differs from the table'} "
+                        f"{'ok' if ok else 'FAIL'}")  # fmt: skip
+                except Exception as e:  # noqa: BLE001
+                    ok = False
+                    log(f"  K2 T={T}: {name} ERROR {type(e).__name__}: {str(e)[:600]}")
+                result(kind="check", case=f"K2 T={T}", cfg=name, ok=ok)
+            del ew
+            torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001
+            log(f"  K2 T={T}: ERROR {type(e).__name__}: {str(e)[:600]}")
+
+
+def part_time(T, routing, variants):
+    import gluon_int4_device as gd
+    import model_speed as ms
+    import torch
+
+    from k2serve.kernels import int4_gemm as ig
+
+    torch.manual_seed(0)
+    ew = ms._rand_experts("int4", E, D, I, "cuda")
+    tw, ti = route(T, routing)
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    hit = int(ti.unique().numel())
+    flops = 2 * 3 * D * I * T * K
+    it = 5 if T >= 8192 else 10
+    base = ig.int4_moe_gemm(x, ew, tw, ti, backend="gluon")
+    for name in ["table", *variants]:
+        cfg = None if name == "table" else gd.cfg_of(name)
+        fn = lambda cfg=cfg: ig.int4_moe_gemm(x, ew, tw, ti, cfg, backend="gluon")  # noqa: E731
+        try:
+            diff = gd.rel(fn(), base)
+            t = ms.timed(fn, iters=it, warmup=2)
+        except Exception as e:  # noqa: BLE001
+            log(f"  T={T} {routing} {name}: ERROR {type(e).__name__}: {str(e)[:400]}")
+            continue
+        log(f"  T={T} {routing} ({hit} experts) {name:18s} {t:8.3f} ms {flops / t / 1e9:6.1f} "
+            f"TFLOP/s vs table {diff:.1e}")  # fmt: skip
+        result(
+            kind="time", T=T, routing=routing, name=name, ms=t, tflops=flops / t / 1e9, diff=diff
+        )
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", default="")
+    ap.add_argument("--T", type=int, default=0)
+    ap.add_argument("--routing", default="uniform,third")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--ts", default=",".join(map(str, TS)))
+    args = ap.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    if args.part == "check":
+        part_check(variants)
+        return 0
+    if args.part == "time":
+        part_time(args.T, args.routing, variants)
+        return 0
+    t0 = time.time()
+    out_dir = os.environ.get("OUT", "/tmp/k2out")
+    os.makedirs(out_dir, exist_ok=True)
+    base = ["--variants", args.variants]
+    with open(os.path.join(out_dir, "prefill_gemm.txt"), "w") as sink:
+        res = child(["--part", "check", *base], 130, sink)
+        ceil = next(
+            (r for r in res if r["kind"] == "ceil"), {"bw": float("nan"), "mm": float("nan")}
+        )
+        checks = [r for r in res if r["kind"] == "check"]
+        bad = sorted({r["cfg"] for r in checks if not r["ok"]})
+        runs = [(T, r) for r in args.routing.split(",") for T in map(int, args.ts.split(","))]
+        runs.sort(key=lambda tr: (tr[0] != 8192, tr[1] != "uniform"))  # the 8K figures first
+        for T, routing in runs:
+            left = BUDGET_S - (time.time() - t0)
+            if left < 12:
+                log(f"== T={T} {routing}: skipped, {left:.0f} s of the budget left")
+                continue
+            res += child(
+                ["--part", "time", "--T", str(T), "--routing", routing, *base], min(left, 60), sink
+            )
+        lines = [
+            "",
+            f"bf16 matmul {ceil['mm']:.0f} TFLOP/s, copy {ceil['bw']:.0f} GB/s; checks "
+            f"{sum(r['ok'] for r in checks)}/{len(checks)} passed"
+            + (f" (FAILED: {', '.join(bad)})" if bad else ""),
+            "| T | routing | config | ms | TFLOP/s | % bf16 matmul | vs table | rel diff vs table |",
+            "|---:|---|---|---:|---:|---:|---:|---:|",
+        ]
+        times = [r for r in res if r["kind"] == "time"]
+        for r in sorted(times, key=lambda r: (r["routing"], r["T"])):
+            tab = next(
+                (
+                    s
+                    for s in times
+                    if s["T"] == r["T"] and s["routing"] == r["routing"] and s["name"] == "table"
+                ),
+                None,
+            )
+            vs = f"{tab['ms'] / r['ms']:.3f}x" if tab else "n/a"
+            flag = " (FAILED a check)" if r["name"] in bad else ""
+            lines.append(f"| {r['T']} | {r['routing']} | {r['name']}{flag} | {r['ms']:.3f} | {r['tflops']:.1f} | "
+                         f"{100 * r['tflops'] / ceil['mm']:.0f} | {vs} | {r['diff']:.1e} |")  # fmt: skip
+        lines.append(f"total {time.time() - t0:.0f} s")
+        for line in lines:
+            log(line)
+            sink.write(line + "\n")
+    return 0
+
+
+def child(args, timeout, sink):
+    """This script's part in a new process; its output to stdout and the sink; RESULT lines back."""
+    cmd = [sys.executable, os.path.abspath(__file__), *args]
+    out = []
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(5.0, timeout))
+        text, rc = p.stdout + p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        text = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        rc = "timeout"
+    for line in text.splitlines():
+        if line.startswith("RESULT "):
+            out.append(json.loads(line[7:]))
+        else:
+            log(line)
+            sink.write(line + "\n")
+    msg = f"== part {' '.join(args)}: rc={rc}"
+    log(msg)
+    sink.write(msg + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
