@@ -226,3 +226,14 @@ def test_tail_config_and_alignment():
         check_config(dict(BLOCK_M=24, BLOCK_N=128, W2=16, STAGES=4, num_warps=4, TAIL=True))
     assert int4_gemm_gluon.align_m(dict(BLOCK_M=128, TAIL=True)) == 64
     assert int4_gemm_gluon.align_m(dict(BLOCK_M=128)) == 128
+
+
+def test_l1_carveout_keeps_the_occupancy():
+    from k2serve.kernels.int4_gemm_gluon import carveout_pct
+
+    kib = 228 * 1024
+    # 128x256 STAGES=3 (156 KiB, one CTA of 254 registers x 256 threads): 164 KiB -> 92 of L1
+    assert 0.68 * kib < carveout_pct(159744, 254 * 256) * kib / 100 < 0.73 * kib
+    # two CTAs fit by registers and shared memory: room for both
+    assert carveout_pct(86016, 126 * 128) * kib / 100 >= 2 * (86016 + 1024)
+    assert carveout_pct(232448, 1) == 100  # the most there is

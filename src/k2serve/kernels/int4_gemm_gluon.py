@@ -44,6 +44,9 @@ or CUDA). group 32, K % (16 * W2) == 0, BLOCK_N % (16 * num_warps) == 0 (each wa
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 
 from ._triton import cdiv
@@ -64,6 +67,8 @@ try:  # pragma: no cover - depends on the installed Triton
 except Exception:  # noqa: BLE001 - no Triton, no Gluon, or another Gluon API
     HAS_GLUON = False
 
+logger = logging.getLogger(__name__)
+
 # Configs by (token, expert) pair count: BLOCK_M pairs x BLOCK_N outputs, W2 words per
 # parity-tile row, STAGES ring slots, warps (4 per 64-row MMA slice). The engine takes its
 # configs from the kernel tables (configs/h200.json "int4_prefill_gluon", measured there; the
@@ -78,13 +83,17 @@ GLUON_TABLE = (
     dict(max_pairs=None, **GLUON_CONFIG),
 )
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "W2", "STAGES", "num_warps", "BF16X2", "INFLIGHT", "FENCE",
-               "TAIL")  # fmt: skip
+               "TAIL", "L1")  # fmt: skip
 # BF16X2: the planes made two weights per instruction (bf16x2 PTX) instead of fp32 math;
 # INFLIGHT: wgmmas left in flight while the next planes are dequantized (1 or 2); FENCE: a
 # proxy fence after each sub-step's copies land (the first device run had it; see the loop);
 # TAIL: rows aligned to BLOCK_M / 2, an expert's last <= BLOCK_M / 2 pairs run as a tile of
 # BLOCK_M / 2 (`tail_units`; at T=8192 on K2, 171 pairs an expert: 192 rows instead of 256)
-CONFIG_DEFAULTS = dict(BF16X2=False, INFLIGHT=1, FENCE=False, TAIL=False)
+# L1: the words and scales cp.async'ed through L1 (.ca; the activations bypass it, .cg): a
+# sub-step reads 16 of each 32-byte sector of words (the other parity's half is the next
+# sub-step's) and its scales twice, so from L2 they cost 2x and 4x their bytes, the largest
+# share of the tile's L2 traffic after the activations
+CONFIG_DEFAULTS = dict(BF16X2=False, INFLIGHT=1, FENCE=False, TAIL=False, L1=False)
 
 
 def gluon_available() -> bool:
@@ -242,7 +251,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _issue(u, NU, a_ptrs, a_ok, w_ptrs, w_ok, s_ptrs, s_ok, a_smem, w_smem, s_smem,
-               STAGES: gl.constexpr, W2: gl.constexpr):  # fmt: skip
+               STAGES: gl.constexpr, W2: gl.constexpr, L1: gl.constexpr):  # fmt: skip
         """cp.async sub-step u (parity u % 2 of K step u // 2) into ring slot u % STAGES, one
         commit group. Past the last sub-step the last one is loaded again (into a slot nobody
         reads): the masks stay loop-invariant and the group count uniform."""
@@ -251,10 +260,18 @@ if HAS_GLUON:
         ks = u // 2
         par = u % 2
         async_copy.async_copy_global_to_shared(a_smem.index(slot), a_ptrs + u * (8 * W2), mask=a_ok)
-        async_copy.async_copy_global_to_shared(w_smem.index(slot), w_ptrs + (ks * 2 * W2 + par * 4),
-                                               mask=w_ok)  # fmt: skip
-        async_copy.async_copy_global_to_shared(s_smem.index(slot), s_ptrs + ks * (W2 // 4),
-                                               mask=s_ok)  # fmt: skip
+        if L1:  # through L1 (cp.async.ca): the other parity's half sectors hit there
+            async_copy.async_copy_global_to_shared(w_smem.index(slot),
+                                                   w_ptrs + (ks * 2 * W2 + par * 4), mask=w_ok,
+                                                   cache_modifier=".ca")  # fmt: skip
+            async_copy.async_copy_global_to_shared(s_smem.index(slot), s_ptrs + ks * (W2 // 4),
+                                                   mask=s_ok, cache_modifier=".ca")  # fmt: skip
+        else:
+            async_copy.async_copy_global_to_shared(w_smem.index(slot),
+                                                   w_ptrs + (ks * 2 * W2 + par * 4),
+                                                   mask=w_ok)  # fmt: skip
+            async_copy.async_copy_global_to_shared(s_smem.index(slot), s_ptrs + ks * (W2 // 4),
+                                                   mask=s_ok)  # fmt: skip
         async_copy.commit_group()
 
     @gluon.jit
@@ -264,6 +281,7 @@ if HAS_GLUON:
         A_DIV: gl.constexpr, MUL_W: gl.constexpr, PERM_OUT: gl.constexpr,
         BM: gl.constexpr, BLOCK_N: gl.constexpr, W2: gl.constexpr, STAGES: gl.constexpr,
         NW: gl.constexpr, BF16X2: gl.constexpr, INFLIGHT: gl.constexpr, FENCE: gl.constexpr,
+        L1: gl.constexpr,
     ):  # fmt: skip
         """One output tile: the BM aligned pairs at sorted rows row0.. (all of expert e) x the
         BLOCK_N outputs of N tile pid_n (acc[n, pair]), with its own ring (freed before the
@@ -277,8 +295,12 @@ if HAS_GLUON:
         sl: gl.constexpr = gl.SliceLayout(2, l3)
         # global -> shared copy layouts (16-byte pieces)
         la: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (W2 // 8), W2 // 8], [NW, 1], [1, 0])
-        lw: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (W2 // 4), W2 // 4], [NW, 1], [1, 0])
-        ls: gl.constexpr = gl.BlockedLayout([1, W2 // 4], [32, 1], [NW, 1], [1, 0])
+        # (L1: 8-byte pieces, Triton's cp.async of 16 bytes is always .cg, past L1)
+        VW: gl.constexpr = 2 if L1 else 4
+        lw: gl.constexpr = gl.BlockedLayout([1, VW], [32 // (W2 // VW), W2 // VW], [NW, 1],
+                                            [1, 0])  # fmt: skip
+        ls: gl.constexpr = gl.BlockedLayout([1, W2 // 4 // (1 + L1)], [32 // (1 + L1), 1 + L1],
+                                            [NW, 1], [1, 0])  # fmt: skip
         # shared ring: activation planes (wgmma B, K-major), words, scale words
         a_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * W2, element_bitwidth=16,
                                                   rank=2)  # fmt: skip
@@ -317,7 +339,7 @@ if HAS_GLUON:
         gl.assume(NU > 0)
         for u in gl.static_range(STAGES - 2):
             _issue(u, NU, a_ptrs, a_ok, w_ptrs, w_ok, s_ptrs, s_ok, a_smem, w_smem, s_smem,
-                   STAGES, W2)  # fmt: skip
+                   STAGES, W2, L1)  # fmt: skip
         acc = gl.zeros([BLOCK_N, BM], gl.float32, layout=mma)
         # the planes of the MMAs in flight (kept alive through the waits' deps)
         w_p0 = gl.zeros([BLOCK_N, W2], gl.bfloat16, layout=dl)
@@ -333,7 +355,7 @@ if HAS_GLUON:
             if FENCE:
                 fence_async_shared()
             _issue(u + STAGES - 2, NU, a_ptrs, a_ok, w_ptrs, w_ok, s_ptrs, s_ok, a_smem, w_smem,
-                   s_smem, STAGES, W2)  # fmt: skip
+                   s_smem, STAGES, W2, L1)  # fmt: skip
             slot = u % STAGES
             sp = s_smem.index(slot).load(sl)
             sb = gl.where((u % 2) == 0, sp << 16, sp & -65536).to(gl.float32, bitcast=True)
@@ -399,7 +421,7 @@ if HAS_GLUON:
         A_DIV: gl.constexpr, MUL_W: gl.constexpr, PERM_OUT: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, W2: gl.constexpr, STAGES: gl.constexpr,
         NW: gl.constexpr, BF16X2: gl.constexpr, INFLIGHT: gl.constexpr, FENCE: gl.constexpr,
-        TAIL: gl.constexpr,
+        TAIL: gl.constexpr, L1: gl.constexpr,
     ):  # fmt: skip
         """c[pair, n] = sum_k a[pair // A_DIV, k] * dequant(w[e, n, k]) (* tw[pair]) for one
         aligned block of BLOCK_M pairs of expert e and BLOCK_N outputs (acc[n, pair], weights
@@ -427,12 +449,12 @@ if HAS_GLUON:
                 _tile(a_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, b * HALF, e, pid_n, N, K,
                       num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e,
                       s_stride_n, A_DIV, MUL_W, PERM_OUT, BLOCK_M, BLOCK_N, W2, STAGES, NW,
-                      BF16X2, INFLIGHT, FENCE)  # fmt: skip
+                      BF16X2, INFLIGHT, FENCE, L1)  # fmt: skip
             else:
                 _tile(a_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, b * HALF, e, pid_n, N, K,
                       num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e,
                       s_stride_n, A_DIV, MUL_W, PERM_OUT, HALF, BLOCK_N, W2, STAGES, NW,
-                      BF16X2, INFLIGHT, FENCE)  # fmt: skip
+                      BF16X2, INFLIGHT, FENCE, L1)  # fmt: skip
         else:
             if pid_m * BLOCK_M >= gl.load(npost_ptr):
                 return
@@ -440,7 +462,7 @@ if HAS_GLUON:
             _tile(a_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, pid_m * BLOCK_M, e, pid_n, N,
                   K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e,
                   s_stride_n, A_DIV, MUL_W, PERM_OUT, BLOCK_M, BLOCK_N, W2, STAGES, NW, BF16X2,
-                  INFLIGHT, FENCE)  # fmt: skip
+                  INFLIGHT, FENCE, L1)  # fmt: skip
 
 
 def gemm_gluon(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, perm_out, cfg,
@@ -463,8 +485,37 @@ def gemm_gluon(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, p
     nw = cfg.pop("num_warps")
     rows = units.shape[0] if cfg["TAIL"] else eids.shape[0]
     grid = (rows * cdiv(N, cfg["BLOCK_N"]),)
-    _int4_gemm_gluon_kernel[grid](
+    k = _int4_gemm_gluon_kernel[grid](
         a, w, s32, c, tw, sorted_ids, eids, npost, units if cfg["TAIL"] else eids, N, K, M,
         a.stride(0), c.stride(0), w.stride(0), w.stride(1), s32.stride(0), s32.stride(1),
         eids.shape[0], A_DIV=a_div, MUL_W=mul_w, PERM_OUT=perm_out, NW=nw, num_warps=nw, **cfg,
     )  # fmt: skip
+    if cfg["L1"] and getattr(k, "function", None):
+        _l1_carveout(int(k.function), int(k.metadata.shared), int(k.n_regs) * 32 * nw)
+
+
+def carveout_pct(shared: int, regs: int) -> int:
+    """The shared-memory carveout (percent of sm_90's 228 KiB) for as many CTAs of `shared`
+    bytes as `regs` registers a CTA let run on one SM."""
+    per_cta, smem = shared + 1024, 228 * 1024  # the driver reserves 1 KiB a CTA
+    ctas = max(1, min(65536 // max(regs, 1), smem // per_cta))
+    return min(100, -(-ctas * per_cta * 100 // smem))
+
+
+@functools.lru_cache(maxsize=64)
+def _l1_carveout(function: int, shared: int, regs: int) -> None:
+    """Once per compiled kernel: ask for the smallest shared-memory carveout that holds as
+    many CTAs as the registers let run (the rest of the SM's 256 KiB is L1; Triton asks for
+    the largest, 228 KiB: 28 KiB of L1, less than one sub-step's word and scale sectors). A
+    hint to the driver; failure only logs (the kernel runs either way)."""
+    import ctypes
+
+    pct = carveout_pct(shared, regs)
+    try:  # CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
+        rc = ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute(
+            ctypes.c_void_p(function), ctypes.c_int(9), ctypes.c_int(pct)
+        )
+    except OSError as e:
+        rc = str(e)
+    if rc != 0:
+        logger.warning("gluon int4 GEMM: L1 carveout of %d%% not set (%s)", pct, rc)
