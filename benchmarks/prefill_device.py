@@ -6,7 +6,8 @@ each variant; a table at the end. Full output in $OUT/prefill_gemm.txt.
 Run (repo root, one H100, < 300 s): bash benchmarks/prefill_device.sh
   [--variants 128x256s4w8ht,...] [--ts 1024,...] [--routing uniform,third]
 Variants are gluon_int4_device.cfg_of names (t: TAIL, an expert's last <= BLOCK_M / 2 pairs
-in a BLOCK_M / 2 tile; l: L1, the words and scales through L1). Parts, each in its own process (a kernel fault cannot take the later
+in a BLOCK_M / 2 tile; l: L1, the words and scales through L1; w: KW, a K step's words and
+scales loaded once, whole sectors). Parts, each in its own process (a kernel fault cannot take the later
 ones with it), each variant fail-soft (the error is printed, the next one runs):
   check  small grouped GEMMs against a float32 torch reference and the Triton kernel (padding
          rows, a partial N block, an expert without pairs, experts with 100 and 150 pairs:
@@ -32,8 +33,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 E, D, I, K = 384, 7168, 2048, 8
 # 128x256s4w8h: the 8K band's config today (the table's below 16384 pairs is another); t: TAIL;
-# l: L1 (words and scales through L1, carveout for it; needs STAGES=3 to leave L1 room)
-VARIANTS = ["128x256s4w8h", "128x256s4w8ht", "128x256s3w8hl", "128x256s3w8htl", "64x256s3w8hl"]
+# l: L1 (words and scales through L1, carveout for it; needs STAGES=3 to leave L1 room); w: KW
+# (a K step's words and scales loaded once, whole sectors)
+VARIANTS = ["128x256s4w8h", "128x256s4w8ht", "128x256s3w8hl", "128x256s3w8hw", "128x256s3w8htw",
+            "128x256s3w8htl", "64x256s4w8hw"]  # fmt: skip
 TS = (1024, 2048, 4096, 8192, 16384)
 BUDGET_S = 285
 

@@ -237,3 +237,13 @@ def test_l1_carveout_keeps_the_occupancy():
     # two CTAs fit by registers and shared memory: room for both
     assert carveout_pct(86016, 126 * 128) * kib / 100 >= 2 * (86016 + 1024)
     assert carveout_pct(232448, 1) == 100  # the most there is
+
+
+def test_kw_config():
+    kw = dict(BLOCK_M=128, BLOCK_N=256, W2=16, STAGES=3, num_warps=8, KW=True)
+    check_config(kw)  # 96 KiB of activations + 2 K-step slots of 36 KiB
+    assert int4_gemm_gluon.smem_bytes(kw) == 3 * 32768 + 2 * (32768 + 4096)
+    with pytest.raises(ValueError):
+        check_config({**kw, "STAGES": 4})  # 3 K-step slots: 236 KiB
+    with pytest.raises(ValueError, match="KW and L1"):
+        check_config({**kw, "L1": True})

@@ -83,7 +83,7 @@ GLUON_TABLE = (
     dict(max_pairs=None, **GLUON_CONFIG),
 )
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "W2", "STAGES", "num_warps", "BF16X2", "INFLIGHT", "FENCE",
-               "TAIL", "L1")  # fmt: skip
+               "TAIL", "L1", "KW")  # fmt: skip
 # BF16X2: the planes made two weights per instruction (bf16x2 PTX) instead of fp32 math;
 # INFLIGHT: wgmmas left in flight while the next planes are dequantized (1 or 2); FENCE: a
 # proxy fence after each sub-step's copies land (the first device run had it; see the loop);
@@ -92,8 +92,10 @@ CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "W2", "STAGES", "num_warps", "BF16X2", "INF
 # L1: the words and scales cp.async'ed through L1 (.ca; the activations bypass it, .cg): a
 # sub-step reads 16 of each 32-byte sector of words (the other parity's half is the next
 # sub-step's) and its scales twice, so from L2 they cost 2x and 4x their bytes, the largest
-# share of the tile's L2 traffic after the activations
-CONFIG_DEFAULTS = dict(BF16X2=False, INFLIGHT=1, FENCE=False, TAIL=False, L1=False)
+# share of the tile's L2 traffic after the activations; KW: the same fixed another way, each
+# K step's words (both parities: whole sectors) and scales loaded once, with its even sub-step,
+# into a ring of K-step slots (no reliance on L1; more shared memory: STAGES=3 for 128x256)
+CONFIG_DEFAULTS = dict(BF16X2=False, INFLIGHT=1, FENCE=False, TAIL=False, L1=False, KW=False)
 
 
 def gluon_available() -> bool:
@@ -113,8 +115,10 @@ def gluon_usable(device: torch.device | str) -> bool:
 
 def smem_bytes(cfg: dict) -> int:
     """Shared memory of the ring (the epilogue's layout conversion reuses it)."""
-    bm, bn, w2 = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["W2"]
-    return cfg["STAGES"] * (8 * bm * w2 * 2 + bn * w2 * 4 + bn * (w2 // 4) * 4)
+    bm, bn, w2, st = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["W2"], cfg["STAGES"]
+    if cfg.get("KW"):  # word and scale slots by K step (`_tile`)
+        return st * 8 * bm * w2 * 2 + (st + 2) // 2 * (2 * bn * w2 * 4 + bn * (w2 // 4) * 4)
+    return st * (8 * bm * w2 * 2 + bn * w2 * 4 + bn * (w2 // 4) * 4)
 
 
 def check_config(cfg: dict) -> None:
@@ -129,6 +133,8 @@ def check_config(cfg: dict) -> None:
         raise ValueError("gluon int4 GEMM: W2 must be 16 or 32 and STAGES >= 3")
     if cfg.get("TAIL") and bm % 16:
         raise ValueError(f"gluon int4 GEMM: TAIL needs BLOCK_M={bm} a multiple of 16")
+    if cfg.get("KW") and cfg.get("L1"):
+        raise ValueError("gluon int4 GEMM: KW and L1 are two ways to the same end: one of them")
     if cfg.get("INFLIGHT", 1) not in (1, 2):
         raise ValueError("gluon int4 GEMM: INFLIGHT must be 1 or 2")
     if smem_bytes(cfg) > 227 * 1024:
@@ -251,16 +257,26 @@ if HAS_GLUON:
 
     @gluon.jit
     def _issue(u, NU, a_ptrs, a_ok, w_ptrs, w_ok, s_ptrs, s_ok, a_smem, w_smem, s_smem,
-               STAGES: gl.constexpr, W2: gl.constexpr, L1: gl.constexpr):  # fmt: skip
+               STAGES: gl.constexpr, W2: gl.constexpr, L1: gl.constexpr,
+               KW: gl.constexpr):  # fmt: skip
         """cp.async sub-step u (parity u % 2 of K step u // 2) into ring slot u % STAGES, one
-        commit group. Past the last sub-step the last one is loaded again (into a slot nobody
-        reads): the masks stay loop-invariant and the group count uniform."""
+        commit group (KW: the words and scales go to the K step's word slot, `_tile`). Past
+        the last sub-step the last one is loaded again (into a slot nobody reads): the masks
+        stay loop-invariant and the group count uniform."""
         slot = u % STAGES
         u = gl.minimum(u, NU - 1)
         ks = u // 2
         par = u % 2
         async_copy.async_copy_global_to_shared(a_smem.index(slot), a_ptrs + u * (8 * W2), mask=a_ok)
-        if L1:  # through L1 (cp.async.ca): the other parity's half sectors hit there
+        if KW:  # a K step's words (both parities: whole sectors) and scales with its even half
+            WS: gl.constexpr = (STAGES + 2) // 2
+            if par == 0:  # (the reloads past the end are odd: no word slot is touched)
+                ws = ks % WS
+                async_copy.async_copy_global_to_shared(w_smem.index(ws), w_ptrs + ks * 2 * W2,
+                                                       mask=w_ok)  # fmt: skip
+                async_copy.async_copy_global_to_shared(s_smem.index(ws), s_ptrs + ks * (W2 // 4),
+                                                       mask=s_ok)  # fmt: skip
+        elif L1:  # through L1 (cp.async.ca): the other parity's half sectors hit there
             async_copy.async_copy_global_to_shared(w_smem.index(slot),
                                                    w_ptrs + (ks * 2 * W2 + par * 4), mask=w_ok,
                                                    cache_modifier=".ca")  # fmt: skip
@@ -281,7 +297,7 @@ if HAS_GLUON:
         A_DIV: gl.constexpr, MUL_W: gl.constexpr, PERM_OUT: gl.constexpr,
         BM: gl.constexpr, BLOCK_N: gl.constexpr, W2: gl.constexpr, STAGES: gl.constexpr,
         NW: gl.constexpr, BF16X2: gl.constexpr, INFLIGHT: gl.constexpr, FENCE: gl.constexpr,
-        L1: gl.constexpr,
+        L1: gl.constexpr, KW: gl.constexpr,
     ):  # fmt: skip
         """One output tile: the BM aligned pairs at sorted rows row0.. (all of expert e) x the
         BLOCK_N outputs of N tile pid_n (acc[n, pair]), with its own ring (freed before the
@@ -311,8 +327,19 @@ if HAS_GLUON:
         s_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
                                                      order=[1, 0])  # fmt: skip
         a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 8 * BM, W2], a_sl)
-        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, W2], w_sl)
-        s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, W2 // 4], s_sl)
+        # KW: word slots by K step [ws, parity], scale slots [ws]; K step ks's are refilled
+        # (for ks + WS, at sub-step 2 (ks + WS) - STAGES + 2) once sub-step 2 ks + 1 is 2 behind
+        WS: gl.constexpr = (STAGES + 2) // 2 if KW else STAGES
+        # (KW: read as [2 * WS, BLOCK_N, W2], slot 2 ws + parity, written as
+        # [WS, 2, BLOCK_N, W2]: the same bytes and swizzle)
+        w_smem = gl.allocate_shared_memory(gl.int32, [(1 + KW) * WS, BLOCK_N, W2], w_sl)
+        if KW:
+            w_sl3: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=W2 // 4,
+                                                          order=[2, 1, 0])  # fmt: skip
+            w_fill = w_smem._reinterpret(gl.int32, [WS, 2, BLOCK_N, W2], w_sl3)
+        else:
+            w_fill = w_smem
+        s_smem = gl.allocate_shared_memory(gl.int32, [WS, BLOCK_N, W2 // 4], s_sl)
 
         # activation planes as one [8 * BM, W2] tile per slot: row q = plane q // BM of pair
         # q % BM (padding pairs: not read, zeros)
@@ -329,6 +356,20 @@ if HAS_GLUON:
         w_ptrs = (w_ptr + e * w_stride_e + gl.expand_dims(n_w * w_stride_n, 1)
                   + gl.expand_dims((c_w // 4) * 8 + c_w % 4, 0))  # fmt: skip
         w_ok = gl.expand_dims(n_w < N, 1) & gl.expand_dims(c_w >= 0, 0)
+        if KW:  # [2, BLOCK_N, W2]: both parities; a warp's pieces are whole 128-byte rows
+            lw3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [2, 32 // (W2 // 2), W2 // 4],
+                                                 [1, NW, 1], [2, 0, 1])  # fmt: skip
+            par3 = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, lw3)))
+            n3 = pid_n * BLOCK_N + gl.arange(
+                0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, lw3)))  # fmt: skip
+            c3 = gl.arange(0, W2, layout=gl.SliceLayout(0, gl.SliceLayout(1, lw3)))
+            off3 = (gl.expand_dims(gl.expand_dims(par3 * 4, 1), 2)
+                    + gl.expand_dims(gl.expand_dims(n3 * w_stride_n, 0), 2)
+                    + gl.expand_dims(gl.expand_dims((c3 // 4) * 8 + c3 % 4, 0), 1))  # fmt: skip
+            w_ptrs = w_ptr + e * w_stride_e + off3
+            w_ok = (gl.expand_dims(gl.expand_dims(par3 >= 0, 1), 2)
+                    & gl.expand_dims(gl.expand_dims(n3 < N, 0), 2)
+                    & gl.expand_dims(gl.expand_dims(c3 >= 0, 0), 1))  # fmt: skip
         n_s = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ls))
         c_s = gl.arange(0, W2 // 4, layout=gl.SliceLayout(0, ls))
         s_ptrs = (s_ptr + e * s_stride_e + gl.expand_dims(n_s * s_stride_n, 1)
@@ -338,8 +379,8 @@ if HAS_GLUON:
         NU = K // (8 * W2)  # sub-steps: the even then the odd tile of each K step
         gl.assume(NU > 0)
         for u in gl.static_range(STAGES - 2):
-            _issue(u, NU, a_ptrs, a_ok, w_ptrs, w_ok, s_ptrs, s_ok, a_smem, w_smem, s_smem,
-                   STAGES, W2, L1)  # fmt: skip
+            _issue(u, NU, a_ptrs, a_ok, w_ptrs, w_ok, s_ptrs, s_ok, a_smem, w_fill, s_smem,
+                   STAGES, W2, L1, KW)  # fmt: skip
         acc = gl.zeros([BLOCK_N, BM], gl.float32, layout=mma)
         # the planes of the MMAs in flight (kept alive through the waits' deps)
         w_p0 = gl.zeros([BLOCK_N, W2], gl.bfloat16, layout=dl)
@@ -354,10 +395,16 @@ if HAS_GLUON:
             async_copy.wait_group(STAGES - 3)
             if FENCE:
                 fence_async_shared()
-            _issue(u + STAGES - 2, NU, a_ptrs, a_ok, w_ptrs, w_ok, s_ptrs, s_ok, a_smem, w_smem,
-                   s_smem, STAGES, W2, L1)  # fmt: skip
+            _issue(u + STAGES - 2, NU, a_ptrs, a_ok, w_ptrs, w_ok, s_ptrs, s_ok, a_smem, w_fill,
+                   s_smem, STAGES, W2, L1, KW)  # fmt: skip
             slot = u % STAGES
-            sp = s_smem.index(slot).load(sl)
+            if KW:
+                w_tile = w_smem.index(2 * ((u // 2) % WS) + u % 2)
+                s_slot = (u // 2) % WS
+            else:
+                w_tile = w_smem.index(slot)
+                s_slot = slot
+            sp = s_smem.index(s_slot).load(sl)
             sb = gl.where((u % 2) == 0, sp << 16, sp & -65536).to(gl.float32, bitcast=True)
             s = _to_plane(sb, l3, dl, BLOCK_N, W2)
             if BF16X2:
@@ -365,7 +412,7 @@ if HAS_GLUON:
             else:
                 c15 = _to_plane(sb * -32776.0, l3, dl, BLOCK_N, W2)  # -(2^15 + 8) * s
                 c11 = _to_plane(sb * -2056.0, l3, dl, BLOCK_N, W2)  # -(2^11 + 8) * s
-            p = w_smem.index(slot).load(dl)
+            p = w_tile.load(dl)
             a_slot = a_smem.index(slot)
             for M in gl.static_range(4):  # planes 2M (low nibble of byte M) and 2M + 1
                 if BF16X2:
@@ -421,7 +468,7 @@ if HAS_GLUON:
         A_DIV: gl.constexpr, MUL_W: gl.constexpr, PERM_OUT: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, W2: gl.constexpr, STAGES: gl.constexpr,
         NW: gl.constexpr, BF16X2: gl.constexpr, INFLIGHT: gl.constexpr, FENCE: gl.constexpr,
-        TAIL: gl.constexpr, L1: gl.constexpr,
+        TAIL: gl.constexpr, L1: gl.constexpr, KW: gl.constexpr,
     ):  # fmt: skip
         """c[pair, n] = sum_k a[pair // A_DIV, k] * dequant(w[e, n, k]) (* tw[pair]) for one
         aligned block of BLOCK_M pairs of expert e and BLOCK_N outputs (acc[n, pair], weights
@@ -449,12 +496,12 @@ if HAS_GLUON:
                 _tile(a_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, b * HALF, e, pid_n, N, K,
                       num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e,
                       s_stride_n, A_DIV, MUL_W, PERM_OUT, BLOCK_M, BLOCK_N, W2, STAGES, NW,
-                      BF16X2, INFLIGHT, FENCE, L1)  # fmt: skip
+                      BF16X2, INFLIGHT, FENCE, L1, KW)  # fmt: skip
             else:
                 _tile(a_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, b * HALF, e, pid_n, N, K,
                       num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e,
                       s_stride_n, A_DIV, MUL_W, PERM_OUT, HALF, BLOCK_N, W2, STAGES, NW,
-                      BF16X2, INFLIGHT, FENCE, L1)  # fmt: skip
+                      BF16X2, INFLIGHT, FENCE, L1, KW)  # fmt: skip
         else:
             if pid_m * BLOCK_M >= gl.load(npost_ptr):
                 return
@@ -462,7 +509,7 @@ if HAS_GLUON:
             _tile(a_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, pid_m * BLOCK_M, e, pid_n, N,
                   K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e,
                   s_stride_n, A_DIV, MUL_W, PERM_OUT, BLOCK_M, BLOCK_N, W2, STAGES, NW, BF16X2,
-                  INFLIGHT, FENCE, L1)  # fmt: skip
+                  INFLIGHT, FENCE, L1, KW)  # fmt: skip
 
 
 def gemm_gluon(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, perm_out, cfg,
