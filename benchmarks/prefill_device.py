@@ -36,7 +36,7 @@ E, D, I, K = 384, 7168, 2048, 8
 # l: L1 (words and scales through L1, carveout for it; needs STAGES=3 to leave L1 room); w: KW
 # (a K step's words and scales loaded once, whole sectors)
 VARIANTS = ["128x256s4w8h", "128x256s4w8ht", "128x256s3w8hl", "128x256s3w8hw", "128x256s3w8htw",
-            "128x256s3w8htl", "64x256s4w8hw"]  # fmt: skip
+            "128x256s3w8htl", "128x256s3w8hi2tw", "64x256s4w8hw"]  # fmt: skip
 TS = (1024, 2048, 4096, 8192, 16384)
 BUDGET_S = 285
 
