@@ -247,3 +247,37 @@ def test_kw_config():
         check_config({**kw, "STAGES": 4})  # 3 K-step slots: 236 KiB
     with pytest.raises(ValueError, match="KW and L1"):
         check_config({**kw, "L1": True})
+
+
+def test_int4_moe_gemm_passes_tail_units_to_the_gluon_launch(monkeypatch):
+    """A TAIL table entry: int4_moe_gemm aligns to BLOCK_M / 2 and hands both launches the
+    units (the kernel itself runs on an sm_90 GPU: test_gluon_matches_triton, the device
+    script)."""
+    if torch.cuda.is_available():
+        pytest.skip("the wiring is checked on CPU")
+    pytest.importorskip("triton")
+    from k2serve.kernels import fused_moe as fm
+    from k2serve.kernels.moe_align import max_blocks
+
+    calls = []
+
+    def fake(a, w, s, c, tw, sid, eids, npost, N, K, M, a_div, mul_w, perm_out, cfg, units=None):
+        calls.append((sid.shape[0], eids.shape[0], None if units is None else units.shape[0]))
+        c.zero_()
+
+    monkeypatch.setattr(int4_gemm, "gluon_usable", lambda device: True)
+    monkeypatch.setattr(int4_gemm, "gemm_gluon", fake)
+    torch.manual_seed(0)
+    E, D, I, T, k = 4, 256, 256, 40, 2  # noqa: E741
+    pk = lambda n, kk: torch.randint(-(2**31), 2**31 - 1, (E, n, kk // 8), dtype=torch.int32)  # noqa: E731
+    sc = lambda n, kk: (torch.rand(E, n, kk // 32) * 0.004 + 0.002).bfloat16()  # noqa: E731
+    ew = fm.ExpertWeights("int4", pk(2 * I, D), pk(D, I), sc(2 * I, D), sc(D, I), 32)
+    x = torch.randn(T, D, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).int()
+    cfg = dict(BLOCK_M=32, BLOCK_N=128, W2=16, STAGES=3, num_warps=4, TAIL=True, KW=True)
+    int4_gemm.int4_moe_gemm(x, ew, torch.rand(T, k), ids, cfg, backend="gluon")
+    nb = max_blocks(T * k, E, 16)
+    assert calls == [(nb * 16, nb, max_blocks(T * k, E, 32))] * 2
+    calls.clear()
+    int4_gemm.int4_moe_gemm(x, ew, torch.rand(T, k), ids, {**cfg, "TAIL": False}, backend="gluon")
+    assert calls == [(max_blocks(T * k, E, 32) * 32, max_blocks(T * k, E, 32), None)] * 2
