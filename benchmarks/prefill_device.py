@@ -35,10 +35,14 @@ E, D, I, K = 384, 7168, 2048, 8
 # 128x256s4w8h: the 8K band's config today (the table's below 16384 pairs is another); t: TAIL;
 # l: L1 (words and scales through L1, carveout for it; needs STAGES=3 to leave L1 room); w: KW
 # (a K step's words and scales loaded once, whole sectors)
+# (the wave-7 sweep's times follow the L2 sectors a MAC: with KW smaller token tiles and
+# 512-row tiles may win the 1K-4K bands)
 VARIANTS = ["128x256s4w8h", "128x256s4w8ht", "128x256s3w8hl", "128x256s3w8hw", "128x256s3w8htw",
-            "128x256s3w8htl", "128x256s3w8hi2tw", "64x256s4w8hw"]  # fmt: skip
+            "128x256s3w8hi2tw", "64x256s4w8hw", "64x256s4w8htw", "32x256s4w8hw",
+            "32x512s3w16hw"]  # fmt: skip
 TS = (1024, 2048, 4096, 8192, 16384)
-BUDGET_S = 285
+DEFAULT_TS = ",".join(map(str, TS))
+BUDGET_S = 288
 
 
 def log(*a):
@@ -142,8 +146,12 @@ def part_time(T, routing, variants):
     flops = 2 * 3 * D * I * T * K
     it = 5 if T >= 8192 else 10
     base = ig.int4_moe_gemm(x, ew, tw, ti, backend="gluon")
+    told = os.environ.get("PREFILL_ALL") == "1"  # --variants given: every one at every T
+    per = T * K / E  # pairs an expert
     for name in ["table", *variants]:
         cfg = None if name == "table" else gd.cfg_of(name)
+        if cfg and not (per / 4 <= cfg["BLOCK_M"] <= 4 * max(16, per)) and not told:
+            continue  # token tiles far past or below an expert's pairs
         fn = lambda cfg=cfg: ig.int4_moe_gemm(x, ew, tw, ti, cfg, backend="gluon")  # noqa: E731
         try:
             diff = gd.rel(fn(), base)
@@ -164,9 +172,11 @@ def main(argv=None) -> int:
     ap.add_argument("--T", type=int, default=0)
     ap.add_argument("--routing", default="uniform,third")
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--ts", default=",".join(map(str, TS)))
+    ap.add_argument("--ts", default=DEFAULT_TS)
     args = ap.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
+    if args.variants != ",".join(VARIANTS):
+        os.environ["PREFILL_ALL"] = "1"  # the time parts' processes inherit it
     if args.part == "check":
         part_check(variants)
         return 0
@@ -178,13 +188,16 @@ def main(argv=None) -> int:
     os.makedirs(out_dir, exist_ok=True)
     base = ["--variants", args.variants]
     with open(os.path.join(out_dir, "prefill_gemm.txt"), "w") as sink:
-        res = child(["--part", "check", *base], 130, sink)
+        res = child(["--part", "check", *base], 140, sink)
         ceil = next(
             (r for r in res if r["kind"] == "ceil"), {"bw": float("nan"), "mm": float("nan")}
         )
         checks = [r for r in res if r["kind"] == "check"]
         bad = sorted({r["cfg"] for r in checks if not r["ok"]})
-        runs = [(T, r) for r in args.routing.split(",") for T in map(int, args.ts.split(","))]
+        ts = [int(t) for t in args.ts.split(",")]
+        # one-third routing (the k2-slice's) at the long prompts only unless told otherwise
+        runs = [(T, r) for r in args.routing.split(",") for T in ts
+                if r == "uniform" or T >= 8192 or args.ts != DEFAULT_TS]  # fmt: skip
         runs.sort(key=lambda tr: (tr[0] != 8192, tr[1] != "uniform"))  # the 8K figures first
         for T, routing in runs:
             left = BUDGET_S - (time.time() - t0)
