@@ -6,8 +6,9 @@ Owns: `gemm_gluon` (one launch, the drop-in for `int4_gemm._gemm`: same operands
 moe_align_block_size rows, A_DIV / MUL_W / PERM_OUT meanings, activations in `to_gemm_order`),
 whether it can run (`gluon_available`, `gluon_usable`), its configs (`GLUON_CONFIG`,
 `GLUON_TABLE` by pair count, `check_config`, `smem_bytes`), the rows a config runs on
-(`gluon_align`, `tail_units`). The dequant is int4_gemm_gluon_dequant.py's. int4_gemm.int4_moe_gemm picks it
-with backend="gluon" (argument, config key or K2SERVE_INT4_GEMM).
+(`gluon_align`, `tail_units`); the dequant is int4_gemm_gluon_dequant.py's.
+int4_gemm.int4_moe_gemm picks it with backend="gluon" (argument, config key or
+K2SERVE_INT4_GEMM).
 
 Why: Triton 3.6 waits for every register-operand wgmma before dequantizing the next plane
 (`warpgroup.wait 0`), so the CUDA-core dequant and the tensor-core MMA never overlap. Here the
