@@ -9,7 +9,7 @@ Variants are gluon_int4_device.cfg_of names (t: TAIL, an expert's last <= BLOCK_
 in a BLOCK_M / 2 tile; l: L1, the words and scales through L1; w: KW, a K step's words and
 scales loaded once, whole sectors). Parts, each in its own process (a kernel fault cannot take the later
 ones with it), each variant fail-soft (the error is printed, the next one runs):
-  check  small grouped GEMMs against a float32 torch reference and the Triton kernel (padding
+  check  (two processes: small shapes, then K2 layers) small grouped GEMMs against a float32 torch reference and the Triton kernel (padding
          rows, a partial N block, an expert without pairs, experts with 100 and 150 pairs:
          full tiles plus tails), then int4_moe_gemm on a K2 layer: T=1, 64, 2048 against
          fused_moe_ref, T=8192, 16384 against the current table's output (bit-identical
@@ -34,12 +34,12 @@ sys.path.insert(0, HERE)
 E, D, I, K = 384, 7168, 2048, 8
 # 128x256s4w8h: the 8K band's config today (the table's below 16384 pairs is another); t: TAIL;
 # l: L1 (words and scales through L1, carveout for it; needs STAGES=3 to leave L1 room); w: KW
-# (a K step's words and scales loaded once, whole sectors)
+# (a K step's words and scales loaded once, whole sectors); ww: KW=2 (scales by K-step pair)
 # (the wave-7 sweep's times follow the L2 sectors a MAC: with KW smaller token tiles and
 # 512-row tiles may win the 1K-4K bands)
 VARIANTS = ["128x256s4w8h", "128x256s4w8ht", "128x256s3w8hl", "128x256s3w8hw", "128x256s3w8htw",
-            "128x256s3w8hi2tw", "64x256s4w8hw", "64x256s4w8htw", "32x256s4w8hw",
-            "32x512s3w16hw"]  # fmt: skip
+            "128x256s3w8htww", "128x256s3w8hi2tww", "64x256s4w8hw", "64x256s4w8hww",
+            "64x256s4w8htww", "32x256s4w8hww", "32x512s3w16hww"]  # fmt: skip
 TS = (1024, 2048, 4096, 8192, 16384)
 DEFAULT_TS = ",".join(map(str, TS))
 BUDGET_S = 288
@@ -70,9 +70,7 @@ def part_check(variants):
     import torch
     import triton
 
-    from k2serve.kernels import int4_gemm as ig
     from k2serve.kernels import int4_gemm_gluon as gg
-    from k2serve.kernels.fused_moe import fused_moe_ref
 
     log(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} "
         f"gluon usable {gg.gluon_usable('cuda')}")  # fmt: skip
@@ -88,6 +86,15 @@ def part_check(variants):
             gd.gemm_case(*args, variants)
         except Exception as e:  # noqa: BLE001
             log(f"  {args[0]}: ERROR {type(e).__name__}: {str(e)[:600]}")
+
+
+def part_layers(variants):
+    import gluon_int4_device as gd
+    import torch
+
+    from k2serve.kernels import int4_gemm as ig
+    from k2serve.kernels.fused_moe import fused_moe_ref
+
     for T in (1, 64, 2048, 8192, 16384):
         try:
             torch.manual_seed(T)
@@ -180,6 +187,9 @@ def main(argv=None) -> int:
     if args.part == "check":
         part_check(variants)
         return 0
+    if args.part == "layers":
+        part_layers(variants)
+        return 0
     if args.part == "time":
         part_time(args.T, args.routing, variants)
         return 0
@@ -188,7 +198,8 @@ def main(argv=None) -> int:
     os.makedirs(out_dir, exist_ok=True)
     base = ["--variants", args.variants]
     with open(os.path.join(out_dir, "prefill_gemm.txt"), "w") as sink:
-        res = child(["--part", "check", *base], 140, sink)
+        res = child(["--part", "check", *base], 90, sink)
+        res += child(["--part", "layers", *base], 100, sink)
         ceil = next(
             (r for r in res if r["kind"] == "ceil"), {"bw": float("nan"), "mm": float("nan")}
         )

@@ -247,6 +247,11 @@ def test_kw_config():
         check_config({**kw, "STAGES": 4})  # 3 K-step slots: 236 KiB
     with pytest.raises(ValueError, match="KW and L1"):
         check_config({**kw, "L1": True})
+    kw2 = {**kw, "KW": 2}  # 4 scale slots of K-step pairs
+    check_config(kw2)
+    assert int4_gemm_gluon.smem_bytes(kw2) == 3 * 32768 + 2 * 32768 + 4 * 4096
+    with pytest.raises(ValueError, match="KW must be"):
+        check_config({**kw, "KW": 3})
 
 
 def test_int4_moe_gemm_passes_tail_units_to_the_gluon_launch(monkeypatch):

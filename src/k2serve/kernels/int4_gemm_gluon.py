@@ -103,7 +103,8 @@ CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "W2", "STAGES", "num_warps", "BF16X2", "INF
 # sub-step's) and its scales twice, so from L2 they cost 2x and 4x their bytes, the largest
 # share of the tile's L2 traffic after the activations; KW: the same fixed another way, each
 # K step's words (both parities: whole sectors) and scales loaded once, with its even sub-step,
-# into a ring of K-step slots (no reliance on L1; more shared memory: STAGES=3 for 128x256)
+# into a ring of K-step slots (no reliance on L1; more shared memory: STAGES=3 for 128x256);
+# KW=2: the scales of two K steps at once (whole sectors; K a multiple of 32 W2, else KW=1)
 CONFIG_DEFAULTS = dict(BF16X2=False, INFLIGHT=1, FENCE=False, TAIL=False, L1=False, KW=False)
 
 
@@ -125,8 +126,10 @@ def gluon_usable(device: torch.device | str) -> bool:
 def smem_bytes(cfg: dict) -> int:
     """Shared memory of the ring (the epilogue's layout conversion reuses it)."""
     bm, bn, w2, st = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["W2"], cfg["STAGES"]
-    if cfg.get("KW"):  # word and scale slots by K step (`_tile`)
-        return st * 8 * bm * w2 * 2 + (st + 2) // 2 * (2 * bn * w2 * 4 + bn * (w2 // 4) * 4)
+    if cfg.get("KW"):  # word and scale slots by K step (`_tile`), KW=2: 4 scale slots
+        ws = (st + 2) // 2
+        scales = (4 if cfg["KW"] == 2 else ws) * bn * (w2 // 4) * 4
+        return st * 8 * bm * w2 * 2 + ws * 2 * bn * w2 * 4 + scales
     return st * (8 * bm * w2 * 2 + bn * w2 * 4 + bn * (w2 // 4) * 4)
 
 
@@ -142,6 +145,8 @@ def check_config(cfg: dict) -> None:
         raise ValueError("gluon int4 GEMM: W2 must be 16 or 32 and STAGES >= 3")
     if cfg.get("TAIL") and bm % 16:
         raise ValueError(f"gluon int4 GEMM: TAIL needs BLOCK_M={bm} a multiple of 16")
+    if cfg.get("KW", 0) not in (0, 1, 2) or cfg.get("KW") == 2 and cfg["STAGES"] > 5:
+        raise ValueError("gluon int4 GEMM: KW must be 0, 1 or 2 (2: STAGES <= 5)")
     if cfg.get("KW") and cfg.get("L1"):
         raise ValueError("gluon int4 GEMM: KW and L1 are two ways to the same end: one of them")
     if cfg.get("INFLIGHT", 1) not in (1, 2):
@@ -206,8 +211,15 @@ if HAS_GLUON:
                 ws = ks % WS
                 async_copy.async_copy_global_to_shared(w_smem.index(ws), w_ptrs + ks * 2 * W2,
                                                        mask=w_ok)  # fmt: skip
-                async_copy.async_copy_global_to_shared(s_smem.index(ws), s_ptrs + ks * (W2 // 4),
-                                                       mask=s_ok)  # fmt: skip
+                if KW == 1:
+                    async_copy.async_copy_global_to_shared(s_smem.index(ws),
+                                                           s_ptrs + ks * (W2 // 4),
+                                                           mask=s_ok)  # fmt: skip
+            if KW == 2:  # the scales of K steps ks, ks + 1 (a whole sector a row) with ks's
+                if u % 4 == 0:
+                    async_copy.async_copy_global_to_shared(s_smem.index((ks // 2) % 2),
+                                                           s_ptrs + ks * (W2 // 4),
+                                                           mask=s_ok)  # fmt: skip
         elif L1:  # through L1 (cp.async.ca): the other parity's half sectors hit there
             async_copy.async_copy_global_to_shared(w_smem.index(slot),
                                                    w_ptrs + (ks * 2 * W2 + par * 4), mask=w_ok,
@@ -264,14 +276,21 @@ if HAS_GLUON:
         WS: gl.constexpr = (STAGES + 2) // 2 if KW else STAGES
         # (KW: read as [2 * WS, BLOCK_N, W2], slot 2 ws + parity, written as
         # [WS, 2, BLOCK_N, W2]: the same bytes and swizzle)
-        w_smem = gl.allocate_shared_memory(gl.int32, [(1 + KW) * WS, BLOCK_N, W2], w_sl)
+        w_smem = gl.allocate_shared_memory(gl.int32, [(2 if KW else 1) * WS, BLOCK_N, W2], w_sl)
         if KW:
             w_sl3: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=W2 // 4,
                                                           order=[2, 1, 0])  # fmt: skip
             w_fill = w_smem._reinterpret(gl.int32, [WS, 2, BLOCK_N, W2], w_sl3)
         else:
             w_fill = w_smem
-        s_smem = gl.allocate_shared_memory(gl.int32, [WS, BLOCK_N, W2 // 4], s_sl)
+        if KW == 2:  # scales by K-step pair: read as [4, ...], slot 2 (pair % 2) + ks % 2
+            s_smem = gl.allocate_shared_memory(gl.int32, [4, BLOCK_N, W2 // 4], s_sl)
+            s_sl3: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
+                                                          order=[2, 1, 0])  # fmt: skip
+            s_fill = s_smem._reinterpret(gl.int32, [2, 2, BLOCK_N, W2 // 4], s_sl3)
+        else:
+            s_smem = gl.allocate_shared_memory(gl.int32, [WS, BLOCK_N, W2 // 4], s_sl)
+            s_fill = s_smem
 
         # activation planes as one [8 * BM, W2] tile per slot: row q = plane q // BM of pair
         # q % BM (padding pairs: not read, zeros)
@@ -307,11 +326,24 @@ if HAS_GLUON:
         s_ptrs = (s_ptr + e * s_stride_e + gl.expand_dims(n_s * s_stride_n, 1)
                   + gl.expand_dims(c_s, 0))  # fmt: skip
         s_ok = gl.expand_dims(n_s < N, 1) & gl.expand_dims(c_s >= 0, 0)
+        if KW == 2:  # [2, BLOCK_N, W2 / 4]: a row's two K steps in one copy instruction
+            ls3: gl.constexpr = gl.BlockedLayout([1, 1, W2 // 4], [2, 16, 1], [1, NW, 1],
+                                                 [2, 0, 1])  # fmt: skip
+            h3 = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, ls3)))
+            ns3 = pid_n * BLOCK_N + gl.arange(
+                0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, ls3)))  # fmt: skip
+            cs3 = gl.arange(0, W2 // 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, ls3)))
+            s_ptrs = (s_ptr + e * s_stride_e + gl.expand_dims(gl.expand_dims(h3 * (W2 // 4), 1), 2)
+                      + gl.expand_dims(gl.expand_dims(ns3 * s_stride_n, 0), 2)
+                      + gl.expand_dims(gl.expand_dims(cs3, 0), 1))  # fmt: skip
+            s_ok = (gl.expand_dims(gl.expand_dims(h3 >= 0, 1), 2)
+                    & gl.expand_dims(gl.expand_dims(ns3 < N, 0), 2)
+                    & gl.expand_dims(gl.expand_dims(cs3 >= 0, 0), 1))  # fmt: skip
 
         NU = K // (8 * W2)  # sub-steps: the even then the odd tile of each K step
         gl.assume(NU > 0)
         for u in gl.static_range(STAGES - 2):
-            _issue(u, NU, a_ptrs, a_ok, w_ptrs, w_ok, s_ptrs, s_ok, a_smem, w_fill, s_smem,
+            _issue(u, NU, a_ptrs, a_ok, w_ptrs, w_ok, s_ptrs, s_ok, a_smem, w_fill, s_fill,
                    STAGES, W2, L1, KW)  # fmt: skip
         acc = gl.zeros([BLOCK_N, BM], gl.float32, layout=mma)
         # the planes of the MMAs in flight (kept alive through the waits' deps)
@@ -328,11 +360,14 @@ if HAS_GLUON:
             if FENCE:
                 fence_async_shared()
             _issue(u + STAGES - 2, NU, a_ptrs, a_ok, w_ptrs, w_ok, s_ptrs, s_ok, a_smem, w_fill,
-                   s_smem, STAGES, W2, L1, KW)  # fmt: skip
+                   s_fill, STAGES, W2, L1, KW)  # fmt: skip
             slot = u % STAGES
             if KW:
                 w_tile = w_smem.index(2 * ((u // 2) % WS) + u % 2)
-                s_slot = (u // 2) % WS
+                if KW == 2:
+                    s_slot = 2 * ((u // 4) % 2) + (u // 2) % 2
+                else:
+                    s_slot = (u // 2) % WS
             else:
                 w_tile = w_smem.index(slot)
                 s_slot = slot
@@ -458,6 +493,9 @@ def gemm_gluon(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, p
     check_config(cfg)
     if K % (16 * cfg["W2"]):
         raise ValueError(f"gluon int4 GEMM: K={K} is not a multiple of {16 * cfg['W2']}")
+    if cfg["KW"] == 2 and K % (32 * cfg["W2"]):  # an odd count of K steps: no scale pairs
+        cfg["KW"] = 1
+    cfg["KW"] = int(cfg["KW"])
     if cfg["TAIL"] and units is None:
         raise ValueError("gluon int4 GEMM: TAIL needs the units (gluon_align)")
     s32 = s.view(torch.int32)
