@@ -9,7 +9,7 @@ Run (no GPU needed; Triton 3.6, the API the kernel is written against):
 A config name is BLOCK_Mx BLOCK_N s STAGES w num_warps [k W2] [h] [i N] (W2 = 16 unless given;
 h: the bf16x2 dequant; i N: N wgmmas in flight, 1 unless given; f: the proxy fence; t: TAIL,
 an expert's last <= BLOCK_M / 2 pairs in a BLOCK_M / 2 tile; l: L1, words and scales through L1;
-w: KW, a K step's words and scales loaded once; ww: KW=2, scales by K-step pair).
+w: KW, a K step's words and scales loaded once; ww: KW=2, scales by K-step pair; g: SILU, gate_up stores silu(gate) * up).
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ CONFIGS = ["8x64s6w4", "16x64s6w4h", "16x128s6w4h", "32x128s6w4h", "64x128s4w4h"
 
 
 def parse(name: str) -> dict:
-    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)w(\d+)(?:k(\d+))?(h?)(?:i(\d))?(f?)(t?)(l?)(w{0,2})", name)
+    m = re.fullmatch(
+        r"(\d+)x(\d+)s(\d+)w(\d+)(?:k(\d+))?(h?)(?:i(\d))?(f?)(t?)(l?)(w{0,2})(g?)", name
+    )
     bm, bn, st, nw = (int(v) for v in m.groups()[:4])
     return dict(
         BLOCK_M=bm,
@@ -43,6 +45,7 @@ def parse(name: str) -> dict:
         TAIL=m.group(9) == "t",
         L1=m.group(10) == "l",
         KW=len(m.group(11)),
+        SILU=m.group(12) == "g",
     )
 
 
@@ -61,7 +64,8 @@ def compile_one(cfg: dict, a_div: int, mul_w: bool, perm_out: bool, arch: int = 
     cons = dict(A_DIV=a_div, MUL_W=mul_w, PERM_OUT=perm_out, BLOCK_M=cfg["BLOCK_M"],
                 BLOCK_N=cfg["BLOCK_N"], W2=cfg["W2"], STAGES=cfg["STAGES"], NW=cfg["num_warps"],
                 BF16X2=cfg["BF16X2"], INFLIGHT=cfg["INFLIGHT"], FENCE=cfg["FENCE"],
-                TAIL=cfg["TAIL"], L1=cfg["L1"], KW=cfg["KW"])  # fmt: skip
+                TAIL=cfg["TAIL"], L1=cfg["L1"], KW=cfg["KW"],
+                SILU=cfg["SILU"] and perm_out)  # fmt: skip
     sig = {**ptrs, **dict.fromkeys(ints, "i32"), **dict.fromkeys(cons, "constexpr")}
     div16 = [i for i, k in enumerate(sig) if k in ptrs or k in ints[3:-1]]
     src = GluonASTSource(fn=_int4_gemm_gluon_kernel, signature=sig, constexprs=cons,

@@ -49,8 +49,10 @@ def result(**kv):  # one machine-readable line for the driver
 
 def cfg_of(name: str) -> dict:
     """BLOCK_M x BLOCK_N s STAGES w num_warps [k W2] [h: bf16x2 dequant] [i INFLIGHT]
-    [f: proxy fence] [t: TAIL] [l: L1] [w: KW, ww: KW=2]: "64x128s4w4", "64x128s3w8k32", "64x128s4w4hi2", "128x256s4w8ht"."""
-    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)w(\d+)(?:k(\d+))?(h?)(?:i(\d))?(f?)(t?)(l?)(w{0,2})", name)
+    [f: proxy fence] [t: TAIL] [l: L1] [w: KW, ww: KW=2] [g: SILU]: "64x128s4w4", "64x128s3w8k32", "64x128s4w4hi2", "128x256s4w8ht"."""
+    m = re.fullmatch(
+        r"(\d+)x(\d+)s(\d+)w(\d+)(?:k(\d+))?(h?)(?:i(\d))?(f?)(t?)(l?)(w{0,2})(g?)", name
+    )
     bm, bn, st, nw = (int(v) for v in m.groups()[:4])
     return dict(
         BLOCK_M=bm,
@@ -64,6 +66,7 @@ def cfg_of(name: str) -> dict:
         TAIL=m.group(9) == "t",
         L1=m.group(10) == "l",
         KW=len(m.group(11)),
+        SILU=m.group(12) == "g",
     )
 
 

@@ -264,10 +264,11 @@ def test_int4_moe_gemm_passes_tail_units_to_the_gluon_launch(monkeypatch):
     from k2serve.kernels import fused_moe as fm
     from k2serve.kernels.moe_align import max_blocks
 
-    calls = []
+    calls, shapes = [], []
 
     def fake(a, w, s, c, tw, sid, eids, npost, N, K, M, a_div, mul_w, perm_out, cfg, units=None):
         calls.append((sid.shape[0], eids.shape[0], None if units is None else units.shape[0]))
+        shapes.append((tuple(a.shape), tuple(c.shape)))
         c.zero_()
 
     monkeypatch.setattr(int4_gemm, "gluon_usable", lambda device: True)
@@ -286,3 +287,7 @@ def test_int4_moe_gemm_passes_tail_units_to_the_gluon_launch(monkeypatch):
     calls.clear()
     int4_gemm.int4_moe_gemm(x, ew, torch.rand(T, k), ids, {**cfg, "TAIL": False}, backend="gluon")
     assert calls == [(max_blocks(T * k, E, 32) * 32, max_blocks(T * k, E, 32), None)] * 2
+    # SILU: the gate_up launch writes the [pairs, I] activation the down launch reads
+    shapes.clear()
+    int4_gemm.int4_moe_gemm(x, ew, torch.rand(T, k), ids, {**cfg, "SILU": True}, backend="gluon")
+    assert shapes == [((T, D), (T * k, I)), ((T * k, I), (T * k, D))]

@@ -352,7 +352,8 @@ def int4_moe_gemm(
     if active is not None:  # 0 rows in use: every program returns at once
         npost = npost * active
     tw = topk_weights.reshape(-1).float().contiguous()
-    h = torch.empty(M, 2 * I, dtype=x.dtype, device=x.device)
+    silu = gluon and not tile and bool(cfg.get("SILU"))  # the gate_up launch stores the act
+    h = torch.empty(M, I if silu else 2 * I, dtype=x.dtype, device=x.device)
     out = torch.empty(M, D, dtype=x.dtype, device=x.device)
     if tile:
         _gemm_tile(x, ew.w13, ew.w13_scale, h, tw, sorted_ids, eids, npost, 2 * I, D, M, k,
@@ -366,7 +367,7 @@ def int4_moe_gemm(
         xg = to_gemm_order(x, cfg["W2"])
         gemm(xg, ew.w13, ew.w13_scale, h, tw, sorted_ids, eids, npost, 2 * I, D, M, k, False,
              True, cfg)  # fmt: skip
-        act = F.silu(h[:, :I]) * h[:, I:]
+        act = h if silu else F.silu(h[:, :I]) * h[:, I:]
         gemm(act, ew.w2, ew.w2_scale, out, tw, sorted_ids, eids, npost, D, I, M, 1, True,
              False, cfg)  # fmt: skip
     return out.view(T, k, D).sum(1)

@@ -6,7 +6,8 @@ Owns: `gemm_gluon` (one launch, the drop-in for `int4_gemm._gemm`: same operands
 moe_align_block_size rows, A_DIV / MUL_W / PERM_OUT meanings, activations in `to_gemm_order`),
 whether it can run (`gluon_available`, `gluon_usable`), its configs (`GLUON_CONFIG`,
 `GLUON_TABLE` by pair count, `check_config`, `smem_bytes`), the rows a config runs on
-(`gluon_align`, `tail_units`); the dequant is int4_gemm_gluon_dequant.py's.
+(`gluon_align`, `tail_units`); the dequant, copies and SILU store are
+int4_gemm_gluon_parts.py's.
 int4_gemm.int4_moe_gemm picks it with backend="gluon" (argument, config key or
 K2SERVE_INT4_GEMM).
 
@@ -59,7 +60,7 @@ import logging
 import torch
 
 from ._triton import cdiv
-from .moe_align import max_blocks, moe_align_block_size
+from .moe_align import max_blocks, moe_align_block_size, tail_units
 
 try:  # pragma: no cover - depends on the installed Triton
     import triton
@@ -92,7 +93,7 @@ GLUON_TABLE = (
     dict(max_pairs=None, **GLUON_CONFIG),
 )
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "W2", "STAGES", "num_warps", "BF16X2", "INFLIGHT", "FENCE",
-               "TAIL", "L1", "KW")  # fmt: skip
+               "TAIL", "L1", "KW", "SILU")  # fmt: skip
 # BF16X2: the planes made two weights per instruction (bf16x2 PTX) instead of fp32 math;
 # INFLIGHT: wgmmas left in flight while the next planes are dequantized (1 or 2); FENCE: a
 # proxy fence after each sub-step's copies land (the first device run had it; see the loop);
@@ -105,7 +106,10 @@ CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "W2", "STAGES", "num_warps", "BF16X2", "INF
 # K step's words (both parities: whole sectors) and scales loaded once, with its even sub-step,
 # into a ring of K-step slots (no reliance on L1; more shared memory: STAGES=3 for 128x256);
 # KW=2: the scales of two K steps at once (whole sectors; K a multiple of 32 W2, else KW=1)
-CONFIG_DEFAULTS = dict(BF16X2=False, INFLIGHT=1, FENCE=False, TAIL=False, L1=False, KW=False)
+# SILU: the gate_up launch's tiles take gate and up rows in halves and store silu(gate) * up
+# (int4_moe_gemm then skips its torch SiLU-and-mul and the [pairs, 2I] intermediate)
+CONFIG_DEFAULTS = dict(BF16X2=False, INFLIGHT=1, FENCE=False, TAIL=False, L1=False, KW=False,
+                       SILU=False)  # fmt: skip
 
 
 def gluon_available() -> bool:
@@ -160,25 +164,6 @@ def align_m(cfg: dict) -> int:
     return cfg["BLOCK_M"] // 2 if cfg.get("TAIL") else cfg["BLOCK_M"]
 
 
-def tail_units(eids: torch.Tensor, num_experts: int, num_units: int) -> torch.Tensor:
-    """The program rows of a TAIL launch: eids [nb] int32, the expert of each aligned block of
-    BLOCK_M / 2 rows (num_experts past the end) -> units [num_units] int32: the blocks at an
-    even place in their expert's run, in order (an expert's units stay adjacent: its weight
-    tiles stay in L2), then nb (no work). num_units >= the units there can be:
-    max_blocks(pairs, experts, BLOCK_M) (an expert's units are cdiv(pairs, BLOCK_M)). No
-    host sync (CUDA-graph safe)."""
-    nb = eids.shape[0]
-    idx = torch.arange(nb, device=eids.device)
-    start = torch.ones(nb, dtype=torch.bool, device=eids.device)
-    start[1:] = eids[1:] != eids[:-1]
-    first = torch.where(start, idx, 0).cummax(0).values  # the first block of each one's expert
-    unit = ((idx - first) % 2 == 0) & (eids < num_experts)
-    dest = torch.where(unit, unit.long().cumsum(0) - 1, num_units)  # non-units: a spare slot
-    units = torch.full((num_units + 1,), nb, dtype=torch.int32, device=eids.device)
-    units.scatter_(0, dest, idx.int())
-    return units[:num_units]
-
-
 def gluon_align(topk_ids: torch.Tensor, num_experts: int, cfg: dict):
     """moe_align_block_size for the config (`align_m`) and, for TAIL, its `tail_units`:
     (sorted_ids, expert_ids, num_post_padded, units or None)."""
@@ -190,49 +175,15 @@ def gluon_align(topk_ids: torch.Tensor, num_experts: int, cfg: dict):
 
 
 if HAS_GLUON:
-    from .int4_gemm_gluon_dequant import _plane, _plane_pair_bf16x2, _split_cols, _to_plane
-
-    @gluon.jit
-    def _issue(u, NU, a_ptrs, a_ok, w_ptrs, w_ok, s_ptrs, s_ok, a_smem, w_smem, s_smem,
-               STAGES: gl.constexpr, W2: gl.constexpr, L1: gl.constexpr,
-               KW: gl.constexpr):  # fmt: skip
-        """cp.async sub-step u (parity u % 2 of K step u // 2) into ring slot u % STAGES, one
-        commit group (KW: the words and scales go to the K step's word slot, `_tile`). Past
-        the last sub-step the last one is loaded again (into a slot nobody reads): the masks
-        stay loop-invariant and the group count uniform."""
-        slot = u % STAGES
-        u = gl.minimum(u, NU - 1)
-        ks = u // 2
-        par = u % 2
-        async_copy.async_copy_global_to_shared(a_smem.index(slot), a_ptrs + u * (8 * W2), mask=a_ok)
-        if KW:  # a K step's words (both parities: whole sectors) and scales with its even half
-            WS: gl.constexpr = (STAGES + 2) // 2
-            if par == 0:  # (the reloads past the end are odd: no word slot is touched)
-                ws = ks % WS
-                async_copy.async_copy_global_to_shared(w_smem.index(ws), w_ptrs + ks * 2 * W2,
-                                                       mask=w_ok)  # fmt: skip
-                if KW == 1:
-                    async_copy.async_copy_global_to_shared(s_smem.index(ws),
-                                                           s_ptrs + ks * (W2 // 4),
-                                                           mask=s_ok)  # fmt: skip
-            if KW == 2:  # the scales of K steps ks, ks + 1 (a whole sector a row) with ks's
-                if u % 4 == 0:
-                    async_copy.async_copy_global_to_shared(s_smem.index((ks // 2) % 2),
-                                                           s_ptrs + ks * (W2 // 4),
-                                                           mask=s_ok)  # fmt: skip
-        elif L1:  # through L1 (cp.async.ca): the other parity's half sectors hit there
-            async_copy.async_copy_global_to_shared(w_smem.index(slot),
-                                                   w_ptrs + (ks * 2 * W2 + par * 4), mask=w_ok,
-                                                   cache_modifier=".ca")  # fmt: skip
-            async_copy.async_copy_global_to_shared(s_smem.index(slot), s_ptrs + ks * (W2 // 4),
-                                                   mask=s_ok, cache_modifier=".ca")  # fmt: skip
-        else:
-            async_copy.async_copy_global_to_shared(w_smem.index(slot),
-                                                   w_ptrs + (ks * 2 * W2 + par * 4),
-                                                   mask=w_ok)  # fmt: skip
-            async_copy.async_copy_global_to_shared(s_smem.index(slot), s_ptrs + ks * (W2 // 4),
-                                                   mask=s_ok)  # fmt: skip
-        async_copy.commit_group()
+    from .int4_gemm_gluon_parts import (
+        _issue,
+        _plane,
+        _plane_pair_bf16x2,
+        _rows,
+        _silu_epilogue,
+        _split_cols,
+        _to_plane,
+    )
 
     @gluon.jit
     def _tile(
@@ -241,7 +192,7 @@ if HAS_GLUON:
         A_DIV: gl.constexpr, MUL_W: gl.constexpr, PERM_OUT: gl.constexpr,
         BM: gl.constexpr, BLOCK_N: gl.constexpr, W2: gl.constexpr, STAGES: gl.constexpr,
         NW: gl.constexpr, BF16X2: gl.constexpr, INFLIGHT: gl.constexpr, FENCE: gl.constexpr,
-        L1: gl.constexpr, KW: gl.constexpr,
+        L1: gl.constexpr, KW: gl.constexpr, SILU: gl.constexpr,
     ):  # fmt: skip
         """One output tile: the BM aligned pairs at sorted rows row0.. (all of expert e) x the
         BLOCK_N outputs of N tile pid_n (acc[n, pair]), with its own ring (freed before the
@@ -302,42 +253,44 @@ if HAS_GLUON:
                   + gl.expand_dims(c_a, 0))  # fmt: skip
         a_ok = gl.expand_dims(pair_a < num_pairs, 1) & gl.expand_dims(c_a >= 0, 0)
         # words: column c of a parity tile is word (c // 4) * 8 + c % 4 of the K step (+ 4 odd)
-        n_w = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lw))
+        n_w, nok_w = _rows(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lw)), pid_n, N, BLOCK_N,
+                           SILU)  # fmt: skip
         c_w = gl.arange(0, W2, layout=gl.SliceLayout(0, lw))
         w_ptrs = (w_ptr + e * w_stride_e + gl.expand_dims(n_w * w_stride_n, 1)
                   + gl.expand_dims((c_w // 4) * 8 + c_w % 4, 0))  # fmt: skip
-        w_ok = gl.expand_dims(n_w < N, 1) & gl.expand_dims(c_w >= 0, 0)
+        w_ok = gl.expand_dims(nok_w, 1) & gl.expand_dims(c_w >= 0, 0)
         if KW:  # [2, BLOCK_N, W2]: both parities; a warp's pieces are whole 128-byte rows
             lw3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [2, 32 // (W2 // 2), W2 // 4],
                                                  [1, NW, 1], [2, 0, 1])  # fmt: skip
             par3 = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, lw3)))
-            n3 = pid_n * BLOCK_N + gl.arange(
-                0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, lw3)))  # fmt: skip
+            r3 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, lw3)))
+            n3, nok3 = _rows(r3, pid_n, N, BLOCK_N, SILU)
             c3 = gl.arange(0, W2, layout=gl.SliceLayout(0, gl.SliceLayout(1, lw3)))
             off3 = (gl.expand_dims(gl.expand_dims(par3 * 4, 1), 2)
                     + gl.expand_dims(gl.expand_dims(n3 * w_stride_n, 0), 2)
                     + gl.expand_dims(gl.expand_dims((c3 // 4) * 8 + c3 % 4, 0), 1))  # fmt: skip
             w_ptrs = w_ptr + e * w_stride_e + off3
             w_ok = (gl.expand_dims(gl.expand_dims(par3 >= 0, 1), 2)
-                    & gl.expand_dims(gl.expand_dims(n3 < N, 0), 2)
+                    & gl.expand_dims(gl.expand_dims(nok3, 0), 2)
                     & gl.expand_dims(gl.expand_dims(c3 >= 0, 0), 1))  # fmt: skip
-        n_s = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ls))
+        n_s, nok_s = _rows(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ls)), pid_n, N, BLOCK_N,
+                           SILU)  # fmt: skip
         c_s = gl.arange(0, W2 // 4, layout=gl.SliceLayout(0, ls))
         s_ptrs = (s_ptr + e * s_stride_e + gl.expand_dims(n_s * s_stride_n, 1)
                   + gl.expand_dims(c_s, 0))  # fmt: skip
-        s_ok = gl.expand_dims(n_s < N, 1) & gl.expand_dims(c_s >= 0, 0)
+        s_ok = gl.expand_dims(nok_s, 1) & gl.expand_dims(c_s >= 0, 0)
         if KW == 2:  # [2, BLOCK_N, W2 / 4]: a row's two K steps in one copy instruction
             ls3: gl.constexpr = gl.BlockedLayout([1, 1, W2 // 4], [2, 16, 1], [1, NW, 1],
                                                  [2, 0, 1])  # fmt: skip
             h3 = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, ls3)))
-            ns3 = pid_n * BLOCK_N + gl.arange(
-                0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, ls3)))  # fmt: skip
+            rs3 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, ls3)))
+            ns3, noks3 = _rows(rs3, pid_n, N, BLOCK_N, SILU)
             cs3 = gl.arange(0, W2 // 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, ls3)))
             s_ptrs = (s_ptr + e * s_stride_e + gl.expand_dims(gl.expand_dims(h3 * (W2 // 4), 1), 2)
                       + gl.expand_dims(gl.expand_dims(ns3 * s_stride_n, 0), 2)
                       + gl.expand_dims(gl.expand_dims(cs3, 0), 1))  # fmt: skip
             s_ok = (gl.expand_dims(gl.expand_dims(h3 >= 0, 1), 2)
-                    & gl.expand_dims(gl.expand_dims(ns3 < N, 0), 2)
+                    & gl.expand_dims(gl.expand_dims(noks3, 0), 2)
                     & gl.expand_dims(gl.expand_dims(cs3 >= 0, 0), 1))  # fmt: skip
 
         NU = K // (8 * W2)  # sub-steps: the even then the odd tile of each K step
@@ -407,6 +360,10 @@ if HAS_GLUON:
         acc, w_p0, w_p1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_p0, w_p1))
         async_copy.wait_group(0)
 
+        if SILU:
+            _silu_epilogue(acc, c_ptr, sorted_ptr, row0, pid_n, N, num_pairs, c_stride, BM,
+                           BLOCK_N, W2, NW)  # fmt: skip
+            return
         # epilogue: n-contiguous layout, (routing weight), store pairs' rows
         TN: gl.constexpr = min(32, BLOCK_N // 8)
         lo: gl.constexpr = gl.BlockedLayout([8, 1], [TN, 32 // TN], [1, NW], [0, 1])
@@ -435,7 +392,7 @@ if HAS_GLUON:
         A_DIV: gl.constexpr, MUL_W: gl.constexpr, PERM_OUT: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, W2: gl.constexpr, STAGES: gl.constexpr,
         NW: gl.constexpr, BF16X2: gl.constexpr, INFLIGHT: gl.constexpr, FENCE: gl.constexpr,
-        TAIL: gl.constexpr, L1: gl.constexpr, KW: gl.constexpr,
+        TAIL: gl.constexpr, L1: gl.constexpr, KW: gl.constexpr, SILU: gl.constexpr,
     ):  # fmt: skip
         """c[pair, n] = sum_k a[pair // A_DIV, k] * dequant(w[e, n, k]) (* tw[pair]) for one
         aligned block of BLOCK_M pairs of expert e and BLOCK_N outputs (acc[n, pair], weights
@@ -463,12 +420,12 @@ if HAS_GLUON:
                 _tile(a_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, b * HALF, e, pid_n, N, K,
                       num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e,
                       s_stride_n, A_DIV, MUL_W, PERM_OUT, BLOCK_M, BLOCK_N, W2, STAGES, NW,
-                      BF16X2, INFLIGHT, FENCE, L1, KW)  # fmt: skip
+                      BF16X2, INFLIGHT, FENCE, L1, KW, SILU)  # fmt: skip
             else:
                 _tile(a_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, b * HALF, e, pid_n, N, K,
                       num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e,
                       s_stride_n, A_DIV, MUL_W, PERM_OUT, HALF, BLOCK_N, W2, STAGES, NW,
-                      BF16X2, INFLIGHT, FENCE, L1, KW)  # fmt: skip
+                      BF16X2, INFLIGHT, FENCE, L1, KW, SILU)  # fmt: skip
         else:
             if pid_m * BLOCK_M >= gl.load(npost_ptr):
                 return
@@ -476,7 +433,7 @@ if HAS_GLUON:
             _tile(a_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, pid_m * BLOCK_M, e, pid_n, N,
                   K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e,
                   s_stride_n, A_DIV, MUL_W, PERM_OUT, BLOCK_M, BLOCK_N, W2, STAGES, NW, BF16X2,
-                  INFLIGHT, FENCE, L1, KW)  # fmt: skip
+                  INFLIGHT, FENCE, L1, KW, SILU)  # fmt: skip
 
 
 def gemm_gluon(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, perm_out, cfg,
@@ -496,6 +453,7 @@ def gemm_gluon(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, p
     if cfg["KW"] == 2 and K % (32 * cfg["W2"]):  # an odd count of K steps: no scale pairs
         cfg["KW"] = 1
     cfg["KW"] = int(cfg["KW"])
+    cfg["SILU"] = bool(cfg["SILU"] and perm_out)  # the gate_up launch only; c is [M, N / 2]
     if cfg["TAIL"] and units is None:
         raise ValueError("gluon int4 GEMM: TAIL needs the units (gluon_align)")
     s32 = s.view(torch.int32)
