@@ -9,7 +9,8 @@ Run (no GPU needed; Triton 3.6, the API the kernel is written against):
 A config name is BLOCK_Mx BLOCK_N s STAGES w num_warps [k W2] [h] [i N] (W2 = 16 unless given;
 h: the bf16x2 dequant; i N: N wgmmas in flight, 1 unless given; f: the proxy fence; t: TAIL,
 an expert's last <= BLOCK_M / 2 pairs in a BLOCK_M / 2 tile; l: L1, words and scales through L1;
-w: KW, a K step's words and scales loaded once; ww: KW=2, scales by K-step pair; g: SILU, gate_up stores silu(gate) * up).
+w: KW, a K step's words and scales loaded once; ww: KW=2, scales by K-step pair; g: SILU, gate_up stores silu(gate) * up;
+c: CARVE, the L1 carveout).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ CONFIGS = ["8x64s6w4", "16x64s6w4h", "16x128s6w4h", "32x128s6w4h", "64x128s4w4h"
 
 def parse(name: str) -> dict:
     m = re.fullmatch(
-        r"(\d+)x(\d+)s(\d+)w(\d+)(?:k(\d+))?(h?)(?:i(\d))?(f?)(t?)(l?)(w{0,2})(g?)", name
+        r"(\d+)x(\d+)s(\d+)w(\d+)(?:k(\d+))?(h?)(?:i(\d))?(f?)(t?)(l?)(w{0,2})(g?)(c?)", name
     )
     bm, bn, st, nw = (int(v) for v in m.groups()[:4])
     return dict(
@@ -46,6 +47,7 @@ def parse(name: str) -> dict:
         L1=m.group(10) == "l",
         KW=len(m.group(11)),
         SILU=m.group(12) == "g",
+        CARVE=m.group(13) == "c",
     )
 
 

@@ -90,14 +90,14 @@ def part_check(variants):
             log(f"  {args[0]}: ERROR {type(e).__name__}: {str(e)[:600]}")
 
 
-def part_layers(variants):
+def part_layers(variants, layer_ts):
     import gluon_int4_device as gd
     import torch
 
     from k2serve.kernels import int4_gemm as ig
     from k2serve.kernels.fused_moe import fused_moe_ref
 
-    for T in (64, 2048, 8192, 16384):  # (T=1: the small shapes' T1 case; here a recompile)
+    for T in layer_ts:  # (T=1: the small shapes' T1 case; here a recompile)
         try:
             torch.manual_seed(T)
             import model_speed as ms
@@ -155,7 +155,7 @@ def part_time(T, routing, variants):
     flops = 2 * 3 * D * I * T * K
     it = 5 if T >= 8192 else 10
     base = ig.int4_moe_gemm(x, ew, tw, ti, backend="gluon")
-    told = os.environ.get("PREFILL_ALL") == "1"  # --variants given: every one at every T
+    told = os.environ.get("PREFILL_ALL") == "1"  # --all: every variant at every T
     per = T * K / E  # pairs an expert
     for name in ["table", *variants]:
         cfg = None if name == "table" else gd.cfg_of(name)
@@ -182,15 +182,20 @@ def main(argv=None) -> int:
     ap.add_argument("--routing", default="uniform,third")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--ts", default=DEFAULT_TS)
+    ap.add_argument("--layer-ts", default="64,2048,8192,16384", help="K2 layer checks' T")
+    ap.add_argument("--third-ts", default="8192,16384", help="T timed under one-third routing")
+    ap.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for all parts")
+    ap.add_argument("--name", default="prefill_gemm", help="output: $OUT/<name>.txt")
+    ap.add_argument("--all", action="store_true", help="every variant at every T")
     args = ap.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
-    if args.variants != ",".join(VARIANTS):
+    if args.all:
         os.environ["PREFILL_ALL"] = "1"  # the time parts' processes inherit it
     if args.part == "check":
         part_check(variants)
         return 0
     if args.part == "layers":
-        part_layers(variants)
+        part_layers(variants, [int(t) for t in args.layer_ts.split(",")])
         return 0
     if args.part == "time":
         part_time(args.T, args.routing, variants)
@@ -198,8 +203,8 @@ def main(argv=None) -> int:
     t0 = time.time()
     out_dir = os.environ.get("OUT", "/tmp/k2out")
     os.makedirs(out_dir, exist_ok=True)
-    base = ["--variants", args.variants]
-    with open(os.path.join(out_dir, "prefill_gemm.txt"), "w") as sink:
+    base = ["--variants", args.variants, "--layer-ts", args.layer_ts]
+    with open(os.path.join(out_dir, f"{args.name}.txt"), "w") as sink:
         res = child(["--part", "check", *base], 90, sink)
         res += child(["--part", "layers", *base], 100, sink)
         ceil = next(
@@ -209,11 +214,12 @@ def main(argv=None) -> int:
         bad = sorted({r["cfg"] for r in checks if not r["ok"]})
         ts = [int(t) for t in args.ts.split(",")]
         # one-third routing (the k2-slice's) at the long prompts only unless told otherwise
+        third = {int(t) for t in args.third_ts.split(",") if t}
         runs = [(T, r) for r in args.routing.split(",") for T in ts
-                if r == "uniform" or T >= 8192 or args.ts != DEFAULT_TS]  # fmt: skip
+                if r == "uniform" or T in third]  # fmt: skip
         runs.sort(key=lambda tr: (tr[0] != 8192, tr[1] != "uniform"))  # the 8K figures first
         for T, routing in runs:
-            left = BUDGET_S - (time.time() - t0)
+            left = args.budget - (time.time() - t0)
             if left < 12:
                 log(f"== T={T} {routing}: skipped, {left:.0f} s of the budget left")
                 continue
