@@ -387,7 +387,8 @@ if HAS_GLUON:
         ok = gl.expand_dims(pair_ok, 0) & gl.expand_dims(offs_n < N, 1)
         gl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=ok)
 
-    @gluon.jit
+    # (pair and block counts unspecialized: no recompile per count's divisibility)
+    @gluon.jit(do_not_specialize=["num_pairs", "num_blocks"])
     def _int4_gemm_gluon_kernel(
         a_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, eid_ptr, npost_ptr, unit_ptr,
         N, K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
