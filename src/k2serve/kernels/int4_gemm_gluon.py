@@ -84,12 +84,14 @@ logger = logging.getLogger(__name__)
 # configs from the kernel tables (configs/h200.json "int4_prefill_gluon", measured there; the
 # warm-up keys on that table's entries); this is the kernel's own default, the same values.
 # The larger tiles win from ~85 rows per expert (T=4096 on K2) although they waste part of a
-# tile: each weight and activation tile is re-read from L2 fewer times per FLOP.
-GLUON_CONFIG = dict(BLOCK_M=128, BLOCK_N=256, W2=16, STAGES=4, num_warps=8, BF16X2=True)
+# tile: each weight and activation tile is re-read from L2 fewer times per FLOP (wave 8: L1 /
+# KW, whole word and scale sectors, and 512-row tiles on 16 warps for the 1K band).
+GLUON_CONFIG = dict(BLOCK_M=128, BLOCK_N=256, W2=16, STAGES=3, num_warps=8, BF16X2=True, L1=True)
 GLUON_TABLE = (
     dict(max_pairs=2048, BLOCK_M=16, BLOCK_N=128, W2=16, STAGES=6, num_warps=4, BF16X2=True),
     dict(max_pairs=4096, BLOCK_M=32, BLOCK_N=128, W2=16, STAGES=6, num_warps=4, BF16X2=True),
-    dict(max_pairs=16384, BLOCK_M=64, BLOCK_N=256, W2=32, STAGES=3, num_warps=8, BF16X2=True),
+    dict(max_pairs=8192, BLOCK_M=32, BLOCK_N=512, W2=16, STAGES=3, num_warps=16, BF16X2=True, KW=2),
+    dict(max_pairs=16384, BLOCK_M=64, BLOCK_N=256, W2=16, STAGES=4, num_warps=8, BF16X2=True, KW=2),
     dict(max_pairs=None, **GLUON_CONFIG),
 )
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "W2", "STAGES", "num_warps", "BF16X2", "INFLIGHT", "FENCE",
