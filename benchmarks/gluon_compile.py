@@ -10,7 +10,8 @@ A config name is BLOCK_Mx BLOCK_N s STAGES w num_warps [k W2] [h] [i N] (W2 = 16
 h: the bf16x2 dequant; i N: N wgmmas in flight, 1 unless given; f: the proxy fence; t: TAIL,
 an expert's last <= BLOCK_M / 2 pairs in a BLOCK_M / 2 tile; l: L1, words and scales through L1;
 w: KW, a K step's words and scales loaded once; ww: KW=2, scales by K-step pair; g: SILU, gate_up stores silu(gate) * up;
-c: CARVE, the L1 carveout).
+c: CARVE, the L1 carveout;
+r: MAXNREG, two CTAs an SM's registers).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ CONFIGS = ["8x64s6w4", "16x64s6w4h", "16x128s6w4h", "32x128s6w4h", "64x128s4w4h"
 
 def parse(name: str) -> dict:
     m = re.fullmatch(
-        r"(\d+)x(\d+)s(\d+)w(\d+)(?:k(\d+))?(h?)(?:i(\d))?(f?)(t?)(l?)(w{0,2})(g?)(c?)", name
+        r"(\d+)x(\d+)s(\d+)w(\d+)(?:k(\d+))?(h?)(?:i(\d))?(f?)(t?)(l?)(w{0,2})(g?)(c?)(r?)", name
     )
     bm, bn, st, nw = (int(v) for v in m.groups()[:4])
     return dict(
@@ -48,6 +49,7 @@ def parse(name: str) -> dict:
         KW=len(m.group(11)),
         SILU=m.group(12) == "g",
         CARVE=m.group(13) == "c",
+        MAXNREG=65536 // (64 * nw) if m.group(14) == "r" else 0,
     )
 
 
@@ -72,8 +74,10 @@ def compile_one(cfg: dict, a_div: int, mul_w: bool, perm_out: bool, arch: int = 
     div16 = [i for i, k in enumerate(sig) if k in ptrs or k in ints[3:-1]]
     src = GluonASTSource(fn=_int4_gemm_gluon_kernel, signature=sig, constexprs=cons,
                          attrs={(i,): [["tt.divisibility", 16]] for i in div16})  # fmt: skip
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": cfg["num_warps"]})  # fmt: skip
+    opts = {"num_warps": cfg["num_warps"]}
+    if cfg.get("MAXNREG"):
+        opts["maxnreg"] = cfg["MAXNREG"]
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
 
 
 def tool(name: str) -> str:

@@ -95,7 +95,7 @@ GLUON_TABLE = (
     dict(max_pairs=None, **GLUON_CONFIG),
 )
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "W2", "STAGES", "num_warps", "BF16X2", "INFLIGHT", "FENCE",
-               "TAIL", "L1", "KW", "SILU", "CARVE")  # fmt: skip
+               "TAIL", "L1", "KW", "SILU", "CARVE", "MAXNREG")  # fmt: skip
 # BF16X2: the planes made two weights per instruction (bf16x2 PTX) instead of fp32 math;
 # INFLIGHT: wgmmas left in flight while the next planes are dequantized (1 or 2); FENCE: a
 # proxy fence after each sub-step's copies land (the first device run had it; see the loop);
@@ -112,9 +112,10 @@ CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "W2", "STAGES", "num_warps", "BF16X2", "INF
 # (int4_moe_gemm then skips its torch SiLU-and-mul and the [pairs, 2I] intermediate)
 # CARVE: the smallest shared-memory carveout that keeps the occupancy (`carveout_pct`, as L1
 # does; Triton asks for the largest): the rest is L1, which may also hold the .cg copies in
-# flight (the wave-8 device run: L1 won 11-13%, KW, the same L2 bytes without the carveout, 2-3%)
+# flight (the wave-8 device run: L1 won 11-13%, KW, the same L2 bytes without the carveout, 2-3%);
+# MAXNREG: ptxas' register cap (128 with 8 warps: two CTAs an SM where shared memory allows)
 CONFIG_DEFAULTS = dict(BF16X2=False, INFLIGHT=1, FENCE=False, TAIL=False, L1=False, KW=False,
-                       SILU=False, CARVE=False)  # fmt: skip
+                       SILU=False, CARVE=False, MAXNREG=0)  # fmt: skip
 
 
 def gluon_available() -> bool:
@@ -465,12 +466,15 @@ def gemm_gluon(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, p
     s32 = s.view(torch.int32)
     nw = cfg.pop("num_warps")
     carve = cfg.pop("CARVE") or cfg["L1"]  # a host-side setting, not the kernel's
+    opts = {"maxnreg": cfg.pop("MAXNREG")} if cfg.get("MAXNREG") else {}
+    cfg.pop("MAXNREG", None)
     rows = units.shape[0] if cfg["TAIL"] else eids.shape[0]
     grid = (rows * cdiv(N, cfg["BLOCK_N"]),)
     k = _int4_gemm_gluon_kernel[grid](
         a, w, s32, c, tw, sorted_ids, eids, npost, units if cfg["TAIL"] else eids, N, K, M,
         a.stride(0), c.stride(0), w.stride(0), w.stride(1), s32.stride(0), s32.stride(1),
-        eids.shape[0], A_DIV=a_div, MUL_W=mul_w, PERM_OUT=perm_out, NW=nw, num_warps=nw, **cfg,
+        eids.shape[0], A_DIV=a_div, MUL_W=mul_w, PERM_OUT=perm_out, NW=nw, num_warps=nw, **opts,
+        **cfg,
     )  # fmt: skip
     if carve and getattr(k, "function", None):
         _l1_carveout(int(k.function), int(k.metadata.shared), int(k.n_regs) * 32 * nw)
