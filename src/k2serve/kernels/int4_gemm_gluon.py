@@ -84,36 +84,31 @@ logger = logging.getLogger(__name__)
 # configs from the kernel tables (configs/h200.json "int4_prefill_gluon", measured there; the
 # warm-up keys on that table's entries); this is the kernel's own default, the same values.
 # The larger tiles win from ~85 rows per expert (T=4096 on K2) although they waste part of a
-# tile: each weight and activation tile is re-read from L2 fewer times per FLOP (wave 8: L1 /
-# KW, whole word and scale sectors, and 512-row tiles on 16 warps for the 1K band).
-GLUON_CONFIG = dict(BLOCK_M=128, BLOCK_N=256, W2=16, STAGES=3, num_warps=8, BF16X2=True, L1=True)
+# tile: each weight and activation tile is re-read from L2 fewer times per FLOP. Wave 8: L1
+# (the words and scales through L1) and, above 16384 pairs, SILU.
+GLUON_CONFIG = dict(BLOCK_M=128, BLOCK_N=256, W2=16, STAGES=3, num_warps=8, BF16X2=True, L1=True,
+                    SILU=True)  # fmt: skip
 GLUON_TABLE = (
     dict(max_pairs=2048, BLOCK_M=16, BLOCK_N=128, W2=16, STAGES=6, num_warps=4, BF16X2=True),
     dict(max_pairs=4096, BLOCK_M=32, BLOCK_N=128, W2=16, STAGES=6, num_warps=4, BF16X2=True),
-    dict(max_pairs=8192, BLOCK_M=32, BLOCK_N=512, W2=16, STAGES=3, num_warps=16, BF16X2=True, KW=2),
-    dict(max_pairs=16384, BLOCK_M=64, BLOCK_N=256, W2=16, STAGES=4, num_warps=8, BF16X2=True, KW=2),
+    dict(
+        max_pairs=16384, BLOCK_M=64, BLOCK_N=256, W2=16, STAGES=4, num_warps=8, BF16X2=True, L1=True
+    ),
     dict(max_pairs=None, **GLUON_CONFIG),
 )
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "W2", "STAGES", "num_warps", "BF16X2", "INFLIGHT", "FENCE",
                "TAIL", "L1", "KW", "SILU", "CARVE", "MAXNREG")  # fmt: skip
-# BF16X2: the planes made two weights per instruction (bf16x2 PTX) instead of fp32 math;
-# INFLIGHT: wgmmas left in flight while the next planes are dequantized (1 or 2); FENCE: a
-# proxy fence after each sub-step's copies land (the first device run had it; see the loop);
-# TAIL: rows aligned to BLOCK_M / 2, an expert's last <= BLOCK_M / 2 pairs run as a tile of
-# BLOCK_M / 2 (`tail_units`; at T=8192 on K2, 171 pairs an expert: 192 rows instead of 256)
-# L1: the words and scales cp.async'ed through L1 (.ca; the activations bypass it, .cg): a
-# sub-step reads 16 of each 32-byte sector of words (the other parity's half is the next
-# sub-step's) and its scales twice, so from L2 they cost 2x and 4x their bytes, the largest
-# share of the tile's L2 traffic after the activations; KW: the same fixed another way, each
-# K step's words (both parities: whole sectors) and scales loaded once, with its even sub-step,
-# into a ring of K-step slots (no reliance on L1; more shared memory: STAGES=3 for 128x256);
-# KW=2: the scales of two K steps at once (whole sectors; K a multiple of 32 W2, else KW=1)
-# SILU: the gate_up launch's tiles take gate and up rows in halves and store silu(gate) * up
-# (int4_moe_gemm then skips its torch SiLU-and-mul and the [pairs, 2I] intermediate)
-# CARVE: the smallest shared-memory carveout that keeps the occupancy (`carveout_pct`, as L1
-# does; Triton asks for the largest): the rest is L1, which may also hold the .cg copies in
-# flight (the wave-8 device run: L1 won 11-13%, KW, the same L2 bytes without the carveout, 2-3%);
-# MAXNREG: ptxas' register cap (128 with 8 warps: two CTAs an SM where shared memory allows)
+# BF16X2: the planes made two weights per instruction (bf16x2 PTX), not fp32 math; INFLIGHT:
+# wgmmas in flight while the next planes are dequantized (1, 2); FENCE: a proxy fence after each
+# sub-step's copies land; TAIL: rows aligned to BLOCK_M / 2, an expert's last <= BLOCK_M / 2
+# pairs in a BLOCK_M / 2 tile (`tail_units`); L1: words and scales cp.async'ed through L1 (.ca,
+# 8-byte pieces; the activations bypass it), with the carveout that leaves L1 room (a sub-step
+# reads half of each 32-byte word sector, the other parity's half is the next one's, and its
+# scales twice); KW: each K step's words (both parities) and scales loaded once into K-step
+# slots (KW=2: two K steps' scales at once; K a multiple of 32 W2, else 1); SILU: the gate_up
+# tiles take gate and up rows in halves and store silu(gate) * up (int4_moe_gemm skips its
+# SiLU-and-mul); CARVE: the carveout alone; MAXNREG: ptxas' register cap. Wave-8 device runs
+# (RESULTS.md): L1 +11-13% (the carveout alone -7 to -14%, KW +2-3%), SILU +2-5% with L1.
 CONFIG_DEFAULTS = dict(BF16X2=False, INFLIGHT=1, FENCE=False, TAIL=False, L1=False, KW=False,
                        SILU=False, CARVE=False, MAXNREG=0)  # fmt: skip
 
