@@ -103,7 +103,27 @@ def test_env_gluon_on_cpu_runs_the_triton_kernel(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not gluon_usable("cuda"), reason="needs an sm_90 GPU and Triton 3.6 Gluon")
 @pytest.mark.parametrize("T", [5, 300])
-@pytest.mark.parametrize("cfg", [None, dict(BLOCK_M=16, BLOCK_N=64, W2=16, STAGES=3, num_warps=4)])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        None,
+        dict(BLOCK_M=16, BLOCK_N=64, W2=16, STAGES=3, num_warps=4),
+        # the wave-8 keys: L1, KW (=2 falls back to 1 for K=768), TAIL, SILU
+        dict(BLOCK_M=64, BLOCK_N=256, W2=16, STAGES=4, num_warps=8, BF16X2=True, L1=True),
+        dict(
+            BLOCK_M=128,
+            BLOCK_N=256,
+            W2=16,
+            STAGES=3,
+            num_warps=8,
+            BF16X2=True,
+            L1=True,
+            SILU=True,
+            TAIL=True,
+        ),
+        dict(BLOCK_M=64, BLOCK_N=256, W2=16, STAGES=4, num_warps=8, BF16X2=True, KW=2, TAIL=True),
+    ],
+)
 def test_gluon_matches_triton(T, cfg):
     from k2serve.kernels import fused_moe as fm
 
