@@ -7,7 +7,11 @@ wgmma left in flight while the next plane is dequantized; 0x0 = wait for all).
 Run (no GPU needed; Triton 3.6, the API the kernel is written against):
   PYTHONPATH=/tmp/tri36:src python3 benchmarks/gluon_compile.py [--configs 64x128s5w4,...] [--sass]
 A config name is BLOCK_Mx BLOCK_N s STAGES w num_warps [k W2] [h] [i N] (W2 = 16 unless given;
-h: the bf16x2 dequant; i N: N wgmmas in flight, 1 unless given; f: the proxy fence).
+h: the bf16x2 dequant; i N: N wgmmas in flight, 1 unless given; f: the proxy fence; t: TAIL,
+an expert's last <= BLOCK_M / 2 pairs in a BLOCK_M / 2 tile; l: L1, words and scales through L1;
+w: KW, a K step's words and scales loaded once; ww: KW=2, scales by K-step pair; g: SILU, gate_up stores silu(gate) * up;
+c: CARVE, the L1 carveout;
+r: MAXNREG, two CTAs an SM's registers).
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ CONFIGS = ["8x64s6w4", "16x64s6w4h", "16x128s6w4h", "32x128s6w4h", "64x128s4w4h"
 
 
 def parse(name: str) -> dict:
-    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)w(\d+)(?:k(\d+))?(h?)(?:i(\d))?(f?)", name)
+    m = re.fullmatch(
+        r"(\d+)x(\d+)s(\d+)w(\d+)(?:k(\d+))?(h?)(?:i(\d))?(f?)(t?)(l?)(w{0,2})(g?)(c?)(r?)", name
+    )
     bm, bn, st, nw = (int(v) for v in m.groups()[:4])
     return dict(
         BLOCK_M=bm,
@@ -38,6 +44,12 @@ def parse(name: str) -> dict:
         BF16X2=m.group(6) == "h",
         INFLIGHT=int(m.group(7) or 1),
         FENCE=m.group(8) == "f",
+        TAIL=m.group(9) == "t",
+        L1=m.group(10) == "l",
+        KW=len(m.group(11)),
+        SILU=m.group(12) == "g",
+        CARVE=m.group(13) == "c",
+        MAXNREG=65536 // (64 * nw) if m.group(14) == "r" else 0,
     )
 
 
@@ -49,18 +61,23 @@ def compile_one(cfg: dict, a_div: int, mul_w: bool, perm_out: bool, arch: int = 
     from k2serve.kernels.int4_gemm_gluon import _int4_gemm_gluon_kernel
 
     ptrs = {"a_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*i32", "c_ptr": "*bf16",
-            "tw_ptr": "*fp32", "sorted_ptr": "*i32", "eid_ptr": "*i32", "npost_ptr": "*i32"}  # fmt: skip
+            "tw_ptr": "*fp32", "sorted_ptr": "*i32", "eid_ptr": "*i32", "npost_ptr": "*i32",
+            "unit_ptr": "*i32"}  # fmt: skip
     ints = ["N", "K", "num_pairs", "a_stride", "c_stride", "w_stride_e", "w_stride_n",
-            "s_stride_e", "s_stride_n"]  # fmt: skip
+            "s_stride_e", "s_stride_n", "num_blocks"]  # fmt: skip
     cons = dict(A_DIV=a_div, MUL_W=mul_w, PERM_OUT=perm_out, BLOCK_M=cfg["BLOCK_M"],
                 BLOCK_N=cfg["BLOCK_N"], W2=cfg["W2"], STAGES=cfg["STAGES"], NW=cfg["num_warps"],
-                BF16X2=cfg["BF16X2"], INFLIGHT=cfg["INFLIGHT"], FENCE=cfg["FENCE"])  # fmt: skip
+                BF16X2=cfg["BF16X2"], INFLIGHT=cfg["INFLIGHT"], FENCE=cfg["FENCE"],
+                TAIL=cfg["TAIL"], L1=cfg["L1"], KW=cfg["KW"],
+                SILU=cfg["SILU"] and perm_out)  # fmt: skip
     sig = {**ptrs, **dict.fromkeys(ints, "i32"), **dict.fromkeys(cons, "constexpr")}
-    div16 = [i for i, k in enumerate(sig) if k in ptrs or k in ints[3:]]
+    div16 = [i for i, k in enumerate(sig) if k in ptrs or k in ints[3:-1]]
     src = GluonASTSource(fn=_int4_gemm_gluon_kernel, signature=sig, constexprs=cons,
                          attrs={(i,): [["tt.divisibility", 16]] for i in div16})  # fmt: skip
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": cfg["num_warps"]})  # fmt: skip
+    opts = {"num_warps": cfg["num_warps"]}
+    if cfg.get("MAXNREG"):
+        opts["maxnreg"] = cfg["MAXNREG"]
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
 
 
 def tool(name: str) -> str:

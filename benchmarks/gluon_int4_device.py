@@ -49,8 +49,10 @@ def result(**kv):  # one machine-readable line for the driver
 
 def cfg_of(name: str) -> dict:
     """BLOCK_M x BLOCK_N s STAGES w num_warps [k W2] [h: bf16x2 dequant] [i INFLIGHT]
-    [f: proxy fence]: "64x128s4w4", "64x128s3w8k32", "64x128s4w4hi2", "64x128s4w4hf"."""
-    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)w(\d+)(?:k(\d+))?(h?)(?:i(\d))?(f?)", name)
+    [f: proxy fence] [t: TAIL] [l: L1] [w: KW, ww: KW=2] [g: SILU] [c: CARVE] [r: MAXNREG, 2 CTAs]: "64x128s4w4", "128x256s3w8hl", "32x512s3w16hwwc"."""
+    m = re.fullmatch(
+        r"(\d+)x(\d+)s(\d+)w(\d+)(?:k(\d+))?(h?)(?:i(\d))?(f?)(t?)(l?)(w{0,2})(g?)(c?)(r?)", name
+    )
     bm, bn, st, nw = (int(v) for v in m.groups()[:4])
     return dict(
         BLOCK_M=bm,
@@ -61,6 +63,12 @@ def cfg_of(name: str) -> dict:
         BF16X2=m.group(6) == "h",
         INFLIGHT=int(m.group(7) or 1),
         FENCE=m.group(8) == "f",
+        TAIL=m.group(9) == "t",
+        L1=m.group(10) == "l",
+        KW=len(m.group(11)),
+        SILU=m.group(12) == "g",
+        CARVE=m.group(13) == "c",
+        MAXNREG=65536 // (64 * nw) if m.group(14) == "r" else 0,
     )
 
 
@@ -89,8 +97,7 @@ def gemm_case(name, E_, N, Kd, T, topk, gate_up, cfgs):
 
     from k2serve.kernels import int4_gemm as ig
     from k2serve.kernels.fused_moe import dequant_int4_ref
-    from k2serve.kernels.int4_gemm_gluon import gemm_gluon
-    from k2serve.kernels.moe_align import moe_align_block_size
+    from k2serve.kernels.int4_gemm_gluon import gemm_gluon, gluon_align
 
     torch.manual_seed(N + T)
     dev = os.environ.get("GLUON_CHECK_DEVICE", "cuda")  # cpu: the harness under TRITON_INTERPRET
@@ -113,9 +120,10 @@ def gemm_case(name, E_, N, Kd, T, topk, gate_up, cfgs):
 
     def launch(fn, cfg):  # activations (and PERM_OUT's output columns) in gemm order for W2
         c = torch.zeros(M, N, device=dev, dtype=torch.bfloat16)
-        sid, eid, npost = moe_align_block_size(ids, E_, cfg["BLOCK_M"])
+        sid, eid, npost, units = gluon_align(ids, E_, cfg)
         xg = ig.to_gemm_order(x, cfg["W2"])
-        fn(xg, w, s, c, tw, sid, eid, npost, N, Kd, M, a_div, not gate_up, gate_up, cfg)
+        kw = dict(units=units) if units is not None else {}
+        fn(xg, w, s, c, tw, sid, eid, npost, N, Kd, M, a_div, not gate_up, gate_up, cfg, **kw)
         if dev == "cuda":
             torch.cuda.synchronize()
         return ig.to_gemm_order(ref, cfg["W2"]) if gate_up else ref, c

@@ -53,7 +53,7 @@ from k2serve import envs
 
 from ._triton import HAS_TRITON, cdiv, dot_dtype, require_triton, tl, triton
 from .int4_dequant import dequant_int4_planes, permute_planes, pick_pb, use_asm
-from .int4_gemm_gluon import GLUON_TABLE, gemm_gluon, gluon_usable
+from .int4_gemm_gluon import GLUON_TABLE, gemm_gluon, gluon_align, gluon_usable
 from .moe_align import max_blocks, moe_align_block_size
 
 logger = logging.getLogger(__name__)
@@ -343,12 +343,17 @@ def int4_moe_gemm(
     if not tile:
         cfg.setdefault("W2", 16)
     M = T * k
-    sorted_ids, eids, npost = moe_align_block_size(topk_ids, E, cfg["BLOCK_M"])
-    assert eids.shape[0] == max_blocks(M, E, cfg["BLOCK_M"])
+    units = None
+    if gluon and not tile:  # TAIL configs: rows aligned to BLOCK_M / 2, and their units
+        sorted_ids, eids, npost, units = gluon_align(topk_ids, E, cfg)
+    else:
+        sorted_ids, eids, npost = moe_align_block_size(topk_ids, E, cfg["BLOCK_M"])
+        assert eids.shape[0] == max_blocks(M, E, cfg["BLOCK_M"])
     if active is not None:  # 0 rows in use: every program returns at once
         npost = npost * active
     tw = topk_weights.reshape(-1).float().contiguous()
-    h = torch.empty(M, 2 * I, dtype=x.dtype, device=x.device)
+    silu = gluon and not tile and bool(cfg.get("SILU"))  # the gate_up launch stores the act
+    h = torch.empty(M, I if silu else 2 * I, dtype=x.dtype, device=x.device)
     out = torch.empty(M, D, dtype=x.dtype, device=x.device)
     if tile:
         _gemm_tile(x, ew.w13, ew.w13_scale, h, tw, sorted_ids, eids, npost, 2 * I, D, M, k,
@@ -358,11 +363,11 @@ def int4_moe_gemm(
                    cfg, ew.group_size, asm)  # fmt: skip
     else:
         # h comes out in gemm order (I % 256 == 0, so gate and up halves each are too)
-        gemm = gemm_gluon if gluon else _gemm
+        gemm = functools.partial(gemm_gluon, units=units) if gluon else _gemm
         xg = to_gemm_order(x, cfg["W2"])
         gemm(xg, ew.w13, ew.w13_scale, h, tw, sorted_ids, eids, npost, 2 * I, D, M, k, False,
              True, cfg)  # fmt: skip
-        act = F.silu(h[:, :I]) * h[:, I:]
+        act = h if silu else F.silu(h[:, :I]) * h[:, I:]
         gemm(act, ew.w2, ew.w2_scale, out, tw, sorted_ids, eids, npost, D, I, M, 1, True,
              False, cfg)  # fmt: skip
     return out.view(T, k, D).sum(1)

@@ -1,7 +1,7 @@
 """Token/expert alignment for the fused MoE GEMM (vLLM `moe_align_block_size`).
 
 Owns: `moe_align_block_size(topk_ids, num_experts, block_m)` (Triton, two launches, no host
-sync) and `moe_align_block_size_ref` (torch).
+sync), `moe_align_block_size_ref` (torch), and `tail_units` (the Gluon GEMM's TAIL rows).
 
 Contract: the M = T * top_k (token, slot) pairs, numbered i = t * top_k + j, are grouped by expert;
 each expert's group is padded to a multiple of `block_m` and only experts with pairs get blocks.
@@ -22,6 +22,25 @@ from ._triton import HAS_TRITON, cdiv, require_triton, tl, triton
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+
+
+def tail_units(eids: torch.Tensor, num_experts: int, num_units: int) -> torch.Tensor:
+    """The program rows of a TAIL launch: eids [nb] int32, the expert of each aligned block of
+    BLOCK_M / 2 rows (num_experts past the end) -> units [num_units] int32: the blocks at an
+    even place in their expert's run, in order (an expert's units stay adjacent: its weight
+    tiles stay in L2), then nb (no work). num_units >= the units there can be:
+    max_blocks(pairs, experts, BLOCK_M) (an expert's units are cdiv(pairs, BLOCK_M)). No
+    host sync (CUDA-graph safe)."""
+    nb = eids.shape[0]
+    idx = torch.arange(nb, device=eids.device)
+    start = torch.ones(nb, dtype=torch.bool, device=eids.device)
+    start[1:] = eids[1:] != eids[:-1]
+    first = torch.where(start, idx, 0).cummax(0).values  # the first block of each one's expert
+    unit = ((idx - first) % 2 == 0) & (eids < num_experts)
+    dest = torch.where(unit, unit.long().cumsum(0) - 1, num_units)  # non-units: a spare slot
+    units = torch.full((num_units + 1,), nb, dtype=torch.int32, device=eids.device)
+    units.scatter_(0, dest, idx.int())
+    return units[:num_units]
 
 
 def moe_align_block_size_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int):

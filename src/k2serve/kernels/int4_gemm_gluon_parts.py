@@ -1,0 +1,181 @@
+"""Parts of the Gluon grouped GEMM (int4_gemm_gluon.py): the INT4 nibble-plane dequant in the
+wgmma's register-operand layout (one plane at a time in fp32 math, `_plane`, or two k-adjacent
+weights an instruction in bf16x2 PTX, `_plane_pair_bf16x2`; the scale broadcast over a plane's
+columns, `_split_cols` / `_to_plane`: layout conversions that move no data), a sub-step's
+copies (`_issue`), a tile's weight rows (`_rows`) and the SILU store (`_silu_epilogue`).
+
+Invariants: imports without Triton or Gluon (then defines nothing); Triton 3.6's Gluon API.
+"""
+
+from __future__ import annotations
+
+try:  # pragma: no cover - depends on the installed Triton
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import async_copy
+
+    HAS_GLUON = True
+except Exception:  # noqa: BLE001 - no Triton, no Gluon, or another Gluon API
+    HAS_GLUON = False
+
+if HAS_GLUON:
+
+    @triton.constexpr_function
+    def _split_cols(ll, BLOCK_N, W2):
+        """The plane layout's linear layout over [BLOCK_N, W2] seen as [BLOCK_N, W2 / 4, 4]
+        (column c = 4h + r): each basis [n, c] -> [n, c >> 2, c & 3]."""
+
+        def split(b):
+            return [b[0], b[1] >> 2, b[1] & 3]
+
+        return gl.DistributedLinearLayout(
+            reg_bases=[split(b) for b in ll.reg_bases],
+            lane_bases=[split(b) for b in ll.lane_bases],
+            warp_bases=[split(b) for b in ll.warp_bases],
+            block_bases=[split(b) for b in ll.block_bases],
+            shape=[BLOCK_N, W2 // 4, 4],
+        )
+
+    @gluon.jit
+    def _to_plane(x4, l3: gl.constexpr, dl: gl.constexpr, BLOCK_N: gl.constexpr,
+                  W2: gl.constexpr):  # fmt: skip
+        """[BLOCK_N, W2 / 4] (layout SliceLayout(2, l3)) -> [BLOCK_N, W2] in the plane layout
+        dl, each value repeated over its 4 columns; no data moves."""
+        x3 = gl.expand_dims(x4, 2)
+        x3 = gl.broadcast(x3, gl.full([BLOCK_N, W2 // 4, 4], 0, x4.dtype, l3))[0]
+        return gl.convert_layout(gl.reshape(x3, [BLOCK_N, W2]), dl, assert_trivial=True)
+
+    @gluon.jit
+    def _plane(p, s, c, J: gl.constexpr):
+        """Nibble plane J of words p as bf16 (n - 8) * s (int4_gemm._plane_w's exact math:
+        one and/or to the float bits of 2^E + n, one FMA with c = -(2^E + 8) * s, one
+        rounding)."""
+        if J < 2:
+            r = p << 8
+        elif J < 4:
+            r = p
+        elif J < 6:
+            r = p >> 8
+        else:
+            r = p >> 16
+        if J % 2 == 0:  # nibble at bits 8-11: (r & 0xF00) | float bits of 2^15
+            bits = gl.inline_asm_elementwise("lop3.b32 $0, $1, 0xF00, 0x47000000, 0xEA;", "=r,r",
+                                             [r], dtype=gl.int32, is_pure=True, pack=1)  # fmt: skip
+        else:  # bits 12-15: (r & 0xF000) | float bits of 2^11
+            bits = gl.inline_asm_elementwise("lop3.b32 $0, $1, 0xF000, 0x45000000, 0xEA;", "=r,r",
+                                             [r], dtype=gl.int32, is_pure=True, pack=1)  # fmt: skip
+        return gl.fma(bits.to(gl.float32, bitcast=True), s, c).to(gl.bfloat16)
+
+    @triton.constexpr_function
+    def _pair_asm(M):
+        """PTX of `_plane_pair_bf16x2` for byte M of the words ($2, $3: the words of a k pair,
+        $4: their bf16 scale pair; $0, $1: planes 2M and 2M + 1 as bf16 pairs)."""
+        sel = M | (M << 4) | ((4 + M) << 8) | ((4 + M) << 12)
+        return (
+            "{ .reg .b32 t, lo, hi, one, b, z;\n"
+            "mov.b32 one, 0x3F803F80;\n"  # bf16 1.0, 1.0
+            "mov.b32 b, 0xC308C308;\n"  # bf16 -136, -136
+            "mov.b32 z, 0x80008000;\n"  # bf16 -0, -0
+            f"prmt.b32 t, $2, $3, {sel:#x};\n"
+            "lop3.b32 lo, t, 0x000F000F, 0x43004300, 0xEA;\n"
+            "shr.u32 t, t, 4;\n"
+            "lop3.b32 hi, t, 0x000F000F, 0x43004300, 0xEA;\n"
+            "fma.rn.bf16x2 lo, lo, one, b;\n"
+            "fma.rn.bf16x2 hi, hi, one, b;\n"
+            "fma.rn.bf16x2 $0, lo, $4, z;\n"
+            "fma.rn.bf16x2 $1, hi, $4, z; }"
+        )
+
+    @gluon.jit
+    def _plane_pair_bf16x2(p, s2, M: gl.constexpr):
+        """Nibble planes 2M and 2M + 1 of words p as bf16 (n - 8) * s, two k-adjacent weights
+        per instruction: one prmt puts byte M of both words of a k pair (the plane layout's
+        register pair) in bytes 0 and 2, one lop3 per plane makes the bf16 pair 128 + n (the
+        odd plane after a shift), an exact bf16x2 fma subtracts 136, one more multiplies by
+        the scale pair s2 (one rounding: the same values as `_plane`)."""
+        ASM: gl.constexpr = _pair_asm(M)
+        return gl.inline_asm_elementwise(ASM, "=r,=r,r,r,r", [p, s2],
+                                         dtype=(gl.bfloat16, gl.bfloat16), is_pure=True,
+                                         pack=2)  # fmt: skip
+
+    @gluon.jit
+    def _rows(r, pid_n, N, BLOCK_N: gl.constexpr, SILU: gl.constexpr):
+        """Weight rows of tile pid_n's local rows r, and which exist. SILU: the first half of
+        the tile is gate rows, the second the same up rows (N / 2 on), so the epilogue holds
+        both halves of its BLOCK_N / 2 outputs."""
+        if SILU:
+            HN: gl.constexpr = BLOCK_N // 2
+            j = pid_n * HN + r % HN
+            return j + (r // HN) * (N // 2), j < N // 2
+        else:
+            n = pid_n * BLOCK_N + r
+            return n, n < N
+
+    @gluon.jit
+    def _issue(u, NU, a_ptrs, a_ok, w_ptrs, w_ok, s_ptrs, s_ok, a_smem, w_smem, s_smem,
+               STAGES: gl.constexpr, W2: gl.constexpr, L1: gl.constexpr,
+               KW: gl.constexpr):  # fmt: skip
+        """cp.async sub-step u (parity u % 2 of K step u // 2) into ring slot u % STAGES, one
+        commit group (KW: the words and scales go to the K step's word slot, `_tile`). Past
+        the last sub-step the last one is loaded again (into a slot nobody reads): the masks
+        stay loop-invariant and the group count uniform."""
+        slot = u % STAGES
+        u = gl.minimum(u, NU - 1)
+        ks = u // 2
+        par = u % 2
+        async_copy.async_copy_global_to_shared(a_smem.index(slot), a_ptrs + u * (8 * W2), mask=a_ok)
+        if KW:  # a K step's words (both parities: whole sectors) and scales with its even half
+            WS: gl.constexpr = (STAGES + 2) // 2
+            if par == 0:  # (the reloads past the end are odd: no word slot is touched)
+                ws = ks % WS
+                async_copy.async_copy_global_to_shared(w_smem.index(ws), w_ptrs + ks * 2 * W2,
+                                                       mask=w_ok)  # fmt: skip
+                if KW == 1:
+                    async_copy.async_copy_global_to_shared(s_smem.index(ws),
+                                                           s_ptrs + ks * (W2 // 4),
+                                                           mask=s_ok)  # fmt: skip
+            if KW == 2:  # the scales of K steps ks, ks + 1 (a whole sector a row) with ks's
+                if u % 4 == 0:
+                    async_copy.async_copy_global_to_shared(s_smem.index((ks // 2) % 2),
+                                                           s_ptrs + ks * (W2 // 4),
+                                                           mask=s_ok)  # fmt: skip
+        elif L1:  # through L1 (cp.async.ca): the other parity's half sectors hit there
+            async_copy.async_copy_global_to_shared(w_smem.index(slot),
+                                                   w_ptrs + (ks * 2 * W2 + par * 4), mask=w_ok,
+                                                   cache_modifier=".ca")  # fmt: skip
+            async_copy.async_copy_global_to_shared(s_smem.index(slot), s_ptrs + ks * (W2 // 4),
+                                                   mask=s_ok, cache_modifier=".ca")  # fmt: skip
+        else:
+            async_copy.async_copy_global_to_shared(w_smem.index(slot),
+                                                   w_ptrs + (ks * 2 * W2 + par * 4),
+                                                   mask=w_ok)  # fmt: skip
+            async_copy.async_copy_global_to_shared(s_smem.index(slot), s_ptrs + ks * (W2 // 4),
+                                                   mask=s_ok)  # fmt: skip
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _silu_epilogue(acc, c_ptr, sorted_ptr, row0, pid_n, N, num_pairs, c_stride,
+                       BM: gl.constexpr, BLOCK_N: gl.constexpr, W2: gl.constexpr,
+                       NW: gl.constexpr):  # fmt: skip
+        """SILU's store: acc [BLOCK_N, BM] = gate rows then the same up rows -> c[pair, j] =
+        silu(gate) * up for the tile's BLOCK_N / 2 outputs j in gemm order, rounded as the
+        torch path does (each GEMM output to bf16, silu in fp32 to bf16, the product)."""
+        HN: gl.constexpr = BLOCK_N // 2
+        TN: gl.constexpr = min(32, HN // 8)
+        lo3: gl.constexpr = gl.BlockedLayout([8, 1, 2], [TN, 32 // TN, 1], [1, NW, 1], [2, 0, 1])
+        x3 = gl.convert_layout(gl.permute(gl.reshape(acc, [2, HN, BM]), (1, 2, 0)), lo3)
+        g, up = gl.split(x3)  # [HN, BM] each
+        g = g.to(gl.bfloat16).to(gl.float32)
+        up = up.to(gl.bfloat16).to(gl.float32)
+        sg = (g / (1.0 + gl.exp(-g))).to(gl.bfloat16).to(gl.float32)
+        out = (sg * up).to(c_ptr.dtype.element_ty)
+        lo: gl.constexpr = gl.SliceLayout(2, lo3)
+        offs_j = pid_n * HN + gl.arange(0, HN, layout=gl.SliceLayout(1, lo))
+        pair = gl.load(sorted_ptr + row0 + gl.arange(0, BM, layout=gl.SliceLayout(0, lo)))
+        r = offs_j % (16 * W2)  # column j -> its place in gemm order (int4_gemm.to_gemm_order)
+        cols = offs_j - r + ((r // 32) % 2) * 8 * W2 + (r % 8) * W2 + (r // 64) * 4 + (r // 8) % 4
+        c_ptrs = (c_ptr + gl.expand_dims(pair.to(gl.int64) * c_stride, 0)
+                  + gl.expand_dims(cols, 1))  # fmt: skip
+        ok = gl.expand_dims(pair < num_pairs, 0) & gl.expand_dims(offs_j < N // 2, 1)
+        gl.store(c_ptrs, out, mask=ok)
