@@ -1,6 +1,7 @@
 #!/bin/bash
 # Wave 8 checks on one GPU: GPU tests (kernels, engine, model), the 8K prompt step's kernel split
 # with the expanded and absorbed MLA (model_speed --parts pprof), the served bench at C=16, 256.
+# Parts: tests, fidelity, model, mlasweep, pprof, served, served2.
 # Usage (repo root, .whl carried): OUT=/dir [PARTS="tests pprof served"] bash benchmarks/w8_check.sh
 cd "$(dirname "$0")/.." || exit 1
 source benchmarks/device_env.sh
@@ -12,6 +13,13 @@ for part in ${PARTS:-tests pprof served}; do
     timeout ${TLIMIT:-220} python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/kernels \
       tests/engine tests/model > "$OUT/gpu_tests.txt" 2>&1
     echo "tests rc=$? at ${SECONDS}s"; tail -n 4 "$OUT/gpu_tests.txt" ;;
+  fidelity)
+    timeout 150 python3 benchmarks/fidelity.py --formats int4,fp8 --batches 1,8 > "$OUT/fidelity.txt" 2>&1
+    echo "fidelity rc=$? at ${SECONDS}s"; grep -iE "ok|fail|budget" "$OUT/fidelity.txt" | tail -12 ;;
+  model)
+    timeout 200 python3 benchmarks/model_speed.py --parts ceil,model --layers 3 \
+      --routing dummy,uniform --quick > "$OUT/model.txt" 2>&1
+    echo "model rc=$? at ${SECONDS}s"; grep -E "^\| model|ceilings" "$OUT/model.txt" | head -30 ;;
   mlasweep)
     timeout 150 python3 benchmarks/model_speed.py --parts ceil,mlasweep --layers 3 > "$OUT/mlasweep.txt" 2>&1
     echo "mlasweep rc=$? at ${SECONDS}s"; grep -E "^\| mla|ceilings" "$OUT/mlasweep.txt" ;;
