@@ -30,9 +30,12 @@ for part in ${PARTS:-tests pprof served}; do
     timeout 200 python3 benchmarks/served.py --layers 6 --concurrency ${CONC:-16,256} --no-prefix \
       --server-args "${SERVER_ARGS:-}" --out /tmp/served ${SPY:+--py-spy $OUT/spy_$part.txt} \
       > "$OUT/$part.txt" 2>&1
-    [ -n "$SPY" ] && python3 benchmarks/spy_summary.py "$OUT/spy_$part.txt" --top 30 > "$OUT/spy_${part}_sum.txt" \
-      && sed -n '/k2serve-engine/,/^==/p' "$OUT/spy_${part}_sum.txt" | head -16
-    echo "served rc=$? at ${SECONDS}s"; grep -A3 "^workload" "$OUT/$part.txt"; grep "model alone" "$OUT/$part.txt"
+    echo "served rc=$? at ${SECONDS}s"
+    if [ -n "$SPY" ]; then
+      python3 benchmarks/spy_summary.py "$OUT/spy_$part.txt" --top 30 > "$OUT/spy_${part}_sum.txt"
+      sed -n '/k2serve-engine/,/^==/p' "$OUT/spy_${part}_sum.txt" | head -16
+    fi
+    grep -A3 "^workload" "$OUT/$part.txt"; grep "model alone" "$OUT/$part.txt"
     grep -E "switch interval|warm-up" /tmp/served/server.log | tail -3 ;;
   esac
 done
