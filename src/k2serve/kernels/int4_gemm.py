@@ -277,27 +277,17 @@ def _gemm(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, perm_o
     )  # fmt: skip
 
 
-@functools.lru_cache(maxsize=8)
-def _log_no_gluon(device: str) -> None:  # once per device
-    logger.warning("int4 GEMM backend gluon asked for (K2SERVE_INT4_GEMM or the config) but "
-                   "it needs Triton 3.6's Gluon and an sm_90 GPU; %s runs the Triton kernel",
-                   device)  # fmt: skip
-
-
-def gemm_backend(backend: str | None, cfg: Mapping, device) -> str:
-    """The register-operand GEMM's kernel: `backend` if given, else K2SERVE_INT4_GEMM, else
-    cfg["backend"], else "triton". "gluon" where it cannot run (gluon_usable): an explicit
-    `backend` raises, the variable or the config log one line and fall back to Triton."""
-    chosen = backend or envs.int4_gemm_backend() or cfg.get("backend", "triton")
+def gemm_backend(backend: str | None, device) -> str:
+    """The register-operand GEMM's kernel: `backend`, "triton" when None. The engine's choice
+    (K2SERVE_INT4_GEMM, the device, the tables) is made once, in KernelPolicy.int4_gemm_backend,
+    and passed here; "gluon" where it cannot run (gluon_usable) raises."""
+    chosen = backend or "triton"
     if chosen not in envs.INT4_GEMM_BACKENDS:
         raise ValueError(f"int4 GEMM backend {chosen!r}: expected one of "
                          f"{envs.INT4_GEMM_BACKENDS}")  # fmt: skip
     if chosen == "gluon" and not gluon_usable(device):
-        if backend:
-            raise RuntimeError(f"int4 GEMM backend gluon needs Triton 3.6's Gluon and an sm_90 "
-                               f"GPU (device {device})")  # fmt: skip
-        _log_no_gluon(str(device))
-        return "triton"
+        raise RuntimeError(f"int4 GEMM backend gluon needs Triton 3.6's Gluon and an sm_90 "
+                           f"GPU (device {device})")  # fmt: skip
     return chosen
 
 
@@ -330,12 +320,11 @@ def int4_moe_gemm(
     k = topk_ids.shape[1]
     I, E = ew.intermediate, ew.num_experts
     cfg = pick_config(PREFILL_TABLE if config is None else config, T * k)
-    gluon = cfg.get("kernel") != "tile" and gemm_backend(backend, cfg, x.device) == "gluon"
+    gluon = cfg.get("kernel") != "tile" and gemm_backend(backend, x.device) == "gluon"
     if gluon and "STAGES" not in cfg:
         cfg = pick_config(GLUON_TABLE, T * k)
     if gluon and not gemm_supported(ew, cfg["W2"]) and gemm_supported(ew, 16):
         cfg = {**cfg, "W2": 16}  # K not a multiple of 16 * W2: the same tile, K steps of 256
-    cfg = {k: v for k, v in cfg.items() if k != "backend"}
     tile = cfg.get("kernel") == "tile" or not gemm_supported(ew, cfg.get("W2", 16))
     if tile and "W" not in cfg:
         cfg = dict(TILE_CONFIG)
