@@ -22,7 +22,7 @@ from k2serve.engine.pipeline import InFlight, StepWorker, needs_sync, resolve_as
 from k2serve.engine.sampling_params import SamplingParams
 from k2serve.engine.scheduler import SchedulerOutput
 
-from .conftest import make_fake_engine
+from .conftest import make_fake_engine, run_to_completion
 from .fakes import EOS, VOCAB, FakeModel, FakeTokenizer, fake_kv_caches, reference_greedy
 
 
@@ -403,3 +403,27 @@ def test_offline_llm_takes_the_flag(ckpt):
         llm.llm_engine.check_integrity()
         llm.llm_engine.shutdown()
     assert outs[True] == outs[False] and all(len(t) == 6 for t in outs[True])
+
+
+def test_no_late_scheduling_when_the_next_step_is_full_already():
+    """schedule_delay is 0 while the waiting prompts (plus one token per running request) fill
+    the next step's budget, or max_num_seqs are running: newcomers could not join that step,
+    so waiting for them would only leave the device idle."""
+    eng = make_fake_engine(max_num_batched_tokens=16, max_num_seqs=3)
+    sched = eng.scheduler
+    assert not sched.next_step_is_full()
+    eng.add_request("a", [3, 1, 4], SamplingParams(temperature=0.0, max_tokens=50))
+    assert not sched.next_step_is_full()  # 3 of 16 tokens
+    eng.add_request("b", list(range(1, 15)), SamplingParams(temperature=0.0, max_tokens=50))
+    assert sched.next_step_is_full()  # 3 + 14 >= 16
+    eng.step()  # both start (16 tokens: a whole, b chunked) and one step is in flight
+    if eng.pipeline.busy:
+        eng.pipeline.inflight.future.result()
+    assert not sched.next_step_is_full()  # 2 running, b's 1 prompt token left + 2 decodes < 16
+    w = eng.pipeline
+    w.schedule_delay = lambda: 0.5  # a long step in flight: the late wait would apply
+    assert eng.schedule_delay() == 0.5
+    eng.add_request("c", list(range(1, 15)), SamplingParams(temperature=0.0, max_tokens=50))
+    assert sched.next_step_is_full() and eng.schedule_delay() == 0.0  # c fills the budget
+    eng.add_request("d", [5], SamplingParams(temperature=0.0, max_tokens=50))
+    run_to_completion(eng)

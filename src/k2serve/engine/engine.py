@@ -382,7 +382,9 @@ class LLMEngine:
         """Async scheduling: seconds the caller may wait (for new requests to arrive) before
         the next `step()` without delaying the model (k2serve.engine.pipeline); 0 otherwise."""
         pipe = self.pipeline
-        return pipe.schedule_delay() if pipe is not None and not self._sync_reqs else 0.0
+        if pipe is None or self._sync_reqs or self.scheduler.next_step_is_full():
+            return 0.0  # nothing to wait for: a newcomer would not fit the next step
+        return pipe.schedule_delay()
 
     def wait_in_flight(self, timeout: float) -> None:
         """Wait up to `timeout` s for the step in flight to finish (async scheduling)."""

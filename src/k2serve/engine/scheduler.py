@@ -94,6 +94,20 @@ class Scheduler:
         req.status = status
         self.kv.free(req)
 
+    def next_step_is_full(self) -> bool:
+        """Whether the next step is filled without new arrivals: the running requests are at
+        max_num_seqs, or the waiting ones' prompt tokens (with one token per running request)
+        fill the step's token budget. Async scheduling then schedules at once: waiting for
+        requests to arrive could not put them into that step."""
+        if len(self.running) >= self.max_num_seqs:
+            return True
+        room = self.max_num_batched_tokens - len(self.running)
+        for req in self.waiting:
+            room -= req.num_tokens - req.num_computed_tokens
+            if room <= 0:
+                return True
+        return False
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
