@@ -69,20 +69,26 @@ def start_server(
                "--threads", "-r", "200", "-f", "raw", "-o", spy, "--", *cmd]  # fmt: skip
     log = open(log_path, "w")  # noqa: SIM115 - closed by stop_server
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    wait_healthy(proc, port, log_path, 600)
+    return proc, log
+
+
+def wait_healthy(proc, port: int, log_path: str, timeout_s: float) -> None:
+    """Until the server at `port` answers /health (RuntimeError if it exits or times out)."""
     import httpx
 
-    deadline = time.time() + 600
+    deadline = time.time() + timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited {proc.returncode}: {open(log_path).read()[-3000:]}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc, log
+                return
         except httpx.HTTPError:
             pass
-        time.sleep(1)
+        time.sleep(0.5)
     proc.kill()
-    raise RuntimeError("server did not come up in 600 s")
+    raise RuntimeError(f"server did not come up in {timeout_s:.0f} s")
 
 
 def stop_server(proc, log) -> None:

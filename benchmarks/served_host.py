@@ -29,7 +29,14 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from served import DEMO, TOKENIZER_FILES, free_port, run_bench, stop_server  # noqa: E402
+from served import (  # noqa: E402
+    DEMO,
+    TOKENIZER_FILES,
+    free_port,
+    run_bench,
+    stop_server,
+    wait_healthy,
+)
 from served_sim import simulate  # noqa: E402
 
 DEFAULT_DECODE = "1:1.76,16:5.20,256:22.45"
@@ -99,8 +106,6 @@ def serve_child(argv: list[str]) -> int:
 
 
 def start(model_dir: str, port: int, log_path: str, args, mode: str):
-    import httpx
-
     # one intra-op thread: the server's few torch CPU ops stand in for GPU launches (with more,
     # the pool's spinning threads take the cores from the engine's Python on a small machine)
     env = dict(os.environ, K2SERVE_HOST_PREFILL_MS=str(args.prefill_1k_ms),
@@ -113,18 +118,8 @@ def start(model_dir: str, port: int, log_path: str, args, mode: str):
     cmd += shlex.split(args.server_args)
     log = open(log_path, "w")  # noqa: SIM115 - closed by stop_server
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited {proc.returncode}: {open(log_path).read()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc, log
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not come up in 300 s")
+    wait_healthy(proc, port, log_path, 300)
+    return proc, log
 
 
 def main(argv=None) -> int:
