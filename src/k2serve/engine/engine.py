@@ -19,7 +19,7 @@ Not thread-safe: `AsyncLLMEngine` drives it from one thread.
 
 NOTE: over 500 lines since wave 4 added the features' hooks here (drafts accepted several tokens
 a step, images placed at add_request, the host KV tier's stats); the output processing
-(`_process_text` .. `_make_output`, ~150 lines) is the part to move to its own module next.
+(`_make_output`) could follow `engine.detokenize` into its own module.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from k2serve.cache.kv_cache_manager import KVCacheManager
 from k2serve.engine.config import EngineConfig
 from k2serve.engine.contract import resolve_max_tokens
+from k2serve.engine.detokenize import OutputState, process_text
 from k2serve.engine.errors import PromptTooLongError
 from k2serve.engine.kv_tier import host_tier_stats, make_host_tier, num_host_pages
 from k2serve.engine.multimodal import MultiModalInputs
@@ -46,7 +47,6 @@ from k2serve.engine.scheduler import Scheduler, SchedulerOutput
 from k2serve.engine.setup import eos_token_ids, load_tokenizer, resolve_device, setup_rank
 from k2serve.engine.spec_decode.drafter import SpecDecodingStats
 from k2serve.multimodal.inputs import ImageInput
-from k2serve.tokenizer.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from k2serve.engine.executor import MultiprocExecutor
@@ -94,20 +94,6 @@ class EngineStats:
     @property
     def kv_cache_usage(self) -> float:
         return self.kv_pages_used / self.kv_pages_total if self.kv_pages_total else 0.0
-
-
-class _OutputState:
-    """Per child request: text so far and how much of it / of the tokens was already returned."""
-
-    def __init__(self, req: Request, tokenizer) -> None:
-        p = req.sampling_params
-        self.detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens) if tokenizer else None
-        self.text = ""
-        self.text_sent = 0
-        self.tokens_sent = 0
-        self.logprobs_sent = 0
-        self.done_sent = False
-        self.hold = max((len(s) for s in p.stop), default=1) - 1  # chars held back for stops
 
 
 class _Parent:
@@ -190,7 +176,7 @@ class LLMEngine:
         self.vocab_size = self.model_config.vocab_size
         self._requests: dict[str, Request] = {}  # child id -> request (unfinished)
         self._parents: dict[str, _Parent] = {}
-        self._states: dict[str, _OutputState] = {}
+        self._states: dict[str, OutputState] = {}
         self._pending: list[RequestOutput] = []  # abort outputs for the next step()
         self._prompt_tokens = self._generation_tokens = self._num_finished = 0
         self._grammar = None  # k2serve.structured GrammarBackend, made by the first request
@@ -295,7 +281,7 @@ class LLMEngine:
             if needs_sync(params):
                 self._sync_reqs.add(cid)
             self._requests[cid] = req
-            self._states[cid] = _OutputState(req, self.tokenizer)
+            self._states[cid] = OutputState(req, self.tokenizer)
             self.scheduler.add_request(req)
         self._parents[request_id] = _Parent(prompt, list(prompt_token_ids), children)
         self._prompt_tokens += len(prompt_token_ids) * params.n
@@ -418,7 +404,8 @@ class LLMEngine:
                     for i in rr[:num_new]:
                         req.cumulative_logprob += samples.logprobs[i] or 0.0
                         req.logprobs.append(self._logprob_entry(samples, i))
-            self._generation_tokens += self._process_text(req, num_new)
+            st = self._states[req.request_id]
+            self._generation_tokens += process_text(req, st, num_new, self.scheduler.finish_request)
             touched.setdefault(req.parent_id, []).append(req)
         for pid, reqs in touched.items():
             out = self._make_output(pid, self._parents[pid], reqs)
@@ -439,64 +426,6 @@ class LLMEngine:
 
     def _decode_one(self, tok: int) -> str | None:
         return self.tokenizer.decode([tok]) if self.tokenizer is not None else None
-
-    def _process_text(self, req: Request, num_new: int = 1) -> int:
-        """Detokenize the `num_new` new tokens one by one; a stop string found in the new text
-        finishes the request, and tokens after the one that completed it (several tokens come
-        from one verify step) are dropped. Returns the number of new tokens kept."""
-        st = self._states[req.request_id]
-        if st.detok is None:
-            return num_new
-        toks = req.output_token_ids
-        first = len(toks) - num_new
-        for k in range(first, len(toks)):
-            if self._process_token(req, st, toks[k], last=k == len(toks) - 1):
-                if k + 1 < len(toks):
-                    self._truncate(req, k + 1)
-                return k + 1 - first
-        return num_new
-
-    @staticmethod
-    def _truncate(req: Request, num_output: int) -> None:
-        """Keep the first `num_output` output tokens of a finished request (and their logprobs)."""
-        drop = req.num_output_tokens - num_output
-        del req.output_token_ids[num_output:]
-        del req.all_token_ids[len(req.all_token_ids) - drop :]
-        if req.logprobs is not None:
-            for entry in req.logprobs[num_output:]:
-                lp = next(iter(entry.values())).logprob
-                req.cumulative_logprob -= lp if lp is not None else 0.0
-            del req.logprobs[num_output:]
-
-    def _process_token(self, req: Request, st: _OutputState, tok: int, last: bool) -> bool:
-        """Detokenize one token; True if a stop string ended the request there."""
-        assert st.detok is not None
-        new = st.detok.add([tok])
-        if req.is_finished and last:
-            new += st.detok.flush()
-        if not new:
-            return False
-        stops = req.sampling_params.stop
-        search_from = max(0, len(st.text) - st.hold)
-        st.text += new
-        if stops:
-            hit = None
-            for s in stops:
-                j = st.text.find(s, search_from)
-                if j >= 0 and (hit is None or j < hit[0]):
-                    hit = (j, s)
-            if hit is not None:
-                j, s = hit
-                keep = j + len(s) if req.sampling_params.include_stop_str_in_output else j
-                st.text = st.text[:keep]
-                st.text_sent = min(st.text_sent, len(st.text))
-                if not req.is_finished:
-                    self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
-                else:
-                    req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = s
-                return True
-        return False
 
     def _make_output(
         self, parent_id: str, parent: _Parent, reqs: list[Request]
