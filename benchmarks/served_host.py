@@ -3,10 +3,10 @@ costs given GPU step times (a GIL-free sleep), `k2serve bench` against it, and t
 `served_sim.py` (an engine costing only those times) for the same request pattern.
 
     PYTHONPATH=src python3 benchmarks/served_host.py [--concurrency 16,256] [--modes async,sync]
-        [--prefill-1k-ms 32.7 --decode-ms 1:1.76,16:5.20,256:22.45] [--server-args "..."]
+        [--prefill-1k-ms 25.8 --decode-ms 1:1.75,16:5.23,256:22.39] [--server-args "..."]
 
 Default step times: the H100 k2-slice INT4 6 layers' (benchmarks/RESULTS.md "Served
-throughput", wave 7). Each step's forward sleeps decode(B) (interpolated between the given batch
+throughput", wave 8, after the merges). Each step's forward sleeps decode(B) (interpolated between the given batch
 sizes, as served_sim.py) plus its prefill tokens at the 1K prefill's per-token cost; everything
 else is the real engine and server: scheduling, batch preparation, the sampler (on the CPU
 here, over zero logits: the lm_head's GPU time is part of the step times), detokenizing,
@@ -39,7 +39,7 @@ from served import (  # noqa: E402
 )
 from served_sim import simulate  # noqa: E402
 
-DEFAULT_DECODE = "1:1.76,16:5.20,256:22.45"
+DEFAULT_DECODE = "1:1.75,16:5.23,256:22.39"
 
 
 def parse_decode(s: str) -> dict[int, float]:
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", default="16,256")
     ap.add_argument("--modes", default="async,sync", help="async, sync or both, in this order")
-    ap.add_argument("--prefill-1k-ms", type=float, default=32.7)
+    ap.add_argument("--prefill-1k-ms", type=float, default=25.8)
     ap.add_argument("--decode-ms", default=DEFAULT_DECODE, help="batch:ms,... (GPU step times)")
     ap.add_argument("--budget", type=int, default=2048, help="the server's step token budget")
     ap.add_argument("--server-args", default="", help="more `k2serve serve` flags")
