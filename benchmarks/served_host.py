@@ -5,17 +5,15 @@ costs given GPU step times (a GIL-free sleep), `k2serve bench` against it, and t
     PYTHONPATH=src python3 benchmarks/served_host.py [--concurrency 16,256] [--modes async,sync]
         [--prefill-1k-ms 25.8 --decode-ms 1:1.75,16:5.23,256:22.39] [--server-args "..."]
 
-Default step times: the H100 k2-slice INT4 6 layers' (benchmarks/RESULTS.md "Served
-throughput", wave 8, after the merges). Each step's forward sleeps decode(B) (interpolated
-between the given batch sizes, as served_sim.py) plus its prefill tokens at the 1K prefill's
-per-token cost; everything
-else is the real engine and server: scheduling, batch preparation, the sampler (on the CPU
-here, over zero logits: the lm_head's GPU time is part of the step times), detokenizing,
-streaming. The bench: 2C requests at concurrency C
-(one at C=1), random 1K-token prompts, 256 output tokens, ignore_eos (served.py's pattern).
-Modes: async = `--async-scheduling`, sync = `--no-async-scheduling`. Prints out tok/s, TTFT and
-ITL p50 / p99 and the ratio to the simulated ideal; `--out DIR` keeps the logs and JSON.
-"""
+Default step times: the H100 k2-slice INT4 6 layers' (benchmarks/RESULTS.md "Served throughput",
+wave 8, after the merges). Each step's forward sleeps decode(B) (interpolated between the given
+batch sizes, as served_sim.py) plus its prefill tokens at the 1K prefill's per-token cost;
+everything else is the real engine and server: scheduling, batch preparation, the sampler (on
+the CPU here, over zero logits: the lm_head's GPU time is part of the step times), detokenizing,
+streaming. The bench: 2C requests at concurrency C (one at C=1), random 1K-token prompts, 256
+output tokens, ignore_eos (served.py's pattern). Modes: async = `--async-scheduling`, sync =
+`--no-async-scheduling`. Prints out tok/s, TTFT and ITL p50 / p99 and the ratio to the simulated
+ideal; `--out DIR` keeps the logs and JSON. """
 
 from __future__ import annotations
 
