@@ -13,7 +13,8 @@ the CPU here, over zero logits: the lm_head's GPU time is part of the step times
 streaming. The bench: 2C requests at concurrency C (one at C=1), random 1K-token prompts, 256
 output tokens, ignore_eos (served.py's pattern). Modes: async = `--async-scheduling`, sync =
 `--no-async-scheduling`. Prints out tok/s, TTFT and ITL p50 / p99 and the ratio to the simulated
-ideal; `--out DIR` keeps the logs and JSON. """
+ideal; `--out DIR` keeps the logs and JSON.
+"""
 
 from __future__ import annotations
 
