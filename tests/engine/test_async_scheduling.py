@@ -276,13 +276,19 @@ def test_the_flag_resolves_once_into_the_spec():
     on, why = resolve_async_scheduling(True, tp_size=2, model=None, speculative=True,
                                        host_tier=False)  # fmt: skip
     assert not on and "tensor parallel" in why and "speculative" in why
-    on, _ = resolve_async_scheduling(None, tp_size=1, model=None, speculative=False,
-                                     host_tier=False)  # fmt: skip
-    assert on  # the default where nothing needs the host between steps
+    kw = dict(tp_size=1, model=None, speculative=False, host_tier=False)
+    on, _ = resolve_async_scheduling(None, device_type="cuda", **kw)
+    assert on  # the default on a GPU where nothing needs the host between steps
+    on, why = resolve_async_scheduling(None, device_type="cpu", **kw)
+    assert not on and "cpu device" in why  # the CPU's cores run the forward: no overlap
+    on, why = resolve_async_scheduling(None, device_type="cuda", cpu_experts=True, **kw)
+    assert not on and "experts on the CPU" in why
+    assert resolve_async_scheduling(True, device_type="cpu", cpu_experts=True, **kw)[0]
 
 
-def test_default_fake_engine_uses_the_pipeline():
-    eng = make_fake_engine()
+def test_default_fake_engine_is_synchronous_on_the_cpu_and_takes_the_flag():
+    assert not make_fake_engine().spec.async_scheduling
+    eng = make_fake_engine(async_scheduling=True)
     assert eng.spec.async_scheduling
     eng.add_request("x", [3, 1], SamplingParams(temperature=0.0, max_tokens=4))
     out = drive(eng, [])["x"]
@@ -409,7 +415,7 @@ def test_no_late_scheduling_when_the_next_step_is_full_already():
     """schedule_delay is 0 while the waiting prompts (plus one token per running request) fill
     the next step's budget, or max_num_seqs are running: newcomers could not join that step,
     so waiting for them would only leave the device idle."""
-    eng = make_fake_engine(max_num_batched_tokens=16, max_num_seqs=3)
+    eng = make_fake_engine(max_num_batched_tokens=16, max_num_seqs=3, async_scheduling=True)
     sched = eng.scheduler
     assert not sched.next_step_is_full()
     eng.add_request("a", [3, 1, 4], SamplingParams(temperature=0.0, max_tokens=50))

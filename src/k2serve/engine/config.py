@@ -49,7 +49,7 @@ _HELP = {
     "processing) with the model's step before, as vLLM; steps of requests with penalties, "
     "min_tokens, logits processors or structured outputs, and engines with tensor / data "
     "parallel, speculative decoding, the KV host tier or images, run synchronously (default: "
-    "on)",
+    "on for a CUDA device with every expert on it, off on the CPU and with CPU experts)",
     "enforce_eager": "never capture CUDA graphs (decode steps run eagerly), as vLLM",
     "num_gpu_experts": "routed experts per MoE layer kept on the GPU, the rest in host memory "
     "computed on the CPU (default: all on the GPU; `k2serve plan` prints a value)",
@@ -183,7 +183,7 @@ class EngineConfig:
     moe_backend: str = "auto"
     moe_prefill_precision: str = "auto"
     enforce_eager: bool = False
-    async_scheduling: bool | None = None  # None: engine.pipeline.ASYNC_SCHEDULING_DEFAULT
+    async_scheduling: bool | None = None  # None: on for CUDA (engine.pipeline's default)
     num_gpu_experts: int | None = None
     expert_placement_file: str | None = None
     record_routing: str | None = None

@@ -360,6 +360,8 @@ def setup_rank(
         model=model,
         speculative=cfg.speculative_config is not None,
         host_tier=bool(cfg.kv_offloading_size or cfg.swap_space),
+        device_type=device.type,
+        cpu_experts=placement is not None and not placement.all_on_gpu,
     )
     if tp_rank == 0:
         logger.info("async scheduling: %s", why)
