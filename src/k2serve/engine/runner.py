@@ -159,21 +159,16 @@ class BatchBuilder:
         qsl_t, seq_lens_t, ctx_t, table_t = to_device(
             [qsl, ends.astype(np.int32), starts.astype(np.int32), table], dev
         )
-        ids_t, pos_t, slots_t, logits_t = to_device(
-            [
-                np.array(input_ids, dtype=np.int64),
-                positions,
-                slots,
-                np.array(logits_idx, dtype=np.int64),
-            ],
-            dev,
-        )
-        fill = None
-        if fill_dst:
-            dst_t, src_t = to_device(
-                [np.array(fill_dst, dtype=np.int64), np.array(fill_src, dtype=np.int64)], dev
-            )
-            fill = (dst_t, src_t)
+        longs = [
+            np.array(input_ids, dtype=np.int64),
+            positions,
+            slots,
+            np.array(logits_idx, dtype=np.int64),
+        ]
+        if fill_dst:  # async: in the same host->device copy
+            longs += [np.array(fill_dst, dtype=np.int64), np.array(fill_src, dtype=np.int64)]
+        ids_t, pos_t, slots_t, logits_t, *fill_t = to_device(longs, dev)
+        fill = (fill_t[0], fill_t[1]) if fill_t else None
         md = AttentionMetadata(
             query_start_loc=qsl_t,
             seq_lens=seq_lens_t,
