@@ -329,12 +329,7 @@ class LLMEngine:
             if self.kv.host is not None and self.kv.host.loading:  # nothing to do but wait
                 self.runner.wait_kv_loads()
                 return outputs
-            if self.scheduler.running or self.scheduler.waiting:
-                raise RuntimeError(
-                    f"scheduler made no progress: {len(self.scheduler.running)} running, "
-                    f"{len(self.scheduler.waiting)} waiting, "
-                    f"{self.kv.pool.num_free_pages} free pages"
-                )
+            self._check_progress()
             return outputs
         sample_reqs, samples = self.runner.execute(sched, self.kv)
         self._process_step(sched, sample_reqs, samples, outputs)
@@ -346,12 +341,8 @@ class LLMEngine:
         sched = self.scheduler.schedule(async_step=True)
         if sched.is_empty:
             done = pipe.take()
-            if done is None and (self.scheduler.running or self.scheduler.waiting):
-                raise RuntimeError(
-                    f"scheduler made no progress: {len(self.scheduler.running)} running, "
-                    f"{len(self.scheduler.waiting)} waiting, "
-                    f"{self.kv.pool.num_free_pages} free pages"
-                )
+            if done is None:
+                self._check_progress()
         else:
             prev_rows = pipe.inflight.rows if pipe.inflight is not None else None
             inp = pipe.runner.prepare(sched, self.kv, prev_rows)  # a ModelRunner (one process)
@@ -363,6 +354,15 @@ class LLMEngine:
             pipe.wait_launched()  # CUDA: the next step's kernels first, then the outputs
             self._process_step(done.sched, *result, outputs)
         return outputs
+
+    def _check_progress(self) -> None:
+        """An empty schedule with nothing in flight: raise if requests are left (stuck)."""
+        if self.scheduler.running or self.scheduler.waiting:
+            raise RuntimeError(
+                f"scheduler made no progress: {len(self.scheduler.running)} running, "
+                f"{len(self.scheduler.waiting)} waiting, "
+                f"{self.kv.pool.num_free_pages} free pages"
+            )
 
     def schedule_delay(self) -> float:
         """Async scheduling: seconds the caller may wait (for new requests to arrive) before
