@@ -25,32 +25,9 @@ import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)
 
-CONFIGS = ["8x64s6w4", "16x64s6w4h", "16x128s6w4h", "32x128s6w4h", "64x128s4w4h", "64x128s4w4hf",
-           "64x128s3w8k32h", "64x128s4w8k32h", "64x256s5w8h", "64x256s3w8k32h", "32x256s4w8k32h",
-           "128x128s4w8h", "128x256s4w8h", "128x256s3w8h"]  # gluon_int4_device.SWEEP  # fmt: skip
-
-
-def parse(name: str) -> dict:
-    m = re.fullmatch(
-        r"(\d+)x(\d+)s(\d+)w(\d+)(?:k(\d+))?(h?)(?:i(\d))?(f?)(t?)(l?)(w{0,2})(g?)(c?)(r?)", name
-    )
-    bm, bn, st, nw = (int(v) for v in m.groups()[:4])
-    return dict(
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        STAGES=st,
-        num_warps=nw,
-        W2=int(m.group(5) or 16),
-        BF16X2=m.group(6) == "h",
-        INFLIGHT=int(m.group(7) or 1),
-        FENCE=m.group(8) == "f",
-        TAIL=m.group(9) == "t",
-        L1=m.group(10) == "l",
-        KW=len(m.group(11)),
-        SILU=m.group(12) == "g",
-        CARVE=m.group(13) == "c",
-        MAXNREG=65536 // (64 * nw) if m.group(14) == "r" else 0,
-    )
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gluon_int4_device import SWEEP as CONFIGS  # noqa: E402 - the device sweep's names
+from gluon_int4_device import cfg_of as parse  # noqa: E402 - one parser of config names
 
 
 def compile_one(cfg: dict, a_div: int, mul_w: bool, perm_out: bool, arch: int = 90):
