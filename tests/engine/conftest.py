@@ -1,9 +1,10 @@
 import pytest
+from hypothesis import strategies as st
 
 from k2serve.engine.config import EngineConfig
 from k2serve.engine.engine import LLMEngine
 
-from .fakes import FakeModel, FakeTokenizer, fake_kv_caches
+from .fakes import VOCAB, FakeModel, FakeTokenizer, fake_kv_caches
 
 
 def make_fake_engine(tokenizer=True, **overrides) -> LLMEngine:
@@ -55,3 +56,32 @@ def fake_engine():
 def ckpt(tiny_ckpt):
     """The tiny model made smaller still (CI time): 2 layers (1 dense + 1 MoE), 4 experts."""
     return tiny_ckpt("bf16", seed=3, num_hidden_layers=2, n_routed_experts=4)
+
+
+@st.composite
+def engine_configs(draw) -> dict:
+    """EngineConfig settings for the random-workload property tests: page sizes 1-8, pools
+    small enough to preempt, prefix caching and chunked prefill on or off, tight budgets."""
+    ps = draw(st.sampled_from([1, 2, 4, 8]))
+    max_model_len = draw(st.integers(16, 48))
+    min_pages = -(-max_model_len // ps)
+    chunked = draw(st.booleans())
+    return dict(
+        page_size=ps,
+        max_model_len=max_model_len,
+        num_kv_pages=draw(st.integers(min_pages, min_pages * 3)),  # small pools: preemption
+        enable_prefix_caching=draw(st.booleans()),
+        enable_chunked_prefill=chunked,
+        max_num_seqs=draw(st.integers(1, 8)),
+        max_num_batched_tokens=(
+            draw(st.integers(1, 40)) if chunked else draw(st.integers(max_model_len, 80))
+        ),
+    )
+
+
+def draw_prompt(draw, bases: list[list[int]], max_model_len: int) -> list[int]:
+    """A prompt of one of `bases` (or none) and a random tail; an empty tail repeats a base
+    prompt exactly (full-prompt prefix-cache hits)."""
+    base = draw(st.sampled_from(bases + [[]]))
+    tail = draw(st.lists(st.integers(1, VOCAB - 1), min_size=0 if base else 1, max_size=14))
+    return (base + tail)[: max_model_len - 2]

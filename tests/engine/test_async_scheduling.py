@@ -22,7 +22,7 @@ from k2serve.engine.pipeline import InFlight, StepWorker, needs_sync, resolve_as
 from k2serve.engine.sampling_params import SamplingParams
 from k2serve.engine.scheduler import SchedulerOutput
 
-from .conftest import make_fake_engine, run_to_completion
+from .conftest import draw_prompt, engine_configs, make_fake_engine, run_to_completion
 from .fakes import EOS, VOCAB, FakeModel, FakeTokenizer, fake_kv_caches, reference_greedy
 
 
@@ -94,27 +94,12 @@ def summary(out) -> list:
 
 @st.composite
 def workloads(draw):
-    ps = draw(st.sampled_from([1, 2, 4, 8]))
-    max_model_len = draw(st.integers(16, 48))
-    min_pages = -(-max_model_len // ps)
-    chunked = draw(st.booleans())
-    cfg = dict(
-        page_size=ps,
-        max_model_len=max_model_len,
-        num_kv_pages=draw(st.integers(min_pages, min_pages * 3)),  # small pools: preemption
-        enable_prefix_caching=draw(st.booleans()),
-        enable_chunked_prefill=chunked,
-        max_num_seqs=draw(st.integers(1, 8)),
-        max_num_batched_tokens=(
-            draw(st.integers(1, 40)) if chunked else draw(st.integers(max_model_len, 80))
-        ),
-    )
+    cfg = draw(engine_configs())
+    max_model_len = cfg["max_model_len"]
     bases = [draw(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=12)) for _ in range(2)]
     reqs = []
     for _ in range(draw(st.integers(1, 10))):
-        base = draw(st.sampled_from(bases + [[]]))
-        tail = draw(st.lists(st.integers(1, VOCAB - 1), min_size=0 if base else 1, max_size=14))
-        prompt = (base + tail)[: max_model_len - 2]
+        prompt = draw_prompt(draw, bases, max_model_len)
         greedy = draw(st.booleans())
         params = SamplingParams(
             n=draw(st.integers(1, 3)),

@@ -8,34 +8,18 @@ from hypothesis import strategies as st
 
 from k2serve.engine.sampling_params import SamplingParams
 
-from .conftest import make_fake_engine
+from .conftest import draw_prompt, engine_configs, make_fake_engine
 from .fakes import VOCAB, reference_greedy
 
 
 @st.composite
 def workloads(draw):
-    ps = draw(st.sampled_from([1, 2, 4, 8]))
-    max_model_len = draw(st.integers(16, 48))
-    min_pages = -(-max_model_len // ps)
-    chunked = draw(st.booleans())
-    cfg = dict(
-        page_size=ps,
-        max_model_len=max_model_len,
-        num_kv_pages=draw(st.integers(min_pages, min_pages * 3)),
-        enable_prefix_caching=draw(st.booleans()),
-        enable_chunked_prefill=chunked,
-        max_num_seqs=draw(st.integers(1, 8)),
-        max_num_batched_tokens=(
-            draw(st.integers(1, 40)) if chunked else draw(st.integers(max_model_len, 80))
-        ),
-    )
+    cfg = draw(engine_configs())
+    max_model_len = cfg["max_model_len"]
     bases = [draw(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=12)) for _ in range(2)]
     reqs = []
     for _ in range(draw(st.integers(1, 12))):
-        base = draw(st.sampled_from(bases + [[]]))
-        # an empty tail repeats a base prompt exactly: full-prompt prefix-cache hits
-        tail = draw(st.lists(st.integers(1, VOCAB - 1), min_size=0 if base else 1, max_size=14))
-        prompt = (base + tail)[: max_model_len - 2]
+        prompt = draw_prompt(draw, bases, max_model_len)
         max_tokens = draw(st.integers(1, max_model_len - len(prompt)))
         temperature = draw(st.sampled_from([0.0, 0.0, 0.7, 1.3]))
         params = SamplingParams(
