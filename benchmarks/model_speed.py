@@ -7,7 +7,7 @@ reference at real K2 sizes, fresh random inputs), h2 (decode GEMV configs agains
 one; the winner is printed as the `int4_decode` entry of kernels/configs/<kind>.json), ggemv
 (the grouped decode GEMV against the per-pair one at T=16..256, with a config sweep), gemv16
 (the one-row bf16 GEMV against cuBLAS per K2 projection; printed as `gemv_bf16` entries), kern
-(kernel timings), model (k2-slice INT4, 8 layers, dummy weights: decode B=1/8/32/128 at context
+(kernel timings), mixed (eager mixed decode + prompt steps: GPU time vs host enqueue time), model (k2-slice INT4, 8 layers, dummy weights: decode B=1/8/32/128 at context
 1k through decode CUDA graphs, prefill 1k/8k; "model-base" is the same model with the decode
 fusions of the kernel policy off), overlap (the shared expert in order vs on a side stream),
 warmup (engine.warmup's start-up steps on the k2-slice: their time, then the first call of
@@ -819,6 +819,54 @@ def part_pprof(layers, T=8192, ps=64):
     torch.cuda.empty_cache()
 
 
+def part_mixed(layers, ps=64, cases=((256, 1792), (16, 1024), (0, 2048), (256, 0), (64, 0))):
+    """Eager steps of D decodes (1K context) + one P-token prompt, the served engine's mixed
+    steps (they run without a CUDA graph): GPU time (CUDA events) against the host's time to
+    enqueue the step (GPU idle at the start) and the kernels' own sum (profiler). A step whose
+    enqueue time is near its GPU time is launch-bound: piecewise graphs would pay there."""
+    from dataclasses import replace as dc_replace
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from k2serve.attention import allocate_kv_caches
+    from k2serve.testing.fidelity import Batch
+
+    model = load_slice(layers)
+    setup(model, expand=True)
+    need = max(D * -(-1025 // ps) + -(-P // ps) for D, P in cases) + 2
+    kv = allocate_kv_caches(model.config, need, ps, torch.bfloat16, "cuda")
+    for D, P in cases:
+        b = Batch(f"mixed D={D} P={P}", [1024] * D + ([0] if P else []),
+                  [1] * D + ([P] if P else []), ps)  # fmt: skip
+        ids, pos, md = b.tensors("cuda", 2000)
+        md = dc_replace(md, num_decodes=D)
+        last = torch.as_tensor(md.query_start_loc_host[1:] - 1, device="cuda")
+        step = lambda: model.compute_logits(model(ids, pos, md, kv)[last])  # noqa: E731
+        with torch.inference_mode():
+            ms = timed(step, iters=10, warmup=3)
+            hs = []
+            for _ in range(5):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                step()
+                hs.append((time.perf_counter() - t) * 1e3)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    step()
+                torch.cuda.synchronize()
+        ka = prof.key_averages()
+        kern = sum((getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0))
+                   for e in ka) / 3e3  # fmt: skip
+        n = sum(e.count for e in ka if (getattr(e, "device_time_total", None)
+                                        or getattr(e, "cuda_time_total", 0.0))) / 3  # fmt: skip
+        row("mixed", f"D={D} P={P} eager step", ms,
+            note=f"host enqueue {sorted(hs)[2]:.1f} ms, kernels {kern:.1f} ms, "
+                 f"{n:.0f} kernels, GPU idle {max(ms - kern, 0) / ms * 100:.0f}%")  # fmt: skip
+    del kv, model
+    torch.cuda.empty_cache()
+
+
 def bench_prefill(model, tag, prefills=(1024, 8192), expanded=False, ps=64):
     from k2serve.attention import allocate_kv_caches
 
@@ -1247,6 +1295,8 @@ def main(argv=None):
         run_part("mlasweep", lambda: part_mlasweep(args.layers))
     if "pprof" in parts:
         run_part("pprof", lambda: part_pprof(args.layers))
+    if "mixed" in parts:
+        run_part("mixed", lambda: part_mixed(args.layers))
     if "warmup" in parts:
         run_part("warmup", lambda: part_warmup(args.layers))
     if "overlap" in parts:
