@@ -7,7 +7,7 @@ reference at real K2 sizes, fresh random inputs), h2 (decode GEMV configs agains
 one; the winner is printed as the `int4_decode` entry of kernels/configs/<kind>.json), ggemv
 (the grouped decode GEMV against the per-pair one at T=16..256, with a config sweep), gemv16
 (the one-row bf16 GEMV against cuBLAS per K2 projection; printed as `gemv_bf16` entries), kern
-(kernel timings), mixed (eager mixed decode + prompt steps: GPU time vs host enqueue time), model (k2-slice INT4, 8 layers, dummy weights: decode B=1/8/32/128 at context
+(kernel timings), dprof (kernel split of eager decode B=32 / 128, uniform routing), mixed (eager mixed decode + prompt steps: GPU time vs host enqueue time), model (k2-slice INT4, 8 layers, dummy weights: decode B=1/8/32/128 at context
 1k through decode CUDA graphs, prefill 1k/8k; "model-base" is the same model with the decode
 fusions of the kernel policy off), overlap (the shared expert in order vs on a side stream),
 warmup (engine.warmup's start-up steps on the k2-slice: their time, then the first call of
@@ -867,6 +867,41 @@ def part_mixed(layers, ps=64, cases=((256, 1792), (16, 1024), (0, 2048), (256, 0
     torch.cuda.empty_cache()
 
 
+def part_dprof(layers, batches=(32, 128), ctx=1024, ps=64):
+    """Kernel split of eager decode steps of B sequences under uniform routing (issue 28's
+    B=32 / B=128 targets: which kernels hold the time the bandwidth figure misses)."""
+    from routing_modes import RoutingOverride
+    from torch.profiler import ProfilerActivity, profile
+
+    from k2serve.attention import allocate_kv_caches
+
+    model = load_slice(layers)
+    setup(model, expand=True)
+    kv = allocate_kv_caches(model.config, max(batches) * -(-(ctx + 1) // ps) + 1, ps,
+                            torch.bfloat16, "cuda")  # fmt: skip
+    with RoutingOverride(model, "uniform", 8192):
+        for B in batches:
+            ids, pos, md = decode_inputs(B, ctx, ps)
+            step = lambda: model.compute_logits(model(ids, pos, md, kv))  # noqa: E731
+            with torch.inference_mode():
+                hits = experts_hit(model, ids, pos, md, kv)
+                ms = timed(step, iters=10)
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(5):
+                        step()
+                    torch.cuda.synchronize()
+            ka = prof.key_averages()
+            log(f"== profile: eager decode B={B} ctx={ctx}, uniform routing, {ms:.2f} ms a step")
+            log(ka.table(sort_by="device_time_total", row_limit=18, max_name_column_width=80))
+            nb = decode_bytes(model, B, ctx, hits)
+            row("dprof", f"B={B} eager step (uniform)", ms, nb)
+            for e in sorted(ka, key=lambda e: -(getattr(e, "device_time_total", 0.0) or 0.0))[:8]:
+                us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+                row("dprof", f"B={B} {e.key[:40]}", us / 5e3, note=f"{e.count // 5} calls a step")
+    del kv, model
+    torch.cuda.empty_cache()
+
+
 def bench_prefill(model, tag, prefills=(1024, 8192), expanded=False, ps=64):
     from k2serve.attention import allocate_kv_caches
 
@@ -1295,6 +1330,8 @@ def main(argv=None):
         run_part("mlasweep", lambda: part_mlasweep(args.layers))
     if "pprof" in parts:
         run_part("pprof", lambda: part_pprof(args.layers))
+    if "dprof" in parts:
+        run_part("dprof", lambda: part_dprof(args.layers))
     if "mixed" in parts:
         run_part("mixed", lambda: part_mixed(args.layers))
     if "warmup" in parts:

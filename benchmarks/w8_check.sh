@@ -1,8 +1,8 @@
 #!/bin/bash
 # Wave 8 checks on one GPU: GPU tests (kernels, engine, model), the 8K prompt step's kernel split
 # with the expanded and absorbed MLA (model_speed --parts pprof), the served bench at C=16, 256.
-# Parts: tests, fidelity, model, mlasweep, mixed (eager mixed steps: GPU vs host time), pprof,
-# served, served2.
+# Parts: tests, fidelity, model, mlasweep, dprof (decode kernel split, uniform routing), mixed
+# (eager mixed steps: GPU vs host time), pprof, served, served2.
 # Usage (repo root, .whl carried): OUT=/dir [PARTS="tests pprof served"] bash benchmarks/w8_check.sh
 cd "$(dirname "$0")/.." || exit 1
 source benchmarks/device_env.sh
@@ -24,6 +24,9 @@ for part in ${PARTS:-tests pprof served}; do
   mlasweep)
     timeout 150 python3 benchmarks/model_speed.py --parts ceil,mlasweep --layers 3 > "$OUT/mlasweep.txt" 2>&1
     echo "mlasweep rc=$? at ${SECONDS}s"; grep -E "^\| mla|ceilings" "$OUT/mlasweep.txt" ;;
+  dprof)
+    timeout 150 python3 benchmarks/model_speed.py --parts ceil,dprof --layers 3 > "$OUT/dprof.txt" 2>&1
+    echo "dprof rc=$? at ${SECONDS}s"; grep -E "^\| dprof|ceilings|FAIL|Error" "$OUT/dprof.txt" ;;
   mixed)
     timeout 150 python3 benchmarks/model_speed.py --parts ceil,mixed --layers ${LAYERS:-6} > "$OUT/mixed.txt" 2>&1
     echo "mixed rc=$? at ${SECONDS}s"; grep -E "^\| mixed|ceilings|FAIL|Error" "$OUT/mixed.txt" ;;

@@ -81,9 +81,9 @@ def test_rms_norm_matches_reference(with_res):
         assert rel(r1, r2) < 1e-2  # exact on GPU; the CPU interpreter rounds fp32->bf16 differently
 
 
-def test_moe_align_invariants():
-    E, BM = 10, 4
-    ids = torch.stack([torch.randperm(E)[:3] for _ in range(7)]).int().to(DEVICE)
+@pytest.mark.parametrize("E,T,k,BM", [(10, 7, 3, 4), (40, 700, 6, 16)])  # one / many programs
+def test_moe_align_invariants(E, T, k, BM):
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).int().to(DEVICE)
     s, e, n = moe_align.moe_align_block_size(ids, E, BM)
     s2, e2, n2 = moe_align.moe_align_block_size_ref(ids, E, BM)
     assert int(n) == int(n2) and torch.equal(e, e2)

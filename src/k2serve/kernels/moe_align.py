@@ -1,7 +1,8 @@
 """Token/expert alignment for the fused MoE GEMM (vLLM `moe_align_block_size`).
 
-Owns: `moe_align_block_size(topk_ids, num_experts, block_m)` (Triton, two launches, no host
-sync), `moe_align_block_size_ref` (torch), and `tail_units` (the Gluon GEMM's TAIL rows).
+Owns: `moe_align_block_size(topk_ids, num_experts, block_m)` (Triton, two launches, four from
+PARALLEL_COUNT_MIN_PAIRS pairs, no host sync), `moe_align_block_size_ref` (torch), and
+`tail_units` (the Gluon GEMM's TAIL rows).
 
 Contract: the M = T * top_k (token, slot) pairs, numbered i = t * top_k + j, are grouped by expert;
 each expert's group is padded to a multiple of `block_m` and only experts with pairs get blocks.
@@ -18,6 +19,10 @@ from __future__ import annotations
 import torch
 
 from ._triton import HAS_TRITON, cdiv, require_triton, tl, triton
+
+# from this many (token, expert) pairs (512 tokens of top-8) the pairs are counted and the
+# sentinels filled by a grid of programs before the one-program offsets kernel
+PARALLEL_COUNT_MIN_PAIRS = 4096
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -93,12 +98,18 @@ if HAS_TRITON:
     # this kernel inside requests, benchmarks/RESULTS.md "Served throughput", wave 8)
     @triton.jit(do_not_specialize=["M", "NB"])
     def _align_count_kernel(
-        ids_ptr, sorted_ptr, eid_ptr, npost_ptr, cursor_ptr, M, NB,
+        ids_ptr, sorted_ptr, eid_ptr, npost_ptr, cursor_ptr, counts_ptr, M, NB,
         E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+        COUNTED: tl.constexpr,
     ):  # fmt: skip
-        # one program: counts, padded offsets, block -> expert map, cursors; fills sentinels.
-        counts = expert_histogram(ids_ptr, M, BLOCK_E, CHUNK)
+        # one program: padded offsets, block -> expert map, cursors. Not COUNTED: it also counts
+        # the pairs and fills the sentinels itself (small M); COUNTED: _align_hist_kernel did
+        # both, the counts are in counts_ptr.
         offs_e = tl.arange(0, BLOCK_E)
+        if COUNTED:
+            counts = tl.load(counts_ptr + offs_e)
+        else:
+            counts = expert_histogram(ids_ptr, M, BLOCK_E, CHUNK)
         counts = tl.where(offs_e < E, counts, 0)
         padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         cum = tl.cumsum(padded, 0)
@@ -110,9 +121,20 @@ if HAS_TRITON:
             e = tl.sum((cum[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), 1)
             e = tl.minimum(e, E)
             tl.store(eid_ptr + b, e, mask=b < NB)
-        for s in range(0, NB * BLOCK_M, CHUNK):
-            o = s + tl.arange(0, CHUNK)
-            tl.store(sorted_ptr + o, tl.zeros([CHUNK], tl.int32) + M, mask=o < NB * BLOCK_M)
+        if not COUNTED:
+            for s in range(0, NB * BLOCK_M, CHUNK):
+                o = s + tl.arange(0, CHUNK)
+                tl.store(sorted_ptr + o, tl.zeros([CHUNK], tl.int32) + M, mask=o < NB * BLOCK_M)
+
+    @triton.jit(do_not_specialize=["M", "NFILL"])
+    def _align_hist_kernel(ids_ptr, sorted_ptr, counts_ptr, M, NFILL, BLOCK_E: tl.constexpr,
+                           CHUNK: tl.constexpr):  # fmt: skip
+        # many programs: each counts CHUNK pairs into counts (atomics; bins >= E are ignored
+        # later) and fills CHUNK sentinel rows of sorted_ids (NFILL >= M rows in all)
+        o = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+        v = tl.load(ids_ptr + o, mask=o < M, other=BLOCK_E - 1).to(tl.int32)
+        tl.atomic_add(counts_ptr + tl.arange(0, BLOCK_E), tl.histogram(v, BLOCK_E))
+        tl.store(sorted_ptr + o, tl.zeros([CHUNK], tl.int32) + M, mask=o < NFILL)
 
     @triton.jit
     def aligned_block(sorted_ptr, eid_ptr, pid_m, num_pairs, A_DIV: tl.constexpr,
@@ -152,9 +174,16 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     if M == 0:
         num_post.zero_()
         return sorted_ids, expert_ids, num_post
+    counted = M >= PARALLEL_COUNT_MIN_PAIRS
+    counts = cursor
+    if counted:  # one program would walk M ids and nb * block_m rows alone (0.47 ms at 64K pairs)
+        counts = torch.zeros(block_e, dtype=torch.int32, device=dev)
+        _align_hist_kernel[(cdiv(nb * block_m, 1024),)](
+            flat, sorted_ids, counts, M, nb * block_m, BLOCK_E=block_e, CHUNK=1024, num_warps=4
+        )  # fmt: skip
     _align_count_kernel[(1,)](
-        flat, sorted_ids, expert_ids, num_post, cursor, M, nb,
-        E=num_experts, BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=128, num_warps=4,
+        flat, sorted_ids, expert_ids, num_post, cursor, counts, M, nb,
+        E=num_experts, BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=128, COUNTED=counted, num_warps=4,
     )  # fmt: skip
     _align_scatter_kernel[(cdiv(M, 256),)](flat, sorted_ids, cursor, M, CHUNK=256, num_warps=4)
     return sorted_ids, expert_ids, num_post
