@@ -42,6 +42,23 @@ DTYPE_BYTES: dict[str, float] = {
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")  # --kv-cache-dtype; "auto" = the model's dtype
 
 
+# the step token budget when none is asked for: vLLM's OpenAI server default, 8192 on GPUs of
+# 70 GiB or more, else 2048. On the H100 (k2-slice, `benchmarks/served.py`, RESULTS.md "Served
+# throughput", wave 9) 8192 against 2048: C=256 5578 against 4325 out tok/s, C=16 TTFT p99 332
+# against 466 ms (larger prompt chunks run nearer the matmul rate); ITL p99 at C=256 172 against
+# 142 ms (an 8K chunk shares its step with the decodes)
+LARGE_GPU_BYTES = 70 * 2**30
+STEP_TOKENS_LARGE_GPU = 8192
+STEP_TOKENS_DEFAULT = 2048
+
+
+def default_max_num_batched_tokens(gpu_memory_bytes: int | None) -> int:
+    """--max-num-batched-tokens when not given: by the GPU's total memory (None: no GPU)."""
+    if gpu_memory_bytes is not None and gpu_memory_bytes >= LARGE_GPU_BYTES:
+        return STEP_TOKENS_LARGE_GPU
+    return STEP_TOKENS_DEFAULT
+
+
 def dtype_bytes(name: str) -> float:
     """Bytes of one element of dtype `name` ("bf16", "torch.float32", ...)."""
     key = str(name).lower().removeprefix("torch.")

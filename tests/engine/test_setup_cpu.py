@@ -51,3 +51,25 @@ def test_cpu_kv_budget_is_bounded_by_available_ram(monkeypatch):
             EngineConfig(max_model_len=20000, page_size=16), _mc(), torch.bfloat16, CPU,
             20000, False,
         )  # fmt: skip
+
+
+def test_step_token_budget_default_follows_gpu_memory(monkeypatch):
+    """--max-num-batched-tokens unset: 8192 on a GPU of 70 GiB or more (vLLM's server default),
+    2048 on smaller GPUs and the CPU; a value given is kept as is."""
+    from k2serve.memory import default_max_num_batched_tokens
+
+    assert default_max_num_batched_tokens(None) == 2048
+    assert default_max_num_batched_tokens(24 * 2**30) == 2048
+    assert default_max_num_batched_tokens(80 * 2**30) == 8192  # H100 80GB
+    assert setup.step_token_budget(EngineConfig(), CPU) == 2048
+    assert setup.step_token_budget(EngineConfig(max_num_batched_tokens=300), CPU) == 300
+
+    class Props:
+        total_memory = 141 * 2**30  # H200
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: Props())
+    cuda = torch.device("cuda", 0)
+    assert setup.step_token_budget(EngineConfig(), cuda) == 8192
+    assert setup.step_token_budget(EngineConfig(max_num_batched_tokens=4096), cuda) == 4096
+    Props.total_memory = 48 * 2**30
+    assert setup.step_token_budget(EngineConfig(), cuda) == 2048

@@ -36,7 +36,7 @@ def test_kv_arithmetic_is_shown_and_adds_up(capsys):
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("KV math"))
     assert "0.9 x memory" in line and "70,272 bytes/token" in line
-    assert "--max-num-batched-tokens 2048" in line
+    assert "--max-num-batched-tokens 8192" in line  # serve's default on an 80 GB GPU
     p = plan(K2T, gpu=gpu_preset("H100"), num_gpus=8, cpu_memory=2**40, max_model_len=12288)
     d = p.devices[0]
     assert d.rows["kv_cache"] == d.capacity - (d.used - d.rows["kv_cache"])
@@ -97,3 +97,13 @@ def test_a_path_naming_a_known_checkpoint_plans_it_there(capsys):
     out = capsys.readouterr().out
     assert "k2serve download kimi-k2.5 --dir models/Kimi-K2.5" in out
     assert "k2serve serve --model models/Kimi-K2.5" in out
+
+
+def test_max_num_batched_tokens_default_is_serves_on_the_gpu(capsys):
+    """Unset, the plan sizes activations for what `serve` picks on that GPU (8192 from 70 GiB,
+    as vLLM's server) and writes it into the command."""
+    for gpus, want in (("8xH200", 8192), ("8xH100", 8192), ("8xL40S", 2048)):
+        d = _json(capsys, "--model", "kimi-k2-thinking", "--gpus", gpus, "--cpu-memory", "2TB")
+        words = shlex.split(d["command"])
+        assert d["max_num_batched_tokens"] == want, gpus
+        assert words[words.index("--max-num-batched-tokens") + 1] == str(want)

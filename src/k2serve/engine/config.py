@@ -27,7 +27,8 @@ _HELP = {
     "load_format": "auto, safetensors, dummy (random weights)",
     "max_model_len": "longest prompt + output in tokens (default: the model's maximum)",
     "max_num_seqs": "most sequences in one step",
-    "max_num_batched_tokens": "token budget of one step (prefill chunks + decodes)",
+    "max_num_batched_tokens": "token budget of one step (prefill chunks + decodes); default "
+    "8192 on a GPU of 70 GiB or more (as vLLM's server), else 2048",
     "page_size": "tokens per KV cache page",
     "enable_prefix_caching": "reuse the KV of shared prompt prefixes",
     "enable_chunked_prefill": "split long prompts over steps, mixed with decodes",
@@ -171,7 +172,7 @@ class EngineConfig:
     load_format: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # None: memory.default_max_num_batched_tokens
     page_size: int = 16
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -241,8 +242,9 @@ class EngineConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}={v!r} must be a positive integer")
 
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "page_size", "tensor_parallel_size"):
             positive(name)
+        positive("max_num_batched_tokens", allow_none=True)
         if self.distributed_backend not in ("auto", "nccl", "gloo"):
             raise ValueError(
                 f"distributed_backend={self.distributed_backend!r} is not auto, nccl or gloo"
@@ -330,7 +332,8 @@ class EngineConfig:
                 continue
             typ: Callable[[str], Any] | None = {
                 "max_model_len": int, "num_kv_pages": int, "max_waiting": int,
-                "num_gpu_experts": int, "data_parallel_size_local": int,
+                "max_num_batched_tokens": int, "num_gpu_experts": int,
+                "data_parallel_size_local": int,
                 "gpu_prefill_token_threshold": int, "limit_mm_per_prompt": str,
                 "kv_offloading_size": float, "swap_space": float}.get(f.name)  # fmt: skip
             if typ is None:

@@ -56,6 +56,19 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
+def step_token_budget(cfg: EngineConfig, device: torch.device) -> int:
+    """--max-num-batched-tokens, or its default for `device`'s memory (8192 on a GPU of 70 GiB
+    or more, as vLLM's server; memory.default_max_num_batched_tokens)."""
+    from k2serve.memory import default_max_num_batched_tokens
+
+    if cfg.max_num_batched_tokens is not None:
+        return cfg.max_num_batched_tokens
+    total = None
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    return default_max_num_batched_tokens(total)
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """auto: bfloat16 on CUDA; on the CPU bfloat16 when it computes bf16 natively (AVX512_BF16
     or AMX-BF16 in /proc/cpuinfo: half the bytes of float32 per weight and activation, and the
@@ -277,6 +290,7 @@ def setup_rank(
        pinned);
     5. return the `RuntimeSpec` of all that, which everything downstream reads.
     CUDA graphs come last, captured by the runner (rank 0) on the finished model."""
+    step_tokens = step_token_budget(cfg, device)
     if model is None:
         if model_dir is None:
             raise ValueError("setup_rank needs a model directory or a model")
@@ -311,7 +325,7 @@ def setup_rank(
         from k2serve.moe.layerwise import setup_layerwise_prefill
 
         setup_layerwise_prefill(
-            model, cfg.gpu_prefill_token_threshold, cfg.max_num_batched_tokens,
+            model, cfg.gpu_prefill_token_threshold, step_tokens,
             fused=backends.moe == "triton",
         )  # fmt: skip
     max_len = cfg.max_model_len or model.config.max_position_embeddings
@@ -322,7 +336,7 @@ def setup_rank(
         budget = device_budget(
             model, model.config, kv_dtype, device,
             gpu_memory_utilization=cfg.gpu_memory_utilization, page_size=cfg.page_size,
-            max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=step_tokens, max_num_seqs=cfg.max_num_seqs,
             max_model_len=max_len, cuda_graphs=not cfg.enforce_eager, tp_size=tp_size,
             simulated_memory=envs.simulated_device_memory(),
         )  # fmt: skip
@@ -330,7 +344,7 @@ def setup_rank(
             # K2.5: room for the vision encoder's working memory (the planner's row too)
             from k2serve.memory import encoder_activation_bytes
 
-            extra = encoder_activation_bytes(model.config, cfg.max_num_batched_tokens)
+            extra = encoder_activation_bytes(model.config, step_tokens)
             budget = dataclasses.replace(budget, activations=budget.activations + extra)
     pages, max_len = num_kv_pages(
         cfg, model.config, kv_dtype, device, max_len, cfg.max_model_len is None, budget
@@ -373,7 +387,7 @@ def setup_rank(
         num_kv_pages=pages,
         page_size=cfg.page_size,
         max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_num_batched_tokens=step_tokens,
         backends=backends,
         placement=placement,
         parallel=ParallelLayout(tp_size, cfg.enable_expert_parallel, cfg.nnodes),

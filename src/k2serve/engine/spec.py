@@ -79,7 +79,8 @@ class RuntimeSpec:
         return (
             f"{self.device}, {str(self.dtype).removeprefix('torch.')}, KV "
             f"{str(self.kv_cache_dtype).removeprefix('torch.')} {self.num_kv_pages} pages x "
-            f"{self.page_size}, max_model_len={self.max_model_len}; {self.backends.describe()}"
+            f"{self.page_size}, max_model_len={self.max_model_len}, "
+            f"max_num_batched_tokens={self.max_num_batched_tokens}; {self.backends.describe()}"
         )
 
 

@@ -99,7 +99,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--numa-nodes", "--cpu-numa-nodes", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's maximum")
     p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
-    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="step token budget the activations are sized for (default: serve's on the GPU: "
+        f"8192 from 70 GiB, else {DEFAULT_MAX_NUM_BATCHED_TOKENS})",
+    )
     p.add_argument(
         "--kv-cache-dtype",
         choices=("auto", "bf16", "fp8", "fp8_e4m3"),

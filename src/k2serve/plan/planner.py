@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from k2serve.config import ModelConfig
 from k2serve.memory import (  # the formulas the engine sizes its cache with
     RUNTIME_RESERVE_BYTES,
+    STEP_TOKENS_DEFAULT,
     activation_bytes,
+    default_max_num_batched_tokens,
     encoder_activation_bytes,
     graph_pool_bytes,
     kv_bytes_per_token,
@@ -41,7 +43,7 @@ from k2serve.plan.weights import weight_breakdown
 DEFAULT_CPU_BANDWIDTH = 250e9
 # Defaults mirrored from k2serve.engine.config.EngineConfig.
 DEFAULT_MAX_NUM_SEQS = 64
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_MAX_NUM_BATCHED_TOKENS = STEP_TOKENS_DEFAULT  # without a GPU of 70 GiB or more
 DEFAULT_PAGE_SIZE = 16
 
 
@@ -143,7 +145,7 @@ def plan(
     cpu_bandwidth: float | None = None,
     max_model_len: int | None = None,
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    max_num_batched_tokens: int | None = None,
     kv_cache_dtype: str = "bf16",
     gpu_memory_utilization: float = 0.9,
     num_gpu_experts: int | None = None,
@@ -175,6 +177,10 @@ def plan(
         raise ValueError(
             f"max_model_len={ctx} must be in 1..{config.max_position_embeddings} "
             "(the model's max_position_embeddings)"
+        )
+    if max_num_batched_tokens is None:  # serve's default on the planned GPU
+        max_num_batched_tokens = default_max_num_batched_tokens(
+            gpu.memory_bytes if gpu is not None and num_gpus else None
         )
     if max_num_seqs < 1 or max_num_batched_tokens < 1:
         raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
