@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 ROWS: list[tuple] = []  # (section, case, ms, GB/s, %bw, TFLOP/s, %mm, note)
 CEIL = {"bw": float("nan"), "mm": float("nan")}
+WEIGHTS = {"format": "int4"}  # --format: the k2-slice's experts (int4 or fp8 blocks)
 FAILS: list[str] = []
 
 
@@ -612,11 +613,12 @@ def setup(model, policy=None, expand=False):
     torch.cuda.empty_cache()
 
 
-def load_slice(layers, fmt="int4"):
+def load_slice(layers, fmt=None):
     from k2serve.config import ModelConfig
     from k2serve.weights.loader import load_model
     from k2serve.weights.presets import preset_config
 
+    fmt = fmt or WEIGHTS["format"]
     cfg = ModelConfig.from_hf(preset_config("k2-slice", fmt, layers=layers))
     t = time.time()
     model = load_model(None, load_format="dummy", config=cfg, device="cuda", progress=False)
@@ -1100,7 +1102,9 @@ def check_pinned(fmt="int4"):
 
 
 def _tag(base, mode):
-    """Row tag of a routing: the base name for the dummy router, else base[mode]."""
+    """Row tag of a routing and format: base (dummy router, INT4), base-fp8, base[uniform]."""
+    if WEIGHTS["format"] != "int4":
+        base = f"{base}-{WEIGHTS['format']}"
     return base if mode == "dummy" else f"{base}[{mode.split('/')[-1]}]"
 
 
@@ -1298,7 +1302,10 @@ def main(argv=None):
         action="store_true",
         help="model part: no pinned check, no fusions-off rows, no profiles",
     )
+    ap.add_argument("--format", choices=("int4", "fp8"), default="int4",
+                    help="the k2-slice's weights: INT4 experts (group 32) or FP8 blocks")  # fmt: skip
     args = ap.parse_args(argv)
+    WEIGHTS["format"] = args.format
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # routing_modes, fidelity
     if not torch.cuda.is_available():
         sys.exit("model_speed.py needs a CUDA device")

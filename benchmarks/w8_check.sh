@@ -3,7 +3,7 @@
 # with the expanded and absorbed MLA (model_speed --parts pprof), the served bench at C=16, 256.
 # Parts: tests, fidelity, model, mlasweep, dprof (decode kernel split, uniform routing), mixed
 # (eager mixed steps: GPU vs host time), pprof, served, served2.
-# Usage (repo root, .whl carried): OUT=/dir [PARTS="tests pprof served"] bash benchmarks/w8_check.sh
+# Usage (repo root, .whl carried): OUT=/dir [PARTS="tests pprof served"] [FORMAT=fp8] bash benchmarks/w8_check.sh
 cd "$(dirname "$0")/.." || exit 1
 source benchmarks/device_env.sh
 export PATH=/tmp/site/bin:$PATH
@@ -19,8 +19,8 @@ for part in ${PARTS:-tests pprof served}; do
     echo "fidelity rc=$? at ${SECONDS}s"; grep -iE "ok|fail|budget" "$OUT/fidelity.txt" | tail -12 ;;
   model)
     timeout 200 python3 benchmarks/model_speed.py --parts ceil,model --layers 3 \
-      --routing dummy,uniform --quick > "$OUT/model.txt" 2>&1
-    echo "model rc=$? at ${SECONDS}s"; grep -E "^\| model|ceilings" "$OUT/model.txt" | head -30 ;;
+      --routing dummy,uniform --quick --format ${FORMAT:-int4} > "$OUT/model_${FORMAT:-int4}.txt" 2>&1
+    echo "model rc=$? at ${SECONDS}s"; grep -E "^\| model|ceilings" "$OUT/model_${FORMAT:-int4}.txt" | head -30 ;;
   mlasweep)
     timeout 150 python3 benchmarks/model_speed.py --parts ceil,mlasweep --layers 3 > "$OUT/mlasweep.txt" 2>&1
     echo "mlasweep rc=$? at ${SECONDS}s"; grep -E "^\| mla|ceilings" "$OUT/mlasweep.txt" ;;
