@@ -83,7 +83,7 @@ if HAS_TRITON:
     def _mla_prefill_kernel(
         qn_ptr, qr_ptr, kn_ptr, kr_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr,
         s_qn_t, s_qn_h, s_qr_t, s_qr_h, s_kn_t, s_kn_h, s_kr_t, s_v_t, s_v_h, s_o_t, s_o_h,
-        qk_scale,  # scale * log2(e)
+        qk_scale,  # scale * log2(e), > 0
         M_BLOCKS,  # cdiv(max_query_len, BLOCK_M)
         N: tl.constexpr, R: tl.constexpr, V: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DT: tl.constexpr,
@@ -122,9 +122,10 @@ if HAS_TRITON:
         for _n0 in range(0, full_end, BLOCK_N):
             k_n = tl.load(kn_p).to(DOT_DT)  # [N, BN]
             k_r = tl.load(kr_p).to(DOT_DT)  # [R, BN]
-            s = tl.dot(q_r, k_r, tl.dot(q_n, k_n)) * qk_scale  # [BM, BN] fp32, log2 units
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
+            s = tl.dot(q_r, k_r, tl.dot(q_n, k_n))  # [BM, BN] fp32
+            # the row max scaled, then one FMA per score: exp2(s * scale log2 e - m)
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            p = tl.exp2(s * qk_scale - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_p).to(DOT_DT)  # [BN, V]
@@ -141,12 +142,12 @@ if HAS_TRITON:
             n_ok = offs_n < S
             k_n = tl.load(kn_p, mask=n_ok[None, :], other=0.0).to(DOT_DT)
             k_r = tl.load(kr_p, mask=n_ok[None, :], other=0.0).to(DOT_DT)
-            s = tl.dot(q_r, k_r, tl.dot(q_n, k_n)) * qk_scale
+            s = tl.dot(q_r, k_r, tl.dot(q_n, k_n))
             vis = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
             s = tl.where(vis, s, float("-inf"))
             # every row saw key 0 in the first block visited, so m_new is finite
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            p = tl.exp2(s * qk_scale - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_p, mask=n_ok[:, None], other=0.0).to(DOT_DT)
@@ -207,6 +208,8 @@ def mla_prefill_attention(
     for name, d in (("nope dim", N), ("rope dim", R), ("v dim", V)):
         if d < 16 or d & (d - 1):
             raise ValueError(f"{name}={d} must be a power of two >= 16 for the Triton kernel")
+    if not scale > 0:
+        raise ValueError(f"softmax scale={scale} must be positive")
     cfg = default_config()
     if config:
         unknown = set(config) - set(CONFIG_KEYS)
