@@ -79,7 +79,9 @@ def mla_prefill_ref(
 
 if HAS_TRITON:
 
-    @triton.jit
+    # M_BLOCKS follows the step's longest prompt: not specialized (== 1, % 16), so a new
+    # length never compiles a variant inside a request
+    @triton.jit(do_not_specialize=["M_BLOCKS"])
     def _mla_prefill_kernel(
         qn_ptr, qr_ptr, kn_ptr, kr_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr,
         s_qn_t, s_qn_h, s_qr_t, s_qr_h, s_kn_t, s_kn_h, s_kr_t, s_v_t, s_v_h, s_o_t, s_o_h,
