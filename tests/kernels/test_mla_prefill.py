@@ -213,3 +213,56 @@ def test_k2_sizes_match_the_sdpa_path(plan):
     ref = run_path(layer, inputs, md, cache, "sdpa")
     torch.cuda.synchronize()
     assert close(ours, ref, rtol=2**-6, atol=8e-3)
+
+
+def test_model_step_with_the_kernel_equals_sdpa(monkeypatch):
+    """Through the model: a mixed step (a decode, a prompt chunk over a cached prefix, a fresh
+    prompt) on TritonMLABackend(prefill="expand") gives the same hidden states with the kernel
+    as with SDPA (float32 model: the kernel's dots are float32 here)."""
+    from k2serve.attention import allocate_kv_caches
+    from k2serve.attention.base import AttentionMetadata
+    from k2serve.attention.triton_mla import TritonMLABackend
+    from k2serve.config import ModelConfig
+    from k2serve.weights.loader import load_model
+    from k2serve.weights.presets import preset_config
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_hf(preset_config("tiny", "bf16", layers=2))
+    model = load_model(None, load_format="dummy", config=cfg, device="cpu", dtype=torch.float32)
+    ps, per = 8, 3
+    plan = [(9, 1), (5, 6), (0, 11)]
+    seqs = [torch.randint(0, cfg.vocab_size, (c + q,)) for c, q in plan]
+
+    def meta(lens, rows):
+        qsl = np.cumsum([0] + [q for _, q in lens]).astype(np.int32)
+        ctx = np.array([c for c, _ in lens], dtype=np.int32)
+        table = torch.tensor([[r * per + j for j in range(per)] for r in rows], dtype=torch.int32)
+        pos = [torch.arange(c, c + q) for c, q in lens]
+        slots = torch.cat([table[b][p // ps] * ps + p % ps for b, p in enumerate(pos)])
+        return AttentionMetadata(
+            query_start_loc=torch.from_numpy(qsl),
+            seq_lens=torch.tensor([c + q for c, q in lens], dtype=torch.int32),
+            context_lens=torch.from_numpy(ctx), block_table=table, slot_mapping=slots.long(),
+            max_query_len=max(q for _, q in lens), max_seq_len=max(c + q for c, q in lens),
+            page_size=ps, num_decodes=sum(q == 1 for _, q in lens),
+            query_start_loc_host=qsl, context_lens_host=ctx,
+        )  # fmt: skip
+
+    launches = []
+    orig = mp.mla_prefill_attention
+    monkeypatch.setattr(mp, "mla_prefill_attention", lambda *a, **k: launches.append(a[5].shape[0])
+                        or orig(*a, **k))  # fmt: skip
+    outs = {}
+    for attn in ("sdpa", "triton"):
+        model.set_attn_backend(TritonMLABackend("expand", prefill_attn=attn,
+                                                prefill_configs=SMALL))  # fmt: skip
+        kv = allocate_kv_caches(cfg, per * len(plan), ps, torch.float32, "cpu")
+        for b, (c, _) in enumerate(plan):
+            if c:
+                model(seqs[b][:c], torch.arange(c), meta([(0, c)], [b]), kv)
+        ids = torch.cat([s[c:] for s, (c, _) in zip(seqs, plan, strict=True)])
+        pos = torch.cat([torch.arange(c, c + q) for c, q in plan])
+        outs[attn] = model(ids, pos, meta(plan, range(len(plan))), kv)
+    assert launches == [2, 2, 2, 2, 3, 3]  # B + 1 per launch: 2 prefixes, then 2 prompts at once
+    err = (outs["triton"] - outs["sdpa"]).norm() / outs["sdpa"].norm()
+    assert err.item() < 1e-4
