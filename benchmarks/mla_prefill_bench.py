@@ -43,6 +43,7 @@ import torch  # noqa: E402
 from k2serve.attention.base import AttentionMetadata  # noqa: E402
 from k2serve.attention.triton_mla import TritonMLABackend, mla_prefill_expanded  # noqa: E402
 from k2serve.kernels import mla_prefill as mp  # noqa: E402
+from k2serve.kernels.policy import device_kind, load_tables  # noqa: E402
 
 H, L, N, R, V, PS = (2, 64, 128, 64, 128, 16) if SMOKE else (64, 512, 128, 64, 128, 64)
 DEV = "cpu" if SMOKE else "cuda"
@@ -53,13 +54,14 @@ CASES = (
     else [(f"T={t}", [(0, t)]) for t in (1024, 4096, 8192, 16384)]
     + [("4x2048 (2 with 1K cached)", [(1024, 2048), (0, 2048), (1024, 2048), (0, 2048)])]
 )
-SWEEP = [  # (block_m, block_n, num_warps, num_stages)
-    (128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3),
-    (128, 32, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 2), (64, 64, 4, 4),
-    (64, 32, 4, 4),
+SWEEP = [  # (block_m, block_n, num_warps, num_stages, one_loop): all fit sm_90 with Triton 3.6
+    # (shared memory 106-213 KB; registers/spills of each printed by the sm_90 build here)
+    (128, 64, 8, 3, 0), (128, 64, 8, 3, 1), (128, 64, 8, 2, 0), (128, 64, 8, 4, 0),
+    (128, 64, 8, 4, 1), (128, 32, 8, 3, 0), (128, 32, 8, 4, 0), (128, 128, 8, 2, 0),
+    (128, 128, 8, 2, 1), (64, 64, 4, 3, 0), (64, 64, 4, 4, 0), (64, 32, 4, 4, 0),
 ]  # fmt: skip
 if SMOKE:
-    SWEEP = [(16, 16, 4, 2), (32, 16, 4, 2)]
+    SWEEP = [(16, 16, 4, 2, 0), (32, 16, 4, 2, 1)]
 FAILS: list[str] = []
 LINES: list[str] = []
 
@@ -153,7 +155,12 @@ def path(layer, inputs, md, cache, attn: str, config=None):
     cfgs = () if config is None else ({"max_len": None, **config},)
     mine = types.SimpleNamespace(**vars(layer))
     mine.backend = TritonMLABackend("expand", prefill_attn=attn, prefill_configs=cfgs)
-    return lambda: mla_prefill_expanded(mine, *inputs, md, cache)
+
+    def fn():
+        return mla_prefill_expanded(mine, *inputs, md, cache)
+
+    fn.backend = mine.backend
+    return fn
 
 
 def kernel_args(layer, inputs, md, cache):
@@ -186,70 +193,92 @@ def errs(a, b) -> tuple[float, float]:
     return (a - b).abs().max().item(), ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def run_case(name, plan, mm, iters, sweep, rows, best):
+def one_line(e: Exception) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[-1][:160] if msg else ''}"
+
+
+def run_case(name, plan, mm, iters, sweep, rows, best, deadline):
+    """Check then time one case: the SDPA path (its output is the reference), the kernel with
+    the policy table's config and (--sweep) each SWEEP config, each on its own (a config that
+    fails prints one line), then the whole kernel path with the policy's config (else the
+    fastest that ran)."""
     log(f"\n== {name}")
     layer, inputs, md, cache = build(plan)
-    ours_fn, sdpa_fn = (
-        path(layer, inputs, md, cache, "triton"),
-        path(layer, inputs, md, cache, "sdpa"),
-    )
-    # checks first (the paths store the new tokens: the kernel's own inputs are read after)
-    ours, ref = ours_fn().clone(), sdpa_fn().clone()
+    sdpa_fn = path(layer, inputs, md, cache, "sdpa")
+    ref = sdpa_fn().clone()  # the path stores the new tokens: the kernel's inputs read after
     args, q_lens, k_lens = kernel_args(layer, inputs, md, cache)
-    T = sum(q_lens)
+    T, mq = sum(q_lens), max(q_lens)
     flops = mp.prefill_flops(q_lens, k_lens, H, N, R, V)
-    ma, re = errs(ours, ref)
-    check(
-        f"{name}: kernel path vs sdpa path",
-        math.isfinite(ma) and re < 1e-2 and ma < 0.1,
-        f"max {ma:.2e} rel {re:.2e}",
-    )
+    r32 = None
     if T * max(k_lens) * H <= 2**28:  # float32 reference [H, T, S] fits
         r32 = mp.mla_prefill_ref(*args, layer.scaling)
-        (ma1, re1), (ma2, re2) = errs(ours, r32), errs(ref, r32)
-        check(f"{name}: kernel vs fp32 ref (sdpa's error)", re1 < 1e-2 and re1 <= 2 * re2 + 1e-3,
-              f"rel {re1:.2e} (sdpa {re2:.2e}), max {ma1:.2e} ({ma2:.2e})")  # fmt: skip
-        del r32
-    # then time
-    out = torch.empty_like(ours)
-    t_kernel = timed(
-        lambda: mp.mla_prefill_attention(*args, max(q_lens), layer.scaling, out=out), iters
-    )
-    t_ours = timed(ours_fn, iters)
+        ma0, re0 = errs(ref, r32)
+        log(f"  sdpa path vs fp32 reference: max {ma0:.2e} rel {re0:.2e}")
     t_sdpa = timed(sdpa_fn, iters)
-    tf = flops / t_kernel / 1e9
-    log(f"  kernel {t_kernel:8.3f} ms {tf:6.0f} TFLOP/s ({100 * tf / mm:4.1f}% of mm) | ours (kv_b + kernel) {t_ours:8.3f} ms | "
-        f"sdpa path {t_sdpa:8.3f} ms ({flops / t_sdpa / 1e9:5.0f} TFLOP/s) | speedup {t_sdpa / t_ours:5.2f}x")  # fmt: skip
-    rows.append(
-        (name, t_kernel, tf, 100 * tf / mm, t_ours, t_sdpa, flops / t_sdpa / 1e9, t_sdpa / t_ours)
+    tf_sdpa = flops / t_sdpa / 1e9
+    log(
+        f"  sdpa path (kv_b_proj .. out) {t_sdpa:8.3f} ms ({tf_sdpa:5.0f} TFLOP/s of attention work)"
     )
-    if not sweep:
-        return
-    timesd = {}
-    for cfg in SWEEP:
-        c = dict(zip(mp.CONFIG_KEYS, cfg, strict=True))
+    policy_cfg = mp.pick_config(load_tables(device_kind(DEV)).mla_prefill, mq)
+    cands = [("policy", policy_cfg)]
+    if sweep:
+        cands += [(str(c), dict(zip(mp.CONFIG_KEYS, c, strict=True))) for c in SWEEP]
+    results = {}
+    for label, c in cands:
+        if label != "policy" and time.monotonic() > deadline:
+            log(f"  {label}: skipped (time budget)")
+            continue
         try:
-            o2 = torch.empty_like(out)
-            mp.mla_prefill_attention(*args, max(q_lens), layer.scaling, out=o2, config=c)
-            ma3, _ = errs(o2, out)
-            if not ma3 < 0.1:
-                log(f"  sweep {cfg}: WRONG (max diff {ma3:.2e} against the default config)")
+            out = torch.full_like(ref, float("nan"))
+            mp.mla_prefill_attention(*args, mq, layer.scaling, out=out, config=c)
+            ma, re = errs(out, ref)
+            ok = math.isfinite(ma) and re < 1e-2 and ma < 0.1
+            check(f"{name} {label}: kernel vs sdpa path", ok, f"max {ma:.2e} rel {re:.2e}")
+            if r32 is not None and label == "policy":
+                (ma1, re1), (_, re2) = errs(out, r32), errs(ref, r32)
+                check(f"{name} {label}: kernel vs fp32 ref", re1 < 1e-2 and re1 <= 2 * re2 + 1e-3,
+                      f"rel {re1:.2e} (sdpa's {re2:.2e}) max {ma1:.2e}")  # fmt: skip
+            if not ok:
                 continue
             t = timed(
-                lambda c=c, o2=o2: mp.mla_prefill_attention(
-                    *args, max(q_lens), layer.scaling, out=o2, config=c
+                lambda c=c, out=out: mp.mla_prefill_attention(
+                    *args, mq, layer.scaling, out=out, config=c
                 ),
                 iters,
             )
-            timesd[cfg] = t
-            log(f"  sweep {cfg}: {t:8.3f} ms {flops / t / 1e9:6.0f} TFLOP/s")
-        except Exception as e:  # noqa: BLE001 - a config that does not build is skipped
+            results[label] = (c, t)
+            tf = flops / t / 1e9
             log(
-                f"  sweep {cfg}: error {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+                f"  kernel {label:28s} {t:8.3f} ms {tf:6.0f} TFLOP/s ({100 * tf / mm:4.1f}% of mm) {t_sdpa / t:5.2f}x the sdpa path"
             )
-    if timesd:
-        b = min(timesd, key=timesd.get)
-        best.append((name, max(q_lens), b, timesd[b], flops / timesd[b] / 1e9))
+        except Exception as e:  # noqa: BLE001 - one failing config, the rest goes on
+            log(f"  kernel {label:28s} error {one_line(e)}")
+            if label == "policy":
+                FAILS.append(f"{name} policy config {c}")
+    del r32
+    if not results:
+        FAILS.append(f"{name}: no kernel config ran")
+        return
+    fastest = min(results, key=lambda k: results[k][1])
+    use = "policy" if "policy" in results else fastest
+    c_use, t_use = results[use]
+    ours_fn = path(layer, inputs, md, cache, "triton", config=c_use)
+    o = ours_fn()
+    ma, re = errs(o, ref)
+    ran = ours_fn.backend.prefill_attn == "triton"  # not fallen back to SDPA
+    check(f"{name}: kernel path ({use}) vs sdpa path", ran and re < 1e-2 and ma < 0.1,
+          f"max {ma:.2e} rel {re:.2e}{'' if ran else ' FELL BACK'}")  # fmt: skip
+    t_ours = timed(ours_fn, iters)
+    log(
+        f"  kernel path (kv_b_proj + kernel, {use}) {t_ours:8.3f} ms: {t_sdpa / t_ours:5.2f}x the sdpa path"
+    )
+    c_f, t_f = results[fastest]
+    rows.append(
+        (name, t_use, flops / t_use / 1e9, t_f, flops / t_f / 1e9, t_ours, t_sdpa, tf_sdpa, mm)
+    )
+    if sweep:
+        best.append((name, mq, c_f, t_f, flops / t_f / 1e9))
 
 
 def main() -> int:
@@ -257,6 +286,12 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--iters", type=int, default=3 if SMOKE else 10)
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=190.0,
+        help="seconds; later sweep configs are skipped after it",
+    )
     a = ap.parse_args()
     dev = "cpu (interpreter smoke)" if SMOKE else torch.cuda.get_device_name()
     log(f"mla_prefill_bench: {dev}, torch {torch.__version__}, H={H} L={L} N={N} R={R} V={V}")
@@ -267,33 +302,35 @@ def main() -> int:
     except Exception:  # noqa: BLE001
         log(traceback.format_exc())
     rows, best = [], []
+    deadline = time.monotonic() + a.budget
     for name, plan in CASES:
         try:
-            run_case(name, plan, mm, a.iters, a.sweep, rows, best)
+            run_case(name, plan, mm, a.iters, a.sweep, rows, best, deadline)
         except Exception:  # noqa: BLE001 - a failing case prints its error, the rest goes on
             FAILS.append(name)
             log(f"  {name}: error\n{traceback.format_exc()}")
         if not SMOKE:
             torch.cuda.empty_cache()
-    log(f"\n== table (bf16 matmul {mm:.0f} TFLOP/s; TFLOP/s = causal real work / time)")
     log(
-        f"{'case':28s} {'kernel ms':>10s} {'TFLOP/s':>8s} {'% mm':>6s} {'ours ms':>9s} {'sdpa ms':>9s} {'sdpa TF/s':>9s} {'speedup':>8s}"
+        f"\n== table (bf16 matmul {mm:.0f} TFLOP/s; TFLOP/s = causal attention work / time; path = kv_b_proj .. out)"
     )
-    for r in rows:
+    log(
+        f"{'case':28s} {'policy ms':>9s} {'TF/s':>5s} {'% mm':>5s} | {'swept ms':>8s} {'TF/s':>5s} {'% mm':>5s} | {'path ms':>8s} {'sdpa ms':>8s} {'sdpa TF/s':>9s} {'speedup':>7s}"
+    )
+    for n_, tk, tfk, tb, tfb, to, ts, tfs, m_ in rows:
         log(
-            f"{r[0]:28s} {r[1]:10.3f} {r[2]:8.0f} {r[3]:6.1f} {r[4]:9.3f} {r[5]:9.3f} {r[6]:9.0f} {r[7]:7.2f}x"
+            f"{n_:28s} {tk:9.3f} {tfk:5.0f} {100 * tfk / m_:5.1f} | {tb:8.3f} {tfb:5.0f} {100 * tfb / m_:5.1f} | {to:8.3f} {ts:8.3f} {tfs:9.0f} {ts / to:6.2f}x"
         )
     if best:
         log("\n== sweep: best config per case")
         for name, mq, cfg, t, tf in best:
             log(f"{name:28s} max_q {mq:6d} {cfg} {t:8.3f} ms {tf:6.0f} TFLOP/s")
-        single = sorted((mq, cfg) for name, mq, cfg, _, _ in best if name.startswith("T="))
+        single = sorted(((mq, cfg) for name, mq, cfg, _, _ in best if name.startswith("T=")),
+                        key=lambda x: x[0])  # fmt: skip
         entries = []
         for i, (mq, cfg) in enumerate(single):
-            e = {
-                "max_len": None if i == len(single) - 1 else mq,
-                **dict(zip(mp.CONFIG_KEYS, cfg, strict=True)),
-            }
+            e = {"max_len": None if i == len(single) - 1 else mq,
+                 **{k: bool(cfg[k]) if k == "one_loop" else int(cfg[k]) for k in mp.CONFIG_KEYS}}  # fmt: skip
             if entries and all(entries[-1][k] == e[k] for k in mp.CONFIG_KEYS):
                 entries[-1]["max_len"] = e["max_len"]  # same config: one wider entry
             else:

@@ -20,6 +20,7 @@ sequences with torch's flash SDPA (the CPU's path, and the fallback).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 import torch
@@ -32,6 +33,7 @@ from k2serve.kernels.mla_attention import FP8_KV_DTYPES, mla_attention
 from k2serve.kernels.sdpa import sdpa
 
 PREFILL_ATTNS = ("sdpa", "triton")
+logger = logging.getLogger(__name__)
 
 
 class TritonMLABackend(MLABackend):
@@ -118,7 +120,9 @@ def mla_prefill_expanded(attn, q_nope, q_pe, latent, k_pe, md: AttentionMetadata
     qsl = md.query_start_loc.tolist() if qh is None else [int(x) for x in qh]
     ctx = md.context_lens.tolist() if ch is None else [int(x) for x in ch]
     if getattr(attn.backend, "prefill_attn", "sdpa") == "triton":
-        return _expanded_triton(attn, q_nope, q_pe, latent, k_pe, md, kv_cache, qsl, ctx)
+        out = _expanded_triton(attn, q_nope, q_pe, latent, k_pe, md, kv_cache, qsl, ctx)
+        if out is not None:
+            return out
     out = torch.empty(q_nope.shape[0], H, V, dtype=q_nope.dtype, device=q_nope.device)
     for b, c in enumerate(ctx):
         t0, t1 = qsl[b], qsl[b + 1]
@@ -159,8 +163,9 @@ def _expanded_triton(attn, q_nope, q_pe, latent, k_pe, md, kv_cache, qsl, ctx):
     sequence's keys (a fresh prompt's new latent rows as they are; a cached prefix's rows,
     new ones included, read back from the pages as the SDPA path does), then one varlen
     launch reading q / k / v in place and writing `out`. All-fresh steps need no copy and
-    no host->device transfer (the keys' offsets are the queries'). -> [T, H, V]"""
-    from k2serve.kernels.mla_prefill import mla_prefill_attention, pick_config
+    no host->device transfer (the keys' offsets are the queries'). -> [T, H, V], or None
+    when the policy's config cannot launch on the device (the backend then runs SDPA)."""
+    from k2serve.kernels.mla_prefill import LAUNCH_ERRORS, mla_prefill_attention, pick_config
 
     H, N, V = attn.num_heads, attn.qk_nope_head_dim, attn.v_head_dim
     L = attn.kv_lora_rank
@@ -190,7 +195,13 @@ def _expanded_triton(attn, q_nope, q_pe, latent, k_pe, md, kv_cache, qsl, ctx):
     kv = attn.kv_b_proj(lat).view(S, H, N + V)  # [S_total, H, N + V]
     max_q = max(q_lens)
     cfg = pick_config(getattr(attn.backend, "prefill_configs", ()), max_q)
-    return mla_prefill_attention(
-        q_nope, q_pe, kv[..., :N], pe, kv[..., N:], md.query_start_loc[: B + 1], cu_k, max_q,
-        attn.scaling, out=out, config=cfg,
-    )  # fmt: skip
+    try:
+        return mla_prefill_attention(
+            q_nope, q_pe, kv[..., :N], pe, kv[..., N:], md.query_start_loc[: B + 1], cu_k,
+            max_q, attn.scaling, out=out, config=cfg,
+        )  # fmt: skip
+    except LAUNCH_ERRORS as e:  # a table config this device cannot hold: SDPA from now on
+        logger.warning("MLA prefill kernel config %s does not fit %s (%s); the expanded prompts "
+                       "run torch's SDPA", cfg, q_nope.device, e)  # fmt: skip
+        attn.backend.prefill_attn = "sdpa"
+        return None

@@ -39,7 +39,14 @@ import torch
 
 from ._triton import HAS_TRITON, cdiv, dot_dtype, require_triton, tl, triton
 
-CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
+CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "one_loop")
+# a config the device cannot hold (shared memory, registers): raised at launch, before any
+# work, so a caller can fall back (Triton's OutOfResources; empty without Triton)
+LAUNCH_ERRORS: tuple[type[Exception], ...] = ()
+if HAS_TRITON:
+    from triton.runtime.errors import OutOfResources
+
+    LAUNCH_ERRORS = (OutOfResources,)
 
 # --------------------------------------------------------------------------------------------
 # torch reference
@@ -79,6 +86,47 @@ def mla_prefill_ref(
 
 if HAS_TRITON:
 
+    @triton.jit
+    def _attend(
+        acc, m_i, l_i, q_n, q_r, kn_base, kr_base, v_base, kn_off, kr_off, v_off,
+        s_kn_t, s_kr_t, s_v_t, lo, hi, S, q_pos, offs_b, qk_scale,
+        MASKED: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DT: tl.constexpr,
+    ):  # fmt: skip
+        """The online softmax over key blocks [lo, hi) from the scalar bases (block lo's; they
+        come back advanced past hi): acc [BM, V], m_i / l_i [BM] (base 2). MASKED: key n is
+        seen by row i when n <= q_pos[i] (and n < S); else all are."""
+        for n0 in range(lo, hi, BLOCK_N):
+            kn = kn_base + kn_off
+            kr = kr_base + kr_off
+            vp = v_base + v_off
+            if MASKED:
+                offs_n = n0 + offs_b
+                n_ok = offs_n < S
+                k_n = tl.load(kn, mask=n_ok[None, :], other=0.0).to(DOT_DT)  # [N, BN]
+                k_r = tl.load(kr, mask=n_ok[None, :], other=0.0).to(DOT_DT)  # [R, BN]
+            else:
+                k_n = tl.load(kn).to(DOT_DT)
+                k_r = tl.load(kr).to(DOT_DT)
+            s = tl.dot(q_r, k_r, tl.dot(q_n, k_n))  # [BM, BN] fp32
+            if MASKED:
+                s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
+            # the row max scaled, then one FMA per score: exp2(s * scale log2 e - m); every
+            # row sees key 0 in the first block, so m_new is finite
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            p = tl.exp2(s * qk_scale - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if MASKED:
+                v = tl.load(vp, mask=n_ok[:, None], other=0.0).to(DOT_DT)  # [BN, V]
+            else:
+                v = tl.load(vp).to(DOT_DT)
+            acc = tl.dot(p.to(DOT_DT), v, acc * alpha[:, None])
+            m_i = m_new
+            kn_base += BLOCK_N * s_kn_t
+            kr_base += BLOCK_N * s_kr_t
+            v_base += BLOCK_N * s_v_t
+        return acc, m_i, l_i, kn_base, kr_base, v_base
+
     # M_BLOCKS follows the step's longest prompt: not specialized (== 1, % 16), so a new
     # length never compiles a variant inside a request
     @triton.jit(do_not_specialize=["M_BLOCKS"])
@@ -89,6 +137,7 @@ if HAS_TRITON:
         M_BLOCKS,  # cdiv(max_query_len, BLOCK_M)
         N: tl.constexpr, R: tl.constexpr, V: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DT: tl.constexpr,
+        ONE_LOOP: tl.constexpr,
     ):  # fmt: skip
         m_blk = M_BLOCKS - 1 - tl.program_id(0)  # the longest causal rows first
         h = tl.program_id(1)
@@ -111,53 +160,41 @@ if HAS_TRITON:
                       mask=row_ok[:, None], other=0.0).to(DOT_DT)  # fmt: skip
         q_r = tl.load(qr_ptr + rows[:, None] * s_qr_t + h * s_qr_h + offs_dr[None, :],
                       mask=row_ok[:, None], other=0.0).to(DOT_DT)  # fmt: skip
-        # pointers of the first key block (64-bit pointer arithmetic from here on)
+        # a key block's addresses: a scalar base advanced per block (64-bit) + int32 offsets
+        # (loop-invariant; no loop-carried pointer tensors: Triton 3.6 kept those in 160
+        # registers a thread and spilled)
         k0l = k0.to(tl.int64)
-        kn_p = kn_ptr + k0l * s_kn_t + h * s_kn_h + offs_b[None, :] * s_kn_t + offs_dn[:, None]
-        kr_p = kr_ptr + k0l * s_kr_t + offs_b[None, :] * s_kr_t + offs_dr[:, None]
-        v_p = v_ptr + k0l * s_v_t + h * s_v_h + offs_b[:, None] * s_v_t + offs_dv[None, :]
+        kn_base = kn_ptr + k0l * s_kn_t + h * s_kn_h
+        kr_base = kr_ptr + k0l * s_kr_t
+        v_base = v_ptr + k0l * s_v_t + h * s_v_h
+        kn_off = offs_b[None, :] * s_kn_t + offs_dn[:, None]  # [N, BN]
+        kr_off = offs_b[None, :] * s_kr_t + offs_dr[:, None]  # [R, BN]
+        v_off = offs_b[:, None] * s_v_t + offs_dv[None, :]  # [BN, V]
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, V], tl.float32)
-        # keys every row of the block sees (n <= c + first row): whole blocks, no mask
-        full_end = (c + m_blk * BLOCK_M + 1) // BLOCK_N * BLOCK_N
-        for _n0 in range(0, full_end, BLOCK_N):
-            k_n = tl.load(kn_p).to(DOT_DT)  # [N, BN]
-            k_r = tl.load(kr_p).to(DOT_DT)  # [R, BN]
-            s = tl.dot(q_r, k_r, tl.dot(q_n, k_n))  # [BM, BN] fp32
-            # the row max scaled, then one FMA per score: exp2(s * scale log2 e - m)
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            p = tl.exp2(s * qk_scale - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_p).to(DOT_DT)  # [BN, V]
-            acc = tl.dot(p.to(DOT_DT), v, acc * alpha[:, None])
-            m_i = m_new
-            kn_p += BLOCK_N * s_kn_t
-            kr_p += BLOCK_N * s_kr_t
-            v_p += BLOCK_N * s_v_t
-        # the diagonal: keys up to the block's last row (c + last), masked per row
-        hi = tl.minimum(c + (m_blk + 1) * BLOCK_M, S)
-        q_pos = c + offs_m  # [BM] last visible key
-        for n0 in range(full_end, hi, BLOCK_N):
-            offs_n = n0 + offs_b
-            n_ok = offs_n < S
-            k_n = tl.load(kn_p, mask=n_ok[None, :], other=0.0).to(DOT_DT)
-            k_r = tl.load(kr_p, mask=n_ok[None, :], other=0.0).to(DOT_DT)
-            s = tl.dot(q_r, k_r, tl.dot(q_n, k_n))
-            vis = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
-            s = tl.where(vis, s, float("-inf"))
-            # every row saw key 0 in the first block visited, so m_new is finite
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            p = tl.exp2(s * qk_scale - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_p, mask=n_ok[:, None], other=0.0).to(DOT_DT)
-            acc = tl.dot(p.to(DOT_DT), v, acc * alpha[:, None])
-            m_i = m_new
-            kn_p += BLOCK_N * s_kn_t
-            kr_p += BLOCK_N * s_kr_t
-            v_p += BLOCK_N * s_v_t
+        q_pos = c + offs_m  # [BM] the last key each row sees
+        hi = tl.minimum(c + (m_blk + 1) * BLOCK_M, S)  # past the block's last row's keys
+        if ONE_LOOP:  # every block masked: one pipelined loop, one set of stage buffers
+            acc, m_i, l_i, kn_base, kr_base, v_base = _attend(
+                acc, m_i, l_i, q_n, q_r, kn_base, kr_base, v_base, kn_off, kr_off, v_off,
+                s_kn_t, s_kr_t, s_v_t, 0, hi, S, q_pos, offs_b, qk_scale,
+                True, BLOCK_N, DOT_DT,
+            )  # fmt: skip
+        else:
+            # keys every row of the block sees (n <= c + its first row): whole blocks, no mask
+            full_end = (c + m_blk * BLOCK_M + 1) // BLOCK_N * BLOCK_N
+            acc, m_i, l_i, kn_base, kr_base, v_base = _attend(
+                acc, m_i, l_i, q_n, q_r, kn_base, kr_base, v_base, kn_off, kr_off, v_off,
+                s_kn_t, s_kr_t, s_v_t, 0, full_end, S, q_pos, offs_b, qk_scale,
+                False, BLOCK_N, DOT_DT,
+            )  # fmt: skip
+            # the diagonal: the rest, masked per row
+            acc, m_i, l_i, kn_base, kr_base, v_base = _attend(
+                acc, m_i, l_i, q_n, q_r, kn_base, kr_base, v_base, kn_off, kr_off, v_off,
+                s_kn_t, s_kr_t, s_v_t, full_end, hi, S, q_pos, offs_b, qk_scale,
+                True, BLOCK_N, DOT_DT,
+            )  # fmt: skip
         o = acc / l_i[:, None]
         tl.store(o_ptr + rows[:, None] * s_o_t + h * s_o_h + offs_dv[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])  # fmt: skip
@@ -167,7 +204,7 @@ def default_config() -> dict:
     """128 query rows x 64 keys, 8 warps, 3 stages: a [128, 64] score tile per warpgroup pair,
     the [128, 128] fp32 accumulator at 64 registers a thread; shared memory 3 x 40 KB key +
     value stages + 48 KB of q (fits sm_80 / sm_90). The policy tables hold the measured pick."""
-    return dict(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    return dict(block_m=128, block_n=64, num_warps=8, num_stages=3, one_loop=False)
 
 
 def pick_config(configs, max_query_len: int) -> dict:
@@ -239,7 +276,7 @@ def mla_prefill_attention(
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         k_nope.stride(0), k_nope.stride(1), k_pe.stride(0), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), float(scale) * math.log2(math.e), m_blocks,
-        N=N, R=R, V=V, BLOCK_M=bm, BLOCK_N=bn, DOT_DT=dt,
+        N=N, R=R, V=V, BLOCK_M=bm, BLOCK_N=bn, DOT_DT=dt, ONE_LOOP=bool(cfg["one_loop"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out
@@ -254,6 +291,7 @@ def prefill_flops(q_lens, k_lens, H: int, N: int, R: int, V: int) -> float:
 
 __all__ = [
     "CONFIG_KEYS",
+    "LAUNCH_ERRORS",
     "default_config",
     "mla_prefill_attention",
     "mla_prefill_ref",
