@@ -333,6 +333,7 @@ class KernelPolicy:
                 ("gemv", self.decode_gemv),
                 ("shared-expert stream", self.shared_stream),
                 ("gluon int4 gemm", self.int4_gemm_backend == "gluon"),
+                ("mla prompt kernel", self.mla_prefill_attn == "triton"),
             )
             if v
         ]
