@@ -46,8 +46,10 @@ def varlen(q_lens, ctx, H, seed=0):
     "q_lens,ctx,H,cfg",
     [
         ([150], [0], 2, dict(block_m=32, block_n=16)),  # plain causal, 5 row blocks
+        ([150, 40], [0, 70], 2, dict(block_m=32, block_n=16, pipe=True)),  # QK one block ahead
         ([37, 1, 70, 19], [0, 5, 20, 0], 3, dict(block_m=16, block_n=16)),  # varlen + prefix
         ([23, 64], [41, 0], 2, dict(block_m=16, block_n=32)),  # block_n > block_m
+        ([23, 64], [41, 0], 2, dict(block_m=16, block_n=32, one_loop=True)),  # all masked
         ([9, 0, 33], [0, 12, 100], 2, dict(block_m=32, block_n=32)),  # an empty sequence
     ],  # fmt: skip
 )

@@ -21,8 +21,10 @@ Kernel: one program per (query block, head, sequence); the grid's first axis run
 blocks of a head from the last (the longest causal rows) to the first, so the heavy programs
 start first and the tail of the launch is short ones. fp32 online softmax in base 2 (scale *
 log2 e folded into one multiply). The keys visible to every row of a block run unmasked; the
-few blocks on the diagonal run masked; blocks above it are never visited. Launch configs
-(block_m, block_n, num_warps, num_stages) come from the policy tables ("mla_prefill" in
+few blocks on the diagonal run masked; blocks above it are never visited (one_loop: every
+block masked, one pipelined loop; pipe: the unmasked blocks' QK issued one block ahead, so its
+MMAs run under the previous block's softmax). Launch configs (block_m, block_n, num_warps,
+num_stages, one_loop, pipe) come from the policy tables ("mla_prefill" in
 configs/<kind>.json, by the longest query length of the step) through `config`.
 
 Invariants: cu_seqlens_q / cu_seqlens_k are int32 on the device, [B + 1], with
@@ -39,7 +41,7 @@ import torch
 
 from ._triton import HAS_TRITON, cdiv, dot_dtype, require_triton, tl, triton
 
-CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "one_loop")
+CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "one_loop", "pipe")
 # a config the device cannot hold (shared memory, registers): raised at launch, before any
 # work, so a caller can fall back (Triton's OutOfResources; empty without Triton)
 LAUNCH_ERRORS: tuple[type[Exception], ...] = ()
@@ -127,6 +129,45 @@ if HAS_TRITON:
             v_base += BLOCK_N * s_v_t
         return acc, m_i, l_i, kn_base, kr_base, v_base
 
+    @triton.jit
+    def _softmax_pv(s, acc, m_i, l_i, v, qk_scale, DOT_DT: tl.constexpr):
+        """One key block's online-softmax step: scores s [BM, BN] (unscaled), v [BN, V]."""
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(DOT_DT), v, acc * alpha[:, None])
+        return acc, m_new, l_i
+
+    @triton.jit
+    def _attend_pipe(
+        acc, m_i, l_i, q_n, q_r, kn_base, kr_base, v_base, kn_off, kr_off, v_off,
+        s_kn_t, s_kr_t, s_v_t, lo, hi, qk_scale,
+        BLOCK_N: tl.constexpr, DOT_DT: tl.constexpr,
+    ):  # fmt: skip
+        """_attend unmasked with the next block's QK issued before this block's softmax (its
+        MMAs overlap the exp2s; FA3's intra-warpgroup overlap). Needs hi - lo >= BLOCK_N."""
+        s = tl.dot(q_r, tl.load(kr_base + kr_off).to(DOT_DT),
+                   tl.dot(q_n, tl.load(kn_base + kn_off).to(DOT_DT)))  # fmt: skip
+        for _n0 in range(lo + BLOCK_N, hi, BLOCK_N):
+            kn_base += BLOCK_N * s_kn_t
+            kr_base += BLOCK_N * s_kr_t
+            k_n = tl.load(kn_base + kn_off).to(DOT_DT)
+            k_r = tl.load(kr_base + kr_off).to(DOT_DT)
+            # the rope dot first: Triton waits for it before chaining the nope dot, whose 8
+            # MMAs (128 of the 192 dims) then run under this block's softmax
+            s_next = tl.dot(q_n, k_n, tl.dot(q_r, k_r))
+            v = tl.load(v_base + v_off).to(DOT_DT)
+            acc, m_i, l_i = _softmax_pv(s, acc, m_i, l_i, v, qk_scale, DOT_DT)
+            v_base += BLOCK_N * s_v_t
+            s = s_next
+        v = tl.load(v_base + v_off).to(DOT_DT)
+        acc, m_i, l_i = _softmax_pv(s, acc, m_i, l_i, v, qk_scale, DOT_DT)
+        kn_base += BLOCK_N * s_kn_t
+        kr_base += BLOCK_N * s_kr_t
+        v_base += BLOCK_N * s_v_t
+        return acc, m_i, l_i, kn_base, kr_base, v_base
+
     # M_BLOCKS follows the step's longest prompt: not specialized (== 1, % 16), so a new
     # length never compiles a variant inside a request
     @triton.jit(do_not_specialize=["M_BLOCKS"])
@@ -137,7 +178,7 @@ if HAS_TRITON:
         M_BLOCKS,  # cdiv(max_query_len, BLOCK_M)
         N: tl.constexpr, R: tl.constexpr, V: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DT: tl.constexpr,
-        ONE_LOOP: tl.constexpr,
+        ONE_LOOP: tl.constexpr, PIPE: tl.constexpr,
     ):  # fmt: skip
         m_blk = M_BLOCKS - 1 - tl.program_id(0)  # the longest causal rows first
         h = tl.program_id(1)
@@ -184,11 +225,18 @@ if HAS_TRITON:
         else:
             # keys every row of the block sees (n <= c + its first row): whole blocks, no mask
             full_end = (c + m_blk * BLOCK_M + 1) // BLOCK_N * BLOCK_N
-            acc, m_i, l_i, kn_base, kr_base, v_base = _attend(
-                acc, m_i, l_i, q_n, q_r, kn_base, kr_base, v_base, kn_off, kr_off, v_off,
-                s_kn_t, s_kr_t, s_v_t, 0, full_end, S, q_pos, offs_b, qk_scale,
-                False, BLOCK_N, DOT_DT,
-            )  # fmt: skip
+            if PIPE:
+                if full_end > 0:
+                    acc, m_i, l_i, kn_base, kr_base, v_base = _attend_pipe(
+                        acc, m_i, l_i, q_n, q_r, kn_base, kr_base, v_base, kn_off, kr_off,
+                        v_off, s_kn_t, s_kr_t, s_v_t, 0, full_end, qk_scale, BLOCK_N, DOT_DT,
+                    )  # fmt: skip
+            else:
+                acc, m_i, l_i, kn_base, kr_base, v_base = _attend(
+                    acc, m_i, l_i, q_n, q_r, kn_base, kr_base, v_base, kn_off, kr_off, v_off,
+                    s_kn_t, s_kr_t, s_v_t, 0, full_end, S, q_pos, offs_b, qk_scale,
+                    False, BLOCK_N, DOT_DT,
+                )  # fmt: skip
             # the diagonal: the rest, masked per row
             acc, m_i, l_i, kn_base, kr_base, v_base = _attend(
                 acc, m_i, l_i, q_n, q_r, kn_base, kr_base, v_base, kn_off, kr_off, v_off,
@@ -204,7 +252,7 @@ def default_config() -> dict:
     """128 query rows x 64 keys, 8 warps, 3 stages: a [128, 64] score tile per warpgroup pair,
     the [128, 128] fp32 accumulator at 64 registers a thread; shared memory 3 x 40 KB key +
     value stages + 48 KB of q (fits sm_80 / sm_90). The policy tables hold the measured pick."""
-    return dict(block_m=128, block_n=64, num_warps=8, num_stages=3, one_loop=False)
+    return dict(block_m=128, block_n=64, num_warps=8, num_stages=3, one_loop=False, pipe=False)
 
 
 def pick_config(configs, max_query_len: int) -> dict:
@@ -277,6 +325,7 @@ def mla_prefill_attention(
         k_nope.stride(0), k_nope.stride(1), k_pe.stride(0), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), float(scale) * math.log2(math.e), m_blocks,
         N=N, R=R, V=V, BLOCK_M=bm, BLOCK_N=bn, DOT_DT=dt, ONE_LOOP=bool(cfg["one_loop"]),
+        PIPE=bool(cfg["pipe"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out
