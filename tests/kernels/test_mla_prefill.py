@@ -213,12 +213,17 @@ def test_policy_threads_the_choice_to_the_backend():
 @pytest.mark.parametrize("plan", [[(0, 8192)], [(1024, 2048), (0, 2048), (1024, 2048), (0, 2048)]])
 def test_k2_sizes_match_the_sdpa_path(plan):
     """K2's 64 heads and 512-wide latent at an 8K prompt and a varlen batch with cached
-    prefixes: the kernel path against the SDPA path (both bf16)."""
+    prefixes: the kernel path (default config and the policy table's) against the SDPA path
+    (both bf16)."""
+    from k2serve.kernels.policy import device_kind, load_tables
+
     layer, inputs, md, cache = step(plan, H=64, lora=512)
-    ours = run_path(layer, inputs, md, cache, "triton")
     ref = run_path(layer, inputs, md, cache, "sdpa")
-    torch.cuda.synchronize()
-    assert close(ours, ref, rtol=2**-6, atol=8e-3)
+    table = load_tables(device_kind(DEVICE)).mla_prefill  # the engine's configs
+    for configs in ((), table):  # the kernel's default, the table's pick
+        ours = run_path(layer, inputs, md, cache, "triton", configs)
+        assert layer.backend.prefill_attn == "triton"  # ran, not fallen back to SDPA
+        assert close(ours, ref, rtol=2**-6, atol=8e-3)
 
 
 @pytest.mark.skipif(
