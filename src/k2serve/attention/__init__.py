@@ -52,6 +52,8 @@ def make_attention_backend(
     policy = policy or KernelPolicy()  # the default kind's tables (setup passes its policy)
     return TritonMLABackend(
         prefill=policy.mla_prefill,
+        prefill_attn=policy.mla_prefill_attn,
+        prefill_configs=policy.tables.mla_prefill,
         decode_configs={f: policy.mla_decode_config(f) for f in (False, True)},
     )
 

@@ -10,13 +10,17 @@ absorbed form at long prompts (8K prompt, 3 K2 layers on an H100: 16.7 ms a laye
 benchmarks/RESULTS.md). Invariants: no host synchronisation in `store` or `forward` (CUDA
 graph safe when the metadata tensors are static buffers); the number of KV splits depends only
 on the host-side ints in the metadata (max_query_len, max_seq_len, batch size), so a captured
-graph stays valid while sequence lengths change inside it. The expanded prompt path loops over
-sequences on the host (prompt steps are never captured) and reads their lengths from the
-metadata's host copies when the engine gave them (else one device sync).
+graph stays valid while sequence lengths change inside it. The expanded prompt path reads the
+sequences' lengths from the metadata's host copies when the engine gave them (else one device
+sync; prompt steps are never captured). Its attention (KernelPolicy.mla_prefill_attn): "triton"
+= one kv_b_proj over every sequence's keys and one varlen launch of kernels/mla_prefill.py
+(q / k / v read in place, no padded V, the output written in place); "sdpa" = a loop over
+sequences with torch's flash SDPA (the CPU's path, and the fallback).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 import torch
@@ -27,6 +31,9 @@ from k2serve.attention.base import AttentionMetadata, MLABackend
 from k2serve.kernels.kv_store import store_latent_kv
 from k2serve.kernels.mla_attention import FP8_KV_DTYPES, mla_attention
 from k2serve.kernels.sdpa import sdpa
+
+PREFILL_ATTNS = ("sdpa", "triton")
+logger = logging.getLogger(__name__)
 
 
 class TritonMLABackend(MLABackend):
@@ -42,17 +49,25 @@ class TritonMLABackend(MLABackend):
         prefill: str = "absorbed",
         kv_scale: float = 1.0,
         decode_configs: Mapping[bool, Mapping] | None = None,
+        prefill_attn: str = "sdpa",
+        prefill_configs: tuple[Mapping, ...] = (),
     ) -> None:
         """decode_configs: {fp8 cache?: mla_attention config} for decode steps, from the
         kernel policy's tables (KernelPolicy.mla_decode_config); None = the kernel's rule.
         prefill="expand": every step with a prompt runs its prompts expanded (H100, 3 K2
         layers: as fast as absorbed at 512 tokens, 1.07-1.44x faster at 256 and 1K-8K;
-        `model_speed.py --parts mlasweep`, benchmarks/RESULTS.md)."""
+        `model_speed.py --parts mlasweep`, benchmarks/RESULTS.md). prefill_attn: the expanded
+        prompts' attention, "triton" (kernels/mla_prefill.py, configs from the policy table's
+        `prefill_configs`) or "sdpa" (KernelPolicy.mla_prefill_attn)."""
         if prefill not in ("absorbed", "expand"):
             raise ValueError(f"TritonMLABackend prefill={prefill!r}: use 'absorbed' or 'expand'")
+        if prefill_attn not in PREFILL_ATTNS:
+            raise ValueError(f"prefill_attn={prefill_attn!r}: use one of {PREFILL_ATTNS}")
         if not kv_scale > 0:
             raise ValueError(f"kv_scale={kv_scale} must be positive")
         self.prefill = prefill
+        self.prefill_attn = prefill_attn
+        self.prefill_configs = tuple(prefill_configs)
         self.kv_scale = float(kv_scale)
         self.decode_configs = {k: dict(v) for k, v in (decode_configs or {}).items()}
 
@@ -104,7 +119,10 @@ def mla_prefill_expanded(attn, q_nope, q_pe, latent, k_pe, md: AttentionMetadata
     qh, ch = md.query_start_loc_host, md.context_lens_host
     qsl = md.query_start_loc.tolist() if qh is None else [int(x) for x in qh]
     ctx = md.context_lens.tolist() if ch is None else [int(x) for x in ch]
-    ps = kv_cache.shape[1]
+    if getattr(attn.backend, "prefill_attn", "sdpa") == "triton":
+        out = _expanded_triton(attn, q_nope, q_pe, latent, k_pe, md, kv_cache, qsl, ctx)
+        if out is not None:
+            return out
     out = torch.empty(q_nope.shape[0], H, V, dtype=q_nope.dtype, device=q_nope.device)
     for b, c in enumerate(ctx):
         t0, t1 = qsl[b], qsl[b + 1]
@@ -114,10 +132,7 @@ def mla_prefill_expanded(attn, q_nope, q_pe, latent, k_pe, md: AttentionMetadata
         if c == 0:
             lat, pe = latent[t0:t1], k_pe[t0:t1]
         else:
-            pages = md.block_table[b, : -(-S // ps)].long()
-            rows = kv_cache[pages].reshape(-1, L + R)[:S]  # [S, L + R]
-            if rows.dtype == torch.float8_e4m3fn:  # stored * kv_scale, as the kernel reads it
-                rows = (rows.float() * getattr(attn.backend, "kv_scale", 1.0)).to(q_nope.dtype)
+            rows = _cached_rows(attn, md, kv_cache, b, S, q_nope.dtype)  # [S, L + R]
             lat, pe = rows[:, :L], rows[:, L:]
         kv = attn.kv_b_proj(lat).view(S, H, N + V)
         k = torch.cat([kv[..., :N], pe[:, None, :].expand(S, H, R)], dim=-1)  # [S, H, N + R]
@@ -130,3 +145,63 @@ def mla_prefill_expanded(attn, q_nope, q_pe, latent, k_pe, md: AttentionMetadata
             o = sdpa(q, k, v, attn_mask=causal_lower_right(t1 - t0, S), scale=attn.scaling)
         out[t0:t1] = o[0, :, :, :V].transpose(0, 1)
     return out
+
+
+def _cached_rows(attn, md, kv_cache, b: int, S: int, dtype) -> torch.Tensor:  # [S, L + R]
+    """Sequence b's first S latent rows read back from its pages (fp8: stored * kv_scale, as
+    the decode kernel reads them)."""
+    ps = kv_cache.shape[1]
+    pages = md.block_table[b, : -(-S // ps)].long()
+    rows = kv_cache[pages].reshape(-1, kv_cache.shape[-1])[:S]
+    if rows.dtype == torch.float8_e4m3fn:
+        rows = (rows.float() * getattr(attn.backend, "kv_scale", 1.0)).to(dtype)
+    return rows
+
+
+def _expanded_triton(attn, q_nope, q_pe, latent, k_pe, md, kv_cache, qsl, ctx):
+    """The expanded prompts through kernels/mla_prefill.py: ONE kv_b_proj over every
+    sequence's keys (a fresh prompt's new latent rows as they are; a cached prefix's rows,
+    new ones included, read back from the pages as the SDPA path does), then one varlen
+    launch reading q / k / v in place and writing `out`. All-fresh steps need no copy and
+    no host->device transfer (the keys' offsets are the queries'). -> [T, H, V], or None
+    when the policy's config cannot launch on the device (the backend then runs SDPA)."""
+    from k2serve.kernels.mla_prefill import LAUNCH_ERRORS, mla_prefill_attention, pick_config
+
+    H, N, V = attn.num_heads, attn.qk_nope_head_dim, attn.v_head_dim
+    L = attn.kv_lora_rank
+    B = len(ctx)
+    q_lens = [qsl[b + 1] - qsl[b] for b in range(B)]
+    if all(c == 0 for c in ctx):
+        lat, pe = latent[: qsl[B]], k_pe[: qsl[B]]  # [S_total, L], [S_total, R]
+        cu_k = md.query_start_loc[: B + 1]
+    else:
+        lats, pes, cu = [], [], [0]
+        for b, c in enumerate(ctx):
+            t0, t1 = qsl[b], qsl[b + 1]
+            if t1 > t0 and c == 0:
+                lats.append(latent[t0:t1])
+                pes.append(k_pe[t0:t1])
+            elif t1 > t0:
+                rows = _cached_rows(attn, md, kv_cache, b, c + t1 - t0, q_nope.dtype)
+                lats.append(rows[:, :L])
+                pes.append(rows[:, L:])
+            cu.append(cu[-1] + (c + t1 - t0 if t1 > t0 else 0))
+        lat, pe = torch.cat(lats), torch.cat(pes)
+        cu_k = torch.tensor(cu, dtype=torch.int32).to(q_nope.device, non_blocking=True)
+    S = lat.shape[0]
+    out = torch.empty(q_nope.shape[0], H, V, dtype=q_nope.dtype, device=q_nope.device)
+    if S == 0:
+        return out
+    kv = attn.kv_b_proj(lat).view(S, H, N + V)  # [S_total, H, N + V]
+    max_q = max(q_lens)
+    cfg = pick_config(getattr(attn.backend, "prefill_configs", ()), max_q)
+    try:
+        return mla_prefill_attention(
+            q_nope, q_pe, kv[..., :N], pe, kv[..., N:], md.query_start_loc[: B + 1], cu_k,
+            max_q, attn.scaling, out=out, config=cfg,
+        )  # fmt: skip
+    except LAUNCH_ERRORS as e:  # a table config this device cannot hold: SDPA from now on
+        logger.warning("MLA prefill kernel config %s does not fit %s (%s); the expanded prompts "
+                       "run torch's SDPA", cfg, q_nope.device, e)  # fmt: skip
+        attn.backend.prefill_attn = "sdpa"
+        return None

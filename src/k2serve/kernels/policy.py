@@ -117,6 +117,10 @@ class KernelTables:
     # never); empty: the Triton kernel everywhere
     int4_prefill_gluon: tuple[Mapping[str, Any], ...] = ()
     int4_prefill_gluon_min_tokens: int | None = None
+    # the Triton MLA prompt attention (kernels/mla_prefill.py): configs {"max_len": longest
+    # query length of the step or None, block_m, block_n, num_warps, num_stages}, ascending;
+    # empty: the kernel's default_config
+    mla_prefill: tuple[Mapping[str, Any], ...] = ()
 
     def int4_gemm_configs(self, backend: str) -> tuple[tuple[Mapping[str, Any], ...], int | None]:
         """The INT4 grouped GEMM `backend`'s launch configs by max pair count and the fewest
@@ -166,6 +170,10 @@ class KernelTables:
                     }
                 ),
                 int4_routing_select=tuple(_frozen(e) for e in data.get("int4_routing_select", ())),
+                mla_prefill=tuple(
+                    _frozen({k: v for k, v in e.items() if k != "what"})
+                    for e in data.get("mla_prefill", ())
+                ),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"kernel table {kind!r} is malformed: {e!r}") from None
@@ -264,6 +272,9 @@ class KernelPolicy:
     # the Triton MLA backend's prompts: "expand" (kv_b_proj + flash attention, decodes
     # absorbed) or "absorbed" (the latent kernel for every row; 3x the FLOPs at long prompts)
     mla_prefill: str = "expand"
+    # the expanded prompts' attention: "triton" (kernels/mla_prefill.py: one varlen launch,
+    # inputs read in place) or "sdpa" (torch's flash SDPA per sequence; the CPU's)
+    mla_prefill_attn: str = "sdpa"
     tables: KernelTables = field(default_factory=load_tables)
 
     @classmethod
@@ -303,6 +314,7 @@ class KernelPolicy:
             fused_projections=cuda or device.type == "cpu",
             decode_gemv=ok,
             fp8_gemm=ok,
+            mla_prefill_attn="triton" if ok else "sdpa",
             shared_stream=cuda and side,
             int4_asm=envs.int4_asm() if int4_asm is None else int4_asm,
             moe_prefill_precision=check_moe_prefill_precision(moe_prefill_precision),
@@ -321,6 +333,7 @@ class KernelPolicy:
                 ("gemv", self.decode_gemv),
                 ("shared-expert stream", self.shared_stream),
                 ("gluon int4 gemm", self.int4_gemm_backend == "gluon"),
+                ("mla prompt kernel", self.mla_prefill_attn == "triton"),
             )
             if v
         ]

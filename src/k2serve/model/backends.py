@@ -93,6 +93,7 @@ def restrict_policy(
         triton_router=policy.triton_router and ok and moe != "torch",
         decode_gemv=policy.decode_gemv and ok,
         fp8_gemm=policy.fp8_gemm and ok,
+        mla_prefill_attn=policy.mla_prefill_attn if ok else "sdpa",
         shared_stream=policy.shared_stream and device.type == "cuda",
     )
 
