@@ -10,7 +10,9 @@ config fail-soft (one line, the sweep goes on):
   check  per config: fp8_moe_gluon against fp8_moe and the fp32 torch reference (fused_moe_ref)
          on small odd shapes (E=9, D=384, I=256, T=37, top-3, one expert without pairs), then
          against fp8_moe on a K2 layer at T=1024 and 8192, uniform and skewed routing. Pass:
-         rel diff <= 4e-3 against fp8_moe (K2) and <= 2x fp8_moe's own error (small shapes).
+         rel diff <= 4e-3 against fp8_moe (K2) and <= 2x fp8_moe's own error + 1e-3 (small
+         shapes); between 4e-3 and 2e-2 ("INEXACT", the bf16-scaled modes' scale rounding):
+         timed, but not a candidate for the table.
   time   ceilings (copy bandwidth, torch.mm 8192^3 bf16), then per T and routing (uniform; skew:
          every token's experts from a fixed third of them, the k2-slice's): fp8_moe, the INT4
          Gluon kernel (its table) on INT4 weights, each config that passed; CUDA-event medians,
@@ -34,7 +36,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 E, D, I, K = 384, 7168, 2048, 8
 TS = (1024, 2048, 4096, 8192, 16384)
 SWEEP = ["128x128k64s4w8p", "64x128k64s4w4p", "64x256k64s4w8p", "128x128k128s3w8p",
-         "128x256k64s3w8", "128x128k64s4w8"]  # fmt: skip
+         "128x256k64s3w8", "128x128k64s4w8", "128x128k64s4w8f"]  # fmt: skip
+INEXACT = 3  # a check's exit status: runs, but over 4e-3 from fp8_moe (timed, not tabled)
 T0 = float(os.environ.get("FP8GLUON_T0") or time.time())  # the parent's start, in its parts
 BUDGET_S = 265
 
@@ -100,7 +103,7 @@ def part_check(name: str) -> int:
     from k2serve.kernels.fused_moe import fused_moe_ref
 
     cfg = cfg_of(name)
-    ok = True
+    ok, exact = True, True
     torch.manual_seed(0)
     small = fp8_experts(9, 384, 256)
     x = torch.randn(37, 384, device="cuda", dtype=torch.bfloat16)
@@ -111,10 +114,12 @@ def part_check(name: str) -> int:
     new = fp8_moe_gluon(x, small, tw, ids, cfg)
     torch.cuda.synchronize()
     e_new, e_old = rel(new, ref), rel(old, ref)
-    good = bool(torch.isfinite(new).all()) and e_new <= 2 * e_old + 1e-3
+    good = bool(torch.isfinite(new).all()) and e_new <= 2e-2
     ok &= good
+    exact &= e_new <= 2 * e_old + 1e-3
+    verdict = ("ok" if e_new <= 2 * e_old + 1e-3 else "INEXACT") if good else "FAIL"
     log(
-        f"check {name} small E=9 D=384 I=256 T=37 top-3: vs ref {e_new:.2e} (fp8_moe {e_old:.2e}), vs fp8_moe {rel(new, old):.2e} {'ok' if good else 'FAIL'}"
+        f"check {name} small E=9 D=384 I=256 T=37 top-3: vs ref {e_new:.2e} (fp8_moe {e_old:.2e}), vs fp8_moe {rel(new, old):.2e} {verdict}"
     )
     del small
     ew = fp8_experts(E, D, I)
@@ -126,16 +131,18 @@ def part_check(name: str) -> int:
             new = fp8_moe_gluon(x, ew, tw, ids, cfg)
             torch.cuda.synchronize()
             e = rel(new, old)
-            good = bool(torch.isfinite(new).all()) and e <= 4e-3
+            good = bool(torch.isfinite(new).all()) and e <= 2e-2
             ok &= good
+            exact &= e <= 4e-3
+            verdict = ("ok" if e <= 4e-3 else "INEXACT (> 4e-3)") if good else "FAIL"
             log(
-                f"check {name} K2 T={T} {'skew' if skew else 'uniform'}: vs fp8_moe {e:.2e} {'ok' if good else 'FAIL'}"
+                f"check {name} K2 T={T} {'skew' if skew else 'uniform'}: vs fp8_moe {e:.2e} {verdict}"
             )
-    return 0 if ok else 1
+    return (0 if exact else INEXACT) if ok else 1
 
 
 # ------------------------------------------------------------------------------------- time
-def part_time(names: list[str], ts: list[int]) -> int:
+def part_time(names: list[str], ts: list[int], exact: set[str]) -> int:
     import torch
 
     sys.path.insert(0, HERE)
@@ -185,7 +192,7 @@ def part_time(names: list[str], ts: list[int]) -> int:
                 except Exception as e:  # noqa: BLE001
                     log(f"{n} T={T}: {type(e).__name__}: {str(e)[:200]}")
                     res[n] = float("nan")
-            ok = {n: t for n, t in res.items() if t == t}
+            ok = {n: t for n, t in res.items() if t == t and n in exact}
             b = min(ok, key=ok.get) if ok else None
             tb = ok[b] if b else float("nan")
             tf = 2 * 3 * D * I * T * K / tb / 1e9
@@ -240,27 +247,31 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default=",".join(SWEEP))
     ap.add_argument("--ts", default=",".join(map(str, TS)))
     ap.add_argument("--part", default="", help=argparse.SUPPRESS)  # internal: check / time
+    ap.add_argument("--exact", default="", help=argparse.SUPPRESS)  # internal: time
     args = ap.parse_args(argv)
     names = [n for n in args.configs.split(",") if n]
     for n in names:
         cfg_of(n)  # a bad name fails before any GPU work
     ts = [int(t) for t in args.ts.split(",") if t]
     if args.part == "check":
-        return part_check(names[0])
+        return part_check(names[0])  # 0 pass, INEXACT, 1 fail
     if args.part == "time":
-        return part_time(names, ts)
+        return part_time(names, ts, set(args.exact.split(",")))
     out_dir = os.environ.get("OUT")
     path = os.path.join(out_dir, "fp8gluon_device.txt") if out_dir else os.devnull
     with open(path, "w") as out:
-        passed = []
+        passed, exact = [], []
         for n in names:
             if time.time() - T0 > 0.55 * BUDGET_S:
                 line = f"[{time.time() - T0:.0f}s] {n}: not checked (time budget)\n"
                 print(line, end="", flush=True)
                 out.write(line)
                 continue
-            if run(["--part", "check", "--configs", n], f"check {n}", out) == 0:
+            rc = run(["--part", "check", "--configs", n], f"check {n}", out)
+            if rc in (0, INEXACT):
                 passed.append(n)
+            if rc == 0:
+                exact.append(n)
         line = f"[{time.time() - T0:.0f}s] passed the checks: {passed or 'none'}\n"
         print(line, end="", flush=True)
         out.write(line)

@@ -51,6 +51,7 @@ from .int4_gemm_gluon import gluon_available
 from .moe_align import moe_align_block_size
 
 try:  # pragma: no cover - depends on the installed Triton
+    import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -142,8 +143,8 @@ if HAS_GLUON:
     # 15 and exponent + mantissa at bits 4..10 (an exponent 120 too small: e4m3's bias is 7),
     # then one exact bf16x2 multiply by $3 (2^120, or 2^120 * the scale: the scaled mode's
     # one rounding); zero and subnormals come out exact. $2: bytes (g, k), (g, k + 1),
-    # (g + 8, k), (g + 8, k + 1) of the operand layout's 4 registers; $0, $1: their pairs;
-    # $3, $4: the factor pairs of those rows.
+    # (g + 8, k), (g + 8, k + 1) of the operand layout (two int16 k pairs of rows g, g + 8);
+    # $0, $1: their bf16 pairs; $3, $4: the factor pairs of those rows.
     _CVT_ASM = gl.constexpr(
         "{ .reg .b32 t, u, z;\n"
         "mov.b32 z, 0x80008000;\n"
@@ -159,13 +160,38 @@ if HAS_GLUON:
         "fma.rn.bf16x2 $1, u, $4, z; }"
     )
 
+    @triton.constexpr_function
+    def _pair_layout(ll, BLOCK_N, KS):
+        """The operand layout's linear layout `ll` over [BLOCK_N, KS] seen as [BLOCK_N, KS / 2]
+        k pairs (int16 words of 2 fp8): the first register basis (column + 1) dropped, the
+        columns halved. Loaded from the weight tile viewed as int16, a thread's pairs are the
+        ones the operand layout gives it."""
+
+        def half(b):
+            return [b[0], b[1] // 2]
+
+        assert list(ll.reg_bases[0]) == [0, 1], ll.reg_bases
+        return gl.DistributedLinearLayout(
+            reg_bases=[half(b) for b in ll.reg_bases[1:]],
+            lane_bases=[half(b) for b in ll.lane_bases],
+            warp_bases=[half(b) for b in ll.warp_bases],
+            block_bases=[half(b) for b in ll.block_bases],
+            shape=[BLOCK_N, KS // 2],
+        )
+
     @gluon.jit
-    def _fp8_to_bf16(w8, k2):
-        """fp8 e4m3 weights (any layout) -> bf16 w * k (k bf16 pairs of one value, broadcast
-        to w8's shape: 2^120 for the exact weights, 2^120 * scale for the scaled ones)."""
-        return gl.inline_asm_elementwise(_CVT_ASM, "=r,=r,r,r,r", [w8.to(gl.int8, bitcast=True),
-                                         k2], dtype=gl.bfloat16, is_pure=True,
-                                         pack=4)  # fmt: skip
+    def _fp8_pairs_to_bf16(w16, kf, dl: gl.constexpr, BLOCK_N: gl.constexpr,
+                           KS: gl.constexpr):  # fmt: skip
+        """k pairs of fp8 weights (int16 [BLOCK_N, KS / 2], `_pair_layout`) -> bf16 [BLOCK_N,
+        KS] w * f in the operand layout dl; kf int32: the factor f as a bf16 pair (2^120 for
+        the exact weights, 2^120 * scale for the scaled ones). The asm's int32 results are
+        the operand's registers; the split into halves and the join are no-ops."""
+        y = gl.inline_asm_elementwise(_CVT_ASM, "=r,=r,r,r,r", [w16, kf], dtype=gl.int32,
+                                      is_pure=True, pack=2)  # fmt: skip
+        lo = y.to(gl.int16).to(gl.bfloat16, bitcast=True)
+        hi = (y >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        w = gl.reshape(gl.join(lo, hi), [BLOCK_N, KS])
+        return gl.convert_layout(w, dl, assert_trivial=True)
 
     @gluon.jit
     def _scale_rows(r, pid_n, N, BLOCK_N: gl.constexpr, SILU: gl.constexpr):
@@ -203,6 +229,11 @@ if HAS_GLUON:
                                                      order=[1, 0])  # fmt: skip
         a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, KS], a_sl)
         w_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, KS], w_sl)
+        # the same bytes as int16 k pairs (the same swizzle: 8 pairs = 16 bytes)
+        l16: gl.constexpr = _pair_layout(gl.to_linear_layout(dl, [BLOCK_N, KS]), BLOCK_N, KS)
+        w16_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=KS // 16,
+                                                       order=[1, 0])  # fmt: skip
+        w_smem16 = w_smem._reinterpret(gl.int16, [STAGES, BLOCK_N, KS // 2], w16_sl)
 
         # activation rows of the pairs (padding pairs: not read, zeros)
         r_a = gl.arange(0, BM, layout=gl.SliceLayout(1, la))
@@ -220,8 +251,10 @@ if HAS_GLUON:
         # the scale row of each weight row (in the layout the scale is applied in)
         if PROMOTE:
             sv: gl.constexpr = gl.SliceLayout(1, mma)
-        else:
+        elif SCALE32:
             sv: gl.constexpr = gl.SliceLayout(1, dl)
+        else:
+            sv: gl.constexpr = gl.SliceLayout(1, l16)
         r_s = gl.arange(0, BLOCK_N, layout=sv)
         n_s, nok_s = _rows(r_s, pid_n, N, BLOCK_N, SILU)
         s_ptrs = s_ptr + e * s_stride_e + _scale_rows(r_s, pid_n, N, BLOCK_N, SILU) * s_stride_n
@@ -239,14 +272,16 @@ if HAS_GLUON:
             s_prev = gl.zeros([BLOCK_N], gl.float32, layout=sv)
         for kb in range(NKB):
             s = gl.load(s_ptrs + kb, mask=nok_s, other=0.0)  # [BLOCK_N] fp32
-            if PROMOTE:
-                k_w = gl.full([BLOCK_N, KS], 2.0**120, gl.bfloat16, layout=dl)
+            if PROMOTE:  # bf16 2^120 twice
+                k_w = gl.full([BLOCK_N, KS // 2], 0x7B807B80, gl.int32, layout=l16)
             elif SCALE32:
                 s_w = gl.expand_dims(s, 1)
-            else:  # 2^120 * s rounded to bf16 (exact power of two: the rounding of s)
+            else:  # 2^120 * s rounded to bf16 (a power of two: the rounding of s), twice
+                sb = (s * 2.0**120).to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32)
+                sb = sb & 0xFFFF
                 k_w = gl.broadcast(
-                    gl.expand_dims((s * 2.0**120).to(gl.bfloat16), 1),
-                    gl.full([BLOCK_N, KS], 0, gl.bfloat16, layout=dl),
+                    gl.expand_dims(sb | (sb << 16), 1),
+                    gl.full([BLOCK_N, KS // 2], 0, gl.int32, layout=l16),
                 )[0]
             for j in gl.static_range(NSUB):
                 u = kb * NSUB + j
@@ -255,11 +290,12 @@ if HAS_GLUON:
                 async_copy.wait_group(STAGES - 3)
                 _issue(u + STAGES - 2, NU, a_ptrs, a_ok, w_ptrs, w_ok, a_smem, w_smem, STAGES, KS)
                 slot = u % STAGES
-                w8 = w_smem.index(slot).load(dl)
                 if SCALE32:  # Triton's conversion and fp32 math: one rounding
+                    w8 = w_smem.index(slot).load(dl)
                     w = (w8.to(gl.float32) * s_w).to(gl.bfloat16)
                 else:
-                    w = _fp8_to_bf16(w8, k_w)
+                    w16 = w_smem16.index(slot).load(l16)
+                    w = _fp8_pairs_to_bf16(w16, k_w, dl, BLOCK_N, KS)
                 b = a_smem.index(slot).permute((1, 0))  # [KS, BM]
                 if PROMOTE:
                     if j == 0:
