@@ -106,6 +106,8 @@ TABLE_FIELDS = {
     "moe_prefill_fp8_min_tokens": "FusedMoEBackend.plan: path 'w8a8' from that many tokens",
     "int4_prefill_gluon": "config_key ('gemm', entry) with gemm_backend='gluon'",
     "int4_prefill_gluon_min_tokens": "config_key path 'grouped_mm' with gemm_backend='gluon'",
+    "fp8_prefill_gluon": "config_key ('fp8_gluon', entry) (tests/kernels/test_fp8_gemm_gluon.py)",
+    "fp8_prefill_gluon_min_pairs": "FusedMoEBackend.plan: path 'fp8_gluon' where Gluon runs",
 }
 
 
