@@ -43,7 +43,7 @@ def compile_one(cfg: dict, a_div: int, mul_w: bool, silu: bool, arch: int = 90):
             "s_stride_e", "s_stride_n"]  # fmt: skip
     cons = dict(A_DIV=a_div, MUL_W=mul_w, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                 KS=cfg["KS"], STAGES=cfg["STAGES"], NW=cfg["num_warps"], PROMOTE=cfg["PROMOTE"],
-                SCALE32=cfg["SCALE32"], SILU=silu and cfg["SILU"])  # fmt: skip
+                CVT32=cfg["CVT32"], SILU=silu and cfg["SILU"])  # fmt: skip
     sig = {**ptrs, **dict.fromkeys(ints, "i32"), **dict.fromkeys(cons, "constexpr")}
     # what a launch at K2 sizes specializes: pointers, strides and N, K divisible by 16
     div16 = [

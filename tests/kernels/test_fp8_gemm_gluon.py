@@ -86,7 +86,7 @@ def test_device_script_config_names():
     finally:
         sys.path.remove(BENCH)
     assert dev.cfg_of("128x256k64s3w8f") == dict(BLOCK_M=128, BLOCK_N=256, KS=64, STAGES=3,
-                                                 num_warps=8, PROMOTE=False, SCALE32=True,
+                                                 num_warps=8, PROMOTE=False, CVT32=True,
                                                  SILU=True)  # fmt: skip
     assert dev.cfg_of("64x128k32s5w4pn")["PROMOTE"] and not dev.cfg_of("64x128k32s5w4pn")["SILU"]
     for name in dev.SWEEP:
@@ -201,9 +201,10 @@ CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=128, KS=64, STAGES=4, num_warps=8, PROMOTE=True),
     dict(BLOCK_M=64, BLOCK_N=128, KS=64, STAGES=4, num_warps=4, PROMOTE=True),
     dict(BLOCK_M=64, BLOCK_N=256, KS=128, STAGES=3, num_warps=8, PROMOTE=True),
+    dict(BLOCK_M=64, BLOCK_N=128, KS=64, STAGES=4, num_warps=4, PROMOTE=True, CVT32=True),
     dict(BLOCK_M=32, BLOCK_N=128, KS=32, STAGES=5, num_warps=4, PROMOTE=True, SILU=False),
     dict(BLOCK_M=128, BLOCK_N=256, KS=64, STAGES=3, num_warps=8, PROMOTE=False),
-    dict(BLOCK_M=128, BLOCK_N=128, KS=64, STAGES=4, num_warps=8, PROMOTE=False, SCALE32=True),
+    dict(BLOCK_M=128, BLOCK_N=128, KS=64, STAGES=4, num_warps=8, PROMOTE=False, CVT32=True),
 ]
 
 
@@ -223,7 +224,7 @@ def test_small_odd_shapes_against_the_reference(cfg):
     ref = fm.fused_moe_ref(x, ew, tw, ids)
     old = fp8_moe(x, ew, tw, ids)
     new = fg.fp8_moe_gluon(x, ew, tw, ids, cfg)
-    exact = cfg.get("PROMOTE") or cfg.get("SCALE32")
+    exact = cfg.get("PROMOTE") or cfg.get("CVT32")
     assert rel(new, ref) <= 2 * rel(old, ref) + (1e-3 if exact else 4e-3)
 
 

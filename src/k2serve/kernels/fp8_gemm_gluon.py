@@ -22,15 +22,19 @@ weight tile [BLOCK_N, KS] cp.async'ed as stored (1 byte a weight) and the activa
 [BLOCK_M, KS] bf16 (K-major `NVMMASharedLayout`, the wgmma's B through a transposed view),
 one commit group each, in a ring of STAGES slots loaded STAGES - 2 ahead (the slot refilled at
 sub-step u was read at u - 2, whose MMA every warpgroup has retired). The weight tile is
-loaded from shared memory in the operand layout and converted to bf16 there (fp8 e4m3 is
-exact in bf16). The 128x128 block scale (w_scale fp32 [E, cdiv(N, 128), cdiv(K, 128)]):
-PROMOTE (DeepGEMM-style): each 128-column K block's MMAs accumulate into an fp32 partial
-(zero-initialised by the block's first MMA), which is added to the accumulator times the
-scales of its rows (a [BLOCK_N] vector: a tile may span two 128-row blocks, and SILU tiles
-take gate and up rows) when the next block's first tile is converted: fp8_moe's numerics
-(exact bf16 products, fp32 sums, the scale in fp32); twice the accumulator registers.
-Otherwise the scale multiplies the converted weights in registers (bf16 math, SCALE32: fp32
-math, one rounding to bf16) and one accumulator holds every K block: larger tiles.
+loaded from shared memory in the operand layout (as int16 k pairs, `_pair_layout`) and
+converted to bf16 there by bit ops (`_CVT_ASM`: fp8 e4m3 is exact in bf16; Triton's own
+conversion goes through F2F, a quarter-rate pipe); CVT32: Triton's conversion through f16
+pairs (F2FP) and fp32 (HADD2.F32) instead, fewer instructions (which wins is the device's
+call: benchmarks/fp8_gluon_device.py). The 128x128 block scale (w_scale fp32
+[E, cdiv(N, 128), cdiv(K, 128)]): PROMOTE (DeepGEMM-style): each 128-column K block's MMAs
+accumulate into an fp32 partial (zero-initialised by the block's first MMA), which is added
+to the accumulator times the scales of its rows (a [BLOCK_N] vector: a tile may span two
+128-row blocks, and SILU tiles take gate and up rows) when the next block's first tile is
+converted: fp8_moe's numerics (exact bf16 products, fp32 sums, the scale in fp32); twice the
+accumulator registers. Otherwise the scale multiplies the converted weights in registers
+(bf16 math: s rounded to bf16; CVT32: fp32 math, one rounding to bf16) and one accumulator
+holds every K block: larger tiles.
 
 Invariants: Hopper (sm_90) only, Triton 3.6's Gluon API; imports without Triton, Gluon or
 CUDA. K % 128 == 0 (whole scale blocks; KS divides 128), any N (partial tiles masked); SILU
@@ -66,10 +70,11 @@ except Exception:  # noqa: BLE001 - no Triton, no Gluon, or another Gluon API
 
 # BLOCK_M pairs x BLOCK_N outputs, KS columns a sub-step, STAGES ring slots, warps (4 per 64
 # weight rows); PROMOTE: the block scale on an fp32 partial per 128-column K block (else on the
-# weights in registers, bf16 math; SCALE32: fp32 math); SILU: the gate_up tiles take gate and
-# up rows in halves and store silu(gate) * up.
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "KS", "STAGES", "num_warps", "PROMOTE", "SCALE32", "SILU")
-CONFIG_DEFAULTS = dict(KS=64, PROMOTE=True, SCALE32=False, SILU=True)
+# weights in registers, bf16 math); CVT32: Triton's fp8 -> fp32 conversion (fp32 scale math),
+# not the bit-op asm; SILU: the gate_up tiles take gate and up rows in halves and store
+# silu(gate) * up.
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "KS", "STAGES", "num_warps", "PROMOTE", "CVT32", "SILU")
+CONFIG_DEFAULTS = dict(KS=64, PROMOTE=True, CVT32=False, SILU=True)
 # The kernel's own default table (the engine's comes from configs/<kind>.json
 # "fp8_prefill_gluon"); not measured on a device yet.
 FP8_GLUON_TABLE: tuple[Mapping[str, Any], ...] = (
@@ -210,7 +215,7 @@ if HAS_GLUON:
         N, K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
         A_DIV: gl.constexpr, MUL_W: gl.constexpr,
         BM: gl.constexpr, BLOCK_N: gl.constexpr, KS: gl.constexpr, STAGES: gl.constexpr,
-        NW: gl.constexpr, PROMOTE: gl.constexpr, SCALE32: gl.constexpr, SILU: gl.constexpr,
+        NW: gl.constexpr, PROMOTE: gl.constexpr, CVT32: gl.constexpr, SILU: gl.constexpr,
     ):  # fmt: skip
         """One output tile: the BM aligned pairs at sorted rows row0.. (all of expert e) x the
         BLOCK_N outputs of N tile pid_n (acc[n, pair])."""
@@ -251,7 +256,7 @@ if HAS_GLUON:
         # the scale row of each weight row (in the layout the scale is applied in)
         if PROMOTE:
             sv: gl.constexpr = gl.SliceLayout(1, mma)
-        elif SCALE32:
+        elif CVT32:
             sv: gl.constexpr = gl.SliceLayout(1, dl)
         else:
             sv: gl.constexpr = gl.SliceLayout(1, l16)
@@ -272,10 +277,11 @@ if HAS_GLUON:
             s_prev = gl.zeros([BLOCK_N], gl.float32, layout=sv)
         for kb in range(NKB):
             s = gl.load(s_ptrs + kb, mask=nok_s, other=0.0)  # [BLOCK_N] fp32
-            if PROMOTE:  # bf16 2^120 twice
+            if CVT32:
+                if not PROMOTE:
+                    s_w = gl.expand_dims(s, 1)
+            elif PROMOTE:  # bf16 2^120 twice
                 k_w = gl.full([BLOCK_N, KS // 2], 0x7B807B80, gl.int32, layout=l16)
-            elif SCALE32:
-                s_w = gl.expand_dims(s, 1)
             else:  # 2^120 * s rounded to bf16 (a power of two: the rounding of s), twice
                 sb = (s * 2.0**120).to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32)
                 sb = sb & 0xFFFF
@@ -290,9 +296,12 @@ if HAS_GLUON:
                 async_copy.wait_group(STAGES - 3)
                 _issue(u + STAGES - 2, NU, a_ptrs, a_ok, w_ptrs, w_ok, a_smem, w_smem, STAGES, KS)
                 slot = u % STAGES
-                if SCALE32:  # Triton's conversion and fp32 math: one rounding
-                    w8 = w_smem.index(slot).load(dl)
-                    w = (w8.to(gl.float32) * s_w).to(gl.bfloat16)
+                if CVT32:  # Triton's conversion (fp8 pairs -> f16 pairs -> f32), fp32 math
+                    w32 = w_smem.index(slot).load(dl).to(gl.float32)
+                    if PROMOTE:
+                        w = w32.to(gl.bfloat16)  # exact
+                    else:
+                        w = (w32 * s_w).to(gl.bfloat16)  # one rounding
                 else:
                     w16 = w_smem16.index(slot).load(l16)
                     w = _fp8_pairs_to_bf16(w16, k_w, dl, BLOCK_N, KS)
@@ -334,7 +343,7 @@ if HAS_GLUON:
         N, K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
         A_DIV: gl.constexpr, MUL_W: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KS: gl.constexpr, STAGES: gl.constexpr,
-        NW: gl.constexpr, PROMOTE: gl.constexpr, SCALE32: gl.constexpr, SILU: gl.constexpr,
+        NW: gl.constexpr, PROMOTE: gl.constexpr, CVT32: gl.constexpr, SILU: gl.constexpr,
     ):  # fmt: skip
         """c[pair, n] = sum_k a[pair // A_DIV, k] W[e, n, k] (* tw[pair]) for one aligned block
         of BLOCK_M pairs of expert e and BLOCK_N outputs (SILU: c[pair, j] = silu(gate_j) *
@@ -349,7 +358,7 @@ if HAS_GLUON:
         e = gl.load(eid_ptr + pid_m).to(gl.int64)
         _tile(a_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, pid_m * BLOCK_M, e, pid_n, N, K,
               num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
-              A_DIV, MUL_W, BLOCK_M, BLOCK_N, KS, STAGES, NW, PROMOTE, SCALE32, SILU)  # fmt: skip
+              A_DIV, MUL_W, BLOCK_M, BLOCK_N, KS, STAGES, NW, PROMOTE, CVT32, SILU)  # fmt: skip
 
 
 def gemm_fp8_gluon(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, silu, cfg):
