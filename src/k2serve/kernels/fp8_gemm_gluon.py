@@ -228,16 +228,18 @@ if HAS_GLUON:
                                             [1, 0])  # fmt: skip
         a_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, 2 * KS),
                                                   element_bitwidth=16, rank=2)  # fmt: skip
-        # weights: 16-byte pieces XOR-swizzled by row (the operand layout's 2-byte loads of a
-        # warp: 8 rows x 4 lanes)
-        w_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=KS // 16,
-                                                     order=[1, 0])  # fmt: skip
+        # weights: 16-byte pieces XOR-swizzled by row pairs (KS 64; by 128 / KS rows): the
+        # operand layout's 2-byte loads of a warp (8 rows x 4 lanes) hit distinct banks
+        # (gl.bank_conflicts: 0 for KS 32, 64, 128; 1 with one row a phase at KS 32, 64)
+        w_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=128 // KS,
+                                                     max_phase=KS // 16, order=[1, 0])  # fmt: skip
         a_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, KS], a_sl)
         w_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, KS], w_sl)
         # the same bytes as int16 k pairs (the same swizzle: 8 pairs = 16 bytes)
         l16: gl.constexpr = _pair_layout(gl.to_linear_layout(dl, [BLOCK_N, KS]), BLOCK_N, KS)
-        w16_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=KS // 16,
-                                                       order=[1, 0])  # fmt: skip
+        w16_sl: gl.constexpr = gl.SwizzledSharedLayout(
+            vec=8, per_phase=128 // KS, max_phase=KS // 16, order=[1, 0]
+        )
         w_smem16 = w_smem._reinterpret(gl.int16, [STAGES, BLOCK_N, KS // 2], w16_sl)
 
         # activation rows of the pairs (padding pairs: not read, zeros)
