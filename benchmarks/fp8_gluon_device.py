@@ -66,12 +66,12 @@ def route(T, skew, seed, dev="cuda"):
     """Top-K ids [T, K] int32 and weights: uniform over E, or (skew) from a fixed third."""
     import torch
 
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    tw = torch.rand(T, K, generator=g).to(dev)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    tw = torch.rand(T, K, generator=g, device=dev)
     if not skew:
-        return tw, torch.rand(T, E, generator=g).argsort(-1)[:, :K].int().to(dev)
-    third = torch.randperm(E, generator=g)[: E // 3]
-    return tw, third[torch.rand(T, E // 3, generator=g).argsort(-1)[:, :K]].int().to(dev)
+        return tw, torch.rand(T, E, generator=g, device=dev).argsort(-1)[:, :K].int()
+    third = torch.randperm(E, generator=g, device=dev)[: E // 3]
+    return tw, third[torch.rand(T, E // 3, generator=g, device=dev).argsort(-1)[:, :K]].int()
 
 
 def fp8_experts(E_, D_, I_, dev="cuda"):
