@@ -20,7 +20,8 @@ config fail-soft (one line, the sweep goes on):
          the `fp8_prefill_gluon` JSON table.
 Config names (cfg_of): BLOCK_M x BLOCK_N k KS s STAGES w num_warps [p: PROMOTE, the scale on
 an fp32 partial per K block; else on the weights in registers] [f: CVT32, Triton's conversion
-through f16 pairs and fp32 (fp32 scale math), not the bit-op asm] [n: no SILU].
+through f16 pairs and fp32 (fp32 scale math), not the bit-op asm] [n: no SILU] [t: TAIL, an
+expert's last <= BLOCK_M / 2 pairs in a BLOCK_M / 2 tile].
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 E, D, I, K = 384, 7168, 2048, 8
 TS = (1024, 2048, 4096, 8192, 16384)
-SWEEP = ["128x128k64s4w8p", "128x128k64s4w8pf", "64x128k64s4w4p", "64x128k64s4w4pf",
-         "64x256k64s4w8pf", "128x256k64s3w8", "128x256k64s3w8f", "128x128k64s4w8f"]  # fmt: skip
+SWEEP = ["128x128k64s4w8p", "128x128k64s4w8pf", "128x128k64s4w8pft", "64x128k64s4w4p",
+         "64x128k64s4w4pf", "128x256k64s3w8", "128x256k64s3w8f", "128x256k64s3w8ft"]  # fmt: skip
 INEXACT = 3  # a check's exit status: runs, but over 4e-3 from fp8_moe (timed, not tabled)
 T0 = float(os.environ.get("FP8GLUON_T0") or time.time())  # the parent's start, in its parts
 BUDGET_S = 265
@@ -49,12 +50,13 @@ def log(*a):
 
 def cfg_of(name: str) -> dict:
     """ "128x128k64s4w8p" -> the kernel's config dict (see the module docstring)."""
-    m = re.fullmatch(r"(\d+)x(\d+)k(\d+)s(\d+)w(\d+)(p?)(f?)(n?)", name)
+    m = re.fullmatch(r"(\d+)x(\d+)k(\d+)s(\d+)w(\d+)(p?)(f?)(n?)(t?)", name)
     if m is None:
-        raise ValueError(f"config name {name!r}: BMxBNkKSsSTAGESwWARPS[p][f][n]")
+        raise ValueError(f"config name {name!r}: BMxBNkKSsSTAGESwWARPS[p][f][n][t]")
     bm, bn, ks, st, nw = (int(v) for v in m.groups()[:5])
     return dict(BLOCK_M=bm, BLOCK_N=bn, KS=ks, STAGES=st, num_warps=nw, PROMOTE=m.group(6) == "p",
-                CVT32=m.group(7) == "f", SILU=m.group(8) != "n")  # fmt: skip
+                CVT32=m.group(7) == "f", SILU=m.group(8) != "n",
+                TAIL=m.group(9) == "t")  # fmt: skip
 
 
 def rel(a, b) -> float:

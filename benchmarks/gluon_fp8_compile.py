@@ -38,12 +38,13 @@ def compile_one(cfg: dict, a_div: int, mul_w: bool, silu: bool, arch: int = 90):
     from k2serve.kernels.fp8_gemm_gluon import _fp8_gemm_gluon_kernel
 
     ptrs = {"a_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "c_ptr": "*bf16",
-            "tw_ptr": "*fp32", "sorted_ptr": "*i32", "eid_ptr": "*i32", "npost_ptr": "*i32"}  # fmt: skip
+            "tw_ptr": "*fp32", "sorted_ptr": "*i32", "eid_ptr": "*i32", "npost_ptr": "*i32",
+            "unit_ptr": "*i32"}  # fmt: skip
     ints = ["N", "K", "num_pairs", "a_stride", "c_stride", "w_stride_e", "w_stride_n",
-            "s_stride_e", "s_stride_n"]  # fmt: skip
+            "s_stride_e", "s_stride_n", "num_blocks"]  # fmt: skip
     cons = dict(A_DIV=a_div, MUL_W=mul_w, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                 KS=cfg["KS"], STAGES=cfg["STAGES"], NW=cfg["num_warps"], PROMOTE=cfg["PROMOTE"],
-                CVT32=cfg["CVT32"], SILU=silu and cfg["SILU"])  # fmt: skip
+                CVT32=cfg["CVT32"], SILU=silu and cfg["SILU"], TAIL=cfg["TAIL"])  # fmt: skip
     sig = {**ptrs, **dict.fromkeys(ints, "i32"), **dict.fromkeys(cons, "constexpr")}
     # what a launch at K2 sizes specializes: pointers, strides and N, K divisible by 16
     div16 = [

@@ -67,6 +67,7 @@ def test_configs_and_table():
         dict(STAGES=2),  # the ring's 2 slots of slack
         dict(BLOCK_N=512, num_warps=8),
         dict(BLOCK_M=256, BLOCK_N=256, KS=128, STAGES=4),  # 384 KiB of shared memory
+        dict(BLOCK_M=24, TAIL=True),  # half tiles of 12 rows
     ):
         with pytest.raises(ValueError):
             fg.check_config({**ok, **bad})
@@ -87,8 +88,9 @@ def test_device_script_config_names():
         sys.path.remove(BENCH)
     assert dev.cfg_of("128x256k64s3w8f") == dict(BLOCK_M=128, BLOCK_N=256, KS=64, STAGES=3,
                                                  num_warps=8, PROMOTE=False, CVT32=True,
-                                                 SILU=True)  # fmt: skip
+                                                 SILU=True, TAIL=False)  # fmt: skip
     assert dev.cfg_of("64x128k32s5w4pn")["PROMOTE"] and not dev.cfg_of("64x128k32s5w4pn")["SILU"]
+    assert dev.cfg_of("128x128k64s4w8pft")["TAIL"] and not dev.cfg_of("128x128k64s4w8p")["TAIL"]
     for name in dev.SWEEP:
         fg.check_config(dev.cfg_of(name))
     with pytest.raises(ValueError, match="config name"):
@@ -202,6 +204,10 @@ CONFIGS = [
     dict(BLOCK_M=64, BLOCK_N=128, KS=64, STAGES=4, num_warps=4, PROMOTE=True),
     dict(BLOCK_M=64, BLOCK_N=256, KS=128, STAGES=3, num_warps=8, PROMOTE=True),
     dict(BLOCK_M=64, BLOCK_N=128, KS=64, STAGES=4, num_warps=4, PROMOTE=True, CVT32=True),
+    dict(BLOCK_M=32, BLOCK_N=128, KS=64, STAGES=4, num_warps=4, PROMOTE=True, TAIL=True),
+    dict(
+        BLOCK_M=128, BLOCK_N=256, KS=64, STAGES=3, num_warps=8, PROMOTE=False, CVT32=True, TAIL=True
+    ),
     dict(BLOCK_M=32, BLOCK_N=128, KS=32, STAGES=5, num_warps=4, PROMOTE=True, SILU=False),
     dict(BLOCK_M=128, BLOCK_N=256, KS=64, STAGES=3, num_warps=8, PROMOTE=False),
     dict(BLOCK_M=128, BLOCK_N=128, KS=64, STAGES=4, num_warps=8, PROMOTE=False, CVT32=True),

@@ -51,8 +51,7 @@ from typing import Any
 import torch
 
 from ._triton import cdiv
-from .int4_gemm_gluon import gluon_available
-from .moe_align import moe_align_block_size
+from .int4_gemm_gluon import gluon_align, gluon_available
 
 try:  # pragma: no cover - depends on the installed Triton
     import triton
@@ -72,9 +71,11 @@ except Exception:  # noqa: BLE001 - no Triton, no Gluon, or another Gluon API
 # weight rows); PROMOTE: the block scale on an fp32 partial per 128-column K block (else on the
 # weights in registers, bf16 math); CVT32: Triton's fp8 -> fp32 conversion (fp32 scale math),
 # not the bit-op asm; SILU: the gate_up tiles take gate and up rows in halves and store
-# silu(gate) * up.
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "KS", "STAGES", "num_warps", "PROMOTE", "CVT32", "SILU")
-CONFIG_DEFAULTS = dict(KS=64, PROMOTE=True, CVT32=False, SILU=True)
+# silu(gate) * up; TAIL: an expert's last <= BLOCK_M / 2 pairs in a BLOCK_M / 2 tile (the INT4
+# Gluon kernel's: at 8K tokens x top-8 an expert has ~171 pairs, 2/3 of two 128-row tiles).
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "KS", "STAGES", "num_warps", "PROMOTE", "CVT32", "SILU",
+               "TAIL")  # fmt: skip
+CONFIG_DEFAULTS = dict(KS=64, PROMOTE=True, CVT32=False, SILU=True, TAIL=False)
 # The kernel's own default table (the engine's comes from configs/<kind>.json
 # "fp8_prefill_gluon"); not measured on a device yet.
 FP8_GLUON_TABLE: tuple[Mapping[str, Any], ...] = (
@@ -97,6 +98,8 @@ def check_config(cfg: Mapping[str, Any]) -> None:
     if nw % 4 or bn % (16 * nw) or bn > 256:
         raise ValueError(f"gluon fp8 GEMM: BLOCK_N={bn} must be a multiple of 16 * num_warps "
                          f"({nw}, a multiple of 4), at most 256")  # fmt: skip
+    if cfg.get("TAIL") and bm % 16:
+        raise ValueError(f"gluon fp8 GEMM: TAIL needs BLOCK_M={bm} a multiple of 16")
     if cfg.get("KS", 64) not in (32, 64, 128) or cfg["STAGES"] < 3:
         raise ValueError("gluon fp8 GEMM: KS must be 32, 64 or 128 and STAGES >= 3")
     if smem_bytes({**CONFIG_DEFAULTS, **cfg}) > 227 * 1024:
@@ -339,35 +342,63 @@ if HAS_GLUON:
             _store_epilogue(acc, c_ptr, tw_ptr, sorted_ptr, row0, pid_n, N, num_pairs, c_stride,
                             MUL_W, 0, BM, BLOCK_N, NW)  # fmt: skip
 
-    @gluon.jit(do_not_specialize=["num_pairs"])
+    @gluon.jit(do_not_specialize=["num_pairs", "num_blocks"])
     def _fp8_gemm_gluon_kernel(
-        a_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, eid_ptr, npost_ptr,
+        a_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, eid_ptr, npost_ptr, unit_ptr,
         N, K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
+        num_blocks,
         A_DIV: gl.constexpr, MUL_W: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KS: gl.constexpr, STAGES: gl.constexpr,
         NW: gl.constexpr, PROMOTE: gl.constexpr, CVT32: gl.constexpr, SILU: gl.constexpr,
+        TAIL: gl.constexpr,
     ):  # fmt: skip
         """c[pair, n] = sum_k a[pair // A_DIV, k] W[e, n, k] (* tw[pair]) for one aligned block
         of BLOCK_M pairs of expert e and BLOCK_N outputs (SILU: c[pair, j] = silu(gate_j) *
         up_j, N = 2 I rows: gate then up). The N tiles of one row block are adjacent in launch
-        order (its activation rows stay in L2); the row blocks of one expert follow."""
+        order (its activation rows stay in L2); the row blocks of one expert follow. TAIL (the
+        INT4 Gluon kernel's): rows aligned to BLOCK_M / 2, program row pid // num_n is unit
+        unit_ptr[..] (`tail_units`), a BLOCK_M tile of blocks b, b + 1 where both are its
+        expert's, else a BLOCK_M / 2 tile (an expert's last pairs waste at most BLOCK_M / 2
+        rows)."""
         pid = gl.program_id(0)
         num_n = gl.cdiv(N, BLOCK_N)
         pid_m = pid // num_n
         pid_n = pid % num_n
-        if pid_m * BLOCK_M >= gl.load(npost_ptr):
-            return
-        e = gl.load(eid_ptr + pid_m).to(gl.int64)
-        _tile(a_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, pid_m * BLOCK_M, e, pid_n, N, K,
-              num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
-              A_DIV, MUL_W, BLOCK_M, BLOCK_N, KS, STAGES, NW, PROMOTE, CVT32, SILU)  # fmt: skip
+        if TAIL:
+            HALF: gl.constexpr = BLOCK_M // 2
+            b = gl.load(unit_ptr + pid_m)
+            npost = gl.load(npost_ptr)
+            if b * HALF >= npost:
+                return
+            e32 = gl.load(eid_ptr + b)
+            e_next = gl.load(eid_ptr + gl.minimum(b + 1, num_blocks - 1))
+            e = e32.to(gl.int64)
+            if ((b + 1) * HALF < npost) & (e_next == e32):
+                _tile(a_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, b * HALF, e, pid_n, N, K,
+                      num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e,
+                      s_stride_n, A_DIV, MUL_W, BLOCK_M, BLOCK_N, KS, STAGES, NW, PROMOTE,
+                      CVT32, SILU)  # fmt: skip
+            else:
+                _tile(a_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, b * HALF, e, pid_n, N, K,
+                      num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e,
+                      s_stride_n, A_DIV, MUL_W, HALF, BLOCK_N, KS, STAGES, NW, PROMOTE, CVT32,
+                      SILU)  # fmt: skip
+        else:
+            if pid_m * BLOCK_M >= gl.load(npost_ptr):
+                return
+            e = gl.load(eid_ptr + pid_m).to(gl.int64)
+            _tile(a_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, pid_m * BLOCK_M, e, pid_n, N,
+                  K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e,
+                  s_stride_n, A_DIV, MUL_W, BLOCK_M, BLOCK_N, KS, STAGES, NW, PROMOTE, CVT32,
+                  SILU)  # fmt: skip
 
 
-def gemm_fp8_gluon(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, silu, cfg):
+def gemm_fp8_gluon(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, silu, cfg,
+                   units=None):  # fmt: skip
     """One launch: c[pair, n] = a[pair // a_div] @ (w[e] * s[e])^T (mul_w: * tw[pair]); silu
     (the gate_up launch: N = 2 I, c [M, I]): c = silu(gate) * up. a bf16 [rows, K], w fp8
-    [E, N, K], s fp32 [E, cdiv(N, 128), cdiv(K, 128)]; the rows of moe_align_block_size with
-    cfg["BLOCK_M"]."""
+    [E, N, K], s fp32 [E, cdiv(N, 128), cdiv(K, 128)]; the rows (and TAIL's units) of
+    int4_gemm_gluon.gluon_align for cfg."""
     if not gluon_available():
         raise RuntimeError("the Gluon fp8 GEMM needs Triton 3.6 with Gluon")
     cfg = {**CONFIG_DEFAULTS, **{k: cfg[k] for k in CONFIG_KEYS if k in cfg}}
@@ -377,12 +408,16 @@ def gemm_fp8_gluon(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_
     cfg["SILU"] = bool(silu)
     if silu and N % 2:
         raise ValueError(f"gluon fp8 GEMM: SILU needs an even N (gate and up rows), got {N}")
+    if cfg["TAIL"] and units is None:
+        raise ValueError("gluon fp8 GEMM: TAIL needs the units (gluon_align)")
+    cfg["TAIL"] = bool(cfg["TAIL"])
     nw = cfg.pop("num_warps")
-    grid = (eids.shape[0] * cdiv(N, cfg["BLOCK_N"]),)
+    rows = units.shape[0] if cfg["TAIL"] else eids.shape[0]
+    grid = (rows * cdiv(N, cfg["BLOCK_N"]),)
     _fp8_gemm_gluon_kernel[grid](
-        a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a.stride(0), c.stride(0),
-        w.stride(0), w.stride(1), s.stride(0), s.stride(1), A_DIV=a_div, MUL_W=mul_w, NW=nw,
-        num_warps=nw, **cfg,
+        a, w, s, c, tw, sorted_ids, eids, npost, units if cfg["TAIL"] else eids, N, K, M,
+        a.stride(0), c.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1),
+        eids.shape[0], A_DIV=a_div, MUL_W=mul_w, NW=nw, num_warps=nw, **cfg,
     )  # fmt: skip
 
 
@@ -412,15 +447,15 @@ def fp8_moe_gluon(
     else:
         cfg = dict(config)
     x = x.contiguous()
-    sorted_ids, eids, npost = moe_align_block_size(topk_ids, E, cfg["BLOCK_M"])
+    sorted_ids, eids, npost, units = gluon_align(topk_ids, E, cfg)
     tw = topk_weights.reshape(-1).float().contiguous()
     silu = bool(cfg.get("SILU", CONFIG_DEFAULTS["SILU"]))
     h = torch.empty(M, I if silu else 2 * I, dtype=x.dtype, device=x.device)
     gemm_fp8_gluon(x, ew.w13, ew.w13_scale, h, tw, sorted_ids, eids, npost, 2 * I, D, M, k,
-                   False, silu, cfg)  # fmt: skip
+                   False, silu, cfg, units)  # fmt: skip
     if not silu:  # fp8_moe's rounding: the GEMM outputs in bf16, silu(gate) * up
         h = torch.nn.functional.silu(h[:, :I]) * h[:, I:]
     out = torch.empty(M, D, dtype=x.dtype, device=x.device)
     gemm_fp8_gluon(h, ew.w2, ew.w2_scale, out, tw, sorted_ids, eids, npost, D, I, M, 1, True,
-                   False, cfg)  # fmt: skip
+                   False, cfg, units)  # fmt: skip
     return out.view(T, k, D).sum(1)
