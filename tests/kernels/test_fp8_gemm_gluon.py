@@ -93,6 +93,12 @@ def test_device_script_config_names():
     assert dev.cfg_of("128x128k64s4w8pft")["TAIL"] and not dev.cfg_of("128x128k64s4w8p")["TAIL"]
     for name in dev.SWEEP:
         fg.check_config(dev.cfg_of(name))
+    best = {1024: "64x128k64s4w4p", 2048: "64x128k64s4w4p", 4096: "128x128k64s4w8pf",
+            8192: "128x128k64s4w8pf"}  # fmt: skip
+    table = dev.table_of(best, [1024, 2048, 4096, 8192, 16384])  # 16384: not measured
+    assert [(e["max_pairs"], e["BLOCK_M"], e["CVT32"]) for e in table] == [
+        (16384, 64, False), (None, 128, True)]  # fmt: skip
+    fg.check_table(table)
     with pytest.raises(ValueError, match="config name"):
         dev.cfg_of("128x128s4w8")
 
@@ -252,3 +258,42 @@ def test_k2_layer_against_fp8_moe_and_the_reference(T, skew):
     if T == 1024:  # the fp32 reference (one expert at a time)
         ref = fm.fused_moe_ref(x, ew, tw, ids)
         assert rel(new, ref) <= 2 * rel(old, ref) + 1e-3
+
+
+def test_device_script_dry_run_on_cpu(monkeypatch, capsys):
+    """benchmarks/fp8_gluon_device.py's check and time parts on CPU with small shapes and
+    stand-in kernels (the fp32 reference for both FP8 paths): the verdicts, the table of
+    results and the JSON table come out; an inexact config is timed but not tabled."""
+    sys.path.insert(0, BENCH)
+    try:
+        import fp8_gluon_device as dev
+        import model_speed as ms
+    finally:
+        sys.path.remove(BENCH)
+    import k2serve.kernels.fp8_gemm_gluon as g
+    import k2serve.kernels.fp8_moe as f
+    import k2serve.kernels.int4_gemm as i4
+
+    monkeypatch.setattr(dev, "DEV", "cpu")
+    monkeypatch.setattr(dev, "E", 6)
+    monkeypatch.setattr(dev, "D", 256)
+    monkeypatch.setattr(dev, "I", 128)
+    ref = lambda x, ew, tw, ids, *a, **k: fm.fused_moe_ref(x, ew, tw, ids)  # noqa: E731
+    noisy = lambda x, ew, tw, ids, cfg: (
+        ref(x, ew, tw, ids)
+        * (  # noqa: E731
+            1.01 if cfg.get("CVT32") else 1.0
+        )
+    )
+    monkeypatch.setattr(f, "fp8_moe", ref)
+    monkeypatch.setattr(g, "fp8_moe_gluon", noisy)
+    monkeypatch.setattr(i4, "int4_moe_gemm", lambda x, *a, **k: x)
+    monkeypatch.setattr(ms, "part_ceil", lambda: ms.CEIL.update(bw=3000.0, mm=700.0))
+    monkeypatch.setattr(ms, "timed", lambda fn, iters=1, warmup=0: fn() is None or 2.0)
+    assert dev.part_check("128x128k64s4w8p") == 0
+    assert dev.part_check("128x128k64s4w8pf") == dev.INEXACT  # 1% off: timed, not tabled
+    names = ["128x128k64s4w8p", "128x128k64s4w8pf"]
+    assert dev.part_time(names, [16, 32], {"128x128k64s4w8p"}) == 0
+    out = capsys.readouterr().out
+    assert "INEXACT" in out and out.count("| 16 | ") == 2 and out.count("| 32 | ") == 2
+    assert '"max_pairs": null, "BLOCK_M": 128' in out and 'CVT32": true' not in out
