@@ -9,10 +9,10 @@ Parts, each in its own process (a kernel fault cannot take the later parts with 
 config fail-soft (one line, the sweep goes on):
   check  per config: fp8_moe_gluon against fp8_moe and the fp32 torch reference (fused_moe_ref)
          on small odd shapes (E=9, D=384, I=256, T=37, top-3, one expert without pairs), then
-         against fp8_moe on a K2 layer at T=1024 and 8192, uniform and skewed routing. Pass:
-         rel diff <= 4e-3 against fp8_moe (K2) and <= 2x fp8_moe's own error + 1e-3 (small
-         shapes); between 4e-3 and 2e-2 ("INEXACT", the bf16-scaled modes' scale rounding):
-         timed, but not a candidate for the table.
+         against fp8_moe on a K2 layer at T=1024 (and the reference, uniform) and 8192,
+         uniform and skewed routing. Pass: rel diff <= 4e-3 against fp8_moe and an error
+         against the reference <= REF_TOL x fp8_moe's + 2e-4; off but < 2e-2 ("INEXACT", the
+         scaled modes' roundings): timed, but not a candidate for the table.
   time   ceilings (copy bandwidth, torch.mm 8192^3 bf16), then per T and routing (uniform; skew:
          every token's experts from a fixed third of them, the k2-slice's): fp8_moe, the INT4
          Gluon kernel (its table) on INT4 weights, each config that passed; CUDA-event medians,
@@ -37,10 +37,11 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 E, D, I, K = 384, 7168, 2048, 8
-TS = (1024, 2048, 4096, 8192, 16384)
-SWEEP = ["128x128k64s4w8p", "128x128k64s4w8pf", "128x128k64s4w8pft", "64x128k64s4w4p",
-         "64x128k64s4w4pf", "128x256k64s3w8", "128x256k64s3w8f", "128x256k64s3w8ft"]  # fmt: skip
-INEXACT = 3  # a check's exit status: runs, but over 4e-3 from fp8_moe (timed, not tabled)
+TS = (512, 1024, 2048, 4096, 8192, 16384)
+SWEEP = ["64x128k64s4w4pf", "128x128k64s4w8pf", "64x128k64s4w4pft", "128x128k64s4w8pft",
+         "128x256k64s3w8f", "128x256k64s3w8ft"]  # fmt: skip
+INEXACT = 3  # a check's exit status: runs, but off (timed, not tabled)
+REF_TOL = 1.25  # exact: the error against the fp32 reference <= 1.25x fp8_moe's (+ 2e-4)
 T0 = float(os.environ.get("FP8GLUON_T0") or time.time())  # the parent's start, in its parts
 BUDGET_S = 265
 DEV = "cuda"  # (a CPU dry run of the harness sets "cpu" with stand-in kernels)
@@ -131,8 +132,8 @@ def part_check(name: str) -> int:
     e_new, e_old = rel(new, ref), rel(old, ref)
     good = bool(torch.isfinite(new).all()) and e_new <= 2e-2
     ok &= good
-    exact &= e_new <= 2 * e_old + 1e-3
-    verdict = ("ok" if e_new <= 2 * e_old + 1e-3 else "INEXACT") if good else "FAIL"
+    exact &= e_new <= REF_TOL * e_old + 2e-4
+    verdict = ("ok" if e_new <= REF_TOL * e_old + 2e-4 else "INEXACT") if good else "FAIL"
     log(
         f"check {name} small E=9 D=384 I=256 T=37 top-3: vs ref {e_new:.2e} (fp8_moe {e_old:.2e}), vs fp8_moe {rel(new, old):.2e} {verdict}"
     )
@@ -150,9 +151,15 @@ def part_check(name: str) -> int:
             ok &= good
             exact &= e <= 4e-3
             verdict = ("ok" if e <= 4e-3 else "INEXACT (> 4e-3)") if good else "FAIL"
-            log(
-                f"check {name} K2 T={T} {'skew' if skew else 'uniform'}: vs fp8_moe {e:.2e} {verdict}"
-            )
+            line = f"check {name} K2 T={T} {'skew' if skew else 'uniform'}: vs fp8_moe {e:.2e}"
+            if T == 1024 and not skew:  # the fp32 reference (what the fidelity budget sees)
+                ref = fused_moe_ref(x, ew, tw, ids)
+                e_new, e_old = rel(new, ref), rel(old, ref)
+                line += f"; vs the fp32 reference {e_new:.2e} (fp8_moe {e_old:.2e})"
+                if good and e_new > REF_TOL * e_old + 2e-4:
+                    exact, verdict = False, "INEXACT (vs reference)"
+                del ref
+            log(f"{line} {verdict}")
     return (0 if exact else INEXACT) if ok else 1
 
 
@@ -166,7 +173,9 @@ def part_time(names: list[str], ts: list[int], exact: set[str]) -> int:
     from k2serve.kernels.fp8_gemm_gluon import fp8_moe_gluon
     from k2serve.kernels.fp8_moe import fp8_moe
     from k2serve.kernels.int4_gemm import int4_moe_gemm
+    from k2serve.kernels.policy import load_tables
 
+    table = load_tables().fp8_prefill_gluon
     ms.part_ceil()
     mm = ms.CEIL["mm"]
     ew = fp8_experts(E, D, I)
@@ -177,11 +186,11 @@ def part_time(names: list[str], ts: list[int], exact: set[str]) -> int:
     )
     best: dict[int, tuple[float, str]] = {}
     log(
-        "| T | routing | fp8_moe ms | INT4 gluon ms | "
+        "| T | routing | fp8_moe ms | INT4 gluon ms | shipped table ms | "
         + " | ".join(names)
         + " | best | TFLOP/s | % bf16 mm | vs fp8_moe | vs INT4 |"
     )
-    log("|---|---|---|---|" + "---|" * len(names) + "---|---|---|---|---|")
+    log("|---|---|---|---|---|" + "---|" * len(names) + "---|---|---|---|---|")
     for T in ts:
         for skew in (False, True):
             if time.time() - T0 > BUDGET_S - 15:
@@ -198,6 +207,11 @@ def part_time(names: list[str], ts: list[int], exact: set[str]) -> int:
             except Exception as e:  # noqa: BLE001
                 log(f"INT4 gluon T={T}: {type(e).__name__}: {str(e)[:200]}")
                 t_i4 = float("nan")
+            try:  # the shipped table (kernels/configs), what the engine runs in its band
+                t_tab = ms.timed(lambda: fp8_moe_gluon(x, ew, tw, ids, table), iters=it, warmup=2)
+            except Exception as e:  # noqa: BLE001
+                log(f"table T={T}: {type(e).__name__}: {str(e)[:200]}")
+                t_tab = float("nan")
             res = {}
             for n in names:
                 try:
@@ -215,9 +229,11 @@ def part_time(names: list[str], ts: list[int], exact: set[str]) -> int:
                 best[T] = (tb, b)
             cells = " | ".join(f"{res[n]:.2f}" for n in names)
             log(
-                f"| {T} | {'skew' if skew else 'uniform'} | {t_old:.2f} | {t_i4:.2f} | {cells} | {b} | {tf:.0f} | {100 * tf / mm:.0f}% | {t_old / tb:.2f}x | {t_i4 / tb:.2f}x |"
+                f"| {T} | {'skew' if skew else 'uniform'} | {t_old:.2f} | {t_i4:.2f} | {t_tab:.2f} | {cells} | {b} | {tf:.0f} | {100 * tf / mm:.0f}% | {t_old / tb:.2f}x | {t_i4 / tb:.2f}x |"
             )
-            log(f"RESULT {json.dumps(dict(T=T, skew=skew, fp8_moe=t_old, int4_gluon=t_i4, **res))}")
+            log(
+                f"RESULT {json.dumps(dict(T=T, skew=skew, fp8_moe=t_old, int4_gluon=t_i4, table=t_tab, **res))}"
+            )
     table = table_of({T: n for T, (_, n) in best.items()}, ts)
     log("fp8_prefill_gluon table (kernels/configs/<kind>.json): " + json.dumps(table))
     return 0

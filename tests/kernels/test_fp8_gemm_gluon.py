@@ -50,10 +50,12 @@ def test_configs_and_table():
     assert [dict(e) for e in fg.FP8_GLUON_TABLE] == [
         {k: v for k, v in e.items() if k != "what"} for e in t.fp8_prefill_gluon
     ]
-    assert t.fp8_prefill_gluon_min_pairs is None
+    assert t.fp8_prefill_gluon_min_pairs == 8192  # T=1024 x top-8: measured >= fp8_moe
     fg.check_table(t.fp8_prefill_gluon)
-    assert fg.pick(t.fp8_prefill_gluon, 16384)["BLOCK_M"] == 64
-    assert fg.pick(t.fp8_prefill_gluon, 16385)["BLOCK_M"] == 128
+    assert [fg.pick(t.fp8_prefill_gluon, n)["BLOCK_M"] for n in (8192, 16385, 65536, 65537)] == [
+        64, 128, 64, 128]  # fmt: skip
+    # exact weights (the block scale on an fp32 partial) only: fp8_moe's numerics
+    assert all(e["PROMOTE"] for e in t.fp8_prefill_gluon)
     assert "what" not in fg.pick(t.fp8_prefill_gluon, 10**6)
     ok = dict(BLOCK_M=128, BLOCK_N=128, KS=64, STAGES=4, num_warps=8)
     fg.check_config(ok)
@@ -236,8 +238,10 @@ def test_small_odd_shapes_against_the_reference(cfg):
     ref = fm.fused_moe_ref(x, ew, tw, ids)
     old = fp8_moe(x, ew, tw, ids)
     new = fg.fp8_moe_gluon(x, ew, tw, ids, cfg)
-    exact = cfg.get("PROMOTE") or cfg.get("CVT32")
-    assert rel(new, ref) <= 2 * rel(old, ref) + (1e-3 if exact else 4e-3)
+    if cfg.get("PROMOTE"):  # fp8_moe's numerics: exact weights, the scale in fp32
+        assert rel(new, ref) <= 1.25 * rel(old, ref) + 2e-4
+    else:  # the scaled weights' rounding (bf16 math: the scale's too)
+        assert rel(new, ref) <= 2.5 * rel(old, ref) + 1e-3
 
 
 @pytest.mark.gpu
@@ -257,7 +261,7 @@ def test_k2_layer_against_fp8_moe_and_the_reference(T, skew):
         assert torch.isfinite(new).all() and rel(new, old) <= 4e-3
     if T == 1024:  # the fp32 reference (one expert at a time)
         ref = fm.fused_moe_ref(x, ew, tw, ids)
-        assert rel(new, ref) <= 2 * rel(old, ref) + 1e-3
+        assert rel(new, ref) <= 1.25 * rel(old, ref) + 2e-4
 
 
 def test_device_script_dry_run_on_cpu(monkeypatch, capsys):
@@ -279,21 +283,21 @@ def test_device_script_dry_run_on_cpu(monkeypatch, capsys):
     monkeypatch.setattr(dev, "D", 256)
     monkeypatch.setattr(dev, "I", 128)
     ref = lambda x, ew, tw, ids, *a, **k: fm.fused_moe_ref(x, ew, tw, ids)  # noqa: E731
-    noisy = lambda x, ew, tw, ids, cfg: (
-        ref(x, ew, tw, ids)
-        * (  # noqa: E731
-            1.01 if cfg.get("CVT32") else 1.0
-        )
-    )
+
+    def noisy(x, ew, tw, ids, cfg):  # the scaled-weights stand-in: 1% off
+        off = isinstance(cfg, dict) and not cfg.get("PROMOTE")
+        return ref(x, ew, tw, ids) * (1.01 if off else 1.0)
+
     monkeypatch.setattr(f, "fp8_moe", ref)
     monkeypatch.setattr(g, "fp8_moe_gluon", noisy)
     monkeypatch.setattr(i4, "int4_moe_gemm", lambda x, *a, **k: x)
     monkeypatch.setattr(ms, "part_ceil", lambda: ms.CEIL.update(bw=3000.0, mm=700.0))
     monkeypatch.setattr(ms, "timed", lambda fn, iters=1, warmup=0: fn() is None or 2.0)
     assert dev.part_check("128x128k64s4w8p") == 0
-    assert dev.part_check("128x128k64s4w8pf") == dev.INEXACT  # 1% off: timed, not tabled
-    names = ["128x128k64s4w8p", "128x128k64s4w8pf"]
+    assert dev.part_check("128x256k64s3w8f") == dev.INEXACT  # 1% off: timed, not tabled
+    names = ["128x128k64s4w8p", "128x256k64s3w8f"]
     assert dev.part_time(names, [16, 32], {"128x128k64s4w8p"}) == 0
     out = capsys.readouterr().out
     assert "INEXACT" in out and out.count("| 16 | ") == 2 and out.count("| 32 | ") == 2
+    assert "table T=" not in out  # the shipped table's column ran
     assert '"max_pairs": null, "BLOCK_M": 128' in out and 'CVT32": true' not in out

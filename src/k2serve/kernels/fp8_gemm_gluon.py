@@ -76,12 +76,19 @@ except Exception:  # noqa: BLE001 - no Triton, no Gluon, or another Gluon API
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "KS", "STAGES", "num_warps", "PROMOTE", "CVT32", "SILU",
                "TAIL")  # fmt: skip
 CONFIG_DEFAULTS = dict(KS=64, PROMOTE=True, CVT32=False, SILU=True, TAIL=False)
-# The kernel's own default table (the engine's comes from configs/<kind>.json
-# "fp8_prefill_gluon"); not measured on a device yet.
+# The kernel's own default table, the shipped one's (configs/<kind>.json "fp8_prefill_gluon",
+# measured there; the engine takes its configs from the kernel tables): exact weights (PROMOTE)
+# converted by Triton's path (CVT32), 64- or 128-row blocks.
 FP8_GLUON_TABLE: tuple[Mapping[str, Any], ...] = (
-    dict(max_pairs=16384, BLOCK_M=64, BLOCK_N=128, KS=64, STAGES=4, num_warps=4, PROMOTE=True),
-    dict(max_pairs=None, BLOCK_M=128, BLOCK_N=128, KS=64, STAGES=4, num_warps=8, PROMOTE=True),
-)
+    dict(max_pairs=16384, BLOCK_M=64, BLOCK_N=128, KS=64, STAGES=4, num_warps=4, PROMOTE=True,
+         CVT32=True),
+    dict(max_pairs=32768, BLOCK_M=128, BLOCK_N=128, KS=64, STAGES=4, num_warps=8, PROMOTE=True,
+         CVT32=True),
+    dict(max_pairs=65536, BLOCK_M=64, BLOCK_N=128, KS=64, STAGES=4, num_warps=4, PROMOTE=True,
+         CVT32=True),
+    dict(max_pairs=None, BLOCK_M=128, BLOCK_N=128, KS=64, STAGES=4, num_warps=8, PROMOTE=True,
+         CVT32=True),
+)  # fmt: skip
 
 
 def smem_bytes(cfg: Mapping[str, Any]) -> int:
@@ -336,8 +343,9 @@ if HAS_GLUON:
         async_copy.wait_group(0)
 
         if SILU:
+            # fp8_moe's numerics: silu(gate) * up in fp32, one rounding
             _silu_epilogue(acc, c_ptr, sorted_ptr, row0, pid_n, N, num_pairs, c_stride, BM,
-                           BLOCK_N, 0, NW)  # fmt: skip
+                           BLOCK_N, 0, NW, True)  # fmt: skip
         else:
             _store_epilogue(acc, c_ptr, tw_ptr, sorted_ptr, row0, pid_n, N, num_pairs, c_stride,
                             MUL_W, 0, BM, BLOCK_N, NW)  # fmt: skip
@@ -450,11 +458,16 @@ def fp8_moe_gluon(
     sorted_ids, eids, npost, units = gluon_align(topk_ids, E, cfg)
     tw = topk_weights.reshape(-1).float().contiguous()
     silu = bool(cfg.get("SILU", CONFIG_DEFAULTS["SILU"]))
-    h = torch.empty(M, I if silu else 2 * I, dtype=x.dtype, device=x.device)
+    # without SILU the GEMM outputs stay fp32 (fp8_moe's rounding: one, of silu(gate) * up)
+    h = (
+        torch.empty(M, I, dtype=x.dtype, device=x.device)
+        if silu
+        else x.new_empty(M, 2 * I, dtype=torch.float32)
+    )
     gemm_fp8_gluon(x, ew.w13, ew.w13_scale, h, tw, sorted_ids, eids, npost, 2 * I, D, M, k,
                    False, silu, cfg, units)  # fmt: skip
-    if not silu:  # fp8_moe's rounding: the GEMM outputs in bf16, silu(gate) * up
-        h = torch.nn.functional.silu(h[:, :I]) * h[:, I:]
+    if not silu:
+        h = (torch.nn.functional.silu(h[:, :I]) * h[:, I:]).to(x.dtype)
     out = torch.empty(M, D, dtype=x.dtype, device=x.device)
     gemm_fp8_gluon(h, ew.w2, ew.w2_scale, out, tw, sorted_ids, eids, npost, D, I, M, 1, True,
                    False, cfg, units)  # fmt: skip

@@ -364,7 +364,7 @@ if HAS_GLUON:
 
         if SILU:
             _silu_epilogue(acc, c_ptr, sorted_ptr, row0, pid_n, N, num_pairs, c_stride, BM,
-                           BLOCK_N, W2, NW)  # fmt: skip
+                           BLOCK_N, W2, NW, False)  # fmt: skip
             return
         # epilogue: (routing weight), store the pairs' rows (PERM_OUT: in gemm order)
         _store_epilogue(acc, c_ptr, tw_ptr, sorted_ptr, row0, pid_n, N, num_pairs, c_stride, MUL_W,

@@ -186,20 +186,24 @@ if HAS_GLUON:
     @gluon.jit
     def _silu_epilogue(acc, c_ptr, sorted_ptr, row0, pid_n, N, num_pairs, c_stride,
                        BM: gl.constexpr, BLOCK_N: gl.constexpr, W2: gl.constexpr,
-                       NW: gl.constexpr):  # fmt: skip
+                       NW: gl.constexpr, F32ACT: gl.constexpr):  # fmt: skip
         """SILU's store: acc [BLOCK_N, BM] = gate rows then the same up rows -> c[pair, j] =
         silu(gate) * up for the tile's BLOCK_N / 2 outputs j in gemm order (W2 = 0: natural
         order), rounded as the torch path does (each GEMM output to bf16, silu in fp32 to
-        bf16, the product)."""
+        bf16, the product); F32ACT: in fp32 from the accumulators, one rounding (fp8_moe's
+        epilogue: the FP8 GEMM's reference)."""
         HN: gl.constexpr = BLOCK_N // 2
         TN: gl.constexpr = min(32, HN // 8)
         lo3: gl.constexpr = gl.BlockedLayout([8, 1, 2], [TN, 32 // TN, 1], [1, NW, 1], [2, 0, 1])
         x3 = gl.convert_layout(gl.permute(gl.reshape(acc, [2, HN, BM]), (1, 2, 0)), lo3)
         g, up = gl.split(x3)  # [HN, BM] each
-        g = g.to(gl.bfloat16).to(gl.float32)
-        up = up.to(gl.bfloat16).to(gl.float32)
-        sg = (g / (1.0 + gl.exp(-g))).to(gl.bfloat16).to(gl.float32)
-        out = (sg * up).to(c_ptr.dtype.element_ty)
+        if F32ACT:
+            out = (g / (1.0 + gl.exp(-g)) * up).to(c_ptr.dtype.element_ty)
+        else:
+            g = g.to(gl.bfloat16).to(gl.float32)
+            up = up.to(gl.bfloat16).to(gl.float32)
+            sg = (g / (1.0 + gl.exp(-g))).to(gl.bfloat16).to(gl.float32)
+            out = (sg * up).to(c_ptr.dtype.element_ty)
         lo: gl.constexpr = gl.SliceLayout(2, lo3)
         offs_j = pid_n * HN + gl.arange(0, HN, layout=gl.SliceLayout(1, lo))
         pair = gl.load(sorted_ptr + row0 + gl.arange(0, BM, layout=gl.SliceLayout(0, lo)))
