@@ -39,7 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 E, D, I, K = 384, 7168, 2048, 8
 TS = (512, 1024, 2048, 4096, 8192, 16384)
 SWEEP = ["64x128k64s4w4pf", "128x128k64s4w8pf", "64x128k64s4w4pft", "128x128k64s4w8pft",
-         "128x256k64s3w8f", "128x256k64s3w8ft"]  # fmt: skip
+         "64x128k64s6w4pf", "32x128k64s8w4pf", "128x256k64s3w8f", "128x256k64s3w8ft"]  # fmt: skip
 INEXACT = 3  # a check's exit status: runs, but off (timed, not tabled)
 REF_TOL = 1.25  # exact: the error against the fp32 reference <= 1.25x fp8_moe's (+ 2e-4)
 T0 = float(os.environ.get("FP8GLUON_T0") or time.time())  # the parent's start, in its parts
