@@ -78,13 +78,12 @@ CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "KS", "STAGES", "num_warps", "PROMOTE", "CV
 CONFIG_DEFAULTS = dict(KS=64, PROMOTE=True, CVT32=False, SILU=True, TAIL=False)
 # The kernel's own default table, the shipped one's (configs/<kind>.json "fp8_prefill_gluon",
 # measured there; the engine takes its configs from the kernel tables): exact weights (PROMOTE)
-# converted by Triton's path (CVT32), 64- or 128-row blocks.
+# converted by Triton's path (CVT32); 32-, 64-, then 128-row blocks (deeper rings where the
+# weights stream: few pairs per expert).
 FP8_GLUON_TABLE: tuple[Mapping[str, Any], ...] = (
-    dict(max_pairs=16384, BLOCK_M=64, BLOCK_N=128, KS=64, STAGES=4, num_warps=4, PROMOTE=True,
+    dict(max_pairs=4096, BLOCK_M=32, BLOCK_N=128, KS=64, STAGES=8, num_warps=4, PROMOTE=True,
          CVT32=True),
-    dict(max_pairs=32768, BLOCK_M=128, BLOCK_N=128, KS=64, STAGES=4, num_warps=8, PROMOTE=True,
-         CVT32=True),
-    dict(max_pairs=65536, BLOCK_M=64, BLOCK_N=128, KS=64, STAGES=4, num_warps=4, PROMOTE=True,
+    dict(max_pairs=16384, BLOCK_M=64, BLOCK_N=128, KS=64, STAGES=6, num_warps=4, PROMOTE=True,
          CVT32=True),
     dict(max_pairs=None, BLOCK_M=128, BLOCK_N=128, KS=64, STAGES=4, num_warps=8, PROMOTE=True,
          CVT32=True),
