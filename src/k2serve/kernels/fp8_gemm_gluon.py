@@ -24,17 +24,18 @@ one commit group each, in a ring of STAGES slots loaded STAGES - 2 ahead (the sl
 sub-step u was read at u - 2, whose MMA every warpgroup has retired). The weight tile is
 loaded from shared memory in the operand layout (as int16 k pairs, `_pair_layout`) and
 converted to bf16 there by bit ops (`_CVT_ASM`: fp8 e4m3 is exact in bf16; Triton's own
-conversion goes through F2F, a quarter-rate pipe); CVT32: Triton's conversion through f16
-pairs (F2FP) and fp32 (HADD2.F32) instead, fewer instructions (which wins is the device's
-call: benchmarks/fp8_gluon_device.py). The 128x128 block scale (w_scale fp32
-[E, cdiv(N, 128), cdiv(K, 128)]): PROMOTE (DeepGEMM-style): each 128-column K block's MMAs
-accumulate into an fp32 partial (zero-initialised by the block's first MMA), which is added
-to the accumulator times the scales of its rows (a [BLOCK_N] vector: a tile may span two
-128-row blocks, and SILU tiles take gate and up rows) when the next block's first tile is
-converted: fp8_moe's numerics (exact bf16 products, fp32 sums, the scale in fp32); twice the
-accumulator registers. Otherwise the scale multiplies the converted weights in registers
-(bf16 math: s rounded to bf16; CVT32: fp32 math, one rounding to bf16) and one accumulator
-holds every K block: larger tiles.
+conversion to bf16 goes through F2F, a quarter-rate pipe); CVT32: Triton's conversion through
+f16 pairs (F2FP) and fp32 (HADD2.F32) instead, fewer instructions and 4-11% faster on the H100
+(benchmarks/RESULTS.md): the shipped configs' (the asm stays for the bf16-scaled mode). The
+128x128 block scale (w_scale fp32 [E, cdiv(N, 128), cdiv(K, 128)]): PROMOTE (DeepGEMM-style):
+each 128-column K block's MMAs accumulate into an fp32 partial (zero-initialised by the block's
+first MMA), which is added to the accumulator times the scales of its rows (a [BLOCK_N]
+vector: a tile may span two 128-row blocks, and SILU tiles take gate and up rows) when the next
+block's first tile is converted: fp8_moe's numerics (exact bf16 products, fp32 sums, the scale
+in fp32, silu(gate) * up in fp32); twice the accumulator registers. Otherwise the scale
+multiplies the converted weights in registers (bf16 math: s rounded to bf16; CVT32: fp32
+math, one rounding to bf16) and one accumulator holds every K block: larger tiles, 1.8x
+fp8_moe's error against the fp32 reference on the H100 (not shipped).
 
 Invariants: Hopper (sm_90) only, Triton 3.6's Gluon API; imports without Triton, Gluon or
 CUDA. K % 128 == 0 (whole scale blocks; KS divides 128), any N (partial tiles masked); SILU
