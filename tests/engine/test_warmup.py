@@ -106,6 +106,9 @@ TABLE_FIELDS = {
     "moe_prefill_fp8_min_tokens": "FusedMoEBackend.plan: path 'w8a8' from that many tokens",
     "int4_prefill_gluon": "config_key ('gemm', entry) with gemm_backend='gluon'",
     "int4_prefill_gluon_min_tokens": "config_key path 'grouped_mm' with gemm_backend='gluon'",
+    "fp8_prefill_gluon": "config_key ('fp8_gluon', entry) (tests/kernels/test_fp8_gemm_gluon.py)",
+    "fp8_prefill_gluon_min_pairs": "FusedMoEBackend.plan: path 'fp8_gluon' where Gluon runs",
+    "mla_prefill": "the warm-up's prompt steps (one sequence up to the budget: every max_len band)",
 }
 
 
@@ -130,3 +133,21 @@ def test_warmup_steps_and_a_cpu_run(tiny_ckpt):
     model = load_model(tiny_ckpt(), device="cpu", progress=False)
     caches = allocate_kv_caches(model.config, 8, 16, torch.float32, "cpu")
     assert run_warmup(model, caches, page_size=16, max_num_batched_tokens=64, max_model_len=32) >= 0
+
+
+def test_attention_bands_get_a_prompt_each():
+    """The MLA prompt kernel's configs are picked by the step's longest prompt: the warm-up
+    runs one prompt past each band edge that the budget and max_model_len allow."""
+    from types import SimpleNamespace as NS
+
+    from k2serve.engine.warmup import attention_token_counts
+
+    def model(attn, cfgs):
+        be = NS(prefill_attn=attn, prefill_configs=cfgs)
+        return NS(model=NS(layers=[NS(self_attn=NS(backend=be))]))
+
+    cfgs = ({"max_len": 1024}, {"max_len": 4096}, {"max_len": None})
+    assert attention_token_counts(model("triton", cfgs), 8192) == [1025, 4097]
+    assert attention_token_counts(model("triton", cfgs), 2048) == [1025]
+    assert attention_token_counts(model("triton", cfgs), 8192, max_len=1000) == []
+    assert attention_token_counts(model("sdpa", cfgs), 8192) == []

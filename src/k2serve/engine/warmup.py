@@ -10,7 +10,8 @@ on the first requests, 0.46 s after).
 
 Owns: `step_inputs` (a step's flat batch), `warmup_token_counts` (the smallest token count
 of each distinct kernel configuration key over 1..max_tokens, from the MoE backends'
-`config_key`: path(s), table entry, the divisibility classes), `warmup_steps` (those counts
+`config_key`: path(s), table entry, the divisibility classes), `attention_token_counts` (a
+prompt past each length band of the MLA prompt kernel's configs), `warmup_steps` (those counts
 as prefill steps, plus one with a cached prefix and one mixed decode + prefill step) and
 `run_warmup` (runs them eagerly on the model, writing into the KV cache's first pages before
 any request holds one, and logs the time).
@@ -62,6 +63,19 @@ def warmup_token_counts(backends, top_k: int, max_tokens: int) -> list[int]:
     for t in range(1, max_tokens + 1):
         first.setdefault(config_key(backends, t, top_k), t)
     return sorted(first.values())
+
+
+def attention_token_counts(model, max_tokens: int, max_len: int | None = None) -> list[int]:
+    """One prompt just past each length band of the MLA prompt kernel's configs
+    (TritonMLABackend.prefill_configs, picked by the step's longest prompt), where a prompt of
+    that length fits the budget and max_len: the MoE counts alone may never reach a band."""
+    layers = getattr(getattr(model, "model", None), "layers", ())
+    be = getattr(getattr(layers[0], "self_attn", None), "backend", None) if layers else None
+    if getattr(be, "prefill_attn", None) != "triton":
+        return []
+    cap = min(max_tokens, max_len or max_tokens)
+    edges = [c.get("max_len") for c in getattr(be, "prefill_configs", ())]
+    return [e + 1 for e in edges if e is not None and e + 1 <= cap]
 
 
 @dataclass(frozen=True)
@@ -138,6 +152,7 @@ def run_warmup(
     num_pages = kv_caches[0].shape[0] if kv_caches else 0
     max_tokens = min(max_num_batched_tokens, num_pages * page_size)
     counts = warmup_token_counts(backends, top_k, max_tokens) if backends else [1, max_tokens]
+    counts = sorted({*counts, *attention_token_counts(model, max_tokens, max_model_len)})
     steps = warmup_steps(counts, page_size, max_tokens, max_model_len)
     device = kv_caches[0].device
     done = 0

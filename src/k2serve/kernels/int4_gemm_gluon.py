@@ -183,6 +183,7 @@ if HAS_GLUON:
         _rows,
         _silu_epilogue,
         _split_cols,
+        _store_epilogue,
         _to_plane,
     )
 
@@ -363,27 +364,11 @@ if HAS_GLUON:
 
         if SILU:
             _silu_epilogue(acc, c_ptr, sorted_ptr, row0, pid_n, N, num_pairs, c_stride, BM,
-                           BLOCK_N, W2, NW)  # fmt: skip
+                           BLOCK_N, W2, NW, False)  # fmt: skip
             return
-        # epilogue: n-contiguous layout, (routing weight), store pairs' rows
-        TN: gl.constexpr = min(32, BLOCK_N // 8)
-        lo: gl.constexpr = gl.BlockedLayout([8, 1], [TN, 32 // TN], [1, NW], [0, 1])
-        out = gl.convert_layout(acc, lo)
-        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lo))
-        pair = gl.load(sorted_ptr + row0 + gl.arange(0, BM, layout=gl.SliceLayout(0, lo)))
-        pair_ok = pair < num_pairs
-        if MUL_W:
-            out = out * gl.expand_dims(gl.load(tw_ptr + pair, mask=pair_ok, other=0.0), 0)
-        if PERM_OUT:  # column n -> its place in gemm order (int4_gemm.to_gemm_order)
-            r = offs_n % (16 * W2)
-            cols = (offs_n - r + ((r // 32) % 2) * 8 * W2 + (r % 8) * W2 + (r // 64) * 4
-                    + (r // 8) % 4)  # fmt: skip
-        else:
-            cols = offs_n
-        c_ptrs = (c_ptr + gl.expand_dims(pair.to(gl.int64) * c_stride, 0)
-                  + gl.expand_dims(cols, 1))  # fmt: skip
-        ok = gl.expand_dims(pair_ok, 0) & gl.expand_dims(offs_n < N, 1)
-        gl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=ok)
+        # epilogue: (routing weight), store the pairs' rows (PERM_OUT: in gemm order)
+        _store_epilogue(acc, c_ptr, tw_ptr, sorted_ptr, row0, pid_n, N, num_pairs, c_stride, MUL_W,
+                        W2 if PERM_OUT else 0, BM, BLOCK_N, NW)  # fmt: skip
 
     # (pair and block counts unspecialized: no recompile per count's divisibility)
     @gluon.jit(do_not_specialize=["num_pairs", "num_blocks"])

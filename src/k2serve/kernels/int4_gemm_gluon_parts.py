@@ -155,26 +155,59 @@ if HAS_GLUON:
         async_copy.commit_group()
 
     @gluon.jit
+    def _out_cols(offs, W2: gl.constexpr):
+        """Output column n -> its place in gemm order for W2 (int4_gemm.to_gemm_order); W2 = 0:
+        natural order (the FP8 GEMM)."""
+        if W2 == 0:
+            return offs
+        r = offs % (16 * W2)
+        return offs - r + ((r // 32) % 2) * 8 * W2 + (r % 8) * W2 + (r // 64) * 4 + (r // 8) % 4
+
+    @gluon.jit
+    def _store_epilogue(acc, c_ptr, tw_ptr, sorted_ptr, row0, pid_n, N, num_pairs, c_stride,
+                        MUL_W: gl.constexpr, W2: gl.constexpr, BM: gl.constexpr,
+                        BLOCK_N: gl.constexpr, NW: gl.constexpr):  # fmt: skip
+        """The plain store: acc [BLOCK_N, BM] in an n-contiguous layout, (times the pairs'
+        routing weights tw, MUL_W), to c[pair, n] at the pairs' rows (columns `_out_cols`)."""
+        TN: gl.constexpr = min(32, BLOCK_N // 8)
+        lo: gl.constexpr = gl.BlockedLayout([8, 1], [TN, 32 // TN], [1, NW], [0, 1])
+        out = gl.convert_layout(acc, lo)
+        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lo))
+        pair = gl.load(sorted_ptr + row0 + gl.arange(0, BM, layout=gl.SliceLayout(0, lo)))
+        pair_ok = pair < num_pairs
+        if MUL_W:
+            out = out * gl.expand_dims(gl.load(tw_ptr + pair, mask=pair_ok, other=0.0), 0)
+        cols = _out_cols(offs_n, W2)
+        c_ptrs = (c_ptr + gl.expand_dims(pair.to(gl.int64) * c_stride, 0)
+                  + gl.expand_dims(cols, 1))  # fmt: skip
+        ok = gl.expand_dims(pair_ok, 0) & gl.expand_dims(offs_n < N, 1)
+        gl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=ok)
+
+    @gluon.jit
     def _silu_epilogue(acc, c_ptr, sorted_ptr, row0, pid_n, N, num_pairs, c_stride,
                        BM: gl.constexpr, BLOCK_N: gl.constexpr, W2: gl.constexpr,
-                       NW: gl.constexpr):  # fmt: skip
+                       NW: gl.constexpr, F32ACT: gl.constexpr):  # fmt: skip
         """SILU's store: acc [BLOCK_N, BM] = gate rows then the same up rows -> c[pair, j] =
-        silu(gate) * up for the tile's BLOCK_N / 2 outputs j in gemm order, rounded as the
-        torch path does (each GEMM output to bf16, silu in fp32 to bf16, the product)."""
+        silu(gate) * up for the tile's BLOCK_N / 2 outputs j in gemm order (W2 = 0: natural
+        order), rounded as the torch path does (each GEMM output to bf16, silu in fp32 to
+        bf16, the product); F32ACT: in fp32 from the accumulators, one rounding (fp8_moe's
+        epilogue: the FP8 GEMM's reference)."""
         HN: gl.constexpr = BLOCK_N // 2
         TN: gl.constexpr = min(32, HN // 8)
         lo3: gl.constexpr = gl.BlockedLayout([8, 1, 2], [TN, 32 // TN, 1], [1, NW, 1], [2, 0, 1])
         x3 = gl.convert_layout(gl.permute(gl.reshape(acc, [2, HN, BM]), (1, 2, 0)), lo3)
         g, up = gl.split(x3)  # [HN, BM] each
-        g = g.to(gl.bfloat16).to(gl.float32)
-        up = up.to(gl.bfloat16).to(gl.float32)
-        sg = (g / (1.0 + gl.exp(-g))).to(gl.bfloat16).to(gl.float32)
-        out = (sg * up).to(c_ptr.dtype.element_ty)
+        if F32ACT:
+            out = (g / (1.0 + gl.exp(-g)) * up).to(c_ptr.dtype.element_ty)
+        else:
+            g = g.to(gl.bfloat16).to(gl.float32)
+            up = up.to(gl.bfloat16).to(gl.float32)
+            sg = (g / (1.0 + gl.exp(-g))).to(gl.bfloat16).to(gl.float32)
+            out = (sg * up).to(c_ptr.dtype.element_ty)
         lo: gl.constexpr = gl.SliceLayout(2, lo3)
         offs_j = pid_n * HN + gl.arange(0, HN, layout=gl.SliceLayout(1, lo))
         pair = gl.load(sorted_ptr + row0 + gl.arange(0, BM, layout=gl.SliceLayout(0, lo)))
-        r = offs_j % (16 * W2)  # column j -> its place in gemm order (int4_gemm.to_gemm_order)
-        cols = offs_j - r + ((r // 32) % 2) * 8 * W2 + (r % 8) * W2 + (r // 64) * 4 + (r // 8) % 4
+        cols = _out_cols(offs_j, W2)
         c_ptrs = (c_ptr + gl.expand_dims(pair.to(gl.int64) * c_stride, 0)
                   + gl.expand_dims(cols, 1))  # fmt: skip
         ok = gl.expand_dims(pair < num_pairs, 0) & gl.expand_dims(offs_j < N // 2, 1)

@@ -121,6 +121,11 @@ class KernelTables:
     # query length of the step or None, block_m, block_n, num_warps, num_stages}, ascending;
     # empty: the kernel's default_config
     mla_prefill: tuple[Mapping[str, Any], ...] = ()
+    # the Gluon FP8-block grouped GEMM (fp8_gemm_gluon.py; Triton 3.6 on sm_90): its configs by
+    # max pair count, and the fewest (token, expert) pairs from which it replaces fp8_moe's
+    # grouped GEMMs where Gluon runs (None: never; empty configs: the kernel's own table)
+    fp8_prefill_gluon: tuple[Mapping[str, Any], ...] = ()
+    fp8_prefill_gluon_min_pairs: int | None = None
 
     def int4_gemm_configs(self, backend: str) -> tuple[tuple[Mapping[str, Any], ...], int | None]:
         """The INT4 grouped GEMM `backend`'s launch configs by max pair count and the fewest
@@ -154,6 +159,8 @@ class KernelTables:
                 int4_prefill_min_tokens=int(data["int4_prefill_min_tokens"]),
                 int4_prefill_gluon=tuple(_frozen(e) for e in data.get("int4_prefill_gluon", ())),
                 int4_prefill_gluon_min_tokens=_opt_int(data, "int4_prefill_gluon_min_tokens"),
+                fp8_prefill_gluon=tuple(_frozen(e) for e in data.get("fp8_prefill_gluon", ())),
+                fp8_prefill_gluon_min_pairs=_opt_int(data, "fp8_prefill_gluon_min_pairs"),
                 side_stream_max_tokens=int(data["side_stream_max_tokens"]),
                 fp8_moe=tuple(_frozen(e) for e in data["fp8_moe"]),
                 fp8_moe_generic_max_pairs=int(data["fp8_moe_generic_max_pairs"]),
@@ -214,6 +221,13 @@ def pick_int4_gemm_backend(asked: str | None, tables: KernelTables, device) -> s
     return want
 
 
+def fp8_gluon_usable(device: torch.device | str) -> bool:
+    """Whether the Gluon FP8-block GEMM runs on `device`: the INT4 Gluon kernel's test."""
+    from k2serve.kernels.int4_gemm_gluon import gluon_usable
+
+    return gluon_usable(device)
+
+
 def device_kind(device: torch.device | str) -> str:
     """The kind whose tables apply: "cpu", the GPU model ("h200", "h100", ...) or "cuda"."""
     device = torch.device(device)
@@ -264,6 +278,9 @@ class KernelPolicy:
     # int4_prefill_gluon) or "triton" (int4_gemm.py, int4_prefill)
     int4_gemm_backend: str = "triton"
     fp8_moe_impl: str = "auto"  # FusedMoEBackend's fp8_impl: "auto", "gemm" or "kernel"
+    # the Gluon FP8-block GEMM can run here (int4_gemm_gluon.gluon_usable: Triton 3.6's Gluon
+    # on sm_90); it runs from the tables' fp8_prefill_gluon_min_pairs
+    fp8_gluon: bool = False
     # routed experts of prompts on FP8 tensor cores (FP8 activations, w8a8_moe.py): "bf16"
     # never, "fp8" from `moe_prefill_min_tokens` tokens (None: the table's, else
     # FP8_PREFILL_MIN_TOKENS), "auto" where the table has a threshold for the expert format
@@ -321,6 +338,7 @@ class KernelPolicy:
             int4_gemm_backend=pick_int4_gemm_backend(
                 int4_gemm_backend or envs.int4_gemm_backend(), tables, device
             ),
+            fp8_gluon=fp8_gluon_usable(device),
             tables=tables,
         )
 
@@ -334,6 +352,10 @@ class KernelPolicy:
                 ("shared-expert stream", self.shared_stream),
                 ("gluon int4 gemm", self.int4_gemm_backend == "gluon"),
                 ("mla prompt kernel", self.mla_prefill_attn == "triton"),
+                (
+                    "gluon fp8 gemm",
+                    self.fp8_gluon and self.tables.fp8_prefill_gluon_min_pairs is not None,
+                ),
             )
             if v
         ]
@@ -382,5 +404,7 @@ class KernelPolicy:
             fp8_impl=self.fp8_moe_impl,
             fp8_table=t.fp8_moe,
             fp8_generic_max_pairs=t.fp8_moe_generic_max_pairs,
+            fp8_gluon_table=t.fp8_prefill_gluon or None,
+            fp8_gluon_min_pairs=t.fp8_prefill_gluon_min_pairs if self.fp8_gluon else None,
             w8a8_min_tokens=self.moe_prefill_fp8_min_tokens(),
         )

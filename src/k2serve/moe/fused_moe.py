@@ -29,7 +29,10 @@ FP8-block experts (`fp8_impl`): "auto" (default) runs the generic
 fused_moe kernel up to `fp8_generic_max_pairs` (token, expert) pairs, where it is faster (decode
 and small batches: one H100, benchmarks/RESULTS.md), and kernels/fp8_moe.py's grouped GEMMs (fp8
 tiles converted in registers, configs by pair count from `fp8_table`) above; "gemm" the grouped
-GEMMs always, "kernel" the generic kernel always (benchmarks compare them). The limits and
+GEMMs always, "kernel" the generic kernel always (benchmarks compare them). From
+`fp8_gluon_min_pairs` pairs (None: never; the policy gives the tables'
+`fp8_prefill_gluon_min_pairs` only where Gluon runs: Triton 3.6 on sm_90) the grouped GEMMs are
+kernels/fp8_gemm_gluon.py's (path "fp8_gluon", configs `fp8_gluon_table`). The limits and
 launch configs come from the kernel policy (`KernelPolicy.moe_kwargs()`).
 Prompts on FP8 tensor cores (`w8a8_min_tokens`, from `--moe-prefill-precision`): steps of at
 least that many tokens run kernels/w8a8_moe.py (FP8 activations per token and 128 columns) for
@@ -45,6 +48,9 @@ import torch
 from torch import nn
 
 from k2serve import envs
+from k2serve.kernels.fp8_gemm_gluon import FP8_GLUON_TABLE, fp8_moe_gluon
+from k2serve.kernels.fp8_gemm_gluon import check_table as check_fp8_gluon_table
+from k2serve.kernels.fp8_gemm_gluon import supported as fp8_gluon_supported
 from k2serve.kernels.fp8_moe import check_table, fp8_moe
 from k2serve.kernels.fused_moe import ExpertWeights, fused_moe
 from k2serve.kernels.int4_gemm import int4_moe_gemm, int4_moe_grouped_mm
@@ -119,6 +125,8 @@ class FusedMoEBackend(ExpertBackend):
         fp8_generic_max_pairs: int | None = None,
         w8a8_min_tokens: Mapping[str, int | None] | None = None,
         gemm_backend: str = "triton",
+        fp8_gluon_table: Sequence[Mapping[str, Any]] | None = None,
+        fp8_gluon_min_pairs: int | None = None,
     ) -> None:
         """None limits / configs: the default device kind's tuned tables (kernels/configs)."""
         if int4_impl not in ("auto", "planes", "legacy"):
@@ -181,6 +189,17 @@ class FusedMoEBackend(ExpertBackend):
             raise ValueError(f"fp8_generic_max_pairs={n!r}: use an int >= 0")
         if self.fp8_impl in ("auto", "gemm"):
             check_table(self.fp8_table)  # a bad table fails at setup, not in the first step
+        # the Gluon FP8 GEMM from this many pairs on (None: never; the policy passes the
+        # tables' limit only where Gluon runs), with its configs by pair count
+        self.fp8_gluon_table = tuple(fp8_gluon_table or t.fp8_prefill_gluon or FP8_GLUON_TABLE)
+        m = fp8_gluon_min_pairs
+        if m is not None and (not isinstance(m, int) or m < 0):
+            raise ValueError(f"fp8_gluon_min_pairs={m!r}: use an int >= 0 or None")
+        self.fp8_gluon_min_pairs = (
+            m if self.fp8_impl is not None and fp8_gluon_supported(w) else None
+        )
+        if self.fp8_gluon_min_pairs is not None:
+            check_fp8_gluon_table(self.fp8_gluon_table)
         # steps of at least this many tokens: FP8 activations (None: never)
         m = (w8a8_min_tokens or {}).get(w.quant) if w8a8_supported(w) else None
         if m is not None and (not isinstance(m, int) or m < 0):
@@ -201,13 +220,14 @@ class FusedMoEBackend(ExpertBackend):
     def plan(self, num_tokens: int, top_k: int) -> tuple[tuple[str, ...], tuple[float, ...]]:
         """The kernel path(s) for `num_tokens` tokens x `top_k`: one path, or 2-3 candidates
         and the pairs-per-hit-expert limits between them (chosen on the device, moe_select).
-        Paths: "w8a8" (FP8 activations, --moe-prefill-precision), "fp8_gemm", "kernel" (the
-        generic fused_moe), "grouped_mm", "grouped", "decode", "gemm"."""
+        Paths: "w8a8" (FP8 activations, --moe-prefill-precision), "fp8_gemm", "fp8_gluon",
+        "kernel" (the generic fused_moe), "grouped_mm", "grouped", "decode", "gemm"."""
         pairs = num_tokens * top_k
         if self.w8a8_min_tokens is not None and num_tokens >= self.w8a8_min_tokens:
             return ("w8a8",), ()
         if self.fp8_impl is not None and self.fp8_uses_gemm(pairs):
-            return ("fp8_gemm",), ()
+            gmin = self.fp8_gluon_min_pairs
+            return ("fp8_gluon" if gmin is not None and pairs >= gmin else "fp8_gemm",), ()
         if not self.use_planes:
             return ("kernel",), ()
         impl = self.prefill_impl
@@ -250,6 +270,10 @@ class FusedMoEBackend(ExpertBackend):
                 idx = next(i for i, e in enumerate(self.fp8_table)
                            if e.get("max_pairs") is None or pairs <= e["max_pairs"])  # fmt: skip
                 picks.append(("fp8_gemm", idx))
+            elif p == "fp8_gluon":
+                idx = next(i for i, e in enumerate(self.fp8_gluon_table)
+                           if e.get("max_pairs") is None or pairs <= e["max_pairs"])  # fmt: skip
+                picks.append(("fp8_gluon", idx))
             elif p == "kernel":  # fused_moe._config: small-M below 4 pairs per expert
                 picks.append(("kernel", pairs <= 4 * self.weights.num_experts))
             else:
@@ -264,6 +288,8 @@ class FusedMoEBackend(ExpertBackend):
             return w8a8_moe(hidden, w, topk_weights, topk_ids)
         if path == "fp8_gemm":
             return fp8_moe(hidden, w, topk_weights, topk_ids, table=self.fp8_table)
+        if path == "fp8_gluon":
+            return fp8_moe_gluon(hidden, w, topk_weights, topk_ids, self.fp8_gluon_table)
         if path == "grouped_mm":
             return int4_moe_grouped_mm(hidden, w, topk_weights, topk_ids)
         if path == "grouped":
