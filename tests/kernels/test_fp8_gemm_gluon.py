@@ -66,9 +66,10 @@ def test_configs_and_table():
         dict(num_warps=2),  # whole warpgroups
         dict(KS=256),  # a sub-step inside one 128-column scale block
         dict(KS=48),
+        dict(KS=128),  # NaN outputs on the H100 (wave 9): refused
         dict(STAGES=2),  # the ring's 2 slots of slack
         dict(BLOCK_N=512, num_warps=8),
-        dict(BLOCK_M=256, BLOCK_N=256, KS=128, STAGES=4),  # 384 KiB of shared memory
+        dict(BLOCK_M=256, BLOCK_N=256, KS=64, STAGES=8),  # 384 KiB of shared memory
         dict(BLOCK_M=24, TAIL=True),  # half tiles of 12 rows
     ):
         with pytest.raises(ValueError):
@@ -210,7 +211,7 @@ def routing(T, E_, k, skew):
 CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=128, KS=64, STAGES=4, num_warps=8, PROMOTE=True),
     dict(BLOCK_M=64, BLOCK_N=128, KS=64, STAGES=4, num_warps=4, PROMOTE=True),
-    dict(BLOCK_M=64, BLOCK_N=256, KS=128, STAGES=3, num_warps=8, PROMOTE=True),
+    dict(BLOCK_M=64, BLOCK_N=256, KS=64, STAGES=3, num_warps=8, PROMOTE=True),
     dict(BLOCK_M=64, BLOCK_N=128, KS=64, STAGES=4, num_warps=4, PROMOTE=True, CVT32=True),
     dict(BLOCK_M=32, BLOCK_N=128, KS=64, STAGES=4, num_warps=4, PROMOTE=True, TAIL=True),
     dict(

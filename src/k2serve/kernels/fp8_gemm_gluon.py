@@ -107,8 +107,11 @@ def check_config(cfg: Mapping[str, Any]) -> None:
                          f"({nw}, a multiple of 4), at most 256")  # fmt: skip
     if cfg.get("TAIL") and bm % 16:
         raise ValueError(f"gluon fp8 GEMM: TAIL needs BLOCK_M={bm} a multiple of 16")
-    if cfg.get("KS", 64) not in (32, 64, 128) or cfg["STAGES"] < 3:
-        raise ValueError("gluon fp8 GEMM: KS must be 32, 64 or 128 and STAGES >= 3")
+    # KS=128 compiles, but gave NaN outputs on the H100 (wave 9: BLOCK_M 64, BLOCK_N 256, 3
+    # stages, exact weights, in tests/kernels/test_fp8_gemm_gluon.py's odd shapes); refused
+    # until that is understood (no shipped or swept config uses it)
+    if cfg.get("KS", 64) not in (32, 64) or cfg["STAGES"] < 3:
+        raise ValueError("gluon fp8 GEMM: KS must be 32 or 64 and STAGES >= 3")
     if smem_bytes({**CONFIG_DEFAULTS, **cfg}) > 227 * 1024:
         raise ValueError(f"gluon fp8 GEMM: {smem_bytes(cfg)} B of shared memory (> 227 KiB)")
 
