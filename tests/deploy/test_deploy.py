@@ -116,7 +116,7 @@ def test_slurm_scripts(plans, tmp_path):
         assert r.returncode == 0, r.stderr
         assert "#SBATCH --partition=gpu" in script
     assert "#SBATCH --gpus-per-node=8" in serve and "--tensor-parallel-size 8" in serve
-    assert "--max-num-batched-tokens 2048" in serve
+    assert "--max-num-batched-tokens 8192" in serve  # serve's default on an H200
     assert "--gpus" not in bench and "k2serve serve" not in bench  # targets the running server
     assert 'k2serve bench --base-url "$SERVER_URL"' in bench and "/health" in bench
     assert "head -n" not in serve + bench
