@@ -1,9 +1,6 @@
 """The Gluon INT4 grouped GEMM: its switch and configs on CPU, the kernel against the Triton one
 on an sm_90 GPU with Triton 3.6 (skipped elsewhere)."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -11,23 +8,15 @@ from k2serve.kernels import int4_gemm, int4_gemm_gluon
 from k2serve.kernels.int4_gemm_gluon import GLUON_TABLE, check_config, gluon_usable
 
 
-def test_module_imports_without_gluon():
+def test_module_imports_without_gluon(run_without_gluon):
     """With Gluon unimportable (CPU CI: no Triton, or another Triton) both modules import and
     report the kernel unavailable."""
-    code = (
-        "import sys\n"
-        "class Block:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.startswith('triton.experimental'):\n"
-        "            raise ImportError('blocked')\n"
-        "sys.meta_path.insert(0, Block())\n"
+    run_without_gluon(
         "from k2serve.kernels import int4_gemm, int4_gemm_gluon as g\n"
         "assert not g.HAS_GLUON and not g.gluon_available() and not g.gluon_usable('cpu')\n"
         "assert int4_gemm.gemm_backend(None, 'cpu') == 'triton'\n"
         "print('ok')\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
 
 def test_backend_selection(monkeypatch):
