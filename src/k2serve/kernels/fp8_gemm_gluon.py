@@ -272,9 +272,9 @@ if HAS_GLUON:
         if PROMOTE:
             sv: gl.constexpr = gl.SliceLayout(1, mma)
         elif CVT32:
-            sv: gl.constexpr = gl.SliceLayout(1, dl)
+            sv: gl.constexpr = gl.SliceLayout(1, dl)  # type: ignore[no-redef]
         else:
-            sv: gl.constexpr = gl.SliceLayout(1, l16)
+            sv: gl.constexpr = gl.SliceLayout(1, l16)  # type: ignore[no-redef]
         r_s = gl.arange(0, BLOCK_N, layout=sv)
         n_s, nok_s = _rows(r_s, pid_n, N, BLOCK_N, SILU)
         s_ptrs = s_ptr + e * s_stride_e + _scale_rows(r_s, pid_n, N, BLOCK_N, SILU) * s_stride_n
