@@ -38,6 +38,34 @@ def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict:
     return done
 
 
+def drive(eng: LLMEngine, reqs, max_steps: int = 5000) -> dict:
+    """reqs: (prompt, params, arrival step, abort step or None). Steps until idle, checking
+    the cache after every step; -> request id -> merged RequestOutput."""
+    outputs: dict = {}
+    step = 0
+    last = max([0] + [r[2] for r in reqs] + [r[3] or 0 for r in reqs])
+    while step < max_steps:
+        for i, (prompt, params, arrival, abort_at) in enumerate(reqs):
+            if arrival == step:
+                eng.add_request(str(i), prompt, params)
+            if abort_at is not None and arrival <= abort_at == step:
+                eng.abort_request(str(i))
+        for out in eng.step():
+            if out.request_id in outputs:
+                outputs[out.request_id].merge(out)
+            else:
+                outputs[out.request_id] = out
+        eng.check_integrity()
+        step += 1
+        if step > last and not eng.has_unfinished_requests():
+            break
+    assert not eng.has_unfinished_requests()
+    assert eng.kv.pool.num_used_pages == 0
+    assert not eng.pipeline or not eng.pipeline.busy
+    eng.check_integrity()
+    return outputs
+
+
 @pytest.fixture
 def fake_engine():
     engines = []

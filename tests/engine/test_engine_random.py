@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from k2serve.engine.sampling_params import SamplingParams
 
-from .conftest import draw_prompt, engine_configs, make_fake_engine
+from .conftest import draw_prompt, drive, engine_configs, make_fake_engine
 from .fakes import VOCAB, reference_greedy
 
 
@@ -51,25 +51,7 @@ def workloads(draw):
 def test_random_workload_keeps_cache_consistent(workload):
     cfg, reqs = workload
     eng = make_fake_engine(**cfg)
-    outputs: dict = {}
-    step = 0
-    while step < 10_000:
-        for i, (prompt, params, arrival, abort_at) in enumerate(reqs):
-            if arrival == step:
-                eng.add_request(str(i), prompt, params)
-            if abort_at is not None and arrival <= abort_at == step:
-                eng.abort_request(str(i))
-        for out in eng.step():
-            if out.request_id in outputs:
-                outputs[out.request_id].merge(out)
-            else:
-                outputs[out.request_id] = out
-        eng.check_integrity()
-        step += 1
-        if step > 26 and not eng.has_unfinished_requests():
-            break
-    assert not eng.has_unfinished_requests()
-    assert eng.kv.pool.num_used_pages == 0
+    outputs = drive(eng, reqs, max_steps=10_000)
     eng.kv.pool.check_integrity()
     assert set(outputs) == {str(i) for i in range(len(reqs))}
     for i, (prompt, params, _, _) in enumerate(reqs):
