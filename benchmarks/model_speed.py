@@ -1333,20 +1333,11 @@ def main(argv=None):
         routings = tuple(parse_modes(args.routing))
         run_part("model", lambda: part_model_and_peer(args.layers, "peer" in parts, routings,
                                                       args.quick))  # fmt: skip
-    if "mlasweep" in parts:
-        run_part("mlasweep", lambda: part_mlasweep(args.layers))
-    if "pprof" in parts:
-        run_part("pprof", lambda: part_pprof(args.layers))
-    if "dprof" in parts:
-        run_part("dprof", lambda: part_dprof(args.layers))
-    if "mixed" in parts:
-        run_part("mixed", lambda: part_mixed(args.layers))
-    if "warmup" in parts:
-        run_part("warmup", lambda: part_warmup(args.layers))
-    if "overlap" in parts:
-        run_part("overlap", lambda: part_overlap(args.layers))
-    if "long" in parts:
-        run_part("long", lambda: part_long(args.layers))
+    for name, fn in (("mlasweep", part_mlasweep), ("pprof", part_pprof), ("dprof", part_dprof),
+                     ("mixed", part_mixed), ("warmup", part_warmup), ("overlap", part_overlap),
+                     ("long", part_long)):  # fmt: skip
+        if name in parts:  # the parts on the k2-slice of --layers layers
+            run_part(name, lambda fn=fn: fn(args.layers))
     print_table()
 
 
