@@ -53,6 +53,7 @@ import torch
 
 from ._triton import cdiv
 from .int4_gemm_gluon import gluon_align, gluon_available
+from .policy import band_index
 
 try:  # pragma: no cover - depends on the installed Triton
     import triton
@@ -129,9 +130,9 @@ def check_table(table: Sequence[Mapping[str, Any]]) -> None:
 
 def pick(table: Sequence[Mapping[str, Any]], num_pairs: int) -> dict:
     """The first entry of `table` whose max_pairs covers num_pairs (CONFIG_KEYS only)."""
-    for ent in table:
-        if ent.get("max_pairs") is None or num_pairs <= ent["max_pairs"]:
-            return {k: ent[k] for k in CONFIG_KEYS if k in ent}
+    i = band_index(table, num_pairs)
+    if i is not None:
+        return {k: table[i][k] for k in CONFIG_KEYS if k in table[i]}
     raise ValueError(f"fp8_prefill_gluon: no entry for {num_pairs} pairs")
 
 

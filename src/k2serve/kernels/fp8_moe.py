@@ -45,6 +45,7 @@ import torch
 
 from ._triton import HAS_TRITON, cdiv, dot_dtype, require_triton, tl, triton
 from .moe_align import moe_align_block_size
+from .policy import band_index
 
 if HAS_TRITON:
     from .moe_align import aligned_block, grouped_tile
@@ -150,9 +151,10 @@ def _entry(ent: Mapping[str, Any]) -> dict:
 def pick_config(num_pairs: int, table: Sequence[Mapping[str, Any]] | None = None) -> dict:
     """The first entry of `table` (default DEFAULT_TABLE) whose max_pairs covers num_pairs, as
     {"BLOCK_M": ..., "w13": {...}, "w2": {...}} ("w2" defaults to "w13")."""
-    for ent in table if table is not None else DEFAULT_TABLE:
-        if ent.get("max_pairs") is None or num_pairs <= ent["max_pairs"]:
-            return _entry(ent)
+    table = table if table is not None else DEFAULT_TABLE
+    i = band_index(table, num_pairs)
+    if i is not None:
+        return _entry(table[i])
     raise ValueError(f"fp8_moe: no config covers {num_pairs} pairs (the last entry needs "
                      "max_pairs null)")  # fmt: skip
 

@@ -55,6 +55,7 @@ from ._triton import HAS_TRITON, cdiv, dot_dtype, require_triton, tl, triton
 from .int4_dequant import dequant_int4_planes, permute_planes, pick_pb, use_asm
 from .int4_gemm_gluon import GLUON_TABLE, gemm_gluon, gluon_align, gluon_usable
 from .moe_align import max_blocks, moe_align_block_size
+from .policy import band_index
 
 logger = logging.getLogger(__name__)
 
@@ -239,9 +240,9 @@ def pick_config(config, pairs: int) -> dict:
     ascending, the last None) the first entry whose max_pairs >= pairs."""
     if isinstance(config, Mapping):
         return dict(config)
-    for e in config:
-        if e["max_pairs"] is None or pairs <= e["max_pairs"]:
-            return {k: v for k, v in e.items() if k != "max_pairs"}
+    i = band_index(config, pairs)
+    if i is not None:
+        return {k: v for k, v in config[i].items() if k != "max_pairs"}
     raise ValueError(f"int4 prefill table has no entry for {pairs} pairs (the last needs "
                      "max_pairs null)")  # fmt: skip
 

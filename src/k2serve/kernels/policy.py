@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
@@ -67,6 +67,15 @@ class FrozenMap(Mapping):
 
     def __reduce__(self):
         return (FrozenMap, (self._d,))
+
+
+def band_index(table: Sequence[Mapping[str, Any]], num_pairs: int) -> int | None:
+    """The kernel tables' rule for configs by pair count: the index of the first entry of
+    `table` (ascending "max_pairs", the last null) that covers num_pairs; None if none does."""
+    for i, ent in enumerate(table):
+        if ent.get("max_pairs") is None or num_pairs <= ent["max_pairs"]:
+            return i
+    return None
 
 
 def _frozen(d: Mapping[str, Any]) -> Mapping[str, Any]:

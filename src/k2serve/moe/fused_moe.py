@@ -56,7 +56,7 @@ from k2serve.kernels.fused_moe import ExpertWeights, fused_moe
 from k2serve.kernels.int4_gemm import int4_moe_gemm, int4_moe_grouped_mm
 from k2serve.kernels.int4_gemv import int4_moe_decode, int4_moe_decode_grouped
 from k2serve.kernels.moe_select import moe_select
-from k2serve.kernels.policy import load_tables
+from k2serve.kernels.policy import band_index, load_tables
 from k2serve.kernels.w8a8_moe import supported as w8a8_supported
 from k2serve.kernels.w8a8_moe import w8a8_moe
 from k2serve.moe.base import ExpertBackend
@@ -256,24 +256,13 @@ class FusedMoEBackend(ExpertBackend):
         for p in paths:
             if p == "gemm":
                 table = self.prefill_config
-                idx = (
-                    0
-                    if isinstance(table, Mapping)
-                    else next(
-                        i
-                        for i, e in enumerate(table)
-                        if e["max_pairs"] is None or pairs <= e["max_pairs"]
-                    )
+                picks.append(
+                    ("gemm", 0 if isinstance(table, Mapping) else band_index(table, pairs))
                 )
-                picks.append(("gemm", idx))
             elif p == "fp8_gemm":
-                idx = next(i for i, e in enumerate(self.fp8_table)
-                           if e.get("max_pairs") is None or pairs <= e["max_pairs"])  # fmt: skip
-                picks.append(("fp8_gemm", idx))
+                picks.append(("fp8_gemm", band_index(self.fp8_table, pairs)))
             elif p == "fp8_gluon":
-                idx = next(i for i, e in enumerate(self.fp8_gluon_table)
-                           if e.get("max_pairs") is None or pairs <= e["max_pairs"])  # fmt: skip
-                picks.append(("fp8_gluon", idx))
+                picks.append(("fp8_gluon", band_index(self.fp8_gluon_table, pairs)))
             elif p == "kernel":  # fused_moe._config: small-M below 4 pairs per expert
                 picks.append(("kernel", pairs <= 4 * self.weights.num_experts))
             else:
