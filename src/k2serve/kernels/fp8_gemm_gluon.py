@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from ._triton import cdiv
+from .fp8_moe import check_inputs
 from .int4_gemm_gluon import gluon_align, gluon_available
 from .policy import band_index
 
@@ -442,16 +443,10 @@ def fp8_moe_gluon(
 ) -> torch.Tensor:  # [T, D]
     """fp8_moe.fp8_moe's result with the Gluon kernel: `config` one launch config (both GEMMs),
     or a table by pair count (None: FP8_GLUON_TABLE). No host synchronisation."""
-    if ew.quant != "fp8":
-        raise ValueError(f"fp8_moe_gluon: experts are {ew.quant!r}, not 'fp8'")
-    T, D = x.shape
-    if D != ew.hidden:
-        raise ValueError(f"fp8_moe_gluon: hidden size {D} != experts' {ew.hidden}")
-    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != T:
-        raise ValueError("fp8_moe_gluon: topk_ids / topk_weights must both be [T, top_k]")
+    T, k = check_inputs("fp8_moe_gluon", x, ew, topk_weights, topk_ids)
+    D = x.shape[1]
     if not supported(ew):
         raise ValueError("fp8_moe_gluon: hidden and intermediate sizes must be multiples of 128")
-    k = topk_ids.shape[1]
     I, E = ew.intermediate, ew.num_experts
     M = T * k
     if config is None or not isinstance(config, Mapping):

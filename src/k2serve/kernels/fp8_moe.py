@@ -201,6 +201,19 @@ def _gemm(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, gated, mul_w,
     )  # fmt: skip
 
 
+def check_inputs(who: str, x, ew, topk_weights, topk_ids) -> tuple[int, int]:
+    """-> (T, top_k) of an FP8-block experts call `who`; ValueError for experts that are not
+    FP8-block, a hidden size not theirs, or routing tensors not both [T, top_k]."""
+    if ew.quant != "fp8":
+        raise ValueError(f"{who}: experts are {ew.quant!r}, not 'fp8'")
+    T, D = x.shape
+    if D != ew.hidden:
+        raise ValueError(f"{who}: hidden size {D} != experts' {ew.hidden}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != T:
+        raise ValueError(f"{who}: topk_ids / topk_weights must both be [T, top_k]")
+    return T, topk_ids.shape[1]
+
+
 def fp8_moe(
     x: torch.Tensor,  # [T, D] bf16
     ew,  # ExpertWeights, quant "fp8"
@@ -213,14 +226,8 @@ def fp8_moe(
     synchronisation. `config` ({"BLOCK_M", "w13", "w2"}) overrides the pick from `table` (the
     kernel policy's fp8_moe table; None: DEFAULT_TABLE)."""
     require_triton(x)
-    if ew.quant != "fp8":
-        raise ValueError(f"fp8_moe: experts are {ew.quant!r}, not 'fp8'")
-    T, D = x.shape
-    if D != ew.hidden:
-        raise ValueError(f"fp8_moe: hidden size {D} != experts' {ew.hidden}")
-    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != T:
-        raise ValueError("fp8_moe: topk_ids / topk_weights must both be [T, top_k]")
-    k = topk_ids.shape[1]
+    T, k = check_inputs("fp8_moe", x, ew, topk_weights, topk_ids)
+    D = x.shape[1]
     I, E = ew.intermediate, ew.num_experts
     M = T * k
     cfg = dict(config) if config is not None else pick_config(M, table)
