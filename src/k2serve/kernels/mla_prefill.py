@@ -40,6 +40,7 @@ import math
 import torch
 
 from ._triton import HAS_TRITON, cdiv, dot_dtype, require_triton, tl, triton
+from .policy import band_index
 
 CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "one_loop", "pipe")
 # a config the device cannot hold (shared memory, registers): raised at launch, before any
@@ -261,10 +262,11 @@ def default_config() -> dict:
 def pick_config(configs, max_query_len: int) -> dict:
     """The first of `configs` (a table's list, each with "max_len": int or None, ascending)
     whose max_len covers `max_query_len`; none: `default_config()`."""
-    for c in configs or ():
-        if c.get("max_len") is None or max_query_len <= c["max_len"]:
-            return {k: c[k] for k in CONFIG_KEYS if k in c}
-    return default_config()
+    configs = tuple(configs or ())
+    i = band_index(configs, max_query_len, key="max_len")
+    if i is None:
+        return default_config()
+    return {k: configs[i][k] for k in CONFIG_KEYS if k in configs[i]}
 
 
 def _last_dim_unit(t: torch.Tensor) -> torch.Tensor:

@@ -69,11 +69,12 @@ class FrozenMap(Mapping):
         return (FrozenMap, (self._d,))
 
 
-def band_index(table: Sequence[Mapping[str, Any]], num_pairs: int) -> int | None:
-    """The kernel tables' rule for configs by pair count: the index of the first entry of
-    `table` (ascending "max_pairs", the last null) that covers num_pairs; None if none does."""
+def band_index(table: Sequence[Mapping[str, Any]], n: int, key: str = "max_pairs") -> int | None:
+    """The kernel tables' rule for configs by size: the index of the first entry of `table`
+    (ascending `key`: "max_pairs" for pair counts, "max_len" for prompt lengths; the last
+    null) that covers n; None if none does."""
     for i, ent in enumerate(table):
-        if ent.get("max_pairs") is None or num_pairs <= ent["max_pairs"]:
+        if ent.get(key) is None or n <= ent[key]:
             return i
     return None
 
