@@ -42,6 +42,9 @@ run after_b 40 $PY $E2E
 run before_b 40 $PY $E2E --router-topk torch
 run after_2t 45 env OMP_NUM_THREADS=2 $PY $E2E
 run before_2t 45 env OMP_NUM_THREADS=2 $PY $E2E --router-topk torch
+# item 4: what the step end's torch ops above the OpenMP grain (compute_logits' .to(float32),
+# the sampler's argmax over 163,840 logits) cost the next step's first kernel GEMVs
+run sampler 30 $PY benchmarks/cpu_sampler_probe.py --iters 20 --gemvs 4
 {
   echo "=== host"; cat "$OUT/router_host.txt"
   echo "=== build"; tail -n 2 "$OUT/router_build.txt" | cut -c1-200
@@ -57,5 +60,7 @@ run before_2t 45 env OMP_NUM_THREADS=2 $PY $E2E --router-topk torch
     grep -E "engine's order" "$OUT/router_$p.txt" | sed "s/^# MoE layer in the engine's order/$p: router+experts/" | cut -c1-330
     grep -E "Error|error" "$OUT/router_$p.txt" | tail -n 3 | sed "s/^/$p: /" | cut -c1-220
   done
+  echo "=== sampler probe (16 threads): the next step's GEMVs after the engine's step end vs after the lm_head GEMV alone"
+  tail -n 3 "$OUT/router_sampler.txt" | cut -c1-200
   echo "=== parts"; cat "$OUT/router_summary.txt"
 } 2>&1 | tee "$OUT/router_table.txt"
