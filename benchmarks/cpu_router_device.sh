@@ -35,15 +35,16 @@ print('kernel built; torch', torch.__version__, torch.backends.cpu.get_cpu_capab
       '; router (sigmoid chunk, sum vector) reproducing torch:', kr.torch_vector())"
 run checks 60 env K2SERVE_CPU_KERNEL=native $PY -m pytest -q -p no:cacheprovider \
   tests/kernels/test_cpu_router.py tests/moe/test_router_robust.py tests/moe/test_cpu_linear.py \
-  tests/model/test_parity.py::test_cpu_kernel_router_is_greedy_identical
+  tests/model/test_parity.py::test_cpu_kernel_router_is_greedy_identical \
+  tests/kernels/test_cpu_logits.py tests/engine/test_sampler.py
 run after 40 $PY $E2E
 run before 40 $PY $E2E --router-topk torch
 run after_b 40 $PY $E2E
 run before_b 40 $PY $E2E --router-topk torch
 run after_2t 45 env OMP_NUM_THREADS=2 $PY $E2E
 run before_2t 45 env OMP_NUM_THREADS=2 $PY $E2E --router-topk torch
-# item 4: what the step end's torch ops above the OpenMP grain (compute_logits' .to(float32),
-# the sampler's argmax over 163,840 logits) cost the next step's first kernel GEMVs
+# item 4: what the step end's ops over the 163,840 logits (compute_logits' .to(float32), the
+# sampler's argmax) cost the next step's first kernel GEMVs: torch's (before) / the kernel's (now)
 run sampler 30 $PY benchmarks/cpu_sampler_probe.py --iters 20 --gemvs 4
 {
   echo "=== host"; cat "$OUT/router_host.txt"
@@ -60,7 +61,7 @@ run sampler 30 $PY benchmarks/cpu_sampler_probe.py --iters 20 --gemvs 4
     grep -E "engine's order" "$OUT/router_$p.txt" | sed "s/^# MoE layer in the engine's order/$p: router+experts/" | cut -c1-330
     grep -E "Error|error" "$OUT/router_$p.txt" | tail -n 3 | sed "s/^/$p: /" | cut -c1-220
   done
-  echo "=== sampler probe (16 threads): the next step's GEMVs after the engine's step end vs after the lm_head GEMV alone"
-  tail -n 3 "$OUT/router_sampler.txt" | cut -c1-200
+  echo "=== sampler probe (16 threads): the next step's GEMVs after the step's end: torch's .to + argmax / the kernel's / the lm_head GEMV alone"
+  tail -n 4 "$OUT/router_sampler.txt" | cut -c1-200
   echo "=== parts"; cat "$OUT/router_summary.txt"
 } 2>&1 | tee "$OUT/router_table.txt"
