@@ -33,7 +33,7 @@ from k2serve.kernels.cpu import router as kr
 ck.load_kernel('native')
 print('kernel built; torch', torch.__version__, torch.backends.cpu.get_cpu_capability(),
       '; router (sigmoid chunk, sum vector) reproducing torch:', kr.torch_vector())"
-run checks 60 env K2SERVE_CPU_KERNEL=native $PY -m pytest -q -p no:cacheprovider \
+run checks 90 env K2SERVE_CPU_KERNEL=native $PY -m pytest -q -p no:cacheprovider \
   tests/kernels/test_cpu_router.py tests/moe/test_router_robust.py tests/moe/test_cpu_linear.py \
   tests/model/test_parity.py::test_cpu_kernel_router_is_greedy_identical \
   tests/kernels/test_cpu_logits.py tests/engine/test_sampler.py
