@@ -87,6 +87,10 @@ def main(argv=None) -> int:
                     help="--full-k2: each decode part beside an idle torch OpenMP team, median, "
                          "bandwidth probed per part (quiet), or the previous best-of-3 right "
                          "after building the weights (legacy)")  # fmt: skip
+    ap.add_argument("--router-topk", choices=("kernel", "torch"), default="kernel",
+                    help="--full-k2: the router part as the engine runs it at decode (kernel: "
+                         "logits and top-k in one CPU kernel call) or with the top-k in torch "
+                         "ops after the kernel's GEMV (torch: before)")  # fmt: skip
     ap.add_argument(
         "--decode-only",
         action="store_true",

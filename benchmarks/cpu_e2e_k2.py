@@ -141,9 +141,11 @@ def time_absorb_kernel(copies: int, rows: int, timer=None) -> float:
     return (timer or timeit)(run, 3) / copies
 
 
-def time_router(copies: int, timer) -> float:
+def time_router(copies: int, timer, kernel_topk: bool = True) -> float:
     """One MoE layer's router (gate: float32 logits, grouped top-8) at decode as the model runs
-    it (model.router.TopkRouter, K2's 384 experts), over `copies` distinct weights."""
+    it (model.router.TopkRouter, K2's 384 experts), over `copies` distinct weights; with
+    kernel_topk False, the top-k in torch ops after the kernel's GEMV (TopkRouter before its
+    one-call CPU path, kernels/cpu/router.py)."""
     from types import SimpleNamespace
 
     from k2serve.model.router import TopkRouter
@@ -155,6 +157,7 @@ def time_router(copies: int, timer) -> float:
     for _ in range(copies):
         gate = TopkRouter(cfg, torch.bfloat16)
         gate.weight.data.normal_(0, D**-0.5)
+        gate.cpu_kernel_topk = kernel_topk
         gates.append(gate)
     x = torch.randn(1, D).bfloat16()
 
@@ -166,9 +169,11 @@ def time_router(copies: int, timer) -> float:
 
 
 def router_then_experts(n_experts: int, timer) -> dict[str, float]:
-    """One MoE layer's router + routed experts, quiet timing, with the router's logits on the
-    CPU kernel (now) and on torch's float32 GEMV over a float32 weight copy (before: it ran on
-    torch's OpenMP team, whose threads then spin beside the experts call)."""
+    """One MoE layer's router + routed experts, quiet timing, with the router as the engine
+    runs it at decode (one CPU kernel call: the logits GEMV and the top-k), with the kernel's
+    GEMV and the top-k in torch ops (wave 7), and with torch's float32 GEMV over a float32
+    weight copy (wave 6: it ran on torch's OpenMP team, whose threads then spin beside the
+    experts call)."""
     from types import SimpleNamespace
 
     import torch.nn.functional as F
@@ -184,10 +189,17 @@ def router_then_experts(n_experts: int, timer) -> dict[str, float]:
     w32, x = gate.weight.float(), torch.randn(1, D).bfloat16()
     bias = gate.e_score_correction_bias
 
-    def before():
+    def torch_f32():
         grouped_topk_torch(F.linear(x.float(), w32), bias, TOPK, 1, 1, True, 2.827)
 
-    ways = {"router on the kernel (now)": lambda: gate(x), "router on torch f32 (before)": before}
+    def torch_topk():
+        gate.cpu_kernel_topk = False
+        gate(x)
+        gate.cpu_kernel_topk = True
+
+    ways = {"router in one kernel call (now)": lambda: gate(x),
+            "router GEMV on the kernel + torch top-k (wave 7)": torch_topk,
+            "router on torch f32 (wave 6)": torch_f32}  # fmt: skip
     return {k: time_routed(n_experts, 1, 15, timer(f"router+experts {k}"), pre=f)[0]
             for k, f in ways.items()}  # fmt: skip
 
@@ -309,7 +321,10 @@ def full_k2(args, bw: float) -> int:
     x1 = torch.randn(1, D).bfloat16()
     t_lm = timer("lm_head")(lambda: linear(x1, lm), 3)
     lm = x1 = None  # free the 2.35 GB
-    t_gate = time_router(16, timer("router (gate, top-8)"))
+    t_gate = time_router(16, timer("router (gate, top-8)"), args.router_topk == "kernel")
+    how = {"kernel": "one CPU kernel call (GEMV + top-k)",
+           "torch": "the kernel's GEMV + the top-k in torch ops (--router-topk torch)"}  # fmt: skip
+    print(f"# router timed as {how[args.router_topk]}")
     if quiet:  # the engine's order: the router, then the experts (a torch op before: spin)
         got = router_then_experts(args.experts, timer)
         print("# MoE layer in the engine's order (router, then the routed experts), ms/layer "

@@ -96,3 +96,32 @@ def test_weights_are_not_trivial(make_ckpt):
     gate = ours.model.layers[1].mlp.gate
     gate.e_score_correction_bias.data = torch.zeros_like(gate.e_score_correction_bias)
     assert _rel_err(_k2_logits(ours, PROMPT), base) > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["kimi", "deepseek"])
+def test_cpu_kernel_router_is_greedy_identical(make_ckpt, kind, monkeypatch):
+    """bf16 decode with the router's logits + top-k in one CPU kernel call (TopkRouter's
+    decode path) gives the tokens of the torch ops (cpu_kernel_topk=False), and the kernel
+    did answer the decode steps' routers."""
+    from k2serve.kernels import cpu as ck
+    from k2serve.kernels.cpu import router as kr
+    from k2serve.model import router as mr
+
+    if ck.load_kernel("auto") is None:
+        pytest.skip("no C++ compiler")
+    calls = [0]
+
+    def counted(*a, **kw):
+        got = kr.cpu_router_topk(*a, **kw)
+        calls[0] += got is not None
+        return got
+
+    monkeypatch.setattr(mr, "cpu_router_topk", counted)
+    model = load_model(make_ckpt(kind, "bf16"), dtype=torch.bfloat16, progress=False)
+    gates = [m for m in model.modules() if isinstance(m, mr.TopkRouter)]
+    a = _greedy_k2_paged(model, PROMPT, 16)
+    assert calls[0] == 15 * len(gates)  # every decode step's router (the prompt: torch ops)
+    for g in gates:
+        g.cpu_kernel_topk = False
+    assert _greedy_k2_paged(model, PROMPT, 16) == a
+    assert calls[0] == 15 * len(gates) and len(set(a)) > 3

@@ -34,6 +34,7 @@ import torch
 
 from k2serve.engine.logits_processors import BanTokens
 from k2serve.engine.request import Request
+from k2serve.kernels.cpu.logits import cpu_argmax
 
 
 @dataclass
@@ -179,7 +180,10 @@ class Sampler:
         logp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None  # [B, vocab]
 
         greedy = [p.greedy for p in params]  # decided on the host: no device sync
-        tokens = logits.argmax(dim=-1)  # [B]
+        # [B]; CPU decode rows: on the calling thread (torch's argmax woke its OpenMP team)
+        tokens = cpu_argmax(logits)
+        if tokens is None:
+            tokens = logits.argmax(dim=-1)
         if not all(greedy):
             sampled = self._sample(logits, reqs, params)
             tokens = torch.where(torch.tensor(greedy, device=logits.device), tokens, sampled)

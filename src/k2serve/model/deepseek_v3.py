@@ -38,6 +38,7 @@ from k2serve.attention.base import AttentionMetadata, MLABackend
 from k2serve.attention.torch_ref import TorchMLABackend
 from k2serve.config import ModelConfig
 from k2serve.kernels.cpu import cpu_head_gemv
+from k2serve.kernels.cpu.logits import cpu_float32
 from k2serve.kernels.policy import KernelPolicy
 from k2serve.model.layers import RMSNorm, YarnRotaryEmbedding
 from k2serve.model.router import TopkRouter
@@ -672,4 +673,5 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, vocab] float32
-        return self.lm_head(hidden).to(torch.float32)
+        # CPU decode: widened on the calling thread (torch's .to() woke its OpenMP team)
+        return cpu_float32(self.lm_head(hidden))

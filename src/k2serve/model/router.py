@@ -14,6 +14,9 @@ Invariants:
   the layer, the first time and then every 1000th time per layer; on CUDA the count of steps
   with one is kept on the device (`nonfinite_steps`, CUDA-graph safe, read without a sync
   when the caller chooses) since a per-layer host check would stall every decode step.
+- On the CPU at decode (a bf16 gate, decode rows) the logits and the top-k are one call of the
+  CPU kernel (kernels/cpu/router.py: the same ids and weights as grouped_topk_torch, bit for
+  bit); elsewhere (prompts, float32 gates, no kernel) the torch ops below.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k2serve import envs
+from k2serve.kernels.cpu.router import cpu_router_topk
 from k2serve.kernels.router_torch import grouped_topk_torch
 
 logger = logging.getLogger(__name__)
@@ -51,6 +55,8 @@ class TopkRouter(nn.Module):
         self._w32_key: tuple | None = None
         self._mm_out_dtype_ok = True
         self.use_triton = False  # set by the kernel policy: fused top-k kernel on CUDA
+        # CPU decode: logits + top-k in one CPU kernel call (False: the torch ops; benchmarks)
+        self.cpu_kernel_topk = True
         # set by the kernel policy: the one-row GEMV's configs at batch 1 (None: off)
         self.gemv_table: Mapping | None = None
         self.layer_idx: int | None = None  # set by the decoder layer; named in warnings
@@ -105,17 +111,36 @@ class TopkRouter(nn.Module):
             self.nonfinite_steps.add_(bad.to(torch.int64))  # no host sync
             return
         if bool(bad):
-            self.nonfinite_count += 1
-            if self.nonfinite_count % 1000 == 1:
-                logger.warning(
-                    "non-finite hidden state reaches the router of layer %s (%d time(s) so far); "
-                    "its tokens get valid expert ids and weight 0 for NaN scores, but the "
-                    "output is likely garbage (check the weights and the input)",
-                    self.layer_idx, self.nonfinite_count,
-                )  # fmt: skip
+            self._count_nonfinite()
+
+    def _count_nonfinite(self) -> None:  # CPU: count, warn the first and every 1000th time
+        self.nonfinite_count += 1
+        if self.nonfinite_count % 1000 == 1:
+            logger.warning(
+                "non-finite hidden state reaches the router of layer %s (%d time(s) so far); "
+                "its tokens get valid expert ids and weight 0 for NaN scores, but the "
+                "output is likely garbage (check the weights and the input)",
+                self.layer_idx, self.nonfinite_count,
+            )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (topk_weights [T, k] float32, topk_ids [T, k] int64)."""
+        if self.cpu_kernel_topk and x.device.type == "cpu" and self.gemv_table is None:
+            got = cpu_router_topk(
+                x,
+                self.weight,
+                self.e_score_correction_bias,
+                self.top_k,
+                self.n_group,
+                self.topk_group,
+                self.norm_topk_prob,
+                self.routed_scaling_factor,
+            )
+            if got is not None:  # None: not a decode step on a bf16 gate, or no kernel
+                weights, ids, nonfinite = got
+                if nonfinite:
+                    self._count_nonfinite()
+                return weights, ids
         logits = self.router_logits(x)
         self._report_nonfinite(logits)
         if self.use_triton and logits.is_cuda:

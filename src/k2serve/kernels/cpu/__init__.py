@@ -41,8 +41,12 @@ from k2serve import envs
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("k2cpu.cpp")
-# included by SOURCE (part of the build key): the AMX expert GEMMs, the MLA decode kernel
-HEADERS = tuple(Path(__file__).with_name(h) for h in ("k2pool.h", "k2amx.h", "k2mla.h"))
+# included by SOURCE (part of the build key): the pool, the AMX expert GEMMs, the MLA decode
+# kernel, the router's top-k, the step's logits
+HEADERS = tuple(
+    Path(__file__).with_name(h)
+    for h in ("k2pool.h", "k2amx.h", "k2mla.h", "k2router.h", "k2logits.h")
+)
 CXX_FLAGS = ("-O3", "-march=native", "-std=gnu++17", "-shared", "-fPIC", "-pthread")
 KERNEL_MODES = ("auto", "native", "torch")
 
@@ -244,6 +248,13 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         i,
     ]
     lib.k2_mla_decode.restype = i
+    f = ctypes.c_float  # the router: bias, top_k, n_group, topk_group, renorm, scale, ...
+    lib.k2_router_select.argtypes = [p, i, i, p, i, i, i, i, f, i, i, p, p]
+    lib.k2_router_select.restype = i
+    lib.k2_router_topk.argtypes = [p, i, p, i, i, p, i, i, p, i, i, i, i, f, i, i, p, p, p]
+    lib.k2_router_topk.restype = i
+    lib.k2_bf16_to_f32.argtypes = [p, p, i64]
+    lib.k2_argmax.argtypes = [p, i, i64, p]
     return lib
 
 

@@ -1412,3 +1412,8 @@ int k2_simd_width() {
 }
 
 }  // extern "C"
+
+// The noaux_tc router at decode: the gate's GEMV above + the grouped top-k (k2_router_topk).
+#include "k2router.h"
+// A decode step's logits on the calling thread: the widening to float32, the greedy argmax.
+#include "k2logits.h"
