@@ -217,6 +217,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.k2_layer_bind.restype = i
     lib.k2_moe_forward.argtypes = [p, p, i, i, p, i, p, p, p, i, p, i]
     lib.k2_moe_forward.restype = i
+    lib.k2_moe_forward_shared.argtypes = [p, p, p, i, i, p, i, p, p, p, i, p, i]
+    lib.k2_moe_forward_shared.restype = i
     lib.k2_simd_width.restype = i
     lib.k2_stream_read.argtypes = [p, p, ctypes.c_int64]
     lib.k2_stream_read.restype = ctypes.c_double
