@@ -317,7 +317,7 @@ def full_k2(args, bw: float) -> int:
     one_call = bool(ways) and use_kernel() and envs.cpu_fused_shared()
     if quiet:
         print(f"# routed + shared experts as the engine runs them here: "
-              f"{'one call' if one_call else 'two parts (routed, shared)'}")  # fmt: skip
+              f"{'one call' if one_call else 'two parts'}")  # fmt: skip
     t_sh_p = 0.0 if args.decode_only else time_mlp(sw[:1], P, F.linear, reps=1) / P
     del sw
     dw = mlp_weights(I_DENSE, 1)
