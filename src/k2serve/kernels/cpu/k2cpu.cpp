@@ -35,6 +35,10 @@
 //      row ranges are moved to node n's memory at load (k2_layer_bind, mbind). Each row is
 //      computed exactly as on one node, so the result is bit-identical to a one-node run; no
 //      partial sums to add.
+// k2_moe_forward_shared: the same decode step with the layer's shared expert as a second layer
+// of one expert (every token, weight 1) in the same pool job: its gate/up items after the routed
+// experts' (filling their tail), its down rows added after theirs in each row block; one bf16
+// rounding of the float32 sum.
 // The decode step is elastic (Pool::run): a pool thread that does not get a core in time (torch's
 // OpenMP threads spinning after their last op, another process) skips the step or joins it
 // midway; no phase waits for a given thread, and every sum keeps its order.
