@@ -189,3 +189,13 @@ def test_model_moe_block_runs_the_fused_call(on, monkeypatch, T):
     assert y.dtype == torch.bfloat16 and y.shape == (T, cfg.hidden_size)
     scale = before.float().abs().max().item()
     torch.testing.assert_close(y.float(), before.float(), rtol=2e-2, atol=1e-2 * scale)
+
+
+def test_auto_and_native_backends_share_one_pool():
+    """K2SERVE_CPU_KERNEL=auto (the GEMVs' default pool) and a backend built with
+    kernel="native" load the same file: one library object, so one pool (two would put two
+    sets of spinning workers on the same cores, and forward_with_shared would refuse them)."""
+    assert ck.load_kernel("auto") is ck.load_kernel("native")
+    a = CpuExpertBackend(_experts("bf16", 2), [0, 1], 2, kernel="native")
+    b = CpuExpertBackend(_experts("bf16", 1), [0], 1, kernel="auto")
+    assert a._live_pool() is b._live_pool()
