@@ -34,8 +34,10 @@ from cpu_attn import (
     time_mla,
     timeit,
 )
+from cpu_moe_shared import experts_ways, report
 from cpu_quiet import BwProbe, OmpTeam
 
+from k2serve import envs
 from k2serve.kernels.cpu import cpu_head_gemv
 from k2serve.moe.cpu_shared import use_kernel
 from k2serve.quant.linear import linear
@@ -309,6 +311,13 @@ def full_k2(args, bw: float) -> int:
     t_sh = shv[sh_way] if quiet else time_mlp(sw, 1, linear)
     if quiet:
         print(f"# shared expert as the engine runs it here: {sh_way}")
+    # routed + shared experts in one kernel call (the engine's way where the shared expert is
+    # on the kernel, K2SERVE_CPU_FUSED_SHARED) and in two, both timed here (cpu_moe_shared)
+    ways = experts_ways(args.experts, sw, TOPK, timer) if quiet else {}
+    one_call = bool(ways) and use_kernel() and envs.cpu_fused_shared()
+    if quiet:
+        print(f"# routed + shared experts as the engine runs them here: "
+              f"{'one call' if one_call else 'two parts'}")  # fmt: skip
     t_sh_p = 0.0 if args.decode_only else time_mlp(sw[:1], P, F.linear, reps=1) / P
     del sw
     dw = mlp_weights(I_DENSE, 1)
@@ -344,16 +353,27 @@ def full_k2(args, bw: float) -> int:
         probe.runs.append(bw)
         bw = max(probe.runs)
         print(f"# {probe.summary()}")
+    t_one, t_two = (ways["one call"][0], ways["two calls"][0]) if ways else (0.0, 0.0)
     parts = [  # name, count, bytes per token, seconds per token
         ("attention projections", LAYERS, PROJ_BYTES, t_proj),
         ("absorbed kv_b (W_UK, W_UV)", LAYERS, KVB_BYTES, t_abs),
         (mla_name, LAYERS, (args.context + 1) * KV_BYTES_PER_TOKEN, t_mla),
         ("shared expert", MOE, SHARED_BYTES, t_sh),
         ("routed experts (8 INT4)", MOE, TOPK * per_exp, t_rt),
+        ("routed + shared experts (1 call)", MOE, ways.get("bytes", 0), t_one),
         ("router (gate, top-8)", MOE, ROUTER_BYTES, t_gate),
         ("dense layer MLP", DENSE, DENSE_BYTES, t_dense),
         ("lm_head", 1, LM_BYTES, t_lm),
     ]  # fmt: skip
+    # the engine's rows only: the one call, or the two parts
+    drop = (
+        ("shared expert", "routed experts (8 INT4)")
+        if one_call
+        else ("routed + shared experts (1 call)",)
+    )
+    parts = [p for p in parts if p[0] not in drop]
+    if ways:
+        report(ways, bw, spins)
     for (k, t), sp in zip(shv.items(), ("3 GEMVs", "", "kernel"), strict=False):  # quiet only
         gbs = SHARED_BYTES / t / 1e9
         spin = spins.get(f"shared expert ({sp})" if sp else "shared expert", 0.0)
@@ -388,6 +408,14 @@ def full_k2(args, bw: float) -> int:
         print(f"EXTRAPOLATED full K2 decode, batch 1, context {ctx}: {t_ctx * 1e3:.0f} "
               f"ms/token = {1 / t_ctx:.2f} tok/s; {b_ctx / 1e9:.2f} GB/token at {gbs:.1f} GB/s "
               f"= {gbs / bw:.0%} of the read bandwidth")  # fmt: skip
+    if ways:  # the other way's decode, from the paired timings of this run
+        other = "two calls (before)" if one_call else "one call"
+        t_alt = tot_t + MOE * ((t_two - t_one) if one_call else (t_one - t_sh - t_rt))
+        gbs = tot_b / t_alt / 1e9
+        print(
+            f"# the same decode (context {args.context}) with the routed + shared experts as "
+            f"{other}: {t_alt * 1e3:.0f} ms/token = {gbs / bw:.0%} of the read bandwidth"
+        )
     if not args.decode_only:
         lin = LAYERS * t_proj_p + MOE * (t_sh_p + t_rt_p) + DENSE * t_dense_p  # s per token
         print(f"# prefill per token (chunks of {P}): projections {t_proj_p * 1e3:.3f} ms/layer, "

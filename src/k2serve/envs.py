@@ -19,6 +19,7 @@ monkeypatch. Nothing else in k2serve reads `os.environ` for a `K2SERVE_*` name.
 | K2SERVE_CPU_KERNEL | str | auto | CPU expert kernel mode (kernels.cpu.KERNEL_MODES) |
 | K2SERVE_CPU_AMX | bool | true | CPU expert kernel: AMX tiles for prompt-sized steps |
 | K2SERVE_CPU_THREADS | int >= 1 | unset | CPU expert kernel threads (unset: all cores) |
+| K2SERVE_CPU_FUSED_SHARED | bool | true | CPU decode: routed + shared expert in one kernel call |
 | K2SERVE_NUMA_TOPOLOGY | str | unset | CPU expert kernel NUMA topology override |
 | K2SERVE_CACHE_DIR | str | unset | where the CPU kernel's build / repack cache lives |
 | K2SERVE_ROUTER_NONFINITE_COUNT | bool | false | CUDA: count NaN / inf router inputs on device |
@@ -163,6 +164,13 @@ def cpu_threads() -> int | None:
     if n < 1:
         raise ValueError(f"K2SERVE_CPU_THREADS={n} must be >= 1")
     return n
+
+
+def cpu_fused_shared() -> bool:
+    """K2SERVE_CPU_FUSED_SHARED: at CPU decode, where the shared expert runs on the CPU experts
+    kernel (moe.cpu_shared), the routed experts and the shared expert in one kernel call (false:
+    two calls, the routed experts' then the shared expert's)."""
+    return env_bool("K2SERVE_CPU_FUSED_SHARED", True)
 
 
 def numa_topology() -> str | None:

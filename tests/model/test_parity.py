@@ -125,3 +125,35 @@ def test_cpu_kernel_router_is_greedy_identical(make_ckpt, kind, monkeypatch):
         g.cpu_kernel_topk = False
     assert _greedy_k2_paged(model, PROMPT, 16) == a
     assert calls[0] == 15 * len(gates) and len(set(a)) > 3
+
+
+def test_cpu_fused_shared_expert_decodes_the_float32_tokens(make_ckpt, monkeypatch):
+    """bf16 CPU decode with every MoE layer's routed experts on the CPU kernel and the routed +
+    shared experts in one kernel call (moe.cpu_shared, K2SERVE_CPU_FUSED_SHARED): the one call
+    ran at every decode step's MoE layers and its greedy tokens are the float32 model's. (The
+    two calls, each rounded to bf16 and added in bf16, flip token 4 here: the one call's single
+    rounding of the float32 sum is within half a bf16 step of the exact sum, measured.)"""
+    from k2serve.kernels import cpu as ck
+    from k2serve.moe import cpu_shared
+    from k2serve.moe.cpu_experts import CpuExpertBackend
+
+    if ck.load_kernel("auto") is None or not ck.cpu_has_bf16():
+        pytest.skip("needs the native CPU kernel on a bf16 CPU")
+    monkeypatch.setattr(cpu_shared, "KERNEL_MIN_THREADS", 1)
+    calls = [0]
+    fused = CpuExpertBackend.forward_with_shared
+
+    def counted(*a, **kw):
+        calls[0] += 1
+        return fused(*a, **kw)
+
+    monkeypatch.setattr(CpuExpertBackend, "forward_with_shared", counted)
+    d = make_ckpt("kimi", "int4")
+    model = load_model(d, dtype=torch.bfloat16, progress=False)
+    for moe in model.moe_blocks():
+        n = len(moe.experts)
+        moe.expert_backend = CpuExpertBackend(list(moe.experts), range(n), n)  # settings' pool
+    a = _greedy_k2_paged(model, PROMPT, 16)
+    assert calls[0] == 15 * len(model.moe_blocks())  # every decode step (the prompt: two calls)
+    ref = _greedy_k2_paged(load_model(d, dtype=torch.float32, progress=False), PROMPT, 16)
+    assert a == ref and len(set(a)) > 3

@@ -167,8 +167,22 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         if getattr(self.expert_backend, "pieces", None) is None:  # no host round trip
+            if x.device.type == "cpu" and self.shared_experts is not None:
+                return self._cpu_routed_plus_shared(x)
             return self.routed_plus_shared(x, self.routed)
         return drive(self.pieces(x))
+
+    def _cpu_routed_plus_shared(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        """On the CPU: the routed experts and the shared expert in one CPU kernel call where
+        moe.cpu_shared runs the shared expert on the kernel and the routed experts are on it
+        too (CpuSharedExpert.with_routed), else routed(x) + shared(x)."""
+        if type(self).routed is not MoE.routed:  # a subclass's own routing
+            return self.routed_plus_shared(x, self.routed)
+        topk_weights, topk_ids = self.gate(x)  # [T, k] float32, [T, k] int64
+        self._record_routing(topk_ids)
+        be, mlp = self.expert_backend, self.shared_experts
+        y = self.cpu_shared.with_routed(mlp, be, x, topk_ids, topk_weights)
+        return be(x, topk_ids, topk_weights) + self.shared(x) if y is None else y
 
     def pieces(self, x: torch.Tensor):
         """Generator of the block's output. With a hybrid backend the CPU experts' host round

@@ -324,14 +324,48 @@ class CpuExpertBackend(ExpertBackend):
                 f"max {int(ids.max())}): the router's input was probably not finite"
             )
 
+    def _live_pool(self):
+        """The kernel's pool of this process (a forked child: the parent's threads are not
+        here, so it gets its own)."""
+        if self._pool.pid != os.getpid():
+            self._pool = ck.shared_pool(*self._pool_key, os.getpid())
+        return self._pool
+
+    def forward_with_shared(self, hidden, topk_ids, topk_weights, shared: CpuExpertBackend,
+                            out_dtype: torch.dtype | None = None):  # fmt: skip
+        """The routed experts' weighted sum plus `shared`'s one expert (every token, weight 1)
+        in one kernel call (k2_moe_forward_shared: one pool job, each output row's float32
+        sum rounded once; always the decode path). hidden [T, hidden] host bf16 / float32,
+        topk [T, k]; -> [T, hidden] in out_dtype (None: hidden's; bf16 or float32). Both
+        backends native, on one pool."""
+        if self.impl != "native" or shared.impl != "native" or self._pending is not None:
+            raise RuntimeError("forward_with_shared needs two idle native backends")
+        pool = self._live_pool()
+        if shared._live_pool() is not pool:
+            raise RuntimeError("forward_with_shared: the two backends use different pools")
+        x = hidden.contiguous()  # [T, hidden]
+        ids = topk_ids.to(torch.int64).contiguous()  # [T, k]
+        w = topk_weights.to(torch.float32).contiguous()  # [T, k]
+        T, k = ids.shape
+        out = torch.empty(x.shape, dtype=out_dtype or x.dtype)  # [T, hidden]
+        code = {torch.bfloat16: ck.X_BF16, torch.float32: ck.X_F32}
+        rc = self._lib.k2_moe_forward_shared(
+            self._layer, shared._layer, pool._ptr, T, k, x.data_ptr(), code[x.dtype],
+            ids.data_ptr(), w.data_ptr(), self._local_of32.data_ptr(), self.num_experts,
+            out.data_ptr(), code[out.dtype],
+        )  # fmt: skip
+        if rc != 0:
+            self._check_ids(ids)
+            raise RuntimeError(f"CPU expert kernel (routed + shared) failed (code {rc})")
+        return out
+
     def _run_native(self, x, ids, w, out=None) -> torch.Tensor:
         """x [T, hidden] bf16 / float32, ids [T, k] int64, w [T, k] float32, all contiguous;
         the result in `out` when it is a contiguous host [T, hidden] bf16 / float32 tensor,
         else in a new tensor of x's dtype (the kernel rounds its float32 sums to bf16)."""
         T, k = ids.shape
         H = self.hidden_size
-        if self._pool.pid != os.getpid():  # a forked child: the parent's threads are not here
-            self._pool = ck.shared_pool(*self._pool_key, os.getpid())
+        self._live_pool()
         dst = out
         direct = (
             out is not None

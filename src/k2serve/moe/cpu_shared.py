@@ -2,7 +2,8 @@
 
 Owns: `CpuSharedExpert` (called by model.deepseek_v3.MoE with its shared-expert MLP: the MLP's
 output computed by moe.cpu_experts.CpuExpertBackend over that one bf16 expert, always selected
-with weight 1, or None: then the MLP's own forward runs) and `use_kernel()`, the rule.
+with weight 1, or None: then the MLP's own forward runs; `with_routed`: the same expert added
+to the routed experts' CPU kernel call, one pool job for both) and `use_kernel()`, the rule.
 
 The rule, from measured figures (benchmarks/cpu_e2e.py --full-k2, its "shared expert as" lines;
 RESULTS.md): on the 16-core host (16 pool threads) one kernel call (gate/up, SiLU * up, down in
@@ -62,7 +63,9 @@ class CpuSharedExpert:
     def __setstate__(self, state: dict) -> None:
         self._key, self._backend = None, None
 
-    def __call__(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    def _kernel_backend(self, mlp: nn.Module, x: torch.Tensor):
+        """The CpuExpertBackend over `mlp`'s one expert when the kernel runs it for `x` (the
+        rule and the cases in the module docstring), else None."""
         if not (
             x.device.type == "cpu"
             and x.dtype == torch.bfloat16
@@ -85,11 +88,37 @@ class CpuSharedExpert:
             be = CpuExpertBackend([mlp], [0], 1)
             self._backend = be if be.impl == "native" else None
             self._key = key
-        if self._backend is None:
+        return self._backend
+
+    def __call__(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        be = self._kernel_backend(mlp, x)
+        if be is None:
             return None
         T = x.shape[0]
         ids = torch.zeros(T, 1, dtype=torch.int64)  # [T, 1]: the one expert
-        return self._backend(x, ids, torch.ones(T, 1))  # [T, hidden] bf16
+        return be(x, ids, torch.ones(T, 1))  # [T, hidden] bf16
+
+    def with_routed(self, mlp: nn.Module, routed, x, topk_ids, topk_weights):
+        """routed(x, topk_ids, topk_weights) + this shared expert, in ONE kernel call, where the
+        shared expert runs on the kernel (as __call__) and `routed` is a native
+        CpuExpertBackend on the same pool (K2SERVE_CPU_FUSED_SHARED, default on): one pool
+        job instead of two (one wake-up, prologue and phase tails; the shared expert's gate/up
+        items fill the routed experts' tail). The float32 sum of both is rounded to bf16 once
+        (the two calls rounded each, then added in bf16: within bf16 rounding of that, not
+        bit-identical). -> [T, hidden] bf16, or None: the caller runs the two."""
+        from k2serve.moe.cpu_experts import CpuExpertBackend
+
+        if not (
+            isinstance(routed, CpuExpertBackend)
+            and routed.impl == "native"
+            and routed.hidden_size == x.shape[-1]
+            and envs.cpu_fused_shared()
+        ):
+            return None
+        be = self._kernel_backend(mlp, x)
+        if be is None or be._pool_key != routed._pool_key:
+            return None
+        return routed.forward_with_shared(x, topk_ids, topk_weights, be)  # [T, hidden] bf16
 
 
 __all__ = ["KERNEL_MIN_THREADS", "CpuSharedExpert", "use_kernel"]

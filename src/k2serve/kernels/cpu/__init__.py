@@ -217,6 +217,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.k2_layer_bind.restype = i
     lib.k2_moe_forward.argtypes = [p, p, i, i, p, i, p, p, p, i, p, i]
     lib.k2_moe_forward.restype = i
+    lib.k2_moe_forward_shared.argtypes = [p, p, p, i, i, p, i, p, p, p, i, p, i]
+    lib.k2_moe_forward_shared.restype = i
     lib.k2_simd_width.restype = i
     lib.k2_stream_read.argtypes = [p, p, ctypes.c_int64]
     lib.k2_stream_read.restype = ctypes.c_double
@@ -259,13 +261,19 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 @functools.cache
+def _open(path: str) -> ctypes.CDLL:
+    """One library object per built file: "auto" and "native" callers get the same one, so
+    `shared_pool` (keyed by it) gives them one pool, not two sets of threads on the cores."""
+    return _declare(ctypes.CDLL(path))
+
+
+@functools.cache
 def _load(mode: str, cache_dir: str | None) -> ctypes.CDLL | None:
     if mode == "torch":
         return None
     base = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "k2serve"
     try:
-        path = _build(base / "cpu_kernel")
-        return _declare(ctypes.CDLL(str(path)))
+        return _open(str(_build(base / "cpu_kernel")))
     except (KernelBuildError, OSError) as e:
         if mode == "native":
             raise KernelBuildError(f"the native CPU expert kernel is unavailable: {e}") from e

@@ -35,6 +35,10 @@
 //      row ranges are moved to node n's memory at load (k2_layer_bind, mbind). Each row is
 //      computed exactly as on one node, so the result is bit-identical to a one-node run; no
 //      partial sums to add.
+// k2_moe_forward_shared: the same decode step with the layer's shared expert as a second layer
+// of one expert (every token, weight 1) in the same pool job: its gate/up items after the routed
+// experts' (filling their tail), its down rows added after theirs in each row block; one bf16
+// rounding of the float32 sum.
 // The decode step is elastic (Pool::run): a pool thread that does not get a core in time (torch's
 // OpenMP threads spinning after their last op, another process) skips the step or joins it
 // midway; no phase waits for a given thread, and every sum keeps its order.
@@ -733,39 +737,79 @@ static void rows_to_bf16(const float* acc, uint16_t* dst, int T, int H, int o0, 
     for (int r = o0; r < o1; ++r) dst[(int64_t)t * H + r] = f32_to_bf16(acc[(int64_t)t * H + r]);
 }
 
-// An elastic pool job (Pool::run): no phase waits for a thread, only for work done, so a
-// thread that starts late (its core busy elsewhere) joins where the work is or finds none.
-//   prologue: returns once every token's activations are in place (counted per item);
-//   phase 1: (expert, block of gate/up rows) items in expert order; each done item counts
-//     for its expert in sc.ready;
-//   phase 2: blocks of output rows; a block takes the active experts in a fixed order (the
-//     same sums in the same order as with a barrier) and waits only for that expert's gate/up
-//     items, so down_proj starts while the last experts' gate/up items finish.
-// out: float32 sums [T, H]; out_bf16 (may be null): also written as bf16, per row block.
+// One layer's experts in a decode job: the routed experts, or (fused call) the shared expert as
+// a second layer of one expert that every token takes with weight 1. Its own pairs and scratch.
+struct Part {
+  Layer* L = nullptr;  // null: no such part
+  Scratch* sc = nullptr;
+  int need = 0;  // gate/up items per expert over all nodes (prepare)
+};
+
+// Size the part's scratch for its pairs and reset its per-expert counters.
 template <int FMT>
-static void forward_impl(Layer* L, Pool* P, Scratch& sc, float* out, uint16_t* out_bf16, int T,
-                         const std::function<void()>& prologue) {
-  const int I = L->I, H = L->H, nn = P->nnodes;
-  const int Pn = sc.pair_tok.size();
+static void prepare(Part& p, const Pool* P) {
+  Scratch& sc = *p.sc;
+  const int I = p.L->I, Pn = sc.pair_tok.size(), A = sc.active.size();
   if (sc.h.size() < (size_t)Pn * I) sc.h.resize((size_t)Pn * I);
   if (FMT == FMT_I4BF && sc.hsum.size() < (size_t)Pn * (I / 32)) sc.hsum.resize((size_t)Pn * I / 32);
-  char* hb = (char*)sc.h.data();
-  float* hs = sc.hsum.data();
-  const int A = sc.active.size();
-  int need = 0;  // gate/up items per expert over all nodes
-  for (int n = 0; n < nn; ++n) {
-    P->sync[n].next.store(0);
-    P->sync[n].next2.store(0);
+  p.need = 0;
+  for (int n = 0; n < P->nnodes; ++n) {
     int r0, r1;
     node_range(P, n, I, 32, r0, r1);
-    need += (r1 - r0 + RB1 - 1) / RB1;
+    p.need += (r1 - r0 + RB1 - 1) / RB1;
   }
   if (sc.ready_n < (size_t)A) {
     sc.ready.reset(new std::atomic<int>[A]);
     sc.ready_n = A;
   }
-  std::atomic<int>* ready = sc.ready.get();
-  for (int a = 0; a < A; ++a) ready[a].store(0, std::memory_order_relaxed);
+  for (int a = 0; a < A; ++a) sc.ready[a].store(0, std::memory_order_relaxed);
+}
+
+// This node's gate/up items of a part: `nb` row blocks [r0, r1) per active expert.
+struct NodeRows {
+  int r0, r1, nb;
+  NodeRows(const Pool* P, int node, int I) {
+    node_range(P, node, I, 32, r0, r1);
+    nb = (r1 - r0 + RB1 - 1) / RB1;
+  }
+};
+
+// Item `it` (< active experts x nb) of a part's phase 1; counts for its expert when done.
+template <int FMT>
+static void gate_up_at(const Part& p, const NodeRows& nr, int64_t it) {
+  Scratch& sc = *p.sc;
+  const int a = it / nr.nb, e = sc.active[a];
+  int i0 = nr.r0 + (int)(it % nr.nb) * RB1, i1 = std::min(nr.r1, i0 + RB1);
+  int p0 = sc.expert_start[e], p1 = sc.expert_start[e + 1];
+  gate_up_item<FMT>(p.L, e, i0, i1, sc.pair_tok.data() + p0, p1 - p0, sc, (char*)sc.h.data(),
+                    sc.hsum.data(), p0);
+  sc.ready[a].fetch_add(1, std::memory_order_release);
+}
+
+// An elastic pool job (Pool::run): no phase waits for a thread, only for work done, so a
+// thread that starts late (its core busy elsewhere) joins where the work is or finds none.
+//   prologue: returns once every token's activations are in place (counted per item);
+//   phase 1: (expert, block of gate/up rows) items in expert order; each done item counts
+//     for its expert in sc.ready; then the second part's (FMT2 >= 0: the shared expert's),
+//     from the same counter, so they fill the first part's tail;
+//   phase 2: blocks of output rows; a block takes the active experts in a fixed order (the
+//     same sums in the same order as with a barrier) and waits only for that expert's gate/up
+//     items, so down_proj starts while the last experts' gate/up items finish; the second
+//     part's experts after the first's (a fixed order: deterministic).
+// out: float32 sums [T, H]; out_bf16 (may be null): also written as bf16, per row block.
+template <int FMT, int FMT2 = -1>
+static void forward_impl(Pool* P, Part p1, Part p2, float* out, uint16_t* out_bf16, int T,
+                         const std::function<void()>& prologue) {
+  constexpr bool two = FMT2 >= 0;
+  Layer* L = p1.L;
+  const int H = L->H, nn = P->nnodes;
+  for (int n = 0; n < nn; ++n) {
+    P->sync[n].next.store(0);
+    P->sync[n].next2.store(0);
+  }
+  prepare<FMT>(p1, P);
+  if constexpr (two) prepare<FMT2>(p2, P);
+  const int A = p1.sc->active.size(), A2 = two ? p2.sc->active.size() : 0;
   const double t_run = now_s();
   double t_in = 0, t_pro = 0, t_gu = 0;
   AllBarrier bar;  // K2_SYNC_BARRIERS only
@@ -779,22 +823,20 @@ static void forward_impl(Layer* L, Pool* P, Scratch& sc, float* out, uint16_t* o
         prologue();  // activations in the kernel's layout, output zeroed
         if (K2_SYNC_BARRIERS) bar.wait(P->nthreads);
         if (caller) t_pro = now_s();
-        // phase 1: this node's rows of every active expert's gate + up
-        int r0, r1;
-        node_range(P, node, I, 32, r0, r1);
-        const int nb = (r1 - r0 + RB1 - 1) / RB1;
-        const int64_t items1 = (int64_t)A * nb;
+        // phase 1: this node's rows of every active expert's gate + up (part 1, then part 2)
+        const NodeRows nr1(P, node, L->I);
+        const NodeRows nr2(P, node, two ? p2.L->I : 32);
+        const int64_t items1 = (int64_t)A * nr1.nb, items = items1 + (int64_t)A2 * nr2.nb;
         for (bool first = true;; first = false) {
           int64_t it = s.next.fetch_add(1, std::memory_order_relaxed);
-          if (it >= items1) {
+          if (it >= items) {
             if (first && !caller) late.fetch_add(1, std::memory_order_relaxed);
             break;
           }
-          const int a = it / nb, e = sc.active[a];
-          int i0 = r0 + (int)(it % nb) * RB1, i1 = std::min(r1, i0 + RB1);
-          int p0 = sc.expert_start[e], p1 = sc.expert_start[e + 1];
-          gate_up_item<FMT>(L, e, i0, i1, sc.pair_tok.data() + p0, p1 - p0, sc, hb, hs, p0);
-          ready[a].fetch_add(1, std::memory_order_release);
+          if (it < items1)
+            gate_up_at<FMT>(p1, nr1, it);
+          else if constexpr (two)
+            gate_up_at<FMT2>(p2, nr2, it - items1);
         }
         if (K2_SYNC_BARRIERS) bar.wait(P->nthreads);
         if (caller) t_gu = now_s();
@@ -806,7 +848,8 @@ static void forward_impl(Layer* L, Pool* P, Scratch& sc, float* out, uint16_t* o
           int64_t it = s.next2.fetch_add(1, std::memory_order_relaxed);
           if (it >= items2) break;
           int o0 = o0n + (int)it * RB2, o1 = std::min(o1n, o0 + RB2);
-          down_item<FMT>(L, sc, o0, o1, out, ready, need);
+          down_item<FMT>(L, *p1.sc, o0, o1, out, p1.sc->ready.get(), p1.need);
+          if constexpr (two) down_item<FMT2>(p2.L, *p2.sc, o0, o1, out, p2.sc->ready.get(), p2.need);
           if (out_bf16) rows_to_bf16(out, out_bf16, T, H, o0, o1);
         }
       },
@@ -818,6 +861,128 @@ static void forward_impl(Layer* L, Pool* P, Scratch& sc, float* out, uint16_t* o
   g_profile.prologue = t_pro - t_in;
   g_profile.gate_up = t_gu - t_pro;
   g_profile.down = t_end - t_gu;
+}
+
+// 0. bucket the (token, expert) pairs by local expert (a counting sort; a repeated id makes
+// two pairs). Returns 1 when an id is outside [0, num_global) (sc unchanged then), else 0.
+static int bucket_pairs(Scratch& sc, int E, int T, int k, const int64_t* ids, const float* w,
+                        const int32_t* local_of, int num_global) {
+  std::vector<int> cnt(E + 1, 0);
+  for (int64_t i = 0; i < (int64_t)T * k; ++i) {
+    int64_t g = ids[i];
+    if (g < 0 || g >= num_global) return 1;
+    int le = local_of[g];
+    if (le >= 0) cnt[le + 1]++;
+  }
+  sc.expert_start.assign(E + 1, 0);
+  for (int e = 0; e < E; ++e) sc.expert_start[e + 1] = sc.expert_start[e] + cnt[e + 1];
+  const int Pn = sc.expert_start[E];
+  sc.pair_tok.resize(Pn);
+  sc.pair_w.resize(Pn);
+  std::vector<int> fill(sc.expert_start.begin(), sc.expert_start.end() - 1);
+  for (int t = 0; t < T; ++t)
+    for (int j = 0; j < k; ++j) {
+      int le = local_of[ids[(int64_t)t * k + j]];
+      if (le < 0) continue;
+      int q = fill[le]++;
+      sc.pair_tok[q] = t;
+      sc.pair_w[q] = w[(int64_t)t * k + j];
+    }
+  sc.active.clear();
+  for (int e = 0; e < E; ++e)
+    if (sc.expert_start[e + 1] > sc.expert_start[e]) sc.active.push_back(e);
+  return 0;
+}
+
+// The shared expert's pairs: its one expert, every token, weight 1.
+static void every_token_pairs(Scratch& sc, int T) {
+  sc.expert_start.assign({0, T});
+  sc.pair_tok.resize(T);
+  sc.pair_w.assign(T, 1.f);
+  for (int t = 0; t < T; ++t) sc.pair_tok[t] = t;
+  sc.active.assign({0});
+}
+
+// The format the decode path computes layer L's experts in for activations of x_dtype: INT4
+// with bf16 activations takes the INT4 x bf16 loop where it is built and the shapes fit.
+static int decode_fmt(const Layer* L, int x_dtype) {
+  const bool i4bf = L->fmt == FMT_INT4 && x_dtype == X_BF16 && K2_HAS_I4BF &&
+                    L->H % I4BF_COLS == 0 && L->I % I4BF_COLS == 0 && L->H / 32 <= 1024 &&
+                    L->I / 32 <= 1024;
+  return i4bf ? FMT_I4BF : L->fmt;
+}
+
+// Make room for T tokens' activations in format kfmt.
+static void size_x(Scratch& sc, int kfmt, int T, int H) {
+  if (sc.x.size() < (size_t)T * H) sc.x.resize((size_t)T * H);
+  if (kfmt == FMT_I4BF && sc.xsum.size() < (size_t)T * (H / 32)) sc.xsum.resize((size_t)T * H / 32);
+}
+
+// Columns [c0, c1) (multiples of 32) of token t's activations x -> sc.x in format kfmt's layout.
+static void x_to_layout(Scratch& sc, int kfmt, int H, const void* x, int x_dtype, int t, int c0,
+                        int c1) {
+  float row[32];
+  for (int c = c0; c < c1; c += 32) {
+    if (x_dtype == X_BF16) {
+      const uint16_t* src = (const uint16_t*)x + (int64_t)t * H + c;
+      if (kfmt == FMT_I4BF) {
+        uint16_t* dst = (uint16_t*)sc.x.data() + (int64_t)t * H;
+        float gsum = 0.f;
+        for (int j = 0; j < 32; ++j) {
+          dst[act_pos<FMT_I4BF>(c + j)] = src[j];
+          gsum += bf16_to_f32(src[j]);
+        }
+        sc.xsum[(int64_t)t * (H / 32) + c / 32] = gsum;
+        continue;
+      }
+      for (int j = 0; j < 32; ++j) row[j] = bf16_to_f32(src[j]);
+    } else {
+      memcpy(row, (const float*)x + (int64_t)t * H + c, sizeof(row));
+    }
+    float* dst = sc.x.data() + (int64_t)t * H;
+    if (kfmt == FMT_INT4) {
+      for (int j = 0; j < 32; ++j) dst[act_pos<FMT_INT4>(c + j)] = row[j];
+    } else {
+      memcpy(dst + c, row, sizeof(row));
+    }
+  }
+}
+
+// A decode job's prologue: every thread of the job runs it, taking (token, 1024 columns) items
+// from a counter (a one-token step's prologue is spread over 7 threads at K2's hidden size
+// instead of one), and returns once all T x H are done. item(t, c0, c1) does one.
+template <class F>
+struct ChunkPrologue {
+  static const int PC = 1024;
+  std::atomic<int> next{0}, done{0};
+  const int H, nch, items;
+  F item;
+  ChunkPrologue(int T, int H_, F f) : H(H_), nch((H_ + PC - 1) / PC), items(T * nch), item(f) {}
+  void operator()() {
+    for (;;) {
+      const int it = next.fetch_add(1);
+      if (it >= items) break;
+      const int t = it / nch, c0 = (it % nch) * PC;
+      item(t, c0, std::min(H, c0 + PC));
+      done.fetch_add(1, std::memory_order_release);
+    }
+    for (int n = 0; done.load(std::memory_order_acquire) < items; ++n) relax(n);
+  }
+};
+
+// The routed experts' decode job with the shared expert's second part (FMT2) in it.
+template <int FMT2>
+static void forward_shared_impl(int kfmt, Pool* P, Part p1, Part p2, float* out,
+                                uint16_t* out_bf16, int T, const std::function<void()>& pro) {
+  switch (kfmt) {
+#if K2_HAS_I4BF
+    case FMT_I4BF: forward_impl<FMT_I4BF, FMT2>(P, p1, p2, out, out_bf16, T, pro); break;
+#endif
+    case FMT_INT4: forward_impl<FMT_INT4, FMT2>(P, p1, p2, out, out_bf16, T, pro); break;
+    case FMT_FP8: forward_impl<FMT_FP8, FMT2>(P, p1, p2, out, out_bf16, T, pro); break;
+    case FMT_BF16: forward_impl<FMT_BF16, FMT2>(P, p1, p2, out, out_bf16, T, pro); break;
+    default: forward_impl<FMT_F32, FMT2>(P, p1, p2, out, out_bf16, T, pro); break;
+  }
 }
 
 #include "k2amx.h"
@@ -987,84 +1152,21 @@ int k2_moe_forward(void* layer, void* pool, int T, int k, const void* x, int x_d
   // NOTE: a reference, so that the lambdas run on the pool's threads see the caller's scratch
   static thread_local Scratch tl_scratch;
   Scratch& sc = tl_scratch;
-  // 0. bucket the (token, expert) pairs by local expert (a repeated id makes two pairs)
-  std::vector<int> cnt(E + 1, 0);
-  for (int64_t i = 0; i < (int64_t)T * k; ++i) {
-    int64_t g = ids[i];
-    if (g < 0 || g >= num_global) return 1;
-    int le = local_of[g];
-    if (le >= 0) cnt[le + 1]++;
-  }
-  sc.expert_start.assign(E + 1, 0);
-  for (int e = 0; e < E; ++e) sc.expert_start[e + 1] = sc.expert_start[e] + cnt[e + 1];
+  if (bucket_pairs(sc, E, T, k, ids, w, local_of, num_global)) return 1;
   const int Pn = sc.expert_start[E];
-  sc.pair_tok.resize(Pn);
-  sc.pair_w.resize(Pn);
-  std::vector<int> fill(sc.expert_start.begin(), sc.expert_start.end() - 1);
-  for (int t = 0; t < T; ++t)
-    for (int j = 0; j < k; ++j) {
-      int le = local_of[ids[(int64_t)t * k + j]];
-      if (le < 0) continue;
-      int q = fill[le]++;
-      sc.pair_tok[q] = t;
-      sc.pair_w[q] = w[(int64_t)t * k + j];
-    }
-  sc.active.clear();
-  for (int e = 0; e < E; ++e)
-    if (sc.expert_start[e + 1] > sc.expert_start[e]) sc.active.push_back(e);
   g_profile.bucket = now_s() - t_start;
   // 1. zero the output; x -> the activation layout (threads split over rows)
   const int fmt = L->fmt;
-  const int kfmt = (fmt == FMT_INT4 && x_dtype == X_BF16 && K2_HAS_I4BF && H % I4BF_COLS == 0 &&
-                    L->I % I4BF_COLS == 0 && H / 32 <= 1024 && L->I / 32 <= 1024)
-                       ? FMT_I4BF
-                       : fmt;
-  if (sc.x.size() < (size_t)T * H) sc.x.resize((size_t)T * H);
-  if (kfmt == FMT_I4BF && sc.xsum.size() < (size_t)T * (H / 32)) sc.xsum.resize((size_t)T * H / 32);
+  const int kfmt = decode_fmt(L, x_dtype);
+  size_x(sc, kfmt, T, H);
   // bf16 out: the float32 sums go to scratch, each row block is rounded once it is complete
   uint16_t* out_bf16 = out_dtype == X_BF16 ? (uint16_t*)out_arg : nullptr;
   if (out_bf16 && sc.acc.size() < (size_t)T * H) sc.acc.resize((size_t)T * H);
   float* out = out_bf16 ? sc.acc.data() : (float*)out_arg;
-  std::atomic<int> next{0}, done{0};
-  // every thread of the call runs it: tokens from a counter; returns when all T are ready
-  // items: (token, 1024 columns): a one-token step's prologue is spread over 7 threads at K2's
-  // hidden size instead of one (the others waited for it)
-  const int PC = 1024, nch = (H + PC - 1) / PC, items0 = T * nch;
-  auto prologue = [&]() {
-    for (;;) {
-      const int it = next.fetch_add(1);
-      if (it >= items0) break;
-      const int t = it / nch, c0 = (it % nch) * PC, c1 = std::min(H, c0 + PC);
-      memset(out + (int64_t)t * H + c0, 0, sizeof(float) * (c1 - c0));
-      float row[32];
-      for (int c = c0; c < c1; c += 32) {
-        if (x_dtype == X_BF16) {
-          const uint16_t* src = (const uint16_t*)x + (int64_t)t * H + c;
-          if (kfmt == FMT_I4BF) {
-            uint16_t* dst = (uint16_t*)sc.x.data() + (int64_t)t * H;
-            float gsum = 0.f;
-            for (int j = 0; j < 32; ++j) {
-              dst[act_pos<FMT_I4BF>(c + j)] = src[j];
-              gsum += bf16_to_f32(src[j]);
-            }
-            sc.xsum[(int64_t)t * (H / 32) + c / 32] = gsum;
-            continue;
-          }
-          for (int j = 0; j < 32; ++j) row[j] = bf16_to_f32(src[j]);
-        } else {
-          memcpy(row, (const float*)x + (int64_t)t * H + c, sizeof(row));
-        }
-        float* dst = sc.x.data() + (int64_t)t * H;
-        if (fmt == FMT_INT4) {
-          for (int j = 0; j < 32; ++j) dst[act_pos<FMT_INT4>(c + j)] = row[j];
-        } else {
-          memcpy(dst + c, row, sizeof(row));
-        }
-      }
-      done.fetch_add(1, std::memory_order_release);
-    }
-    for (int n = 0; done.load(std::memory_order_acquire) < items0; ++n) relax(n);
-  };
+  ChunkPrologue prologue(T, H, [&](int t, int c0, int c1) {
+    memset(out + (int64_t)t * H + c0, 0, sizeof(float) * (c1 - c0));
+    x_to_layout(sc, kfmt, H, x, x_dtype, t, c0, c1);
+  });
   if (Pn == 0) {  // no pair on these experts: zeros
     memset(out_arg, 0, (out_bf16 ? 2 : 4) * (size_t)T * H);
     return 0;
@@ -1094,21 +1196,63 @@ int k2_moe_forward(void* layer, void* pool, int T, int k, const void* x, int x_d
   }
 #endif
   // 2, 3. gate + up, then down
+  const Part p1{L, &sc}, none{};
+  std::function<void()> pro = std::ref(prologue);
+  switch (kfmt) {
 #if K2_HAS_I4BF
-  if (kfmt == FMT_I4BF) {
-    forward_impl<FMT_I4BF>(L, P, sc, out, out_bf16, T, prologue);
-    g_profile.total = now_s() - t_start;
-    return 0;
-  }
+    case FMT_I4BF: forward_impl<FMT_I4BF>(P, p1, none, out, out_bf16, T, pro); break;
 #endif
-  if (fmt == FMT_INT4)
-    forward_impl<FMT_INT4>(L, P, sc, out, out_bf16, T, prologue);
-  else if (fmt == FMT_FP8)
-    forward_impl<FMT_FP8>(L, P, sc, out, out_bf16, T, prologue);
-  else if (fmt == FMT_BF16)
-    forward_impl<FMT_BF16>(L, P, sc, out, out_bf16, T, prologue);
+    case FMT_INT4: forward_impl<FMT_INT4>(P, p1, none, out, out_bf16, T, pro); break;
+    case FMT_FP8: forward_impl<FMT_FP8>(P, p1, none, out, out_bf16, T, pro); break;
+    case FMT_BF16: forward_impl<FMT_BF16>(P, p1, none, out, out_bf16, T, pro); break;
+    default: forward_impl<FMT_F32>(P, p1, none, out, out_bf16, T, pro); break;
+  }
+  g_profile.total = now_s() - t_start;
+  return 0;
+}
+
+// A decode step of a MoE layer with a shared expert, in one pool job: out = sum_j w_j E_j(x)
+// + S(x), the routed experts E_j of `layer` (as k2_moe_forward) and the shared expert S, the
+// one expert of `shared_layer` (bf16 or float32 weights, same hidden size), every token with
+// weight 1. Each output row sums the routed experts' down rows in k2_moe_forward's order, then
+// the shared expert's, in float32; bf16 out is rounded once, from that sum. Always the decode
+// path (no AMX tiles: meant for decode steps). Arguments and codes as k2_moe_forward's; also
+// 3: the shared layer is not one bf16 / float32 expert of the routed layer's hidden size.
+int k2_moe_forward_shared(void* layer, void* shared_layer, void* pool, int T, int k,
+                          const void* x, int x_dtype, const int64_t* ids, const float* w,
+                          const int32_t* local_of, int num_global, void* out_arg, int out_dtype) {
+  if (out_dtype != X_F32 && out_dtype != X_BF16) return 2;
+  Layer* L = (Layer*)layer;
+  Layer* S = (Layer*)shared_layer;
+  Pool* P = (Pool*)pool;
+  const int H = L->H, E = L->E;
+  if (S->E != 1 || S->H != H || (S->fmt != FMT_BF16 && S->fmt != FMT_F32)) return 3;
+  std::lock_guard<std::mutex> call(P->call_mu);
+  const double t_start = now_s();
+  g_profile = Profile();
+  static thread_local Scratch tl_routed, tl_shared;  // references below (see k2_moe_forward)
+  Scratch& sc = tl_routed;
+  Scratch& ss = tl_shared;
+  if (bucket_pairs(sc, E, T, k, ids, w, local_of, num_global)) return 1;
+  every_token_pairs(ss, T);
+  g_profile.bucket = now_s() - t_start;
+  const int kfmt = decode_fmt(L, x_dtype), sfmt = decode_fmt(S, x_dtype);
+  size_x(sc, kfmt, T, H);
+  size_x(ss, sfmt, T, H);
+  uint16_t* out_bf16 = out_dtype == X_BF16 ? (uint16_t*)out_arg : nullptr;
+  if (out_bf16 && sc.acc.size() < (size_t)T * H) sc.acc.resize((size_t)T * H);
+  float* out = out_bf16 ? sc.acc.data() : (float*)out_arg;
+  ChunkPrologue prologue(T, H, [&](int t, int c0, int c1) {
+    memset(out + (int64_t)t * H + c0, 0, sizeof(float) * (c1 - c0));
+    if (!sc.active.empty()) x_to_layout(sc, kfmt, H, x, x_dtype, t, c0, c1);
+    x_to_layout(ss, sfmt, H, x, x_dtype, t, c0, c1);
+  });
+  std::function<void()> pro = std::ref(prologue);
+  const Part p1{L, &sc}, p2{S, &ss};
+  if (sfmt == FMT_BF16)
+    forward_shared_impl<FMT_BF16>(kfmt, P, p1, p2, out, out_bf16, T, pro);
   else
-    forward_impl<FMT_F32>(L, P, sc, out, out_bf16, T, prologue);
+    forward_shared_impl<FMT_F32>(kfmt, P, p1, p2, out, out_bf16, T, pro);
   g_profile.total = now_s() - t_start;
   return 0;
 }
