@@ -123,19 +123,17 @@ class TopkRouter(nn.Module):
                 self.layer_idx, self.nonfinite_count,
             )  # fmt: skip
 
+    def selection(self) -> tuple:
+        """The noaux_tc selection's arguments after the logits, in the order the three top-k
+        implementations take them: (bias, top_k, n_group, topk_group, norm, scaling)."""
+        return (self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
+                self.norm_topk_prob, self.routed_scaling_factor)  # fmt: skip
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (topk_weights [T, k] float32, topk_ids [T, k] int64)."""
+        sel = self.selection()
         if self.cpu_kernel_topk and x.device.type == "cpu" and self.gemv_table is None:
-            got = cpu_router_topk(
-                x,
-                self.weight,
-                self.e_score_correction_bias,
-                self.top_k,
-                self.n_group,
-                self.topk_group,
-                self.norm_topk_prob,
-                self.routed_scaling_factor,
-            )
+            got = cpu_router_topk(x, self.weight, *sel)
             if got is not None:  # None: not a decode step on a bf16 gate, or no kernel
                 weights, ids, nonfinite = got
                 if nonfinite:
@@ -146,16 +144,5 @@ class TopkRouter(nn.Module):
         if self.use_triton and logits.is_cuda:
             from k2serve.kernels.router import fused_grouped_topk
 
-            return fused_grouped_topk(
-                logits, self.e_score_correction_bias, self.top_k, self.n_group,
-                self.topk_group, self.norm_topk_prob, self.routed_scaling_factor, torch.int64,
-            )  # fmt: skip
-        return grouped_topk_torch(
-            logits,
-            self.e_score_correction_bias,
-            self.top_k,
-            self.n_group,
-            self.topk_group,
-            self.norm_topk_prob,
-            self.routed_scaling_factor,
-        )
+            return fused_grouped_topk(logits, *sel, torch.int64)
+        return grouped_topk_torch(logits, *sel)
