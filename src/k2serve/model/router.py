@@ -123,7 +123,7 @@ class TopkRouter(nn.Module):
                 self.layer_idx, self.nonfinite_count,
             )  # fmt: skip
 
-    def selection(self) -> tuple:
+    def selection(self) -> tuple[torch.Tensor, int, int, int, bool, float]:
         """The noaux_tc selection's arguments after the logits, in the order the three top-k
         implementations take them: (bias, top_k, n_group, topk_group, norm, scaling)."""
         return (self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
