@@ -27,7 +27,13 @@ Targets (decode: both ways of waiting measured in the same run, "before" = host 
           same stub (what graphs buy).
           "hybrid step <= 1.1 x max(GPU part, CPU experts part)": the real hyb graph step vs
           the GPU part and the CPU experts alone (n MoE layers x one layer's CPU experts on
-          the calling thread, as a step runs them), and an upper bound for 60 MoE layers.
+          the calling thread, as a step runs them).
+          Timeline (benchmarks/hybrid_timeline.py): host timestamps inside the real step give
+          the head, each MoE layer's period (CPU experts + serial part, split), the tail; the
+          limit is split into its fixed part (the all-GPU graph step with the MoE layers
+          removed) and a part per MoE layer; from both, the full K2 (60 MoE layers)
+          EXTRAPOLATED: head + 59 periods + the last CPU part + tail vs max(fixed + 60 x the
+          limit per layer, 60 x the CPU experts alone).
   prefill "hybrid prefill of a 32K prompt >= 1,000 tok/s extrapolated to 60 layers": a
           32K-token step through hyb with layer-wise GPU prefill (calibrated threshold, printed
           with the measured PCIe rate): the copy of one layer's CPU experts (c), the step with
@@ -41,7 +47,6 @@ Timings: wall clock around a synchronized step (host actions are part of the ste
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import logging
 import os
@@ -235,51 +240,28 @@ def part_checks(ref, hyb, args):
     torch.cuda.empty_cache()
 
 
-class _JobTimes:
-    def __init__(self):
-        self.wait, self.cpu = [], []
+def fixed_part_ms(ref, kv_r, ppseq, B, ids, pos, md, iters) -> tuple[float, int]:
+    """The all-GPU graph step with its MoE layers removed (the embedding, the dense layers, the
+    final norm, the step's input copies, launch and sync): the part of the limit that does not
+    grow with the MoE layers. -> (ms, dense layers)."""
+    from k2serve.model.deepseek_v3 import MoE
 
-    def summary(self) -> str:
-        if not self.cpu:
-            return "no CPU part ran"
-        n = len(self.cpu)
-        return (f"waits for the staged inputs {1e3 * sum(self.wait) / n:.3f} ms, CPU experts "
-                f"{1e3 * sum(self.cpu) / n:.3f} ms (mean of {n})")  # fmt: skip
-
-
-@contextlib.contextmanager
-def host_job_timing():
-    """Time each CPU part of the real step: the wait for its staged inputs (the event) and the
-    CPU experts (submit + wait), in either way of waiting."""
-    from k2serve.moe.host_round_trip import HostJob
-
-    tm = _JobTimes()
-    saved = HostJob.complete, HostJob.finish
-
-    def timed(inner):
-        def run(job):
-            ev = job.signal.event if job.signal is not None else job.event
-            t0 = time.perf_counter()
-            if ev is not None:
-                ev.synchronize()
-            t1 = time.perf_counter()
-            inner(job)
-            t2 = time.perf_counter()
-            tm.wait.append(t1 - t0)
-            tm.cpu.append(t2 - t1)
-
-        return run
-
-    HostJob.complete, HostJob.finish = timed(saved[0]), timed(saved[1])
+    layers = ref.model.layers
+    keep = [i for i, ly in enumerate(layers) if not isinstance(ly.mlp, MoE)]
+    ref.model.layers = torch.nn.ModuleList([layers[i] for i in keep])
     try:
-        yield tm
+        r = graph_runner(ref, [kv_r[i] for i in keep], ppseq, B)
+        return wall_ms(lambda: r.run(ids, pos, md), iters=iters), len(keep)
     finally:
-        HostJob.complete, HostJob.finish = saved
+        ref.model.layers = layers
 
 
 def part_decode(ref, hyb, args):
+    from hybrid_timeline import K2_MOE_LAYERS, describe, extrapolate, timeline, traced_steps
+
     log("== decode (context 1024)")
     n_moe = len(hybrid_backends(hyb))
+    N = K2_MOE_LAYERS
     for B in args.batches:
         tag = f"B={B}"
         ids, pos, md, pages, ppseq = decode_inputs(B, 1024)
@@ -299,6 +281,19 @@ def part_decode(ref, hyb, args):
             ref.model.layers[i].mlp.expert_backend = be
         ROWS.append(("decode", f"{tag} all-GPU graph step", f"{t_all:.3f} ms"))
         ROWS.append(("decode", f"{tag} all-GPU minus expert GEMVs (limit)", f"{t_noexp:.3f} ms"))
+        # the limit split: its fixed part (the step without MoE layers) and per MoE layer
+        fx = soft(f"decode {tag} fixed part", lambda: fixed_part_ms(ref, kv_r, ppseq, B, ids,
+                                                                    pos, md, args.iters))  # fmt: skip
+        t_fixed, n_dense = fx if fx else (float("nan"), 0)
+        per_moe = (t_noexp - t_fixed) / n_moe
+        ROWS.append(("decode", f"{tag} limit's fixed part",
+                     f"{t_fixed:.3f} ms: graph step of the all-GPU model with its MoE layers "
+                     f"removed (embedding, {n_dense} dense layer(s), final norm, the step's "
+                     "input copies, launch, sync; no lm_head: the runners return hidden "
+                     "states)"))  # fmt: skip
+        ROWS.append(("decode", f"{tag} limit per MoE layer",
+                     f"{per_moe:.3f} ms = (limit {t_noexp:.3f} - fixed {t_fixed:.3f}) / "
+                     f"{n_moe} (attention, router, shared expert; no expert GEMVs)"))  # fmt: skip
         # the CPU experts alone, as a step runs them (on the calling thread), per MoE layer
         be = hybrid_backends(hyb)[0]
         x = torch.randn(B, hyb.config.hidden_size, dtype=torch.bfloat16)
@@ -313,22 +308,19 @@ def part_decode(ref, hyb, args):
         set_stub(hyb, False)
         ROWS.append(("decode", f"{tag} hybrid GPU part, eager",
                      f"{t_eager_part:.3f} ms = {t_eager_part / t_noexp:.2f} x limit"))  # fmt: skip
-        log(f"  {tag}: all-GPU {t_all:.3f} ms, minus expert GEMVs {t_noexp:.3f} ms, CPU part "
-            f"{cpu_part:.3f} ms ({n_moe} x {t_cpu:.3f}), eager GPU part {t_eager_part:.3f} ms")  # fmt: skip
+        log(f"  {tag}: all-GPU {t_all:.3f} ms, minus expert GEMVs {t_noexp:.3f} ms (fixed "
+            f"{t_fixed:.3f} + {n_moe} x {per_moe:.3f}), CPU part {cpu_part:.3f} ms ({n_moe} x "
+            f"{t_cpu:.3f}), eager GPU part {t_eager_part:.3f} ms")  # fmt: skip
         for mode, dw in WAITS:
 
             def one():
-                with host_job_timing() as tm:  # before the capture: host actions are bound
-                    set_stub(hyb, True)
-                    try:
-                        r_h = graph_runner(hyb, kv_h, ppseq, B, device_wait=dw)
-                        t_gpu = wall_ms(lambda: r_h.run(ids, pos, md), iters=args.iters)
-                    finally:
-                        set_stub(hyb, False)
-                    tm.wait.clear()
-                    tm.cpu.clear()
-                    t_real = wall_ms(lambda: r_h.run(ids, pos, md), iters=args.iters, warmup=2)
-                log(f"  {tag} {mode}: per CPU part in the real step: {tm.summary()}")
+                set_stub(hyb, True)
+                try:
+                    r_h = graph_runner(hyb, kv_h, ppseq, B, device_wait=dw)
+                    t_gpu = wall_ms(lambda: r_h.run(ids, pos, md), iters=args.iters)
+                finally:
+                    set_stub(hyb, False)
+                t_real = wall_ms(lambda: r_h.run(ids, pos, md), iters=args.iters, warmup=2)
                 pieces = max(r_h.num_pieces.values())
                 if dw and not r_h.waits_in_graph:
                     FAILS.append(f"decode B={B} {mode}: the probe failed, host wait used")
@@ -340,19 +332,39 @@ def part_decode(ref, hyb, args):
                              f"{'MET' if gratio <= 1 else 'MISSED'} (<= 1.0)"))  # fmt: skip
                 ROWS.append(("decode", f"{tag} {mode}: hybrid step, CPU experts real",
                              f"{t_real:.3f} ms = {ratio:.2f} x max(GPU part, CPU part) "
-                             f"{'MET' if ratio <= 1.1 else 'MISSED'} (<= 1.1); "
-                             f"{hidden:.0%} of the GPU part hidden; "
-                             f"{(t_real - cpu_part) / n_moe:.3f} ms per MoE layer beyond "
-                             "the CPU"))  # fmt: skip
-                # 60 MoE layers (K2): each layer's CPU part plus what this step spends beyond
-                # its CPU parts, per MoE layer (an upper bound: the embedding, the dense layer
-                # and the first attention are counted once per MoE layer)
-                r60 = (t_cpu + (t_real - cpu_part) / n_moe) / t_cpu
-                ROWS.append(("decode", f"{tag} {mode}: extrapolated to 60 MoE layers",
-                             f"<= {r60:.2f} x the CPU part (upper bound, from this run)"))  # fmt: skip
+                             f"{'MET' if ratio <= 1.1 else 'MISSED'} (<= 1.1, this {n_moe}-MoE-"
+                             f"layer slice); {hidden:.0%} of the GPU part hidden"))  # fmt: skip
                 log(f"  {tag} {mode}: GPU part {t_gpu:.3f} ms ({gratio:.2f} x limit "
                     f"{t_noexp:.3f}), real step {t_real:.3f} ms, CPU part {cpu_part:.3f} ms, "
                     f"ratio {ratio:.2f}")  # fmt: skip
+                tl = timeline(traced_steps(r_h, hybrid_backends(hyb), lambda: r_h.run(ids, pos, md),
+                                           torch.cuda.synchronize, max(10, 2 * args.iters)))  # fmt: skip
+                ROWS.append(("decode", f"{tag} {mode}: timeline of the real step (host "
+                             "timestamps, ms)", describe(tl)))  # fmt: skip
+                log(f"  {tag} {mode}: {describe(tl)}")
+                # the full K2: every MoE layer's period as measured here (EXTRAPOLATED)
+                if tl.period is None:
+                    ROWS.append(("decode", f"{tag} {mode}: full K2 EXTRAPOLATED", "not done: "
+                                 "one MoE layer has no period (--layers 3 or more)"))  # fmt: skip
+                else:
+                    e = extrapolate(tl, N, t_cpu, t_fixed, per_moe)
+                    ROWS.append(("decode", f"{tag} {mode}: full K2 EXTRAPOLATED ({N} MoE layers, "
+                                 "said so)",
+                                 f"step {e['step']:.1f} ms = head {tl.head:.3f} + {N - 1} x period "
+                                 f"{tl.period:.3f} + CPU last {tl.cpu_last:.3f} + tail {tl.tail:.3f}"
+                                 f" vs max(GPU part {e['gpu_part']:.1f} = fixed {t_fixed:.3f} + {N} "
+                                 f"x limit per MoE layer {per_moe:.3f}, CPU part {e['cpu_part']:.1f}"
+                                 f" = {N} x {t_cpu:.3f} alone) = ratio {e['ratio']:.2f} "
+                                 f"{'MET' if e['ratio'] <= 1.1 else 'MISSED'} (<= 1.1); 1.1x needs "
+                                 f"a serial part <= {e['serial_for_1_1']:.3f} ms per MoE layer (now "
+                                 f"{tl.serial:.3f})"))  # fmt: skip
+                # the GPU part's target for the full K2: its per-layer growth vs the limit's
+                g_per = (t_gpu - t_fixed) / n_moe
+                g_full, l_full = t_fixed + N * g_per, t_fixed + N * per_moe
+                ROWS.append(("decode", f"{tag} {mode}: GPU part, full K2 EXTRAPOLATED",
+                             f"{g_full:.1f} ms = fixed + {N} x {g_per:.3f} ((GPU part - fixed) / "
+                             f"{n_moe}) = {g_full / l_full:.2f} x the limit's {l_full:.1f} ms"
+                             ))  # fmt: skip
                 del r_h
 
             soft(f"decode B={B} {mode}", one)

@@ -2,7 +2,8 @@
 # Hybrid overlap (issue 33 item 4) on one GPU, in < 200 s: the CPU kernel built first (so no
 # step below pays for it), the device-wait probe, the gpu tests of the piecewise / device-wait
 # graphs (correctness), then benchmarks/hybrid_moe.py decode (its own checks first), host wait
-# (before) and device wait (after) in the same run, then, if time is left, the fused fidelity
+# (before) and device wait (after) in the same run, with the in-step timeline and the full K2
+# extrapolated from it (benchmarks/hybrid_timeline.py), then, if time is left, the fused fidelity
 # test (int4). Full output in $OUT/hybrid_*.txt; the results table printed.
 # Usage (repo root): bash benchmarks/hybrid_overlap_check.sh
 export PYTHONUNBUFFERED=1
@@ -35,7 +36,7 @@ echo "== hybrid_moe.py --quick --parts checks,decode --no-layerwise (limit ${lef
 timeout "$left" python3 benchmarks/hybrid_moe.py --quick --parts checks,decode --no-layerwise \
   --watchdog $((left - 5)) > "$OUT/hybrid_bench.txt" 2>&1
 echo "(rc=$? at ${SECONDS}s)"
-grep -E "^== results|^  (check|decode) |^  B=|FAILED|Traceback|Error" "$OUT/hybrid_bench.txt" | tail -28
+grep -E "^== results|^  (check|decode) |FAILED|Traceback|Error" "$OUT/hybrid_bench.txt" | tail -32
 
 left=$((196 - SECONDS))
 if [ "$left" -ge 20 ]; then  # what time is left: the fused fidelity variants (split + graphs)

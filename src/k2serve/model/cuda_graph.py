@@ -34,6 +34,7 @@ pieces of one bucket are replayed in capture order (they share the pool).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -95,11 +96,17 @@ def capture_pieces(gen, factory) -> tuple[list, list, Any]:
         actions.append(value)
 
 
-def replay_pieces(graphs, actions) -> None:
+def replay_pieces(graphs, actions, trace: list | None = None) -> None:
+    """Replay g0, a0, g1, ..., gn; `trace` (benchmarks): ("launch", perf_counter_ns) appended
+    after each piece is launched (moe.host_round_trip's timeline)."""
     for g, act in zip(graphs, actions, strict=False):
         g.replay()
+        if trace is not None:
+            trace.append(("launch", time.perf_counter_ns()))
         act()
     graphs[-1].replay()
+    if trace is not None:
+        trace.append(("launch", time.perf_counter_ns()))
 
 
 class DecodeGraphRunner:
@@ -139,6 +146,9 @@ class DecodeGraphRunner:
         self.aux: dict[int, torch.Tensor | None] = {}
         self.device_wait = envs.hybrid_device_wait() if device_wait is None else device_wait
         self._waiting: list = []  # (hybrid backend, its signal) whose GPU waits, layer order
+        # benchmarks: a list for the step's timeline marks (also set as the hybrid backends'
+        # `trace`; moe.host_round_trip); None: nothing recorded
+        self.trace: list | None = None
 
     def _metadata(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -228,8 +238,9 @@ class DecodeGraphRunner:
         order (each releases its layer's GPU wait). On an error every signal is released, the
         device drained and the signals re-armed: the stream never stays blocked, and no flag
         is left set for the next step."""
+        trace = self.trace
         if not self._waiting:
-            replay_pieces(self.graphs[bucket], self.actions[bucket])
+            replay_pieces(self.graphs[bucket], self.actions[bucket], trace)
             return
         graphs, actions = self.graphs[bucket], self.actions[bucket]
         try:
@@ -237,9 +248,13 @@ class DecodeGraphRunner:
             # flag) is launched before layer i's CPU part, and no later piece: the CPU starts
             # after one graph launch, not after all of them
             graphs[0].replay()
+            if trace is not None:
+                trace.append(("launch", time.perf_counter_ns()))
             for act, g in zip(actions, graphs[1:], strict=True):
                 act()
                 g.replay()
+                if trace is not None:
+                    trace.append(("launch", time.perf_counter_ns()))
                 for be, _ in self._waiting:
                     be.complete_deferred()
         except BaseException:

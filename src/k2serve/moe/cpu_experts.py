@@ -415,6 +415,7 @@ class HybridExpertBackend(ExpertBackend):
         self.device_wait = False
         self.signal = None
         self.deferred: list[HostJob] = []
+        self.trace: list | None = None  # benchmarks: the jobs' timeline marks (HostJob._mark)
         # layer-wise GPU prefill (moe.layerwise): long steps run the CPU experts on the device
         self.layerwise = None
         self.layerwise_index = -1

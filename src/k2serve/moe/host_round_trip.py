@@ -21,9 +21,19 @@ Two ways to wait, same numerics (the CPU writes `out`, the GPU adds `out` to its
 The main thread is the CPU worker in both: it has nothing else to do during a step, so no
 hand-off to another thread (and no GIL contention with a launching thread) is needed; the
 native kernel releases the GIL and uses the calling thread as one of its workers.
+
+Timeline (benchmarks only): when the backend's `trace` is a list, each job appends
+(mark, time.perf_counter_ns()) at: "wake" (the CPU pool prewoken / the CPU part submitted on a
+CPU device), "sync" (the host starts waiting for the staged inputs), "in" (it sees them in host
+memory), "cpu0" / "cpu1" (the CPU experts start / their result is in `out`), "rel" (device
+wait: the flag released). The graph runner adds "launch" after each piece it launches (the
+host wait's release of the result); benchmarks/hybrid_timeline.py reads the marks. None (the
+default): nothing is recorded, one attribute test per mark.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -42,6 +52,11 @@ class HostJob:
         self.event = torch.cuda.Event() if cuda else None
         self.signal = backend.signal  # device wait: the one this job's graph waits on
 
+    def _mark(self, name: str) -> None:
+        trace = self.backend.trace  # see "Timeline" in the module docstring
+        if trace is not None:
+            trace.append((name, time.perf_counter_ns()))
+
     # ------------------------------------------------------------------ host wait
     def start(self) -> None:
         if self.backend.dry_run:
@@ -49,7 +64,10 @@ class HostJob:
         if self.event is not None:
             self.event.record()
             self.backend.cpu_backend.prewake()  # its threads spin until finish() submits
+            self._mark("wake")
         else:
+            for mark in ("wake", "in", "cpu0"):  # on the CPU backend's worker thread from here
+                self._mark(mark)
             self.backend.cpu_backend.submit(self.x, self.ids, self.w, out=self.out)
 
     def finish(self) -> None:
@@ -58,9 +76,13 @@ class HostJob:
             return
         cpu = self.backend.cpu_backend
         if self.event is not None:
+            self._mark("sync")
             self.event.synchronize()  # the staged inputs are in host memory
+            self._mark("in")
+            self._mark("cpu0")
             cpu.submit(self.x, self.ids, self.w, inline=True, out=self.out)  # waits anyway
         self._take(cpu.wait())
+        self._mark("cpu1")
 
     def _take(self, res: torch.Tensor) -> None:
         """The CPU part's result into `out` (the kernel wrote it there already when it could:
@@ -73,6 +95,7 @@ class HostJob:
         """Host action between graph pieces: mark the staged inputs, queue the job."""
         self.signal.record()
         self.backend.cpu_backend.prewake()
+        self._mark("wake")
         self.backend.deferred.append(self)
 
     def complete(self) -> None:
@@ -80,15 +103,20 @@ class HostJob:
         when the CPU part raised: the stream must not stay blocked)."""
         sig = self.signal
         try:
+            self._mark("sync")
             sig.wait_recorded()
+            self._mark("in")
             if self.backend.dry_run:
                 self.out.zero_()
             else:
                 cpu = self.backend.cpu_backend
+                self._mark("cpu0")
                 cpu.submit(self.x, self.ids, self.w, inline=True, out=self.out)
                 self._take(cpu.wait())
+                self._mark("cpu1")
         finally:
             sig.release()
+            self._mark("rel")
 
     def result(self, like: torch.Tensor) -> torch.Tensor:  # [T, hidden] on like's device
         return self.out.to(like.device, like.dtype, non_blocking=True)

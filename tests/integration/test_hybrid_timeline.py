@@ -1,0 +1,145 @@
+"""The hybrid decode step's timeline (issue 33 items 4-5): the host marks a step's CPU parts
+leave (moe.host_round_trip, model.cuda_graph) in both ways of waiting, on the CPU fakes, and
+the arithmetic of benchmarks/hybrid_timeline.py (per-layer period and its parts, the full K2
+extrapolated) on a trace with known times."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from .test_piecewise_graphs import PAGES, _caches, _decode_md, _model, _stream_runner
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
+
+
+@pytest.fixture(scope="module")
+def tlm():
+    sys.path.insert(0, BENCH)
+    try:
+        import hybrid_timeline
+    finally:
+        sys.path.remove(BENCH)
+    return hybrid_timeline
+
+
+# one host-wait step of 2 MoE layers, times in ms: CPU experts 2.0 then 1.9, result -> launch
+# 0.04, the GPU's next attention + router + D2H seen 0.32 later, submit 0.01
+STEP = [("step0", 0.0), ("launch", 0.01), ("wake", 0.02), ("launch", 0.03), ("sync", 0.04),
+        ("in", 0.30), ("cpu0", 0.31), ("cpu1", 2.31), ("launch", 2.35), ("wake", 2.36),
+        ("launch", 2.37), ("sync", 2.38), ("in", 2.67), ("cpu0", 2.68), ("cpu1", 4.58),
+        ("launch", 4.62), ("step1", 5.00)]  # fmt: skip
+
+
+def _ns(marks, t0=0.0):
+    return [(n, round((t + t0) * 1e6)) for n, t in marks]
+
+
+def test_timeline_arithmetic_on_known_marks(tlm):
+    trace = _ns(STEP) + [("junk", 1)] + _ns(STEP, 10.0)  # two steps; marks between are ignored
+    tl = tlm.timeline(trace)
+    assert (tl.steps, tl.n_layers) == (2, 2)
+    approx = pytest.approx
+    assert (tl.step, tl.head, tl.tail) == (approx(5.0), approx(0.31), approx(0.42))
+    assert (tl.cpu, tl.cpu_last, tl.period) == (approx(1.95), approx(1.9), approx(2.37))
+    assert (tl.serial, tl.release, tl.inputs) == (approx(0.37), approx(0.04), approx(0.32))
+    assert (tl.submit, tl.blocked, tl.wake_lead) == (approx(0.01), approx(0.29), approx(0.305))
+    assert tl.launch == approx(0.01)
+    # the parts add up: period = CPU + serial, serial = release + inputs + submit
+    assert tl.serial == approx(tl.release + tl.inputs + tl.submit)
+    # the slice itself (2 MoE layers) is reproduced exactly
+    two = tlm.extrapolate(tl, 2, cpu_alone=1.9, gpu_fixed=0.4, gpu_per_layer=0.2)
+    assert two["step"] == approx(5.0)
+    assert two["ratio"] == approx(5.0 / 3.8)
+    k2 = tlm.extrapolate(tl, 60, cpu_alone=1.9, gpu_fixed=0.4, gpu_per_layer=0.2)
+    # 0.31 + 59 x 2.37 + 1.9 + 0.42 = 142.46 against max(12.4, 114)
+    assert (k2["step"], k2["gpu_part"], k2["cpu_part"]) == (approx(142.46), approx(12.4), 114)
+    assert k2["ratio"] == approx(142.46 / 114)
+    # 1.1 x 114 = 125.4 = 2.63 + 59 x (2.0 + s): s = 0.0809...
+    assert k2["serial_for_1_1"] == approx((125.4 - 2.63) / 59 - 2.0)
+    gpu_bound = tlm.extrapolate(tl, 60, cpu_alone=0.1, gpu_fixed=1.0, gpu_per_layer=0.5)
+    assert gpu_bound["limit"] == approx(31.0) and gpu_bound["ratio"] == approx(142.46 / 31.0)
+
+
+def test_timeline_refuses_a_trace_without_steps_or_cpu_parts(tlm):
+    with pytest.raises(ValueError, match="no complete step"):
+        tlm.timeline(_ns(STEP[:-1]))
+    with pytest.raises(ValueError, match="no CPU part"):
+        tlm.timeline(_ns([("step0", 0), ("launch", 0.1), ("step1", 0.2)]))
+    one = [m for m in STEP if m[1] < 2.35 or m[0] == "step1"]
+    tl = tlm.timeline(_ns(one))
+    assert tl.n_layers == 1 and tl.period is None
+    with pytest.raises(ValueError, match="no period"):
+        tlm.extrapolate(tl, 60, 1.0, 0.1, 0.1)
+
+
+def _traced_steps(tlm, runner, model, sync, steps=3):
+    hybrid = [model.model.layers[i].mlp.expert_backend for i in model.config.moe_layers]
+    state = {"lens": [3, 6, 9]}
+    ids = torch.randint(0, 500, (3,))
+
+    def step():
+        pos, md = _decode_md(state["lens"])
+        runner.run(ids, pos, md)
+        state["lens"] = [n + 1 for n in state["lens"]]
+
+    trace = tlm.traced_steps(runner, hybrid, step, sync, steps)
+    assert runner.trace is None and all(be.trace is None for be in hybrid)  # off again
+    return trace, len(hybrid)
+
+
+def _check_marks(tlm, trace, n_hybrid, steps, names, pieces):
+    for marks in tlm.split_steps(trace):  # every layer's marks in the order the host passes
+        got = [n for n, _ in marks if n in names]
+        assert got == names * n_hybrid
+        assert sum(n == "launch" for n, _ in marks) == pieces  # one per piece launched
+        assert [t for _, t in marks] == sorted(t for _, t in marks)
+    tl = tlm.timeline(trace)
+    assert (tl.steps, tl.n_layers) == (steps, n_hybrid)
+    for fig in (tl.head, tl.tail, tl.cpu, tl.period, tl.serial, tl.release, tl.inputs):
+        assert fig is not None and fig >= 0
+    for marks in tlm.split_steps(trace):  # a step = head + periods + last CPU part + tail
+        f = tlm.step_figures(marks)
+        whole = f["head"] + sum(f["period"]) + f["cpu"][-1] + f["tail"]
+        assert whole == pytest.approx(f["step"], abs=1e-6)
+    return tl
+
+
+def test_host_wait_graph_steps_leave_the_timeline_marks(tlm):
+    """Host wait (tape graphs on the CPU: the CPU part is submitted in `start`, waited in
+    `finish`): per layer wake, in, cpu0, cpu1, then the next piece's launch releases it."""
+    from k2serve.model.cuda_graph import DecodeGraphRunner
+
+    from .fake_graphs import TapeGraphFactory
+
+    model = _model(4)
+    runner = DecodeGraphRunner(model, _caches(model, 3), PAGES, buckets=(4,),
+                               graph_factory=TapeGraphFactory())  # fmt: skip
+    runner.capture()
+    trace, n = _traced_steps(tlm, runner, model, lambda: None)
+    assert n == 2
+    tl = _check_marks(tlm, trace, n, 3, ["wake", "in", "cpu0", "cpu1"], 1 + 2 * n)
+    assert tl.blocked is None  # nothing to wait for on a CPU device
+
+
+def test_device_wait_graph_steps_leave_the_timeline_marks(tlm):
+    """Device wait (the fake stream): per layer wake, sync, in, cpu0, cpu1, rel."""
+    model, runner, factory = _stream_runner(4, buckets=(4,))
+    trace, n = _traced_steps(tlm, runner, model, factory.synchronize)
+    tl = _check_marks(tlm, trace, n, 3, ["wake", "sync", "in", "cpu0", "cpu1", "rel"], 1 + n)
+    assert tl.blocked is not None and tl.blocked >= 0
+
+
+def test_no_marks_without_a_trace():
+    model = _model(4)
+    be = model.model.layers[1].mlp.expert_backend
+    assert be.trace is None
+    ids = torch.randint(0, 500, (5,))
+    model(ids, torch.arange(5))  # eager: HostJob with cuda=False, nothing recorded anywhere
+    trace: list = []
+    be.trace = trace
+    model(ids, torch.arange(5))
+    assert [n for n, _ in trace] == ["wake", "in", "cpu0", "cpu1"]
