@@ -314,10 +314,15 @@ def part_decode(ref, hyb, args):
         for mode, dw in WAITS:
 
             def one():
+                n_tr = max(10, 2 * args.iters)
                 set_stub(hyb, True)
                 try:
                     r_h = graph_runner(hyb, kv_h, ppseq, B, device_wait=dw)
                     t_gpu = wall_ms(lambda: r_h.run(ids, pos, md), iters=args.iters)
+                    # the same timeline with the CPU experts answered at once: the GPU chain
+                    # and the host's latencies alone (a period = its serial part + ~0)
+                    tl0 = timeline(traced_steps(r_h, hybrid_backends(hyb), lambda: r_h.run(
+                        ids, pos, md), torch.cuda.synchronize, n_tr))  # fmt: skip
                 finally:
                     set_stub(hyb, False)
                 t_real = wall_ms(lambda: r_h.run(ids, pos, md), iters=args.iters, warmup=2)
@@ -338,10 +343,13 @@ def part_decode(ref, hyb, args):
                     f"{t_noexp:.3f}), real step {t_real:.3f} ms, CPU part {cpu_part:.3f} ms, "
                     f"ratio {ratio:.2f}")  # fmt: skip
                 tl = timeline(traced_steps(r_h, hybrid_backends(hyb), lambda: r_h.run(ids, pos, md),
-                                           torch.cuda.synchronize, max(10, 2 * args.iters)))  # fmt: skip
+                                           torch.cuda.synchronize, n_tr))  # fmt: skip
+                ROWS.append(("decode", f"{tag} {mode}: timeline, CPU experts stubbed (host "
+                             "timestamps, ms)", describe(tl0)))  # fmt: skip
                 ROWS.append(("decode", f"{tag} {mode}: timeline of the real step (host "
                              "timestamps, ms)", describe(tl)))  # fmt: skip
-                log(f"  {tag} {mode}: {describe(tl)}")
+                log(f"  {tag} {mode}: stubbed: {describe(tl0)}")
+                log(f"  {tag} {mode}: real: {describe(tl)}")
                 # the full K2: every MoE layer's period as measured here (EXTRAPOLATED)
                 if tl.period is None:
                     ROWS.append(("decode", f"{tag} {mode}: full K2 EXTRAPOLATED", "not done: "
