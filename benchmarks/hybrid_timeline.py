@@ -34,6 +34,7 @@ the first layer's wait for its inputs, the tail the last one's release.)
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -180,6 +181,15 @@ def traced_steps(runner, backends, step, sync, n: int) -> list:
     return trace
 
 
+def cpu_shifted(tl: Timeline, delta: float) -> Timeline:
+    """The timeline with every CPU part `delta` ms longer (its serial parts as measured): e.g.
+    the CPU experts as cold as in a 60-layer model, where no layer finds its weights in the
+    L3."""
+    return dataclasses.replace(tl, step=tl.step + tl.n_layers * delta, cpu=tl.cpu + delta,
+                               cpu_last=tl.cpu_last + delta,
+                               period=None if tl.period is None else tl.period + delta)  # fmt: skip
+
+
 def extrapolate(tl: Timeline, n_layers: int, cpu_alone: float, gpu_fixed: float,
                 gpu_per_layer: float) -> dict:  # fmt: skip
     """The step with `n_layers` MoE layers from the measured timeline (see the module
@@ -217,5 +227,5 @@ def describe(tl: Timeline) -> str:
             f"{tl.steps} steps)")  # fmt: skip
 
 
-__all__ = ["K2_MOE_LAYERS", "Timeline", "describe", "extrapolate", "split_steps",
+__all__ = ["K2_MOE_LAYERS", "Timeline", "cpu_shifted", "describe", "extrapolate", "split_steps",
            "step_figures", "timeline", "traced_steps"]  # fmt: skip

@@ -60,6 +60,10 @@ def test_timeline_arithmetic_on_known_marks(tlm):
     assert k2["ratio"] == approx(142.46 / 114)
     # 1.1 x 114 = 125.4 = 2.63 + 59 x (2.0 + s): s = 0.0809...
     assert k2["serial_for_1_1"] == approx((125.4 - 2.63) / 59 - 2.0)
+    # CPU parts 0.5 ms longer each (cold weights): 0.31 + 59 x 2.87 + 2.4 + 0.42 vs 60 x 2.4
+    cold = tlm.extrapolate(tlm.cpu_shifted(tl, 0.5), 60, 2.4, 0.4, 0.2)
+    assert cold["ratio"] == approx((0.31 + 59 * 2.87 + 2.4 + 0.42) / 144.0)
+    assert tlm.cpu_shifted(tl, 0.5).serial == approx(tl.serial)
     gpu_bound = tlm.extrapolate(tl, 60, cpu_alone=0.1, gpu_fixed=1.0, gpu_per_layer=0.5)
     assert gpu_bound["limit"] == approx(31.0) and gpu_bound["ratio"] == approx(142.46 / 31.0)
 
