@@ -81,6 +81,33 @@ def cpu_step_inputs_ms(hyb, B, iters) -> float | None:
     return wall_ms(run, iters=iters, warmup=1) / len(bes)
 
 
+def ready_word_rows(r_h, hyb, ids, pos, md, args, name, t_real, n_tr) -> None:
+    """The same captured runner with the staged inputs marked by a word the GPU writes into
+    pinned memory (kernels.stream_wait.HostReadyWord) instead of an event: the output against
+    the event's, the real step, its timeline."""
+    from hybrid_common import check
+    from hybrid_timeline import describe, timeline, traced_steps
+
+    from k2serve.kernels.stream_wait import HostReadyWord
+
+    bes = hybrid_backends(hyb)
+    want = r_h.run(ids, pos, md).clone()
+    for be in bes:
+        be.ready_word = HostReadyWord()
+    try:
+        check(f"{name} with ready words", r_h.run(ids, pos, md).clone(), want, 1e-3)
+        t_rw = wall_ms(lambda: r_h.run(ids, pos, md), iters=args.iters, warmup=2)
+        tl = timeline(traced_steps(r_h, bes, lambda: r_h.run(ids, pos, md),
+                                   torch.cuda.synchronize, n_tr))  # fmt: skip
+    finally:
+        for be in bes:
+            be.ready_word = None
+    ROWS.append(("decode", f"{name}: real step with ready words (GPU-written host word, "
+                 "not an event)", f"{t_rw:.3f} ms = {t_rw / t_real:.3f} x with events "
+                 f"({t_real:.3f}); {describe(tl)}"))  # fmt: skip
+    log(f"  {name}: ready words: real step {t_rw:.3f} ms (events {t_real:.3f}); {describe(tl)}")
+
+
 def part_decode(ref, hyb, args):
     from hybrid_timeline import (
         K2_MOE_LAYERS,
@@ -226,6 +253,8 @@ def part_decode(ref, hyb, args):
                              f"{g_full:.1f} ms = fixed + {N} x {g_per:.3f} ((GPU part - fixed) / "
                              f"{n_moe}) = {g_full / l_full:.2f} x the limit's {l_full:.1f} ms"
                              ))  # fmt: skip
+                soft(f"decode B={B} {mode} ready words", lambda: ready_word_rows(
+                    r_h, hyb, ids, pos, md, args, f"{tag} {mode}", t_real, n_tr))  # fmt: skip
                 del r_h
 
             soft(f"decode B={B} {mode}", one)

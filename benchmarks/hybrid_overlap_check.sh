@@ -28,6 +28,7 @@ echo "(rc=$? at ${SECONDS}s)"; tail -3 "$OUT/hybrid_probe.txt"
 
 echo "== pytest -m gpu tests/integration/test_piecewise_graphs.py (piecewise / device-wait graphs)"
 timeout 75 python3 -m pytest -q -p no:cacheprovider -m gpu tests/integration/test_piecewise_graphs.py \
+  tests/integration/test_hybrid_timeline.py \
   > "$OUT/hybrid_pytest.txt" 2>&1
 echo "(rc=$? at ${SECONDS}s)"; tail -8 "$OUT/hybrid_pytest.txt"
 

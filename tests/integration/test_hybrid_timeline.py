@@ -7,11 +7,17 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 import torch
 
-from .test_piecewise_graphs import PAGES, _caches, _decode_md, _model, _stream_runner
+from k2serve.attention import AttentionMetadata
+from k2serve.model.cuda_graph import DecodeGraphRunner
+from k2serve.moe import make_placement
+
+from .conftest import load_tiny, needs_cuda
+from .test_piecewise_graphs import PAGES, PS, _caches, _decode_md, _model, _stream_runner
 
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
 
@@ -115,8 +121,6 @@ def _check_marks(tlm, trace, n_hybrid, steps, names, pieces):
 def test_host_wait_graph_steps_leave_the_timeline_marks(tlm):
     """Host wait (tape graphs on the CPU: the CPU part is submitted in `start`, waited in
     `finish`): per layer wake, in, cpu0, cpu1, then the next piece's launch releases it."""
-    from k2serve.model.cuda_graph import DecodeGraphRunner
-
     from .fake_graphs import TapeGraphFactory
 
     model = _model(4)
@@ -147,3 +151,107 @@ def test_no_marks_without_a_trace():
     be.trace = trace
     model(ids, torch.arange(5))
     assert [n for n, _ in trace] == ["wake", "in", "cpu0", "cpu1"]
+
+
+class FakeReadyWord:
+    """kernels.stream_wait.HostReadyWord on the fake stream: the "device" thread writes the
+    number after the work launched before `record()`; `wait` blocks until it is there."""
+
+    def __init__(self, factory) -> None:
+        self.factory, self.seq, self.value, self.waits = factory, 0, 0, 0
+
+    def record(self) -> int:
+        self.seq += 1
+        seq = self.seq
+        self.factory.enqueue(lambda: setattr(self, "value", seq))
+        return seq
+
+    def wait(self, seq: int) -> None:
+        end = time.monotonic() + 30
+        while self.value != seq:
+            assert time.monotonic() < end, "the device never wrote the ready word"
+            time.sleep(1e-5)
+        self.waits += 1
+
+
+def test_device_wait_with_a_ready_word_gives_the_same_bits():
+    """The staged inputs marked by a word the "device" writes instead of an event (switched
+    on between replays of the same graphs): the same logits as with the event, every CPU part
+    waited for through the word, and back to the event when it is taken away."""
+    model, runner, factory = _stream_runner(4, buckets=(4,))
+    hybrid = [model.model.layers[i].mlp.expert_backend for i in model.config.moe_layers]
+    lens, ids = [3, 6, 9], torch.randint(0, 500, (3,))
+    pos, md = _decode_md(lens)
+    out = runner.run(ids, pos, md)  # a graph-owned buffer, written by the "device" thread
+    factory.synchronize()
+    want = out.clone()
+    words = [FakeReadyWord(factory) for _ in hybrid]
+    for be, w in zip(hybrid, words, strict=True):
+        be.ready_word = w
+    for _ in range(2):
+        runner.run(ids, pos, md)
+        factory.synchronize()
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert [w.waits for w in words] == [2, 2]
+    for be in hybrid:
+        be.ready_word = None
+    runner.run(ids, pos, md)
+    factory.synchronize()
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert [w.waits for w in words] == [2, 2]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_ready_word_is_written_after_the_copies_before_it():
+    """HostReadyWord: the number arrives after the stream's earlier work, whose D2H copy the
+    host then reads complete, step after step."""
+    from k2serve.kernels.stream_wait import HostReadyWord
+
+    word = HostReadyWord()
+    dev = torch.zeros(1 << 20, device="cuda")
+    host = torch.empty(1 << 20, pin_memory=True)
+    for step in range(1, 6):
+        torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time first: the host must really wait
+        dev.fill_(float(step))
+        host.copy_(dev, non_blocking=True)
+        seq = word.record()
+        word.wait(seq)
+        assert int(word.word.item()) == seq == step
+        assert float(host[0]) == float(host[-1]) == float(step)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("device_wait", [False, True])
+def test_cuda_graphs_with_ready_words_equal_those_with_events(device_wait):
+    """bf16 on CUDA, one runner: the staged inputs marked by ready words (switched on between
+    replays) give what the events gave (1e-3: room for GPU kernels that add in any order)."""
+    from k2serve.kernels.stream_wait import HostReadyWord
+
+    cfg = load_tiny("int4").config
+    model = load_tiny("int4", dtype=torch.bfloat16, device="cuda",
+                      expert_placement=make_placement(cfg, 3))  # fmt: skip
+    dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    caches = [torch.zeros(3 * PAGES, PS, dim, dtype=torch.bfloat16, device="cuda")
+              for _ in model.model.layers]  # fmt: skip
+    runner = DecodeGraphRunner(model, caches, PAGES, buckets=(4,), device_wait=device_wait)
+    runner.capture()
+    assert runner.waits_in_graph == device_wait
+    hybrid = [model.model.layers[i].mlp.expert_backend for i in cfg.moe_layers]
+    ids = torch.randint(0, 500, (3,), device="cuda")
+    pos, md = _decode_md([3, 6, 9])
+    md = AttentionMetadata(**{k: (v.cuda() if torch.is_tensor(v) else v)
+                              for k, v in vars(md).items()})  # fmt: skip
+    want = runner.run(ids, pos.cuda(), md).clone()
+    for be in hybrid:
+        be.ready_word = HostReadyWord()
+    try:
+        for _ in range(3):
+            got = runner.run(ids, pos.cuda(), md).clone()
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+        assert all(be.ready_word.seq == 3 for be in hybrid)
+    finally:
+        for be in hybrid:
+            be.ready_word = None

@@ -2,8 +2,9 @@
 pinned host memory until the host writes it (CUDA stream memory operations, libcuda via
 ctypes), so the work after the wait needs no host launch.
 
-Owns: `CudaHostSignal` (one per hybrid MoE layer) and `cuda_host_signal_supported()` (a probe,
-once per process and device).
+Owns: `CudaHostSignal` (one per hybrid MoE layer), `cuda_host_signal_supported()` (a probe,
+once per process and device) and `HostReadyWord` (GPU -> host: a number the stream writes into
+pinned memory, the host spins on it; an alternative to an event for the staged inputs).
 
 Protocol of one signal (all four calls are cheap, none allocates):
 - `record()` (host, eager, between graph replays): an event after the GPU work that staged the
@@ -109,6 +110,55 @@ class CudaHostSignal:
         self._host.value = 0
 
 
+class HostReadyWord:
+    """The other direction, GPU -> host, without an event: `record()` enqueues on the current
+    stream a write of the next sequence number into a pinned host word
+    (`cuStreamWriteValue32`, default flags: a memory fence first, so what the stream wrote
+    before, e.g. the staging copies, is visible when the number is); `wait(seq)` spins on the
+    word until it reaches seq (the host thread has nothing else to do; no driver call, no
+    event query). An alternative to `event.record()` / `event.synchronize()` for the hybrid
+    layers' staged inputs (moe.host_round_trip), chosen per backend at run time: both are
+    eager host actions between graph replays, nothing captured changes.
+
+    The write lands within a PCIe round trip after the GPU gets there; a wait that does not
+    see it in `timeout_s` raises (the stream is not blocked by this word: nothing waits on it
+    on the GPU)."""
+
+    def __init__(self, timeout_s: float = 5.0) -> None:
+        lib = _libcuda()
+        if lib is None:
+            raise RuntimeError("libcuda stream memory operations are not available")
+        _, self._write, dptr = lib
+        self.word = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # [1]: last seq written
+        out = ctypes.c_uint64()
+        rc = dptr(ctypes.byref(out), self.word.data_ptr(), 0)
+        self._dptr = out.value if rc == 0 else self.word.data_ptr()
+        self._host = ctypes.c_int32.from_address(self.word.data_ptr())
+        self.seq = 0
+        self.timeout_s = timeout_s
+
+    def record(self) -> int:
+        """-> the number `wait` waits for (the GPU writes it after the work enqueued so far)."""
+        self.seq = (self.seq + 1) & 0x7FFFFFFF
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        _check(self._write(stream, self._dptr, self.seq, CU_STREAM_WRITE_VALUE_DEFAULT),
+               "cuStreamWriteValue32")  # fmt: skip
+        return self.seq
+
+    def wait(self, seq: int) -> None:
+        word = self._host
+        if word.value == seq:
+            return
+        n, end = 0, time.perf_counter() + self.timeout_s
+        while word.value != seq:
+            n += 1
+            if (n & 1023) == 0 and time.perf_counter() > end:
+                raise RuntimeError(
+                    f"the GPU did not write {seq} into the host ready word in "
+                    f"{self.timeout_s} s (it holds {word.value})"
+                )
+
+
 def _poll(event: torch.cuda.Event, seconds: float) -> bool:
     end = time.monotonic() + seconds
     while not event.query():
@@ -157,4 +207,4 @@ def cuda_host_signal_supported(device_index: int) -> bool:
     return ok
 
 
-__all__ = ["CudaHostSignal", "cuda_host_signal_supported"]
+__all__ = ["CudaHostSignal", "HostReadyWord", "cuda_host_signal_supported"]

@@ -416,6 +416,7 @@ class HybridExpertBackend(ExpertBackend):
         self.signal = None
         self.deferred: list[HostJob] = []
         self.trace: list | None = None  # benchmarks: the jobs' timeline marks (HostJob._mark)
+        self.ready_word = None  # GPU -> host "inputs staged" word instead of an event (HostJob)
         # layer-wise GPU prefill (moe.layerwise): long steps run the CPU experts on the device
         self.layerwise = None
         self.layerwise_index = -1

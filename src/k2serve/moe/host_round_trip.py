@@ -22,6 +22,11 @@ The main thread is the CPU worker in both: it has nothing else to do during a st
 hand-off to another thread (and no GIL contention with a launching thread) is needed; the
 native kernel releases the GIL and uses the calling thread as one of its workers.
 
+How the host learns that the staged inputs are in host memory: an event (record /
+synchronize), or, when the backend has a `ready_word` (kernels.stream_wait.HostReadyWord), a
+number the stream writes into pinned memory after the copies, the host spinning on it; both
+are eager host actions, so the choice can change between replays of the same graphs.
+
 Timeline (benchmarks only): when the backend's `trace` is a list, each job appends
 (mark, time.perf_counter_ns()) at: "wake" (the CPU pool prewoken / the CPU part submitted on a
 CPU device), "sync" (the host starts waiting for the staged inputs), "in" (it sees them in host
@@ -51,6 +56,23 @@ class HostJob:
         self.cuda = cuda
         self.event = torch.cuda.Event() if cuda else None
         self.signal = backend.signal  # device wait: the one this job's graph waits on
+        self._seq: int | None = None  # the staged inputs' number in backend.ready_word
+
+    def _record_staged(self, record) -> None:
+        """Mark the point after the staging copies: the backend's `ready_word` when it has
+        one (kernels.stream_wait.HostReadyWord: the GPU writes a number into pinned memory,
+        the host spins on it), else `record()` (an event)."""
+        word = self.backend.ready_word
+        self._seq = None if word is None else word.record()
+        if word is None:
+            record()
+
+    def _wait_staged(self, wait) -> None:
+        """Until the staged inputs are in host memory (the same way they were marked)."""
+        if self._seq is None:
+            wait()
+        else:
+            self.backend.ready_word.wait(self._seq)
 
     def _mark(self, name: str) -> None:
         trace = self.backend.trace  # see "Timeline" in the module docstring
@@ -62,7 +84,7 @@ class HostJob:
         if self.backend.dry_run:
             return
         if self.event is not None:
-            self.event.record()
+            self._record_staged(self.event.record)
             self.backend.cpu_backend.prewake()  # its threads spin until finish() submits
             self._mark("wake")
         else:
@@ -77,7 +99,7 @@ class HostJob:
         cpu = self.backend.cpu_backend
         if self.event is not None:
             self._mark("sync")
-            self.event.synchronize()  # the staged inputs are in host memory
+            self._wait_staged(self.event.synchronize)  # the staged inputs are in host memory
             self._mark("in")
             self._mark("cpu0")
             cpu.submit(self.x, self.ids, self.w, inline=True, out=self.out)  # waits anyway
@@ -93,7 +115,7 @@ class HostJob:
     # ------------------------------------------------------------------ device wait
     def launch(self) -> None:
         """Host action between graph pieces: mark the staged inputs, queue the job."""
-        self.signal.record()
+        self._record_staged(self.signal.record)
         self.backend.cpu_backend.prewake()
         self._mark("wake")
         self.backend.deferred.append(self)
@@ -104,7 +126,7 @@ class HostJob:
         sig = self.signal
         try:
             self._mark("sync")
-            sig.wait_recorded()
+            self._wait_staged(sig.wait_recorded)
             self._mark("in")
             if self.backend.dry_run:
                 self.out.zero_()
