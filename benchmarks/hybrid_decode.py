@@ -138,6 +138,12 @@ def part_decode(ref, hyb, args):
         del r_noexp
         for i, be in saved.items():
             ref.model.layers[i].mlp.expert_backend = be
+        # the lm_head is not in these steps (the runners return hidden states): timed apart,
+        # for a tokens-per-second figure
+        h0 = torch.randn(B, ref.config.hidden_size, dtype=torch.bfloat16, device="cuda")
+        t_head = wall_ms(lambda: ref.compute_logits(h0), iters=args.iters)
+        ROWS.append(("decode", f"{tag} lm_head + float32 logits (eager, not in the steps)",
+                     f"{t_head:.3f} ms ({ref.config.vocab_size} x {ref.config.hidden_size})"))  # fmt: skip
         ROWS.append(("decode", f"{tag} all-GPU graph step", f"{t_all:.3f} ms"))
         ROWS.append(("decode", f"{tag} all-GPU minus expert GEMVs (limit)", f"{t_noexp:.3f} ms"))
         # the limit split: its fixed part (the step without MoE layers) and per MoE layer
@@ -235,7 +241,8 @@ def part_decode(ref, hyb, args):
                                  f" = {N} x {t_alone:.3f}, the step's own alone) = ratio {e['ratio']:.2f} "
                                  f"{'MET' if e['ratio'] <= 1.1 else 'MISSED'} (<= 1.1); 1.1x needs "
                                  f"a serial part <= {e['serial_for_1_1']:.3f} ms per MoE layer (now "
-                                 f"{tl.serial:.3f})"))  # fmt: skip
+                                 f"{tl.serial:.3f}); with the lm_head: "
+                                 f"{1e3 / (e['step'] + t_head):.1f} tok/s"))  # fmt: skip
                     # the same with every CPU part as cold as in a 60-layer model: each CPU
                     # part of the step shifted by (cold - own alone)
                     ec = extrapolate(cpu_shifted(tl, t_cold - t_alone), N, t_cold, t_fixed,
@@ -244,7 +251,8 @@ def part_decode(ref, hyb, args):
                                  f"step {ec['step']:.1f} ms vs CPU part {ec['cpu_part']:.1f} = "
                                  f"{N} x {t_cold:.3f} (cold) = ratio {ec['ratio']:.2f} "
                                  f"{'MET' if ec['ratio'] <= 1.1 else 'MISSED'} (<= 1.1); the "
-                                 f"in-step CPU parts taken {t_cold - t_alone:+.3f} ms each"
+                                 f"in-step CPU parts taken {t_cold - t_alone:+.3f} ms each; with "
+                                 f"the lm_head: {1e3 / (ec['step'] + t_head):.1f} tok/s"
                                  ))  # fmt: skip
                 # the GPU part's target for the full K2: its per-layer growth vs the limit's
                 g_per = (t_gpu - t_fixed) / n_moe
