@@ -206,8 +206,9 @@ def test_device_wait_with_a_ready_word_gives_the_same_bits():
 def test_cuda_ready_word_is_written_after_the_copies_before_it():
     """HostReadyWord: the number arrives after the stream's earlier work, whose D2H copy the
     host then reads complete, step after step."""
-    from k2serve.kernels.stream_wait import HostReadyWord
+    from k2serve.kernels.stream_wait import HostReadyWord, host_ready_word_supported
 
+    assert host_ready_word_supported(torch.cuda.current_device())
     word = HostReadyWord()
     dev = torch.zeros(1 << 20, device="cuda")
     host = torch.empty(1 << 20, pin_memory=True)
@@ -255,3 +256,35 @@ def test_cuda_graphs_with_ready_words_equal_those_with_events(device_wait):
     finally:
         for be in hybrid:
             be.ready_word = None
+
+
+@pytest.mark.parametrize("ready_words", [True, False])
+def test_a_runner_gives_its_hybrid_layers_ready_words_when_asked(ready_words):
+    """DecodeGraphRunner(ready_words=True) with a factory that makes them: every hybrid layer
+    marks its staged inputs with one (and the step's output is the events' one); without the
+    flag, or from a factory without them, none does."""
+    from .fake_graphs import StreamTapeGraphFactory
+
+    class WordFactory(StreamTapeGraphFactory):
+        def ready_word(self):
+            return FakeReadyWord(self)
+
+    outs = []
+    for factory, asked in ((StreamTapeGraphFactory(), True), (WordFactory(), ready_words)):
+        model = _model(4)
+        runner = DecodeGraphRunner(model, _caches(model, 3), PAGES, buckets=(4,),
+                                   graph_factory=factory, device_wait=True,
+                                   ready_words=asked)  # fmt: skip
+        runner.capture()
+        hybrid = [model.model.layers[i].mlp.expert_backend for i in model.config.moe_layers]
+        has = [be.ready_word is not None for be in hybrid]
+        assert has == [asked and isinstance(factory, WordFactory)] * len(hybrid)
+        torch.manual_seed(0)
+        ids = torch.randint(0, 500, (3,))
+        pos, md = _decode_md([3, 6, 9])
+        out = runner.run(ids, pos, md)
+        factory.synchronize()
+        outs.append(out.clone())
+        if any(has):
+            assert all(be.ready_word.waits == 1 for be in hybrid)
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)

@@ -207,4 +207,34 @@ def cuda_host_signal_supported(device_index: int) -> bool:
     return ok
 
 
-__all__ = ["CudaHostSignal", "HostReadyWord", "cuda_host_signal_supported"]
+@functools.cache
+def host_ready_word_supported(device_index: int) -> bool:
+    """True when a HostReadyWord's number arrives after the work before it (checked once:
+    a copy, then the word, on a side stream; no stream ever waits on the word, so a failure
+    only logs)."""
+    try:
+        with torch.cuda.device(device_index):
+            word = HostReadyWord(timeout_s=2.0)
+            stream = torch.cuda.Stream()
+            host = torch.zeros(1 << 16, pin_memory=True)
+            with torch.cuda.stream(stream):
+                dev = torch.full((1 << 16,), 3.0, device="cuda")
+                host.copy_(dev, non_blocking=True)
+                seq = word.record()
+            word.wait(seq)
+            ok = float(host[0]) == float(host[-1]) == 3.0
+            stream.synchronize()
+    except Exception as e:  # noqa: BLE001 - any failure means: use events
+        logger.warning("hybrid: GPU-written host ready words unusable here (%s)", e)
+        return False
+    if not ok:
+        logger.warning("hybrid: a ready word arrived before the copy it follows; using events")
+    return ok
+
+
+__all__ = [
+    "CudaHostSignal",
+    "HostReadyWord",
+    "cuda_host_signal_supported",
+    "host_ready_word_supported",
+]

@@ -67,6 +67,15 @@ class CudaGraphFactory:
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 
+    def ready_word(self):
+        """A GPU -> host ready word (kernels.stream_wait.HostReadyWord), or None where
+        unsupported."""
+        from k2serve.kernels.stream_wait import HostReadyWord, host_ready_word_supported
+
+        if not host_ready_word_supported(torch.cuda.current_device()):
+            return None
+        return HostReadyWord()
+
     def host_signal(self):
         """A host -> GPU signal a captured graph can wait on, or None where unsupported."""
         from k2serve.kernels.stream_wait import CudaHostSignal, cuda_host_signal_supported
@@ -119,6 +128,7 @@ class DecodeGraphRunner:
         with_logits: bool = False,
         graph_factory=None,
         device_wait: bool | None = None,  # None: K2SERVE_HYBRID_DEVICE_WAIT (see the docstring)
+        ready_words: bool = False,  # the staged inputs marked by ready words, not events
     ) -> None:
         if not buckets or min(buckets) < 1:
             raise ValueError(f"buckets must be positive batch sizes, got {buckets}")
@@ -145,6 +155,7 @@ class DecodeGraphRunner:
         # the model keeps them (model.aux_hidden_state_layers); set as the model's after a replay
         self.aux: dict[int, torch.Tensor | None] = {}
         self.device_wait = envs.hybrid_device_wait() if device_wait is None else device_wait
+        self.ready_words = ready_words
         self._waiting: list = []  # (hybrid backend, its signal) whose GPU waits, layer order
         # benchmarks: a list for the step's timeline marks (also set as the hybrid backends'
         # `trace`; moe.host_round_trip); None: nothing recorded
@@ -198,6 +209,7 @@ class DecodeGraphRunner:
         backends = [getattr(ly.mlp, "expert_backend", None) for ly in self.model.model.layers]
         hybrid: list[Any] = [be for be in backends if hasattr(be, "dry_run")]
         self._waiting = self._host_signals(hybrid)
+        self._set_ready_words(hybrid)
         for bs in reversed(self.buckets):
             for be in hybrid:  # the CPU experts are not needed to warm up the GPU pieces
                 be.dry_run = True
@@ -232,6 +244,19 @@ class DecodeGraphRunner:
         for be, sig in zip(hybrid, signals, strict=True):
             be.signal = sig  # the jobs captured from here on keep theirs
         return list(zip(hybrid, signals, strict=True))
+
+    def _set_ready_words(self, hybrid: list) -> None:
+        """Each hybrid backend's ready word (moe.host_round_trip: how the host learns that
+        the staged inputs are in host memory), when asked and the factory gives them: all or
+        none. Eager host actions read it at every replay, so nothing captured depends on it."""
+        make = getattr(self.factory, "ready_word", None)
+        if not (hybrid and self.ready_words and make is not None):
+            return
+        words = [make() for _ in hybrid]
+        if any(w is None for w in words):
+            return
+        for be, w in zip(hybrid, words, strict=True):
+            be.ready_word = w
 
     def _replay(self, bucket: int) -> None:
         """Launch the bucket's pieces; with the device wait, then the CPU parts in layer
