@@ -132,17 +132,21 @@ class ZeroExperts:
         return torch.zeros_like(hidden)
 
 
-def graph_runner(model, kv, max_pages, B, device_wait=None):
+def graph_runner(model, kv, max_pages, B, device_wait=None, one_graph=False):
     from k2serve.model.cuda_graph import DecodeGraphRunner
 
-    r = DecodeGraphRunner(model, kv, max_pages, buckets=(B,), device_wait=device_wait)
+    r = DecodeGraphRunner(model, kv, max_pages, buckets=(B,), device_wait=device_wait,
+                          one_graph=one_graph)  # fmt: skip
     r.capture()
     return r
 
 
-# the two ways a hybrid decode graph waits for the CPU experts (model.cuda_graph):
-# before = a host round trip between graph pieces, after = a stream wait inside the graph
-WAITS = (("host wait (before)", False), ("device wait (after)", True))
+# the ways a hybrid decode graph waits for the CPU experts (model.cuda_graph): (name, device
+# wait, one graph): before = a host round trip between graph pieces, after = a stream wait
+# inside the graph (1 + n pieces, an event per layer), one graph = the same with the whole
+# step one graph, which writes a ready word per layer for the host (no event, no piece)
+WAITS = (("host wait (before)", False, False), ("device wait (after)", True, False),
+         ("device wait, one graph", True, True))  # fmt: skip
 
 
 def soft(name, fn):

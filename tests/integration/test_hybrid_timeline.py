@@ -17,6 +17,7 @@ from k2serve.model.cuda_graph import DecodeGraphRunner
 from k2serve.moe import make_placement
 
 from .conftest import load_tiny, needs_cuda
+from .fake_graphs import StreamTapeGraphFactory
 from .test_piecewise_graphs import PAGES, PS, _caches, _decode_md, _model, _stream_runner
 
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
@@ -173,6 +174,21 @@ class FakeReadyWord:
             time.sleep(1e-5)
         self.waits += 1
 
+    def gpu_set(self) -> None:  # captured: the "device" writes 1 when the tape gets there
+        self.factory.capturing.ops.append(lambda: setattr(self, "value", 1))
+
+    def wait_set(self) -> None:
+        self.wait(1)
+        self.value = 0
+
+    def reset(self) -> None:
+        self.value = 0
+
+
+class WordFactory(StreamTapeGraphFactory):
+    def ready_word(self):
+        return FakeReadyWord(self)
+
 
 def test_device_wait_with_a_ready_word_gives_the_same_bits():
     """The staged inputs marked by a word the "device" writes instead of an event (switched
@@ -263,12 +279,6 @@ def test_a_runner_gives_its_hybrid_layers_ready_words_when_asked(ready_words):
     """DecodeGraphRunner(ready_words=True) with a factory that makes them: every hybrid layer
     marks its staged inputs with one (and the step's output is the events' one); without the
     flag, or from a factory without them, none does."""
-    from .fake_graphs import StreamTapeGraphFactory
-
-    class WordFactory(StreamTapeGraphFactory):
-        def ready_word(self):
-            return FakeReadyWord(self)
-
     outs = []
     for factory, asked in ((StreamTapeGraphFactory(), True), (WordFactory(), ready_words)):
         model = _model(4)
@@ -288,3 +298,116 @@ def test_a_runner_gives_its_hybrid_layers_ready_words_when_asked(ready_words):
         if any(has):
             assert all(be.ready_word.waits == 1 for be in hybrid)
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+
+
+def _one_graph_runner(n_gpu=4):
+    model = _model(n_gpu)
+    factory = WordFactory()
+    runner = DecodeGraphRunner(model, _caches(model, 3), PAGES, buckets=(1, 4),
+                               graph_factory=factory, device_wait=True,
+                               one_graph=True)  # fmt: skip
+    runner.capture()
+    return model, runner, factory
+
+
+@pytest.mark.parametrize("n_gpu", [4, 0])
+def test_one_graph_device_wait_equals_the_pieces(n_gpu):
+    """One graph per step (the ready words written inside it): the logits of the 1 + n
+    pieces, step after step, every layer's CPU part waited for through its word, no host
+    action between pieces (there are none)."""
+    torch.manual_seed(0)
+    model, runner, factory = _one_graph_runner(n_gpu)
+    ref_model, ref_runner, ref_factory = _stream_runner(n_gpu, buckets=(1, 4))
+    n_moe = len(model.config.moe_layers)
+    assert runner.num_pieces == {1: 1, 4: 1} and runner.actions == {1: [], 4: []}
+    assert [len(j) for j in runner.jobs.values()] == [n_moe, n_moe]
+    hybrid = [model.model.layers[i].mlp.expert_backend for i in model.config.moe_layers]
+    assert all(be.graph_jobs is None and be.graph_word is None for be in hybrid)
+    words = [job.graph_word for job in runner.jobs[4]]
+    lens, ids = [3, 6, 9], torch.randint(0, 500, (3,))
+    for step in range(3):
+        pos, md = _decode_md(lens)
+        out = runner.run(ids, pos, md)
+        factory.synchronize()
+        want = ref_runner.run(ids, pos, md)
+        ref_factory.synchronize()
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        assert [w.waits for w in words] == [step + 1] * n_moe
+        assert all(w.value == 0 for w in words)
+        ids, lens = model.compute_logits(out).argmax(-1), [n + 1 for n in lens]
+
+
+def test_one_graph_an_error_in_the_cpu_part_releases_the_device():
+    """A CPU part that raises in the one-graph step: the step raises, every signal released
+    and re-armed, every word cleared, and the same step again gives the pieces' output."""
+    model, runner, factory = _one_graph_runner(0)
+    ref_model, ref_runner, ref_factory = _stream_runner(0, buckets=(1, 4))
+    cpu = model.model.layers[1].mlp.expert_backend.cpu_backend
+    submit, fail = cpu.submit, [True]
+
+    def flaky(*a, **k):
+        if fail[0]:
+            raise ValueError("boom")
+        return submit(*a, **k)
+
+    cpu.submit = flaky
+    ids = torch.randint(0, 500, (3,))
+    pos, md = _decode_md([3, 6, 9])
+    with pytest.raises(ValueError, match="boom"):
+        runner.run(ids, pos, md)
+    assert all(not s.released.is_set() for s in factory.signals)
+    assert all(job.graph_word.value == 0 for job in runner.jobs[4])
+    fail[0] = False
+    out = runner.run(ids, pos, md)
+    factory.synchronize()
+    want = ref_runner.run(ids, pos, md)
+    ref_factory.synchronize()
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_one_graph_needs_the_device_wait_and_words():
+    """Without the device wait, or from a factory without ready words, one_graph keeps the
+    pieces."""
+    model = _model(4)
+    r = DecodeGraphRunner(model, _caches(model, 3), PAGES, buckets=(4,),
+                          graph_factory=WordFactory(), device_wait=False,
+                          one_graph=True)  # fmt: skip
+    r.capture()
+    assert r.num_pieces == {4: 1 + 2 * 2} and not r.jobs
+    model = _model(4)
+    r = DecodeGraphRunner(model, _caches(model, 3), PAGES, buckets=(4,),
+                          graph_factory=StreamTapeGraphFactory(), device_wait=True,
+                          one_graph=True)  # fmt: skip
+    r.capture()
+    assert r.num_pieces == {4: 1 + 2} and not r.jobs
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_one_graph_device_wait_equals_the_pieces():
+    """bf16 on CUDA: the one-graph step (ready words written inside the graph) gives the
+    1 + n pieces' output, step after step, each word cleared by the host."""
+    cfg = load_tiny("int4").config
+    dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    runners = []
+    for one in (False, True):
+        model = load_tiny("int4", dtype=torch.bfloat16, device="cuda",
+                          expert_placement=make_placement(cfg, 3))  # fmt: skip
+        caches = [torch.zeros(3 * PAGES, PS, dim, dtype=torch.bfloat16, device="cuda")
+                  for _ in model.model.layers]  # fmt: skip
+        r = DecodeGraphRunner(model, caches, PAGES, buckets=(4,), device_wait=True,
+                              one_graph=one)  # fmt: skip
+        r.capture()
+        runners.append(r)
+    n_moe = len(cfg.moe_layers)
+    assert [r.num_pieces[4] for r in runners] == [1 + n_moe, 1]
+    lens, ids = [3, 6, 9], torch.randint(0, 500, (3,), device="cuda")
+    for _ in range(3):
+        pos, md = _decode_md(lens)
+        md = AttentionMetadata(**{k: (v.cuda() if torch.is_tensor(v) else v)
+                                  for k, v in vars(md).items()})  # fmt: skip
+        want, got = (r.run(ids, pos.cuda(), md).clone() for r in runners)
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+        assert all(int(job.graph_word.word.item()) == 0 for job in runners[1].jobs[4])
+        ids = runners[0].model.compute_logits(want).argmax(-1)
+        lens = [n + 1 for n in lens]

@@ -145,6 +145,23 @@ class HostReadyWord:
                "cuStreamWriteValue32")  # fmt: skip
         return self.seq
 
+    # in-graph form: a constant the capture bakes in, cleared by the host that saw it
+    def gpu_set(self) -> None:
+        """Enqueue (usually while capturing) the write of 1 after the work before it."""
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        _check(self._write(stream, self._dptr, 1, CU_STREAM_WRITE_VALUE_DEFAULT),
+               "cuStreamWriteValue32")  # fmt: skip
+
+    def wait_set(self) -> None:
+        """Spin until the GPU wrote 1, then clear it for the next step (the GPU writes it
+        again only after the host's next release: stream order)."""
+        self.wait(1)
+        self._host.value = 0
+
+    def reset(self) -> None:
+        """Clear from the host (error recovery, after the device is drained)."""
+        self._host.value = 0
+
     def wait(self, seq: int) -> None:
         word = self._host
         if word.value == seq:

@@ -18,6 +18,11 @@ staged); piece i + 1 is launched before layer i's CPU part (moe.host_round_trip)
 each layer's shared expert and GPU experts during the CPU part and resumes the moment the flag
 is written.
 Without it (host wait): 1 + 2n pieces, g0, a0, g1, a1, ... with the CPU part inside a1.
+One graph (`one_graph`, with the device wait, where the factory gives ready words: off by
+default, measured in benchmarks/hybrid_moe.py): the graph also writes a ready word per hybrid
+layer after its staging copies (kernels.stream_wait.HostReadyWord), so nothing needs the host
+between pieces: a step is one graph launch, then the layers' CPU parts in order
+(HostJob.complete_in_graph: spin on the word, compute, release the flag).
 
 Owns: `DecodeGraphRunner`. A decode step = B sequences with one new token each
 (`max_query_len == 1`). The runner owns static input buffers sized for the largest bucket; a
@@ -129,6 +134,7 @@ class DecodeGraphRunner:
         graph_factory=None,
         device_wait: bool | None = None,  # None: K2SERVE_HYBRID_DEVICE_WAIT (see the docstring)
         ready_words: bool = False,  # the staged inputs marked by ready words, not events
+        one_graph: bool = False,  # device wait as one graph per step (see the docstring)
     ) -> None:
         if not buckets or min(buckets) < 1:
             raise ValueError(f"buckets must be positive batch sizes, got {buckets}")
@@ -156,6 +162,9 @@ class DecodeGraphRunner:
         self.aux: dict[int, torch.Tensor | None] = {}
         self.device_wait = envs.hybrid_device_wait() if device_wait is None else device_wait
         self.ready_words = ready_words
+        self.one_graph = one_graph
+        self._graph_words: list = []  # one graph: each hybrid layer's word, layer order
+        self.jobs: dict[int, list] = {}  # one graph: bucket -> its captured jobs, layer order
         self._waiting: list = []  # (hybrid backend, its signal) whose GPU waits, layer order
         # benchmarks: a list for the step's timeline marks (also set as the hybrid backends'
         # `trace`; moe.host_round_trip); None: nothing recorded
@@ -210,6 +219,7 @@ class DecodeGraphRunner:
         hybrid: list[Any] = [be for be in backends if hasattr(be, "dry_run")]
         self._waiting = self._host_signals(hybrid)
         self._set_ready_words(hybrid)
+        self._graph_words = self._make_graph_words(hybrid)
         for bs in reversed(self.buckets):
             for be in hybrid:  # the CPU experts are not needed to warm up the GPU pieces
                 be.dry_run = True
@@ -219,15 +229,22 @@ class DecodeGraphRunner:
                 for be in hybrid:
                     be.dry_run = False
             self.factory.synchronize()
+            jobs: list = []
             for be, _ in self._waiting:
                 be.device_wait = True
+            for be, word in zip(hybrid, self._graph_words, strict=False):
+                be.graph_jobs, be.graph_word = jobs, word
             try:
                 graphs, actions, out = capture_pieces(self._pieces(bs), self.factory)
             finally:
                 for be, _ in self._waiting:
                     be.device_wait = False
                     be.deferred.clear()
+                for be in hybrid:
+                    be.graph_jobs = be.graph_word = None
             self.graphs[bs], self.actions[bs], self.outputs[bs] = graphs, actions, out
+            if self._graph_words:
+                self.jobs[bs] = jobs
             if getattr(self.model, "aux_hidden_state_layers", ()):
                 self.aux[bs] = self.model.aux_hidden_states
         self.factory.synchronize()
@@ -258,6 +275,16 @@ class DecodeGraphRunner:
         for be, w in zip(hybrid, words, strict=True):
             be.ready_word = w
 
+    def _make_graph_words(self, hybrid: list) -> list:
+        """One graph per step (`one_graph`, with the device wait): a ready word per hybrid
+        layer, which its graph writes after the staging copies, from the factory (all or
+        none: [] keeps the 1 + n pieces)."""
+        make = getattr(self.factory, "ready_word", None)
+        if not (self._waiting and self.one_graph and make is not None):
+            return []
+        words = [make() for _ in hybrid]
+        return [] if any(w is None for w in words) else words
+
     def _replay(self, bucket: int) -> None:
         """Launch the bucket's pieces; with the device wait, then the CPU parts in layer
         order (each releases its layer's GPU wait). On an error every signal is released, the
@@ -268,7 +295,15 @@ class DecodeGraphRunner:
             replay_pieces(self.graphs[bucket], self.actions[bucket], trace)
             return
         graphs, actions = self.graphs[bucket], self.actions[bucket]
+        jobs = self.jobs.get(bucket)
         try:
+            if jobs:  # one graph: the CPU parts in layer order, each on its graph's word
+                graphs[0].replay()
+                if trace is not None:
+                    trace.append(("launch", time.perf_counter_ns()))
+                for job in jobs:
+                    job.complete_in_graph()
+                return
             # piece i + 1 (the shared expert and GPU experts of layer i, then the wait on its
             # flag) is launched before layer i's CPU part, and no later piece: the CPU starts
             # after one graph launch, not after all of them
@@ -289,6 +324,8 @@ class DecodeGraphRunner:
             self.factory.synchronize()
             for _, sig in self._waiting:
                 sig.reset()
+            for word in self._graph_words:
+                word.reset()
             raise
 
     def bucket_for(self, md: AttentionMetadata) -> int | None:

@@ -26,6 +26,10 @@ How the host learns that the staged inputs are in host memory: an event (record 
 synchronize), or, when the backend has a `ready_word` (kernels.stream_wait.HostReadyWord), a
 number the stream writes into pinned memory after the copies, the host spinning on it; both
 are eager host actions, so the choice can change between replays of the same graphs.
+One-graph device wait (`HybridExpertBackend.graph_jobs` / `graph_word`, set while a graph
+runner captures): the graph itself writes a ready word of the job's own after the staging
+copies (`gpu_set`), so nothing is yielded and the step is one graph; the runner then calls
+`complete_in_graph()` on the captured jobs in layer order.
 
 Timeline (benchmarks only): when the backend's `trace` is a list, each job appends
 (mark, time.perf_counter_ns()) at: "wake" (the CPU pool prewoken / the CPU part submitted on a
@@ -39,6 +43,7 @@ default): nothing is recorded, one attribute test per mark.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -57,6 +62,7 @@ class HostJob:
         self.event = torch.cuda.Event() if cuda else None
         self.signal = backend.signal  # device wait: the one this job's graph waits on
         self._seq: int | None = None  # the staged inputs' number in backend.ready_word
+        self.graph_word: Any = None  # one-graph device wait: the word its graph writes
 
     def _record_staged(self, record) -> None:
         """Mark the point after the staging copies: the backend's `ready_word` when it has
@@ -123,10 +129,21 @@ class HostJob:
     def complete(self) -> None:
         """Wait for the staged inputs, compute the CPU part into `out`, release the GPU (also
         when the CPU part raised: the stream must not stay blocked)."""
+        self._complete(lambda: self._wait_staged(self.signal.wait_recorded))
+
+    def complete_in_graph(self) -> None:
+        """One-graph device wait (model.cuda_graph: the whole step one graph): the graph wrote
+        the backend's ready word after the staging copies; wake the CPU pool, wait for that
+        word, then as `complete`."""
+        self.backend.cpu_backend.prewake()
+        self._mark("wake")
+        self._complete(self.graph_word.wait_set)
+
+    def _complete(self, wait_staged) -> None:
         sig = self.signal
         try:
             self._mark("sync")
-            self._wait_staged(sig.wait_recorded)
+            wait_staged()
             self._mark("in")
             if self.backend.dry_run:
                 self.out.zero_()
