@@ -4,7 +4,8 @@
 # graphs (correctness), then benchmarks/hybrid_moe.py decode (its own checks first), host wait
 # (before) and device wait (after) in the same run, with the in-step timeline and the full K2
 # extrapolated from it (benchmarks/hybrid_timeline.py), then, if time is left, the fused fidelity
-# test (int4). Full output in $OUT/hybrid_*.txt; the results table printed.
+# test (int4), then the gpu tests of the opt-in ways of waiting (ready words, one graph).
+# Full output in $OUT/hybrid_*.txt; the results table printed.
 # Usage (repo root): bash benchmarks/hybrid_overlap_check.sh
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 1
@@ -28,7 +29,6 @@ echo "(rc=$? at ${SECONDS}s)"; tail -3 "$OUT/hybrid_probe.txt"
 
 echo "== pytest -m gpu tests/integration/test_piecewise_graphs.py (piecewise / device-wait graphs)"
 timeout 75 python3 -m pytest -q -p no:cacheprovider -m gpu tests/integration/test_piecewise_graphs.py \
-  tests/integration/test_hybrid_timeline.py \
   > "$OUT/hybrid_pytest.txt" 2>&1
 echo "(rc=$? at ${SECONDS}s)"; tail -8 "$OUT/hybrid_pytest.txt"
 
@@ -46,4 +46,12 @@ if [ "$left" -ge 20 ]; then  # what time is left: the fused fidelity variants (s
     "tests/integration/test_fidelity.py::test_fused_gpu_paths_within_bf16_rounding[int4]" \
     > "$OUT/hybrid_fidelity.txt" 2>&1
   echo "(rc=$? at ${SECONDS}s)"; tail -4 "$OUT/hybrid_fidelity.txt"
+fi
+
+left=$((198 - SECONDS))
+if [ "$left" -ge 15 ]; then  # the opt-in ways (ready words, one graph): their gpu tests
+  echo "== pytest -m gpu tests/integration/test_hybrid_timeline.py (limit ${left}s)"
+  timeout "$left" python3 -m pytest -q -p no:cacheprovider -m gpu \
+    tests/integration/test_hybrid_timeline.py > "$OUT/hybrid_pytest_timeline.txt" 2>&1
+  echo "(rc=$? at ${SECONDS}s)"; tail -4 "$OUT/hybrid_pytest_timeline.txt"
 fi
