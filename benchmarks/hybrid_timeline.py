@@ -28,8 +28,9 @@ Per MoE layer i of a step (all in ms; the four parts of a period add up exactly)
 so a step of n MoE layers = head + sum(period_0 .. period_(n-2)) + cpu_(n-1) + tail, and the same
 step with N MoE layers, each period as measured (EXTRAPOLATED):
   step_N = head + (N - 1) x mean period + cpu_last + tail
-(head + tail + N x period would count one layer's serial part twice: the head already holds
-the first layer's wait for its inputs, the tail the last one's release.)
+(head + tail + N x period would add one serial part the step does not have: N layers' CPU
+starts have N - 1 periods between them; the head holds the first layer's wait for its inputs,
+the tail the last one's release.)
 """
 
 from __future__ import annotations
