@@ -191,6 +191,22 @@ def cpu_shifted(tl: Timeline, delta: float) -> Timeline:
                                period=None if tl.period is None else tl.period + delta)  # fmt: skip
 
 
+def extrapolate_c(tl: Timeline, n_layers: int, c: float, gpu_fixed: float,
+                  gpu_per_layer: float) -> dict:  # fmt: skip
+    """As `extrapolate`, with every CPU part (in the step and in its limit) taken as `c` ms,
+    the serial parts, head and tail as measured: step = head + (n - 1) x (serial + c) + c +
+    tail vs max(gpu_fixed + n x gpu_per_layer, n x c). With c the fastest measurement of one
+    layer's CPU experts (inside the step or alone), the strictest honest ratio: the same CPU
+    work on both sides, only the serial parts in excess."""
+    if tl.serial is None and n_layers > 1:
+        raise ValueError("one MoE layer measured: no serial part to extrapolate with")
+    step = tl.head + (n_layers - 1) * ((tl.serial or 0.0) + c) + c + tl.tail
+    gpu_part = gpu_fixed + n_layers * gpu_per_layer
+    limit = max(n_layers * c, gpu_part)
+    return dict(n_layers=n_layers, step=step, cpu_part=n_layers * c, gpu_part=gpu_part,
+                limit=limit, ratio=step / limit)  # fmt: skip
+
+
 def extrapolate(tl: Timeline, n_layers: int, cpu_alone: float, gpu_fixed: float,
                 gpu_per_layer: float) -> dict:  # fmt: skip
     """The step with `n_layers` MoE layers from the measured timeline (see the module
@@ -228,5 +244,6 @@ def describe(tl: Timeline) -> str:
             f"{tl.steps} steps)")  # fmt: skip
 
 
-__all__ = ["K2_MOE_LAYERS", "Timeline", "cpu_shifted", "describe", "extrapolate", "split_steps",
+__all__ = ["K2_MOE_LAYERS", "Timeline", "cpu_shifted", "describe", "extrapolate",
+           "extrapolate_c", "split_steps",
            "step_figures", "timeline", "traced_steps"]  # fmt: skip

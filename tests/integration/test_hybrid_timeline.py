@@ -71,6 +71,12 @@ def test_timeline_arithmetic_on_known_marks(tlm):
     cold = tlm.extrapolate(tlm.cpu_shifted(tl, 0.5), 60, 2.4, 0.4, 0.2)
     assert cold["ratio"] == approx((0.31 + 59 * 2.87 + 2.4 + 0.42) / 144.0)
     assert tlm.cpu_shifted(tl, 0.5).serial == approx(tl.serial)
+    # every CPU part 2.0 ms (the fastest measurement), serial 0.37 as measured:
+    # 0.31 + 59 x 2.37 + 2.0 + 0.42 against 60 x 2.0
+    strict = tlm.extrapolate_c(tl, 60, 2.0, 0.4, 0.2)
+    assert strict["step"] == approx(0.31 + 59 * 2.37 + 2.0 + 0.42)
+    assert strict["ratio"] == approx((0.31 + 59 * 2.37 + 2.42) / 120.0)
+    assert tlm.extrapolate_c(tl, 2, 1.9, 0.4, 0.2)["step"] == approx(0.31 + 0.37 + 3.8 + 0.42)
     gpu_bound = tlm.extrapolate(tl, 60, cpu_alone=0.1, gpu_fixed=1.0, gpu_per_layer=0.5)
     assert gpu_bound["limit"] == approx(31.0) and gpu_bound["ratio"] == approx(142.46 / 31.0)
 
