@@ -243,11 +243,11 @@ def part_decode(ref, hyb, args):
                              "timestamps, ms)", describe(tl)))  # fmt: skip
                 log(f"  {tag} {mode}: stubbed: {describe(tl0)}")
                 log(f"  {tag} {mode}: real: {describe(tl)}")
-                # the strictest honest CPU part: the fastest measurement of one layer's CPU
-                # experts (inside this step, or alone back to back or prewoken)
-                warm = {"inside the step": tl.cpu, "alone, same experts": t_cpu,
-                        "alone, same experts, prewoken": t_cpu_pw,
-                        "alone, the step's inputs": t_own,
+                # the strictest honest CPU part: the fastest measurement of the same CPU work,
+                # the step's layers' experts on its inputs (inside the step, or alone back to
+                # back or prewoken); not the same experts call after call, whose bytes the L3
+                # can keep (a step alternates its layers: 2 x 198 MB)
+                warm = {"inside the step": tl.cpu, "alone, the step's inputs": t_own,
                         "alone, the step's inputs, prewoken": t_own_pw}  # fmt: skip
                 c_name, c = min(((k, v) for k, v in warm.items() if v == v), key=lambda kv: kv[1])
                 ratio = t_real / max(t_gpu, n_moe * c)
