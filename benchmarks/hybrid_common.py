@@ -132,21 +132,23 @@ class ZeroExperts:
         return torch.zeros_like(hidden)
 
 
-def graph_runner(model, kv, max_pages, B, device_wait=None, one_graph=False):
+def graph_runner(model, kv, max_pages, B, device_wait=None, one_graph=False, spin_wait=False):
     from k2serve.model.cuda_graph import DecodeGraphRunner
 
     r = DecodeGraphRunner(model, kv, max_pages, buckets=(B,), device_wait=device_wait,
-                          one_graph=one_graph)  # fmt: skip
+                          one_graph=one_graph, spin_wait=spin_wait)  # fmt: skip
     r.capture()
     return r
 
 
 # the ways a hybrid decode graph waits for the CPU experts (model.cuda_graph): (name, device
-# wait, one graph): before = a host round trip between graph pieces, after = a stream wait
-# inside the graph (1 + n pieces, an event per layer), one graph = the same with the whole
-# step one graph, which writes a ready word per layer for the host (no event, no piece)
-WAITS = (("host wait (before)", False, False), ("device wait (after)", True, False),
-         ("device wait, one graph", True, True))  # fmt: skip
+# wait, one graph, spin wait): before = a host round trip between graph pieces, after = a
+# stream wait inside the graph (1 + n pieces, an event per layer); one graph = the same with
+# the whole step one graph, which writes a ready word per layer for the host (no event, no
+# piece); spin = its waits spinning kernels on the host-mapped flag, not stream waits
+WAITS = (("host wait (before)", False, False, False), ("device wait (after)", True, False, False),
+         ("device wait, one graph", True, True, False),
+         ("device wait, one graph, spin kernel", True, True, True))  # fmt: skip
 
 
 def soft(name, fn):

@@ -207,13 +207,14 @@ def part_decode(ref, hyb, args):
             f"{t_fixed:.3f} + {n_moe} x {per_moe:.3f}), CPU experts alone per layer {t_cpu:.3f} "
             f"/ prewoken {t_cpu_pw:.3f}, cold {t_cold:.3f} / {t_cold_pw:.3f}, eager GPU part "
             f"{t_eager_part:.3f} ms")  # fmt: skip
-        for mode, dw, one_g in WAITS:
+        for mode, dw, one_g, spin in WAITS:
 
             def one():
                 n_tr = max(10, 2 * args.iters)
                 set_stub(hyb, True)
                 try:
-                    r_h = graph_runner(hyb, kv_h, ppseq, B, device_wait=dw, one_graph=one_g)
+                    r_h = graph_runner(hyb, kv_h, ppseq, B, device_wait=dw, one_graph=one_g,
+                                       spin_wait=spin)  # fmt: skip
                     t_gpu = wall_ms(lambda: r_h.run(ids, pos, md), iters=args.iters)
                     # the same timeline with the CPU experts answered at once: the GPU chain
                     # and the host's latencies alone (a period = its serial part + ~0)
@@ -231,6 +232,8 @@ def part_decode(ref, hyb, args):
                     FAILS.append(f"decode B={B} {mode}: the probe failed, host wait used")
                 if one_g and not r_h.jobs:
                     FAILS.append(f"decode B={B} {mode}: no ready words, pieces used")
+                if spin and not all(getattr(sig, "spin", False) for _, sig in r_h._waiting):
+                    FAILS.append(f"decode B={B} {mode}: no spin-kernel waits")
                 gratio = t_gpu / t_noexp
                 ROWS.append(("decode", f"{tag} {mode}: GPU part, {pieces} graph pieces",
                              f"{t_gpu:.3f} ms = {gratio:.2f} x limit "

@@ -94,11 +94,12 @@ def part_checks(ref, hyb, args):
         ids, pos, md, pages, ppseq = decode_inputs(B, 256)
         kv_r = kv_for(ref, pages * 64)
         want = ref(ids, pos, md, kv_r)
-        for mode, dw, one_g in WAITS:
+        for mode, dw, one_g, spin in WAITS:
 
             def one():
                 kv_h = kv_for(hyb, pages * 64)
-                r = graph_runner(hyb, kv_h, ppseq, B, device_wait=dw, one_graph=one_g)
+                r = graph_runner(hyb, kv_h, ppseq, B, device_wait=dw, one_graph=one_g,
+                                 spin_wait=spin)  # fmt: skip
                 got = [r.run(ids, pos, md).clone() for _ in range(3)][-1]  # replays agree
                 check(f"graph decode B={B}, {mode} ({max(r.num_pieces.values())} pieces)",
                       got, want, 2e-2)  # fmt: skip

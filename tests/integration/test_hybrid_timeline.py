@@ -417,3 +417,74 @@ def test_cuda_one_graph_device_wait_equals_the_pieces():
         assert all(int(job.graph_word.word.item()) == 0 for job in runners[1].jobs[4])
         ids = runners[0].model.compute_logits(want).argmax(-1)
         lens = [n + 1 for n in lens]
+
+
+def test_spin_wait_kernel_clears_a_set_flag(monkeypatch):
+    """The spin-wait kernel's logic in Triton's interpreter (CPU): a set flag lets it return
+    at once and is cleared (the wait itself, on host-mapped memory, is the gpu test's)."""
+    pytest.importorskip("triton")
+    from k2serve.kernels.stream_wait import _spin_kernel
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kernel = _spin_kernel.__wrapped__()  # not the cached (compiled) one
+    flag = torch.tensor([7], dtype=torch.int32)
+    kernel[(1,)](flag)
+    assert flag.tolist() == [0]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_spin_signal_holds_a_graph_until_the_host_writes():
+    """CudaHostSignal(spin=True): the spinning kernel inside a captured graph holds the copy
+    after it until the host releases, replay after replay (the kernel re-arms the flag)."""
+    from k2serve.kernels.stream_wait import CudaHostSignal, cuda_host_signal_supported
+
+    assert cuda_host_signal_supported(torch.cuda.current_device(), True)
+    sig = CudaHostSignal(spin=True)
+    host = torch.zeros(4, pin_memory=True)
+    dev = torch.zeros(4, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        sig.gpu_wait()
+        dev.copy_(host, non_blocking=True)
+        dev.mul_(2)
+    for step in range(1, 4):
+        g.replay()
+        done = torch.cuda.Event()
+        done.record()
+        time.sleep(0.01)
+        assert not done.query()  # held
+        host.fill_(float(step))
+        sig.release()
+        done.synchronize()
+        assert dev.tolist() == [2.0 * step] * 4 and int(sig.flag.item()) == 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_one_graph_with_the_spin_wait_equals_the_pieces():
+    """bf16 on CUDA: one graph per step whose layers wait in spinning kernels gives the 1 + n
+    pieces' output, step after step."""
+    cfg = load_tiny("int4").config
+    dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    runners = []
+    for one in (False, True):
+        model = load_tiny("int4", dtype=torch.bfloat16, device="cuda",
+                          expert_placement=make_placement(cfg, 3))  # fmt: skip
+        caches = [torch.zeros(3 * PAGES, PS, dim, dtype=torch.bfloat16, device="cuda")
+                  for _ in model.model.layers]  # fmt: skip
+        r = DecodeGraphRunner(model, caches, PAGES, buckets=(4,), device_wait=True,
+                              one_graph=one, spin_wait=one)  # fmt: skip
+        r.capture()
+        runners.append(r)
+    assert runners[1].num_pieces[4] == 1
+    assert all(sig.spin for _, sig in runners[1]._waiting)
+    lens, ids = [3, 6, 9], torch.randint(0, 500, (3,), device="cuda")
+    for _ in range(3):
+        pos, md = _decode_md(lens)
+        md = AttentionMetadata(**{k: (v.cuda() if torch.is_tensor(v) else v)
+                                  for k, v in vars(md).items()})  # fmt: skip
+        want, got = (r.run(ids, pos.cuda(), md).clone() for r in runners)
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+        ids = runners[0].model.compute_logits(want).argmax(-1)
+        lens = [n + 1 for n in lens]

@@ -74,10 +74,39 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"{what} failed (CUresult {rc})")
 
 
-class CudaHostSignal:
-    """See the module docstring."""
+@functools.cache
+def _spin_kernel():
+    """Triton kernel: spin on a flag in host-mapped memory until it is nonzero, then clear it
+    (one program; volatile loads re-read host memory over PCIe each time)."""
+    import triton
+    import triton.language as tl
 
-    def __init__(self) -> None:
+    @triton.jit
+    def spin_until_set(flag_ptr):
+        v = tl.load(flag_ptr, volatile=True)
+        while v == 0:
+            v = tl.load(flag_ptr, volatile=True)
+        tl.store(flag_ptr, 0)
+
+    return spin_until_set
+
+
+class _HostMapped:
+    """__cuda_array_interface__ of one int32 at a device address: torch.as_tensor makes it a
+    CUDA tensor without a copy (here: a pinned host word, through unified addressing)."""
+
+    def __init__(self, ptr: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (1,), "typestr": "<i4", "data": (ptr, False),
+                                         "version": 2, "strides": None}  # fmt: skip
+
+
+class CudaHostSignal:
+    """See the module docstring. `spin`: `gpu_wait()` is a one-program Triton kernel that
+    spins on the flag through its host-mapped address and clears it (an SM held during the
+    wait; the flag seen within a PCIe read instead of the front end's stream-wait poll), not
+    the stream memory operations."""
+
+    def __init__(self, spin: bool = False) -> None:
         lib = _libcuda()
         if lib is None:
             raise RuntimeError("libcuda stream memory operations are not available")
@@ -89,6 +118,14 @@ class CudaHostSignal:
         self._dptr = out.value if rc == 0 else self.flag.data_ptr()
         self._host = ctypes.c_int32.from_address(self.flag.data_ptr())
         self.event = torch.cuda.Event()
+        self.spin = spin
+        if spin:  # the flag as a CUDA tensor; the kernel built now, not while capturing
+            self._flag_dev = torch.as_tensor(_HostMapped(self._dptr), device="cuda")
+            self._host.value = 1
+            _spin_kernel()[(1,)](self._flag_dev)
+            torch.cuda.synchronize()
+            if self._host.value != 0:
+                raise RuntimeError("the spin-wait kernel did not clear the host flag")
 
     def record(self) -> None:
         self.event.record()
@@ -97,6 +134,9 @@ class CudaHostSignal:
         self.event.synchronize()
 
     def gpu_wait(self) -> None:
+        if self.spin:
+            _spin_kernel()[(1,)](self._flag_dev)
+            return
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
         _check(self._wait(stream, self._dptr, 1, CU_STREAM_WAIT_VALUE_EQ), "cuStreamWaitValue32")
         _check(self._write(stream, self._dptr, 0, CU_STREAM_WRITE_VALUE_DEFAULT),
@@ -186,7 +226,7 @@ def _poll(event: torch.cuda.Event, seconds: float) -> bool:
 
 
 @functools.cache
-def cuda_host_signal_supported(device_index: int) -> bool:
+def cuda_host_signal_supported(device_index: int, spin: bool = False) -> bool:
     """True when a captured graph's `gpu_wait()` holds the stream until `release()` and then
     goes on (checked once, on a side stream; logs why not otherwise). Raises RuntimeError in
     the one case that cannot be undone: a wait that never saw the host's flag leaves that
@@ -194,7 +234,7 @@ def cuda_host_signal_supported(device_index: int) -> bool:
     skips the probe)."""
     try:
         with torch.cuda.device(device_index):
-            sig = CudaHostSignal()
+            sig = CudaHostSignal(spin=spin)
             x = torch.zeros(1, device="cuda")
             stream = torch.cuda.Stream()
             g = torch.cuda.CUDAGraph()

@@ -23,6 +23,9 @@ default, measured in benchmarks/hybrid_moe.py): the graph also writes a ready wo
 layer after its staging copies (kernels.stream_wait.HostReadyWord), so nothing needs the host
 between pieces: a step is one graph launch, then the layers' CPU parts in order
 (HostJob.complete_in_graph: spin on the word, compute, release the flag).
+`spin_wait` (off by default): the device wait's GPU side is a one-program kernel spinning on
+the flag through its host-mapped address (kernels.stream_wait.CudaHostSignal(spin=True))
+instead of the stream-wait memory operation and its poll.
 
 Owns: `DecodeGraphRunner`. A decode step = B sequences with one new token each
 (`max_query_len == 1`). The runner owns static input buffers sized for the largest bucket; a
@@ -81,13 +84,14 @@ class CudaGraphFactory:
             return None
         return HostReadyWord()
 
-    def host_signal(self):
-        """A host -> GPU signal a captured graph can wait on, or None where unsupported."""
+    def host_signal(self, spin: bool = False):
+        """A host -> GPU signal a captured graph can wait on, or None where unsupported
+        (`spin`: its wait a spinning kernel, see kernels.stream_wait.CudaHostSignal)."""
         from k2serve.kernels.stream_wait import CudaHostSignal, cuda_host_signal_supported
 
-        if not cuda_host_signal_supported(torch.cuda.current_device()):
+        if not cuda_host_signal_supported(torch.cuda.current_device(), spin):
             return None
-        return CudaHostSignal()
+        return CudaHostSignal(spin=spin)
 
 
 def capture_pieces(gen, factory) -> tuple[list, list, Any]:
@@ -135,6 +139,7 @@ class DecodeGraphRunner:
         device_wait: bool | None = None,  # None: K2SERVE_HYBRID_DEVICE_WAIT (see the docstring)
         ready_words: bool = False,  # the staged inputs marked by ready words, not events
         one_graph: bool = False,  # device wait as one graph per step (see the docstring)
+        spin_wait: bool = False,  # device wait: a spinning kernel waits, not the stream
     ) -> None:
         if not buckets or min(buckets) < 1:
             raise ValueError(f"buckets must be positive batch sizes, got {buckets}")
@@ -163,6 +168,7 @@ class DecodeGraphRunner:
         self.device_wait = envs.hybrid_device_wait() if device_wait is None else device_wait
         self.ready_words = ready_words
         self.one_graph = one_graph
+        self.spin_wait = spin_wait
         self._graph_words: list = []  # one graph: each hybrid layer's word, layer order
         self.jobs: dict[int, list] = {}  # one graph: bucket -> its captured jobs, layer order
         self._waiting: list = []  # (hybrid backend, its signal) whose GPU waits, layer order
@@ -255,7 +261,7 @@ class DecodeGraphRunner:
         make = getattr(self.factory, "host_signal", None)
         if not (hybrid and self.device_wait and make is not None):
             return []
-        signals = [make() for _ in hybrid]
+        signals = [make(spin=True) if self.spin_wait else make() for _ in hybrid]
         if any(s is None for s in signals):
             return []
         for be, sig in zip(hybrid, signals, strict=True):
