@@ -488,3 +488,20 @@ def test_cuda_one_graph_with_the_spin_wait_equals_the_pieces():
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
         ids = runners[0].model.compute_logits(want).argmax(-1)
         lens = [n + 1 for n in lens]
+
+
+def test_spin_wait_falls_back_to_stream_waits():
+    """spin_wait with a factory that has no spin signals (or whose spin signals are refused):
+    the stream-wait signals, not the host wait."""
+
+    class Refusing(StreamTapeGraphFactory):
+        def spin_signal(self):
+            return None
+
+    for factory in (StreamTapeGraphFactory(), Refusing()):
+        model = _model(4)
+        r = DecodeGraphRunner(model, _caches(model, 3), PAGES, buckets=(4,),
+                              graph_factory=factory, device_wait=True,
+                              spin_wait=True)  # fmt: skip
+        r.capture()
+        assert r.waits_in_graph and r.num_pieces == {4: 1 + 2}

@@ -93,6 +93,10 @@ class CudaGraphFactory:
             return None
         return CudaHostSignal(spin=spin)
 
+    def spin_signal(self):
+        """host_signal(spin=True)."""
+        return self.host_signal(spin=True)
+
 
 def capture_pieces(gen, factory) -> tuple[list, list, Any]:
     """Capture a pieces generator: -> (graphs, host actions, the generator's return value);
@@ -261,7 +265,10 @@ class DecodeGraphRunner:
         make = getattr(self.factory, "host_signal", None)
         if not (hybrid and self.device_wait and make is not None):
             return []
-        signals = [make(spin=True) if self.spin_wait else make() for _ in hybrid]
+        spin = getattr(self.factory, "spin_signal", None) if self.spin_wait else None
+        signals = [spin() for _ in hybrid] if spin is not None else []
+        if not signals or any(s is None for s in signals):  # no spin kernels: stream waits
+            signals = [make() for _ in hybrid]
         if any(s is None for s in signals):
             return []
         for be, sig in zip(hybrid, signals, strict=True):
