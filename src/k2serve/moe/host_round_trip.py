@@ -132,9 +132,9 @@ class HostJob:
         self._complete(lambda: self._wait_staged(self.signal.wait_recorded))
 
     def complete_in_graph(self) -> None:
-        """One-graph device wait (model.cuda_graph: the whole step one graph): the graph wrote
-        the backend's ready word after the staging copies; wake the CPU pool, wait for that
-        word, then as `complete`."""
+        """One-graph device wait (model.cuda_graph: the whole step one graph): the graph writes
+        this job's `graph_word` after its staging copies; wake the CPU pool, wait for that
+        word (and clear it), then as `complete`."""
         self.backend.cpu_backend.prewake()
         self._mark("wake")
         self._complete(self.graph_word.wait_set)
