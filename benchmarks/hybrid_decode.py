@@ -16,6 +16,7 @@ from hybrid_common import (
     ROWS,
     WAITS,
     ZeroExperts,
+    check,
     decode_inputs,
     graph_runner,
     hybrid_backends,
@@ -145,6 +146,7 @@ def part_decode(ref, hyb, args):
         kv_r, kv_h = kv_for(ref, pages * 64), kv_for(hyb, pages * 64)
         r_all = graph_runner(ref, kv_r, ppseq, B)
         t_all = wall_ms(lambda: r_all.run(ids, pos, md), iters=args.iters)
+        want = r_all.run(ids, pos, md).clone()  # each way's real step is checked against it
         del r_all
         saved = {}
         for ly in ref.model.layers:
@@ -223,6 +225,7 @@ def part_decode(ref, hyb, args):
                 finally:
                     set_stub(hyb, False)
                 t_real = wall_ms(lambda: r_h.run(ids, pos, md), iters=args.iters, warmup=2)
+                check(f"decode B={B} context 1024, {mode}", r_h.run(ids, pos, md), want, 2e-2)
                 # the CPU experts the step runs, alone: its own inputs, layer after layer
                 oc = own_calls(hyb, B)
                 t_own, t_own_pw = (cpu_calls_ms(oc, it), cpu_calls_ms(oc, it, LEAD_US)) if oc \
