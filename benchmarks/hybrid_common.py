@@ -5,6 +5,7 @@ and the expert GEMVs, the decode graph runner. Needs CUDA to run (not to import)
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -123,6 +124,30 @@ def set_stub(model, on: bool):
             be.cpu_backend = StubCpu(be.cpu_backend)
         elif not on and isinstance(be.cpu_backend, StubCpu):
             be.cpu_backend = be.cpu_backend.real
+
+
+@contextlib.contextmanager
+def slow_cpu(model, seconds: float):
+    """Every CPU part starts `seconds` late (a sleep before the CPU experts), as on a slow or
+    busy host, its `out` first filled with NaN: a GPU that read `out` before the CPU wrote it
+    would show NaN in the output (the same step's `out` of the step before would not show)."""
+    saved = []
+    for be in hybrid_backends(model):
+        cpu = be.cpu_backend
+        saved.append((cpu, cpu.submit))
+
+        def late(*a, _submit=cpu.submit, **k):
+            if k.get("out") is not None:
+                k["out"].fill_(float("nan"))
+            time.sleep(seconds)
+            return _submit(*a, **k)
+
+        cpu.submit = late
+    try:
+        yield
+    finally:
+        for cpu, submit in saved:
+            cpu.submit = submit
 
 
 class ZeroExperts:

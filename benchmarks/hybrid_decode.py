@@ -23,6 +23,7 @@ from hybrid_common import (
     kv_for,
     log,
     set_stub,
+    slow_cpu,
     soft,
     wall_ms,
 )
@@ -226,6 +227,9 @@ def part_decode(ref, hyb, args):
                     set_stub(hyb, False)
                 t_real = wall_ms(lambda: r_h.run(ids, pos, md), iters=args.iters, warmup=2)
                 check(f"decode B={B} context 1024, {mode}", r_h.run(ids, pos, md), want, 2e-2)
+                with slow_cpu(hyb, 0.005):  # each CPU part 5 ms late: no way may read early
+                    got = [r_h.run(ids, pos, md).clone() for _ in range(2)][-1]
+                check(f"decode B={B} context 1024, {mode}, CPU parts 5 ms late", got, want, 2e-2)
                 # the CPU experts the step runs, alone: its own inputs, layer after layer
                 oc = own_calls(hyb, B)
                 t_own, t_own_pw = (cpu_calls_ms(oc, it), cpu_calls_ms(oc, it, LEAD_US)) if oc \

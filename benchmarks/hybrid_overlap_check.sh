@@ -52,6 +52,7 @@ left=$((198 - SECONDS))
 if [ "$left" -ge 15 ]; then  # the opt-in ways (ready words, one graph): their gpu tests
   echo "== pytest -m gpu tests/integration/test_hybrid_timeline.py (limit ${left}s)"
   timeout "$left" python3 -m pytest -q -p no:cacheprovider -m gpu \
-    tests/integration/test_hybrid_timeline.py > "$OUT/hybrid_pytest_timeline.txt" 2>&1
+    tests/integration/test_hybrid_slow_cpu.py tests/integration/test_hybrid_timeline.py \
+    > "$OUT/hybrid_pytest_timeline.txt" 2>&1
   echo "(rc=$? at ${SECONDS}s)"; tail -4 "$OUT/hybrid_pytest_timeline.txt"
 fi
