@@ -92,7 +92,10 @@ def decode_inputs(B, ctx, ps=64):
         block_table=bt, slot_mapping=(bt[:, ctx // ps].long() * ps + ctx % ps),
         max_query_len=1, max_seq_len=ctx + 1, page_size=ps, num_decodes=B,
     )  # fmt: skip
-    ids = torch.randint(0, 2000, (B,), device="cuda")
+    # seeded: the same tokens in every run (an unseeded draw can route a token through a
+    # near-tie that bf16 rounding flips between two paths, failing every way's check at once)
+    g = torch.Generator(device="cuda").manual_seed(1000 * B + ctx)
+    ids = torch.randint(0, 2000, (B,), device="cuda", generator=g)
     return ids, torch.full((B,), ctx, device="cuda", dtype=torch.long), md, B * ppseq, ppseq
 
 

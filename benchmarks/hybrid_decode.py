@@ -210,6 +210,7 @@ def part_decode(ref, hyb, args):
             f"{t_fixed:.3f} + {n_moe} x {per_moe:.3f}), CPU experts alone per layer {t_cpu:.3f} "
             f"/ prewoken {t_cpu_pw:.3f}, cold {t_cold:.3f} / {t_cold_pw:.3f}, eager GPU part "
             f"{t_eager_part:.3f} ms")  # fmt: skip
+        outs: dict = {}
         for mode, dw, one_g, spin in WAITS:
 
             def one():
@@ -226,7 +227,11 @@ def part_decode(ref, hyb, args):
                 finally:
                     set_stub(hyb, False)
                 t_real = wall_ms(lambda: r_h.run(ids, pos, md), iters=args.iters, warmup=2)
-                check(f"decode B={B} context 1024, {mode}", r_h.run(ids, pos, md), want, 2e-2)
+                got = r_h.run(ids, pos, md).clone()
+                check(f"decode B={B} context 1024, {mode}", got, want, 2e-2)
+                first = outs.setdefault("first", (mode, got))  # the ways against each other
+                if first[0] != mode:
+                    check(f"decode B={B} context 1024, {mode} vs {first[0]}", got, first[1], 1e-3)
                 with slow_cpu(hyb, 0.005):  # each CPU part 5 ms late: no way may read early
                     got = [r_h.run(ids, pos, md).clone() for _ in range(2)][-1]
                 check(f"decode B={B} context 1024, {mode}, CPU parts 5 ms late", got, want, 2e-2)

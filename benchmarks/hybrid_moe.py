@@ -94,6 +94,7 @@ def part_checks(ref, hyb, args):
         ids, pos, md, pages, ppseq = decode_inputs(B, 256)
         kv_r = kv_for(ref, pages * 64)
         want = ref(ids, pos, md, kv_r)
+        outs = {}
         for mode, dw, one_g, spin in WAITS:
             if spin:  # checked in part_decode, last: a wait that never ends must not cost
                 continue  # the other ways' figures
@@ -105,8 +106,16 @@ def part_checks(ref, hyb, args):
                 got = [r.run(ids, pos, md).clone() for _ in range(3)][-1]  # replays agree
                 check(f"graph decode B={B}, {mode} ({max(r.num_pieces.values())} pieces)",
                       got, want, 2e-2)  # fmt: skip
+                outs[mode] = got
 
             soft(f"graph decode B={B} {mode}", one)
+        # the ways against each other (the same GPU kernels, the same CPU part): a way that
+        # read a CPU result early differs here; all of them off the reference together is
+        # the reference path's rounding (e.g. a routing near-tie), not a wait
+        first = next(iter(outs), None)
+        for mode, got in outs.items():
+            if mode != first:
+                check(f"graph decode B={B}, {mode} vs {first}", got, outs[first], 1e-3)
     gc.collect()
     torch.cuda.empty_cache()
 

@@ -37,7 +37,7 @@ echo "== hybrid_moe.py --quick --parts checks,decode --no-layerwise (limit ${lef
 timeout "$left" python3 benchmarks/hybrid_moe.py --quick --parts checks,decode --no-layerwise \
   --watchdog $((left - 5)) > "$OUT/hybrid_bench.txt" 2>&1
 echo "(rc=$? at ${SECONDS}s)"
-grep -E "^== results|^  (check|decode) |^  B=|FAILED|Traceback|Error" "$OUT/hybrid_bench.txt" | tail -64
+grep -E "^== results|^  (check|decode) |^  B=|FAILED|Traceback|Error" "$OUT/hybrid_bench.txt" | tail -72
 
 left=$((196 - SECONDS))
 if [ "$left" -ge 20 ]; then  # what time is left: the fused fidelity variants (split + graphs)
