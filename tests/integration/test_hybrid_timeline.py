@@ -289,7 +289,7 @@ def test_a_runner_gives_its_hybrid_layers_ready_words_when_asked(ready_words):
     for factory, asked in ((StreamTapeGraphFactory(), True), (WordFactory(), ready_words)):
         model = _model(4)
         runner = DecodeGraphRunner(model, _caches(model, 3), PAGES, buckets=(4,),
-                                   graph_factory=factory, device_wait=True,
+                                   graph_factory=factory, device_wait=True, one_graph=False,
                                    ready_words=asked)  # fmt: skip
         runner.capture()
         hybrid = [model.model.layers[i].mlp.expert_backend for i in model.config.moe_layers]

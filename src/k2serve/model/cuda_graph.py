@@ -10,22 +10,24 @@ actions read and write static (pinned) buffers that the captured copies use, so 
 re-run as they are at every replay. Graphs come from a `graph_factory` (default
 `CudaGraphFactory`); tests pass a fake that records and replays torch ops on the CPU.
 
-Device wait (`device_wait`, K2SERVE_HYBRID_DEVICE_WAIT=1, off by default: slower than the host
-wait on the H100 host; used when the factory gives host signals: CUDA stream memory
-operations, kernels.stream_wait): each hybrid layer waits for its CPU experts on a flag inside
-the graph, so a step is 1 + n pieces (cut where the host must learn that a layer's inputs are
-staged); piece i + 1 is launched before layer i's CPU part (moe.host_round_trip): the GPU runs
-each layer's shared expert and GPU experts during the CPU part and resumes the moment the flag
-is written.
-Without it (host wait): 1 + 2n pieces, g0, a0, g1, a1, ... with the CPU part inside a1.
-One graph (`one_graph`, with the device wait, where the factory gives ready words: off by
-default, measured in benchmarks/hybrid_moe.py): the graph also writes a ready word per hybrid
-layer after its staging copies (kernels.stream_wait.HostReadyWord), so nothing needs the host
-between pieces: a step is one graph launch, then the layers' CPU parts in order
-(HostJob.complete_in_graph: spin on the word, compute, release the flag).
-`spin_wait` (off by default): the device wait's GPU side is a one-program kernel spinning on
-the flag through its host-mapped address (kernels.stream_wait.CudaHostSignal(spin=True))
-instead of the stream-wait memory operation and its poll.
+Device wait (`device_wait`, K2SERVE_HYBRID_DEVICE_WAIT, on by default; used when the factory
+gives host signals: CUDA stream memory operations or a spinning kernel, kernels.stream_wait):
+each hybrid layer waits for its CPU experts on a flag inside the graph; the GPU runs each
+layer's shared expert and GPU experts during the CPU part and resumes the moment the flag is
+written. By default (`one_graph`, `spin_wait`) a step is ONE graph: it also writes a ready
+word per hybrid layer after its staging copies (kernels.stream_wait.HostReadyWord), so the
+host needs no piece boundary to learn a layer's inputs are staged: one launch, then the
+layers' CPU parts in order (HostJob.complete_in_graph: spin on the word, compute, release the
+flag), and each wait is a one-program kernel spinning on the flag's host-mapped address
+(CudaHostSignal(spin=True)) instead of the stream-wait memory operation and its 12-19 us poll.
+Where the factory gives no ready words the step is 1 + n pieces, cut where the host must learn
+that a layer's inputs are staged (an event), piece i + 1 launched before layer i's CPU part;
+where it gives no spinning kernels, stream waits.
+Without the device wait (host wait): 1 + 2n pieces, g0, a0, g1, a1, ... with the CPU part
+inside a1, the rest launched by the host once the CPU's result is written.
+Measured (benchmarks/hybrid_moe.py, H100 host, RESULTS.md "Hybrid GPU + CPU experts"): the
+one graph with spinning waits had the shortest serial part per MoE layer and GPU part, and the
+fastest real step.
 
 Owns: `DecodeGraphRunner`. A decode step = B sequences with one new token each
 (`max_query_len == 1`). The runner owns static input buffers sized for the largest bucket; a
@@ -142,8 +144,8 @@ class DecodeGraphRunner:
         graph_factory=None,
         device_wait: bool | None = None,  # None: K2SERVE_HYBRID_DEVICE_WAIT (see the docstring)
         ready_words: bool = False,  # the staged inputs marked by ready words, not events
-        one_graph: bool = False,  # device wait as one graph per step (see the docstring)
-        spin_wait: bool = False,  # device wait: a spinning kernel waits, not the stream
+        one_graph: bool = True,  # device wait as one graph per step (see the docstring)
+        spin_wait: bool = True,  # device wait: a spinning kernel waits, not the stream
     ) -> None:
         if not buckets or min(buckets) < 1:
             raise ValueError(f"buckets must be positive batch sizes, got {buckets}")
