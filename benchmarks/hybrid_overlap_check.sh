@@ -23,7 +23,9 @@ echo "== probe: stream wait on a host flag inside a CUDA graph"
 timeout 30 python3 -c "
 import logging, torch; logging.basicConfig(level=logging.INFO)
 from k2serve.kernels.stream_wait import cuda_host_signal_supported
-print('device wait supported:', cuda_host_signal_supported(torch.cuda.current_device()))" \
+d = torch.cuda.current_device()
+print('device wait supported: stream waits', cuda_host_signal_supported(d),
+      'spinning kernels', cuda_host_signal_supported(d, True))" \
   > "$OUT/hybrid_probe.txt" 2>&1
 echo "(rc=$? at ${SECONDS}s)"; tail -3 "$OUT/hybrid_probe.txt"
 
