@@ -123,8 +123,8 @@ def test_a_host_sync_inside_a_piece_is_caught():
 @pytest.mark.parametrize("n_gpu", [8, 4, 0])
 def test_cuda_piecewise_graphs_equal_eager(n_gpu, device_wait):
     """On CUDA: hybrid layers with real CUDA graphs, pinned staging, and the CPU's result
-    waited for inside the graph (stream wait on a host flag) or between pieces (event +
-    host actions)."""
+    waited for inside the graph (the default: one graph per step, ready words out, spinning
+    waits on host flags in) or between pieces (event + host actions)."""
     from k2serve.kernels.stream_wait import cuda_host_signal_supported
 
     cfg = load_tiny("int4").config
@@ -137,8 +137,8 @@ def test_cuda_piecewise_graphs_equal_eager(n_gpu, device_wait):
     runner.capture()
     hybrid = 0 if n_gpu == 8 else len(cfg.moe_layers)
     if device_wait:
-        assert cuda_host_signal_supported(torch.cuda.current_device())
-    assert runner.num_pieces[4] == 1 + (1 if device_wait else 2) * hybrid
+        assert cuda_host_signal_supported(torch.cuda.current_device(), True)
+    assert runner.num_pieces[4] == (1 if device_wait else 1 + 2 * hybrid)
     lens = [3, 6, 9]
     ids = torch.randint(0, 500, (3,), device="cuda")
     for _ in range(4):
@@ -155,8 +155,8 @@ def test_cuda_piecewise_graphs_equal_eager(n_gpu, device_wait):
 @pytest.mark.gpu
 @needs_cuda
 def test_engine_keeps_decode_graphs_with_cpu_experts_and_the_eager_tokens():
-    """The engine's decode graphs (the default host wait: two pieces per hybrid layer more)
-    sample the tokens of the eager engine."""
+    """The engine's decode graphs (the default device wait: one graph per step, the CPU's
+    results waited for inside it) sample the tokens of the eager engine."""
     from k2serve.engine.config import EngineConfig
     from k2serve.engine.engine import LLMEngine
 
@@ -168,7 +168,7 @@ def test_engine_keeps_decode_graphs_with_cpu_experts_and_the_eager_tokens():
                        max_num_seqs=8, num_gpu_experts=3)  # fmt: skip
     eng = LLMEngine(cfg, model=load_tiny("int4", dtype=torch.bfloat16, device="cuda"))
     gr = eng.runner.graph_runner
-    assert gr is not None and gr.num_pieces[8] == 1 + 2 * len(eng.model.config.moe_layers)
+    assert gr is not None and gr.num_pieces[8] == 1 and gr.waits_in_graph
     graphed = _greedy_tokens(eng, prompts)
     eager_eng = LLMEngine(cfg.replace(enforce_eager=True),
                           model=load_tiny("int4", dtype=torch.bfloat16, device="cuda"))  # fmt: skip
@@ -393,7 +393,8 @@ def test_cuda_device_wait_equals_host_wait_and_eager():
     dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     caches = [[torch.zeros(3 * PAGES, PS, dim, dtype=torch.bfloat16, device="cuda")
                for _ in models[0].model.layers] for _ in models]  # fmt: skip
-    runners = [DecodeGraphRunner(m, c, PAGES, buckets=(4,), device_wait=dw)
+    runners = [DecodeGraphRunner(m, c, PAGES, buckets=(4,), device_wait=dw, one_graph=False,
+                                 spin_wait=False)
                for m, c, dw in zip(models[1:], caches[1:], (False, True), strict=True)]  # fmt: skip
     for r in runners:
         r.capture()

@@ -278,9 +278,9 @@ class ModelRunner(BatchBuilder):
         logger.info(
             "CUDA graphs: captured decode batch sizes %s%s",
             list(buckets),
-            f" ({pieces} pieces per step around the CPU experts, "
+            f" ({pieces} piece(s) per step around the CPU experts, "
             f"{'in-graph' if runner.waits_in_graph else 'host'} wait)"
-            if pieces > 1
+            if pieces > 1 or runner.waits_in_graph
             else "",
         )
 

@@ -2,8 +2,9 @@
 pinned host memory until the host writes it (CUDA stream memory operations, libcuda via
 ctypes), so the work after the wait needs no host launch.
 
-Owns: `CudaHostSignal` (one per hybrid MoE layer) and `cuda_host_signal_supported()` (a probe,
-once per process and device).
+Owns: `CudaHostSignal` (one per hybrid MoE layer), `cuda_host_signal_supported()` (a probe,
+once per process and device) and `HostReadyWord` (GPU -> host: a number the stream writes into
+pinned memory, the host spins on it; an alternative to an event for the staged inputs).
 
 Protocol of one signal (all four calls are cheap, none allocates):
 - `record()` (host, eager, between graph replays): an event after the GPU work that staged the
@@ -73,10 +74,39 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"{what} failed (CUresult {rc})")
 
 
-class CudaHostSignal:
-    """See the module docstring."""
+@functools.cache
+def _spin_kernel():
+    """Triton kernel: spin on a flag in host-mapped memory until it is nonzero, then clear it
+    (one program; volatile loads re-read host memory over PCIe each time)."""
+    import triton
+    import triton.language as tl
 
-    def __init__(self) -> None:
+    @triton.jit
+    def spin_until_set(flag_ptr):
+        v = tl.load(flag_ptr, volatile=True)
+        while v == 0:
+            v = tl.load(flag_ptr, volatile=True)
+        tl.store(flag_ptr, 0)
+
+    return spin_until_set
+
+
+class _HostMapped:
+    """__cuda_array_interface__ of one int32 at a device address: torch.as_tensor makes it a
+    CUDA tensor without a copy (here: a pinned host word, through unified addressing)."""
+
+    def __init__(self, ptr: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (1,), "typestr": "<i4", "data": (ptr, False),
+                                         "version": 2, "strides": None}  # fmt: skip
+
+
+class CudaHostSignal:
+    """See the module docstring. `spin`: `gpu_wait()` is a one-program Triton kernel that
+    spins on the flag through its host-mapped address and clears it (an SM held during the
+    wait; the flag seen within a PCIe read instead of the front end's stream-wait poll), not
+    the stream memory operations."""
+
+    def __init__(self, spin: bool = False) -> None:
         lib = _libcuda()
         if lib is None:
             raise RuntimeError("libcuda stream memory operations are not available")
@@ -88,6 +118,14 @@ class CudaHostSignal:
         self._dptr = out.value if rc == 0 else self.flag.data_ptr()
         self._host = ctypes.c_int32.from_address(self.flag.data_ptr())
         self.event = torch.cuda.Event()
+        self.spin = spin
+        if spin:  # the flag as a CUDA tensor; the kernel built now, not while capturing
+            self._flag_dev = torch.as_tensor(_HostMapped(self._dptr), device="cuda")
+            self._host.value = 1
+            _spin_kernel()[(1,)](self._flag_dev)
+            torch.cuda.synchronize()
+            if self._host.value != 0:
+                raise RuntimeError("the spin-wait kernel did not clear the host flag")
 
     def record(self) -> None:
         self.event.record()
@@ -96,6 +134,9 @@ class CudaHostSignal:
         self.event.synchronize()
 
     def gpu_wait(self) -> None:
+        if self.spin:
+            _spin_kernel()[(1,)](self._flag_dev)
+            return
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
         _check(self._wait(stream, self._dptr, 1, CU_STREAM_WAIT_VALUE_EQ), "cuStreamWaitValue32")
         _check(self._write(stream, self._dptr, 0, CU_STREAM_WRITE_VALUE_DEFAULT),
@@ -109,6 +150,72 @@ class CudaHostSignal:
         self._host.value = 0
 
 
+class HostReadyWord:
+    """The other direction, GPU -> host, without an event: `record()` enqueues on the current
+    stream a write of the next sequence number into a pinned host word
+    (`cuStreamWriteValue32`, default flags: a memory fence first, so what the stream wrote
+    before, e.g. the staging copies, is visible when the number is); `wait(seq)` spins on the
+    word until it reaches seq (the host thread has nothing else to do; no driver call, no
+    event query). An alternative to `event.record()` / `event.synchronize()` for the hybrid
+    layers' staged inputs (moe.host_round_trip), chosen per backend at run time: both are
+    eager host actions between graph replays, nothing captured changes.
+
+    The write lands within a PCIe round trip after the GPU gets there; a wait that does not
+    see it in `timeout_s` raises (the stream is not blocked by this word: nothing waits on it
+    on the GPU)."""
+
+    def __init__(self, timeout_s: float = 5.0) -> None:
+        lib = _libcuda()
+        if lib is None:
+            raise RuntimeError("libcuda stream memory operations are not available")
+        _, self._write, dptr = lib
+        self.word = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # [1]: last seq written
+        out = ctypes.c_uint64()
+        rc = dptr(ctypes.byref(out), self.word.data_ptr(), 0)
+        self._dptr = out.value if rc == 0 else self.word.data_ptr()
+        self._host = ctypes.c_int32.from_address(self.word.data_ptr())
+        self.seq = 0
+        self.timeout_s = timeout_s
+
+    def record(self) -> int:
+        """-> the number `wait` waits for (the GPU writes it after the work enqueued so far)."""
+        self.seq = (self.seq + 1) & 0x7FFFFFFF
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        _check(self._write(stream, self._dptr, self.seq, CU_STREAM_WRITE_VALUE_DEFAULT),
+               "cuStreamWriteValue32")  # fmt: skip
+        return self.seq
+
+    # in-graph form: a constant the capture bakes in, cleared by the host that saw it
+    def gpu_set(self) -> None:
+        """Enqueue (usually while capturing) the write of 1 after the work before it."""
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        _check(self._write(stream, self._dptr, 1, CU_STREAM_WRITE_VALUE_DEFAULT),
+               "cuStreamWriteValue32")  # fmt: skip
+
+    def wait_set(self) -> None:
+        """Spin until the GPU wrote 1, then clear it for the next step (the GPU writes it
+        again only after the host's next release: stream order)."""
+        self.wait(1)
+        self._host.value = 0
+
+    def reset(self) -> None:
+        """Clear from the host (error recovery, after the device is drained)."""
+        self._host.value = 0
+
+    def wait(self, seq: int) -> None:
+        word = self._host
+        if word.value == seq:
+            return
+        n, end = 0, time.perf_counter() + self.timeout_s
+        while word.value != seq:
+            n += 1
+            if (n & 1023) == 0 and time.perf_counter() > end:
+                raise RuntimeError(
+                    f"the GPU did not write {seq} into the host ready word in "
+                    f"{self.timeout_s} s (it holds {word.value})"
+                )
+
+
 def _poll(event: torch.cuda.Event, seconds: float) -> bool:
     end = time.monotonic() + seconds
     while not event.query():
@@ -119,7 +226,7 @@ def _poll(event: torch.cuda.Event, seconds: float) -> bool:
 
 
 @functools.cache
-def cuda_host_signal_supported(device_index: int) -> bool:
+def cuda_host_signal_supported(device_index: int, spin: bool = False) -> bool:
     """True when a captured graph's `gpu_wait()` holds the stream until `release()` and then
     goes on (checked once, on a side stream; logs why not otherwise). Raises RuntimeError in
     the one case that cannot be undone: a wait that never saw the host's flag leaves that
@@ -127,7 +234,7 @@ def cuda_host_signal_supported(device_index: int) -> bool:
     skips the probe)."""
     try:
         with torch.cuda.device(device_index):
-            sig = CudaHostSignal()
+            sig = CudaHostSignal(spin=spin)
             x = torch.zeros(1, device="cuda")
             stream = torch.cuda.Stream()
             g = torch.cuda.CUDAGraph()
@@ -157,4 +264,34 @@ def cuda_host_signal_supported(device_index: int) -> bool:
     return ok
 
 
-__all__ = ["CudaHostSignal", "cuda_host_signal_supported"]
+@functools.cache
+def host_ready_word_supported(device_index: int) -> bool:
+    """True when a HostReadyWord's number arrives after the work before it (checked once:
+    a copy, then the word, on a side stream; no stream ever waits on the word, so a failure
+    only logs)."""
+    try:
+        with torch.cuda.device(device_index):
+            word = HostReadyWord(timeout_s=2.0)
+            stream = torch.cuda.Stream()
+            host = torch.zeros(1 << 16, pin_memory=True)
+            with torch.cuda.stream(stream):
+                dev = torch.full((1 << 16,), 3.0, device="cuda")
+                host.copy_(dev, non_blocking=True)
+                seq = word.record()
+            word.wait(seq)
+            ok = float(host[0]) == float(host[-1]) == 3.0
+            stream.synchronize()
+    except Exception as e:  # noqa: BLE001 - any failure means: use events
+        logger.warning("hybrid: GPU-written host ready words unusable here (%s)", e)
+        return False
+    if not ok:
+        logger.warning("hybrid: a ready word arrived before the copy it follows; using events")
+    return ok
+
+
+__all__ = [
+    "CudaHostSignal",
+    "HostReadyWord",
+    "cuda_host_signal_supported",
+    "host_ready_word_supported",
+]

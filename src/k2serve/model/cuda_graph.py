@@ -10,14 +10,24 @@ actions read and write static (pinned) buffers that the captured copies use, so 
 re-run as they are at every replay. Graphs come from a `graph_factory` (default
 `CudaGraphFactory`); tests pass a fake that records and replays torch ops on the CPU.
 
-Device wait (`device_wait`, K2SERVE_HYBRID_DEVICE_WAIT=1, off by default: slower than the host
-wait on the H100 host; used when the factory gives host signals: CUDA stream memory
-operations, kernels.stream_wait): each hybrid layer waits for its CPU experts on a flag inside
-the graph, so a step is 1 + n pieces (cut where the host must learn that a layer's inputs are
-staged); piece i + 1 is launched before layer i's CPU part (moe.host_round_trip): the GPU runs
-each layer's shared expert and GPU experts during the CPU part and resumes the moment the flag
-is written.
-Without it (host wait): 1 + 2n pieces, g0, a0, g1, a1, ... with the CPU part inside a1.
+Device wait (`device_wait`, K2SERVE_HYBRID_DEVICE_WAIT, on by default; used when the factory
+gives host signals: CUDA stream memory operations or a spinning kernel, kernels.stream_wait):
+each hybrid layer waits for its CPU experts on a flag inside the graph; the GPU runs each
+layer's shared expert and GPU experts during the CPU part and resumes the moment the flag is
+written. By default (`one_graph`, `spin_wait`) a step is ONE graph: it also writes a ready
+word per hybrid layer after its staging copies (kernels.stream_wait.HostReadyWord), so the
+host needs no piece boundary to learn a layer's inputs are staged: one launch, then the
+layers' CPU parts in order (HostJob.complete_in_graph: spin on the word, compute, release the
+flag), and each wait is a one-program kernel spinning on the flag's host-mapped address
+(CudaHostSignal(spin=True)) instead of the stream-wait memory operation and its 12-19 us poll.
+Where the factory gives no ready words the step is 1 + n pieces, cut where the host must learn
+that a layer's inputs are staged (an event), piece i + 1 launched before layer i's CPU part;
+where it gives no spinning kernels, stream waits.
+Without the device wait (host wait): 1 + 2n pieces, g0, a0, g1, a1, ... with the CPU part
+inside a1, the rest launched by the host once the CPU's result is written.
+Measured (benchmarks/hybrid_moe.py, H100 host, RESULTS.md "Hybrid GPU + CPU experts"): the
+one graph with spinning waits had the shortest serial part per MoE layer and GPU part, and the
+fastest real step.
 
 Owns: `DecodeGraphRunner`. A decode step = B sequences with one new token each
 (`max_query_len == 1`). The runner owns static input buffers sized for the largest bucket; a
@@ -34,6 +44,7 @@ pieces of one bucket are replayed in capture order (they share the pool).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -66,13 +77,27 @@ class CudaGraphFactory:
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 
-    def host_signal(self):
-        """A host -> GPU signal a captured graph can wait on, or None where unsupported."""
+    def ready_word(self):
+        """A GPU -> host ready word (kernels.stream_wait.HostReadyWord), or None where
+        unsupported."""
+        from k2serve.kernels.stream_wait import HostReadyWord, host_ready_word_supported
+
+        if not host_ready_word_supported(torch.cuda.current_device()):
+            return None
+        return HostReadyWord()
+
+    def host_signal(self, spin: bool = False):
+        """A host -> GPU signal a captured graph can wait on, or None where unsupported
+        (`spin`: its wait a spinning kernel, see kernels.stream_wait.CudaHostSignal)."""
         from k2serve.kernels.stream_wait import CudaHostSignal, cuda_host_signal_supported
 
-        if not cuda_host_signal_supported(torch.cuda.current_device()):
+        if not cuda_host_signal_supported(torch.cuda.current_device(), spin):
             return None
-        return CudaHostSignal()
+        return CudaHostSignal(spin=spin)
+
+    def spin_signal(self):
+        """host_signal(spin=True)."""
+        return self.host_signal(spin=True)
 
 
 def capture_pieces(gen, factory) -> tuple[list, list, Any]:
@@ -95,11 +120,17 @@ def capture_pieces(gen, factory) -> tuple[list, list, Any]:
         actions.append(value)
 
 
-def replay_pieces(graphs, actions) -> None:
+def replay_pieces(graphs, actions, trace: list | None = None) -> None:
+    """Replay g0, a0, g1, ..., gn; `trace` (benchmarks): ("launch", perf_counter_ns) appended
+    after each piece is launched (moe.host_round_trip's timeline)."""
     for g, act in zip(graphs, actions, strict=False):
         g.replay()
+        if trace is not None:
+            trace.append(("launch", time.perf_counter_ns()))
         act()
     graphs[-1].replay()
+    if trace is not None:
+        trace.append(("launch", time.perf_counter_ns()))
 
 
 class DecodeGraphRunner:
@@ -112,6 +143,9 @@ class DecodeGraphRunner:
         with_logits: bool = False,
         graph_factory=None,
         device_wait: bool | None = None,  # None: K2SERVE_HYBRID_DEVICE_WAIT (see the docstring)
+        ready_words: bool = False,  # the staged inputs marked by ready words, not events
+        one_graph: bool = True,  # device wait as one graph per step (see the docstring)
+        spin_wait: bool = True,  # device wait: a spinning kernel waits, not the stream
     ) -> None:
         if not buckets or min(buckets) < 1:
             raise ValueError(f"buckets must be positive batch sizes, got {buckets}")
@@ -138,7 +172,15 @@ class DecodeGraphRunner:
         # the model keeps them (model.aux_hidden_state_layers); set as the model's after a replay
         self.aux: dict[int, torch.Tensor | None] = {}
         self.device_wait = envs.hybrid_device_wait() if device_wait is None else device_wait
+        self.ready_words = ready_words
+        self.one_graph = one_graph
+        self.spin_wait = spin_wait
+        self._graph_words: list = []  # one graph: each hybrid layer's word, layer order
+        self.jobs: dict[int, list] = {}  # one graph: bucket -> its captured jobs, layer order
         self._waiting: list = []  # (hybrid backend, its signal) whose GPU waits, layer order
+        # benchmarks: a list for the step's timeline marks (also set as the hybrid backends'
+        # `trace`; moe.host_round_trip); None: nothing recorded
+        self.trace: list | None = None
 
     def _metadata(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -188,6 +230,8 @@ class DecodeGraphRunner:
         backends = [getattr(ly.mlp, "expert_backend", None) for ly in self.model.model.layers]
         hybrid: list[Any] = [be for be in backends if hasattr(be, "dry_run")]
         self._waiting = self._host_signals(hybrid)
+        self._set_ready_words(hybrid)
+        self._graph_words = self._make_graph_words(hybrid)
         for bs in reversed(self.buckets):
             for be in hybrid:  # the CPU experts are not needed to warm up the GPU pieces
                 be.dry_run = True
@@ -197,15 +241,22 @@ class DecodeGraphRunner:
                 for be in hybrid:
                     be.dry_run = False
             self.factory.synchronize()
+            jobs: list = []
             for be, _ in self._waiting:
                 be.device_wait = True
+            for be, word in zip(hybrid, self._graph_words, strict=False):
+                be.graph_jobs, be.graph_word = jobs, word
             try:
                 graphs, actions, out = capture_pieces(self._pieces(bs), self.factory)
             finally:
                 for be, _ in self._waiting:
                     be.device_wait = False
                     be.deferred.clear()
+                for be in hybrid:
+                    be.graph_jobs = be.graph_word = None
             self.graphs[bs], self.actions[bs], self.outputs[bs] = graphs, actions, out
+            if self._graph_words:
+                self.jobs[bs] = jobs
             if getattr(self.model, "aux_hidden_state_layers", ()):
                 self.aux[bs] = self.model.aux_hidden_states
         self.factory.synchronize()
@@ -216,30 +267,69 @@ class DecodeGraphRunner:
         make = getattr(self.factory, "host_signal", None)
         if not (hybrid and self.device_wait and make is not None):
             return []
-        signals = [make() for _ in hybrid]
+        spin = getattr(self.factory, "spin_signal", None) if self.spin_wait else None
+        signals = [spin() for _ in hybrid] if spin is not None else []
+        if not signals or any(s is None for s in signals):  # no spin kernels: stream waits
+            signals = [make() for _ in hybrid]
         if any(s is None for s in signals):
             return []
         for be, sig in zip(hybrid, signals, strict=True):
             be.signal = sig  # the jobs captured from here on keep theirs
         return list(zip(hybrid, signals, strict=True))
 
+    def _set_ready_words(self, hybrid: list) -> None:
+        """Each hybrid backend's ready word (moe.host_round_trip: how the host learns that
+        the staged inputs are in host memory), when asked and the factory gives them: all or
+        none. Eager host actions read it at every replay, so nothing captured depends on it."""
+        make = getattr(self.factory, "ready_word", None)
+        if not (hybrid and self.ready_words and make is not None):
+            return
+        words = [make() for _ in hybrid]
+        if any(w is None for w in words):
+            return
+        for be, w in zip(hybrid, words, strict=True):
+            be.ready_word = w
+
+    def _make_graph_words(self, hybrid: list) -> list:
+        """One graph per step (`one_graph`, with the device wait): a ready word per hybrid
+        layer, which its graph writes after the staging copies, from the factory (all or
+        none: [] keeps the 1 + n pieces)."""
+        make = getattr(self.factory, "ready_word", None)
+        if not (self._waiting and self.one_graph and make is not None):
+            return []
+        words = [make() for _ in hybrid]
+        return [] if any(w is None for w in words) else words
+
     def _replay(self, bucket: int) -> None:
         """Launch the bucket's pieces; with the device wait, then the CPU parts in layer
         order (each releases its layer's GPU wait). On an error every signal is released, the
         device drained and the signals re-armed: the stream never stays blocked, and no flag
         is left set for the next step."""
+        trace = self.trace
         if not self._waiting:
-            replay_pieces(self.graphs[bucket], self.actions[bucket])
+            replay_pieces(self.graphs[bucket], self.actions[bucket], trace)
             return
         graphs, actions = self.graphs[bucket], self.actions[bucket]
+        jobs = self.jobs.get(bucket)
         try:
+            if jobs:  # one graph: the CPU parts in layer order, each on its graph's word
+                graphs[0].replay()
+                if trace is not None:
+                    trace.append(("launch", time.perf_counter_ns()))
+                for job in jobs:
+                    job.complete_in_graph()
+                return
             # piece i + 1 (the shared expert and GPU experts of layer i, then the wait on its
             # flag) is launched before layer i's CPU part, and no later piece: the CPU starts
             # after one graph launch, not after all of them
             graphs[0].replay()
+            if trace is not None:
+                trace.append(("launch", time.perf_counter_ns()))
             for act, g in zip(actions, graphs[1:], strict=True):
                 act()
                 g.replay()
+                if trace is not None:
+                    trace.append(("launch", time.perf_counter_ns()))
                 for be, _ in self._waiting:
                     be.complete_deferred()
         except BaseException:
@@ -249,6 +339,8 @@ class DecodeGraphRunner:
             self.factory.synchronize()
             for _, sig in self._waiting:
                 sig.reset()
+            for word in self._graph_words:
+                word.reset()
             raise
 
     def bucket_for(self, md: AttentionMetadata) -> int | None:

@@ -449,6 +449,12 @@ class HybridExpertBackend(ExpertBackend):
         self.device_wait = False
         self.signal = None
         self.deferred: list[HostJob] = []
+        self.trace: list | None = None  # benchmarks: the jobs' timeline marks (HostJob._mark)
+        self.ready_word = None  # GPU -> host "inputs staged" word instead of an event (HostJob)
+        # one-graph device wait (HostJob.complete_in_graph), while a runner captures: the
+        # jobs go to `graph_jobs`, the graph writes `graph_word` after the staging copies
+        self.graph_jobs: list | None = None
+        self.graph_word = None
         # layer-wise GPU prefill (moe.layerwise): long steps run the CPU experts on the device
         self.layerwise = None
         self.layerwise_index = -1
@@ -520,6 +526,13 @@ class HybridExpertBackend(ExpertBackend):
             return out + streamed.to(out.dtype)
         job = self.stage(hidden, topk_ids, topk_weights)
         gpu = gpu or (lambda y: self.gpu_part(y, topk_ids, topk_weights))
+        if self.device_wait and self.graph_jobs is not None:  # one graph: no host action
+            job.graph_word = self.graph_word
+            job.graph_word.gpu_set()  # after the staging copies
+            self.graph_jobs.append(job)
+            out = gpu(hidden)
+            job.signal.gpu_wait()
+            return out + job.result(out)
         if self.device_wait:  # the GPU waits for the CPU's `out` on the signal, in the piece
             yield job.launch
             out = gpu(hidden)

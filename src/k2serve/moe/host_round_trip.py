@@ -21,9 +21,29 @@ Two ways to wait, same numerics (the CPU writes `out`, the GPU adds `out` to its
 The main thread is the CPU worker in both: it has nothing else to do during a step, so no
 hand-off to another thread (and no GIL contention with a launching thread) is needed; the
 native kernel releases the GIL and uses the calling thread as one of its workers.
+
+How the host learns that the staged inputs are in host memory: an event (record /
+synchronize), or, when the backend has a `ready_word` (kernels.stream_wait.HostReadyWord), a
+number the stream writes into pinned memory after the copies, the host spinning on it; both
+are eager host actions, so the choice can change between replays of the same graphs.
+One-graph device wait (`HybridExpertBackend.graph_jobs` / `graph_word`, set while a graph
+runner captures): the graph itself writes a ready word of the job's own after the staging
+copies (`gpu_set`), so nothing is yielded and the step is one graph; the runner then calls
+`complete_in_graph()` on the captured jobs in layer order.
+
+Timeline (benchmarks only): when the backend's `trace` is a list, each job appends
+(mark, time.perf_counter_ns()) at: "wake" (the CPU pool prewoken / the CPU part submitted on a
+CPU device), "sync" (the host starts waiting for the staged inputs), "in" (it sees them in host
+memory), "cpu0" / "cpu1" (the CPU experts start / their result is in `out`), "rel" (device
+wait: the flag released). The graph runner adds "launch" after each piece it launches (the
+host wait's release of the result); benchmarks/hybrid_timeline.py reads the marks. None (the
+default): nothing is recorded, one attribute test per mark.
 """
 
 from __future__ import annotations
+
+import time
+from typing import Any
 
 import torch
 
@@ -41,15 +61,41 @@ class HostJob:
         self.cuda = cuda
         self.event = torch.cuda.Event() if cuda else None
         self.signal = backend.signal  # device wait: the one this job's graph waits on
+        self._seq: int | None = None  # the staged inputs' number in backend.ready_word
+        self.graph_word: Any = None  # one-graph device wait: the word its graph writes
+
+    def _record_staged(self, record) -> None:
+        """Mark the point after the staging copies: the backend's `ready_word` when it has
+        one (kernels.stream_wait.HostReadyWord: the GPU writes a number into pinned memory,
+        the host spins on it), else `record()` (an event)."""
+        word = self.backend.ready_word
+        self._seq = None if word is None else word.record()
+        if word is None:
+            record()
+
+    def _wait_staged(self, wait) -> None:
+        """Until the staged inputs are in host memory (the same way they were marked)."""
+        if self._seq is None:
+            wait()
+        else:
+            self.backend.ready_word.wait(self._seq)
+
+    def _mark(self, name: str) -> None:
+        trace = self.backend.trace  # see "Timeline" in the module docstring
+        if trace is not None:
+            trace.append((name, time.perf_counter_ns()))
 
     # ------------------------------------------------------------------ host wait
     def start(self) -> None:
         if self.backend.dry_run:
             return
         if self.event is not None:
-            self.event.record()
+            self._record_staged(self.event.record)
             self.backend.cpu_backend.prewake()  # its threads spin until finish() submits
+            self._mark("wake")
         else:
+            for mark in ("wake", "in", "cpu0"):  # on the CPU backend's worker thread from here
+                self._mark(mark)
             self.backend.cpu_backend.submit(self.x, self.ids, self.w, out=self.out)
 
     def finish(self) -> None:
@@ -58,9 +104,13 @@ class HostJob:
             return
         cpu = self.backend.cpu_backend
         if self.event is not None:
-            self.event.synchronize()  # the staged inputs are in host memory
+            self._mark("sync")
+            self._wait_staged(self.event.synchronize)  # the staged inputs are in host memory
+            self._mark("in")
+            self._mark("cpu0")
             cpu.submit(self.x, self.ids, self.w, inline=True, out=self.out)  # waits anyway
         self._take(cpu.wait())
+        self._mark("cpu1")
 
     def _take(self, res: torch.Tensor) -> None:
         """The CPU part's result into `out` (the kernel wrote it there already when it could:
@@ -71,24 +121,41 @@ class HostJob:
     # ------------------------------------------------------------------ device wait
     def launch(self) -> None:
         """Host action between graph pieces: mark the staged inputs, queue the job."""
-        self.signal.record()
+        self._record_staged(self.signal.record)
         self.backend.cpu_backend.prewake()
+        self._mark("wake")
         self.backend.deferred.append(self)
 
     def complete(self) -> None:
         """Wait for the staged inputs, compute the CPU part into `out`, release the GPU (also
         when the CPU part raised: the stream must not stay blocked)."""
+        self._complete(lambda: self._wait_staged(self.signal.wait_recorded))
+
+    def complete_in_graph(self) -> None:
+        """One-graph device wait (model.cuda_graph: the whole step one graph): the graph writes
+        this job's `graph_word` after its staging copies; wake the CPU pool, wait for that
+        word (and clear it), then as `complete`."""
+        self.backend.cpu_backend.prewake()
+        self._mark("wake")
+        self._complete(self.graph_word.wait_set)
+
+    def _complete(self, wait_staged) -> None:
         sig = self.signal
         try:
-            sig.wait_recorded()
+            self._mark("sync")
+            wait_staged()
+            self._mark("in")
             if self.backend.dry_run:
                 self.out.zero_()
             else:
                 cpu = self.backend.cpu_backend
+                self._mark("cpu0")
                 cpu.submit(self.x, self.ids, self.w, inline=True, out=self.out)
                 self._take(cpu.wait())
+                self._mark("cpu1")
         finally:
             sig.release()
+            self._mark("rel")
 
     def result(self, like: torch.Tensor) -> torch.Tensor:  # [T, hidden] on like's device
         return self.out.to(like.device, like.dtype, non_blocking=True)
