@@ -25,7 +25,7 @@ monkeypatch. Nothing else in k2serve reads `os.environ` for a `K2SERVE_*` name.
 | K2SERVE_ROUTER_NONFINITE_COUNT | bool | false | CUDA: count NaN / inf router inputs on device |
 | K2SERVE_SIMULATED_DEVICE_MEMORY | bytes | unset | CPU: size the KV cache as on a GPU this big |
 | K2SERVE_KV_HOST_TIER_ON_CPU | bool | false | test/debug: a KV host tier on a CPU-only engine |
-| K2SERVE_HYBRID_DEVICE_WAIT | bool | true | decode graphs wait for the CPU experts in-graph |
+| K2SERVE_HYBRID_DEVICE_WAIT | bool | false | decode graphs wait for the CPU experts in-graph |
 | K2SERVE_EAGLE_GRAPHS | bool | true | CUDA graphs for the EAGLE-3 draft's one-token steps |
 """
 
@@ -210,11 +210,11 @@ def kv_host_tier_on_cpu() -> bool:
 
 def hybrid_device_wait() -> bool:
     """K2SERVE_HYBRID_DEVICE_WAIT: decode graphs of hybrid GPU + CPU layers wait for the CPU
-    experts inside the graph (true, the default: one graph per step, each layer's wait a
-    spinning kernel, measured faster than the host round trip on the H100 host in both the
-    real step and the GPU part: benchmarks/hybrid_moe.py, RESULTS.md); false: a host round trip
-    between graph pieces."""
-    return env_bool("K2SERVE_HYBRID_DEVICE_WAIT", True)
+    experts inside the graph (one graph per step, each layer's wait a spinning kernel) instead
+    of a host round trip between graph pieces (false, the default). The two measured on the H100
+    host in two runs of wave 10: the in-graph wait faster in the real step and the GPU part in
+    the first, slower in both in the second (benchmarks/hybrid_moe.py, RESULTS.md)."""
+    return env_bool("K2SERVE_HYBRID_DEVICE_WAIT", False)
 
 
 def eagle_graphs() -> bool:

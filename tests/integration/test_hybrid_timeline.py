@@ -259,7 +259,10 @@ def test_cuda_graphs_with_ready_words_equal_those_with_events(device_wait):
     dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     caches = [torch.zeros(3 * PAGES, PS, dim, dtype=torch.bfloat16, device="cuda")
               for _ in model.model.layers]  # fmt: skip
-    runner = DecodeGraphRunner(model, caches, PAGES, buckets=(4,), device_wait=device_wait)
+    # the pieces' device wait (not one graph: its ready words are captured in the graph, not
+    # switched between replays)
+    runner = DecodeGraphRunner(model, caches, PAGES, buckets=(4,), device_wait=device_wait,
+                               one_graph=False, spin_wait=False)  # fmt: skip
     runner.capture()
     assert runner.waits_in_graph == device_wait
     hybrid = [model.model.layers[i].mlp.expert_backend for i in cfg.moe_layers]

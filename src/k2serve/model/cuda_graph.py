@@ -10,7 +10,7 @@ actions read and write static (pinned) buffers that the captured copies use, so 
 re-run as they are at every replay. Graphs come from a `graph_factory` (default
 `CudaGraphFactory`); tests pass a fake that records and replays torch ops on the CPU.
 
-Device wait (`device_wait`, K2SERVE_HYBRID_DEVICE_WAIT, on by default; used when the factory
+Device wait (`device_wait`, K2SERVE_HYBRID_DEVICE_WAIT, off by default; used when the factory
 gives host signals: CUDA stream memory operations or a spinning kernel, kernels.stream_wait):
 each hybrid layer waits for its CPU experts on a flag inside the graph; the GPU runs each
 layer's shared expert and GPU experts during the CPU part and resumes the moment the flag is
@@ -26,8 +26,9 @@ where it gives no spinning kernels, stream waits.
 Without the device wait (host wait): 1 + 2n pieces, g0, a0, g1, a1, ... with the CPU part
 inside a1, the rest launched by the host once the CPU's result is written.
 Measured (benchmarks/hybrid_moe.py, H100 host, RESULTS.md "Hybrid GPU + CPU experts"): the
-one graph with spinning waits had the shortest serial part per MoE layer and GPU part, and the
-fastest real step.
+one graph with spinning waits had the shortest serial part per MoE layer, GPU part and real step
+in one run of wave 10 and the longest GPU part and real step in the next; the host wait stays
+the default.
 
 Owns: `DecodeGraphRunner`. A decode step = B sequences with one new token each
 (`max_query_len == 1`). The runner owns static input buffers sized for the largest bucket; a
