@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from k2serve.kernels import cpu as ck
-from k2serve.moe.cpu_experts import CpuExpertBackend, HybridExpertBackend
+from k2serve.moe.cpu_experts import CpuExpertBackend
+from k2serve.moe.hybrid import HybridExpertBackend
 from k2serve.moe.torch_ref import TorchExpertBackend
 from k2serve.quant.fp8 import quantize_fp8_block
 from k2serve.quant.int4 import quantize_int4

@@ -2,7 +2,7 @@
 pool (the nano-vllm scheme); eager fallback for anything outside the buckets.
 
 Piecewise around the host round trip: the model's forward is a generator (`model.pieces`) that
-yields a host action wherever a hybrid MoE layer needs the CPU (moe.cpu_experts.HostJob). Each
+yields a host action wherever a hybrid MoE layer needs the CPU (moe.host_round_trip.HostJob). Each
 stretch of GPU work between two yields is captured as its own graph, so a bucket is a list of
 graphs [g0, g1, ..., gn] and host actions [a0, ..., a(n-1)], and a step replays
 g0, a0, g1, a1, ..., gn. Without CPU experts nothing is yielded: one graph per bucket. The host

@@ -18,7 +18,7 @@ Invariants:
   its cache, folds kv_b_proj into the query (W_UK) and the output (W_UV), and calls the
   attention backend (absorbed MLA).
 - `DeepseekV3ForCausalLM.pieces` is the forward as a generator that yields each hybrid MoE
-  layer's host actions (the CPU experts' round trip, moe.cpu_experts.HostJob) between stretches
+  layer's host actions (the CPU experts' round trip, moe.host_round_trip.HostJob) between stretches
   of device work, for piecewise CUDA graphs (model.cuda_graph); `forward` is plain module calls.
 - q_a_layernorm / kv_a_layernorm use eps 1e-6 whatever rms_norm_eps is. NOTE: this is what
   transformers and DeepSeek's reference code do (they build these norms without eps); vLLM
@@ -44,8 +44,8 @@ from k2serve.model.layers import RMSNorm, YarnRotaryEmbedding
 from k2serve.model.router import TopkRouter
 from k2serve.model.vision import MoonViT, PatchMergerProjector, encode_images
 from k2serve.moe import ExpertBackend, TorchExpertBackend
-from k2serve.moe.cpu_experts import drive
 from k2serve.moe.cpu_shared import CpuSharedExpert
+from k2serve.moe.host_round_trip import drive
 from k2serve.moe.placement import ExpertPlacement
 from k2serve.quant import LinearBase, linear_scheme, make_linear
 from k2serve.quant.linear import Fp8BlockLinear, linear
@@ -187,7 +187,7 @@ class MoE(nn.Module):
     def pieces(self, x: torch.Tensor):
         """Generator of the block's output. With a hybrid backend the CPU experts' host round
         trip is yielded as host actions around the GPU part (GPU experts + shared expert, so
-        both run while the CPU computes; see moe.cpu_experts.HostJob); otherwise no yield."""
+        both run while the CPU computes; see moe.host_round_trip.HostJob); otherwise no yield."""
         if type(self).forward is not MoE.forward:  # a subclass's own forward (tensor parallel)
             return self(x)
         be = self.expert_backend

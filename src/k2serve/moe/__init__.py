@@ -19,7 +19,8 @@ from torch import nn
 
 from k2serve.kernels.policy import KernelPolicy
 from k2serve.moe.base import ExpertBackend
-from k2serve.moe.cpu_experts import CpuExpertBackend, HybridExpertBackend
+from k2serve.moe.cpu_experts import CpuExpertBackend
+from k2serve.moe.hybrid import HybridExpertBackend
 from k2serve.moe.placement import ExpertPlacement, describe_placement, make_placement
 from k2serve.moe.torch_ref import TorchExpertBackend
 

@@ -3,7 +3,7 @@
 A backend gets the tokens, the router's choice and weights, and returns the routed output
 (without the shared experts, which stay in the model). GPU and CPU backends implement the same
 call, so `moe/placement.py` decides per (layer, expert) which one computes it (a layer split
-between the two gets `moe.cpu_experts.HybridExpertBackend`).
+between the two gets `moe.hybrid.HybridExpertBackend`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""Experts held in host memory and computed on the CPU, and the GPU + CPU split of one layer.
+"""Experts held in host memory and computed on the CPU.
 
-Owns: `CpuExpertBackend` (a subset of a layer's routed experts, weights in host memory) and
-`HybridExpertBackend` (routes each (token, expert) pair to the GPU backend or the CPU backend
-by placement and sums the two outputs; `pieces`: its overlapped, graph-friendly form).
+Owns: `CpuExpertBackend` (a subset of a layer's routed experts, weights in host memory). The
+GPU + CPU split of a layer that drives it is moe.hybrid.HybridExpertBackend.
 
 CpuExpertBackend interface (what the hybrid / overlap code drives):
 - `submit(hidden, topk_ids, topk_weights)`: copies what the CPU needs to host memory (this
@@ -33,13 +32,6 @@ Invariants:
 - The experts' parameters are used in place (the kernel reads the module's tensors; nothing is
   repacked or copied, so memory is not doubled and the modules stay valid for the reference
   path and the state_dict). Replacing a parameter afterwards needs a new backend.
-- Overlap (`HybridExpertBackend.pieces`, moe.host_round_trip.HostJob): the layer's tokens,
-  ids and weights are copied to the host BEFORE the GPU part (GPU experts + shared expert) is
-  enqueued; the CPU computes while the GPU part runs; the CPU result is then copied back and
-  added. The host actions are yielded between GPU pieces, so the runner can replay those
-  pieces as CUDA graphs (k2serve.model.cuda_graph); with `device_wait` the GPU waits for the
-  CPU's result on a flag inside the graph instead of between two pieces (host_round_trip
-  says both ways).
 """
 
 from __future__ import annotations
@@ -57,7 +49,6 @@ from torch import nn
 
 from k2serve.kernels import cpu as ck
 from k2serve.moe.base import ExpertBackend
-from k2serve.moe.host_round_trip import HostJob, drive
 
 logger = logging.getLogger(__name__)
 
@@ -413,143 +404,3 @@ class CpuExpertBackend(ExpertBackend):
             out.copy_(acc)
             return out
         return acc
-
-
-class HybridExpertBackend(ExpertBackend):
-    """One MoE layer split between a GPU backend (local ids) and a `CpuExpertBackend`."""
-
-    name = "hybrid"
-
-    def __init__(
-        self,
-        gpu_backend: ExpertBackend | None,  # None when no expert of the layer is on the GPU
-        gpu_expert_ids: Sequence[int],  # global ids of the GPU backend's experts, local order
-        cpu_backend: CpuExpertBackend,
-        num_experts: int,
-        device: torch.device | str,
-    ) -> None:
-        if set(gpu_expert_ids) & set(cpu_backend.expert_ids):
-            raise ValueError("an expert is placed both on the GPU and on the CPU")
-        if len(gpu_expert_ids) + len(cpu_backend.expert_ids) != num_experts:
-            raise ValueError("GPU + CPU experts do not cover every routed expert of the layer")
-        if (gpu_backend is None) != (len(gpu_expert_ids) == 0):
-            raise ValueError("gpu_backend must be given exactly when some experts are on the GPU")
-        self.gpu_backend = gpu_backend
-        self.cpu_backend = cpu_backend
-        self.num_experts = num_experts
-        self.device = torch.device(device)
-        self.gpu_expert_ids = tuple(gpu_expert_ids)
-        self.gpu_local_of = _local_map(num_experts, self.gpu_expert_ids, device)  # [E]
-        self._buffers: dict | None = None  # static pinned staging buffers (reserve())
-        # True during a graph runner's warm-up: the host actions skip the CPU experts (the
-        # warm-up compiles GPU kernels and sizes the allocator; its outputs are dropped)
-        self.dry_run = False
-        # device wait (moe.host_round_trip): True while a graph runner captures with `signal`
-        # (a host -> GPU flag, kernels.stream_wait); `deferred`: this step's launched jobs
-        self.device_wait = False
-        self.signal = None
-        self.deferred: list[HostJob] = []
-        self.trace: list | None = None  # benchmarks: the jobs' timeline marks (HostJob._mark)
-        self.ready_word = None  # GPU -> host "inputs staged" word instead of an event (HostJob)
-        # one-graph device wait (HostJob.complete_in_graph), while a runner captures: the
-        # jobs go to `graph_jobs`, the graph writes `graph_word` after the staging copies
-        self.graph_jobs: list | None = None
-        self.graph_word = None
-        # layer-wise GPU prefill (moe.layerwise): long steps run the CPU experts on the device
-        self.layerwise = None
-        self.layerwise_index = -1
-        self.cpu_local_of: torch.Tensor | None = None  # [E] on the device, set with layerwise
-
-    def refresh_cpu_backend(self) -> None:
-        """A new CpuExpertBackend over the same expert modules and ids: after their tensors were
-        re-pointed (layer-wise prefill stacks them) or experts moved (dynamic re-placement), as
-        a CPU backend may hold the tensors' addresses and its own copy of the id map."""
-        c = self.cpu_backend
-        self.cpu_backend = type(c)(c.experts, c.expert_ids, c.num_experts, c.compute_dtype)
-
-    def reserve(self, max_tokens: int, hidden_size: int, k: int, dtype: torch.dtype) -> None:
-        """Allocate static pinned host buffers for steps of up to `max_tokens` tokens (before
-        capturing CUDA graphs: captured copies read and write these addresses). No-op on a
-        CPU device, where the CPU part reads the layer's tensors directly."""
-        if self.device.type != "cuda":
-            return
-        b = self._buffers
-        if b is not None and b["x"].shape[0] >= max_tokens and b["x"].dtype == dtype:
-            return
-        self._buffers = dict(
-            x=torch.empty(max_tokens, hidden_size, dtype=dtype, pin_memory=True),
-            ids=torch.empty(max_tokens, k, dtype=torch.long, pin_memory=True),
-            w=torch.empty(max_tokens, k, dtype=torch.float32, pin_memory=True),
-            out=torch.empty(max_tokens, hidden_size, dtype=dtype, pin_memory=True),
-        )
-
-    def stage(self, hidden, topk_ids, topk_weights) -> HostJob:
-        """Start the CPU part's input copies (see HostJob); no host sync."""
-        if self.device.type != "cuda" or not hidden.is_cuda:
-            out = torch.empty_like(hidden)  # written by finish(): a static output for graphs
-            return HostJob(self, hidden, topk_ids, topk_weights, out, cuda=False)
-        T, D = hidden.shape
-        k = topk_ids.shape[1]
-        b = self._buffers
-        if b is not None and T <= b["x"].shape[0] and b["x"].dtype == hidden.dtype:
-            x, ids, w, out = b["x"][:T], b["ids"][:T, :k], b["w"][:T, :k], b["out"][:T]
-        else:  # outside the reserved size (long prefills, eager): fresh pinned buffers
-            x = torch.empty(T, D, dtype=hidden.dtype, pin_memory=True)
-            ids = torch.empty(T, k, dtype=torch.long, pin_memory=True)
-            w = torch.empty(T, k, dtype=torch.float32, pin_memory=True)
-            out = torch.empty(T, D, dtype=hidden.dtype, pin_memory=True)
-        x.copy_(hidden, non_blocking=True)
-        ids.copy_(topk_ids, non_blocking=True)
-        w.copy_(topk_weights, non_blocking=True)
-        return HostJob(self, x, ids, w, out, cuda=True)
-
-    def gpu_part(self, hidden, topk_ids, topk_weights) -> torch.Tensor:  # [T, hidden]
-        """The GPU experts' weighted sum (pairs on CPU experts get weight 0); no host sync."""
-        if self.gpu_backend is None:
-            return torch.zeros_like(hidden)
-        local = self.gpu_local_of[topk_ids.long()]  # [T, k], -1 = on the CPU
-        on_gpu = local >= 0
-        ids = torch.where(on_gpu, local, torch.zeros_like(local))
-        w = torch.where(on_gpu, topk_weights, torch.zeros_like(topk_weights))
-        return self.gpu_backend(hidden, ids, w)
-
-    def pieces(self, hidden, topk_ids, topk_weights, gpu=None):
-        """Generator: the layer's routed output with the host actions yielded (see HostJob).
-        `gpu(hidden)` computes the GPU part (default `gpu_part`; the MoE block adds the shared
-        expert there, so it runs while the CPU works). Steps of at least the layer-wise
-        threshold stream the CPU experts to the device instead (moe.layerwise; no yield)."""
-        lw = self.layerwise
-        if lw is not None and lw.use_for(hidden.shape[0]):
-            out = self.gpu_part(hidden, topk_ids, topk_weights) if gpu is None else gpu(hidden)
-            streamed = lw.run(self.layerwise_index, hidden, topk_ids, topk_weights,
-                              self.cpu_local_of)  # fmt: skip
-            return out + streamed.to(out.dtype)
-        job = self.stage(hidden, topk_ids, topk_weights)
-        gpu = gpu or (lambda y: self.gpu_part(y, topk_ids, topk_weights))
-        if self.device_wait and self.graph_jobs is not None:  # one graph: no host action
-            job.graph_word = self.graph_word
-            job.graph_word.gpu_set()  # after the staging copies
-            self.graph_jobs.append(job)
-            out = gpu(hidden)
-            job.signal.gpu_wait()
-            return out + job.result(out)
-        if self.device_wait:  # the GPU waits for the CPU's `out` on the signal, in the piece
-            yield job.launch
-            out = gpu(hidden)
-            job.signal.gpu_wait()
-            return out + job.result(out)
-        yield job.start
-        out = gpu(hidden)
-        yield job.finish
-        return out + job.result(out)
-
-    def complete_deferred(self) -> None:
-        """The CPU part of this step's launched jobs (device wait; see HostJob.complete)."""
-        while self.deferred:
-            self.deferred.pop(0).complete()
-
-    def __call__(self, hidden, topk_ids, topk_weights) -> torch.Tensor:  # [T, hidden]
-        return drive(self.pieces(hidden, topk_ids, topk_weights))
-
-
-__all__ = ["CpuExpertBackend", "HostJob", "HybridExpertBackend", "drive"]
