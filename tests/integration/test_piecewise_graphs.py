@@ -353,15 +353,17 @@ def test_device_wait_an_error_in_the_cpu_part_releases_the_device():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_host_signal_holds_a_graph_until_the_host_writes():
-    """The stream wait inside a captured graph: the copy after it reads what the host wrote
-    before releasing, replay after replay (the GPU re-arms the flag)."""
+@pytest.mark.parametrize("spin", [False, True])
+def test_cuda_host_signal_holds_a_graph_until_the_host_writes(spin):
+    """The wait inside a captured graph (the stream's wait, or with `spin` a spinning kernel):
+    the copy after it reads what the host wrote before releasing, replay after replay (the GPU
+    re-arms the flag)."""
     import time
 
     from k2serve.kernels.stream_wait import CudaHostSignal, cuda_host_signal_supported
 
-    assert cuda_host_signal_supported(torch.cuda.current_device())
-    sig = CudaHostSignal()
+    assert cuda_host_signal_supported(torch.cuda.current_device(), spin)
+    sig = CudaHostSignal(spin=spin)
     host = torch.zeros(4, pin_memory=True)
     dev = torch.zeros(4, device="cuda")
     g = torch.cuda.CUDAGraph()
