@@ -12,14 +12,19 @@ import time
 import pytest
 import torch
 
-from k2serve.attention import AttentionMetadata
 from k2serve.model.cuda_graph import DecodeGraphRunner
-from k2serve.moe import make_placement
 
-from .conftest import load_tiny, needs_cuda
+from .conftest import needs_cuda
 from .fake_graphs import StreamTapeGraphFactory, TapeGraphFactory
 from .test_hybrid_timeline import WordFactory
-from .test_piecewise_graphs import PAGES, PS, _caches, _decode_md, _model
+from .test_piecewise_graphs import (
+    PAGES,
+    _caches,
+    _cuda_decode_md,
+    _cuda_runner,
+    _decode_md,
+    _model,
+)
 
 
 @contextlib.contextmanager
@@ -97,22 +102,13 @@ def test_cuda_a_late_cpu_part_is_waited_for(way):
     """bf16 on CUDA: with every CPU part 20 ms late and its `out` NaN until then, each way's
     replays give the output they give on time (1e-3: kernels that add in any order)."""
     device_wait, one_graph, spin_wait = CUDA_WAYS[way]
-    cfg = load_tiny("int4").config
-    model = load_tiny("int4", dtype=torch.bfloat16, device="cuda",
-                      expert_placement=make_placement(cfg, 3))  # fmt: skip
-    dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    caches = [torch.zeros(3 * PAGES, PS, dim, dtype=torch.bfloat16, device="cuda")
-              for _ in model.model.layers]  # fmt: skip
-    runner = DecodeGraphRunner(model, caches, PAGES, buckets=(4,), device_wait=device_wait,
-                               one_graph=one_graph, spin_wait=spin_wait)  # fmt: skip
-    runner.capture()
+    model, runner = _cuda_runner(device_wait=device_wait, one_graph=one_graph,
+                                 spin_wait=spin_wait)  # fmt: skip
     ids = torch.randint(0, 500, (3,), device="cuda")
-    pos, md = _decode_md([3, 6, 9])
-    md = AttentionMetadata(**{k: (v.cuda() if torch.is_tensor(v) else v)
-                              for k, v in vars(md).items()})  # fmt: skip
-    want = runner.run(ids, pos.cuda(), md).clone()
+    pos, md = _cuda_decode_md([3, 6, 9])
+    want = runner.run(ids, pos, md).clone()
     with late_cpu(model, 0.02):
         for _ in range(2):
-            got = runner.run(ids, pos.cuda(), md).clone()
+            got = runner.run(ids, pos, md).clone()
             assert torch.isfinite(got).all()
             torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)

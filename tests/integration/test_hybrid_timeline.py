@@ -12,13 +12,19 @@ import time
 import pytest
 import torch
 
-from k2serve.attention import AttentionMetadata
 from k2serve.model.cuda_graph import DecodeGraphRunner
-from k2serve.moe import make_placement
 
-from .conftest import load_tiny, needs_cuda
+from .conftest import needs_cuda
 from .fake_graphs import StreamTapeGraphFactory
-from .test_piecewise_graphs import PAGES, PS, _caches, _decode_md, _model, _stream_runner
+from .test_piecewise_graphs import (
+    PAGES,
+    _caches,
+    _cuda_decode_md,
+    _cuda_runner,
+    _decode_md,
+    _model,
+    _stream_runner,
+)
 
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
 
@@ -253,29 +259,19 @@ def test_cuda_graphs_with_ready_words_equal_those_with_events(device_wait):
     replays) give what the events gave (1e-3: room for GPU kernels that add in any order)."""
     from k2serve.kernels.stream_wait import HostReadyWord
 
-    cfg = load_tiny("int4").config
-    model = load_tiny("int4", dtype=torch.bfloat16, device="cuda",
-                      expert_placement=make_placement(cfg, 3))  # fmt: skip
-    dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    caches = [torch.zeros(3 * PAGES, PS, dim, dtype=torch.bfloat16, device="cuda")
-              for _ in model.model.layers]  # fmt: skip
     # the pieces' device wait (not one graph: its ready words are captured in the graph, not
     # switched between replays)
-    runner = DecodeGraphRunner(model, caches, PAGES, buckets=(4,), device_wait=device_wait,
-                               one_graph=False, spin_wait=False)  # fmt: skip
-    runner.capture()
+    model, runner = _cuda_runner(device_wait=device_wait, one_graph=False, spin_wait=False)
     assert runner.waits_in_graph == device_wait
-    hybrid = [model.model.layers[i].mlp.expert_backend for i in cfg.moe_layers]
+    hybrid = [model.model.layers[i].mlp.expert_backend for i in model.config.moe_layers]
     ids = torch.randint(0, 500, (3,), device="cuda")
-    pos, md = _decode_md([3, 6, 9])
-    md = AttentionMetadata(**{k: (v.cuda() if torch.is_tensor(v) else v)
-                              for k, v in vars(md).items()})  # fmt: skip
-    want = runner.run(ids, pos.cuda(), md).clone()
+    pos, md = _cuda_decode_md([3, 6, 9])
+    want = runner.run(ids, pos, md).clone()
     for be in hybrid:
         be.ready_word = HostReadyWord()
     try:
         for _ in range(3):
-            got = runner.run(ids, pos.cuda(), md).clone()
+            got = runner.run(ids, pos, md).clone()
             torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
         assert all(be.ready_word.seq == 3 for be in hybrid)
     finally:
@@ -396,26 +392,13 @@ def test_one_graph_needs_the_device_wait_and_words():
 def test_cuda_one_graph_device_wait_equals_the_pieces():
     """bf16 on CUDA: the one-graph step (ready words written inside the graph) gives the
     1 + n pieces' output, step after step, each word cleared by the host."""
-    cfg = load_tiny("int4").config
-    dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    runners = []
-    for one in (False, True):
-        model = load_tiny("int4", dtype=torch.bfloat16, device="cuda",
-                          expert_placement=make_placement(cfg, 3))  # fmt: skip
-        caches = [torch.zeros(3 * PAGES, PS, dim, dtype=torch.bfloat16, device="cuda")
-                  for _ in model.model.layers]  # fmt: skip
-        r = DecodeGraphRunner(model, caches, PAGES, buckets=(4,), device_wait=True,
-                              one_graph=one)  # fmt: skip
-        r.capture()
-        runners.append(r)
-    n_moe = len(cfg.moe_layers)
+    runners = [_cuda_runner(device_wait=True, one_graph=one)[1] for one in (False, True)]
+    n_moe = len(runners[0].model.config.moe_layers)
     assert [r.num_pieces[4] for r in runners] == [1 + n_moe, 1]
     lens, ids = [3, 6, 9], torch.randint(0, 500, (3,), device="cuda")
     for _ in range(3):
-        pos, md = _decode_md(lens)
-        md = AttentionMetadata(**{k: (v.cuda() if torch.is_tensor(v) else v)
-                                  for k, v in vars(md).items()})  # fmt: skip
-        want, got = (r.run(ids, pos.cuda(), md).clone() for r in runners)
+        pos, md = _cuda_decode_md(lens)
+        want, got = (r.run(ids, pos, md).clone() for r in runners)
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
         assert all(int(job.graph_word.word.item()) == 0 for job in runners[1].jobs[4])
         ids = runners[0].model.compute_logits(want).argmax(-1)
@@ -440,26 +423,14 @@ def test_spin_wait_kernel_clears_a_set_flag(monkeypatch):
 def test_cuda_one_graph_with_the_spin_wait_equals_the_pieces():
     """bf16 on CUDA: one graph per step whose layers wait in spinning kernels gives the 1 + n
     pieces' output, step after step."""
-    cfg = load_tiny("int4").config
-    dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    runners = []
-    for one in (False, True):
-        model = load_tiny("int4", dtype=torch.bfloat16, device="cuda",
-                          expert_placement=make_placement(cfg, 3))  # fmt: skip
-        caches = [torch.zeros(3 * PAGES, PS, dim, dtype=torch.bfloat16, device="cuda")
-                  for _ in model.model.layers]  # fmt: skip
-        r = DecodeGraphRunner(model, caches, PAGES, buckets=(4,), device_wait=True,
-                              one_graph=one, spin_wait=one)  # fmt: skip
-        r.capture()
-        runners.append(r)
+    runners = [_cuda_runner(device_wait=True, one_graph=one, spin_wait=one)[1]
+               for one in (False, True)]  # fmt: skip
     assert runners[1].num_pieces[4] == 1
     assert all(sig.spin for _, sig in runners[1]._waiting)
     lens, ids = [3, 6, 9], torch.randint(0, 500, (3,), device="cuda")
     for _ in range(3):
-        pos, md = _decode_md(lens)
-        md = AttentionMetadata(**{k: (v.cuda() if torch.is_tensor(v) else v)
-                                  for k, v in vars(md).items()})  # fmt: skip
-        want, got = (r.run(ids, pos.cuda(), md).clone() for r in runners)
+        pos, md = _cuda_decode_md(lens)
+        want, got = (r.run(ids, pos, md).clone() for r in runners)
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
         ids = runners[0].model.compute_logits(want).argmax(-1)
         lens = [n + 1 for n in lens]

@@ -57,6 +57,29 @@ def _caches(model, num_seqs):
     return [torch.zeros(n, PS, c.kv_lora_rank + c.qk_rope_head_dim) for _ in model.model.layers]
 
 
+def _cuda_decode_md(seq_lens):
+    """`_decode_md` on the GPU: (positions, metadata) with every tensor on CUDA."""
+    pos, md = _decode_md(seq_lens)
+    md = AttentionMetadata(**{k: (v.cuda() if torch.is_tensor(v) else v)
+                              for k, v in vars(md).items()})  # fmt: skip
+    return pos.cuda(), md
+
+
+def _cuda_runner(n_gpu: int = 3, **runner_kw):
+    """A bf16 tiny int4 model on CUDA, n_gpu experts of each MoE layer on the GPU (the rest on
+    the CPU: hybrid layers), and its decode graphs for up to 4 sequences (DecodeGraphRunner with
+    `runner_kw`), captured: (model, runner)."""
+    cfg = load_tiny("int4").config
+    model = load_tiny("int4", dtype=torch.bfloat16, device="cuda",
+                      expert_placement=make_placement(cfg, n_gpu))  # fmt: skip
+    dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    caches = [torch.zeros(3 * PAGES, PS, dim, dtype=torch.bfloat16, device="cuda")
+              for _ in model.model.layers]  # fmt: skip
+    runner = DecodeGraphRunner(model, caches, PAGES, buckets=(4,), **runner_kw)
+    runner.capture()
+    return model, runner
+
+
 def _decode_md(seq_lens):
     B = len(seq_lens)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
@@ -142,11 +165,9 @@ def test_cuda_piecewise_graphs_equal_eager(n_gpu, device_wait):
     lens = [3, 6, 9]
     ids = torch.randint(0, 500, (3,), device="cuda")
     for _ in range(4):
-        pos, md = _decode_md(lens)
-        md = AttentionMetadata(**{k: (v.cuda() if torch.is_tensor(v) else v)
-                                  for k, v in vars(md).items()})  # fmt: skip
-        ref = model.compute_logits(model(ids, pos.cuda(), md, caches[0]))
-        got = model.compute_logits(runner.run(ids, pos.cuda(), md))
+        pos, md = _cuda_decode_md(lens)
+        ref = model.compute_logits(model(ids, pos, md, caches[0]))
+        got = model.compute_logits(runner.run(ids, pos, md))
         torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
         ids = ref.argmax(-1)
         lens = [n + 1 for n in lens]
@@ -405,11 +426,9 @@ def test_cuda_device_wait_equals_host_wait_and_eager():
     assert [r.waits_in_graph for r in runners] == [False, True]
     lens, ids = [3, 6, 9], torch.randint(0, 500, (3,), device="cuda")
     for _ in range(4):
-        pos, md = _decode_md(lens)
-        md = AttentionMetadata(**{k: (v.cuda() if torch.is_tensor(v) else v)
-                                  for k, v in vars(md).items()})  # fmt: skip
-        ref = models[0].compute_logits(models[0](ids, pos.cuda(), md, caches[0]))
-        host, dev = (m.compute_logits(r.run(ids, pos.cuda(), md))
+        pos, md = _cuda_decode_md(lens)
+        ref = models[0].compute_logits(models[0](ids, pos, md, caches[0]))
+        host, dev = (m.compute_logits(r.run(ids, pos, md))
                      for m, r in zip(models[1:], runners, strict=True))  # fmt: skip
         torch.testing.assert_close(dev, host, rtol=1e-3, atol=1e-3)
         assert torch.equal(dev.argmax(-1), host.argmax(-1))
