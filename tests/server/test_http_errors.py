@@ -215,7 +215,15 @@ def test_more_400s(fake_server):
     assert ok.status_code == 200, ok.text
 
 
-def test_mid_stream_failure_sends_error_event(fake_server, monkeypatch):
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/chat/completions", {"messages": _msgs(), "stream": True}),
+        ("/v1/completions", {"prompt": "Hi", "stream": True, "max_tokens": 16}),
+        ("/v1/responses", {"input": "Hi", "stream": True}),
+    ],
+)
+def test_mid_stream_failure_sends_error_event(fake_server, monkeypatch, path, body):
     real_run = fake_server.engine._run
 
     async def failing(prompt_ids, params, request_id):
@@ -227,12 +235,18 @@ def test_mid_stream_failure_sends_error_event(fake_server, monkeypatch):
                 raise RuntimeError("boom with secret")
 
     monkeypatch.setattr(fake_server.engine, "_run", failing)
-    r = _post(fake_server, "/v1/chat/completions", {"messages": _msgs(), "stream": True})
+    r = _post(fake_server, path, body)
     assert r.status_code == 200
     events = [x[6:] for x in r.text.splitlines() if x.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    err = json.loads(events[-2])["error"]
-    assert err["type"] == "internal_server_error" and "secret" not in err["message"]
+    if path == "/v1/responses":  # its own event stream: a typed "error" event, no [DONE]
+        last = json.loads(events[-1])
+        assert last["type"] == "error" and "RuntimeError" in last["message"]
+        assert "secret" not in last["message"]
+    else:
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+        assert err["type"] == "internal_server_error" and "secret" not in err["message"]
+        assert "RuntimeError" in err["message"]
     assert fake_server.engine.live == {}
 
 

@@ -24,7 +24,7 @@ from k2serve.engine.reasoning_budget import ThinkingBudget
 from k2serve.parsers import StreamingOutputParser, parse_output
 from k2serve.parsers.markers import CALL_BEGIN, SECTION_BEGIN
 from k2serve.server.access_log import request_usage
-from k2serve.server.errors import APIError, bad_request
+from k2serve.server.errors import APIError, bad_request, stream_error
 from k2serve.server.images import image_refs, load_images, process_images, template_content
 from k2serve.server.protocol import ChatCompletionRequest, NamedToolChoice
 from k2serve.server.serving import (
@@ -390,11 +390,7 @@ class ChatHandler:
             yield SSE_DONE
         except Exception as e:
             logger.exception("chat stream %s failed", stream.request_id)
-            err = (
-                e
-                if isinstance(e, APIError)
-                else APIError(500, f"internal error ({type(e).__name__})")
-            )
+            err = stream_error(e)
             yield sse_event(err.body())
             yield SSE_DONE
         finally:

@@ -17,7 +17,7 @@ import time
 from starlette.requests import Request
 
 from k2serve.server.access_log import request_usage
-from k2serve.server.errors import APIError, bad_request
+from k2serve.server.errors import bad_request, stream_error
 from k2serve.server.protocol import CompletionRequest
 from k2serve.server.serving import (
     EngineStream,
@@ -227,11 +227,7 @@ class CompletionHandler:
             yield SSE_DONE
         except Exception as e:
             logger.exception("completion stream %s failed", base)
-            err = (
-                e
-                if isinstance(e, APIError)
-                else APIError(500, f"internal error ({type(e).__name__})")
-            )
+            err = stream_error(e)
             yield sse_event(err.body())
             yield SSE_DONE
         finally:

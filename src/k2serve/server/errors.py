@@ -68,6 +68,14 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+def stream_error(exc: Exception) -> APIError:
+    """The error a stream sends as its last event when it fails after the response started
+    (the status is already sent): the APIError as raised, else a 500 naming the class."""
+    if isinstance(exc, APIError):
+        return exc
+    return APIError(500, f"internal error ({type(exc).__name__})")
+
+
 def _is(exc: BaseException, name: str) -> bool:
     """Match the engine's error classes by name, so the server needs no engine import."""
     return any(cls.__name__ == name for cls in type(exc).__mro__)

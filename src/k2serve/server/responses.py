@@ -32,7 +32,7 @@ from k2serve.parsers.markers import THINK_END
 from k2serve.server.access_log import request_usage
 from k2serve.server.auth import OWNER_SCOPE_KEY
 from k2serve.server.chat import ChatHandler, may_stream_arguments
-from k2serve.server.errors import APIError
+from k2serve.server.errors import APIError, stream_error
 from k2serve.server.finite import dumps_utf8
 from k2serve.server.images import image_refs, load_images
 from k2serve.server.responses_input import (
@@ -292,11 +292,7 @@ class _Run:
             yield ev.emit(kind, response=resp)
         except Exception as e:
             logger.exception("responses stream %s failed", self.stream.request_id)
-            err = (
-                e
-                if isinstance(e, APIError)
-                else APIError(500, f"internal error ({type(e).__name__})")
-            )
+            err = stream_error(e)
             yield ev.emit("error", code=err.code, message=err.message, param=err.param)
         finally:
             await self.stream.close()
