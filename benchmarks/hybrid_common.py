@@ -105,14 +105,17 @@ def hybrid_backends(model):
 
 
 class StubCpu:
-    """Stands in for a layer's CPU experts: answers at once with zeros (the GPU part alone)."""
+    """Stands in for a layer's CPU experts: answers at once with zeros (the GPU part alone).
+    Like the real backend (moe.cpu_experts) it writes the given `out` in place and returns
+    it, so the step's path after the CPU part is the engine's (HostJob._take finds its own
+    buffer: no copy); without `out`, a new zero tensor of x's shape and dtype."""
 
     def __init__(self, real):
         self.real, self.shape = real, None
 
-    def submit(self, x, ids, w, **kw):
+    def submit(self, x, ids, w, *, out=None, **kw):
         self.shape = x.shape
-        self._out = torch.zeros(x.shape, dtype=x.dtype)
+        self._out = torch.zeros(x.shape, dtype=x.dtype) if out is None else out.zero_()
 
     def wait(self):
         return self._out
