@@ -107,7 +107,7 @@ def hybrid_backends(model):
 class StubCpu:
     """Stands in for a layer's CPU experts: answers at once with zeros (the GPU part alone).
     Like the real backend (moe.cpu_experts) it writes the given `out` in place and returns
-    it, so the step's path after the CPU part is the engine's (HostJob._take finds its own
+    it, so the step's path after the CPU part is the engine's (HostJob._collect finds its own
     buffer: no copy); without `out`, a new zero tensor of x's shape and dtype."""
 
     def __init__(self, real):

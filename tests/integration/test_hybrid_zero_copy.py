@@ -25,7 +25,7 @@ def common():
 
 
 def test_the_stub_cpu_writes_zeros_into_the_given_out(common):
-    """benchmarks' StubCpu: with `out` it zeroes that buffer and returns it (HostJob._take
+    """benchmarks' StubCpu: with `out` it zeroes that buffer and returns it (HostJob._collect
     then copies nothing, as with the real kernel); without, a new zero tensor."""
     stub = common.StubCpu(real=None)
     x = torch.randn(3, 16, dtype=torch.bfloat16)
