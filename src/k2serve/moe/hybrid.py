@@ -34,6 +34,17 @@ from k2serve.moe.cpu_experts import CpuExpertBackend, _local_map
 from k2serve.moe.host_round_trip import HostJob, drive
 
 
+def use_zero_copy(device: torch.device, zero_copy: bool | None = None) -> bool:
+    """Whether a hybrid layer on `device` stages zero-copy (kernels.zero_copy): asked for
+    (`zero_copy`, None: K2SERVE_HYBRID_ZERO_COPY, on by default) and the device's probe
+    passed; never on a CPU device (no staging there)."""
+    if device.type != "cuda" or not (envs.hybrid_zero_copy() if zero_copy is None else zero_copy):
+        return False
+    return zero_copy_supported(
+        torch.cuda.current_device() if device.index is None else device.index
+    )
+
+
 class HybridExpertBackend(ExpertBackend):
     """One MoE layer split between a GPU backend (local ids) and a `CpuExpertBackend`."""
 
@@ -104,11 +115,8 @@ class HybridExpertBackend(ExpertBackend):
                 w=torch.empty(max_tokens, k, dtype=torch.float32, pin_memory=True),
                 out=torch.empty(max_tokens, hidden_size, dtype=dtype, pin_memory=True),
             )
-        self._mapped = None
-        if envs.hybrid_zero_copy() if zero_copy is None else zero_copy:
-            index = self.device.index
-            if zero_copy_supported(torch.cuda.current_device() if index is None else index):
-                self._mapped = {n: host_mapped(t) for n, t in b.items()}
+        use = use_zero_copy(self.device, zero_copy)
+        self._mapped = {n: host_mapped(t) for n, t in b.items()} if use else None
 
     @property
     def zero_copy(self) -> bool:
@@ -191,4 +199,4 @@ class HybridExpertBackend(ExpertBackend):
         return drive(self.pieces(hidden, topk_ids, topk_weights))
 
 
-__all__ = ["CpuExpertBackend", "HostJob", "HybridExpertBackend", "drive"]
+__all__ = ["CpuExpertBackend", "HostJob", "HybridExpertBackend", "drive", "use_zero_copy"]
