@@ -25,6 +25,9 @@ that a layer's inputs are staged (an event), piece i + 1 launched before layer i
 where it gives no spinning kernels, stream waits.
 Without the device wait (host wait): 1 + 2n pieces, g0, a0, g1, a1, ... with the CPU part
 inside a1, the rest launched by the host once the CPU's result is written.
+Zero-copy (`zero_copy`, K2SERVE_HYBRID_ZERO_COPY, on by default where its probe passes; any way
+of waiting): the captured staging and result are kernels on the pinned buffers' host-mapped
+addresses instead of memcpy nodes (moe.hybrid reserve, kernels.zero_copy).
 Measured (benchmarks/hybrid_moe.py, H100 host, RESULTS.md "Hybrid GPU + CPU experts"): the
 one graph with spinning waits had the shortest serial part per MoE layer, GPU part and real step
 in one run of wave 10 and the longest GPU part and real step in the next; the host wait stays
