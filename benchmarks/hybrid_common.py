@@ -105,14 +105,17 @@ def hybrid_backends(model):
 
 
 class StubCpu:
-    """Stands in for a layer's CPU experts: answers at once with zeros (the GPU part alone)."""
+    """Stands in for a layer's CPU experts: answers at once with zeros (the GPU part alone).
+    Like the real backend (moe.cpu_experts) it writes the given `out` in place and returns
+    it, so the step's path after the CPU part is the engine's (HostJob._collect finds its own
+    buffer: no copy); without `out`, a new zero tensor of x's shape and dtype."""
 
     def __init__(self, real):
         self.real, self.shape = real, None
 
-    def submit(self, x, ids, w, **kw):
+    def submit(self, x, ids, w, *, out=None, **kw):
         self.shape = x.shape
-        self._out = torch.zeros(x.shape, dtype=x.dtype)
+        self._out = torch.zeros(x.shape, dtype=x.dtype) if out is None else out.zero_()
 
     def wait(self):
         return self._out
@@ -160,11 +163,13 @@ class ZeroExperts:
         return torch.zeros_like(hidden)
 
 
-def graph_runner(model, kv, max_pages, B, device_wait=None, one_graph=False, spin_wait=False):
+def graph_runner(model, kv, max_pages, B, device_wait=None, one_graph=False, spin_wait=False,
+                 zero_copy=None):  # fmt: skip
+    """zero_copy None: K2SERVE_HYBRID_ZERO_COPY (on by default where the probe passes)."""
     from k2serve.model.cuda_graph import DecodeGraphRunner
 
     r = DecodeGraphRunner(model, kv, max_pages, buckets=(B,), device_wait=device_wait,
-                          one_graph=one_graph, spin_wait=spin_wait)  # fmt: skip
+                          one_graph=one_graph, spin_wait=spin_wait, zero_copy=zero_copy)  # fmt: skip
     r.capture()
     return r
 
@@ -177,6 +182,11 @@ def graph_runner(model, kv, max_pages, B, device_wait=None, one_graph=False, spi
 WAITS = (("host wait (before)", False, False, False), ("device wait (after)", True, False, False),
          ("device wait, one graph", True, True, False),
          ("device wait, one graph, spin kernel", True, True, True))  # fmt: skip
+
+
+# the ways also measured with the memcpys (zero_copy=False) beside zero-copy, in the same run
+# (hybrid_decode.zero_copy_ab): before / after of kernels.zero_copy (a few s a way)
+ZERO_COPY_AB = tuple(w[0] for w in WAITS)
 
 
 def soft(name, fn):

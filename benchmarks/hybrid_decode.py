@@ -15,6 +15,7 @@ from hybrid_common import (
     FAILS,
     ROWS,
     WAITS,
+    ZERO_COPY_AB,
     ZeroExperts,
     check,
     decode_inputs,
@@ -128,6 +129,50 @@ def ready_word_rows(r_h, hyb, ids, pos, md, args, name, t_real, n_tr) -> None:
     log(f"  {name}: ready words: real step {t_rw:.3f} ms (events {t_real:.3f}); {describe(tl)}")
 
 
+AB_ROUNDS = 9  # zero-copy A/B: alternating rounds, median of each side's round medians
+
+
+def ab_ms(fa, fb, iters: int) -> tuple[float, float]:
+    """ms of fa and of fb (medians), timed in alternating rounds, so that a drift of the host
+    or the GPU clocks during the A/B hits both sides."""
+    ta, tb = [], []
+    for _ in range(AB_ROUNDS):
+        ta.append(wall_ms(fa, iters=iters))
+        tb.append(wall_ms(fb, iters=iters))
+    return statistics.median(ta), statistics.median(tb)
+
+
+def zero_copy_ab(r_on, hyb, kv_h, ppseq, B, ids, pos, md, way, t_noexp) -> None:
+    """The way of waiting `way` = (name, device wait, one graph, spin) captured again with the
+    memcpys (zero_copy=False) beside `r_on` (zero-copy: one staging kernel and one result
+    kernel on host-mapped memory, kernels.zero_copy): their outputs against each other, then
+    the GPU part (CPU experts stubbed) and the real step of both in alternating rounds."""
+    mode, dw, one_g, spin = way
+    tag = f"B={B}"
+    r_off = graph_runner(hyb, kv_h, ppseq, B, device_wait=dw, one_graph=one_g, spin_wait=spin,
+                         zero_copy=False)  # fmt: skip
+    if any(be.zero_copy for be in hybrid_backends(hyb)):
+        FAILS.append(f"decode {tag} {mode}: the memcpy runner staged zero-copy")
+    run_on, run_off = (lambda: r_on.run(ids, pos, md)), (lambda: r_off.run(ids, pos, md))
+    check(f"decode {tag} {mode}: zero-copy vs memcpys", run_on().clone(), run_off().clone(), 1e-3)
+    set_stub(hyb, True)
+    try:
+        g_on, g_off = ab_ms(run_on, run_off, iters=40)
+    finally:
+        set_stub(hyb, False)
+    s_on, s_off = ab_ms(run_on, run_off, iters=20)
+    ROWS.append(("decode", f"{tag} {mode}: ZERO-COPY A/B ({AB_ROUNDS} alternating rounds): "
+                 "GPU part / real step, on vs memcpys",
+                 f"GPU part {g_on:.3f} vs {g_off:.3f} ms = {g_on / t_noexp:.3f} vs "
+                 f"{g_off / t_noexp:.3f} x limit {t_noexp:.3f} "
+                 f"{'MET' if g_on <= t_noexp else 'MISSED'} (<= 1.0) ({g_on - g_off:+.3f} ms); "
+                 f"real step {s_on:.3f} vs {s_off:.3f} ms ({s_on - s_off:+.3f})"))  # fmt: skip
+    log(f"  {tag} {mode}: zero-copy A/B: GPU part {g_on:.3f} vs memcpys {g_off:.3f} ms "
+        f"({g_on / t_noexp:.3f} vs {g_off / t_noexp:.3f} x limit), real step {s_on:.3f} vs "
+        f"{s_off:.3f} ms")  # fmt: skip
+    del r_off
+
+
 def part_decode(ref, hyb, args):
     from hybrid_timeline import (
         K2_MOE_LAYERS,
@@ -219,6 +264,7 @@ def part_decode(ref, hyb, args):
                 try:
                     r_h = graph_runner(hyb, kv_h, ppseq, B, device_wait=dw, one_graph=one_g,
                                        spin_wait=spin)  # fmt: skip
+                    zc_on = all(be.zero_copy for be in hybrid_backends(hyb))
                     t_gpu = wall_ms(lambda: r_h.run(ids, pos, md), iters=args.iters)
                     # the same timeline with the CPU experts answered at once: the GPU chain
                     # and the host's latencies alone (a period = its serial part + ~0)
@@ -247,7 +293,8 @@ def part_decode(ref, hyb, args):
                 if spin and not all(getattr(sig, "spin", False) for _, sig in r_h._waiting):
                     FAILS.append(f"decode B={B} {mode}: no spin-kernel waits")
                 gratio = t_gpu / t_noexp
-                ROWS.append(("decode", f"{tag} {mode}: GPU part, {pieces} graph pieces",
+                how = "zero-copy" if zc_on else "memcpys"
+                ROWS.append(("decode", f"{tag} {mode}: GPU part, {pieces} graph pieces, {how}",
                              f"{t_gpu:.3f} ms = {gratio:.2f} x limit "
                              f"{'MET' if gratio <= 1 else 'MISSED'} (<= 1.0)"))  # fmt: skip
                 tl = timeline(traced_steps(r_h, hybrid_backends(hyb), lambda: r_h.run(ids, pos, md),
@@ -312,6 +359,14 @@ def part_decode(ref, hyb, args):
                              f"{g_full:.1f} ms = fixed + {N} x {g_per:.3f} ((GPU part - fixed) / "
                              f"{n_moe}) = {g_full / l_full:.2f} x the limit's {l_full:.1f} ms"
                              ))  # fmt: skip
+                if mode in ZERO_COPY_AB:  # before / after of the zero-copy staging
+                    if zc_on:
+                        soft(f"decode B={B} {mode} zero-copy A/B", lambda: zero_copy_ab(
+                            r_h, hyb, kv_h, ppseq, B, ids, pos, md, (mode, dw, one_g, spin),
+                            t_noexp))  # fmt: skip
+                    else:
+                        FAILS.append(f"decode B={B} {mode}: zero-copy off (the probe failed "
+                                     "or K2SERVE_HYBRID_ZERO_COPY=0): no A/B")  # fmt: skip
                 if not one_g:  # (one graph: its words are its own, no events to replace)
                     soft(f"decode B={B} {mode} ready words", lambda: ready_word_rows(
                         r_h, hyb, ids, pos, md, args, f"{tag} {mode}", t_real, n_tr))  # fmt: skip

@@ -1,60 +1,70 @@
 #!/bin/bash
-# Hybrid overlap (issue 33 item 4) on one GPU, in < 200 s: the CPU kernel built first (so no
-# step below pays for it), the device-wait probe, the gpu tests of the piecewise / device-wait
-# graphs (correctness), then benchmarks/hybrid_moe.py decode (its own checks first), host wait
-# (before) and device wait (after) in the same run, with the in-step timeline and the full K2
-# extrapolated from it (benchmarks/hybrid_timeline.py), then, if time is left, the fused fidelity
-# test (int4), then the gpu tests of the opt-in ways of waiting (ready words, one graph).
-# Full output in $OUT/hybrid_*.txt; the results table printed.
+# Hybrid overlap (issue 33 item 4) on one GPU, in < 240 s: the CPU kernel built first (so no
+# step below pays for it), the device-wait and zero-copy probes, the zero-copy kernels' PTX
+# (volatile loads of the CPU's `out`), the zero-copy gpu tests (correctness first), then
+# benchmarks/hybrid_moe.py decode (its own checks first): the four ways of waiting, each with
+# the in-step timeline and the full K2 extrapolated from it (benchmarks/hybrid_timeline.py),
+# and for each of them a zero-copy A/B (the same way captured
+# with the memcpys, alternating rounds: before / after of kernels.zero_copy); then, with the
+# time left, the gpu tests of the piecewise / device-wait graphs, of the late CPU parts (every
+# way, zero-copy on and off) and of the timeline, and the fused fidelity test (int4).
+# Full output in $OUT/${PREFIX}_*.txt (PREFIX default hybrid); the results table printed.
 # Usage (repo root): bash benchmarks/hybrid_overlap_check.sh
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/k2out}
+P=${PREFIX:-hybrid}
 mkdir -p "$OUT"
 case ":${PYTHONPATH}:" in *":src:"*) ;; *) export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}src ;; esac
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 
 echo "== build the CPU expert kernel (cached)"
 timeout 45 python3 -c "from k2serve.kernels import cpu as ck; print('kernel', ck.load_kernel('auto') is not None)" \
-  > "$OUT/hybrid_build.txt" 2>&1
-echo "(rc=$? at ${SECONDS}s)"; tail -2 "$OUT/hybrid_build.txt"
+  > "$OUT/${P}_build.txt" 2>&1
+echo "(rc=$? at ${SECONDS}s)"; tail -2 "$OUT/${P}_build.txt"
 
-echo "== probe: stream wait on a host flag inside a CUDA graph"
-timeout 30 python3 -c "
+echo "== probes: stream wait on a host flag inside a CUDA graph; zero-copy staging / result"
+timeout 40 python3 -c "
 import logging, torch; logging.basicConfig(level=logging.INFO)
 from k2serve.kernels.stream_wait import cuda_host_signal_supported
+from k2serve.kernels.zero_copy import zero_copy_supported
 d = torch.cuda.current_device()
 print('device wait supported: stream waits', cuda_host_signal_supported(d),
-      'spinning kernels', cuda_host_signal_supported(d, True))" \
-  > "$OUT/hybrid_probe.txt" 2>&1
-echo "(rc=$? at ${SECONDS}s)"; tail -3 "$OUT/hybrid_probe.txt"
+      'spinning kernels', cuda_host_signal_supported(d, True))
+print('zero-copy staging / result supported:', zero_copy_supported(d))" \
+  > "$OUT/${P}_probe.txt" 2>&1
+echo "(rc=$? at ${SECONDS}s)"; tail -3 "$OUT/${P}_probe.txt"
 
-echo "== pytest -m gpu tests/integration/test_piecewise_graphs.py (piecewise / device-wait graphs)"
-timeout 75 python3 -m pytest -q -p no:cacheprovider -m gpu tests/integration/test_piecewise_graphs.py \
-  > "$OUT/hybrid_pytest.txt" 2>&1
-echo "(rc=$? at ${SECONDS}s)"; tail -8 "$OUT/hybrid_pytest.txt"
+echo "== zero-copy kernels' PTX for sm_90 (the result kernel's loads of out must be volatile)"
+timeout 30 python3 benchmarks/zero_copy_compile.py > "$OUT/${P}_ptx.txt" 2>&1
+echo "(rc=$? at ${SECONDS}s)"; tail -4 "$OUT/${P}_ptx.txt"
 
-left=$((178 - SECONDS)); [ "$left" -lt 40 ] && left=40
+echo "== pytest -m gpu tests/integration/test_hybrid_zero_copy.py (zero-copy correctness)"
+timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/integration/test_hybrid_zero_copy.py \
+  > "$OUT/${P}_pytest_zero_copy.txt" 2>&1
+echo "(rc=$? at ${SECONDS}s)"; tail -6 "$OUT/${P}_pytest_zero_copy.txt"
+
+left=$((205 - SECONDS)); [ "$left" -lt 60 ] && left=60
 echo "== hybrid_moe.py --quick --parts checks,decode --no-layerwise (limit ${left}s)"
 timeout "$left" python3 benchmarks/hybrid_moe.py --quick --parts checks,decode --no-layerwise \
-  --watchdog $((left - 5)) > "$OUT/hybrid_bench.txt" 2>&1
+  --watchdog $((left - 5)) > "$OUT/${P}_bench.txt" 2>&1
 echo "(rc=$? at ${SECONDS}s)"
-grep -E "^== results|^  (check|decode) |^  B=|FAILED|Traceback|Error" "$OUT/hybrid_bench.txt" | tail -72
+grep -E "^== results|^  (check|decode) |^  B=|FAILED|Traceback|Error" "$OUT/${P}_bench.txt" | tail -90
 
-left=$((196 - SECONDS))
+left=$((232 - SECONDS))
+if [ "$left" -ge 15 ]; then  # the graphs' gpu tests: pieces / device wait, late CPU parts, timeline
+  echo "== pytest -m gpu test_piecewise_graphs test_hybrid_slow_cpu test_hybrid_timeline (limit ${left}s)"
+  timeout "$left" python3 -m pytest -q -p no:cacheprovider -m gpu \
+    tests/integration/test_piecewise_graphs.py tests/integration/test_hybrid_slow_cpu.py \
+    tests/integration/test_hybrid_timeline.py > "$OUT/${P}_pytest.txt" 2>&1
+  echo "(rc=$? at ${SECONDS}s)"; tail -6 "$OUT/${P}_pytest.txt"
+fi
+
+left=$((238 - SECONDS))
 if [ "$left" -ge 20 ]; then  # what time is left: the fused fidelity variants (split + graphs)
   echo "== pytest fidelity int4 (experts split + piecewise graphs within bf16; limit ${left}s)"
   timeout "$left" python3 -m pytest -q -p no:cacheprovider \
     "tests/integration/test_fidelity.py::test_fused_gpu_paths_within_bf16_rounding[int4]" \
-    > "$OUT/hybrid_fidelity.txt" 2>&1
-  echo "(rc=$? at ${SECONDS}s)"; tail -4 "$OUT/hybrid_fidelity.txt"
-fi
-
-left=$((198 - SECONDS))
-if [ "$left" -ge 15 ]; then  # the opt-in ways (ready words, one graph): their gpu tests
-  echo "== pytest -m gpu tests/integration/test_hybrid_timeline.py (limit ${left}s)"
-  timeout "$left" python3 -m pytest -q -p no:cacheprovider -m gpu \
-    tests/integration/test_hybrid_slow_cpu.py tests/integration/test_hybrid_timeline.py \
-    > "$OUT/hybrid_pytest_timeline.txt" 2>&1
-  echo "(rc=$? at ${SECONDS}s)"; tail -4 "$OUT/hybrid_pytest_timeline.txt"
+    > "$OUT/${P}_fidelity.txt" 2>&1
+  echo "(rc=$? at ${SECONDS}s)"; tail -4 "$OUT/${P}_fidelity.txt"
 fi

@@ -26,6 +26,7 @@ monkeypatch. Nothing else in k2serve reads `os.environ` for a `K2SERVE_*` name.
 | K2SERVE_SIMULATED_DEVICE_MEMORY | bytes | unset | CPU: size the KV cache as on a GPU this big |
 | K2SERVE_KV_HOST_TIER_ON_CPU | bool | false | test/debug: a KV host tier on a CPU-only engine |
 | K2SERVE_HYBRID_DEVICE_WAIT | bool | false | decode graphs wait for the CPU experts in-graph |
+| K2SERVE_HYBRID_ZERO_COPY | bool | true | hybrid layers: host buffers through mapped memory |
 | K2SERVE_EAGLE_GRAPHS | bool | true | CUDA graphs for the EAGLE-3 draft's one-token steps |
 """
 
@@ -215,6 +216,16 @@ def hybrid_device_wait() -> bool:
     host in two runs of wave 10: the in-graph wait faster in the real step and the GPU part in
     the first, slower in both in the second (benchmarks/hybrid_moe.py, RESULTS.md)."""
     return env_bool("K2SERVE_HYBRID_DEVICE_WAIT", False)
+
+
+def hybrid_zero_copy() -> bool:
+    """K2SERVE_HYBRID_ZERO_COPY: a hybrid GPU + CPU MoE layer on CUDA stores its CPU part's
+    inputs into the pinned host buffers with one kernel through their host-mapped addresses,
+    and reads the CPU's result back the same way fused with the add (kernels.zero_copy),
+    instead of three device-to-host memcpys, one host-to-device memcpy and an add; where the
+    once-per-device probe passes (else the memcpys). false: always the memcpys (an A/B
+    switch; read when a runner captures its graphs or a backend reserves its buffers)."""
+    return env_bool("K2SERVE_HYBRID_ZERO_COPY", True)
 
 
 def eagle_graphs() -> bool:

@@ -97,13 +97,18 @@ CUDA_WAYS = {
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("zero_copy", [True, False])
 @pytest.mark.parametrize("way", list(CUDA_WAYS))
-def test_cuda_a_late_cpu_part_is_waited_for(way):
+def test_cuda_a_late_cpu_part_is_waited_for(way, zero_copy):
     """bf16 on CUDA: with every CPU part 20 ms late and its `out` NaN until then, each way's
-    replays give the output they give on time (1e-3: kernels that add in any order)."""
+    replays give the output they give on time (1e-3: kernels that add in any order); with
+    zero-copy (the result kernel reads `out` in host memory right after the wait: a load
+    before the wait passed, or a cached one, would show the NaN) and with the memcpys."""
     device_wait, one_graph, spin_wait = CUDA_WAYS[way]
     model, runner = _cuda_runner(device_wait=device_wait, one_graph=one_graph,
-                                 spin_wait=spin_wait)  # fmt: skip
+                                 spin_wait=spin_wait, zero_copy=zero_copy)  # fmt: skip
+    hybrid = [model.model.layers[i].mlp.expert_backend for i in model.config.moe_layers]
+    assert [be.zero_copy for be in hybrid] == [zero_copy] * len(hybrid)
     ids = torch.randint(0, 500, (3,), device="cuda")
     pos, md = _cuda_decode_md([3, 6, 9])
     want = runner.run(ids, pos, md).clone()

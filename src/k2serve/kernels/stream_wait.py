@@ -3,8 +3,10 @@ pinned host memory until the host writes it (CUDA stream memory operations, libc
 ctypes), so the work after the wait needs no host launch.
 
 Owns: `CudaHostSignal` (one per hybrid MoE layer), `cuda_host_signal_supported()` (a probe,
-once per process and device) and `HostReadyWord` (GPU -> host: a number the stream writes into
-pinned memory, the host spins on it; an alternative to an event for the staged inputs).
+once per process and device), `HostReadyWord` (GPU -> host: a number the stream writes into
+pinned memory, the host spins on it; an alternative to an event for the staged inputs) and
+`host_mapped()` (a pinned host tensor as a CUDA tensor over the same bytes: the spin kernel's
+flag, kernels.zero_copy's staging and result buffers).
 
 Protocol of one signal (all four calls are cheap, none allocates):
 - `record()` (host, eager, between graph replays): an event after the GPU work that staged the
@@ -92,12 +94,54 @@ def _spin_kernel():
 
 
 class _HostMapped:
-    """__cuda_array_interface__ of one int32 at a device address: torch.as_tensor makes it a
-    CUDA tensor without a copy (here: a pinned host word, through unified addressing)."""
+    """__cuda_array_interface__ of `nbytes` bytes at a device address: torch.as_tensor makes
+    it a CUDA uint8 tensor without a copy (here: pinned host memory, through unified
+    addressing)."""
 
-    def __init__(self, ptr: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (1,), "typestr": "<i4", "data": (ptr, False),
-                                         "version": 2, "strides": None}  # fmt: skip
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                         "data": (ptr, False), "version": 2,
+                                         "strides": None}  # fmt: skip
+
+
+def _device_pointer(host_ptr: int) -> int:
+    """The device address of pinned host memory (cuMemHostGetDevicePointer); with unified
+    addressing (every 64-bit CUDA platform) it is the host address itself, the fallback."""
+    lib = _libcuda()
+    out = ctypes.c_uint64()
+    rc = lib[2](ctypes.byref(out), host_ptr, 0) if lib is not None else 1
+    return out.value if rc == 0 else host_ptr
+
+
+def host_mapped(t: torch.Tensor) -> torch.Tensor:
+    """A CUDA tensor over the same bytes as the pinned host tensor `t` (same dtype, shape,
+    strides; no copy): kernels read and write host memory through it over PCIe. `t` must
+    stay alive while the view is used (the view does not own the memory)."""
+    if not t.is_pinned():
+        raise ValueError("host_mapped needs a pinned host tensor")
+    storage = t.untyped_storage()
+    raw = torch.as_tensor(_HostMapped(_device_pointer(storage.data_ptr()), storage.nbytes()),
+                          device="cuda")  # fmt: skip
+    return raw.view(t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def _pinned_word():
+    """The one pinned int32 word both directions use: -> (libcuda entry points (wait32,
+    write32, host_device_pointer), the word as a host tensor [1] (zero), its device address,
+    a ctypes view the host reads and writes it through)."""
+    lib = _libcuda()
+    if lib is None:
+        raise RuntimeError("libcuda stream memory operations are not available")
+    word = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # [1]
+    host = ctypes.c_int32.from_address(word.data_ptr())
+    return lib, word, _device_pointer(word.data_ptr()), host
+
+
+def _write_value(write, dptr: int, value: int) -> None:
+    """Enqueue on the current stream the write of `value` at `dptr` (cuStreamWriteValue32,
+    default flags: a memory fence first, so what the stream wrote before is visible first)."""
+    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    _check(write(stream, dptr, value, CU_STREAM_WRITE_VALUE_DEFAULT), "cuStreamWriteValue32")
 
 
 class CudaHostSignal:
@@ -107,20 +151,12 @@ class CudaHostSignal:
     the stream memory operations."""
 
     def __init__(self, spin: bool = False) -> None:
-        lib = _libcuda()
-        if lib is None:
-            raise RuntimeError("libcuda stream memory operations are not available")
-        self._wait, self._write, dptr = lib
-        self.flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # [1]: 1 = released
-        out = ctypes.c_uint64()
-        rc = dptr(ctypes.byref(out), self.flag.data_ptr(), 0)
-        # with unified addressing (every 64-bit CUDA platform) the host address is the device's
-        self._dptr = out.value if rc == 0 else self.flag.data_ptr()
-        self._host = ctypes.c_int32.from_address(self.flag.data_ptr())
+        (self._wait, self._write, _), self.flag, self._dptr, self._host = _pinned_word()
+        # self.flag [1]: 1 = released
         self.event = torch.cuda.Event()
         self.spin = spin
         if spin:  # the flag as a CUDA tensor; the kernel built now, not while capturing
-            self._flag_dev = torch.as_tensor(_HostMapped(self._dptr), device="cuda")
+            self._flag_dev = host_mapped(self.flag)
             self._host.value = 1
             _spin_kernel()[(1,)](self._flag_dev)
             torch.cuda.synchronize()
@@ -139,8 +175,7 @@ class CudaHostSignal:
             return
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
         _check(self._wait(stream, self._dptr, 1, CU_STREAM_WAIT_VALUE_EQ), "cuStreamWaitValue32")
-        _check(self._write(stream, self._dptr, 0, CU_STREAM_WRITE_VALUE_DEFAULT),
-               "cuStreamWriteValue32")  # fmt: skip
+        _write_value(self._write, self._dptr, 0)
 
     def release(self) -> None:
         self._host.value = 1
@@ -165,32 +200,21 @@ class HostReadyWord:
     on the GPU)."""
 
     def __init__(self, timeout_s: float = 5.0) -> None:
-        lib = _libcuda()
-        if lib is None:
-            raise RuntimeError("libcuda stream memory operations are not available")
-        _, self._write, dptr = lib
-        self.word = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # [1]: last seq written
-        out = ctypes.c_uint64()
-        rc = dptr(ctypes.byref(out), self.word.data_ptr(), 0)
-        self._dptr = out.value if rc == 0 else self.word.data_ptr()
-        self._host = ctypes.c_int32.from_address(self.word.data_ptr())
+        (_, self._write, _), self.word, self._dptr, self._host = _pinned_word()
+        # self.word [1]: the last seq written
         self.seq = 0
         self.timeout_s = timeout_s
 
     def record(self) -> int:
         """-> the number `wait` waits for (the GPU writes it after the work enqueued so far)."""
         self.seq = (self.seq + 1) & 0x7FFFFFFF
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        _check(self._write(stream, self._dptr, self.seq, CU_STREAM_WRITE_VALUE_DEFAULT),
-               "cuStreamWriteValue32")  # fmt: skip
+        _write_value(self._write, self._dptr, self.seq)
         return self.seq
 
     # in-graph form: a constant the capture bakes in, cleared by the host that saw it
     def gpu_set(self) -> None:
         """Enqueue (usually while capturing) the write of 1 after the work before it."""
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        _check(self._write(stream, self._dptr, 1, CU_STREAM_WRITE_VALUE_DEFAULT),
-               "cuStreamWriteValue32")  # fmt: skip
+        _write_value(self._write, self._dptr, 1)
 
     def wait_set(self) -> None:
         """Spin until the GPU wrote 1, then clear it for the next step (the GPU writes it
@@ -293,5 +317,6 @@ __all__ = [
     "CudaHostSignal",
     "HostReadyWord",
     "cuda_host_signal_supported",
+    "host_mapped",
     "host_ready_word_supported",
 ]

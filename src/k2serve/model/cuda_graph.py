@@ -25,6 +25,9 @@ that a layer's inputs are staged (an event), piece i + 1 launched before layer i
 where it gives no spinning kernels, stream waits.
 Without the device wait (host wait): 1 + 2n pieces, g0, a0, g1, a1, ... with the CPU part
 inside a1, the rest launched by the host once the CPU's result is written.
+Zero-copy (`zero_copy`, K2SERVE_HYBRID_ZERO_COPY, on by default where its probe passes; any way
+of waiting): the captured staging and result are kernels on the pinned buffers' host-mapped
+addresses instead of memcpy nodes (moe.hybrid reserve, kernels.zero_copy).
 Measured (benchmarks/hybrid_moe.py, H100 host, RESULTS.md "Hybrid GPU + CPU experts"): the
 one graph with spinning waits had the shortest serial part per MoE layer, GPU part and real step
 in one run of wave 10 and the longest GPU part and real step in the next; the host wait stays
@@ -147,7 +150,8 @@ class DecodeGraphRunner:
         ready_words: bool = False,  # the staged inputs marked by ready words, not events
         one_graph: bool = True,  # device wait as one graph per step (see the docstring)
         spin_wait: bool = True,  # device wait: a spinning kernel waits, not the stream
-    ) -> None:
+        zero_copy: bool | None = None,  # hybrid staging / result through host-mapped memory
+    ) -> None:  # (zero_copy None: K2SERVE_HYBRID_ZERO_COPY; moe.hybrid reserve)
         if not buckets or min(buckets) < 1:
             raise ValueError(f"buckets must be positive batch sizes, got {buckets}")
         self.model = model
@@ -176,6 +180,7 @@ class DecodeGraphRunner:
         self.ready_words = ready_words
         self.one_graph = one_graph
         self.spin_wait = spin_wait
+        self.zero_copy = zero_copy
         self._graph_words: list = []  # one graph: each hybrid layer's word, layer order
         self.jobs: dict[int, list] = {}  # one graph: bucket -> its captured jobs, layer order
         self._waiting: list = []  # (hybrid backend, its signal) whose GPU waits, layer order
@@ -214,13 +219,14 @@ class DecodeGraphRunner:
         return bool(self._waiting)
 
     def _reserve_host_buffers(self) -> None:
-        """Static pinned buffers of the hybrid MoE layers, sized for the largest bucket."""
+        """Static pinned buffers of the hybrid MoE layers, sized for the largest bucket, and
+        how the graphs captured next move data through them (zero-copy or memcpys)."""
         cfg = self.model.config
         for layer in self.model.model.layers:
             reserve = getattr(getattr(layer.mlp, "expert_backend", None), "reserve", None)
             if reserve is not None:
                 reserve(self.buckets[-1], cfg.hidden_size, cfg.num_experts_per_tok,
-                        self.model.dtype)  # fmt: skip
+                        self.model.dtype, zero_copy=self.zero_copy)  # fmt: skip
 
     @torch.inference_mode()
     def capture(self) -> None:

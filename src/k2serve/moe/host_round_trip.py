@@ -18,6 +18,9 @@ Two ways to wait, same numerics (the CPU writes `out`, the GPU adds `out` to its
   each waits for its event, runs the CPU experts, writes `out` and releases the signal, and the
   GPU, which went on with the shared expert and the GPU experts, resumes within a PCIe poll:
   no launch, no Python between the CPU's result and the next layer's attention.
+The copies in and out are memcpys, or with zero-copy (HybridExpertBackend.reserve,
+kernels.zero_copy) one kernel storing the inputs into the pinned buffers and one reading
+`out` fused with the add (`add_result`); the host actions are the same either way.
 The main thread is the CPU worker in both: it has nothing else to do during a step, so no
 hand-off to another thread (and no GIL contention with a launching thread) is needed; the
 native kernel releases the GIL and uses the calling thread as one of its workers.
@@ -47,17 +50,21 @@ from typing import Any
 
 import torch
 
+from k2serve.kernels.zero_copy import add_from_host
+
 
 class HostJob:
     """One step's CPU part of one hybrid layer (see the module docstring). `x`, `ids`, `w`,
     `out` are host tensors [T, ...] (pinned and static when the backend reserved them, so a
     captured graph's copies keep reading and writing them); on a CPU device they are the
     layer's own tensors and `start` submits to the CPU backend's worker thread, so the CPU
-    experts overlap the main thread's GPU-part math."""
+    experts overlap the main thread's GPU-part math. `out_mapped`: `out`'s host-mapped CUDA
+    view when the backend stages zero-copy (kernels.zero_copy): `add_result` reads it there."""
 
-    def __init__(self, backend, x, ids, w, out, cuda: bool) -> None:
+    def __init__(self, backend, x, ids, w, out, cuda: bool, out_mapped=None) -> None:
         self.backend = backend
         self.x, self.ids, self.w, self.out = x, ids, w, out
+        self.out_mapped = out_mapped
         self.cuda = cuda
         self.event = torch.cuda.Event() if cuda else None
         self.signal = backend.signal  # device wait: the one this job's graph waits on
@@ -85,14 +92,33 @@ class HostJob:
         if trace is not None:
             trace.append((name, time.perf_counter_ns()))
 
+    def _wake(self) -> None:
+        """The CPU experts' threads spin from now until the CPU part is submitted."""
+        self.backend.cpu_backend.prewake()
+        self._mark("wake")
+
+    def _compute(self) -> None:
+        """The CPU experts on this thread, their result in `out` (the staged inputs are in
+        host memory)."""
+        self._mark("cpu0")
+        self.backend.cpu_backend.submit(self.x, self.ids, self.w, inline=True, out=self.out)
+        self._collect()
+
+    def _collect(self) -> None:
+        """The CPU part's result into `out` (the kernel wrote it there already when it could:
+        no copy on torch's threads)."""
+        res = self.backend.cpu_backend.wait()
+        if res.data_ptr() != self.out.data_ptr():
+            self.out.copy_(res)
+        self._mark("cpu1")
+
     # ------------------------------------------------------------------ host wait
     def start(self) -> None:
         if self.backend.dry_run:
             return
         if self.event is not None:
             self._record_staged(self.event.record)
-            self.backend.cpu_backend.prewake()  # its threads spin until finish() submits
-            self._mark("wake")
+            self._wake()  # its threads spin until finish() submits
         else:
             for mark in ("wake", "in", "cpu0"):  # on the CPU backend's worker thread from here
                 self._mark(mark)
@@ -102,28 +128,19 @@ class HostJob:
         if self.backend.dry_run:  # a warm-up pass: the CPU part contributes zeros
             self.out.zero_()
             return
-        cpu = self.backend.cpu_backend
-        if self.event is not None:
-            self._mark("sync")
-            self._wait_staged(self.event.synchronize)  # the staged inputs are in host memory
-            self._mark("in")
-            self._mark("cpu0")
-            cpu.submit(self.x, self.ids, self.w, inline=True, out=self.out)  # waits anyway
-        self._take(cpu.wait())
-        self._mark("cpu1")
-
-    def _take(self, res: torch.Tensor) -> None:
-        """The CPU part's result into `out` (the kernel wrote it there already when it could:
-        no copy on torch's threads)."""
-        if res.data_ptr() != self.out.data_ptr():
-            self.out.copy_(res)
+        if self.event is None:  # submitted by start()
+            self._collect()
+            return
+        self._mark("sync")
+        self._wait_staged(self.event.synchronize)  # the staged inputs are in host memory
+        self._mark("in")
+        self._compute()
 
     # ------------------------------------------------------------------ device wait
     def launch(self) -> None:
         """Host action between graph pieces: mark the staged inputs, queue the job."""
         self._record_staged(self.signal.record)
-        self.backend.cpu_backend.prewake()
-        self._mark("wake")
+        self._wake()
         self.backend.deferred.append(self)
 
     def complete(self) -> None:
@@ -135,12 +152,10 @@ class HostJob:
         """One-graph device wait (model.cuda_graph: the whole step one graph): the graph writes
         this job's `graph_word` after its staging copies; wake the CPU pool, wait for that
         word (and clear it), then as `complete`."""
-        self.backend.cpu_backend.prewake()
-        self._mark("wake")
+        self._wake()
         self._complete(self.graph_word.wait_set)
 
     def _complete(self, wait_staged) -> None:
-        sig = self.signal
         try:
             self._mark("sync")
             wait_staged()
@@ -148,17 +163,18 @@ class HostJob:
             if self.backend.dry_run:
                 self.out.zero_()
             else:
-                cpu = self.backend.cpu_backend
-                self._mark("cpu0")
-                cpu.submit(self.x, self.ids, self.w, inline=True, out=self.out)
-                self._take(cpu.wait())
-                self._mark("cpu1")
+                self._compute()
         finally:
-            sig.release()
+            self.signal.release()
             self._mark("rel")
 
-    def result(self, like: torch.Tensor) -> torch.Tensor:  # [T, hidden] on like's device
-        return self.out.to(like.device, like.dtype, non_blocking=True)
+    def add_result(self, gpu_out: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        """gpu_out + the CPU part's `out`, enqueued after the wait for it: one kernel reading
+        `out` through its host-mapped address (zero-copy), else `out` copied to the device and
+        added (also on a CPU device, where the copy is none)."""
+        if self.out_mapped is not None:
+            return add_from_host(gpu_out, self.out_mapped)
+        return gpu_out + self.out.to(gpu_out.device, gpu_out.dtype, non_blocking=True)
 
 
 def drive(gen):

@@ -13,6 +13,11 @@ Invariants:
   pieces as CUDA graphs (k2serve.model.cuda_graph); with `device_wait` the GPU waits for the
   CPU's result on a flag inside the graph instead of between two pieces (host_round_trip
   says both ways).
+- Zero-copy (`reserve(..., zero_copy)`, K2SERVE_HYBRID_ZERO_COPY, on by default where the
+  probe passes): the staging is one kernel storing the tokens, ids and weights into the
+  pinned buffers through their host-mapped addresses, and the result one kernel reading `out`
+  there fused with the add (kernels.zero_copy), instead of three D2H memcpys, an H2D memcpy
+  and an add; the same bits. Only for the reserved buffers (the graphs' static ones).
 """
 
 from __future__ import annotations
@@ -21,9 +26,23 @@ from collections.abc import Sequence
 
 import torch
 
+from k2serve import envs
+from k2serve.kernels.stream_wait import host_mapped
+from k2serve.kernels.zero_copy import can_stage, stage_to_host, zero_copy_supported
 from k2serve.moe.base import ExpertBackend
 from k2serve.moe.cpu_experts import CpuExpertBackend, _local_map
 from k2serve.moe.host_round_trip import HostJob, drive
+
+
+def use_zero_copy(device: torch.device, zero_copy: bool | None = None) -> bool:
+    """Whether a hybrid layer on `device` stages zero-copy (kernels.zero_copy): asked for
+    (`zero_copy`, None: K2SERVE_HYBRID_ZERO_COPY, on by default) and the device's probe
+    passed; never on a CPU device (no staging there)."""
+    if device.type != "cuda" or not (envs.hybrid_zero_copy() if zero_copy is None else zero_copy):
+        return False
+    return zero_copy_supported(
+        torch.cuda.current_device() if device.index is None else device.index
+    )
 
 
 class HybridExpertBackend(ExpertBackend):
@@ -52,6 +71,7 @@ class HybridExpertBackend(ExpertBackend):
         self.gpu_expert_ids = tuple(gpu_expert_ids)
         self.gpu_local_of = _local_map(num_experts, self.gpu_expert_ids, device)  # [E]
         self._buffers: dict | None = None  # static pinned staging buffers (reserve())
+        self._mapped: dict | None = None  # their host-mapped CUDA views (zero-copy) or None
         # True during a graph runner's warm-up: the host actions skip the CPU experts (the
         # warm-up compiles GPU kernels and sizes the allocator; its outputs are dropped)
         self.dry_run = False
@@ -78,24 +98,34 @@ class HybridExpertBackend(ExpertBackend):
         c = self.cpu_backend
         self.cpu_backend = type(c)(c.experts, c.expert_ids, c.num_experts, c.compute_dtype)
 
-    def reserve(self, max_tokens: int, hidden_size: int, k: int, dtype: torch.dtype) -> None:
+    def reserve(self, max_tokens: int, hidden_size: int, k: int, dtype: torch.dtype,
+                zero_copy: bool | None = None) -> None:  # fmt: skip
         """Allocate static pinned host buffers for steps of up to `max_tokens` tokens (before
-        capturing CUDA graphs: captured copies read and write these addresses). No-op on a
-        CPU device, where the CPU part reads the layer's tensors directly."""
+        capturing CUDA graphs: captured copies read and write these addresses), and choose
+        how the steps from here on move data through them: zero-copy kernels when `zero_copy`
+        (None: K2SERVE_HYBRID_ZERO_COPY) and the device passes the probe, else memcpys. No-op
+        on a CPU device, where the CPU part reads the layer's tensors directly."""
         if self.device.type != "cuda":
             return
         b = self._buffers
-        if b is not None and b["x"].shape[0] >= max_tokens and b["x"].dtype == dtype:
-            return
-        self._buffers = dict(
-            x=torch.empty(max_tokens, hidden_size, dtype=dtype, pin_memory=True),
-            ids=torch.empty(max_tokens, k, dtype=torch.long, pin_memory=True),
-            w=torch.empty(max_tokens, k, dtype=torch.float32, pin_memory=True),
-            out=torch.empty(max_tokens, hidden_size, dtype=dtype, pin_memory=True),
-        )
+        if b is None or b["x"].shape[0] < max_tokens or b["x"].dtype != dtype:
+            self._buffers = b = dict(
+                x=torch.empty(max_tokens, hidden_size, dtype=dtype, pin_memory=True),
+                ids=torch.empty(max_tokens, k, dtype=torch.long, pin_memory=True),
+                w=torch.empty(max_tokens, k, dtype=torch.float32, pin_memory=True),
+                out=torch.empty(max_tokens, hidden_size, dtype=dtype, pin_memory=True),
+            )
+        use = use_zero_copy(self.device, zero_copy)
+        self._mapped = {n: host_mapped(t) for n, t in b.items()} if use else None
+
+    @property
+    def zero_copy(self) -> bool:
+        """True when steps stage and read back through host-mapped memory (see reserve)."""
+        return self._mapped is not None
 
     def stage(self, hidden, topk_ids, topk_weights) -> HostJob:
-        """Start the CPU part's input copies (see HostJob); no host sync."""
+        """Start the CPU part's input copies (see HostJob; zero-copy: one kernel, see
+        reserve); no host sync."""
         if self.device.type != "cuda" or not hidden.is_cuda:
             out = torch.empty_like(hidden)  # written by finish(): a static output for graphs
             return HostJob(self, hidden, topk_ids, topk_weights, out, cuda=False)
@@ -104,6 +134,12 @@ class HybridExpertBackend(ExpertBackend):
         b = self._buffers
         if b is not None and T <= b["x"].shape[0] and b["x"].dtype == hidden.dtype:
             x, ids, w, out = b["x"][:T], b["ids"][:T, :k], b["w"][:T, :k], b["out"][:T]
+            m = self._mapped
+            if m is not None:
+                mx, mids, mw = m["x"][:T], m["ids"][:T, :k], m["w"][:T, :k]
+                if can_stage(hidden, topk_ids, topk_weights, mx, mids, mw):
+                    stage_to_host(hidden, topk_ids, topk_weights, mx, mids, mw)
+                    return HostJob(self, x, ids, w, out, cuda=True, out_mapped=m["out"][:T])
         else:  # outside the reserved size (long prefills, eager): fresh pinned buffers
             x = torch.empty(T, D, dtype=hidden.dtype, pin_memory=True)
             ids = torch.empty(T, k, dtype=torch.long, pin_memory=True)
@@ -143,16 +179,16 @@ class HybridExpertBackend(ExpertBackend):
             self.graph_jobs.append(job)
             out = gpu(hidden)
             job.signal.gpu_wait()
-            return out + job.result(out)
+            return job.add_result(out)
         if self.device_wait:  # the GPU waits for the CPU's `out` on the signal, in the piece
             yield job.launch
             out = gpu(hidden)
             job.signal.gpu_wait()
-            return out + job.result(out)
+            return job.add_result(out)
         yield job.start
         out = gpu(hidden)
         yield job.finish
-        return out + job.result(out)
+        return job.add_result(out)
 
     def complete_deferred(self) -> None:
         """The CPU part of this step's launched jobs (device wait; see HostJob.complete)."""
@@ -163,4 +199,4 @@ class HybridExpertBackend(ExpertBackend):
         return drive(self.pieces(hidden, topk_ids, topk_weights))
 
 
-__all__ = ["CpuExpertBackend", "HostJob", "HybridExpertBackend", "drive"]
+__all__ = ["CpuExpertBackend", "HostJob", "HybridExpertBackend", "drive", "use_zero_copy"]
