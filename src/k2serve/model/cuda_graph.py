@@ -28,6 +28,10 @@ inside a1, the rest launched by the host once the CPU's result is written.
 Zero-copy (`zero_copy`, K2SERVE_HYBRID_ZERO_COPY, on by default where its probe passes; any way
 of waiting): the captured staging and result are kernels on the pinned buffers' host-mapped
 addresses instead of memcpy nodes (moe.hybrid reserve, kernels.zero_copy).
+Fused waits (`fused_wait`, K2SERVE_HYBRID_FUSED_WAIT, on by default where its probe passes; one
+graph with zero-copy): each layer's staging kernel writes its ready word and, with spinning
+waits, its result kernel spins on the flag (kernels.zero_copy.Handshake): two nodes a layer
+fewer. On an error the layers are released in order, each once its staging kernel ran.
 Measured (benchmarks/hybrid_moe.py, H100 host, RESULTS.md "Hybrid GPU + CPU experts"): the
 one graph with spinning waits had the shortest serial part per MoE layer, GPU part and real step
 in one run of wave 10 and the longest GPU part and real step in the next; the host wait stays
@@ -103,6 +107,19 @@ class CudaGraphFactory:
         """host_signal(spin=True)."""
         return self.host_signal(spin=True)
 
+    def handshake(self, word, signal):
+        """The fused waits of one hybrid layer (kernels.zero_copy.Handshake) over its ready
+        word and host signal (its flag only with a spinning wait), or None where the probe
+        fails."""
+        from k2serve.kernels.stream_wait import host_mapped
+        from k2serve.kernels.zero_copy import Handshake, fused_wait_supported
+
+        dev = torch.cuda.current_device()
+        if not fused_wait_supported(dev):
+            return None
+        flag = host_mapped(signal.flag) if getattr(signal, "spin", False) else None
+        return Handshake(host_mapped(word.word), flag, torch.device("cuda", dev))
+
 
 def capture_pieces(gen, factory) -> tuple[list, list, Any]:
     """Capture a pieces generator: -> (graphs, host actions, the generator's return value);
@@ -151,7 +168,8 @@ class DecodeGraphRunner:
         one_graph: bool = True,  # device wait as one graph per step (see the docstring)
         spin_wait: bool = True,  # device wait: a spinning kernel waits, not the stream
         zero_copy: bool | None = None,  # hybrid staging / result through host-mapped memory
-    ) -> None:  # (zero_copy None: K2SERVE_HYBRID_ZERO_COPY; moe.hybrid reserve)
+        fused_wait: bool | None = None,  # one graph: the word / wait inside those kernels
+    ) -> None:  # (None: K2SERVE_HYBRID_ZERO_COPY / _FUSED_WAIT; moe.hybrid reserve)
         if not buckets or min(buckets) < 1:
             raise ValueError(f"buckets must be positive batch sizes, got {buckets}")
         self.model = model
@@ -181,7 +199,9 @@ class DecodeGraphRunner:
         self.one_graph = one_graph
         self.spin_wait = spin_wait
         self.zero_copy = zero_copy
+        self.fused_wait = fused_wait
         self._graph_words: list = []  # one graph: each hybrid layer's word, layer order
+        self._handshakes: list = []  # fused waits: each hybrid layer's Handshake, layer order
         self.jobs: dict[int, list] = {}  # one graph: bucket -> its captured jobs, layer order
         self._waiting: list = []  # (hybrid backend, its signal) whose GPU waits, layer order
         # benchmarks: a list for the step's timeline marks (also set as the hybrid backends'
@@ -239,6 +259,7 @@ class DecodeGraphRunner:
         self._waiting = self._host_signals(hybrid)
         self._set_ready_words(hybrid)
         self._graph_words = self._make_graph_words(hybrid)
+        self._handshakes = self._make_handshakes()
         for bs in reversed(self.buckets):
             for be in hybrid:  # the CPU experts are not needed to warm up the GPU pieces
                 be.dry_run = True
@@ -253,6 +274,8 @@ class DecodeGraphRunner:
                 be.device_wait = True
             for be, word in zip(hybrid, self._graph_words, strict=False):
                 be.graph_jobs, be.graph_word = jobs, word
+            for be, hs in zip(hybrid, self._handshakes, strict=False):
+                be.graph_handshake = hs
             try:
                 graphs, actions, out = capture_pieces(self._pieces(bs), self.factory)
             finally:
@@ -260,7 +283,7 @@ class DecodeGraphRunner:
                     be.device_wait = False
                     be.deferred.clear()
                 for be in hybrid:
-                    be.graph_jobs = be.graph_word = None
+                    be.graph_jobs = be.graph_word = be.graph_handshake = None
             self.graphs[bs], self.actions[bs], self.outputs[bs] = graphs, actions, out
             if self._graph_words:
                 self.jobs[bs] = jobs
@@ -307,6 +330,24 @@ class DecodeGraphRunner:
         words = [make() for _ in hybrid]
         return [] if any(w is None for w in words) else words
 
+    def _make_handshakes(self) -> list:
+        """Fused waits (`fused_wait`, one graph, every hybrid layer zero-copy): each layer's
+        kernels.zero_copy.Handshake over its graph word and host signal, from the factory
+        (all or none: [] keeps the separate nodes)."""
+        make = getattr(self.factory, "handshake", None)
+        fused = envs.hybrid_fused_wait() if self.fused_wait is None else self.fused_wait
+        if not (self._graph_words and fused and make is not None):
+            return []
+        if not all(getattr(be, "zero_copy", False) for be, _ in self._waiting):
+            return []
+        hs = [make(w, sig) for w, (_, sig) in zip(self._graph_words, self._waiting, strict=True)]
+        return [] if any(h is None for h in hs) else hs
+
+    @property
+    def fused_waits(self) -> bool:
+        """True when the graphs' staging / result kernels carry the waits (see the docstring)."""
+        return bool(self._handshakes)
+
     def _replay(self, bucket: int) -> None:
         """Launch the bucket's pieces; with the device wait, then the CPU parts in layer
         order (each releases its layer's GPU wait). On an error every signal is released, the
@@ -317,7 +358,9 @@ class DecodeGraphRunner:
             replay_pieces(self.graphs[bucket], self.actions[bucket], trace)
             return
         graphs, actions = self.graphs[bucket], self.actions[bucket]
-        jobs = self.jobs.get(bucket)
+        jobs = self.jobs.get(bucket) or []
+        for job in jobs:
+            job.staged_seen = False
         try:
             if jobs:  # one graph: the CPU parts in layer order, each on its graph's word
                 graphs[0].replay()
@@ -340,6 +383,8 @@ class DecodeGraphRunner:
                 for be, _ in self._waiting:
                     be.complete_deferred()
         except BaseException:
+            for job in jobs:  # in layer order, each once its staging ran (HostJob.unblock)
+                job.unblock()
             for be, sig in self._waiting:
                 be.deferred.clear()
                 sig.release()
