@@ -151,17 +151,37 @@ if HAS_TRITON:
 
 
 class Handshake:
-    """One hybrid layer's fused waits (module docstring, "Fused waits"): `word` [1] int32, the
-    host-mapped view of its ready word (kernels.stream_wait.HostReadyWord.word), which the
-    staging kernel's last program sets to 1; `flag` [1] int32, the host-mapped view of its
-    host signal's flag (CudaHostSignal with spin), which that program clears and the result
-    kernel spins on, or None (stream waits: only the word is fused); `count` [1] int32 in
-    device memory, the programs' arrival counter (0 between launches). Made before a graph
-    capture (a tensor allocated while capturing would be reset by a captured memset)."""
+    """One hybrid layer's fused waits (module docstring, "Fused waits"), over pinned host int32
+    words [1]: `word_host`, its ready word (kernels.stream_wait.HostReadyWord.word), which the
+    staging kernel's last program sets to 1; `flag_host`, its host signal's flag
+    (CudaHostSignal with spin), which that program clears and the result kernel spins on, or
+    None (stream waits: only the word is fused). `word` / `flag` are their host-mapped CUDA
+    views, `count` [1] int32 in device memory the programs' arrival counter (0 between
+    launches). Made before a graph capture (a tensor allocated while capturing would be reset
+    by a captured memset)."""
 
-    def __init__(self, word: torch.Tensor, flag: torch.Tensor | None, device) -> None:
-        self.word, self.flag = word, flag
+    def __init__(self, word_host: torch.Tensor, flag_host: torch.Tensor | None, device) -> None:
+        from .stream_wait import host_mapped
+
+        self.word_host, self.flag_host = word_host, flag_host
+        self.word = host_mapped(word_host)
+        self.flag = host_mapped(flag_host) if flag_host is not None else None
         self.count = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def warm_up(self, hidden, topk_ids, topk_weights, x, ids, w, out) -> None:
+        """Launch both fused kernels once, eagerly, on these arguments (the staging's, and
+        `out` [T, D] host-mapped with a gpu_out like hidden): a kernel's first launch compiles
+        and loads it, which must not happen while a graph is captured. The host plays its
+        part (the flag set after the staging cleared it); word and flag are 0 again after.
+        Synchronizes the device."""
+        stage_to_host(hidden, topk_ids, topk_weights, x, ids, w, handshake=self)
+        torch.cuda.synchronize()
+        if self.flag_host is not None:
+            self.flag_host[0] = 1
+            add_from_host(torch.zeros_like(hidden), out, wait_flag=self.flag)
+            torch.cuda.synchronize()
+            self.flag_host[0] = 0
+        self.word_host[0] = 0
 
 
 def _rows_ok(*ts: torch.Tensor) -> bool:
@@ -294,6 +314,7 @@ def fused_wait_supported(device_index: int) -> bool:
     from .stream_wait import HostReadyWord, host_mapped
 
     flag = torch.ones(1, dtype=torch.int32, pin_memory=True)  # [1], cleared by the staging
+    hs = None
     try:
         with torch.cuda.device(device_index):
             g = torch.Generator(device="cuda").manual_seed(1)
@@ -307,7 +328,7 @@ def fused_wait_supported(device_index: int) -> bool:
                         out=torch.randn(T, D).to(torch.bfloat16).pin_memory())  # fmt: skip
             m = {n: host_mapped(t) for n, t in host.items()}
             word = HostReadyWord(timeout_s=2.0)
-            hs = Handshake(host_mapped(word.word), host_mapped(flag), "cuda")
+            hs = Handshake(word.word, flag, "cuda")
             gpu_out = torch.randn(T, D, device="cuda", generator=g).to(torch.bfloat16)
             want = gpu_out + host["out"].to("cuda")
             stream, done = torch.cuda.Stream(), torch.cuda.Event()

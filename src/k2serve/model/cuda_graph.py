@@ -111,14 +111,13 @@ class CudaGraphFactory:
         """The fused waits of one hybrid layer (kernels.zero_copy.Handshake) over its ready
         word and host signal (its flag only with a spinning wait), or None where the probe
         fails."""
-        from k2serve.kernels.stream_wait import host_mapped
         from k2serve.kernels.zero_copy import Handshake, fused_wait_supported
 
         dev = torch.cuda.current_device()
         if not fused_wait_supported(dev):
             return None
-        flag = host_mapped(signal.flag) if getattr(signal, "spin", False) else None
-        return Handshake(host_mapped(word.word), flag, torch.device("cuda", dev))
+        flag = signal.flag if getattr(signal, "spin", False) else None
+        return Handshake(word.word, flag, torch.device("cuda", dev))
 
 
 def capture_pieces(gen, factory) -> tuple[list, list, Any]:
@@ -260,36 +259,44 @@ class DecodeGraphRunner:
         self._set_ready_words(hybrid)
         self._graph_words = self._make_graph_words(hybrid)
         self._handshakes = self._make_handshakes()
-        for bs in reversed(self.buckets):
-            for be in hybrid:  # the CPU experts are not needed to warm up the GPU pieces
-                be.dry_run = True
-            try:
-                drive(self._pieces(bs))  # warm-up: compiles kernels, sizes the caching allocator
-            finally:
-                for be in hybrid:
-                    be.dry_run = False
-            self.factory.synchronize()
-            jobs: list = []
-            for be, _ in self._waiting:
-                be.device_wait = True
-            for be, word in zip(hybrid, self._graph_words, strict=False):
-                be.graph_jobs, be.graph_word = jobs, word
-            for be, hs in zip(hybrid, self._handshakes, strict=False):
-                be.graph_handshake = hs
-            try:
-                graphs, actions, out = capture_pieces(self._pieces(bs), self.factory)
-            finally:
-                for be, _ in self._waiting:
-                    be.device_wait = False
-                    be.deferred.clear()
-                for be in hybrid:
-                    be.graph_jobs = be.graph_word = be.graph_handshake = None
-            self.graphs[bs], self.actions[bs], self.outputs[bs] = graphs, actions, out
-            if self._graph_words:
-                self.jobs[bs] = jobs
-            if getattr(self.model, "aux_hidden_state_layers", ()):
-                self.aux[bs] = self.model.aux_hidden_states
+        for be, hs in zip(hybrid, self._handshakes, strict=False):
+            be.graph_handshake = hs  # (the warm-up launches the fused kernels once: compiled)
+        try:
+            for bs in reversed(self.buckets):
+                self._capture_bucket(bs, hybrid)
+        finally:
+            for be in hybrid:
+                be.graph_handshake = None
         self.factory.synchronize()
+
+    def _capture_bucket(self, bs: int, hybrid: list) -> None:
+        """Warm up, then capture, the step of bucket `bs` (see capture)."""
+        for be in hybrid:  # the CPU experts are not needed to warm up the GPU pieces
+            be.dry_run = True
+        try:
+            drive(self._pieces(bs))  # warm-up: compiles kernels, sizes the caching allocator
+        finally:
+            for be in hybrid:
+                be.dry_run = False
+        self.factory.synchronize()
+        jobs: list = []
+        for be, _ in self._waiting:
+            be.device_wait = True
+        for be, word in zip(hybrid, self._graph_words, strict=False):
+            be.graph_jobs, be.graph_word = jobs, word
+        try:
+            graphs, actions, out = capture_pieces(self._pieces(bs), self.factory)
+        finally:
+            for be, _ in self._waiting:
+                be.device_wait = False
+                be.deferred.clear()
+            for be in hybrid:
+                be.graph_jobs = be.graph_word = None
+        self.graphs[bs], self.actions[bs], self.outputs[bs] = graphs, actions, out
+        if self._graph_words:
+            self.jobs[bs] = jobs
+        if getattr(self.model, "aux_hidden_state_layers", ()):
+            self.aux[bs] = self.model.aux_hidden_states
 
     def _host_signals(self, hybrid: list) -> list:
         """Give each hybrid backend a host signal (device wait), or none of them; -> the

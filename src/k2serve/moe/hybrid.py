@@ -131,7 +131,9 @@ class HybridExpertBackend(ExpertBackend):
     def stage(self, hidden, topk_ids, topk_weights, handshake=None) -> HostJob:
         """Start the CPU part's input copies (see HostJob; zero-copy: one kernel, see
         reserve); no host sync. `handshake` (kernels.zero_copy.Handshake): the staging kernel
-        also writes its word (the job's `handshake` says whether it did: zero-copy only)."""
+        also writes its word (the job's `handshake` says whether it did: zero-copy only); in
+        a runner's warm-up (`dry_run`) the fused kernels are launched once eagerly instead
+        (Handshake.warm_up: compiled before the capture) and the job is an unfused one."""
         if self.device.type != "cuda" or not hidden.is_cuda:
             out = torch.empty_like(hidden)  # written by finish(): a static output for graphs
             return HostJob(self, hidden, topk_ids, topk_weights, out, cuda=False)
@@ -145,6 +147,9 @@ class HybridExpertBackend(ExpertBackend):
                 mx, mids, mw = m["x"][:T], m["ids"][:T, :k], m["w"][:T, :k]
                 if can_stage(hidden, topk_ids, topk_weights, mx, mids, mw):
                     hs = handshake if T else None
+                    if hs is not None and self.dry_run:  # a runner's warm-up: compile them
+                        hs.warm_up(hidden, topk_ids, topk_weights, mx, mids, mw, m["out"][:T])
+                        hs = None
                     stage_to_host(hidden, topk_ids, topk_weights, mx, mids, mw, handshake=hs)
                     return HostJob(self, x, ids, w, out, cuda=True, out_mapped=m["out"][:T],
                                    handshake=hs)  # fmt: skip
@@ -180,8 +185,8 @@ class HybridExpertBackend(ExpertBackend):
                               self.cpu_local_of)  # fmt: skip
             return out + streamed.to(out.dtype)
         one_graph = self.device_wait and self.graph_jobs is not None
-        job = self.stage(hidden, topk_ids, topk_weights,
-                         self.graph_handshake if one_graph else None)  # fmt: skip
+        hs = self.graph_handshake if one_graph or self.dry_run else None  # (see stage)
+        job = self.stage(hidden, topk_ids, topk_weights, hs)
         gpu = gpu or (lambda y: self.gpu_part(y, topk_ids, topk_weights))
         if one_graph:  # one graph: no host action
             job.graph_word = self.graph_word
