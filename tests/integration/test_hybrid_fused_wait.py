@@ -384,3 +384,31 @@ def test_cuda_fused_waits_an_error_in_a_cpu_part_releases_the_device():
             assert torch.equal(fused.run(ids, pos, md), plain.run(ids, pos, md))
     finally:
         del cpu.submit
+
+
+def test_the_ptx_order_checks_fail_on_a_misordered_kernel():
+    """benchmarks/zero_copy_compile.py's order checks of the fused kernels (run on the real
+    PTX by test_hybrid_zero_copy's compile test): what they accept, and what they refuse."""
+    import os
+    import sys
+
+    bench = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
+    sys.path.insert(0, bench)
+    try:
+        import zero_copy_compile as zcc
+    finally:
+        sys.path.remove(bench)
+    word = "st.relaxed.sys.global.b32"
+    stage = ["ld.global.v4.b32", "st.global.v4.b32", "fence.sc.sys", "bar.sync",
+             "atom.global.gpu.acq_rel.add.u32", "bar.sync", "st.global.b32", word,
+             "fence.sc.sys", "bar.sync", word]  # fmt: skip
+    assert zcc.fused_stage_ok(stage)
+    assert not zcc.fused_stage_ok([o for o in stage if o != "fence.sc.sys"])
+    assert not zcc.fused_stage_ok(stage[:2] + stage[4:])  # no fence before the counter
+    assert not zcc.fused_stage_ok(stage[:-3] + [word, "fence.sc.sys", "bar.sync"])  # word early
+    assert not zcc.fused_stage_ok(stage[:-1] + [word, "st.global.v4.b32"])  # data after it
+    add = ["ld.global.v4.b32", "ld.volatile.global.b32", "ld.volatile.global.b32",
+           "fence.acq_rel.sys", "ld.volatile.global.v4.b32", "st.global.v4.b32"]  # fmt: skip
+    assert zcc.fused_add_ok(add)
+    assert not zcc.fused_add_ok([o for o in add if o != "fence.acq_rel.sys"])
+    assert not zcc.fused_add_ok(add[:1] + add[4:5] + add[1:4] + add[5:])  # out before the flag
