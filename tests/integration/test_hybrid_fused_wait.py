@@ -8,6 +8,7 @@ with and without the fused waits bit for bit, a late CPU part, an error in a CPU
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import types
@@ -302,6 +303,7 @@ def test_cuda_fused_protocol_replay_after_replay():
 ONE_GRAPH = {"one graph, spin kernel": True, "one graph": False}
 
 
+@functools.cache  # one pair per way for the module's tests (each restores what it patches)
 def _pair(spin: bool):
     """One model, two one-graph zero-copy runners: fused waits and the separate nodes (every
     routed expert on the CPU: no GPU kernel whose atomics could reorder a sum, so the two

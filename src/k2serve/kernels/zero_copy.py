@@ -45,8 +45,9 @@ staging kernel (grid (T, D / BLOCK): several programs even at T = 1):
      next launch, stores 0 into the flag (`st.relaxed.sys`: re-arms it, see below), then
      `fence.sc.sys` + a CTA barrier + `st.relaxed.sys` of 1 into the word.
 The host spins on the word (HostReadyWord.wait_set): it can see 1 only after every data store
-and the flag's clear are in host memory, so it never reads a stale x / ids / w and its release
-(flag <- 1, written after it saw the word) can never be overwritten by the clear.
+and the flag's clear are in host memory, so it never reads a stale x / ids / w (x86 does not
+perform a load before an older one) and its release (flag <- 1, written after it saw the
+word) can never be overwritten by the clear.
 The flag protocol of the fused result kernel: the host's flag stays 1 once released (no
 program clears it: several programs must all see it), and the NEXT step's staging kernel of
 the same layer clears it (step 5), which is in stream order after every program of this
