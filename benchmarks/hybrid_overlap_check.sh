@@ -52,7 +52,11 @@ echo "(rc=$? at ${SECONDS}s)"; tail -6 "$OUT/${P}_pytest_zero_copy.txt"
 echo "== pytest -m gpu tests/integration/test_hybrid_fused_wait.py (fused waits: 60 replays, late CPU, errors)"
 timeout 75 python3 -m pytest -q -p no:cacheprovider -m gpu tests/integration/test_hybrid_fused_wait.py \
   > "$OUT/${P}_pytest_fused.txt" 2>&1
-echo "(rc=$? at ${SECONDS}s)"; tail -6 "$OUT/${P}_pytest_fused.txt"
+rc=$?; echo "(rc=$rc at ${SECONDS}s)"; tail -6 "$OUT/${P}_pytest_fused.txt"
+if [ "$rc" -eq 124 ]; then  # a hang: measure the rest without the fused waits (fail soft)
+  echo "!! the fused-wait tests hung: K2SERVE_HYBRID_FUSED_WAIT=0 from here (no fused A/B)"
+  export K2SERVE_HYBRID_FUSED_WAIT=0
+fi
 
 left=$((208 - SECONDS)); [ "$left" -lt 60 ] && left=60
 echo "== hybrid_moe.py --quick --parts checks,decode --no-layerwise (limit ${left}s)"
