@@ -170,6 +170,14 @@ def test_unblock_releases_a_fused_wait_only_after_its_staging_ran():
     log.clear()
     _job(False, log).unblock()
     assert log == ["release"]
+    log.clear()
+    assert not _job(True, log).unblock(wait=False)  # not launched: no wait, release
+    assert log == ["release"]
+    log.clear()
+    late = _job(True, log)
+    late.graph_word.wait_set = lambda: (_ for _ in ()).throw(RuntimeError("no word"))
+    assert not late.unblock()  # the word never came: released, and later jobs won't wait
+    assert log == ["release"]
 
 
 def test_a_fused_wait_is_not_released_when_the_word_never_came():
@@ -232,7 +240,9 @@ def test_an_error_unblocks_the_one_graph_jobs_in_layer_order(monkeypatch):
     model = r.model
     order: list = []
     real = HostJob.unblock
-    monkeypatch.setattr(HostJob, "unblock", lambda self: (order.append(self), real(self)))
+    monkeypatch.setattr(
+        HostJob, "unblock", lambda self, wait=True: (order.append(self), real(self, wait))[1]
+    )
     cpu = model.model.layers[model.config.moe_layers[0]].mlp.expert_backend.cpu_backend
     submit, fail = cpu.submit, [True]
 

@@ -368,9 +368,11 @@ class DecodeGraphRunner:
         jobs = self.jobs.get(bucket) or []
         for job in jobs:
             job.staged_seen = False
+        launched = False
         try:
             if jobs:  # one graph: the CPU parts in layer order, each on its graph's word
                 graphs[0].replay()
+                launched = True
                 if trace is not None:
                     trace.append(("launch", time.perf_counter_ns()))
                 for job in jobs:
@@ -391,7 +393,7 @@ class DecodeGraphRunner:
                     be.complete_deferred()
         except BaseException:
             for job in jobs:  # in layer order, each once its staging ran (HostJob.unblock)
-                job.unblock()
+                launched = job.unblock(wait=launched)  # (a word missing: the rest won't come)
             for be, sig in self._waiting:
                 be.deferred.clear()
                 sig.release()

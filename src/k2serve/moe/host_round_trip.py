@@ -183,18 +183,21 @@ class HostJob:
                 self.signal.release()
             self._mark("rel")
 
-    def unblock(self) -> None:
+    def unblock(self, wait: bool = True) -> bool:
         """Error recovery (model.cuda_graph, after a step raised; jobs in layer order): release
         the GPU's wait for this job so that the stream drains. With a fused spinning wait the
         staging kernel clears the flag, so first wait until it ran (its word), unless that
-        was seen this step; if the word never comes, release anyway (nothing better)."""
-        if self.waits_in_kernel and not self.staged_seen:
+        was seen this step or `wait` is False (the graph was not launched, or an earlier
+        layer's word never came); if the word does not come, release anyway (nothing
+        better). -> whether later jobs should still wait (False once a word did not come)."""
+        if self.waits_in_kernel and not self.staged_seen and wait:
             try:
                 self.graph_word.wait_set()
                 self.staged_seen = True
             except RuntimeError:
-                pass
+                wait = False
         self.signal.release()
+        return wait
 
     def add_result(self, gpu_out: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         """gpu_out + the CPU part's `out`, enqueued after the wait for it: one kernel reading
