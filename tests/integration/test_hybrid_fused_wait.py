@@ -231,6 +231,9 @@ def test_fused_waits_are_chosen_by_the_switch_and_need_one_zero_copy_graph(monke
     assert not _fused_runner(monkeypatch, fused_wait=True, one_graph=False).fused_waits
     assert not _fused_runner(monkeypatch, fused_wait=True, zero_copy=(True, False)).fused_waits
     assert not _fused_runner(monkeypatch, fused_wait=True, give=False).fused_waits  # probe
+    monkeypatch.setenv("K2SERVE_HYBRID_FUSED_WAIT", "maybe")
+    with pytest.raises(ValueError, match="K2SERVE_HYBRID_FUSED_WAIT"):
+        _fused_runner(monkeypatch)
 
 
 def test_an_error_unblocks_the_one_graph_jobs_in_layer_order(monkeypatch):
