@@ -29,9 +29,11 @@ Zero-copy (`zero_copy`, K2SERVE_HYBRID_ZERO_COPY, on by default where its probe 
 of waiting): the captured staging and result are kernels on the pinned buffers' host-mapped
 addresses instead of memcpy nodes (moe.hybrid reserve, kernels.zero_copy).
 Fused waits (`fused_wait`, K2SERVE_HYBRID_FUSED_WAIT, on by default where its probe passes; one
-graph with zero-copy): each layer's staging kernel writes its ready word and, with spinning
-waits, its result kernel spins on the flag (kernels.zero_copy.Handshake): two nodes a layer
-fewer. On an error the layers are released in order, each once its staging kernel ran.
+graph with zero-copy): each layer's staging kernel writes its ready word (kernels.zero_copy.
+Handshake): one node a layer fewer. The result kernel can also spin on the flag itself
+(Handshake with the flag), but on the H100 that was slower than the separate one-program spin
+kernel (GPU part +45 us a step, wave 11 call 8: every program of the result kernel polls over
+PCIe), so the runner does not use it.
 Measured (benchmarks/hybrid_moe.py, H100 host, RESULTS.md "Hybrid GPU + CPU experts"): the
 one graph with spinning waits had the shortest serial part per MoE layer, GPU part and real step
 in one run of wave 10 and the longest GPU part and real step in the next; the host wait stays
@@ -108,16 +110,15 @@ class CudaGraphFactory:
         return self.host_signal(spin=True)
 
     def handshake(self, word, signal):
-        """The fused waits of one hybrid layer (kernels.zero_copy.Handshake) over its ready
-        word and host signal (its flag only with a spinning wait), or None where the probe
-        fails."""
+        """The fused word of one hybrid layer (kernels.zero_copy.Handshake over its ready
+        word; no flag: the wait stays the signal's own node, see "Fused waits" above), or None
+        where the probe fails."""
         from k2serve.kernels.zero_copy import Handshake, fused_wait_supported
 
         dev = torch.cuda.current_device()
         if not fused_wait_supported(dev):
             return None
-        flag = signal.flag if getattr(signal, "spin", False) else None
-        return Handshake(word.word, flag, torch.device("cuda", dev))
+        return Handshake(word.word, None, torch.device("cuda", dev))
 
 
 def capture_pieces(gen, factory) -> tuple[list, list, Any]:
