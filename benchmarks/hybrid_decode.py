@@ -142,32 +142,39 @@ def ab_ms(fa, fb, iters: int) -> tuple[float, float]:
     return statistics.median(ta), statistics.median(tb)
 
 
-def zero_copy_ab(r_on, hyb, kv_h, ppseq, B, ids, pos, md, way, t_noexp) -> None:
+def zero_copy_ab(r_on, hyb, kv_h, ppseq, B, ids, pos, md, way, t_noexp, fused=False) -> None:
     """The way of waiting `way` = (name, device wait, one graph, spin) captured again with the
     memcpys (zero_copy=False) beside `r_on` (zero-copy: one staging kernel and one result
-    kernel on host-mapped memory, kernels.zero_copy): their outputs against each other, then
-    the GPU part (CPU experts stubbed) and the real step of both in alternating rounds."""
+    kernel on host-mapped memory, kernels.zero_copy), or with `fused`, zero-copy without the
+    fused waits (fused_wait=False; `r_on` has them: the word / the wait inside those
+    kernels): their outputs against each other, then the GPU part (CPU experts stubbed) and
+    the real step of both in alternating rounds."""
     mode, dw, one_g, spin = way
     tag = f"B={B}"
+    what, off = ("FUSED-WAIT", "unfused") if fused else ("ZERO-COPY", "memcpys")
     r_off = graph_runner(hyb, kv_h, ppseq, B, device_wait=dw, one_graph=one_g, spin_wait=spin,
-                         zero_copy=False)  # fmt: skip
-    if any(be.zero_copy for be in hybrid_backends(hyb)):
+                         zero_copy=True if fused else False,
+                         fused_wait=False if fused else None)  # fmt: skip
+    if not fused and any(be.zero_copy for be in hybrid_backends(hyb)):
         FAILS.append(f"decode {tag} {mode}: the memcpy runner staged zero-copy")
+    if fused and (r_off.fused_waits or not r_on.fused_waits):
+        FAILS.append(f"decode {tag} {mode}: fused A/B without fused waits on one side only")
     run_on, run_off = (lambda: r_on.run(ids, pos, md)), (lambda: r_off.run(ids, pos, md))
-    check(f"decode {tag} {mode}: zero-copy vs memcpys", run_on().clone(), run_off().clone(), 1e-3)
+    check(f"decode {tag} {mode}: {what.lower()} vs {off}", run_on().clone(), run_off().clone(),
+          1e-3)  # fmt: skip
     set_stub(hyb, True)
     try:
         g_on, g_off = ab_ms(run_on, run_off, iters=40)
     finally:
         set_stub(hyb, False)
     s_on, s_off = ab_ms(run_on, run_off, iters=20)
-    ROWS.append(("decode", f"{tag} {mode}: ZERO-COPY A/B ({AB_ROUNDS} alternating rounds): "
-                 "GPU part / real step, on vs memcpys",
+    ROWS.append(("decode", f"{tag} {mode}: {what} A/B ({AB_ROUNDS} alternating rounds): "
+                 f"GPU part / real step, on vs {off}",
                  f"GPU part {g_on:.3f} vs {g_off:.3f} ms = {g_on / t_noexp:.3f} vs "
                  f"{g_off / t_noexp:.3f} x limit {t_noexp:.3f} "
                  f"{'MET' if g_on <= t_noexp else 'MISSED'} (<= 1.0) ({g_on - g_off:+.3f} ms); "
                  f"real step {s_on:.3f} vs {s_off:.3f} ms ({s_on - s_off:+.3f})"))  # fmt: skip
-    log(f"  {tag} {mode}: zero-copy A/B: GPU part {g_on:.3f} vs memcpys {g_off:.3f} ms "
+    log(f"  {tag} {mode}: {what.lower()} A/B: GPU part {g_on:.3f} vs {off} {g_off:.3f} ms "
         f"({g_on / t_noexp:.3f} vs {g_off / t_noexp:.3f} x limit), real step {s_on:.3f} vs "
         f"{s_off:.3f} ms")  # fmt: skip
     del r_off
@@ -293,7 +300,8 @@ def part_decode(ref, hyb, args):
                 if spin and not all(getattr(sig, "spin", False) for _, sig in r_h._waiting):
                     FAILS.append(f"decode B={B} {mode}: no spin-kernel waits")
                 gratio = t_gpu / t_noexp
-                how = "zero-copy" if zc_on else "memcpys"
+                how = ("zero-copy" if zc_on else "memcpys") + (", fused waits" if
+                                                               r_h.fused_waits else "")  # fmt: skip
                 ROWS.append(("decode", f"{tag} {mode}: GPU part, {pieces} graph pieces, {how}",
                              f"{t_gpu:.3f} ms = {gratio:.2f} x limit "
                              f"{'MET' if gratio <= 1 else 'MISSED'} (<= 1.0)"))  # fmt: skip
@@ -367,6 +375,13 @@ def part_decode(ref, hyb, args):
                     else:
                         FAILS.append(f"decode B={B} {mode}: zero-copy off (the probe failed "
                                      "or K2SERVE_HYBRID_ZERO_COPY=0): no A/B")  # fmt: skip
+                if one_g and zc_on and not r_h.fused_waits:
+                    FAILS.append(f"decode B={B} {mode}: fused waits off (the probe failed or "
+                                 "K2SERVE_HYBRID_FUSED_WAIT=0): no fused A/B")  # fmt: skip
+                elif one_g and zc_on:  # before / after of the fused waits (kernels.zero_copy)
+                    soft(f"decode B={B} {mode} fused-wait A/B", lambda: zero_copy_ab(
+                        r_h, hyb, kv_h, ppseq, B, ids, pos, md, (mode, dw, one_g, spin),
+                        t_noexp, fused=True))  # fmt: skip
                 if not one_g:  # (one graph: its words are its own, no events to replace)
                     soft(f"decode B={B} {mode} ready words", lambda: ready_word_rows(
                         r_h, hyb, ids, pos, md, args, f"{tag} {mode}", t_real, n_tr))  # fmt: skip

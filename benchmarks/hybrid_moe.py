@@ -25,9 +25,11 @@ Targets (decode: both ways of waiting measured in the same run, "before" = host 
           CPU experts answered instantly (the GPU part: every GPU piece, the D2H/H2D staging,
           the event / flag waits and the replays between); also the hyb eager step with the
           same stub (what graphs buy).
-          Zero-copy A/B (kernels.zero_copy; hybrid_decode.zero_copy_ab): each way is also
-          captured with the memcpys (zero_copy=False) and both timed in alternating rounds,
-          GPU part and real step, their outputs checked against each other.
+          Zero-copy A/B (kernels.zero_copy; hybrid_decode.zero_copy_ab): the host wait and
+          the one graph with spinning waits are also captured with the memcpys
+          (zero_copy=False) and both timed in alternating rounds, GPU part and real step,
+          their outputs checked against each other; fused-wait A/B: the one-graph ways the
+          same with fused_wait=False (the ready word / the wait as separate graph nodes).
           "hybrid step <= 1.1 x max(GPU part, CPU experts part)": the real hyb graph step vs
           the GPU part and the CPU experts alone (n MoE layers x one layer's CPU experts on
           the calling thread, as a step runs them).

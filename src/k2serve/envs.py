@@ -27,6 +27,7 @@ monkeypatch. Nothing else in k2serve reads `os.environ` for a `K2SERVE_*` name.
 | K2SERVE_KV_HOST_TIER_ON_CPU | bool | false | test/debug: a KV host tier on a CPU-only engine |
 | K2SERVE_HYBRID_DEVICE_WAIT | bool | false | decode graphs wait for the CPU experts in-graph |
 | K2SERVE_HYBRID_ZERO_COPY | bool | true | hybrid layers: host buffers through mapped memory |
+| K2SERVE_HYBRID_FUSED_WAIT | bool | true | one graph: the staging kernel writes the ready word |
 | K2SERVE_EAGLE_GRAPHS | bool | true | CUDA graphs for the EAGLE-3 draft's one-token steps |
 """
 
@@ -226,6 +227,15 @@ def hybrid_zero_copy() -> bool:
     once-per-device probe passes (else the memcpys). false: always the memcpys (an A/B
     switch; read when a runner captures its graphs or a backend reserves its buffers)."""
     return env_bool("K2SERVE_HYBRID_ZERO_COPY", True)
+
+
+def hybrid_fused_wait() -> bool:
+    """K2SERVE_HYBRID_FUSED_WAIT: with the one-graph device wait (K2SERVE_HYBRID_DEVICE_WAIT)
+    and zero-copy, each hybrid layer's staging kernel also writes the word the host spins on:
+    one graph node instead of two (kernels.zero_copy, "Fused waits"; model.cuda_graph says why
+    the result kernel does not also spin on the flag); where the once-per-device probe passes.
+    false: the separate stream write (an A/B switch; read when a runner captures its graphs)."""
+    return env_bool("K2SERVE_HYBRID_FUSED_WAIT", True)
 
 
 def eagle_graphs() -> bool:

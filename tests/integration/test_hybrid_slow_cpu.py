@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from k2serve import envs
 from k2serve.model.cuda_graph import DecodeGraphRunner
 
 from .conftest import needs_cuda
@@ -103,12 +104,15 @@ def test_cuda_a_late_cpu_part_is_waited_for(way, zero_copy):
     """bf16 on CUDA: with every CPU part 20 ms late and its `out` NaN until then, each way's
     replays give the output they give on time (1e-3: kernels that add in any order); with
     zero-copy (the result kernel reads `out` in host memory right after the wait: a load
-    before the wait passed, or a cached one, would show the NaN) and with the memcpys."""
+    before the wait passed, or a cached one, would show the NaN; in the one-graph ways the
+    result kernel is the wait itself, fused) and with the memcpys."""
     device_wait, one_graph, spin_wait = CUDA_WAYS[way]
     model, runner = _cuda_runner(device_wait=device_wait, one_graph=one_graph,
                                  spin_wait=spin_wait, zero_copy=zero_copy)  # fmt: skip
     hybrid = [model.model.layers[i].mlp.expert_backend for i in model.config.moe_layers]
     assert [be.zero_copy for be in hybrid] == [zero_copy] * len(hybrid)
+    # one graph with zero-copy: the fused waits by default (kernels.zero_copy "Fused waits")
+    assert runner.fused_waits == (zero_copy and one_graph and envs.hybrid_fused_wait())
     ids = torch.randint(0, 500, (3,), device="cuda")
     pos, md = _cuda_decode_md([3, 6, 9])
     want = runner.run(ids, pos, md).clone()

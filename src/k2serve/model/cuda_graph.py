@@ -28,6 +28,12 @@ inside a1, the rest launched by the host once the CPU's result is written.
 Zero-copy (`zero_copy`, K2SERVE_HYBRID_ZERO_COPY, on by default where its probe passes; any way
 of waiting): the captured staging and result are kernels on the pinned buffers' host-mapped
 addresses instead of memcpy nodes (moe.hybrid reserve, kernels.zero_copy).
+Fused waits (`fused_wait`, K2SERVE_HYBRID_FUSED_WAIT, on by default where its probe passes; one
+graph with zero-copy): each layer's staging kernel writes its ready word (kernels.zero_copy.
+Handshake): one node a layer fewer. The result kernel can also spin on the flag itself
+(Handshake with the flag), but on the H100 that was slower than the separate one-program spin
+kernel (GPU part +45 us a step, wave 11 call 8: every program of the result kernel polls over
+PCIe), so the runner does not use it.
 Measured (benchmarks/hybrid_moe.py, H100 host, RESULTS.md "Hybrid GPU + CPU experts"): the
 one graph with spinning waits had the shortest serial part per MoE layer, GPU part and real step
 in one run of wave 10 and the longest GPU part and real step in the next; the host wait stays
@@ -103,6 +109,17 @@ class CudaGraphFactory:
         """host_signal(spin=True)."""
         return self.host_signal(spin=True)
 
+    def handshake(self, word, signal):
+        """The fused word of one hybrid layer (kernels.zero_copy.Handshake over its ready
+        word; no flag: the wait stays the signal's own node, see "Fused waits" above), or None
+        where the probe fails."""
+        from k2serve.kernels.zero_copy import Handshake, fused_wait_supported
+
+        dev = torch.cuda.current_device()
+        if not fused_wait_supported(dev):
+            return None
+        return Handshake(word.word, None, torch.device("cuda", dev))
+
 
 def capture_pieces(gen, factory) -> tuple[list, list, Any]:
     """Capture a pieces generator: -> (graphs, host actions, the generator's return value);
@@ -151,7 +168,8 @@ class DecodeGraphRunner:
         one_graph: bool = True,  # device wait as one graph per step (see the docstring)
         spin_wait: bool = True,  # device wait: a spinning kernel waits, not the stream
         zero_copy: bool | None = None,  # hybrid staging / result through host-mapped memory
-    ) -> None:  # (zero_copy None: K2SERVE_HYBRID_ZERO_COPY; moe.hybrid reserve)
+        fused_wait: bool | None = None,  # one graph: the word / wait inside those kernels
+    ) -> None:  # (None: K2SERVE_HYBRID_ZERO_COPY / _FUSED_WAIT; moe.hybrid reserve)
         if not buckets or min(buckets) < 1:
             raise ValueError(f"buckets must be positive batch sizes, got {buckets}")
         self.model = model
@@ -181,7 +199,9 @@ class DecodeGraphRunner:
         self.one_graph = one_graph
         self.spin_wait = spin_wait
         self.zero_copy = zero_copy
+        self.fused_wait = fused_wait
         self._graph_words: list = []  # one graph: each hybrid layer's word, layer order
+        self._handshakes: list = []  # fused waits: each hybrid layer's Handshake, layer order
         self.jobs: dict[int, list] = {}  # one graph: bucket -> its captured jobs, layer order
         self._waiting: list = []  # (hybrid backend, its signal) whose GPU waits, layer order
         # benchmarks: a list for the step's timeline marks (also set as the hybrid backends'
@@ -239,34 +259,45 @@ class DecodeGraphRunner:
         self._waiting = self._host_signals(hybrid)
         self._set_ready_words(hybrid)
         self._graph_words = self._make_graph_words(hybrid)
-        for bs in reversed(self.buckets):
-            for be in hybrid:  # the CPU experts are not needed to warm up the GPU pieces
-                be.dry_run = True
-            try:
-                drive(self._pieces(bs))  # warm-up: compiles kernels, sizes the caching allocator
-            finally:
-                for be in hybrid:
-                    be.dry_run = False
-            self.factory.synchronize()
-            jobs: list = []
-            for be, _ in self._waiting:
-                be.device_wait = True
-            for be, word in zip(hybrid, self._graph_words, strict=False):
-                be.graph_jobs, be.graph_word = jobs, word
-            try:
-                graphs, actions, out = capture_pieces(self._pieces(bs), self.factory)
-            finally:
-                for be, _ in self._waiting:
-                    be.device_wait = False
-                    be.deferred.clear()
-                for be in hybrid:
-                    be.graph_jobs = be.graph_word = None
-            self.graphs[bs], self.actions[bs], self.outputs[bs] = graphs, actions, out
-            if self._graph_words:
-                self.jobs[bs] = jobs
-            if getattr(self.model, "aux_hidden_state_layers", ()):
-                self.aux[bs] = self.model.aux_hidden_states
+        self._handshakes = self._make_handshakes()
+        for be, hs in zip(hybrid, self._handshakes, strict=False):
+            be.graph_handshake = hs  # (the warm-up launches the fused kernels once: compiled)
+        try:
+            for bs in reversed(self.buckets):
+                self._capture_bucket(bs, hybrid)
+        finally:
+            for be in hybrid:
+                be.graph_handshake = None
         self.factory.synchronize()
+
+    def _capture_bucket(self, bs: int, hybrid: list) -> None:
+        """Warm up, then capture, the step of bucket `bs` (see capture)."""
+        for be in hybrid:  # the CPU experts are not needed to warm up the GPU pieces
+            be.dry_run = True
+        try:
+            drive(self._pieces(bs))  # warm-up: compiles kernels, sizes the caching allocator
+        finally:
+            for be in hybrid:
+                be.dry_run = False
+        self.factory.synchronize()
+        jobs: list = []
+        for be, _ in self._waiting:
+            be.device_wait = True
+        for be, word in zip(hybrid, self._graph_words, strict=False):
+            be.graph_jobs, be.graph_word = jobs, word
+        try:
+            graphs, actions, out = capture_pieces(self._pieces(bs), self.factory)
+        finally:
+            for be, _ in self._waiting:
+                be.device_wait = False
+                be.deferred.clear()
+            for be in hybrid:
+                be.graph_jobs = be.graph_word = None
+        self.graphs[bs], self.actions[bs], self.outputs[bs] = graphs, actions, out
+        if self._graph_words:
+            self.jobs[bs] = jobs
+        if getattr(self.model, "aux_hidden_state_layers", ()):
+            self.aux[bs] = self.model.aux_hidden_states
 
     def _host_signals(self, hybrid: list) -> list:
         """Give each hybrid backend a host signal (device wait), or none of them; -> the
@@ -307,6 +338,24 @@ class DecodeGraphRunner:
         words = [make() for _ in hybrid]
         return [] if any(w is None for w in words) else words
 
+    def _make_handshakes(self) -> list:
+        """Fused waits (`fused_wait`, one graph, every hybrid layer zero-copy): each layer's
+        kernels.zero_copy.Handshake over its graph word and host signal, from the factory
+        (all or none: [] keeps the separate nodes)."""
+        make = getattr(self.factory, "handshake", None)
+        fused = envs.hybrid_fused_wait() if self.fused_wait is None else self.fused_wait
+        if not (self._graph_words and fused and make is not None):
+            return []
+        if not all(getattr(be, "zero_copy", False) for be, _ in self._waiting):
+            return []
+        hs = [make(w, sig) for w, (_, sig) in zip(self._graph_words, self._waiting, strict=True)]
+        return [] if any(h is None for h in hs) else hs
+
+    @property
+    def fused_waits(self) -> bool:
+        """True when the graphs' staging / result kernels carry the waits (see the docstring)."""
+        return bool(self._handshakes)
+
     def _replay(self, bucket: int) -> None:
         """Launch the bucket's pieces; with the device wait, then the CPU parts in layer
         order (each releases its layer's GPU wait). On an error every signal is released, the
@@ -317,10 +366,14 @@ class DecodeGraphRunner:
             replay_pieces(self.graphs[bucket], self.actions[bucket], trace)
             return
         graphs, actions = self.graphs[bucket], self.actions[bucket]
-        jobs = self.jobs.get(bucket)
+        jobs = self.jobs.get(bucket) or []
+        for job in jobs:
+            job.staged_seen = False
+        launched = False
         try:
             if jobs:  # one graph: the CPU parts in layer order, each on its graph's word
                 graphs[0].replay()
+                launched = True
                 if trace is not None:
                     trace.append(("launch", time.perf_counter_ns()))
                 for job in jobs:
@@ -340,6 +393,8 @@ class DecodeGraphRunner:
                 for be, _ in self._waiting:
                     be.complete_deferred()
         except BaseException:
+            for job in jobs:  # in layer order, each once its staging ran (HostJob.unblock)
+                launched = job.unblock(wait=launched)  # (a word missing: the rest won't come)
             for be, sig in self._waiting:
                 be.deferred.clear()
                 sig.release()

@@ -32,7 +32,11 @@ are eager host actions, so the choice can change between replays of the same gra
 One-graph device wait (`HybridExpertBackend.graph_jobs` / `graph_word`, set while a graph
 runner captures): the graph itself writes a ready word of the job's own after the staging
 copies (`gpu_set`), so nothing is yielded and the step is one graph; the runner then calls
-`complete_in_graph()` on the captured jobs in layer order.
+`complete_in_graph()` on the captured jobs in layer order. Fused waits (a job's `handshake`,
+kernels.zero_copy "Fused waits"): the staging kernel writes that word and, with spinning
+waits, `add_result`'s kernel spins on the signal's flag, which the next step's staging kernel
+clears; so a release must never come before that layer's staging kernel ran (it would be
+cleared and lost): `unblock` (error recovery) waits for the word first.
 
 Timeline (benchmarks only): when the backend's `trace` is a list, each job appends
 (mark, time.perf_counter_ns()) at: "wake" (the CPU pool prewoken / the CPU part submitted on a
@@ -59,12 +63,16 @@ class HostJob:
     captured graph's copies keep reading and writing them); on a CPU device they are the
     layer's own tensors and `start` submits to the CPU backend's worker thread, so the CPU
     experts overlap the main thread's GPU-part math. `out_mapped`: `out`'s host-mapped CUDA
-    view when the backend stages zero-copy (kernels.zero_copy): `add_result` reads it there."""
+    view when the backend stages zero-copy (kernels.zero_copy): `add_result` reads it there.
+    `handshake`: the kernels.zero_copy.Handshake the staging kernel was given (fused waits)."""
 
-    def __init__(self, backend, x, ids, w, out, cuda: bool, out_mapped=None) -> None:
+    def __init__(self, backend, x, ids, w, out, cuda: bool, out_mapped=None,
+                 handshake=None) -> None:  # fmt: skip
         self.backend = backend
         self.x, self.ids, self.w, self.out = x, ids, w, out
         self.out_mapped = out_mapped
+        self.handshake = handshake  # fused waits: the staging kernel's Handshake (or None)
+        self.staged_seen = False  # this step's staged inputs seen (the runner clears it)
         self.cuda = cuda
         self.event = torch.cuda.Event() if cuda else None
         self.signal = backend.signal  # device wait: the one this job's graph waits on
@@ -155,25 +163,49 @@ class HostJob:
         self._wake()
         self._complete(self.graph_word.wait_set)
 
+    @property
+    def waits_in_kernel(self) -> bool:
+        """True when `add_result`'s kernel itself waits for the flag (fused spinning wait)."""
+        return self.handshake is not None and self.handshake.flag is not None
+
     def _complete(self, wait_staged) -> None:
         try:
             self._mark("sync")
             wait_staged()
+            self.staged_seen = True
             self._mark("in")
             if self.backend.dry_run:
                 self.out.zero_()
             else:
                 self._compute()
-        finally:
-            self.signal.release()
+        finally:  # (fused, inputs not seen: a release now could be cleared; see unblock)
+            if self.staged_seen or not self.waits_in_kernel:
+                self.signal.release()
             self._mark("rel")
+
+    def unblock(self, wait: bool = True) -> bool:
+        """Error recovery (model.cuda_graph, after a step raised; jobs in layer order): release
+        the GPU's wait for this job so that the stream drains. With a fused spinning wait the
+        staging kernel clears the flag, so first wait until it ran (its word), unless that
+        was seen this step or `wait` is False (the graph was not launched, or an earlier
+        layer's word never came); if the word does not come, release anyway (nothing
+        better). -> whether later jobs should still wait (False once a word did not come)."""
+        if self.waits_in_kernel and not self.staged_seen and wait:
+            try:
+                self.graph_word.wait_set()
+                self.staged_seen = True
+            except RuntimeError:
+                wait = False
+        self.signal.release()
+        return wait
 
     def add_result(self, gpu_out: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         """gpu_out + the CPU part's `out`, enqueued after the wait for it: one kernel reading
         `out` through its host-mapped address (zero-copy), else `out` copied to the device and
         added (also on a CPU device, where the copy is none)."""
-        if self.out_mapped is not None:
-            return add_from_host(gpu_out, self.out_mapped)
+        if self.out_mapped is not None:  # (fused: the kernel spins on the flag first)
+            flag = self.handshake.flag if self.handshake is not None else None
+            return add_from_host(gpu_out, self.out_mapped, wait_flag=flag)
         return gpu_out + self.out.to(gpu_out.device, gpu_out.dtype, non_blocking=True)
 
 

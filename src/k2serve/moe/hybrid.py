@@ -18,6 +18,10 @@ Invariants:
   pinned buffers through their host-mapped addresses, and the result one kernel reading `out`
   there fused with the add (kernels.zero_copy), instead of three D2H memcpys, an H2D memcpy
   and an add; the same bits. Only for the reserved buffers (the graphs' static ones).
+- Fused waits (`graph_handshake`, set by a one-graph runner while it captures; K2SERVE_HYBRID_
+  FUSED_WAIT): the staging kernel writes the layer's ready word itself and, with spinning
+  waits, the result kernel spins on the host's flag itself (kernels.zero_copy, "Fused
+  waits"); a layer whose staging is not zero-copy keeps the separate nodes.
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ class HybridExpertBackend(ExpertBackend):
         # jobs go to `graph_jobs`, the graph writes `graph_word` after the staging copies
         self.graph_jobs: list | None = None
         self.graph_word = None
+        self.graph_handshake = None  # its kernels.zero_copy.Handshake when the waits are fused
         # layer-wise GPU prefill (moe.layerwise): long steps run the CPU experts on the device
         self.layerwise = None
         self.layerwise_index = -1
@@ -123,9 +128,12 @@ class HybridExpertBackend(ExpertBackend):
         """True when steps stage and read back through host-mapped memory (see reserve)."""
         return self._mapped is not None
 
-    def stage(self, hidden, topk_ids, topk_weights) -> HostJob:
+    def stage(self, hidden, topk_ids, topk_weights, handshake=None) -> HostJob:
         """Start the CPU part's input copies (see HostJob; zero-copy: one kernel, see
-        reserve); no host sync."""
+        reserve); no host sync. `handshake` (kernels.zero_copy.Handshake): the staging kernel
+        also writes its word (the job's `handshake` says whether it did: zero-copy only); in
+        a runner's warm-up (`dry_run`) the fused kernels are launched once eagerly instead
+        (Handshake.warm_up: compiled before the capture) and the job is an unfused one."""
         if self.device.type != "cuda" or not hidden.is_cuda:
             out = torch.empty_like(hidden)  # written by finish(): a static output for graphs
             return HostJob(self, hidden, topk_ids, topk_weights, out, cuda=False)
@@ -138,8 +146,13 @@ class HybridExpertBackend(ExpertBackend):
             if m is not None:
                 mx, mids, mw = m["x"][:T], m["ids"][:T, :k], m["w"][:T, :k]
                 if can_stage(hidden, topk_ids, topk_weights, mx, mids, mw):
-                    stage_to_host(hidden, topk_ids, topk_weights, mx, mids, mw)
-                    return HostJob(self, x, ids, w, out, cuda=True, out_mapped=m["out"][:T])
+                    hs = handshake if T else None
+                    if hs is not None and self.dry_run:  # a runner's warm-up: compile them
+                        hs.warm_up(hidden, topk_ids, topk_weights, mx, mids, mw, m["out"][:T])
+                        hs = None
+                    stage_to_host(hidden, topk_ids, topk_weights, mx, mids, mw, handshake=hs)
+                    return HostJob(self, x, ids, w, out, cuda=True, out_mapped=m["out"][:T],
+                                   handshake=hs)  # fmt: skip
         else:  # outside the reserved size (long prefills, eager): fresh pinned buffers
             x = torch.empty(T, D, dtype=hidden.dtype, pin_memory=True)
             ids = torch.empty(T, k, dtype=torch.long, pin_memory=True)
@@ -171,14 +184,18 @@ class HybridExpertBackend(ExpertBackend):
             streamed = lw.run(self.layerwise_index, hidden, topk_ids, topk_weights,
                               self.cpu_local_of)  # fmt: skip
             return out + streamed.to(out.dtype)
-        job = self.stage(hidden, topk_ids, topk_weights)
+        one_graph = self.device_wait and self.graph_jobs is not None
+        hs = self.graph_handshake if one_graph or self.dry_run else None  # (see stage)
+        job = self.stage(hidden, topk_ids, topk_weights, hs)
         gpu = gpu or (lambda y: self.gpu_part(y, topk_ids, topk_weights))
-        if self.device_wait and self.graph_jobs is not None:  # one graph: no host action
+        if one_graph:  # one graph: no host action
             job.graph_word = self.graph_word
-            job.graph_word.gpu_set()  # after the staging copies
+            if job.handshake is None:  # (fused: the staging kernel wrote it)
+                job.graph_word.gpu_set()  # after the staging copies
             self.graph_jobs.append(job)
             out = gpu(hidden)
-            job.signal.gpu_wait()
+            if not job.waits_in_kernel:  # (fused: the result kernel spins on the flag)
+                job.signal.gpu_wait()
             return job.add_result(out)
         if self.device_wait:  # the GPU waits for the CPU's `out` on the signal, in the piece
             yield job.launch
