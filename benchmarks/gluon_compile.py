@@ -36,6 +36,7 @@ def compile_one(cfg: dict, a_div: int, mul_w: bool, perm_out: bool, arch: int = 
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from k2serve.kernels.int4_gemm_gluon import _int4_gemm_gluon_kernel
+    from k2serve.kernels.int4_gemm_gluon_ws import _int4_gemm_gluon_ws_kernel, ws_regs, ws_split
 
     ptrs = {"a_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*i32", "c_ptr": "*bf16",
             "tw_ptr": "*fp32", "sorted_ptr": "*i32", "eid_ptr": "*i32", "npost_ptr": "*i32",
@@ -47,11 +48,20 @@ def compile_one(cfg: dict, a_div: int, mul_w: bool, perm_out: bool, arch: int = 
                 BF16X2=cfg["BF16X2"], INFLIGHT=cfg["INFLIGHT"], FENCE=cfg["FENCE"],
                 TAIL=cfg["TAIL"], L1=cfg["L1"], KW=cfg["KW"],
                 SILU=cfg["SILU"] and perm_out)  # fmt: skip
+    kernel, opts = _int4_gemm_gluon_kernel, {"num_warps": cfg["num_warps"]}
+    if cfg.get("WS"):  # the warp-specialized kernel (int4_gemm_gluon_ws.py)
+        maxnreg, creg, preg = ws_regs(cfg)
+        for key in ("TAIL", "KW", "NW"):
+            cons.pop(key)
+        nc, cw = ws_split(cfg)
+        cons.update(
+            NC=nc, CW=cw, PW=cfg.get("PW", 4), CREG=creg, PREG=preg, RELEASE=cfg.get("RELEASE", 1)
+        )
+        kernel, opts = _int4_gemm_gluon_ws_kernel, {"num_warps": cw, "maxnreg": maxnreg}
     sig = {**ptrs, **dict.fromkeys(ints, "i32"), **dict.fromkeys(cons, "constexpr")}
     div16 = [i for i, k in enumerate(sig) if k in ptrs or k in ints[3:-1]]
-    src = GluonASTSource(fn=_int4_gemm_gluon_kernel, signature=sig, constexprs=cons,
+    src = GluonASTSource(fn=kernel, signature=sig, constexprs=cons,
                          attrs={(i,): [["tt.divisibility", 16]] for i in div16})  # fmt: skip
-    opts = {"num_warps": cfg["num_warps"]}
     if cfg.get("MAXNREG"):
         opts["maxnreg"] = cfg["MAXNREG"]
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)

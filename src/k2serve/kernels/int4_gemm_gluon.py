@@ -60,6 +60,7 @@ import logging
 import torch
 
 from ._triton import cdiv
+from .int4_gemm_gluon_ws import WS_DEFAULTS, ws_check, ws_regs, ws_smem_bytes, ws_split
 from .moe_align import max_blocks, moe_align_block_size, tail_units
 
 try:  # pragma: no cover - depends on the installed Triton
@@ -97,7 +98,8 @@ GLUON_TABLE = (
     dict(max_pairs=None, **GLUON_CONFIG),
 )
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "W2", "STAGES", "num_warps", "BF16X2", "INFLIGHT", "FENCE",
-               "TAIL", "L1", "KW", "SILU", "CARVE", "MAXNREG")  # fmt: skip
+               "TAIL", "L1", "KW", "SILU", "CARVE", "MAXNREG", "WS", "PW", "PREG",
+               "CREG", "RELEASE")  # fmt: skip
 # BF16X2: the planes made two weights per instruction (bf16x2 PTX), not fp32 math; INFLIGHT:
 # wgmmas in flight while the next planes are dequantized (1, 2); FENCE: a proxy fence after each
 # sub-step's copies land; TAIL: rows aligned to BLOCK_M / 2, an expert's last <= BLOCK_M / 2
@@ -110,7 +112,7 @@ CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "W2", "STAGES", "num_warps", "BF16X2", "INF
 # SiLU-and-mul); CARVE: the carveout alone; MAXNREG: ptxas' register cap. Wave-8 device runs
 # (RESULTS.md): L1 +11-13% (the carveout alone -7 to -14%, KW +2-3%), SILU +2-5% with L1.
 CONFIG_DEFAULTS = dict(BF16X2=False, INFLIGHT=1, FENCE=False, TAIL=False, L1=False, KW=False,
-                       SILU=False, CARVE=False, MAXNREG=0)  # fmt: skip
+                       SILU=False, CARVE=False, MAXNREG=0, WS=False, **WS_DEFAULTS)  # fmt: skip
 
 
 def gluon_available() -> bool:
@@ -130,6 +132,8 @@ def gluon_usable(device: torch.device | str) -> bool:
 
 def smem_bytes(cfg: dict) -> int:
     """Shared memory of the ring (the epilogue's layout conversion reuses it)."""
+    if cfg.get("WS"):
+        return ws_smem_bytes(cfg)
     bm, bn, w2, st = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["W2"], cfg["STAGES"]
     if cfg.get("KW"):  # word and scale slots by K step (`_tile`), KW=2: 4 scale slots
         ws = (st + 2) // 2
@@ -141,6 +145,9 @@ def smem_bytes(cfg: dict) -> int:
 def check_config(cfg: dict) -> None:
     """Raise ValueError for a config the kernel cannot take."""
     bm, bn, nw = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"]
+    if cfg.get("WS"):  # (the WS ring needs no slack slots: STAGES >= 2)
+        ws_check(cfg)
+        cfg = {**cfg, "STAGES": max(3, cfg["STAGES"])}
     if bm % 8 or not 8 <= bm <= 256:
         raise ValueError(f"gluon int4 GEMM: BLOCK_M={bm} must be a multiple of 8 in 8..256")
     if nw % 4 or bn % (16 * nw):
@@ -156,7 +163,7 @@ def check_config(cfg: dict) -> None:
         raise ValueError("gluon int4 GEMM: KW and L1 are two ways to the same end: one of them")
     if cfg.get("INFLIGHT", 1) not in (1, 2):
         raise ValueError("gluon int4 GEMM: INFLIGHT must be 1 or 2")
-    if smem_bytes(cfg) > 227 * 1024:
+    if not cfg.get("WS") and smem_bytes(cfg) > 227 * 1024:
         raise ValueError(f"gluon int4 GEMM: {smem_bytes(cfg)} B of shared memory (> 227 KiB)")
 
 
@@ -444,6 +451,11 @@ def gemm_gluon(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, p
     if cfg["TAIL"] and units is None:
         raise ValueError("gluon int4 GEMM: TAIL needs the units (gluon_align)")
     s32 = s.view(torch.int32)
+    if cfg["WS"]:
+        return _launch_ws(a, w, s32, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w,
+                          perm_out, cfg)  # fmt: skip
+    for key in ("WS", *WS_DEFAULTS):
+        cfg.pop(key)
     nw = cfg.pop("num_warps")
     carve = cfg.pop("CARVE") or cfg["L1"]  # a host-side setting, not the kernel's
     opts = {"maxnreg": cfg.pop("MAXNREG")} if cfg.get("MAXNREG") else {}
@@ -458,6 +470,30 @@ def gemm_gluon(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, p
     )  # fmt: skip
     if carve and getattr(k, "function", None):
         _l1_carveout(int(k.function), int(k.metadata.shared), int(k.n_regs) * 32 * nw)
+
+
+def _launch_ws(a, w, s32, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, perm_out, cfg):
+    """The WS kernel's launch (int4_gemm_gluon_ws.py): the same grid, num_warps=4 (the default
+    partition), maxnreg the register pool's share (`ws_regs`)."""
+    from .int4_gemm_gluon_ws import _int4_gemm_gluon_ws_kernel
+
+    if a.shape[0] * a.stride(0) >= 2**31:
+        raise ValueError("gluon int4 GEMM WS: activations over 2^31 elements (int32 offsets)")
+    maxnreg, creg, preg = ws_regs(cfg)
+    nc, cw = ws_split(cfg)
+    cfg.pop("num_warps")
+    carve = cfg.pop("CARVE") or cfg["L1"]
+    for key in ("MAXNREG", "TAIL", "KW", "PREG", "CREG", "WS"):
+        cfg.pop(key)
+    grid = (eids.shape[0] * cdiv(N, cfg["BLOCK_N"]),)
+    k = _int4_gemm_gluon_ws_kernel[grid](
+        a, w, s32, c, tw, sorted_ids, eids, npost, eids, N, K, M, a.stride(0), c.stride(0),
+        w.stride(0), w.stride(1), s32.stride(0), s32.stride(1), eids.shape[0], A_DIV=a_div,
+        MUL_W=mul_w, PERM_OUT=perm_out, NC=nc, CW=cw, CREG=creg, PREG=preg, num_warps=cw,
+        maxnreg=maxnreg, **cfg,
+    )  # fmt: skip
+    if carve and getattr(k, "function", None):
+        _l1_carveout(int(k.function), int(k.metadata.shared), 65536)
 
 
 def carveout_pct(shared: int, regs: int) -> int:
