@@ -255,9 +255,10 @@ def main(argv=None) -> int:
     return 0
 
 
-def child(args, timeout, sink):
-    """This script's part in a new process; its output to stdout and the sink; RESULT lines back."""
-    cmd = [sys.executable, os.path.abspath(__file__), *args]
+def child(args, timeout, sink, script=None):
+    """This script's part (or `script`'s) in a new process; its output to stdout and the sink;
+    RESULT lines back."""
+    cmd = [sys.executable, script or os.path.abspath(__file__), *args]
     out = []
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(5.0, timeout))

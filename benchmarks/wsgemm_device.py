@@ -1,0 +1,187 @@
+# ruff: noqa: E741, E501
+"""The warp-specialized INT4 prompt GEMM (kernels/int4_gemm_gluon_ws.py, issue 28) on one H100:
+checks first, then one K2 MoE layer timed with the shipped table against the WS configs.
+Full output in $OUT/wsgemm_device.txt (+ $OUT/wsgemm_pytest.txt).
+
+Run (repo root, one H100, < 200 s): bash benchmarks/wsgemm_device.sh
+Parts, each in its own process (a kernel fault or a hang cannot take the later ones with it;
+every config fail-soft: the error is printed and the next one runs):
+  tests   pytest -m gpu tests/kernels/test_int4_gemm_gluon_ws.py: WS against the shipped
+          kernel with the same tile, bit for bit (padding rows, an expert without pairs,
+          partial N blocks, SILU, the routing-weight store), and near the fp32 reference.
+  layers  prefill_device.part_layers: int4_moe_gemm on a K2 layer at T=2048 and 8192 with
+          each WS config against the shipped table (bit-identical expected where the tile is
+          the table's: 64x256 at 2048, 128x256 SILU at 8192) and, at 2048, fused_moe_ref.
+  time    one K2 MoE layer (E=384, D=7168, I=2048, top-8; both launches, int4_moe_gemm) at
+          T=1024..16384 uniform and T=8192 "third" (every token's experts from a fixed third):
+          the shipped table, the WS table (WS_TABLE) and each WS config (token tiles near the
+          experts' pair counts); the bf16 matmul rate of the same run (moe_libs.ceilings).
+Config names are gluon_int4_device.cfg_of's: x = WS=1 (one consumer partition of num_warps,
+its warpgroups meet once a sub-step), xx = WS=2 (a consumer partition per warpgroup), p1: a
+1-warp producer (4 by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import prefill_device as pd  # noqa: E402 - route, child, part_layers, log, result
+
+VARIANTS = ["128x256s4w8hlgx", "128x256s4w8hlgxx", "64x256s6w8hlx", "64x256s6w8hlxx",
+            "128x128s5w4hlgx", "128x256s4w8hlgxp1"]  # fmt: skip
+# the shipped table's bands (configs/h200.json int4_prefill_gluon) with WS from 4096 pairs
+WS_TABLE = [
+    dict(max_pairs=2048, BLOCK_M=16, BLOCK_N=128, W2=16, STAGES=6, num_warps=4, BF16X2=True),
+    dict(max_pairs=4096, BLOCK_M=32, BLOCK_N=128, W2=16, STAGES=6, num_warps=4, BF16X2=True),
+    dict(max_pairs=16384, BLOCK_M=64, BLOCK_N=256, W2=16, STAGES=6, num_warps=8, BF16X2=True,
+         L1=True, WS=2),
+    dict(max_pairs=None, BLOCK_M=128, BLOCK_N=256, W2=16, STAGES=4, num_warps=8, BF16X2=True,
+         L1=True, SILU=True, WS=2),
+]  # fmt: skip
+TS = "8192,1024,2048,4096,16384"
+BUDGET_S = 190
+
+
+def part_time(T, routing, variants):
+    import gluon_int4_device as gd
+    import model_speed as ms
+    import moe_libs as ml
+    import torch
+
+    from k2serve.kernels import int4_gemm as ig
+
+    torch.manual_seed(0)
+    ew = ms._rand_experts("int4", pd.E, pd.D, pd.I, "cuda")
+    tw, ti = pd.route(T, routing)
+    x = torch.randn(T, pd.D, device="cuda", dtype=torch.bfloat16)
+    hit = int(ti.unique().numel())
+    flops = ml.moe_flops(T)
+    it = 5 if T >= 8192 else 10
+    base = ig.int4_moe_gemm(x, ew, tw, ti, backend="gluon")
+    per = T * pd.K / pd.E  # pairs an expert (uniform)
+    for name in ["table", "wstable", *variants]:
+        cfg = {"table": None, "wstable": WS_TABLE}.get(name) or gd.cfg_of(name)
+        if isinstance(cfg, dict) and not per / 4 <= cfg["BLOCK_M"] <= 4 * max(16, per):
+            continue  # token tiles far past or below an expert's pairs
+        fn = lambda cfg=cfg: ig.int4_moe_gemm(x, ew, tw, ti, cfg, backend="gluon")  # noqa: E731
+        try:
+            out = fn()
+            diff, same = gd.rel(out, base), bool(torch.equal(out, base))
+            t = ms.timed(fn, iters=it, warmup=2)
+        except Exception as e:  # noqa: BLE001
+            pd.log(f"  T={T} {routing} {name}: ERROR {type(e).__name__}: {str(e)[:400]}")
+            continue
+        pd.log(f"  T={T} {routing} ({hit} experts) {name:18s} {t:8.3f} ms {flops / t / 1e9:6.1f} "
+               f"TFLOP/s vs table {diff:.1e}{' (bit-identical)' if same else ''}")  # fmt: skip
+        pd.result(kind="time", T=T, routing=routing, name=name, ms=t, tflops=flops / t / 1e9,
+                  diff=diff)  # fmt: skip
+
+
+def part_ceil():
+    import moe_libs as ml
+
+    ml.ceilings()
+    pd.result(kind="ceil", mm=ml.CEIL["mm"], bw=ml.CEIL["bw"])
+
+
+def run_tests(out_dir, timeout, sink):
+    """The GPU tests in a process of their own; the tail of their output."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+           "tests/kernels/test_int4_gemm_gluon_ws.py", "-rf"]  # fmt: skip
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        text, rc = p.stdout + p.stderr, p.returncode
+    except subprocess.TimeoutExpired as e:
+        text = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        rc = "timeout"
+    with open(os.path.join(out_dir, "wsgemm_pytest.txt"), "w") as f:
+        f.write(text)
+    tail = [ln for ln in text.splitlines() if ln.strip()][-25:]
+    for line in [*tail, f"== pytest rc={rc}"]:
+        pd.log(line)
+        sink.write(line + "\n")
+    return rc == 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", default="")
+    ap.add_argument("--T", type=int, default=0)
+    ap.add_argument("--routing", default="uniform")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--ts", default=TS)
+    ap.add_argument("--budget", type=float, default=BUDGET_S)
+    ap.add_argument("--skip-tests", action="store_true")
+    args = ap.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    if args.part == "time":
+        part_time(args.T, args.routing, variants)
+        return 0
+    if args.part == "ceil":
+        part_ceil()
+        return 0
+    if args.part == "layers":
+        pd.part_layers(variants, [2048, 8192])
+        return 0
+    t0 = time.time()
+    out_dir = os.environ.get("OUT", "/tmp/k2out")
+    os.makedirs(out_dir, exist_ok=True)
+
+    def child(a, timeout, sink):  # a part of this script in its own process
+        return pd.child(a, timeout, sink, script=os.path.abspath(__file__))
+
+    with open(os.path.join(out_dir, "wsgemm_device.txt"), "w") as sink:
+        tests_ok = None if args.skip_tests else run_tests(out_dir, 75, sink)
+        res = child(["--part", "layers", "--variants", args.variants], 45, sink)
+        res += child(["--part", "ceil"], 20, sink)
+        ceil = next(
+            (r for r in res if r["kind"] == "ceil"), {"mm": float("nan"), "bw": float("nan")}
+        )
+        checks = [r for r in res if r["kind"] == "check"]
+        bad = sorted({r["cfg"] for r in checks if not r["ok"]})
+        runs = [(int(t), "uniform") for t in args.ts.split(",")]
+        runs.insert(1, (8192, "third"))
+        for T, routing in runs:
+            left = args.budget - (time.time() - t0)
+            if left < 10:
+                pd.log(f"== T={T} {routing}: skipped, {left:.0f} s of the budget left")
+                continue
+            res += child(["--part", "time", "--T", str(T), "--routing", routing, "--variants",
+                          args.variants], min(left, 45), sink)  # fmt: skip
+        lines = [
+            "",
+            f"bf16 matmul {ceil['mm']:.0f} TFLOP/s; GPU tests {'passed' if tests_ok else 'FAILED or not run' if tests_ok is not None else 'skipped'}; "
+            f"K2 layer checks {sum(r['ok'] for r in checks)}/{len(checks)} passed"
+            + (f" (FAILED: {', '.join(bad)})" if bad else ""),
+            "| T | routing | config | ms | TFLOP/s | % bf16 matmul | vs table | rel diff vs table |",
+            "|---:|---|---|---:|---:|---:|---:|---:|",
+        ]
+        times = [r for r in res if r["kind"] == "time"]
+        for r in sorted(times, key=lambda r: (r["routing"], r["T"])):
+            tab = next(
+                (
+                    s
+                    for s in times
+                    if (s["T"], s["routing"], s["name"]) == (r["T"], r["routing"], "table")
+                ),
+                None,
+            )
+            vs = f"{tab['ms'] / r['ms']:.3f}x" if tab else "n/a"
+            flag = " (FAILED a check)" if r["name"] in bad else ""
+            lines.append(f"| {r['T']} | {r['routing']} | {r['name']}{flag} | {r['ms']:.3f} | {r['tflops']:.1f} | "
+                         f"{100 * r['tflops'] / ceil['mm']:.0f} | {vs} | {r['diff']:.1e} |")  # fmt: skip
+        lines.append(f"total {time.time() - t0:.0f} s")
+        for line in lines:
+            pd.log(line)
+            sink.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
