@@ -33,8 +33,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import prefill_device as pd  # noqa: E402 - route, child, part_layers, log, result
 
-VARIANTS = ["128x256s4w8hlgx", "128x256s4w8hlgxx", "64x256s6w8hlx", "64x256s6w8hlxx",
-            "128x128s5w4hlgx", "128x256s4w8hlgxp1"]  # fmt: skip
+# (more names, e.g. 128x128s5w4hlgx, 128x256s4w8hlgxp1, 128x256s4w8hlgxi2: --variants)
+VARIANTS = ["128x256s4w8hlgx", "128x256s4w8hlgxx", "64x256s6w8hlx", "64x256s6w8hlxx"]
 # the shipped table's bands (configs/h200.json int4_prefill_gluon) with WS from 4096 pairs
 WS_TABLE = [
     dict(max_pairs=2048, BLOCK_M=16, BLOCK_N=128, W2=16, STAGES=6, num_warps=4, BF16X2=True),
@@ -90,19 +90,26 @@ def part_ceil():
     pd.result(kind="ceil", mm=ml.CEIL["mm"], bw=ml.CEIL["bw"])
 
 
-def run_tests(out_dir, timeout, sink):
-    """The GPU tests in a process of their own; the tail of their output."""
+def start_tests(out_dir):
+    """The GPU tests in a process of their own, started now (they compile while the K2 layer
+    checks run); `finish_tests` collects them."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-           "tests/kernels/test_int4_gemm_gluon_ws.py", "-rf"]  # fmt: skip
+           "tests/kernels/test_int4_gemm_gluon_ws.py", "-rfs"]  # fmt: skip
+    f = open(os.path.join(out_dir, "wsgemm_pytest.txt"), "w")  # noqa: SIM115 - closed in finish
+    return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True), f
+
+
+def finish_tests(started, timeout, sink):
+    """Wait for the tests (killed past `timeout` s); their output's tail; whether they passed."""
+    p, f = started
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        text, rc = p.stdout + p.stderr, p.returncode
-    except subprocess.TimeoutExpired as e:
-        text = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        rc = p.wait(timeout=max(1.0, timeout))
+    except subprocess.TimeoutExpired:
+        p.kill()
         rc = "timeout"
-    with open(os.path.join(out_dir, "wsgemm_pytest.txt"), "w") as f:
-        f.write(text)
-    tail = [ln for ln in text.splitlines() if ln.strip()][-25:]
+    f.close()
+    with open(f.name) as g:
+        tail = [ln for ln in g.read().splitlines() if ln.strip()][-25:]
     for line in [*tail, f"== pytest rc={rc}"]:
         pd.log(line)
         sink.write(line + "\n")
@@ -137,8 +144,9 @@ def main(argv=None) -> int:
         return pd.child(a, timeout, sink, script=os.path.abspath(__file__))
 
     with open(os.path.join(out_dir, "wsgemm_device.txt"), "w") as sink:
-        tests_ok = None if args.skip_tests else run_tests(out_dir, 75, sink)
-        res = child(["--part", "layers", "--variants", args.variants], 45, sink)
+        tests = None if args.skip_tests else start_tests(out_dir)
+        res = child(["--part", "layers", "--variants", args.variants], 80, sink)
+        tests_ok = None if tests is None else finish_tests(tests, 100 - (time.time() - t0), sink)
         res += child(["--part", "ceil"], 20, sink)
         ceil = next(
             (r for r in res if r["kind"] == "ceil"), {"mm": float("nan"), "bw": float("nan")}

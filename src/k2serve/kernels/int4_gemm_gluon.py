@@ -493,7 +493,7 @@ def _launch_ws(a, w, s32, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w,
         maxnreg=maxnreg, **cfg,
     )  # fmt: skip
     if carve and getattr(k, "function", None):
-        _l1_carveout(int(k.function), int(k.metadata.shared), 65536)
+        _l1_carveout(int(k.function), int(k.metadata.shared), maxnreg * (nc * cw // 4 + 1) * 128)
 
 
 def carveout_pct(shared: int, regs: int) -> int:

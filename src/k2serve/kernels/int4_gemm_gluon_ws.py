@@ -38,9 +38,9 @@ consumers after the full wait, cheap there: they have no copies in flight).
 Epilogue: straight from the MMA layout (no layout conversion: its shared-memory scratch would
 sit beside the ring, which lives until every partition is done).
 
-Registers: setmaxnreg per warpgroup; the launch's maxnreg (MAXNREG, default 168 = 65536 /
-(3 warpgroups * 128 threads), rounded to 8) times the warpgroups is the pool, workers get
-CREG / PREG, the default partition the rest.
+Registers: setmaxnreg per warpgroup; the launch's maxnreg (MAXNREG, default `ws_regs`: 65536
+over the warpgroups of as many CTAs as the shared memory holds, e.g. 168 for 3 warpgroups)
+times the warpgroups is the pool, workers get CREG / PREG, the default partition the rest.
 
 Invariants: as int4_gemm_gluon (Hopper, Triton 3.6 Gluon, group 32, K % (16 W2) == 0); NC in
 1..2, BLOCK_N / NC a multiple of 64, no TAIL, no KW (ws_check). No host sync; CUDA-graph safe.
@@ -83,10 +83,12 @@ def ws_split(cfg: dict) -> tuple[int, int]:
 
 
 def ws_regs(cfg: dict) -> tuple[int, int, int]:
-    """(maxnreg of the launch, the worker consumers' registers, the producer's): the default
-    partition gets maxnreg * warpgroups - the workers'."""
+    """(maxnreg of the launch, the worker consumers' registers, the producer's): as many CTAs
+    an SM as the shared memory holds (at most 2), the registers split evenly among their
+    warpgroups at launch; the default partition gets maxnreg * warpgroups - the workers'."""
     wgs = cfg["num_warps"] // 4 + 1
-    maxnreg = cfg.get("MAXNREG") or min(256, (65536 // (wgs * 128)) // 8 * 8)
+    ctas = max(1, min(2, 232448 // (ws_smem_bytes(cfg) + 1024)))
+    maxnreg = cfg.get("MAXNREG") or min(256, (65536 // (wgs * 128 * ctas)) // 8 * 8)
     preg = cfg.get("PREG") or PREG_DEFAULT
     nc = ws_split(cfg)[0]
     creg = cfg.get("CREG") or min(256, ((maxnreg * wgs - preg) // nc) // 8 * 8)
