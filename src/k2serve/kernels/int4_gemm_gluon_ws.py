@@ -1,31 +1,42 @@
 # ruff: noqa: E741
 """The warp-specialized variant of the Gluon INT4 grouped GEMM (int4_gemm_gluon.py, config key
-WS=1): a producer partition streams the sub-steps into a ring of mbarrier-guarded stages, the
+WS=1 or 2): a producer partition streams the sub-steps into a ring of mbarrier-guarded stages, the
 consumer warpgroups dequantize and issue their wgmmas each at its own pace.
 
 Owns: `_int4_gemm_gluon_ws_kernel` (launched by int4_gemm_gluon.gemm_gluon when cfg["WS"]),
-`ws_smem_bytes`, `ws_check`.
+`ws_smem_bytes`, `ws_check`, `ws_split` (consumer partitions), `ws_regs` (registers).
 
 Why: Nsight Compute on the H100 (benchmarks/RESULTS.md, "Where the MoE kernels lose") put the
 shipped kernel's 8K gate_up at ~50% tensor pipe with both warpgroups in lockstep: long
 scoreboard on the ring's data (the cp.async ring runs 2 sub-steps ahead), two CTA-wide barriers
 per sub-step, wgmma dispatch stalls. Here nothing in the main loop is CTA-wide: one warpgroup
-may dequantize while the other's wgmmas run (ping-pong emerges), and the ring runs STAGES
-sub-steps ahead (no slack slots: a stage is refilled as soon as every consumer released it).
+may dequantize while the other's wgmmas run (WS=2: ping-pong may emerge), and the producer
+refills a stage as soon as every consumer thread released it, independently of the consumers'
+pace (STAGES - 2 sub-steps ahead of the one being dequantized; the stages are 52 KB at
+128x256, 36 KB at 64x256: 4 and 6 of them fit).
 
-Partitions (`gl.warp_specialize`; the kernel launches with num_warps=4 for the default one):
-- consumers: NC = cfg num_warps // 4 warpgroups (the default partition is warpgroup 0, the
-  others workers of 4 warps). Warpgroup g owns BLOCK_N / NC weight rows: it runs exactly what
+Partitions (`gl.warp_specialize`; the launch's num_warps is the default partition's, CW):
+- consumers: NC partitions of CW warps (`ws_split`: WS=1 one of cfg num_warps, WS=2 one per
+  warpgroup; the default partition is number 0, the others workers). Partition g owns
+  BLOCK_N / NC weight rows: it runs exactly what
   the shipped kernel's tile of BN = BLOCK_N / NC rows and N-tile pid_n * NC + g runs (`_rows`,
   the same dequant functions `_plane` / `_plane_pair_bf16x2`, the same plane order, the same
   wgmma waits), so every output element is the same fp32 sum in the same order: the output is
   bit-identical to the shipped kernel's (the SILU tiles: a warpgroup holds BN / 2 gate rows and
   the same up rows, so its epilogue needs nobody else's accumulators).
   Per sub-step u: wait full[u % STAGES] (phase (u // STAGES) & 1), load the stage's scale words
-  and words (ld.shared), dequantize a plane pair, issue, wait as INFLIGHT says; after the first
-  wait of sub-step u (it retires sub-step u - 1's last MMAs) arrive on empty[(u - 1) % STAGES]
-  (Gluon's arrive: one thread of the partition; the warpgroup's other warps finished reading
-  that stage: they took part in the wgmma that just retired).
+  and words (ld.shared), dequantize a plane pair, issue, wait as INFLIGHT says; at the end of
+  sub-step u (its first wait retired sub-step u - 1's last MMAs) release stage u - 1:
+  RELEASE=1 (default) every consumer thread's `cp.async.mbarrier.arrive.noinc` on
+  empty[(u - 1) % STAGES] (count: the consumer threads; they have no copies in flight, so it
+  is a plain arrive of each thread after its own reads: no barrier), RELEASE=0 Gluon's
+  `mbarrier.arrive` (one thread, with two partition-wide barriers Triton puts around it).
+  Placed between the wgmmas instead (right after the first wait) the arrive makes ptxas
+  serialize every wgmma (C7513); at the end it does not, and the ring still runs STAGES - 2
+  sub-steps ahead of the one being dequantized.
+  WS=1: one consumer partition of num_warps (SASS: one partition barrier a sub-step, Triton's,
+  before the full wait); WS=2: one partition per warpgroup (that barrier is the warpgroup's
+  own, 128 threads: nothing shared between the warpgroups in the loop).
 - producer: PW warps (1 or 4, PREG registers). For each sub-step: wait empty (the first round
   passes: a fresh mbarrier's preceding phase counts as complete), cp.async the stage (the 8
   activation planes: a gather by sorted pair rows; the words and scales of all NC warpgroups'
