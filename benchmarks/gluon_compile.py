@@ -73,9 +73,9 @@ def tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin", name)
 
 
-def loop_body(sass: str) -> int:
+def loop_body(sass: str, bars: bool = False):
     """SASS instructions of the K loop (one sub-step: 8 planes): from the target of the
-    backward branch after the last HGMMA to that branch."""
+    backward branch after the last HGMMA to that branch; bars: the BAR.SYNC lines in it."""
     ins = []
     for line in sass.splitlines():
         m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)", line)
@@ -85,8 +85,11 @@ def loop_body(sass: str) -> int:
     for j in range(max(last, 0), len(ins)):
         t = re.search(r"0x([0-9a-f]+)", ins[j][2]) if ins[j][1].startswith("BRA") else None
         if t and int(t.group(1), 16) < ins[j][0]:
-            return sum(1 for a, _, _ in ins if int(t.group(1), 16) <= a <= ins[j][0])
-    return 0
+            body = [x for x in ins if int(t.group(1), 16) <= x[0] <= ins[j][0]]
+            if bars:
+                return [f"{n}{r.split(';')[0]}" for _, n, r in body if n.startswith("BAR.SYNC")]
+            return len(body)
+    return [] if bars else 0
 
 
 def report(k, cfg: dict) -> tuple[str, str]:
@@ -115,6 +118,15 @@ def report(k, cfg: dict) -> tuple[str, str]:
             f"WARPGROUP.ARRIVE {sass.count('WARPGROUP.ARRIVE')}, BAR.SYNC {len(re.findall(r'BAR.SYNC', sass))}, "
             f"LDGSTS {sass.count('LDGSTS')}; loop {body} instr/sub-step = {body / per_thread:.2f} "
             f"per weight")  # fmt: skip
+    if cfg.get("WS"):  # the registers of each partition (setmaxnreg), the loop's barriers
+        regs = sorted(
+            {
+                int(v)
+                for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", k.asm["ptx"])
+            }
+        )
+        line += (f"; WS: setmaxnreg values {regs}, barriers in the (last) consumer loop "
+                 f"{loop_body(sass, bars=True)}")  # fmt: skip
     return line, sass
 
 
