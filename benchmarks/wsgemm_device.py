@@ -34,7 +34,9 @@ sys.path.insert(0, HERE)
 import prefill_device as pd  # noqa: E402 - route, child, part_layers, log, result
 
 # (more names, e.g. 128x128s5w4hlgx, 128x256s4w8hlgxp1, 128x256s4w8hlgxi2: --variants)
-VARIANTS = ["128x256s4w8hlgx", "128x256s4w8hlgxx", "64x256s6w8hlx", "64x256s6w8hlxx"]
+# (f: the proxy fence after each full wait: checked too, in case the unfenced reads are stale)
+VARIANTS = ["128x256s4w8hlgx", "128x256s4w8hlgxx", "64x256s6w8hlx", "64x256s6w8hlxx",
+            "128x256s4w8hflgxx"]  # fmt: skip
 # the shipped table's bands (configs/h200.json int4_prefill_gluon) with WS from 4096 pairs
 WS_TABLE = [
     dict(max_pairs=2048, BLOCK_M=16, BLOCK_N=128, W2=16, STAGES=6, num_warps=4, BF16X2=True),
@@ -44,7 +46,7 @@ WS_TABLE = [
     dict(max_pairs=None, BLOCK_M=128, BLOCK_N=256, W2=16, STAGES=4, num_warps=8, BF16X2=True,
          L1=True, SILU=True, WS=2),
 ]  # fmt: skip
-TS = "8192,1024,2048,4096,16384"
+TS = "8192,2048,16384,1024,4096"
 BUDGET_S = 190
 
 
