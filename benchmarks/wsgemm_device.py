@@ -18,7 +18,7 @@ every config fail-soft: the error is printed and the next one runs):
           experts' pair counts); the bf16 matmul rate of the same run (moe_libs.ceilings).
 Config names are gluon_int4_device.cfg_of's: x = WS=1 (one consumer partition of num_warps,
 its warpgroups meet once a sub-step), xx = WS=2 (a consumer partition per warpgroup), p1: a
-1-warp producer (4 by default).
+1-warp producer (4 by default), e2: RELEASE=2, f: the proxy fence.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ import prefill_device as pd  # noqa: E402 - route, child, part_layers, log, resu
 
 # (more names, e.g. 128x128s5w4hlgx, 128x256s4w8hlgxp1, 128x256s4w8hlgxi2: --variants)
 # (f: the proxy fence after each full wait: checked too, in case the unfenced reads are stale)
-VARIANTS = ["128x256s4w8hlgx", "128x256s4w8hlgxx", "64x256s6w8hlx", "64x256s6w8hlxx",
-            "128x256s4w8hflgxx"]  # fmt: skip
+# e2: RELEASE=2 (a sub-step's MMAs retired at its end, its own stage released)
+VARIANTS = ["128x256s4w8hlgx", "128x256s4w8hlgxx", "128x256s4w8hlgxxe2", "64x256s6w8hlx",
+            "64x256s6w8hlxx", "128x256s4w8hflgxx"]  # fmt: skip
 # the shipped table's bands (configs/h200.json int4_prefill_gluon) with WS from 4096 pairs
 WS_TABLE = [
     dict(max_pairs=2048, BLOCK_M=16, BLOCK_N=128, W2=16, STAGES=6, num_warps=4, BF16X2=True),

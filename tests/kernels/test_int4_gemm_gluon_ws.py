@@ -16,6 +16,7 @@ BIG = dict(BLOCK_M=128, BLOCK_N=256, W2=16, num_warps=8, BF16X2=True, L1=True, S
 WS_CFGS = [
     dict(BIG, STAGES=4, WS=1),
     dict(BIG, STAGES=4, WS=2),
+    dict(BIG, STAGES=4, WS=2, RELEASE=2),
     dict(BIG, STAGES=4, WS=1, INFLIGHT=2, BF16X2=False, L1=False),
     dict(BLOCK_M=16, BLOCK_N=128, W2=16, STAGES=6, num_warps=4, BF16X2=True, WS=1),
     dict(BLOCK_M=32, BLOCK_N=128, W2=32, STAGES=3, num_warps=4, SILU=True, WS=1, FENCE=True),
@@ -23,7 +24,9 @@ WS_CFGS = [
 
 
 def _shipped(cfg: dict) -> dict:
-    return {k: v for k, v in cfg.items() if k not in ("WS", "PW", "PREG", "CREG")} | {"STAGES": 3}
+    return {k: v for k, v in cfg.items() if k not in ("WS", "PW", "PREG", "CREG", "RELEASE")} | {
+        "STAGES": 3
+    }
 
 
 def test_ws_config_checks():
@@ -36,7 +39,7 @@ def test_ws_config_checks():
     # 3 warpgroups: 168 registers a thread at launch; the workers' share and the producer's
     assert ws_regs(dict(BIG, STAGES=4, WS=2)) == (168, 224, 56)
     # small tiles: two CTAs an SM (the shared memory holds them), 128 registers at launch
-    assert ws_regs(WS_CFGS[3]) == (128, 200, 56)
+    assert ws_regs(WS_CFGS[4]) == (128, 200, 56)
     ok = dict(BIG, STAGES=4, WS=1)
     for bad in (
         dict(STAGES=5),  # 5 * 52 KiB of shared memory
@@ -88,7 +91,7 @@ def test_ws_matches_shipped_moe(T, cfg):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("silu", [False, True])
-@pytest.mark.parametrize("cfg", WS_CFGS[:2] + WS_CFGS[3:4], ids=["ws1", "ws2", "ws1-16x128"])
+@pytest.mark.parametrize("cfg", WS_CFGS[:2] + WS_CFGS[4:5], ids=["ws1", "ws2", "ws1-16x128"])
 def test_ws_matches_shipped_launch(cfg, silu):
     """One launch with N not a multiple of BLOCK_N (the SILU launch: N / 2 not a multiple of
     BLOCK_N / 2) and the routing-weight store: WS == shipped, bit for bit."""

@@ -33,7 +33,9 @@ Partitions (`gl.warp_specialize`; the launch's num_warps is the default partitio
   `mbarrier.arrive` (one thread, with two partition-wide barriers Triton puts around it).
   Placed between the wgmmas instead (right after the first wait) the arrive makes ptxas
   serialize every wgmma (C7513); at the end it does not, and the ring still runs STAGES - 2
-  sub-steps ahead of the one being dequantized.
+  sub-steps ahead of the one being dequantized. RELEASE=2: each sub-step ends with a
+  wait for all its MMAs and releases its own stage (STAGES - 1 ahead; the warpgroup's
+  pipeline drains once a sub-step, which the other warpgroup's MMAs may fill with WS=2).
   WS=1: one consumer partition of num_warps (SASS: one partition barrier a sub-step, Triton's,
   before the full wait); WS=2: one partition per warpgroup (that barrier is the warpgroup's
   own, 128 threads: nothing shared between the warpgroups in the loop).
@@ -200,8 +202,9 @@ if HAS_GLUON:
     @gluon.jit
     def _release(bar, RELEASE: gl.constexpr):
         """Free a stage: RELEASE 0: Gluon's arrive (one thread, after Triton's partition
-        barrier), 1: every consumer thread's cp.async.mbarrier.arrive.noinc (it has no copies
-        in flight: an arrive of its own, no barrier; the count is the consumer threads)."""
+        barrier), 1 / 2: every consumer thread's cp.async.mbarrier.arrive.noinc (it has no
+        copies in flight: an arrive of its own, no barrier; the count is the consumer
+        threads)."""
         if RELEASE:
             async_copy.mbarrier_arrive(bar, increment_count=False)
         else:
@@ -251,7 +254,10 @@ if HAS_GLUON:
                     num_outstanding=2, deps=(acc, w_p0, w_p1, w0, w1))  # fmt: skip
                 w_p0 = w0
                 w_p1 = w1
-        if FREE:  # sub-step u - 1's last MMAs retired (the first wait above): its stage is free
+        if RELEASE == 2:  # retire this sub-step's MMAs now: its own stage is free
+            acc, w_p0, w_p1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_p0, w_p1))
+            _release(empty.index(slot), RELEASE)
+        elif FREE:  # sub-step u - 1's last MMAs retired (the first wait above): its stage is free
             _release(empty.index((u + STAGES - 1) % STAGES), RELEASE)
         return acc, w_p0, w_p1
 
