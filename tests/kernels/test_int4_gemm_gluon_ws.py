@@ -115,3 +115,39 @@ def test_ws_matches_shipped_launch(cfg, silu):
         outs.append(out)
     assert torch.equal(outs[0], outs[1]), (outs[0].float() - outs[1].float()).abs().max().item()
     assert (outs[0] != 7.0).float().mean().item() > 0.99  # every pair's row was written
+
+
+def test_gemm_gluon_launches_the_ws_kernel(monkeypatch):
+    """gemm_gluon with WS: the WS kernel, the shipped grid, the default partition's warps, the
+    register split and only the keys the kernel takes (CPU: the launch is recorded)."""
+    from k2serve.kernels import int4_gemm_gluon_ws as gw
+
+    seen = {}
+
+    class Fake:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.update(grid=grid, nargs=len(args), **kw)
+
+            return launch
+
+    monkeypatch.setattr(gw, "_int4_gemm_gluon_ws_kernel", Fake(), raising=False)
+    monkeypatch.setattr(int4_gemm_gluon, "gluon_available", lambda: True)
+    E, N, K, M, nblk = 4, 640, 512, 48, 9
+    a = torch.zeros(M, K, dtype=torch.bfloat16)
+    w = torch.zeros(E, N, K // 8, dtype=torch.int32)
+    s = torch.zeros(E, N, K // 32, dtype=torch.bfloat16)
+    c = torch.zeros(M, N // 2, dtype=torch.bfloat16)
+    ids = torch.zeros(nblk * 128, dtype=torch.int32)
+    eids = torch.zeros(nblk, dtype=torch.int32)
+    cfg = dict(BIG, STAGES=4, WS=2, TAIL=False, max_pairs=None, what="x")
+    int4_gemm_gluon.gemm_gluon(a, w, s, c, torch.zeros(M), ids, eids, eids[:1], N, K, M, 8, False,
+                               True, cfg)  # fmt: skip
+    assert seen["grid"] == (nblk * 3,)  # 640 outputs in 256-row tiles
+    assert (seen["num_warps"], seen["NC"], seen["CW"], seen["maxnreg"]) == (4, 2, 4, 168)
+    assert (seen["CREG"], seen["PREG"], seen["PW"], seen["RELEASE"]) == (224, 56, 4, 1)
+    assert seen["SILU"] and seen["L1"] and seen["STAGES"] == 4 and seen["nargs"] == 19
+    assert not {"TAIL", "KW", "WS", "MAXNREG", "CARVE", "max_pairs", "what"} & set(seen)
+    with pytest.raises(ValueError, match="WS"):
+        int4_gemm_gluon.gemm_gluon(a, w, s, c, torch.zeros(M), ids, eids, eids[:1], N, K, M, 8,
+                                   False, True, {**cfg, "TAIL": True})  # fmt: skip

@@ -60,7 +60,7 @@ import logging
 import torch
 
 from ._triton import cdiv
-from .int4_gemm_gluon_ws import WS_DEFAULTS, ws_check, ws_regs, ws_smem_bytes, ws_split
+from .int4_gemm_gluon_ws import WS_DEFAULTS, launch_ws, ws_check, ws_smem_bytes
 from .moe_align import max_blocks, moe_align_block_size, tail_units
 
 try:  # pragma: no cover - depends on the installed Triton
@@ -452,8 +452,8 @@ def gemm_gluon(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, p
         raise ValueError("gluon int4 GEMM: TAIL needs the units (gluon_align)")
     s32 = s.view(torch.int32)
     if cfg["WS"]:
-        return _launch_ws(a, w, s32, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w,
-                          perm_out, cfg)  # fmt: skip
+        return launch_ws(a, w, s32, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w,
+                         perm_out, cfg, _l1_carveout)  # fmt: skip
     for key in ("WS", *WS_DEFAULTS):
         cfg.pop(key)
     nw = cfg.pop("num_warps")
@@ -470,30 +470,6 @@ def gemm_gluon(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, p
     )  # fmt: skip
     if carve and getattr(k, "function", None):
         _l1_carveout(int(k.function), int(k.metadata.shared), int(k.n_regs) * 32 * nw)
-
-
-def _launch_ws(a, w, s32, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, perm_out, cfg):
-    """The WS kernel's launch (int4_gemm_gluon_ws.py): the same grid, num_warps=4 (the default
-    partition), maxnreg the register pool's share (`ws_regs`)."""
-    from .int4_gemm_gluon_ws import _int4_gemm_gluon_ws_kernel
-
-    if a.shape[0] * a.stride(0) >= 2**31:
-        raise ValueError("gluon int4 GEMM WS: activations over 2^31 elements (int32 offsets)")
-    maxnreg, creg, preg = ws_regs(cfg)
-    nc, cw = ws_split(cfg)
-    cfg.pop("num_warps")
-    carve = cfg.pop("CARVE") or cfg["L1"]
-    for key in ("MAXNREG", "TAIL", "KW", "PREG", "CREG", "WS"):
-        cfg.pop(key)
-    grid = (eids.shape[0] * cdiv(N, cfg["BLOCK_N"]),)
-    k = _int4_gemm_gluon_ws_kernel[grid](
-        a, w, s32, c, tw, sorted_ids, eids, npost, eids, N, K, M, a.stride(0), c.stride(0),
-        w.stride(0), w.stride(1), s32.stride(0), s32.stride(1), eids.shape[0], A_DIV=a_div,
-        MUL_W=mul_w, PERM_OUT=perm_out, NC=nc, CW=cw, CREG=creg, PREG=preg, num_warps=cw,
-        maxnreg=maxnreg, **cfg,
-    )  # fmt: skip
-    if carve and getattr(k, "function", None):
-        _l1_carveout(int(k.function), int(k.metadata.shared), maxnreg * (nc * cw // 4 + 1) * 128)
 
 
 def carveout_pct(shared: int, regs: int) -> int:

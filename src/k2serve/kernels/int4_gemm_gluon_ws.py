@@ -4,7 +4,8 @@ WS=1 or 2): a producer partition streams the sub-steps into a ring of mbarrier-g
 consumer warpgroups dequantize and issue their wgmmas each at its own pace.
 
 Owns: `_int4_gemm_gluon_ws_kernel` (launched by int4_gemm_gluon.gemm_gluon when cfg["WS"]),
-`ws_smem_bytes`, `ws_check`, `ws_split` (consumer partitions), `ws_regs` (registers).
+`launch_ws`, `ws_smem_bytes`, `ws_check`, `ws_split` (consumer partitions), `ws_regs`
+(registers).
 
 Why: Nsight Compute on the H100 (benchmarks/RESULTS.md, "Where the MoE kernels lose") put the
 shipped kernel's 8K gate_up at ~50% tensor pipe with both warpgroups in lockstep: long
@@ -382,3 +383,27 @@ if HAS_GLUON:
                                 a_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n, a_smem,
                                 w_smem, s_smem, full, empty, A_DIV, BLOCK_M, BLOCK_N, NC, W2,
                                 STAGES, L1, SILU, PW))], [PW], [PREG])  # fmt: skip
+
+
+def launch_ws(a, w, s32, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, perm_out, cfg,
+              carveout):  # fmt: skip
+    """The WS kernel's launch (for int4_gemm_gluon.gemm_gluon: its operands, cfg with every
+    CONFIG_KEYS key): the shipped kernel's grid, num_warps the default partition's, maxnreg
+    `ws_regs`; carveout(function, shared, registers of a CTA) for L1 / CARVE."""
+    if a.shape[0] * a.stride(0) >= 2**31:
+        raise ValueError("gluon int4 GEMM WS: activations over 2^31 elements (int32 offsets)")
+    maxnreg, creg, preg = ws_regs(cfg)
+    nc, cw = ws_split(cfg)
+    cfg.pop("num_warps")
+    carve = cfg.pop("CARVE") or cfg["L1"]
+    for key in ("MAXNREG", "TAIL", "KW", "PREG", "CREG", "WS"):
+        cfg.pop(key)
+    grid = (eids.shape[0] * -(-N // cfg["BLOCK_N"]),)
+    k = _int4_gemm_gluon_ws_kernel[grid](
+        a, w, s32, c, tw, sorted_ids, eids, npost, eids, N, K, M, a.stride(0), c.stride(0),
+        w.stride(0), w.stride(1), s32.stride(0), s32.stride(1), eids.shape[0], A_DIV=a_div,
+        MUL_W=mul_w, PERM_OUT=perm_out, NC=nc, CW=cw, CREG=creg, PREG=preg, num_warps=cw,
+        maxnreg=maxnreg, **cfg,
+    )  # fmt: skip
+    if carve and getattr(k, "function", None):
+        carveout(int(k.function), int(k.metadata.shared), maxnreg * (nc * cw // 4 + 1) * 128)
