@@ -7,7 +7,7 @@ moe_align_block_size rows, A_DIV / MUL_W / PERM_OUT meanings, activations in `to
 whether it can run (`gluon_available`, `gluon_usable`), its configs (`GLUON_CONFIG`,
 `GLUON_TABLE` by pair count, `check_config`, `smem_bytes`), the rows a config runs on
 (`gluon_align`, `tail_units`); the dequant, copies and SILU store are
-int4_gemm_gluon_parts.py's.
+int4_gemm_gluon_parts.py's; config WS runs the warp-specialized variant (int4_gemm_gluon_ws.py).
 int4_gemm.int4_moe_gemm picks it with backend="gluon" (argument, config key or
 K2SERVE_INT4_GEMM).
 
@@ -111,6 +111,7 @@ CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "W2", "STAGES", "num_warps", "BF16X2", "INF
 # tiles take gate and up rows in halves and store silu(gate) * up (int4_moe_gemm skips its
 # SiLU-and-mul); CARVE: the carveout alone; MAXNREG: ptxas' register cap. Wave-8 device runs
 # (RESULTS.md): L1 +11-13% (the carveout alone -7 to -14%, KW +2-3%), SILU +2-5% with L1.
+# WS (1, 2), PW, PREG, CREG, RELEASE: the warp-specialized kernel (int4_gemm_gluon_ws.py).
 CONFIG_DEFAULTS = dict(BF16X2=False, INFLIGHT=1, FENCE=False, TAIL=False, L1=False, KW=False,
                        SILU=False, CARVE=False, MAXNREG=0, WS=False, **WS_DEFAULTS)  # fmt: skip
 
