@@ -70,7 +70,7 @@ def part_time(T, routing, variants):
     per = T * pd.K / pd.E  # pairs an expert (uniform)
     names = ["table", *(["wstable"] if os.environ.get("WS_TABLE_OK") == "1" else []), *variants]
     for name in names:
-        cfg = {"table": None, "wstable": WS_TABLE}.get(name) or gd.cfg_of(name)
+        cfg = None if name == "table" else WS_TABLE if name == "wstable" else gd.cfg_of(name)
         if isinstance(cfg, dict) and not per / 4 <= cfg["BLOCK_M"] <= 4 * max(16, per):
             continue  # token tiles far past or below an expert's pairs
         fn = lambda cfg=cfg: ig.int4_moe_gemm(x, ew, tw, ti, cfg, backend="gluon")  # noqa: E731
