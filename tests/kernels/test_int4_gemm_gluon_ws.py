@@ -93,12 +93,14 @@ def test_ws_matches_shipped_moe(T, cfg):
 @pytest.mark.parametrize("silu", [False, True])
 @pytest.mark.parametrize("cfg", WS_CFGS[:2] + WS_CFGS[4:5], ids=["ws1", "ws2", "ws1-16x128"])
 def test_ws_matches_shipped_launch(cfg, silu):
-    """One launch with N not a multiple of BLOCK_N (the SILU launch: N / 2 not a multiple of
-    BLOCK_N / 2) and the routing-weight store: WS == shipped, bit for bit."""
+    """One launch with N not a multiple of BLOCK_N and the routing-weight store, or the SILU
+    launch over several N tiles (its gemm-order output needs N / 2 a multiple of 16 W2: no
+    partial tile; N=640's store would write past each row, gemm_gluon refuses it): WS ==
+    shipped, bit for bit."""
     from k2serve.kernels.moe_align import moe_align_block_size
 
     torch.manual_seed(1)
-    E, K, N, T, k = 6, 512, 704 if not silu else 640, 200, 4  # (k: int4_moe_gemm's A_DIV)
+    E, K, N, T, k = 6, 512, 704 if not silu else 1536, 200, 4  # (k: int4_moe_gemm's A_DIV)
     ew = _experts(E, K, N // 2, "cuda")  # w13 [E, N, K / 8]
     ids = torch.stack([torch.randperm(E - 1)[:k] for _ in range(T)]).int().cuda()
     M = T * k
@@ -133,7 +135,7 @@ def test_gemm_gluon_launches_the_ws_kernel(monkeypatch):
 
     monkeypatch.setattr(gw, "_int4_gemm_gluon_ws_kernel", Fake(), raising=False)
     monkeypatch.setattr(int4_gemm_gluon, "gluon_available", lambda: True)
-    E, N, K, M, nblk = 4, 640, 512, 48, 9
+    E, N, K, M, nblk = 4, 1536, 512, 48, 9
     a = torch.zeros(M, K, dtype=torch.bfloat16)
     w = torch.zeros(E, N, K // 8, dtype=torch.int32)
     s = torch.zeros(E, N, K // 32, dtype=torch.bfloat16)
@@ -143,7 +145,7 @@ def test_gemm_gluon_launches_the_ws_kernel(monkeypatch):
     cfg = dict(BIG, STAGES=4, WS=2, TAIL=False, max_pairs=None, what="x")
     int4_gemm_gluon.gemm_gluon(a, w, s, c, torch.zeros(M), ids, eids, eids[:1], N, K, M, 8, False,
                                True, cfg)  # fmt: skip
-    assert seen["grid"] == (nblk * 3,)  # 640 outputs in 256-row tiles
+    assert seen["grid"] == (nblk * 6,)  # 1536 outputs in 256-row tiles
     assert (seen["num_warps"], seen["NC"], seen["CW"], seen["maxnreg"]) == (4, 2, 4, 168)
     assert (seen["CREG"], seen["PREG"], seen["PW"], seen["RELEASE"]) == (224, 56, 4, 1)
     assert seen["SILU"] and seen["L1"] and seen["STAGES"] == 4 and seen["nargs"] == 19
@@ -151,3 +153,13 @@ def test_gemm_gluon_launches_the_ws_kernel(monkeypatch):
     with pytest.raises(ValueError, match="WS"):
         int4_gemm_gluon.gemm_gluon(a, w, s, c, torch.zeros(M), ids, eids, eids[:1], N, K, M, 8,
                                    False, True, {**cfg, "TAIL": True})  # fmt: skip
+    # gemm order by whole blocks of 256 columns: SILU's 320 (N=640) or a plain 704 would put
+    # a partial block's columns past the row (into the next pair's), with either kernel
+    for n, silu in ((640, True), (704, False)):
+        for c_ in (cfg, {**cfg, "WS": False}):
+            seen.clear()
+            with pytest.raises(ValueError, match="gemm-order"):
+                int4_gemm_gluon.gemm_gluon(a, w[:, :n], s[:, :n], c, torch.zeros(M), ids, eids,
+                                           eids[:1], n, K, M, 8, False, True,
+                                           {**c_, "SILU": silu})  # fmt: skip
+            assert not seen

@@ -449,6 +449,10 @@ def gemm_gluon(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, p
         cfg["KW"] = 1
     cfg["KW"] = int(cfg["KW"])
     cfg["SILU"] = bool(cfg["SILU"] and perm_out)  # the gate_up launch only; c is [M, N / 2]
+    if perm_out and (N // 2 if cfg["SILU"] else N) % (16 * cfg["W2"]):
+        raise ValueError(f"gluon int4 GEMM: gemm-order output (N={N}, SILU={cfg['SILU']}) "
+                         "needs whole blocks of 16 * W2 columns (a partial one's land past the "
+                         "row)")  # fmt: skip
     if cfg["TAIL"] and units is None:
         raise ValueError("gluon int4 GEMM: TAIL needs the units (gluon_align)")
     s32 = s.view(torch.int32)
@@ -459,8 +463,7 @@ def gemm_gluon(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, p
         cfg.pop(key)
     nw = cfg.pop("num_warps")
     carve = cfg.pop("CARVE") or cfg["L1"]  # a host-side setting, not the kernel's
-    opts = {"maxnreg": cfg.pop("MAXNREG")} if cfg.get("MAXNREG") else {}
-    cfg.pop("MAXNREG", None)
+    opts = {"maxnreg": mr} if (mr := cfg.pop("MAXNREG")) else {}
     rows = units.shape[0] if cfg["TAIL"] else eids.shape[0]
     grid = (rows * cdiv(N, cfg["BLOCK_N"]),)
     k = _int4_gemm_gluon_kernel[grid](
