@@ -86,7 +86,8 @@ logger = logging.getLogger(__name__)
 # warm-up keys on that table's entries); this is the kernel's own default, the same values.
 # The larger tiles win from ~85 rows per expert (T=4096 on K2) although they waste part of a
 # tile: each weight and activation tile is re-read from L2 fewer times per FLOP. Wave 8: L1
-# (the words and scales through L1) and, above 16384 pairs, SILU.
+# (the words and scales through L1) and, above 16384 pairs, SILU. Wave 11: the warp-specialized
+# kernel from 32768 pairs (T=4096 at top-8), WS=2 RELEASE=2, from 131072 WS=1 (h200.json).
 GLUON_CONFIG = dict(BLOCK_M=128, BLOCK_N=256, W2=16, STAGES=3, num_warps=8, BF16X2=True, L1=True,
                     SILU=True)  # fmt: skip
 GLUON_TABLE = (
@@ -95,7 +96,9 @@ GLUON_TABLE = (
     dict(
         max_pairs=16384, BLOCK_M=64, BLOCK_N=256, W2=16, STAGES=4, num_warps=8, BF16X2=True, L1=True
     ),
-    dict(max_pairs=None, **GLUON_CONFIG),
+    dict(max_pairs=32767, **GLUON_CONFIG),
+    dict(max_pairs=131071, **{**GLUON_CONFIG, "STAGES": 4}, WS=2, RELEASE=2),
+    dict(max_pairs=None, **{**GLUON_CONFIG, "STAGES": 4}, WS=1),
 )
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "W2", "STAGES", "num_warps", "BF16X2", "INFLIGHT", "FENCE",
                "TAIL", "L1", "KW", "SILU", "CARVE", "MAXNREG", "WS", "PW", "PREG",
