@@ -36,6 +36,7 @@ def compile_one(cfg: dict, a_div: int, mul_w: bool, perm_out: bool, arch: int = 
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from k2serve.kernels.int4_gemm_gluon import _int4_gemm_gluon_kernel
+    from k2serve.kernels.int4_gemm_gluon_ws import _int4_gemm_gluon_ws_kernel, ws_regs, ws_split
 
     ptrs = {"a_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*i32", "c_ptr": "*bf16",
             "tw_ptr": "*fp32", "sorted_ptr": "*i32", "eid_ptr": "*i32", "npost_ptr": "*i32",
@@ -47,11 +48,20 @@ def compile_one(cfg: dict, a_div: int, mul_w: bool, perm_out: bool, arch: int = 
                 BF16X2=cfg["BF16X2"], INFLIGHT=cfg["INFLIGHT"], FENCE=cfg["FENCE"],
                 TAIL=cfg["TAIL"], L1=cfg["L1"], KW=cfg["KW"],
                 SILU=cfg["SILU"] and perm_out)  # fmt: skip
+    kernel, opts = _int4_gemm_gluon_kernel, {"num_warps": cfg["num_warps"]}
+    if cfg.get("WS"):  # the warp-specialized kernel (int4_gemm_gluon_ws.py)
+        maxnreg, creg, preg = ws_regs(cfg)
+        for key in ("TAIL", "KW", "NW"):
+            cons.pop(key)
+        nc, cw = ws_split(cfg)
+        cons.update(
+            NC=nc, CW=cw, PW=cfg.get("PW", 4), CREG=creg, PREG=preg, RELEASE=cfg.get("RELEASE", 1)
+        )
+        kernel, opts = _int4_gemm_gluon_ws_kernel, {"num_warps": cw, "maxnreg": maxnreg}
     sig = {**ptrs, **dict.fromkeys(ints, "i32"), **dict.fromkeys(cons, "constexpr")}
     div16 = [i for i, k in enumerate(sig) if k in ptrs or k in ints[3:-1]]
-    src = GluonASTSource(fn=_int4_gemm_gluon_kernel, signature=sig, constexprs=cons,
+    src = GluonASTSource(fn=kernel, signature=sig, constexprs=cons,
                          attrs={(i,): [["tt.divisibility", 16]] for i in div16})  # fmt: skip
-    opts = {"num_warps": cfg["num_warps"]}
     if cfg.get("MAXNREG"):
         opts["maxnreg"] = cfg["MAXNREG"]
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
@@ -63,9 +73,9 @@ def tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin", name)
 
 
-def loop_body(sass: str) -> int:
+def loop_body(sass: str, bars: bool = False):
     """SASS instructions of the K loop (one sub-step: 8 planes): from the target of the
-    backward branch after the last HGMMA to that branch."""
+    backward branch after the last HGMMA to that branch; bars: the BAR.SYNC lines in it."""
     ins = []
     for line in sass.splitlines():
         m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)", line)
@@ -75,8 +85,11 @@ def loop_body(sass: str) -> int:
     for j in range(max(last, 0), len(ins)):
         t = re.search(r"0x([0-9a-f]+)", ins[j][2]) if ins[j][1].startswith("BRA") else None
         if t and int(t.group(1), 16) < ins[j][0]:
-            return sum(1 for a, _, _ in ins if int(t.group(1), 16) <= a <= ins[j][0])
-    return 0
+            body = [x for x in ins if int(t.group(1), 16) <= x[0] <= ins[j][0]]
+            if bars:
+                return [f"{n}{r.split(';')[0]}" for _, n, r in body if n.startswith("BAR.SYNC")]
+            return len(body)
+    return [] if bars else 0
 
 
 def report(k, cfg: dict) -> tuple[str, str]:
@@ -105,6 +118,15 @@ def report(k, cfg: dict) -> tuple[str, str]:
             f"WARPGROUP.ARRIVE {sass.count('WARPGROUP.ARRIVE')}, BAR.SYNC {len(re.findall(r'BAR.SYNC', sass))}, "
             f"LDGSTS {sass.count('LDGSTS')}; loop {body} instr/sub-step = {body / per_thread:.2f} "
             f"per weight")  # fmt: skip
+    if cfg.get("WS"):  # the registers of each partition (setmaxnreg), the loop's barriers
+        regs = sorted(
+            {
+                int(v)
+                for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", k.asm["ptx"])
+            }
+        )
+        line += (f"; WS: setmaxnreg values {regs}, barriers in the (last) consumer loop "
+                 f"{loop_body(sass, bars=True)}")  # fmt: skip
     return line, sass
 
 

@@ -49,9 +49,13 @@ def result(**kv):  # one machine-readable line for the driver
 
 def cfg_of(name: str) -> dict:
     """BLOCK_M x BLOCK_N s STAGES w num_warps [k W2] [h: bf16x2 dequant] [i INFLIGHT]
-    [f: proxy fence] [t: TAIL] [l: L1] [w: KW, ww: KW=2] [g: SILU] [c: CARVE] [r: MAXNREG, 2 CTAs]: "64x128s4w4", "128x256s3w8hl", "32x512s3w16hwwc"."""
+    [f: proxy fence] [t: TAIL] [l: L1] [w: KW, ww: KW=2] [g: SILU] [c: CARVE] [r: MAXNREG, 2 CTAs]
+    [x: WS, the warp-specialized kernel, xx: WS=2, a partition per warpgroup; p N: its producer
+    warps; e N: RELEASE=N, where a stage is released (int4_gemm_gluon_ws.py)]: "64x128s4w4", "128x256s3w8hl",
+    "32x512s3w16hwwc", "128x256s4w8hlgx"."""
     m = re.fullmatch(
-        r"(\d+)x(\d+)s(\d+)w(\d+)(?:k(\d+))?(h?)(?:i(\d))?(f?)(t?)(l?)(w{0,2})(g?)(c?)(r?)", name
+        r"(\d+)x(\d+)s(\d+)w(\d+)(?:k(\d+))?(h?)(?:i(\d))?(f?)(t?)(l?)(w{0,2})(g?)(c?)(r?)(x{0,2})(?:p(\d))?(?:e(\d))?",
+        name,
     )
     bm, bn, st, nw = (int(v) for v in m.groups()[:4])
     return dict(
@@ -69,6 +73,9 @@ def cfg_of(name: str) -> dict:
         SILU=m.group(12) == "g",
         CARVE=m.group(13) == "c",
         MAXNREG=65536 // (64 * nw) if m.group(14) == "r" else 0,
+        WS=len(m.group(15)),
+        PW=int(m.group(16) or 4),
+        RELEASE=int(m.group(17) or 1),
     )
 
 

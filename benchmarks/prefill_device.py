@@ -90,7 +90,10 @@ def part_check(variants):
             log(f"  {args[0]}: ERROR {type(e).__name__}: {str(e)[:600]}")
 
 
-def part_layers(variants, layer_ts):
+def part_layers(variants, layer_ts, base=None, named=None):
+    """K2 layer checks of each variant against `base` (a config or table by pair count; None:
+    the kernel's table) and, at T <= 2048, fused_moe_ref; `named`: configs by name for names
+    gluon_int4_device.cfg_of does not parse."""
     import gluon_int4_device as gd
     import torch
 
@@ -105,7 +108,7 @@ def part_layers(variants, layer_ts):
             ew = ms._rand_experts("int4", E, D, I, "cuda")
             tw, ti = ms._route(T, E, K, "cuda")
             x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
-            table = ig.int4_moe_gemm(x, ew, tw, ti, backend="gluon")
+            table = ig.int4_moe_gemm(x, ew, tw, ti, base, backend="gluon")
             if T <= 2048:
                 ref = fused_moe_ref(x, ew, tw, ti)
                 tri = ig.int4_moe_gemm(x, ew, tw, ti, backend="triton")
@@ -118,7 +121,8 @@ def part_layers(variants, layer_ts):
                 ref, et, mt = table, 2.5e-3, 2.5e-3
             for name in variants:
                 try:
-                    out = ig.int4_moe_gemm(x, ew, tw, ti, gd.cfg_of(name), backend="gluon")
+                    cfg = named[name] if name in (named or {}) else gd.cfg_of(name)
+                    out = ig.int4_moe_gemm(x, ew, tw, ti, cfg, backend="gluon")
                     torch.cuda.synchronize()
                     eg, mg = gd.rel(out, ref), gd.maxrel(out, ref)
                     same = bool(torch.equal(out, table))
@@ -128,7 +132,8 @@ def part_layers(variants, layer_ts):
                         and mg <= 2 * mt + 1e-6
                     )
                     log(f"  K2 T={T}: {name} rel {eg:.2e} max {mg:.2e} "
-                        f"{'bit-identical to the table' if same else 'differs from the table'} "
+                        f"{'bit-identical to' if same else 'differs from'} "
+                        f"{'the table' if base is None else 'the base'} "
                         f"{'ok' if ok else 'FAIL'}")  # fmt: skip
                 except Exception as e:  # noqa: BLE001
                     ok = False
@@ -255,9 +260,10 @@ def main(argv=None) -> int:
     return 0
 
 
-def child(args, timeout, sink):
-    """This script's part in a new process; its output to stdout and the sink; RESULT lines back."""
-    cmd = [sys.executable, os.path.abspath(__file__), *args]
+def child(args, timeout, sink, script=None):
+    """This script's part (or `script`'s) in a new process; its output to stdout and the sink;
+    RESULT lines back."""
+    cmd = [sys.executable, script or os.path.abspath(__file__), *args]
     out = []
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(5.0, timeout))

@@ -7,7 +7,7 @@ moe_align_block_size rows, A_DIV / MUL_W / PERM_OUT meanings, activations in `to
 whether it can run (`gluon_available`, `gluon_usable`), its configs (`GLUON_CONFIG`,
 `GLUON_TABLE` by pair count, `check_config`, `smem_bytes`), the rows a config runs on
 (`gluon_align`, `tail_units`); the dequant, copies and SILU store are
-int4_gemm_gluon_parts.py's.
+int4_gemm_gluon_parts.py's; config WS runs the warp-specialized variant (int4_gemm_gluon_ws.py).
 int4_gemm.int4_moe_gemm picks it with backend="gluon" (argument, config key or
 K2SERVE_INT4_GEMM).
 
@@ -60,6 +60,7 @@ import logging
 import torch
 
 from ._triton import cdiv
+from .int4_gemm_gluon_ws import WS_DEFAULTS, launch_ws, ws_check, ws_smem_bytes
 from .moe_align import max_blocks, moe_align_block_size, tail_units
 
 try:  # pragma: no cover - depends on the installed Triton
@@ -85,7 +86,8 @@ logger = logging.getLogger(__name__)
 # warm-up keys on that table's entries); this is the kernel's own default, the same values.
 # The larger tiles win from ~85 rows per expert (T=4096 on K2) although they waste part of a
 # tile: each weight and activation tile is re-read from L2 fewer times per FLOP. Wave 8: L1
-# (the words and scales through L1) and, above 16384 pairs, SILU.
+# (the words and scales through L1) and, above 16384 pairs, SILU. Wave 11: the warp-specialized
+# kernel from 32768 pairs (T=4096 at top-8), WS=2 RELEASE=2, from 131072 WS=1 (h200.json).
 GLUON_CONFIG = dict(BLOCK_M=128, BLOCK_N=256, W2=16, STAGES=3, num_warps=8, BF16X2=True, L1=True,
                     SILU=True)  # fmt: skip
 GLUON_TABLE = (
@@ -94,10 +96,13 @@ GLUON_TABLE = (
     dict(
         max_pairs=16384, BLOCK_M=64, BLOCK_N=256, W2=16, STAGES=4, num_warps=8, BF16X2=True, L1=True
     ),
-    dict(max_pairs=None, **GLUON_CONFIG),
+    dict(max_pairs=32767, **GLUON_CONFIG),
+    dict(max_pairs=131071, **{**GLUON_CONFIG, "STAGES": 4}, WS=2, RELEASE=2),
+    dict(max_pairs=None, **{**GLUON_CONFIG, "STAGES": 4}, WS=1),
 )
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "W2", "STAGES", "num_warps", "BF16X2", "INFLIGHT", "FENCE",
-               "TAIL", "L1", "KW", "SILU", "CARVE", "MAXNREG")  # fmt: skip
+               "TAIL", "L1", "KW", "SILU", "CARVE", "MAXNREG", "WS", "PW", "PREG",
+               "CREG", "RELEASE")  # fmt: skip
 # BF16X2: the planes made two weights per instruction (bf16x2 PTX), not fp32 math; INFLIGHT:
 # wgmmas in flight while the next planes are dequantized (1, 2); FENCE: a proxy fence after each
 # sub-step's copies land; TAIL: rows aligned to BLOCK_M / 2, an expert's last <= BLOCK_M / 2
@@ -109,8 +114,9 @@ CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "W2", "STAGES", "num_warps", "BF16X2", "INF
 # tiles take gate and up rows in halves and store silu(gate) * up (int4_moe_gemm skips its
 # SiLU-and-mul); CARVE: the carveout alone; MAXNREG: ptxas' register cap. Wave-8 device runs
 # (RESULTS.md): L1 +11-13% (the carveout alone -7 to -14%, KW +2-3%), SILU +2-5% with L1.
+# WS (1, 2), PW, PREG, CREG, RELEASE: the warp-specialized kernel (int4_gemm_gluon_ws.py).
 CONFIG_DEFAULTS = dict(BF16X2=False, INFLIGHT=1, FENCE=False, TAIL=False, L1=False, KW=False,
-                       SILU=False, CARVE=False, MAXNREG=0)  # fmt: skip
+                       SILU=False, CARVE=False, MAXNREG=0, WS=False, **WS_DEFAULTS)  # fmt: skip
 
 
 def gluon_available() -> bool:
@@ -130,6 +136,8 @@ def gluon_usable(device: torch.device | str) -> bool:
 
 def smem_bytes(cfg: dict) -> int:
     """Shared memory of the ring (the epilogue's layout conversion reuses it)."""
+    if cfg.get("WS"):
+        return ws_smem_bytes(cfg)
     bm, bn, w2, st = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["W2"], cfg["STAGES"]
     if cfg.get("KW"):  # word and scale slots by K step (`_tile`), KW=2: 4 scale slots
         ws = (st + 2) // 2
@@ -141,6 +149,9 @@ def smem_bytes(cfg: dict) -> int:
 def check_config(cfg: dict) -> None:
     """Raise ValueError for a config the kernel cannot take."""
     bm, bn, nw = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"]
+    if cfg.get("WS"):  # (the WS ring needs no slack slots: STAGES >= 2)
+        ws_check(cfg)
+        cfg = {**cfg, "STAGES": max(3, cfg["STAGES"])}
     if bm % 8 or not 8 <= bm <= 256:
         raise ValueError(f"gluon int4 GEMM: BLOCK_M={bm} must be a multiple of 8 in 8..256")
     if nw % 4 or bn % (16 * nw):
@@ -156,7 +167,7 @@ def check_config(cfg: dict) -> None:
         raise ValueError("gluon int4 GEMM: KW and L1 are two ways to the same end: one of them")
     if cfg.get("INFLIGHT", 1) not in (1, 2):
         raise ValueError("gluon int4 GEMM: INFLIGHT must be 1 or 2")
-    if smem_bytes(cfg) > 227 * 1024:
+    if not cfg.get("WS") and smem_bytes(cfg) > 227 * 1024:
         raise ValueError(f"gluon int4 GEMM: {smem_bytes(cfg)} B of shared memory (> 227 KiB)")
 
 
@@ -441,13 +452,21 @@ def gemm_gluon(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, p
         cfg["KW"] = 1
     cfg["KW"] = int(cfg["KW"])
     cfg["SILU"] = bool(cfg["SILU"] and perm_out)  # the gate_up launch only; c is [M, N / 2]
+    if perm_out and (N // 2 if cfg["SILU"] else N) % (16 * cfg["W2"]):
+        raise ValueError(f"gluon int4 GEMM: gemm-order output (N={N}, SILU={cfg['SILU']}) "
+                         "needs whole blocks of 16 * W2 columns (a partial one's land past the "
+                         "row)")  # fmt: skip
     if cfg["TAIL"] and units is None:
         raise ValueError("gluon int4 GEMM: TAIL needs the units (gluon_align)")
     s32 = s.view(torch.int32)
+    if cfg["WS"]:
+        return launch_ws(a, w, s32, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w,
+                         perm_out, cfg, _l1_carveout)  # fmt: skip
+    for key in ("WS", *WS_DEFAULTS):
+        cfg.pop(key)
     nw = cfg.pop("num_warps")
     carve = cfg.pop("CARVE") or cfg["L1"]  # a host-side setting, not the kernel's
-    opts = {"maxnreg": cfg.pop("MAXNREG")} if cfg.get("MAXNREG") else {}
-    cfg.pop("MAXNREG", None)
+    opts = {"maxnreg": mr} if (mr := cfg.pop("MAXNREG")) else {}
     rows = units.shape[0] if cfg["TAIL"] else eids.shape[0]
     grid = (rows * cdiv(N, cfg["BLOCK_N"]),)
     k = _int4_gemm_gluon_kernel[grid](
