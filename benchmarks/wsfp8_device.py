@@ -37,7 +37,9 @@ import wsgemm_device as wg  # noqa: E402 - run_tests
 VARIANTS = ["128x128k64s6w8pfxx", "128x128k64s6w8pfxxe2", "128x128k64s6w8pfx",
             "64x256k64s6w8pfxx", "128x128k64s8w8pfxxe2"]  # fmt: skip
 TS = "8192,16384,4096"  # (+ 8192 third after the first)
+LAYER_TS = (2048, 8192)
 BUDGET_S = 190
+DEV = "cuda"  # (a CPU dry run of the parts sets "cpu" with stand-in kernels)
 
 
 def _layer(T, routing, seed=0):
@@ -45,9 +47,9 @@ def _layer(T, routing, seed=0):
     import torch
 
     torch.manual_seed(seed)
-    ew = fd.fp8_experts(pd.E, pd.D, pd.I, "cuda")
-    tw, ti = pd.route(T, routing)
-    x = torch.randn(T, pd.D, device="cuda", dtype=torch.bfloat16)
+    ew = fd.fp8_experts(pd.E, pd.D, pd.I, DEV)
+    tw, ti = pd.route(T, routing, DEV)
+    x = torch.randn(T, pd.D, device=DEV, dtype=torch.bfloat16)
     return ew, tw, ti, x
 
 
@@ -55,17 +57,17 @@ def part_layers(variants):
     import fp8_gluon_device as fd
     import torch
 
-    from k2serve.kernels.fp8_gemm_gluon import FP8_GLUON_TABLE, fp8_moe_gluon
-    from k2serve.kernels.fp8_moe import fp8_moe
+    from k2serve.kernels import fp8_gemm_gluon as fg
+    from k2serve.kernels import fp8_moe as fm
 
-    for T in (2048, 8192):
+    FP8_GLUON_TABLE, fp8_moe_gluon, fp8_moe = fg.FP8_GLUON_TABLE, fg.fp8_moe_gluon, fm.fp8_moe
+    for T in LAYER_TS:
         ew, tw, ti, x = _layer(T, "uniform", seed=T)
         base = fp8_moe_gluon(x, ew, tw, ti, FP8_GLUON_TABLE)
-        old = fp8_moe(x, ew, tw, ti) if T == 2048 else None
+        old = fp8_moe(x, ew, tw, ti) if T == LAYER_TS[0] else None
         for name in variants:
             try:
                 out = fp8_moe_gluon(x, ew, tw, ti, fd.cfg_of(name))
-                torch.cuda.synchronize()
                 diff, same = fd.rel(out, base), bool(torch.equal(out, base))
                 ok = bool(torch.isfinite(out).all()) and diff <= 4e-3
                 extra = f", vs fp8_moe {fd.rel(out, old):.1e}" if old is not None else ""
@@ -86,8 +88,9 @@ def part_time(T, routing, variants):
     import moe_libs as ml
     import torch
 
-    from k2serve.kernels.fp8_gemm_gluon import FP8_GLUON_TABLE, fp8_moe_gluon
+    from k2serve.kernels import fp8_gemm_gluon as fg
 
+    FP8_GLUON_TABLE, fp8_moe_gluon = fg.FP8_GLUON_TABLE, fg.fp8_moe_gluon
     ew, tw, ti, x = _layer(T, routing)
     hit = int(ti.unique().numel())
     flops = ml.moe_flops(T)

@@ -191,3 +191,49 @@ def test_ws_matches_shipped_launch(cfg, silu):
         outs.append(out)
     assert torch.equal(outs[0], outs[1]), (outs[0].float() - outs[1].float()).abs().max().item()
     assert (outs[0] != 7.0).float().mean().item() > 0.99  # every pair's row was written
+
+
+def test_device_script_dry_run_on_cpu(monkeypatch, capsys):
+    """benchmarks/wsfp8_device.py's layer checks, time part and table on CPU with small shapes
+    and stand-in kernels (the fp32 reference for the shipped table and the WS configs, one WS
+    config 1% off): the verdicts and the table's rows come out."""
+    import os
+    import sys
+
+    bench = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
+    sys.path.insert(0, bench)
+    try:
+        import model_speed as ms
+        import prefill_device as pd
+        import wsfp8_device as wd
+    finally:
+        sys.path.remove(bench)
+    from k2serve.kernels import fp8_moe as f8
+
+    monkeypatch.setattr(wd, "DEV", "cpu")
+    monkeypatch.setattr(wd, "LAYER_TS", (16, 32))
+    for k, v in dict(E=16, D=256, I=128).items():
+        monkeypatch.setattr(pd, k, v)
+    ref = lambda x, ew, tw, ids, *a, **k: fm.fused_moe_ref(x, ew, tw, ids)  # noqa: E731
+
+    def gluon(x, ew, tw, ids, cfg):  # the 64x256 stand-in: 1% off
+        off = isinstance(cfg, dict) and cfg["BLOCK_M"] == 64
+        return ref(x, ew, tw, ids) * (1.01 if off else 1.0)
+
+    monkeypatch.setattr(f8, "fp8_moe", ref)
+    monkeypatch.setattr(fg, "fp8_moe_gluon", gluon)
+    monkeypatch.setattr(ms, "timed", lambda fn, iters=1, warmup=0: fn() is None or 2.0)
+    names = ["128x128k64s6w8pfxx", "64x256k64s6w8pfxx"]
+    wd.part_layers(names)
+    wd.part_time(16, "uniform", names[:1])
+    out = capsys.readouterr().out
+    assert out.count("(bit-identical)") == 2 + 2  # 128x128 at both T; table and 128x128 timed
+    assert out.count(": ok") == 2 and out.count(": FAILED") == 2
+    res = [__import__("json").loads(ln[7:]) for ln in out.splitlines() if ln.startswith("RESULT ")]
+    lines = wd.summary(res, {"mm": 700.0}, True, "3 passed in 1s", ["64x256k64s6w8pfxx"], 5.0)
+    text = "\n".join(lines)
+    assert (
+        "| 16 | uniform | table | 2.000 |" in text
+        and "| 16 | uniform | 128x128k64s6w8pfxx |" in text
+    )
+    assert "K2 layer checks 2/4 passed (FAILED: 64x256k64s6w8pfxx)" in text
