@@ -21,7 +21,9 @@ config fail-soft (one line, the sweep goes on):
 Config names (cfg_of): BLOCK_M x BLOCK_N k KS s STAGES w num_warps [p: PROMOTE, the scale on
 an fp32 partial per K block; else on the weights in registers] [f: CVT32, Triton's conversion
 through f16 pairs and fp32 (fp32 scale math), not the bit-op asm] [n: no SILU] [t: TAIL, an
-expert's last <= BLOCK_M / 2 pairs in a BLOCK_M / 2 tile].
+expert's last <= BLOCK_M / 2 pairs in a BLOCK_M / 2 tile] [x: WS=1, the warp-specialized kernel
+(fp8_gemm_gluon_ws.py) with one consumer partition; xx: WS=2, a partition per warpgroup] [e N:
+its RELEASE] [y N: its producer warps, PW] [z: its proxy fence]: "128x128k64s6w8pfxxe2".
 """
 
 from __future__ import annotations
@@ -53,13 +55,20 @@ def log(*a):
 
 def cfg_of(name: str) -> dict:
     """ "128x128k64s4w8p" -> the kernel's config dict (see the module docstring)."""
-    m = re.fullmatch(r"(\d+)x(\d+)k(\d+)s(\d+)w(\d+)(p?)(f?)(n?)(t?)", name)
+    m = re.fullmatch(r"(\d+)x(\d+)k(\d+)s(\d+)w(\d+)(p?)(f?)(n?)(t?)(x{0,2})(?:e(\d))?(?:y(\d))?(z?)",
+                     name)  # fmt: skip
     if m is None:
-        raise ValueError(f"config name {name!r}: BMxBNkKSsSTAGESwWARPS[p][f][n][t]")
+        raise ValueError(
+            f"config name {name!r}: BMxBNkKSsSTAGESwWARPS[p][f][n][t][x|xx][eN][yN][z]"
+        )
     bm, bn, ks, st, nw = (int(v) for v in m.groups()[:5])
-    return dict(BLOCK_M=bm, BLOCK_N=bn, KS=ks, STAGES=st, num_warps=nw, PROMOTE=m.group(6) == "p",
-                CVT32=m.group(7) == "f", SILU=m.group(8) != "n",
-                TAIL=m.group(9) == "t")  # fmt: skip
+    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, KS=ks, STAGES=st, num_warps=nw, PROMOTE=m.group(6) == "p",
+               CVT32=m.group(7) == "f", SILU=m.group(8) != "n",
+               TAIL=m.group(9) == "t")  # fmt: skip
+    if m.group(10):  # the warp-specialized kernel (fp8_gemm_gluon_ws.py)
+        cfg.update(WS=len(m.group(10)), RELEASE=int(m.group(11) or 1), PW=int(m.group(12) or 4),
+                   FENCE=m.group(13) == "z")  # fmt: skip
+    return cfg
 
 
 def sync() -> None:

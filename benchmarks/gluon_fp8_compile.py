@@ -36,6 +36,12 @@ def compile_one(cfg: dict, a_div: int, mul_w: bool, silu: bool, arch: int = 90):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from k2serve.kernels.fp8_gemm_gluon import _fp8_gemm_gluon_kernel
+    from k2serve.kernels.fp8_gemm_gluon_ws import (
+        _fp8_gemm_gluon_ws_kernel,
+        fp8_ws_check,
+        fp8_ws_smem_bytes,
+    )
+    from k2serve.kernels.int4_gemm_gluon_ws import ws_regs, ws_split
 
     ptrs = {"a_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "c_ptr": "*bf16",
             "tw_ptr": "*fp32", "sorted_ptr": "*i32", "eid_ptr": "*i32", "npost_ptr": "*i32",
@@ -45,6 +51,18 @@ def compile_one(cfg: dict, a_div: int, mul_w: bool, silu: bool, arch: int = 90):
     cons = dict(A_DIV=a_div, MUL_W=mul_w, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                 KS=cfg["KS"], STAGES=cfg["STAGES"], NW=cfg["num_warps"], PROMOTE=cfg["PROMOTE"],
                 CVT32=cfg["CVT32"], SILU=silu and cfg["SILU"], TAIL=cfg["TAIL"])  # fmt: skip
+    kernel, opts = _fp8_gemm_gluon_kernel, {"num_warps": cfg["num_warps"]}
+    if cfg.get("WS"):  # the warp-specialized kernel (fp8_gemm_gluon_ws.py)
+        fp8_ws_check(dict(cfg, SILU=silu and cfg["SILU"]))
+        maxnreg, creg, preg = ws_regs(cfg, fp8_ws_smem_bytes(cfg))
+        nc, cw = ws_split(cfg)
+        for key in ("TAIL", "NW", "PROMOTE", "CVT32"):
+            cons.pop(key)
+        ptrs.pop("unit_ptr")
+        ints.remove("num_blocks")
+        cons.update(NC=nc, CW=cw, FENCE=bool(cfg.get("FENCE")), PW=cfg.get("PW", 4),
+                    RELEASE=cfg.get("RELEASE", 1), CREG=creg, PREG=preg)  # fmt: skip
+        kernel, opts = _fp8_gemm_gluon_ws_kernel, {"num_warps": cw, "maxnreg": maxnreg}
     sig = {**ptrs, **dict.fromkeys(ints, "i32"), **dict.fromkeys(cons, "constexpr")}
     # what a launch at K2 sizes specializes: pointers, strides and N, K divisible by 16
     div16 = [
@@ -52,11 +70,9 @@ def compile_one(cfg: dict, a_div: int, mul_w: bool, silu: bool, arch: int = 90):
         for i, k in enumerate(sig)
         if k in ptrs or k in ("N", "K", "a_stride", "c_stride", "w_stride_e", "w_stride_n")
     ]
-    src = GluonASTSource(fn=_fp8_gemm_gluon_kernel, signature=sig, constexprs=cons,
+    src = GluonASTSource(fn=kernel, signature=sig, constexprs=cons,
                          attrs={(i,): [["tt.divisibility", 16]] for i in div16})  # fmt: skip
-    return triton.compile(
-        src, target=GPUTarget("cuda", arch, 32), options={"num_warps": cfg["num_warps"]}
-    )
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
 
 
 def report(k, cfg: dict) -> tuple[str, str, int]:
@@ -85,6 +101,15 @@ def report(k, cfg: dict) -> tuple[str, str, int]:
             f"DEPBAR waits {counts}, LDS {len(re.findall(r'LDS[.]', sass))}, "
             f"F2F {len(re.findall(r'F2F[.]', sass))}, PRMT {sass.count('PRMT')}; "
             f"loop {body} instr/K block = {body / per_thread:.2f} per weight")  # fmt: skip
+    if cfg.get("WS"):  # the registers of each partition (setmaxnreg), the loop's barriers
+        ptx = k.asm["ptx"]
+        regs_ws = sorted(
+            {int(v) for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}
+        )
+        line += (f"; WS: maxnreg {k.metadata.maxnreg if hasattr(k.metadata, 'maxnreg') else '?'}, "
+                 f"setmaxnreg values {regs_ws}, stages {cfg['STAGES']}, barriers in the (last) "
+                 f"consumer loop {loop_body(sass, bars=True)}, mbarrier waits (try_wait) "
+                 f"{ptx.count('mbarrier.try_wait')}")  # fmt: skip
     return line, sass, stack
 
 

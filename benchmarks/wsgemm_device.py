@@ -97,18 +97,20 @@ def part_ceil():
     pd.result(kind="ceil", mm=ml.CEIL["mm"], bw=ml.CEIL["bw"])
 
 
-def run_tests(out_dir, timeout, sink):
-    """The GPU tests, to the end (killed past `timeout` s), output in wsgemm_pytest.txt; their
-    failures and summary line printed; (whether they passed, the summary line)."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-           "tests/kernels/test_int4_gemm_gluon_ws.py", "-rfs"]  # fmt: skip
+def run_tests(out_dir, timeout, sink, test="tests/kernels/test_int4_gemm_gluon_ws.py",
+              name="wsgemm"):  # fmt: skip
+    """The GPU tests of `test`, to the end (killed past `timeout` s), output in
+    <name>_pytest.txt; their failures and summary line printed; (whether they passed, the
+    summary line)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", test,
+           "-rfs"]  # fmt: skip
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         text, rc = p.stdout + p.stderr, p.returncode
     except subprocess.TimeoutExpired as e:
         text = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         rc = "timeout"
-    with open(os.path.join(out_dir, "wsgemm_pytest.txt"), "w") as f:
+    with open(os.path.join(out_dir, f"{name}_pytest.txt"), "w") as f:
         f.write(text)
     lines = [ln for ln in text.splitlines() if ln.strip()]
     counts = re.compile(r"\d+ (passed|failed|skipped|deselected|errors?)\b.* in [\d.]+s")

@@ -6,7 +6,8 @@ one sub-step overlapping the previous sub-step's MMA.
 Owns: `fp8_moe_gluon` (the routed-expert output, the contract and outputs of
 fp8_moe.fp8_moe: gate_up launch with the SiLU-and-mul epilogue, down launch with the routing
 weights, the weighted top-k sum), `gemm_fp8_gluon` (one launch), its configs (`CONFIG_KEYS`,
-`FP8_GLUON_TABLE` by pair count, `check_config`, `smem_bytes`, `pick`), `supported`. Whether
+`FP8_GLUON_TABLE` by pair count, `check_config`, `smem_bytes`, `pick`), `supported`; config
+WS runs the warp-specialized variant (fp8_gemm_gluon_ws.py). Whether
 it can run is int4_gemm_gluon's `gluon_usable` (Triton 3.6's Gluon on sm_90); the rows, the
 SILU and plain stores are int4_gemm_gluon's / int4_gemm_gluon_parts.py's.
 
@@ -52,6 +53,7 @@ from typing import Any
 import torch
 
 from ._triton import cdiv
+from .fp8_gemm_gluon_ws import FP8_WS_DEFAULTS, fp8_ws_check, launch_fp8_ws
 from .fp8_moe import check_inputs
 from .int4_gemm_gluon import gluon_align, gluon_available
 from .policy import band_index
@@ -76,9 +78,11 @@ except Exception:  # noqa: BLE001 - no Triton, no Gluon, or another Gluon API
 # not the bit-op asm; SILU: the gate_up tiles take gate and up rows in halves and store
 # silu(gate) * up; TAIL: an expert's last <= BLOCK_M / 2 pairs in a BLOCK_M / 2 tile (the INT4
 # Gluon kernel's: at 8K tokens x top-8 an expert has ~171 pairs, 2/3 of two 128-row tiles).
+# WS (1, 2), PW, RELEASE, FENCE: the warp-specialized kernel (fp8_gemm_gluon_ws.py).
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "KS", "STAGES", "num_warps", "PROMOTE", "CVT32", "SILU",
-               "TAIL")  # fmt: skip
-CONFIG_DEFAULTS = dict(KS=64, PROMOTE=True, CVT32=False, SILU=True, TAIL=False)
+               "TAIL", "WS", "PW", "RELEASE", "FENCE")  # fmt: skip
+CONFIG_DEFAULTS = dict(KS=64, PROMOTE=True, CVT32=False, SILU=True, TAIL=False,
+                       **FP8_WS_DEFAULTS)  # fmt: skip
 # The kernel's own default table, the shipped one's (configs/<kind>.json "fp8_prefill_gluon",
 # measured there; the engine takes its configs from the kernel tables): exact weights (PROMOTE)
 # converted by Triton's path (CVT32); 32-, 64-, then 128-row blocks (deeper rings where the
@@ -88,8 +92,9 @@ FP8_GLUON_TABLE: tuple[Mapping[str, Any], ...] = (
          CVT32=True),
     dict(max_pairs=16384, BLOCK_M=64, BLOCK_N=128, KS=64, STAGES=6, num_warps=4, PROMOTE=True,
          CVT32=True),
-    dict(max_pairs=None, BLOCK_M=128, BLOCK_N=128, KS=64, STAGES=4, num_warps=8, PROMOTE=True,
-         CVT32=True),
+    # warp-specialized from 16385 pairs (wave 11, H100: 1.03-1.11x the 128x128 STAGES=4 config)
+    dict(max_pairs=None, BLOCK_M=128, BLOCK_N=128, KS=64, STAGES=6, num_warps=8, PROMOTE=True,
+         CVT32=True, WS=2, RELEASE=2),
 )  # fmt: skip
 
 
@@ -102,6 +107,8 @@ def smem_bytes(cfg: Mapping[str, Any]) -> int:
 def check_config(cfg: Mapping[str, Any]) -> None:
     """Raise ValueError for a config the kernel cannot take."""
     bm, bn, nw = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"]
+    if cfg.get("WS"):
+        return fp8_ws_check({**CONFIG_DEFAULTS, **cfg})
     if bm % 8 or not 8 <= bm <= 256:
         raise ValueError(f"gluon fp8 GEMM: BLOCK_M={bm} must be a multiple of 8 in 8..256")
     if nw % 4 or bn % (16 * nw) or bn > 256:
@@ -424,6 +431,11 @@ def gemm_fp8_gluon(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_
     if cfg["TAIL"] and units is None:
         raise ValueError("gluon fp8 GEMM: TAIL needs the units (gluon_align)")
     cfg["TAIL"] = bool(cfg["TAIL"])
+    if cfg["WS"]:
+        launch_fp8_ws(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, mul_w, cfg)
+        return
+    for key in FP8_WS_DEFAULTS:
+        cfg.pop(key)
     nw = cfg.pop("num_warps")
     rows = units.shape[0] if cfg["TAIL"] else eids.shape[0]
     grid = (rows * cdiv(N, cfg["BLOCK_N"]),)

@@ -96,12 +96,14 @@ def ws_split(cfg: dict) -> tuple[int, int]:
     return (nw // 4, 4) if cfg.get("WS") == 2 else (1, nw)
 
 
-def ws_regs(cfg: dict) -> tuple[int, int, int]:
+def ws_regs(cfg: dict, smem: int | None = None) -> tuple[int, int, int]:
     """(maxnreg of the launch, the worker consumers' registers, the producer's): as many CTAs
-    an SM as the shared memory holds (at most 2), the registers split evenly among their
+    an SM as the shared memory holds (at most 2; smem: a CTA's ring, default this kernel's
+    `ws_smem_bytes`; the FP8 WS kernel passes its own), the registers split evenly among their
     warpgroups at launch; the default partition gets maxnreg * warpgroups - the workers'."""
     wgs = cfg["num_warps"] // 4 + 1
-    ctas = max(1, min(2, 232448 // (ws_smem_bytes(cfg) + 1024)))
+    smem = ws_smem_bytes(cfg) if smem is None else smem
+    ctas = max(1, min(2, 232448 // (smem + 1024)))
     maxnreg = cfg.get("MAXNREG") or min(256, (65536 // (wgs * 128 * ctas)) // 8 * 8)
     preg = cfg.get("PREG") or PREG_DEFAULT
     nc = ws_split(cfg)[0]
