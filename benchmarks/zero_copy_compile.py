@@ -19,8 +19,6 @@ import os
 import re
 import sys
 
-os.environ.pop("TRITON_INTERPRET", None)
-
 STAGE_SIG = {"x_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": "*fp32", "hx_ptr": "*bf16",
              "hids_ptr": "*i64", "hw_ptr": "*fp32", "D": "i32", "x_stride": "i32",
              "ids_stride": "i32", "w_stride": "i32", "hx_stride": "i32", "hids_stride": "i32",
@@ -117,5 +115,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    # compiled, not interpreted; only when run as a script: a test that imports this module
+    # for its order checks must not take the interpreter away from the rest of its session
+    os.environ.pop("TRITON_INTERPRET", None)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
     sys.exit(main())
