@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import HAS_TRITON, cdiv, dot_dtype, require_triton, tl, triton
+from .int4_moe_mma16 import check_f16, launch_f16
 from .moe_align import moe_align_block_size
 
 # the fastest tile of the H100 sweeps (16x32 mma.sync, 3 stages), with ETAB=0 so that it takes
@@ -52,7 +53,12 @@ from .moe_align import moe_align_block_size
 MMA_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, KW=16, SWAP=0, ATOMIC=0, ETAB=0, SPLIT=0, num_warps=4,
                   num_stages=3)  # fmt: skip
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "KW", "SWAP", "ATOMIC", "ETAB", "SPLIT", "num_warps",
-               "num_stages", "maxnreg")  # fmt: skip
+               "num_stages", "maxnreg", "F16", "G")  # fmt: skip
+# F16=1: the f16 design of int4_moe_mma16.py (its keys: BLOCK_M, BLOCK_N, G groups a K step,
+# SWAP, ATOMIC, num_warps, num_stages, maxnreg); these defaults for the keys a config leaves out
+# (8 x 128, weights as the MMA's M: 2.2 / 2.5 SASS instructions a weight in the K loop of
+# gate_up / down against the bf16 design's 4.9 / 5.7, benchmarks/mma_sass.py)
+F16_CONFIG = dict(BLOCK_M=8, BLOCK_N=128, G=2, SWAP=1, ATOMIC=0, num_warps=2, num_stages=3)
 
 if HAS_TRITON:
 
@@ -239,13 +245,20 @@ def _launch(a, w, s, c, tw, sorted_ids, eids, npost, ex, N, K, num_pairs, a_div,
 def _configs(config: dict, D: int, I: int) -> tuple[dict, dict]:  # noqa: E741
     """(gate_up, down) launch configs: `config`'s keys, "w2" overrides for the down launch,
     KW shrunk to fit the model's K."""
-    base = {**MMA_CONFIG, **{k: v for k, v in config.items() if k not in ("w2", "what")}}
+    own = {k: v for k, v in config.items() if k not in ("w2", "what")}
+    base = {**(F16_CONFIG if own.get("F16") else MMA_CONFIG), **own}
     c2 = {**base, **config.get("w2", {})}
     unknown = set(base) - set(CONFIG_KEYS) | set(c2) - set(CONFIG_KEYS)
     if unknown:
         raise ValueError(f"int4_moe_mma: unknown config keys {sorted(unknown)}")
     if c2["BLOCK_M"] != base["BLOCK_M"]:
         raise ValueError("int4_moe_mma: one BLOCK_M for both launches (one alignment)")
+    if base.get("F16") or c2.get("F16"):
+        if not (base.get("F16") and c2.get("F16")):
+            raise ValueError("int4_moe_mma: F16 for both launches or neither")
+        check_f16(base, D)
+        check_f16(c2, I)
+        return base, c2
     base["KW"] = fit_kw(base["KW"], D)
     c2["KW"] = fit_kw(c2["KW"], I)
     for c, k in ((base, D), (c2, I)):
@@ -274,6 +287,8 @@ def int4_moe_mma(
     SiLU-and-mul in torch), maxnreg (a register cap a thread),
     ETAB (the dequant's exponent from a register, one instruction less a weight: 1 from a
     table, 2 from the scales' sign bit, which needs scales >= 0), num_warps, num_stages;
+    F16=1: the f16 design of int4_moe_mma16.py (keys BLOCK_M, BLOCK_N, G groups a K step, SWAP,
+    ATOMIC, num_warps, num_stages, maxnreg; defaults F16_CONFIG);
     "w2": overrides for the down launch (not BLOCK_M). `active` 0: the programs return at once
     (the output is then undefined)."""
     require_triton(x)
@@ -291,6 +306,8 @@ def int4_moe_mma(
     if active is not None:  # 0 rows in use: every program returns at once
         npost = npost * active
     tw = topk_weights.reshape(-1).float().contiguous()
+    if c13.get("F16"):
+        return launch_f16(x, ew, tw, topk_ids, sorted_ids, eids, npost, c13, c2)
     xg = to_plane_order(x, c13["KW"])
     # the exponent tile of ETAB (2^15's bits), one per K step's words
     ex = torch.full((max(c13["KW"], c2["KW"]),), 142 << 23, dtype=torch.int32, device=x.device)
