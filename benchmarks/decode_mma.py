@@ -1,17 +1,21 @@
 # ruff: noqa: E501, E741, B023
-"""Device sweep of the tensor-core INT4 decode MoE (kernels/int4_moe_mma.py) against the shipped
-decode paths, on one K2 MoE layer (E=384, D=7168, I=2048, group 32, random INT4 weights as
-model_speed._rand_experts), T = 32, 64, 128, 192, 256 tokens x top-8, uniform routing and a
-skewed one (experts drawn with weights exp(2 N(0, 1)), as model_speed.part_ggemv).
+"""Device sweep of the tensor-core INT4 decode MoE against the shipped decode paths, on one K2
+MoE layer (E=384, D=7168, I=2048, group 32, random INT4 weights as model_speed._rand_experts):
+the f16 design (kernels/int4_moe_mma16.py, config F16=1 of int4_moe_mma: Marlin's dequant, the
+group scale once per group) and the bf16 design of wave 9 (its best tile, 16x32 mma.sync 3
+stages ETAB=2), T = 32, 64, 128, 192, 256 tokens x top-8 under uniform routing and T = 128
+with every token's experts drawn from one random third of them ("third"; --skewed adds the
+lognormal routing of model_speed.part_ggemv).
 
-Order: copy bandwidth (measured here), then per (T, routing) every candidate checked against the
-per-pair GEMV `int4_moe_decode` (the reference path; rel diff <= 4e-3), then CUDA-graph timed
-over 2 routings (model_speed.graph_ms): the shipped paths (per-pair GEMV with the tables'
-`int4_decode`, grouped GEMV with `int4_decode_grouped`, the INT4 GEMM `int4_moe_gemm` with the
-policy's backend and configs) and every config of MMA_SWEEP. A failing config prints its error
-and the sweep goes on. Then per-launch times of the best configs at T=128 (gate_up and down
-apart), the table (ms and % of the copy bandwidth for each hit expert's weights + scales
-counted once), the best config per T and the JSON lines to paste into kernels/configs/*.json.
+Order: copy bandwidth (measured here); at T=128 uniform every path against the float32
+torch reference (fused_moe_ref: exact weights, fp32 sums, the bf16 intermediate); then per
+case every path against the per-pair GEMV `int4_moe_decode` (the reference path; rel diff <=
+4e-3 or 1.1x a shipped path's own), then CUDA-graph timed over 2 routings
+(model_speed.graph_ms): per-pair GEMV, grouped GEMV, the INT4 GEMM with the policy's backend
+(Gluon on the H100), and the configs of MMA_SWEEP. A failing config prints its error and the
+sweep goes on. Then per-launch times of the best configs at T=128 (gate_up and down apart),
+the table (ms and % of the copy bandwidth for each hit expert's weights + scales counted
+once), the best config per case and the JSON lines to paste into kernels/configs/*.json.
 
 Run (one GPU, repo root; < 240 s on an H100):  OUT=/dir bash benchmarks/decode_mma.sh
 or  PYTHONPATH=src python3 benchmarks/decode_mma.py [--tokens 32,128] [--budget 200]
@@ -41,24 +45,21 @@ TOL = 4e-3
 # Run 2 (same day, runs/h100_w9_decode_mma_run2.txt): best "16x32 swap0 s3" everywhere, 47-51%
 # of copy bw (T=128 uniform 6.01 ms against the grouped GEMV's 5.63); ETAB=2 2-5% over ETAB=0.
 BASE = dict(BLOCK_M=16, BLOCK_N=64, KW=16, SWAP=1, ATOMIC=0, ETAB=2, num_warps=4, num_stages=2)
+# The F16 configs: SASS instructions a weight in the K loop (gate_up / down, benchmarks/mma_sass.py,
+# Triton 3.6 sm_90): 8x128 w2 2.21 / 2.46, 8x64 g4 2.32 / 2.48, 8x64 w1 2.19 / 2.43, 8x256 w4
+# 2.23 / 2.46, 16x64 w2 3.16 / 3.44, 16x128 swap0 3.61 / 3.81; the bf16 16x32: 4.92 / 5.70.
+F16 = dict(F16=1, BLOCK_M=8, BLOCK_N=128, G=2, SWAP=1, ATOMIC=0, num_warps=2, num_stages=3)
 MMA_SWEEP = {
-    "16x64 s2 E0": dict(BASE, ETAB=0),
-    "16x64 s2": dict(BASE),
-    "16x64 s3": dict(BASE, num_stages=3),
-    "16x64 s4": dict(BASE, num_stages=4),
-    "16x64 s2 atomic": dict(BASE, ATOMIC=1),
-    "8x64 s2": dict(BASE, BLOCK_M=8),
-    "8x64 s3": dict(BASE, BLOCK_M=8, num_stages=3),
-    "16x128 w8 s2": dict(BASE, BLOCK_N=128, num_warps=8),
-    "16x128 w8 s3": dict(BASE, BLOCK_N=128, num_warps=8, num_stages=3),
-    "16x128 w4 s2": dict(BASE, BLOCK_N=128),
-    "16x256 w8 s2": dict(BASE, BLOCK_N=256, num_warps=8),
-    "16x32 swap0 s3": dict(BASE, BLOCK_N=32, SWAP=0, num_stages=3),
-    "16x64 kw32 s2": dict(BASE, KW=32),
-    "32x64 s2": dict(BASE, BLOCK_M=32),
-    "16x64 s2 split": dict(BASE, SPLIT=1),
-    "16x64 s2 r96": dict(BASE, maxnreg=96),
-    "16x64 s3 r96": dict(BASE, num_stages=3, maxnreg=96),
+    "bf16 16x32 swap0 s3": dict(BASE, BLOCK_N=32, SWAP=0, num_stages=3),
+    "f16 8x128 w2": dict(F16),
+    "f16 8x128 w2 s4": dict(F16, num_stages=4),
+    "f16 8x128 w2 atomic": dict(F16, ATOMIC=1),
+    "f16 8x64 g4 w2": dict(F16, BLOCK_N=64, G=4),
+    "f16 8x64 w1": dict(F16, BLOCK_N=64, num_warps=1),
+    "f16 8x256 w4": dict(F16, BLOCK_N=256, num_warps=4),
+    "f16 8x128 w2 down g4": dict(F16, w2=dict(G=4)),
+    "f16 16x64 w2": dict(F16, BLOCK_M=16, BLOCK_N=64),
+    "f16 16x128 swap0 w4": dict(F16, BLOCK_M=16, SWAP=0, num_warps=4),
 }
 OUT_LINES: list[str] = []
 
@@ -83,11 +84,17 @@ def copy_bw(cuda: bool) -> float:
     return 2 * (1 << 30) * 4 / ms / 1e6
 
 
-def route(T, E, k, dev, skew):
-    if skew == 0:
+def route(T, E, k, dev, mode):
+    """(topk weights [T, k], ids [T, k] int32): uniform; "third": each token's k experts from
+    one random third of the E (the k2-slice dummy router's concentration); "skewed": experts
+    drawn with weights exp(2 N(0, 1))."""
+    if mode == "uniform":
         ids = torch.rand(T, E, device=dev).argsort(-1)[:, :k].int()
+    elif mode == "third":
+        sub = torch.randperm(E, device=dev)[: E // 3]
+        ids = sub[torch.rand(T, E // 3, device=dev).argsort(-1)[:, :k]].int()
     else:
-        p = torch.exp(skew * torch.randn(E, device=dev))
+        p = torch.exp(2.0 * torch.randn(E, device=dev))
         ids = torch.multinomial(p.expand(T, E), k).int()
     return torch.rand(T, k, device=dev), ids
 
@@ -139,6 +146,8 @@ def launch_split(ew, x, tw, ti, cfg, cuda):
     c13, c2 = mm._configs(cfg, D, I)
     sid, eids, npost = moe_align_block_size(ti, ew.num_experts, c13["BLOCK_M"])
     tw1 = tw.reshape(-1).float().contiguous()
+    if c13.get("F16"):
+        return f16_split(ew, x, tw1, sid, eids, npost, k, c13, c2, cuda)
     xg = mm.to_plane_order(x, c13["KW"])
     ex = torch.full((32,), 142 << 23, dtype=torch.int32, device=x.device)
     act = torch.empty(M, I, dtype=x.dtype, device=x.device)
@@ -155,9 +164,34 @@ def launch_split(ew, x, tw, ti, cfg, cuda):
     return time_fns([up], cuda), time_fns([down], cuda)
 
 
+def f16_split(ew, x, tw1, sid, eids, npost, k, c13, c2, cuda):
+    """launch_split of an F16 config (the activation packing of each launch included)."""
+    from k2serve.kernels import int4_moe_mma16 as m16
+
+    T, D = x.shape
+    I = ew.intermediate  # noqa: E741
+    M = T * k
+    act = torch.empty(M, I, dtype=torch.bfloat16, device=x.device)
+    out = torch.zeros(T if c2["ATOMIC"] else M, D, dtype=torch.float32, device=x.device)
+
+    def up():
+        a, rs = m16.pack_f16(x)
+        m16._launch(a, rs, ew.w13, ew.w13_scale, act, tw1, sid, eids, npost, I, D, M, k, True,
+                    False, 1, False, c13)  # fmt: skip
+
+    def down():
+        a2, rs2 = m16.pack_f16(act)
+        m16._launch(a2, rs2, ew.w2, ew.w2_scale, out, tw1, sid, eids, npost, D, I, M, 1, False,
+                    True, k if c2["ATOMIC"] else 1, bool(c2["ATOMIC"]), c2)  # fmt: skip
+
+    return time_fns([up], cuda), time_fns([down], cuda)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", default="32,64,128,192,256")
+    ap.add_argument("--tokens", default="32,64,128,192,256", help="T of the uniform cases")
+    ap.add_argument("--third", default="128", help="T of the one-third routing cases")
+    ap.add_argument("--skewed", default="", help="T of the lognormal routing cases")
     ap.add_argument(
         "--budget",
         type=float,
@@ -179,10 +213,17 @@ def main(argv=None):
 
     dev = "cuda" if cuda else "cpu"
     torch.manual_seed(int(os.environ.get("SEED", "0")))
+
+    def ts(v):
+        return [int(t) for t in v.split(",") if t]
+
     if args.dry:
-        E, D, I, k, Ts = 8, 256, 256, 4, [2]
+        E, D, I, k = 9, 256, 256, 4  # noqa: E741
+        cases = [(2, "uniform"), (2, "third")]
     else:
-        E, D, I, k, Ts = 384, 7168, 2048, 8, [int(t) for t in args.tokens.split(",")]
+        E, D, I, k = 384, 7168, 2048, 8  # noqa: E741
+        cases = [(T, "uniform") for T in ts(args.tokens)]
+        cases += [(T, "third") for T in ts(args.third)] + [(T, "skewed") for T in ts(args.skewed)]
     names = [n for n in args.configs.split(",") if n] or list(MMA_SWEEP)
     cands = {n: MMA_SWEEP[n] for n in names}
     info = f"{torch.cuda.get_device_name()} " if cuda else "CPU interpreter "
@@ -207,13 +248,19 @@ def main(argv=None):
     results: dict[tuple[int, str], dict[str, float]] = {}
     hits: dict[tuple[int, str], float] = {}
     out_of_time = False
-    for T in Ts:
-        for mode, skew in (("uniform", 0.0), ("skewed", 2.0)):
+    ref32_T = 128 if (128, "uniform") in cases else cases[0][0]
+    for T, mode in cases:
+        if True:
             case = (T, mode)
-            routes = [route(T, E, k, dev, skew) for _ in range(2)]
+            routes = [route(T, E, k, dev, mode) for _ in range(2)]
             x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
             hits[case] = sum(int(ti.unique().numel()) for _, ti in routes) / 2
             refs = [ref_fn(x, ew, tw, ti) for tw, ti in routes]
+            ref32 = None
+            if (T, mode) == (ref32_T, cases[0][1] if args.dry else "uniform"):
+                from k2serve.kernels.fused_moe import fused_moe_ref
+
+                ref32 = fused_moe_ref(x, ew, *routes[0])  # fp32 math, bf16 out
             ok, diffs = {}, {}
             for name, fn in paths.items():  # check first
                 if name in broken:
@@ -222,6 +269,9 @@ def main(argv=None):
                     err = max(
                         rel(fn(x, ew, tw, ti), r) for (tw, ti), r in zip(routes, refs, strict=True)
                     )
+                    if ref32 is not None:
+                        e32 = rel(fn(x, ew, *routes[0]), ref32)
+                        log(f"  fp32-reference T={T} {mode} {name:24s} rel diff {e32:.2e}")
                 except Exception as e:  # noqa: BLE001 - a config that does not run is reported
                     log(f"  T={T} {mode} {name}: {type(e).__name__}: {str(e)[:300]}")
                     broken.add(name)
@@ -293,7 +343,7 @@ def main(argv=None):
     out = os.environ.get("OUT")
     if out:
         os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "decmma_sweep.txt"), "w") as f:
+        with open(os.path.join(out, "mma_sweep.txt"), "w") as f:
             f.write("\n".join(OUT_LINES) + "\n")
 
 
