@@ -145,3 +145,22 @@ def test_int4_moe_mma_f16_k2_sizes(T):
     ref = int4_moe_decode(x, ew, w, ids, dict(load_tables().int4_decode))
     for cfg in CFGS:
         assert rel(int4_moe_mma(x, ew, w, ids, cfg), ref) < 4e-3
+
+
+def test_dispatch_hook_off_by_default_and_runs_the_config():
+    """The tables carry no int4_decode_mma (never planned); given a config and a pair band,
+    FusedMoEBackend plans "mma" inside the band only and runs int4_moe_mma with it."""
+    from k2serve.kernels.policy import load_tables
+    from k2serve.moe.fused_moe import FusedMoEBackend
+
+    assert not load_tables().int4_decode_mma
+    ew = experts(6, 256, 256)
+    off = FusedMoEBackend(ew)
+    assert all(off.plan(T, 4)[0] != ("mma",) for T in (1, 8, 32, 128, 256))
+    be = FusedMoEBackend(ew, mma_config=dict(F16=1), mma_min_pairs=8, mma_max_pairs=16)
+    assert be.plan(2, 4)[0] == ("mma",) and be.plan(4, 4)[0] == ("mma",)
+    assert be.plan(1, 4)[0] != ("mma",) and be.plan(5, 4)[0] != ("mma",)
+    x = torch.randn(3, 256, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.rand(3, 4, device=DEVICE)
+    ids = torch.stack([torch.randperm(6)[:4] for _ in range(3)]).to(DEVICE)
+    assert rel(be(x, ids, w), fm.fused_moe_ref(x, ew, w, ids)) < TOL
