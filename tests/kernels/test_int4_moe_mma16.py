@@ -164,3 +164,14 @@ def test_dispatch_hook_off_by_default_and_runs_the_config():
     w = torch.rand(3, 4, device=DEVICE)
     ids = torch.stack([torch.randperm(6)[:4] for _ in range(3)]).to(DEVICE)
     assert rel(be(x, ids, w), fm.fused_moe_ref(x, ew, w, ids)) < TOL
+
+
+def test_warmup_covers_the_mma_band():
+    """engine.warmup's token counts reach the "mma" path where a band is set."""
+    from k2serve.engine.warmup import config_key, warmup_token_counts
+    from k2serve.moe.fused_moe import FusedMoEBackend
+
+    be = FusedMoEBackend(experts(6, 256, 256), mma_config=dict(F16=1), mma_min_pairs=64,
+                         mma_max_pairs=256)  # fmt: skip
+    keys = {config_key([be], n, 8) for n in warmup_token_counts([be], 8, 64)}
+    assert ("mma",) in {p for k in keys for p in k[0][0]}
