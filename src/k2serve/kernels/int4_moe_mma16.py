@@ -124,6 +124,23 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
+    def _pack_f16_kernel(x_ptr, a_ptr, rs_ptr, K, x_stride, a_stride, BLOCK_K: tl.constexpr):
+        """One row of `pack_f16`: e = floor(log2 max|x|) - 8 (in [-120, 120]; 0 for a zero
+        row), a = x 2^-e as f16 in the kernel's k order, rs = 2^e."""
+        r = tl.program_id(0).to(tl.int64)
+        col = tl.arange(0, BLOCK_K)
+        ok = col < K
+        xr = tl.load(x_ptr + r * x_stride + col, mask=ok, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(xr), 0)
+        e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 8
+        e = tl.where(amax > 0, tl.minimum(tl.maximum(e, -120), 120), 0)
+        tl.store(rs_ptr + r, ((127 + e) << 23).to(tl.float32, bitcast=True))
+        down = ((127 - e) << 23).to(tl.float32, bitcast=True)
+        w = col % 32  # 8t + 4c + 2a + b -> 16a + 4t + 2b + c
+        pos = col - w + 16 * ((w // 2) % 2) + 4 * (w // 8) + 2 * (w % 2) + (w // 4) % 2
+        tl.store(a_ptr + r * a_stride + pos, (xr * down).to(tl.float16), mask=ok)
+
+    @triton.jit
     def _int4_mma_f16_kernel(
         a_ptr, rs_ptr, w_ptr, s_ptr, c_ptr, tw_ptr, sorted_ptr, eid_ptr, npost_ptr,
         N, K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
@@ -210,14 +227,16 @@ if HAS_TRITON:
 def pack_f16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[M, K] (K % 32 == 0) -> (f16 [M, K] in the F16 kernel's k order, rs [M] float32): each
     row times 2^-e (exact) so that its largest magnitude lies in [256, 512), rs = 2^e; in each
-    group of 32 columns, column 8t + 4c + 2a + b moves to 16a + 4t + 2b + c."""
+    group of 32 columns, column 8t + 4c + 2a + b moves to 16a + 4t + 2b + c. One launch."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     M, K = x.shape
-    xf = x.float()
-    _, ex = torch.frexp(xf.abs().amax(1))  # amax = m 2^ex, m in [0.5, 1); 0 -> ex 0
-    e = (ex - 9).clamp(-120, 120).float()  # [M]; finite rows fit, 2^-e stays finite
-    xs = (xf * torch.exp2(-e)[:, None]).half()
-    xs = xs.view(M, K // 32, 4, 2, 2, 2).permute(0, 1, 4, 2, 5, 3).reshape(M, K)
-    return xs, torch.exp2(e).contiguous()
+    a = torch.empty(M, K, dtype=torch.float16, device=x.device)
+    rs = torch.empty(M, dtype=torch.float32, device=x.device)
+    bk = triton.next_power_of_2(K)
+    _pack_f16_kernel[(M,)](x, a, rs, K, x.stride(0), a.stride(0), BLOCK_K=bk,
+                           num_warps=8 if K >= 4096 else 4)  # fmt: skip
+    return a, rs
 
 
 F16_KEYS = (
