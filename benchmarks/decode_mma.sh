@@ -8,7 +8,7 @@
 cd "$(dirname "$0")/.." || exit 1
 source benchmarks/device_env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-timeout ${TLIMIT:-200} python3 benchmarks/decode_mma.py --budget ${BUDGET:-165} ${ARGS:-} > "$OUT/mma_1.txt" 2>&1
+timeout ${TLIMIT:-205} python3 benchmarks/decode_mma.py --budget ${BUDGET:-170} ${ARGS:-} > "$OUT/mma_1.txt" 2>&1
 echo "sweep rc=$? at ${SECONDS}s"
 grep -E "^\||FAIL|Error|fp32-reference|launches|best|int4_decode_mma|copy bandwidth|total" "$OUT/mma_1.txt" | tail -n 70
 left=$((232 - SECONDS))
