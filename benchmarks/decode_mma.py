@@ -48,7 +48,8 @@ BASE = dict(BLOCK_M=16, BLOCK_N=64, KW=16, SWAP=1, ATOMIC=0, ETAB=2, num_warps=4
 # The F16 configs: SASS instructions a weight in the K loop (gate_up / down, benchmarks/mma_sass.py,
 # Triton 3.6 sm_90): 8x128 w2 2.21 / 2.46, 8x128 g4 w4 2.32 / 2.48, 8x64 g4 2.32 / 2.48, 8x32 g4
 # w1 2.27 / 2.41, 8x64 w1 2.19 / 2.43, 16x64 w2 3.16 / 3.44, 16x128 swap0 3.61 / 3.81; the bf16
-# 16x32: 4.92 / 5.70. G=4: 64 contiguous bytes a weight row a K step (G=2: one 32-byte sector).
+# 16x32: 4.92 / 5.70; 8x32 g8 w1 2.16 / 2.25. G=4 / 8: 64 / 128 contiguous bytes a weight row a
+# K step (G=2: one 32-byte sector).
 F16 = dict(F16=1, BLOCK_M=8, BLOCK_N=128, G=2, SWAP=1, ATOMIC=0, num_warps=2, num_stages=3)
 MMA_SWEEP = {
     "bf16 16x32 swap0 s3": dict(BASE, BLOCK_N=32, SWAP=0, num_stages=3),
@@ -56,7 +57,7 @@ MMA_SWEEP = {
     "f16 8x128 g4 w4": dict(F16, G=4, num_warps=4),
     "f16 8x64 g4 w2": dict(F16, BLOCK_N=64, G=4),
     "f16 8x32 g4 w1": dict(F16, BLOCK_N=32, G=4, num_warps=1),
-    "f16 8x64 w1": dict(F16, BLOCK_N=64, num_warps=1),
+    "f16 8x32 g8 w1": dict(F16, BLOCK_N=32, G=8, num_warps=1),
     "f16 8x128 w2 atomic": dict(F16, ATOMIC=1),
     # down (K=2048: 32 steps a program) in fewer, wider programs: 2.23 a weight
     "f16 8x128 w2 down 8x256 g4 w4": dict(F16, w2=dict(BLOCK_N=256, G=4, num_warps=4)),

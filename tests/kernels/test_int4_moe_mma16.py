@@ -68,13 +68,13 @@ def test_f16_launches_match_fp32_reference(swap):
     from k2serve.kernels.int4_moe_mma16 import _launch, pack_f16
     from k2serve.kernels.moe_align import moe_align_block_size
 
-    E, D, I, T, k = 6, 256, 192, 5, 2  # noqa: E741 - I = 192: a partial 128-row block, G=4
+    E, D, I, T, k = 6, 256, 192, 5, 2  # noqa: E741 - I = 192: a partial 128-row block, G=8
     # does not divide it: the down launch runs G=2
     ew = experts(E, D, I)
     x = torch.randn(T, D, device=DEVICE).bfloat16()
     ids = torch.tensor([[0, 1], [1, 2], [0, 3], [1, 4], [0, 2]], device=DEVICE)  # 5: no pairs
     tw = torch.rand(T * k, device=DEVICE)
-    cfg = dict(BLOCK_M=8, BLOCK_N=128, G=4 if swap else 2, SWAP=swap, num_warps=2 if swap else 4,
+    cfg = dict(BLOCK_M=8, BLOCK_N=128, G=8 if swap else 2, SWAP=swap, num_warps=2 if swap else 4,
                num_stages=2)  # fmt: skip
     sid, eids, npost = moe_align_block_size(ids, E, 8)
     a, rs = pack_f16(x)

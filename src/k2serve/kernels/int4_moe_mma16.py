@@ -95,11 +95,19 @@ if HAS_TRITON:
 
     @triton.jit
     def _scales(s_ptrs, s_ok, G: tl.constexpr):
-        """A K step's G / 2 int32 scale pairs [BN] (G = 2: the pair twice, one load)."""
+        """A K step's G / 2 int32 scale pairs [BN] as a 4-tuple (G < 8: the last repeated)."""
         p0 = tl.load(s_ptrs, mask=s_ok, other=0)
-        if G == 2:
-            return p0, p0
-        return p0, tl.load(s_ptrs + 1, mask=s_ok, other=0)
+        p1 = p0
+        p2 = p0
+        p3 = p0
+        if G >= 4:
+            p1 = tl.load(s_ptrs + 1, mask=s_ok, other=0)
+            p2 = p1
+            p3 = p1
+        if G == 8:
+            p2 = tl.load(s_ptrs + 2, mask=s_ok, other=0)
+            p3 = tl.load(s_ptrs + 3, mask=s_ok, other=0)
+        return p0, p1, p2, p3
 
     @triton.jit
     def _scale(sp, g: tl.constexpr):
@@ -254,8 +262,8 @@ F16_KEYS = (
 
 def check_f16(c: dict, K: int) -> None:
     """ValueError unless config c runs the F16 kernel over K columns."""
-    if c["G"] not in (2, 4) or K % (32 * c["G"]):
-        raise ValueError(f"int4_moe_mma F16: G={c['G']} (groups a K step) must be 2 or 4 and "
+    if c["G"] not in (2, 4, 8) or K % (32 * c["G"]):
+        raise ValueError(f"int4_moe_mma F16: G={c['G']} (groups a K step) must be 2, 4 or 8 and "
                          f"K={K} a multiple of 32 G")  # fmt: skip
     if c["BLOCK_M"] & (c["BLOCK_M"] - 1) or c["BLOCK_N"] & (c["BLOCK_N"] - 1):
         raise ValueError(f"int4_moe_mma F16: BLOCK_M, BLOCK_N must be powers of two ({c})")
