@@ -35,7 +35,7 @@ def unpack(a, rs):
 
 def test_pack_f16_is_exact_and_bounded():
     """bf16 rows of any range come back exactly; each row's largest |value| in [256, 512) (so
-    f16 cannot overflow), zero rows stay zero, entries below 2^-24 of their row's largest
+    f16 cannot overflow), zero rows stay zero, entries below ~2^-34 of their row's largest
     flush to zero (f16's subnormal floor; the rest of that row exact); the k order is the
     kernel's (nibble 4c + 2a + b of word t at 16a + 4t + 2b + c)."""
     from k2serve.kernels.int4_moe_mma16 import pack_f16
