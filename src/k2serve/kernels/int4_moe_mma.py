@@ -30,6 +30,9 @@ Every config sat at 40-51% whatever its tile, so the limit is per weight byte, n
 wgmma forms (SWAP=1, BLOCK_N >= 64) were 15-20% slower than the mma.sync form (Triton 3.6 waits
 for each register-operand wgmma before the next plane).
 
+The f16 design (config F16=1, kernels/int4_moe_mma16.py): Marlin's dequant and the group
+scale once per group, ~2.2 SASS instructions a weight against this design's ~5.
+
 Layout: compressed-tensors words w int32 [E, N, K/8] (nibble j of word i = column 8i + j,
 value + 8), scales bf16 [E, N, K/32]; w13 rows: gate (0..I-1) then up (I..2I-1).
 
