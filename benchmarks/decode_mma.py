@@ -45,24 +45,30 @@ TOL = 4e-3
 # Run 2 (same day, runs/h100_w9_decode_mma_run2.txt): best "16x32 swap0 s3" everywhere, 47-51%
 # of copy bw (T=128 uniform 6.01 ms against the grouped GEMV's 5.63); ETAB=2 2-5% over ETAB=0.
 BASE = dict(BLOCK_M=16, BLOCK_N=64, KW=16, SWAP=1, ATOMIC=0, ETAB=2, num_warps=4, num_stages=2)
-# The F16 configs: SASS instructions a weight in the K loop (gate_up / down, benchmarks/mma_sass.py,
-# Triton 3.6 sm_90): 8x128 w2 2.21 / 2.46, 8x128 g4 w4 2.32 / 2.48, 8x64 g4 2.32 / 2.48, 8x32 g4
-# w1 2.27 / 2.41, 8x64 w1 2.19 / 2.43, 16x64 w2 3.16 / 3.44, 16x128 swap0 3.61 / 3.81; the bf16
-# 16x32: 4.92 / 5.70; 8x32 g8 w1 2.16 / 2.25. G=4 / 8: 64 / 128 contiguous bytes a weight row a
-# K step (G=2: one 32-byte sector).
-F16 = dict(F16=1, BLOCK_M=8, BLOCK_N=128, G=2, SWAP=1, ATOMIC=0, num_warps=2, num_stages=3)
+# The F16 configs. SASS instructions a weight in the K loop (gate_up / down, benchmarks/mma_sass.py,
+# Triton 3.6 sm_90): 16x64 w2 3.16 / 3.44, 16x64 g4 w2 2.96 / 3.14, 16x32 g4 w1 2.89 / 3.16,
+# 16x64 g8 w2 2.84 / 2.99 (255 registers), 16x16 g8 w1 3.29 / 3.59, 8x32 g8 w1 2.16 / 2.25,
+# 8x32 g4 w1 2.27 / 2.41, 8x64 g4 w2 2.32 / 2.48, 16x128 swap0 3.61 / 3.81; the bf16 16x32
+# 4.92 / 5.70. G = 2 / 4 / 8: 32 / 64 / 128 contiguous bytes a weight row a K step.
+# Run 1 (H100, lead, 02:45, branch at f51c44d): T=128 uniform 16x64 w2 5.03 ms (59% of copy bw,
+# 1.12x the grouped GEMV), 16x128 swap0 5.15, 8x64 g4 w2 6.15, and every tile of 64 weight rows
+# a warp (8x128 w2, 8x256 w4, 8x64 w1) ~10 ms whatever its instruction count (2.2 a weight):
+# the time follows the weight rows in flight an SM (CTAs x rows: ~900 -> 5 ms, ~1150 -> 6.2,
+# >= 1500 -> 10), i.e. DRAM access locality, not instructions; hence the short, wide tiles here.
+F16 = dict(F16=1, BLOCK_M=16, BLOCK_N=64, G=2, SWAP=1, ATOMIC=0, num_warps=2, num_stages=3)
 MMA_SWEEP = {
     "bf16 16x32 swap0 s3": dict(BASE, BLOCK_N=32, SWAP=0, num_stages=3),
-    "f16 8x128 w2": dict(F16),
-    "f16 8x128 g4 w4": dict(F16, G=4, num_warps=4),
-    "f16 8x64 g4 w2": dict(F16, BLOCK_N=64, G=4),
-    "f16 8x32 g4 w1": dict(F16, BLOCK_N=32, G=4, num_warps=1),
-    "f16 8x32 g8 w1": dict(F16, BLOCK_N=32, G=8, num_warps=1),
-    "f16 8x128 w2 atomic": dict(F16, ATOMIC=1),
-    # down (K=2048: 32 steps a program) in fewer, wider programs: 2.23 a weight
-    "f16 8x128 w2 down 8x256 g4 w4": dict(F16, w2=dict(BLOCK_N=256, G=4, num_warps=4)),
-    "f16 16x64 w2": dict(F16, BLOCK_M=16, BLOCK_N=64),
-    "f16 16x128 swap0 w4": dict(F16, BLOCK_M=16, SWAP=0, num_warps=4),
+    "f16 16x128 swap0 w4": dict(F16, BLOCK_N=128, SWAP=0, num_warps=4),
+    "f16 16x64 w2": dict(F16),
+    "f16 16x64 w2 atomic": dict(F16, ATOMIC=1),
+    "f16 16x64 g4 w2": dict(F16, G=4),
+    "f16 16x64 g8 w2": dict(F16, G=8),
+    "f16 16x32 g4 w1": dict(F16, BLOCK_N=32, G=4, num_warps=1),
+    "f16 16x16 g8 w1": dict(F16, BLOCK_N=16, G=8, num_warps=1),
+    "f16 8x32 g8 w1": dict(F16, BLOCK_M=8, BLOCK_N=32, G=8, num_warps=1),
+    "f16 8x32 g4 w1": dict(F16, BLOCK_M=8, BLOCK_N=32, G=4, num_warps=1),
+    "f16 8x64 g4 w2": dict(F16, BLOCK_M=8, G=4),
+    "f16 16x64 w2 s4": dict(F16, num_stages=4),
 }
 OUT_LINES: list[str] = []
 
@@ -320,7 +326,7 @@ def main(argv=None):
     if case is not None and not out_of_time:
         res = results[case]
         top = sorted((n for n in res if n.startswith("mma ") and n not in failed), key=res.get)[:5]
-        tw, ti = route(case[0], E, k, dev, 0.0)
+        tw, ti = route(case[0], E, k, dev, case[1])
         x = torch.randn(case[0], D, device=dev, dtype=torch.bfloat16)
         split = {}
         for n in top:

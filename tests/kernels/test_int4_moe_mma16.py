@@ -147,16 +147,23 @@ def test_int4_moe_mma_f16_k2_sizes(T):
         assert rel(int4_moe_mma(x, ew, w, ids, cfg), ref) < 4e-3
 
 
-def test_dispatch_hook_off_by_default_and_runs_the_config():
-    """The tables carry no int4_decode_mma (never planned); given a config and a pair band,
-    FusedMoEBackend plans "mma" inside the band only and runs int4_moe_mma with it."""
+def test_dispatch_hook_band_and_config():
+    """The tables' int4_decode_mma band (measured on the H100: T=128..256 x top-8) plans "mma"
+    inside it only; a given config and band run int4_moe_mma with it; experts of another
+    group size never plan it (the kernel reads group-32 scales)."""
     from k2serve.kernels.policy import load_tables
     from k2serve.moe.fused_moe import FusedMoEBackend
 
-    assert not load_tables().int4_decode_mma
+    t = load_tables()
+    lo, hi = t.int4_decode_mma_min_pairs, t.int4_decode_mma_max_pairs
     ew = experts(6, 256, 256)
-    off = FusedMoEBackend(ew)
-    assert all(off.plan(T, 4)[0] != ("mma",) for T in (1, 8, 32, 128, 256))
+    be = FusedMoEBackend(ew)
+    assert be.mma_config == dict(t.int4_decode_mma) and be.mma_config["F16"] == 1
+    assert be.plan(lo // 8, 8)[0] == ("mma",) and be.plan(hi // 8, 8)[0] == ("mma",)
+    assert be.plan(lo // 8 - 1, 8)[0] != ("mma",) and be.plan(hi // 8 + 1, 8)[0] != ("mma",)
+    g64 = fm.ExpertWeights("int4", ew.w13, ew.w2, ew.w13_scale[..., ::2], ew.w2_scale[..., ::2],
+                           64)  # fmt: skip
+    assert all(FusedMoEBackend(g64).plan(T, 8)[0] != ("mma",) for T in (lo // 8, hi // 8))
     be = FusedMoEBackend(ew, mma_config=dict(F16=1), mma_min_pairs=8, mma_max_pairs=16)
     assert be.plan(2, 4)[0] == ("mma",) and be.plan(4, 4)[0] == ("mma",)
     assert be.plan(1, 4)[0] != ("mma",) and be.plan(5, 4)[0] != ("mma",)
@@ -167,11 +174,10 @@ def test_dispatch_hook_off_by_default_and_runs_the_config():
 
 
 def test_warmup_covers_the_mma_band():
-    """engine.warmup's token counts reach the "mma" path where a band is set."""
+    """engine.warmup's token counts reach the tables' "mma" path."""
     from k2serve.engine.warmup import config_key, warmup_token_counts
     from k2serve.moe.fused_moe import FusedMoEBackend
 
-    be = FusedMoEBackend(experts(6, 256, 256), mma_config=dict(F16=1), mma_min_pairs=64,
-                         mma_max_pairs=256)  # fmt: skip
-    keys = {config_key([be], n, 8) for n in warmup_token_counts([be], 8, 64)}
+    be = FusedMoEBackend(experts(6, 256, 256))
+    keys = {config_key([be], n, 8) for n in warmup_token_counts([be], 8, 512)}
     assert ("mma",) in {p for k in keys for p in k[0][0]}

@@ -180,6 +180,8 @@ class FusedMoEBackend(ExpertBackend):
         lo = t.int4_decode_mma_min_pairs if mma_min_pairs is None else mma_min_pairs
         hi = t.int4_decode_mma_max_pairs if mma_max_pairs is None else mma_max_pairs
         self.mma_pairs = (lo, hi) if self.mma_config and lo is not None and hi is not None else None
+        if w.group_size != 32:  # int4_moe_mma reads group-32 scales only
+            self.mma_pairs = None
         # bands of pair counts where the path is chosen on the device from the routing
         bands = t.int4_routing_select if routing_select is None else routing_select
         if routing_select is None and not self.grouped_config:  # the table's bands need it
