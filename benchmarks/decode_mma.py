@@ -398,10 +398,16 @@ def table(results, hits, per_expert, bw, kind, cands, best_split, k):
         return
     top = max(set(won), key=won.count)
     Ts = sorted({T for T, _ in results})
-    band = [T for T in Ts if all(wins.get((T, m), ("", 0))[1] > 1 for m in ("uniform", "skewed"))]
+    won_at = [T for T in Ts if all(wins.get(c, ("", 0))[1] > 1 for c in results if c[0] == T)]
+    band = []  # the measured T where mma wins every routing, one run without a loss inside
+    for T in Ts:
+        if T in won_at:
+            band.append(T)
+        elif band:
+            break
     cfg = best_split or cands[top[4:]]
     log(f"most frequent winner: {top}; per-launch best: {json.dumps(best_split)}")
-    log(f"T where mma beats every shipped path at both routings: {band}")
+    log(f"T where mma beats every shipped path at every measured routing: {band}")
     if band:
         log(f'for configs/{kind}.json: "int4_decode_mma": {json.dumps(cfg)}, '
             f'"int4_decode_mma_min_pairs": {band[0] * k}, "int4_decode_mma_max_pairs": {band[-1] * k}'
