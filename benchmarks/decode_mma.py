@@ -69,6 +69,12 @@ MMA_SWEEP = {
     "f16 8x32 g4 w1": dict(F16, BLOCK_M=8, BLOCK_N=32, G=4, num_warps=1),
     "f16 8x64 g4 w2": dict(F16, BLOCK_M=8, G=4),
     "f16 16x64 w2 s4": dict(F16, num_stages=4),
+    # each weight row's next 128-byte line prefetched into L2 (PF steps ahead, once a line):
+    # one DRAM access a line where the K steps read 32 / 64 bytes of it
+    "f16 16x64 w2 pf4": dict(F16, PF=4),
+    "f16 16x64 w2 pf8": dict(F16, PF=8),
+    "f16 16x64 g4 w2 pf2": dict(F16, G=4, PF=2),
+    "f16 16x32 g4 w1 pf2": dict(F16, BLOCK_N=32, G=4, num_warps=1, PF=2),
 }
 OUT_LINES: list[str] = []
 

@@ -8,7 +8,7 @@ bf16 design runs ~5 thread-instructions a weight (Nsight Compute, H100); Marlin-
 
 Run (no GPU; Triton 3.6, the version of the device image):
   PYTHONPATH=/tmp/tri36:src python benchmarks/mma_sass.py [--f16 16x128g2s3w4,...] [--sass DIR]
-An F16 config name: BLOCK_M x BLOCK_N g G s STAGES w WARPS [x: SWAP=1]; "old" is the bf16
+An F16 config name: BLOCK_M x BLOCK_N g G s STAGES w WARPS [x: SWAP=1] [p PF]; "old" is the bf16
 design's default (16x32 mma.sync, 3 stages, ETAB=2 as measured by ncu).
 """
 
@@ -37,12 +37,12 @@ DEFAULT_F16 = (
 
 
 def parse_f16(name: str) -> dict:
-    m = re.fullmatch(r"(\d+)x(\d+)g(\d)s(\d)w(\d)(x?)", name)
+    m = re.fullmatch(r"(\d+)x(\d+)g(\d)s(\d)w(\d)(x?)(?:p(\d+))?", name)
     if not m:
         raise ValueError(f"bad F16 config name {name!r}")
-    bm, bn, g, st, nw, x = m.groups()
+    bm, bn, g, st, nw, x, pf = m.groups()
     return dict(F16=1, BLOCK_M=int(bm), BLOCK_N=int(bn), G=int(g), num_stages=int(st),
-                num_warps=int(nw), SWAP=int(bool(x)), ATOMIC=0)  # fmt: skip
+                num_warps=int(nw), SWAP=int(bool(x)), ATOMIC=0, PF=int(pf or 0))  # fmt: skip
 
 
 def tool(name: str) -> str:
@@ -152,7 +152,8 @@ def f16_launch(cfg, gated):
             "eid_ptr": "*i32", "npost_ptr": "*i32"}  # fmt: skip
     cons = dict(A_DIV=8 if gated else 1, GATED=gated, MUL_W=not gated, OUT_DIV=1,
                 ATOMIC=cfg["ATOMIC"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                G=cfg["G"], SWAP=cfg["SWAP"], DOT_DT=tl.float16, USE_ASM=True)  # fmt: skip
+                G=cfg["G"], SWAP=cfg["SWAP"], DOT_DT=tl.float16, USE_ASM=True,
+                PF=cfg.get("PF", 0))  # fmt: skip
     k = compile_kernel(_int4_mma_f16_kernel, ptrs, cons, cfg["num_warps"], cfg["num_stages"],
                        cfg.get("maxnreg"))  # fmt: skip
     return k, cfg["BLOCK_N"] * 32 * cfg["G"] * (2 if gated else 1)

@@ -56,7 +56,7 @@ from .moe_align import moe_align_block_size
 MMA_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, KW=16, SWAP=0, ATOMIC=0, ETAB=0, SPLIT=0, num_warps=4,
                   num_stages=3)  # fmt: skip
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "KW", "SWAP", "ATOMIC", "ETAB", "SPLIT", "num_warps",
-               "num_stages", "maxnreg", "F16", "G")  # fmt: skip
+               "num_stages", "maxnreg", "F16", "G", "PF")  # fmt: skip
 # F16=1: the f16 design of int4_moe_mma16.py (its keys: BLOCK_M, BLOCK_N, G groups a K step,
 # SWAP, ATOMIC, num_warps, num_stages, maxnreg); these defaults for the keys a config leaves out
 # (16 pairs x 64 weight rows, weights as the MMA's M, two warps: the fastest F16 tile of the

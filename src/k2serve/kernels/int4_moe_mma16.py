@@ -148,6 +148,25 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
+    def _prefetch_l2(ptrs, on):
+        """prefetch.global.L2 of each pointer's line where `on` (a scalar predicate)."""
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .pred p;
+            setp.ne.b32 p, $2, 0;
+            @p prefetch.global.L2 [$1];
+            mov.b32 $0, 0;
+            }
+            """,
+            constraints="=r,l,r",
+            args=[ptrs, on.to(tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+    @triton.jit
     def _pack_f16_kernel(x_ptr, a_ptr, rs_ptr, K, x_stride, a_stride, BLOCK_K: tl.constexpr):
         """One row of `pack_f16`: e = floor(log2 max|x|) - 8 (in [-120, 120]; 0 for a zero
         row), a = x 2^-e as f16 in the kernel's k order, rs = 2^e."""
@@ -170,13 +189,14 @@ if HAS_TRITON:
         N, K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
         A_DIV: tl.constexpr, GATED: tl.constexpr, MUL_W: tl.constexpr, OUT_DIV: tl.constexpr,
         ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
-        SWAP: tl.constexpr, DOT_DT: tl.constexpr, USE_ASM: tl.constexpr,
+        SWAP: tl.constexpr, DOT_DT: tl.constexpr, USE_ASM: tl.constexpr, PF: tl.constexpr,
     ):  # fmt: skip
         """One aligned block of BLOCK_M pairs of expert e x BLOCK_N weight rows n (as
         `_int4_mma_kernel`, F16 design): a (`pack_f16`) f16 rows scaled by 1 / rs, K steps of
-        G groups; the scale pairs of step it + 2 are loaded in step it (registers: plain loads
-        are not pipelined by Triton). GATED: rows n and N + n, stores silu(gate) * up (bf16,
-        natural column order); else times tw[pair] (MUL_W), stored to c[pair] or added
+        G groups; the scale pairs of step it + 1 are loaded in step it (registers: plain loads
+        are not pipelined by Triton). PF > 0 (with USE_ASM): each weight row's 128-byte line
+        of step it + PF is prefetched into L2 in step it (a line is 8 / G steps). GATED: rows n
+        and N + n, stores silu(gate) * up (bf16, natural column order); else times tw[pair] (MUL_W), stored to c[pair] or added
         (ATOMIC) to c[pair // OUT_DIV] (float32)."""
         pid = tl.program_id(0)
         nbn = tl.cdiv(N, BLOCK_N)
@@ -209,12 +229,18 @@ if HAS_TRITON:
         us_off = N * s_stride_n
         acc_u = acc
         steps = K // (32 * G)
+        pf_rows = w_ptr + e * w_stride_e + tl.minimum(offs_n, N - 1) * w_stride_n  # [BN]
         sp = _scales(s_ptrs, s_ok, G)
         su = sp
         if GATED:
             su = _scales(s_ptrs + us_off, s_ok, G)
         for it in range(0, steps):  # the next step's scales loaded one step ahead
             nxt = s_ok & (offs_n * 0 + it + 1 < steps)
+            if PF > 0 and USE_ASM:  # the words' line PF steps ahead, once a line, into L2
+                off = tl.minimum((it + PF) * 4 * G, K // 8 - 1)
+                _prefetch_l2(pf_rows + off, (it + PF) * G % 8 == 0)
+                if GATED:
+                    _prefetch_l2(pf_rows + u_off + off, (it + PF) * G % 8 == 0)
             s_ptrs += G // 2
             sp_n = _scales(s_ptrs, nxt, G)
             acc = _f16_step(acc, w_ptrs, sp, a_ptrs, a_ok, n_ok, G, BLOCK_N, SWAP, DOT_DT,
@@ -263,7 +289,7 @@ def pack_f16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return a, rs
 
 
-F16_KEYS = (
+F16_KEYS = (  # PF: the L2 prefetch distance in K steps (0: none)
     "F16",
     "BLOCK_M",
     "BLOCK_N",
@@ -273,6 +299,7 @@ F16_KEYS = (
     "num_warps",
     "num_stages",
     "maxnreg",
+    "PF",
 )
 
 
@@ -296,7 +323,7 @@ def _launch(a, rs, w, s, c, tw, sorted_ids, eids, npost, N, K, num_pairs, a_div,
         c.stride(0), w.stride(0), w.stride(1), s32.stride(0), s32.stride(1), A_DIV=a_div,
         GATED=gated, MUL_W=mul_w, OUT_DIV=out_div, ATOMIC=atomic, BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], G=cfg["G"], SWAP=cfg["SWAP"],
-        DOT_DT=tl.float32 if INTERPRET else tl.float16, USE_ASM=use_asm(),
+        DOT_DT=tl.float32 if INTERPRET else tl.float16, USE_ASM=use_asm(), PF=cfg.get("PF", 0),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )  # fmt: skip
