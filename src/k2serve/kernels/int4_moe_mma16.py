@@ -196,8 +196,8 @@ if HAS_TRITON:
         G groups; the scale pairs of step it + 1 are loaded in step it (registers: plain loads
         are not pipelined by Triton). PF > 0 (with USE_ASM): each weight row's 128-byte line
         of step it + PF is prefetched into L2 in step it (a line is 8 / G steps). GATED: rows n
-        and N + n, stores silu(gate) * up (bf16, natural column order); else times tw[pair] (MUL_W), stored to c[pair] or added
-        (ATOMIC) to c[pair // OUT_DIV] (float32)."""
+        and N + n, stores silu(gate) * up (bf16, natural column order); else times tw[pair]
+        (MUL_W), stored to c[pair] or added (ATOMIC) to c[pair // OUT_DIV] (float32)."""
         pid = tl.program_id(0)
         nbn = tl.cdiv(N, BLOCK_N)
         pid_m = pid // nbn
