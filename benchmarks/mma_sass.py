@@ -31,8 +31,9 @@ CLASSES = [  # (name, opcode regex) in print order; the first match wins
     ("LDSM", r"LDSM"), ("LDS", r"LDS"), ("STS", r"STS"), ("SHFL", r"SHFL"), ("IMAD", r"IMAD"),
     ("IADD/ISETP/SEL", r"IADD|ISETP|SEL|VIADD|LEA"), ("BAR/DEPBAR", r"BAR"), ("MOV", r"MOV"),
 ]  # fmt: skip
-DEFAULT_F16 = (
-    "16x128g2s3w4,16x64g2s3w4,16x128g4s3w4,16x256g2s3w8,16x128g2s4w4,8x32g2s3w2x,16x64g2s3w4x"
+DEFAULT_F16 = (  # the device sweep's F16 tiles, and 8x128 (fewest instructions, slow on the H100)
+    "16x64g2s3w2x,16x64g4s3w2x,16x64g8s3w2x,16x32g4s3w1x,16x16g8s3w1x,8x32g8s3w1x,8x32g4s3w1x,"
+    "8x64g4s3w2x,16x64g2s3w2xp4,16x128g2s3w4,8x128g2s3w2x"
 )
 
 
