@@ -55,6 +55,8 @@ BASE = dict(BLOCK_M=16, BLOCK_N=64, KW=16, SWAP=1, ATOMIC=0, ETAB=2, num_warps=4
 # a warp (8x128 w2, 8x256 w4, 8x64 w1) ~10 ms whatever its instruction count (2.2 a weight):
 # the time follows the weight rows in flight an SM (CTAs x rows: ~900 -> 5 ms, ~1150 -> 6.2,
 # >= 1500 -> 10), i.e. DRAM access locality, not instructions; hence the short, wide tiles here.
+# Run 2 (03:22, runs/h100_w11_mma_run2.txt): 16x64 G=4 PF=2 4.69 ms at T=128 (63%), G=2 PF=4
+# 4.67, G=4 4.84, G=8 4.79, G=2 4.96; PF=8 6.47 (too far ahead); 62% at T=192/256.
 F16 = dict(F16=1, BLOCK_M=16, BLOCK_N=64, G=2, SWAP=1, ATOMIC=0, num_warps=2, num_stages=3)
 MMA_SWEEP = {
     "bf16 16x32 swap0 s3": dict(BASE, BLOCK_N=32, SWAP=0, num_stages=3),

@@ -59,9 +59,10 @@ CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "KW", "SWAP", "ATOMIC", "ETAB", "SPLIT", "n
                "num_stages", "maxnreg", "F16", "G", "PF")  # fmt: skip
 # F16=1: the f16 design of int4_moe_mma16.py (its keys: BLOCK_M, BLOCK_N, G groups a K step,
 # SWAP, ATOMIC, num_warps, num_stages, maxnreg); these defaults for the keys a config leaves out
-# (16 pairs x 64 weight rows, weights as the MMA's M, two warps: the fastest F16 tile of the
-# first H100 sweep, T=128 uniform 5.03 ms = 59% of copy bw; kernels/configs/h200.json)
-F16_CONFIG = dict(BLOCK_M=16, BLOCK_N=64, G=2, SWAP=1, ATOMIC=0, num_warps=2, num_stages=3)
+# (16 pairs x 64 weight rows, weights as the MMA's M, two warps, 4 groups a K step, L2 prefetch
+# 2 steps ahead: the fastest F16 tile of the H100 sweeps, T=128 uniform 4.69 ms = 63% of copy
+# bw; kernels/configs/h200.json)
+F16_CONFIG = dict(BLOCK_M=16, BLOCK_N=64, G=4, SWAP=1, ATOMIC=0, num_warps=2, num_stages=3, PF=2)
 
 if HAS_TRITON:
 

@@ -32,13 +32,14 @@ gate_up / down): 8x128 SWAP=1 two warps 2.21 / 2.46, 8x32 G=8 one warp 2.16 / 2.
 dequantized operand. The pieces a weight: lop3 0.52, f16x2 sub / fma 0.50, shift 0.13, HMMA
 0.13, FFMA 0.25 (BLOCK_M 8; 0.5 at 16), the rest addressing, the activation fragments' moves
 (Triton's kWidth-4 operand needs two LDS.64 halves a register pair) and the scale loads.
-Measured (H100, benchmarks/decode_mma.sh, one K2 layer, 2026-11-25): 16x64 SWAP=1 two warps
-T=128 uniform 5.03 ms = 59% of copy bw (grouped GEMV 5.62, bf16 design 5.95), T=192 / 256
-58% (1.26 / 1.28x the Gluon GEMM), T=128 on a third of the experts 53% (1.26x); T=32 / 64
-0.68 / 0.82x the per-pair GEMV. Tiles of 64 weight rows a warp ran ~2x slower whatever their
-instruction count (8x128: 2.2 a weight, 10.2 ms): the time follows the weight rows streamed
-at once an SM (DRAM locality), not the instructions. Dispatched for 1024-2048 (token, expert)
-pairs (kernels/configs/h200.json int4_decode_mma).
+Measured (H100, benchmarks/decode_mma.sh, one K2 layer, 2026-11-25, runs 1-2): 16x64 SWAP=1
+two warps, G=4 with the L2 prefetch (PF=2): T=128 uniform 4.69 ms = 63% of copy bw (grouped
+GEMV 5.61, bf16 design 5.92), T=192 / 256 62% (1.36-1.37x the Gluon GEMM), T=128 on a third
+of the experts 1.86 ms (1.36x); T=32 / 64 0.74 / 0.88x the per-pair GEMV. Without PF and G=2,
+5.03 ms (59%). Tiles of 64 weight rows a warp ran ~2x slower whatever their instruction count
+(8x128: 2.2 a weight, 10.2 ms): the time follows the weight rows streamed at once an SM and the
+bytes a row a K step (DRAM locality), not the instructions. Dispatched for 1024-2048 (token,
+expert) pairs (kernels/configs/h200.json int4_decode_mma).
 
 Invariants: compressed-tensors words (nibble j of word i = column 8i + j, value + 8), bf16
 scales, group 32; K a multiple of 32 G; no host synchronisation (CUDA-graph safe).
