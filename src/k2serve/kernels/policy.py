@@ -122,6 +122,12 @@ class KernelTables:
     # "grouped", "gemm", "pairs_per_expert": ascending limits between them}; inside a band
     # they replace the pair-count rule above; absent from a table: off
     int4_routing_select: tuple[Mapping[str, Any], ...] = ()
+    # the tensor-core INT4 decode MoE (int4_moe_mma.int4_moe_mma, e.g. its F16=1 design): its
+    # config and the (token, expert) pair counts it runs for, ahead of every other decode path
+    # (not inside int4_routing_select's bands); absent from a table (the default): off
+    int4_decode_mma: Mapping[str, Any] = field(default_factory=lambda: FrozenMap({}))
+    int4_decode_mma_min_pairs: int | None = None
+    int4_decode_mma_max_pairs: int | None = None
     # the Gluon INT4 grouped GEMM (int4_gemm_gluon.py; Triton 3.6 on sm_90): its configs by max
     # pair count, and the fewest tokens from which dequant + grouped_mm runs instead (None:
     # never); empty: the Triton kernel everywhere
@@ -187,6 +193,9 @@ class KernelTables:
                     }
                 ),
                 int4_routing_select=tuple(_frozen(e) for e in data.get("int4_routing_select", ())),
+                int4_decode_mma=_frozen(data.get("int4_decode_mma", {})),
+                int4_decode_mma_min_pairs=_opt_int(data, "int4_decode_mma_min_pairs"),
+                int4_decode_mma_max_pairs=_opt_int(data, "int4_decode_mma_max_pairs"),
                 mla_prefill=tuple(
                     _frozen({k: v for k, v in e.items() if k != "what"})
                     for e in data.get("mla_prefill", ())
@@ -407,6 +416,9 @@ class KernelPolicy:
             grouped_min_pairs=t.int4_decode_grouped_min_pairs,
             grouped_max_pairs=t.int4_decode_grouped_max_pairs,
             routing_select=t.int4_routing_select,
+            mma_config=t.int4_decode_mma,
+            mma_min_pairs=t.int4_decode_mma_min_pairs,
+            mma_max_pairs=t.int4_decode_mma_max_pairs,
             prefill_config=gemm_configs,
             prefill_min_tokens=grouped_mm_min_tokens,
             gemm_backend=self.int4_gemm_backend,

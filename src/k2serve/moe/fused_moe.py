@@ -55,6 +55,7 @@ from k2serve.kernels.fp8_moe import check_table, fp8_moe
 from k2serve.kernels.fused_moe import ExpertWeights, fused_moe
 from k2serve.kernels.int4_gemm import int4_moe_gemm, int4_moe_grouped_mm
 from k2serve.kernels.int4_gemv import int4_moe_decode, int4_moe_decode_grouped
+from k2serve.kernels.int4_moe_mma import int4_moe_mma
 from k2serve.kernels.moe_select import moe_select
 from k2serve.kernels.policy import band_index, load_tables
 from k2serve.kernels.w8a8_moe import supported as w8a8_supported
@@ -118,6 +119,9 @@ class FusedMoEBackend(ExpertBackend):
         grouped_min_pairs: int | None = None,
         grouped_max_pairs: int | None = None,
         routing_select: Sequence[Mapping[str, Any]] | None = None,
+        mma_config: Mapping[str, Any] | None = None,
+        mma_min_pairs: int | None = None,
+        mma_max_pairs: int | None = None,
         prefill_config: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
         asm: bool = True,
         fp8_impl: str = "auto",
@@ -170,6 +174,14 @@ class FusedMoEBackend(ExpertBackend):
         self.grouped_max_pairs = (
             self.decode_max_pairs if grouped_max_pairs is None else grouped_max_pairs
         )
+        # the tensor-core decode MoE for pairs in [mma_min_pairs, mma_max_pairs], ahead of
+        # every other decode path; no config or no limits (the tables' default): off
+        self.mma_config = dict(t.int4_decode_mma if mma_config is None else mma_config)
+        lo = t.int4_decode_mma_min_pairs if mma_min_pairs is None else mma_min_pairs
+        hi = t.int4_decode_mma_max_pairs if mma_max_pairs is None else mma_max_pairs
+        self.mma_pairs = (lo, hi) if self.mma_config and lo is not None and hi is not None else None
+        if w.group_size != 32:  # int4_moe_mma reads group-32 scales only
+            self.mma_pairs = None
         # bands of pair counts where the path is chosen on the device from the routing
         bands = t.int4_routing_select if routing_select is None else routing_select
         if routing_select is None and not self.grouped_config:  # the table's bands need it
@@ -221,7 +233,7 @@ class FusedMoEBackend(ExpertBackend):
         """The kernel path(s) for `num_tokens` tokens x `top_k`: one path, or 2-3 candidates
         and the pairs-per-hit-expert limits between them (chosen on the device, moe_select).
         Paths: "w8a8" (FP8 activations, --moe-prefill-precision), "fp8_gemm", "fp8_gluon",
-        "kernel" (the generic fused_moe), "grouped_mm", "grouped", "decode", "gemm"."""
+        "kernel" (the generic fused_moe), "grouped_mm", "mma", "grouped", "decode", "gemm"."""
         pairs = num_tokens * top_k
         if self.w8a8_min_tokens is not None and num_tokens >= self.w8a8_min_tokens:
             return ("w8a8",), ()
@@ -234,6 +246,8 @@ class FusedMoEBackend(ExpertBackend):
         big = self.prefill_min_tokens is not None and num_tokens >= self.prefill_min_tokens
         if impl in ("auto", "grouped_mm") and big:
             return ("grouped_mm",), ()
+        if impl == "auto" and self.mma_pairs and self.mma_pairs[0] <= pairs <= self.mma_pairs[1]:
+            return ("mma",), ()
         if impl == "auto":
             for band in self.routing_select:
                 if band["min_pairs"] <= pairs <= band["max_pairs"]:
@@ -285,6 +299,8 @@ class FusedMoEBackend(ExpertBackend):
             return int4_moe_decode_grouped(
                 hidden, w, topk_weights, topk_ids, self.grouped_config, self.asm, active
             )
+        if path == "mma":
+            return int4_moe_mma(hidden, w, topk_weights, topk_ids, self.mma_config, active)
         if path == "decode":
             return int4_moe_decode(
                 hidden, w, topk_weights, topk_ids, self.decode_config, self.asm, active
