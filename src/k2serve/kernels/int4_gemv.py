@@ -100,15 +100,17 @@ if HAS_TRITON:
 
     @triton.jit
     def _pack_h2_kernel(x_ptr, a_ptr, rs_ptr, K, x_stride, a_stride, W: tl.constexpr,
-                        BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr):  # fmt: skip
+                        BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
+                        TOP: tl.constexpr):  # fmt: skip
         """One row: x [K] -> a [K/2] int32 f16x2 pairs, x scaled by 2^-e so that its largest
-        magnitude lies in [256, 512); rs = 2^e. Layout: in each block of W words (8W columns),
-        4 planes of W: a[b*4W + j*W + w] = (x[b*8W + 8w + j], x[b*8W + 8w + j + 4])."""
+        magnitude lies in [2^TOP, 2^(TOP+1)) (TOP 8: [256, 512)); rs = 2^e. Layout: in each
+        block of W words (8W columns), 4 planes of W:
+        a[b*4W + j*W + w] = (x[b*8W + 8w + j], x[b*8W + 8w + j + 4])."""
         r = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_K)
         xr = tl.load(x_ptr + r * x_stride + offs, mask=offs < K, other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(xr), 0)
-        e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 8  # floor(log2 amax) - 8
+        e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - TOP  # floor(log2 amax) - TOP
         e = tl.where(amax > 0, tl.minimum(tl.maximum(e, -100), 100), 0)
         down = ((127 - e) << 23).to(tl.float32, bitcast=True)
         tl.store(rs_ptr + r, ((127 + e) << 23).to(tl.float32, bitcast=True))
@@ -237,9 +239,10 @@ if HAS_TRITON:
         store_rows(c_ptr, c_stride, rr, rr >= 0, offs_n, n_ok, y[None, :], 0)
 
 
-def pack_h2(x: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_h2(x: torch.Tensor, W: int, top: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """[M, K] -> (f16x2 pairs [M, K/2] int32 in the layout `_int4_gemv_h2_kernel` reads, the
-    per-row scale [M] float32 that undoes the activation's power-of-two scaling)."""
+    per-row scale [M] float32 that undoes the activation's power-of-two scaling; each row's
+    largest magnitude scaled into [2^top, 2^(top+1)))."""
     if x.stride(-1) != 1:  # the kernel steps along a row one element at a time
         x = x.contiguous()
     M, K = x.shape
@@ -247,7 +250,8 @@ def pack_h2(x: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
     rs = torch.empty(M, dtype=torch.float32, device=x.device)
     bk = triton.next_power_of_2(K)
     _pack_h2_kernel[(M,)](x, a, rs, K, x.stride(0), a.stride(0), W=W, BLOCK_K=bk,
-                          BLOCK_W=max(bk // 8, 1), num_warps=8 if K >= 4096 else 4)  # fmt: skip
+                          BLOCK_W=max(bk // 8, 1), TOP=top,
+                          num_warps=8 if K >= 4096 else 4)  # fmt: skip
     return a, rs
 
 
@@ -606,8 +610,22 @@ if HAS_TRITON:
 GROUPED_BLOCK_M = (1, 2, 4, 8)
 
 
+def _top(cfg: dict) -> int:
+    """pack_h2's range for a grouped launch: GSUM sums 32 products in fp16 (GSUM_TOP)."""
+    if cfg.get("GSUM"):
+        from .int4_gemv_gsum import GSUM_TOP
+
+        return GSUM_TOP
+    return 8
+
+
 def _launch_grouped(a, rs, w, s, c, tw, sorted_ids, expert_ids, npost, N, K, num_pairs, a_div,
                     gated, cfg, group, asm):  # fmt: skip
+    if cfg.get("GSUM"):  # the f16 group-sum variant (int4_gemv_gsum.py)
+        from .int4_gemv_gsum import launch_gsum
+
+        return launch_gsum(a, rs, w, s, c, tw, sorted_ids, expert_ids, npost, N, K, num_pairs,
+                           a_div, gated, cfg, group, asm)  # fmt: skip
     bm = cfg["BLOCK_M"]
     grid = (expert_ids.numel() * cdiv(N, cfg["BLOCK_N"]),)
     _int4_gemv_h2_grouped_kernel[grid](
@@ -632,8 +650,9 @@ def int4_moe_decode_grouped(
     read and dequantized once per block of BLOCK_M rows); no host synchronisation. `config`:
     BLOCK_M (1, 2, 4 or 8), BLOCK_N, W, num_warps, optionally GS (default 1) and SKIP (default
     1: padding rows skip their products) of the gate+up launch, and optionally "w2": overrides
-    for the down launch (the kernel policy's `int4_decode_grouped`). W is halved for models
-    too small for it."""
+    for the down launch (the kernel policy's `int4_decode_grouped`); GSUM 1: the f16 group-sum
+    kernel of int4_gemv_gsum.py (GS, PREFETCH, F16SUM ignored; optional maxnreg). W is halved
+    for models too small for it."""
     from .moe_align import moe_align_block_size
 
     require_triton(x)
@@ -662,10 +681,10 @@ def int4_moe_decode_grouped(
     if active is not None:  # 0 rows in use: every program returns at once
         npost = npost * active
     inter = torch.empty(M, I, dtype=torch.float32, device=x.device)
-    a, rs = pack_h2(x, cfg["W"])
+    a, rs = pack_h2(x, cfg["W"], _top(cfg))
     _launch_grouped(a, rs, ew.w13, ew.w13_scale, inter, tw, sorted_ids, expert_ids, npost, I, D,
                     M, k, True, cfg, ew.group_size, asm)  # fmt: skip
-    a2, rs2 = pack_h2(inter, cfg2["W"])
+    a2, rs2 = pack_h2(inter, cfg2["W"], _top(cfg2))
     out = torch.empty(M, D, dtype=torch.float32, device=x.device)
     _launch_grouped(a2, rs2, ew.w2, ew.w2_scale, out, tw, sorted_ids, expert_ids, npost, D, I,
                     M, 1, False, cfg2, ew.group_size, asm)  # fmt: skip
