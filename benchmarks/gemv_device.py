@@ -41,10 +41,15 @@ VARIANTS = {
     "shipped": SHIPPED,
     "gsum": GS1,
     "gsum n8": dict(GS1, BLOCK_N=8, w2=dict(BLOCK_N=8, W=64, num_warps=4)),
-    "gsum n32 w32": dict(GS1, BLOCK_N=32, W=32, w2=dict(BLOCK_N=32, W=32, num_warps=4)),
-    "gsum n16 w32": dict(GS1, W=32, w2=dict(BLOCK_N=16, W=32, num_warps=4)),
     "gsum n32 nw8": dict(GS1, BLOCK_N=32, num_warps=8, w2=dict(BLOCK_N=32, W=64, num_warps=8)),
-    "gsum r128": dict(GS1, maxnreg=128),
+    "gsum n64 w16": dict(GS1, BLOCK_N=64, W=16, w2=dict(BLOCK_N=64, W=16, num_warps=4)),
+    "gsum n128 w16 nw8": dict(
+        GS1, BLOCK_N=128, W=16, num_warps=8, w2=dict(BLOCK_N=128, W=16, num_warps=8)
+    ),
+    "gsum pf": dict(GS1, PREFETCH=1, w2=dict(BLOCK_N=16, W=64, num_warps=4, PREFETCH=1)),
+    "gsum pf n8": dict(
+        GS1, BLOCK_N=8, PREFETCH=1, w2=dict(BLOCK_N=8, W=64, num_warps=4, PREFETCH=1)
+    ),
     "gsum m8": dict(GS1, BLOCK_M=8),
     "gsum m2": dict(GS1, BLOCK_M=2),
 }

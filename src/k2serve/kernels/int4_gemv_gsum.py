@@ -118,22 +118,32 @@ if HAS_TRITON:
 
     @triton.jit
     def _gs_load(w_base, s_base, offs_n, n_ok, kb, w_stride_n, s_stride_n, W: tl.constexpr,
-                 USE_ASM: tl.constexpr):  # fmt: skip
-        """K-block kb: words [BN, W/4, 4] dequantized and split (`_dq_tile`) and the group
-        scales [BN, W/4] float32 in the layout of the split words."""
+                 EVEN_N: tl.constexpr):  # fmt: skip
+        """K-block kb: words [BN, W/4, 4] (raw) and the group scales [BN, W/4] float32 in the
+        layout of the split words (`_dq_tile`). EVEN_N: N % BN == 0, no row
+        mask (no zeroing of the load registers). Triton 3.6 lays the words out with the lanes
+        along N, 2 along K (each row's 32 bytes one sector); loaded as [BN, W] and reshaped
+        (lanes along K) the scales and activations then need layout conversions (measured:
+        benchmarks/gemv_sass.py, +0.25 instructions a weight)."""
         G: tl.constexpr = W // 4
         offs_g = kb * W + tl.arange(0, G)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [G, 4]
-        p = tl.load(w_base + offs_n[:, None, None] * w_stride_n + offs_g[None, :, :],
-                    mask=n_ok[:, None, None], other=0)  # fmt: skip
+        pp = w_base + offs_n[:, None, None] * w_stride_n + offs_g[None, :, :]
+        if EVEN_N:
+            p = tl.load(pp)
+        else:
+            p = tl.load(pp, mask=n_ok[:, None, None], other=0)
         # scales [BN, G]: the column step `one` (1, unknown to Triton's axis analysis) makes the
         # load one scale per thread and group, in the split words' layout: with a contiguous
         # step the coalescing pass picks a vector layout and converts it through shared memory
         # (STS, LDS, 2 BAR.SYNC per K step)
         one = s_stride_n // s_stride_n
         offs_s = kb * G + tl.arange(0, G) * one
-        s = tl.load(s_base + offs_n[:, None] * s_stride_n + offs_s[None, :], mask=n_ok[:, None],
-                    other=0.0)  # fmt: skip
-        return _dq_tile(p, USE_ASM), s.to(tl.float32)
+        sp = s_base + offs_n[:, None] * s_stride_n + offs_s[None, :]
+        if EVEN_N:
+            s = tl.load(sp)
+        else:
+            s = tl.load(sp, mask=n_ok[:, None], other=0.0)
+        return p, s.to(tl.float32)
 
     @triton.jit
     def _int4_gemv_gsum_kernel(
@@ -141,6 +151,7 @@ if HAS_TRITON:
         N, K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
         A_DIV: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, W: tl.constexpr, USE_ASM: tl.constexpr, SKIP: tl.constexpr,
+        EVEN_N: tl.constexpr, PREFETCH: tl.constexpr,
     ):  # fmt: skip
         """As `_int4_gemv_h2_grouped_kernel` (same grid, rows, epilogue `_g_out`), with each
         group's 32 products per row summed in f16x2 (`_gdot`); activations from
@@ -180,25 +191,44 @@ if HAS_TRITON:
         c0, c1, c2, c3, c4, c5, c6, c7 = z, z, z, z, z, z, z, z
         u0, u1, u2, u3, u4, u5, u6, u7 = z, z, z, z, z, z, z, z
         a_g = tl.arange(0, G)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [G, 4]
-        for kb in range(0, K // (8 * W)):
-            q, s = _gs_load(w_base, s_base, offs_n, n_ok, kb, w_stride_n, s_stride_n, W,
-                            USE_ASM)  # fmt: skip
-            g, su = q, s
+        nk = K // (8 * W)
+        p, s = _gs_load(w_base, s_base, offs_n, n_ok, 0, w_stride_n, s_stride_n, W, EVEN_N)
+        pu, su = p, s
+        if GATED:  # (without PREFETCH these first loads are dead code)
+            pu, su = _gs_load(w_base, s_base, offs_n + N, n_ok, 0, w_stride_n, s_stride_n, W,
+                              EVEN_N)  # fmt: skip
+        for kb in range(0, nk):
+            if PREFETCH:  # the next K-block's loads in flight during this one's products
+                pc, sc, puc, suc = p, s, pu, su
+                kn = tl.minimum(kb + 1, nk - 1)
+                p, s = _gs_load(w_base, s_base, offs_n, n_ok, kn, w_stride_n, s_stride_n, W,
+                                EVEN_N)  # fmt: skip
+                if GATED:
+                    pu, su = _gs_load(w_base, s_base, offs_n + N, n_ok, kn, w_stride_n,
+                                      s_stride_n, W, EVEN_N)  # fmt: skip
+            else:
+                pc, sc = _gs_load(w_base, s_base, offs_n, n_ok, kb, w_stride_n, s_stride_n, W,
+                                  EVEN_N)  # fmt: skip
+                puc, suc = pc, sc
+                if GATED:
+                    puc, suc = _gs_load(w_base, s_base, offs_n + N, n_ok, kb, w_stride_n,
+                                        s_stride_n, W, EVEN_N)  # fmt: skip
+            q = _dq_tile(pc, USE_ASM)
+            g = q
             if GATED:
-                g, su = _gs_load(w_base, s_base, offs_n + N, n_ok, kb, w_stride_n,
-                                 s_stride_n, W, USE_ASM)  # fmt: skip
+                g = _dq_tile(puc, USE_ASM)
             a_off = kb * 4 * W + a_g
-            c0, u0 = _gs_row(c0, u0, ar0, ok0, q, g, s, su, a_off, W, GATED, USE_ASM, False)
+            c0, u0 = _gs_row(c0, u0, ar0, ok0, q, g, sc, suc, a_off, W, GATED, USE_ASM, False)
             if BLOCK_M > 1:
-                c1, u1 = _gs_row(c1, u1, ar1, ok1, q, g, s, su, a_off, W, GATED, USE_ASM, SKIP)
+                c1, u1 = _gs_row(c1, u1, ar1, ok1, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP)
             if BLOCK_M > 2:
-                c2, u2 = _gs_row(c2, u2, ar2, ok2, q, g, s, su, a_off, W, GATED, USE_ASM, SKIP)
-                c3, u3 = _gs_row(c3, u3, ar3, ok3, q, g, s, su, a_off, W, GATED, USE_ASM, SKIP)
+                c2, u2 = _gs_row(c2, u2, ar2, ok2, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP)
+                c3, u3 = _gs_row(c3, u3, ar3, ok3, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP)
             if BLOCK_M > 4:
-                c4, u4 = _gs_row(c4, u4, ar4, ok4, q, g, s, su, a_off, W, GATED, USE_ASM, SKIP)
-                c5, u5 = _gs_row(c5, u5, ar5, ok5, q, g, s, su, a_off, W, GATED, USE_ASM, SKIP)
-                c6, u6 = _gs_row(c6, u6, ar6, ok6, q, g, s, su, a_off, W, GATED, USE_ASM, SKIP)
-                c7, u7 = _gs_row(c7, u7, ar7, ok7, q, g, s, su, a_off, W, GATED, USE_ASM, SKIP)
+                c4, u4 = _gs_row(c4, u4, ar4, ok4, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP)
+                c5, u5 = _gs_row(c5, u5, ar5, ok5, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP)
+                c6, u6 = _gs_row(c6, u6, ar6, ok6, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP)
+                c7, u7 = _gs_row(c7, u7, ar7, ok7, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP)
         _g_out(c0, u0, p0, ok0, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
         if BLOCK_M > 1:
             _g_out(c1, u1, p1, ok1, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
@@ -231,5 +261,7 @@ def launch_gsum(a, rs, w, s, c, tw, sorted_ids, expert_ids, npost, N, K, num_pai
         a, rs, w, s, c, tw, sorted_ids, expert_ids, npost, N, K, num_pairs, a.stride(0),
         c.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), A_DIV=a_div,
         GATED=gated, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], W=cfg["W"],
-        USE_ASM=use_asm(asm), SKIP=cfg.get("SKIP", 1), num_warps=cfg["num_warps"], **extra,
+        USE_ASM=use_asm(asm), SKIP=cfg.get("SKIP", 1), EVEN_N=N % cfg["BLOCK_N"] == 0,
+        PREFETCH=cfg.get("PREFETCH", 0),
+        num_warps=cfg["num_warps"], **extra,
     )  # fmt: skip
