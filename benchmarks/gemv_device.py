@@ -148,15 +148,14 @@ def regs_of(cfg) -> str:
     out = []
     for gated, c in ((True, cfg), (False, {**cfg, **cfg.get("w2", {})})):
         found = "?"
-        for cache in fn.device_caches.values():
+        for cache in fn.device_caches.values():  # Triton 3.6: (kernels, keys, target, ...)
             for k in cache[0].values():
-                cons = k.src.constexprs if hasattr(k, "src") else {}
-                vals = {key[0] if isinstance(key, tuple) else key: v for key, v in cons.items()}
-                names = fn.arg_names
-                vals = {names[i] if isinstance(i, int) else i: v for i, v in vals.items()}
-                if (vals.get("GATED") == gated and vals.get("BLOCK_N") == c["BLOCK_N"]
-                        and vals.get("W") == c["W"] and vals.get("BLOCK_M") == c["BLOCK_M"]
-                        and k.metadata.num_warps == c["num_warps"]):  # fmt: skip
+                consts = getattr(k.src, "constants", {})
+                vals = {fn.arg_names[key[0]]: v for key, v in consts.items()}
+                same = all(vals.get(n) == c[n] for n in ("BLOCK_N", "W", "BLOCK_M"))
+                if same and vals.get("GATED") == gated and k.metadata.num_warps == c["num_warps"]:
+                    if cfg.get("GSUM") and vals.get("PREFETCH") != c.get("PREFETCH", 0):
+                        continue
                     found = str(k.n_regs)
         out.append(found)
     return "/".join(out)
