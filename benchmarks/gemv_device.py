@@ -50,6 +50,7 @@ VARIANTS = {
     "gsum pf n8": dict(
         GS1, BLOCK_N=8, PREFETCH=1, w2=dict(BLOCK_N=8, W=64, num_warps=4, PREFETCH=1)
     ),
+    "gsum dn8": dict(GS1, w2=dict(BLOCK_N=8, W=64, num_warps=4)),
     "gsum m8": dict(GS1, BLOCK_M=8),
     "gsum m2": dict(GS1, BLOCK_M=2),
 }
