@@ -39,6 +39,9 @@ GS1 = dict(BLOCK_M=4, BLOCK_N=16, W=64, num_warps=4, GSUM=1, w2=dict(BLOCK_N=16,
 # per weight of each: benchmarks/gemv_sass.py (offline, Triton 3.6).
 VARIANTS = {
     "shipped": SHIPPED,
+    "f16sum2": dict(SHIPPED, F16SUM=2, w2=dict(SHIPPED["w2"], F16SUM=2)),
+    "f16sum2 pf": dict(SHIPPED, F16SUM=2, PREFETCH=1, w2=dict(SHIPPED["w2"], F16SUM=2, PREFETCH=1)),
+    "f16sum2 n8": dict(SHIPPED, F16SUM=2, BLOCK_N=8, w2=dict(SHIPPED["w2"], F16SUM=2)),
     "gsum": GS1,
     "gsum n8": dict(GS1, BLOCK_N=8, w2=dict(BLOCK_N=8, W=64, num_warps=4)),
     "gsum n32 nw8": dict(GS1, BLOCK_N=32, num_warps=8, w2=dict(BLOCK_N=32, W=64, num_warps=8)),

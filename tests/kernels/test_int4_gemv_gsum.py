@@ -1,5 +1,6 @@
-"""The GSUM grouped decode GEMV (kernels/int4_gemv_gsum.py, config key GSUM of
-int4_moe_decode_grouped): against the float32 reference with the grouped GEMV tests' tolerance,
+"""The grouped decode GEMV with f16 group sums: GSUM (kernels/int4_gemv_gsum.py, config key
+GSUM of int4_moe_decode_grouped) and F16SUM 2 of the grouped kernel (kernels/int4_gemv.py):
+against the float32 reference with the grouped GEMV tests' tolerance,
 and the f16 overflow bound (every weight -8, every activation at its row's largest magnitude).
 On CPU the interpreter runs the plain path, which sums each group in fp16 as the inline PTX
 does, so an activation range too wide for the 32-product sum shows up as inf here too."""
@@ -50,6 +51,7 @@ def _worst_case(D, I):  # noqa: E741
         dict(BLOCK_M=4, BLOCK_N=16, W=16, num_warps=4, GSUM=1),
         dict(BLOCK_M=2, BLOCK_N=32, W=8, num_warps=4, GSUM=1, SKIP=0, PREFETCH=1),
         dict(BLOCK_M=8, BLOCK_N=64, W=16, num_warps=4, GSUM=1, w2=dict(BLOCK_N=16, W=8)),
+        dict(BLOCK_M=4, BLOCK_N=16, W=16, num_warps=4, GS=1, F16SUM=2),
     ],
 )
 def test_gsum_matches_reference_and_shipped(cfg):
@@ -69,19 +71,25 @@ def test_gsum_matches_reference_and_shipped(cfg):
     ref = fm.fused_moe_ref(x, ew, w, ids)
     assert out.shape == (T, 256) and out.dtype == torch.bfloat16
     assert rel(out, ref) < TOL
-    base = {key: v for key, v in cfg.items() if key not in ("GSUM", "PREFETCH", "w2")}
+    base = {key: v for key, v in cfg.items() if key not in ("GSUM", "PREFETCH", "F16SUM", "w2")}
     ship = int4_gemv.int4_moe_decode_grouped(x, ew, w, ids, base)
     assert rel(out, ship) < TOL
 
 
-def test_gsum_cannot_overflow_and_the_bound_is_needed(monkeypatch):
-    """Worst case: finite and equal to the reference with the shipped range [64, 128); packed
-    into the per-word kernel's [256, 512) the 32-product fp16 sums overflow (so this test
-    would catch a range too wide)."""
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(BLOCK_M=4, BLOCK_N=32, W=16, num_warps=4, GSUM=1),
+        dict(BLOCK_M=4, BLOCK_N=32, W=16, num_warps=4, GS=1, F16SUM=2),
+    ],
+)
+def test_group_f16_sums_cannot_overflow_and_the_bound_is_needed(monkeypatch, cfg):
+    """Worst case: finite and equal to the reference with the range [64, 128) (GSUM, and the
+    grouped kernel's F16SUM 2); packed into the per-word kernel's [256, 512) the 32-product
+    fp16 sums overflow (so this test would catch a range too wide)."""
     from k2serve.kernels import int4_gemv, int4_gemv_gsum
 
     ew, x, w, ids = _worst_case(256, 128)
-    cfg = dict(BLOCK_M=4, BLOCK_N=32, W=16, num_warps=4, GSUM=1)
     ref = fm.fused_moe_ref(x, ew, w, ids)
     out = int4_gemv.int4_moe_decode_grouped(x, ew, w, ids, cfg)
     assert torch.isfinite(out).all() and rel(out, ref) < TOL

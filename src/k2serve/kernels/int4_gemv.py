@@ -423,12 +423,83 @@ if HAS_TRITON:
         return ((q & 0xF).to(tl.float32) - 8.0) * x_lo + ((q >> 16).to(tl.float32) - 8.0) * x_hi
 
     @triton.jit
+    def _hadd2(a, b):
+        """f16x2 a + b (int32 lanes): the combine of `_g_sum16`'s group reduction."""
+        return tl.inline_asm_elementwise("add.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b],
+                                         dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
+
+    @triton.jit
+    def _add(a, b):
+        return a + b
+
+    @triton.jit
+    def _g_sum16(q0, q1, q2, q3, a0, a1, a2, a3, WPG: tl.constexpr, USE_ASM: tl.constexpr):
+        """Group sums [BN, W // WPG, 1] float32 of one row (F16SUM 2): each word's 4 f16x2
+        products chained as in `_dot_h2`, the WPG words of a group added in f16x2 (in-thread
+        reduction), the halves added in fp16, one conversion: 32 products per fp16 sum, so the
+        activations are packed into [64, 128) (`_top`). Plain path: the same sums in fp16."""
+        BN: tl.constexpr = q0.shape[0]
+        W: tl.constexpr = q0.shape[1]
+        if USE_ASM:
+            wh = tl.inline_asm_elementwise(
+                asm="""
+                {
+                .reg .b32 acc;
+                mul.f16x2 acc, $1, $5;
+                fma.rn.f16x2 acc, $2, $6, acc;
+                fma.rn.f16x2 acc, $3, $7, acc;
+                fma.rn.f16x2 $0, $4, $8, acc;
+                }
+                """,
+                constraints="=r,r,r,r,r,r,r,r,r",
+                args=[q0, q1, q2, q3, a0, a1, a2, a3],
+                dtype=tl.int32,
+                is_pure=True,
+                pack=1,
+            )
+            gh = tl.reduce(tl.reshape(wh, [BN, W // WPG, WPG]), 2, _hadd2, keep_dims=True)
+            return tl.inline_asm_elementwise(
+                asm="""
+                {
+                .reg .f16 lo, hi;
+                mov.b32 {lo, hi}, $1;
+                add.rn.f16 lo, lo, hi;
+                cvt.f32.f16 $0, lo;
+                }
+                """,
+                constraints="=r,r",
+                args=[gh],
+                dtype=tl.float32,
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            lo, hi = _nib_h(q0, a0)
+            l1, h1 = _nib_h(q1, a1)
+            l2, h2 = _nib_h(q2, a2)
+            l3, h3 = _nib_h(q3, a3)
+            lo = ((lo + l1) + l2) + l3
+            hi = ((hi + h1) + h2) + h3
+            gl = tl.reduce(tl.reshape(lo, [BN, W // WPG, WPG]), 2, _add, keep_dims=True)
+            gu = tl.reduce(tl.reshape(hi, [BN, W // WPG, WPG]), 2, _add, keep_dims=True)
+            return (gl + gu).to(tl.float32)
+
+    @triton.jit
+    def _nib_h(q, a):
+        """(n_lo - 8) * x_lo, (n_hi - 8) * x_hi in fp16 from raw nibble pairs q."""
+        x_lo = (a & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+        x_hi = ((a >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+        return ((q & 0xF) - 8).to(tl.float16) * x_lo, ((q >> 16) - 8).to(tl.float16) * x_hi
+
+    @triton.jit
     def _g_sum(acc, q0, q1, q2, q3, a0, a1, a2, a3, s, GS: tl.constexpr, WPG: tl.constexpr,
                USE_ASM: tl.constexpr, F16SUM: tl.constexpr):  # fmt: skip
         """acc += scale * word sums of one row (as `_h2_sum`, weights already dequantized).
         GS: s is the group scale as [BN, W // WPG, 1] (`_g_scales`), multiplied before the
         in-thread group sum so that acc stays in that sum's layout (no layout conversion per
         row)."""
+        if F16SUM == 2:  # GS: whole group sums in f16x2 (activations in [64, 128): _top)
+            return acc + tl.sum(_g_sum16(q0, q1, q2, q3, a0, a1, a2, a3, WPG, USE_ASM) * s, 2)
         ws = _dot_h2(q0, q1, q2, q3, a0, a1, a2, a3, USE_ASM, F16SUM)
         if GS:
             BN: tl.constexpr = ws.shape[0]
@@ -612,7 +683,7 @@ GROUPED_BLOCK_M = (1, 2, 4, 8)
 
 def _top(cfg: dict) -> int:
     """pack_h2's range for a grouped launch: GSUM sums 32 products in fp16 (GSUM_TOP)."""
-    if cfg.get("GSUM"):
+    if cfg.get("GSUM") or cfg.get("F16SUM") == 2:
         from .int4_gemv_gsum import GSUM_TOP
 
         return GSUM_TOP
