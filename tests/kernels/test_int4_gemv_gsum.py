@@ -113,7 +113,10 @@ def test_gsum_rejects_other_group_sizes():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the inline-PTX chain)")
-def test_gsum_k2_sizes_on_the_gpu():
+@pytest.mark.parametrize(
+    "extra", [dict(GSUM=1), dict(GSUM=1, CHAINS=4, PREFETCH=1), dict(GS=1, F16SUM=2)]
+)
+def test_group_f16_sums_k2_sizes_on_the_gpu(extra):
     """K2 sizes (7168 x 2048, 32 experts for memory), T=128 tokens, the inline-PTX path:
     against the reference and the shipped config, and the worst case."""
     from k2serve.kernels import int4_gemv
@@ -123,10 +126,11 @@ def test_gsum_k2_sizes_on_the_gpu():
     x = torch.randn(T, 7168, device=DEVICE, dtype=torch.bfloat16)
     w = torch.rand(T, 8, device=DEVICE)
     ids = torch.rand(T, 32, device=DEVICE).argsort(-1)[:, :8].int()
-    cfg = dict(BLOCK_M=4, BLOCK_N=16, W=64, num_warps=4, GSUM=1)
+    cfg = dict(BLOCK_M=4, BLOCK_N=16, W=64, num_warps=4, **extra)
     ref = fm.fused_moe_ref(x, ew, w, ids)
     out = int4_gemv.int4_moe_decode_grouped(x, ew, w, ids, cfg)
-    ship = int4_gemv.int4_moe_decode_grouped(x, ew, w, ids, {**cfg, "GSUM": 0, "GS": 1})
+    ship = int4_gemv.int4_moe_decode_grouped(x, ew, w, ids, dict(BLOCK_M=4, BLOCK_N=16, W=64,
+                                                                 num_warps=4, GS=1))  # fmt: skip
     assert rel(out, ref) < TOL and rel(out, ship) < TOL
     ewo, xo, wo, ido = _worst_case(7168, 2048)
     out = int4_gemv.int4_moe_decode_grouped(xo, ewo, wo, ido, cfg)

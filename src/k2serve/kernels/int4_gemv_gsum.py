@@ -38,6 +38,19 @@ if HAS_TRITON:
         + "".join(f"fma.rn.f16x2 acc, ${i}, ${i + 16}, acc;\n" for i in range(2, 17))
         + "mov.b32 {lo, hi}, acc;\nadd.rn.f16 lo, lo, hi;\ncvt.f32.f16 $0, lo;\n}"
     )
+    # CHAINS 4: one 4-deep chain per word (operands q[j][i] = $(1 + 4j + i)), the 4 added in
+    # f16x2 (3 more instructions a group and row, a quarter of the dependency depth)
+    _GDOT4_ASM = tl.constexpr(
+        "{\n.reg .b32 c0, c1, c2, c3;\n.reg .f16 lo, hi;\n"
+        + "".join(f"mul.f16x2 c{i}, ${1 + i}, ${17 + i};\n" for i in range(4))
+        + "".join(
+            f"fma.rn.f16x2 c{i}, ${1 + 4 * j + i}, ${17 + 4 * j + i}, c{i};\n"
+            for j in range(1, 4)
+            for i in range(4)
+        )  # fmt: skip
+        + "add.rn.f16x2 c0, c0, c1;\nadd.rn.f16x2 c2, c2, c3;\nadd.rn.f16x2 c0, c0, c2;\n"
+        + "mov.b32 {lo, hi}, c0;\nadd.rn.f16 lo, lo, hi;\ncvt.f32.f16 $0, lo;\n}"
+    )
     from .int4_gemv import _dq_h2, _g_out, _g_pair
 
     @triton.jit
@@ -58,12 +71,12 @@ if HAS_TRITON:
         return _split4(q0), _split4(q1), _split4(q2), _split4(q3)
 
     @triton.jit
-    def _gdot(q, a, USE_ASM: tl.constexpr):
+    def _gdot(q, a, USE_ASM: tl.constexpr, CHAINS: tl.constexpr):
         """Group sums [BN, G] float32: sum over planes j and words i of q[j][i] . a[j][i],
         accumulated in f16x2 (the bound in the module docstring)."""
         if USE_ASM:
             return tl.inline_asm_elementwise(
-                asm=_GDOT_ASM,
+                asm=_GDOT4_ASM if CHAINS == 4 else _GDOT_ASM,
                 constraints="=r" + ",r" * 32,
                 args=[
                     q[0][0], q[0][1], q[0][2], q[0][3], q[1][0], q[1][1], q[1][2], q[1][3],
@@ -90,7 +103,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _gs_row(acc, acc_u, a_row_ptr, ok, q, g, s, su, a_off, W: tl.constexpr,
-                GATED: tl.constexpr, USE_ASM: tl.constexpr, SKIP: tl.constexpr):  # fmt: skip
+                GATED: tl.constexpr, USE_ASM: tl.constexpr, SKIP: tl.constexpr,
+                CHAINS: tl.constexpr):  # fmt: skip
         """One row of the block: its 4 activation planes of this K-block as [BN, G] per word
         of the group, then (SKIP: only for a real row) acc += group sum * group scale."""
         BN: tl.constexpr = s.shape[0]
@@ -103,17 +117,18 @@ if HAS_TRITON:
         a = (a0, a1, a2, a3)
         if SKIP:
             if ok:
-                acc, acc_u = _gs_acc(acc, acc_u, q, g, a, s, su, GATED, USE_ASM)
+                acc, acc_u = _gs_acc(acc, acc_u, q, g, a, s, su, GATED, USE_ASM, CHAINS)
         else:
-            acc, acc_u = _gs_acc(acc, acc_u, q, g, a, s, su, GATED, USE_ASM)
+            acc, acc_u = _gs_acc(acc, acc_u, q, g, a, s, su, GATED, USE_ASM, CHAINS)
         return acc, acc_u
 
     @triton.jit
-    def _gs_acc(acc, acc_u, q, g, a, s, su, GATED: tl.constexpr, USE_ASM: tl.constexpr):
+    def _gs_acc(acc, acc_u, q, g, a, s, su, GATED: tl.constexpr, USE_ASM: tl.constexpr,
+                CHAINS: tl.constexpr):  # fmt: skip
         """acc += group sums * group scales (gate; GATED: and up)."""
-        acc = acc + _gdot(q, a, USE_ASM) * s
+        acc = acc + _gdot(q, a, USE_ASM, CHAINS) * s
         if GATED:
-            acc_u = acc_u + _gdot(g, a, USE_ASM) * su
+            acc_u = acc_u + _gdot(g, a, USE_ASM, CHAINS) * su
         return acc, acc_u
 
     @triton.jit
@@ -151,7 +166,7 @@ if HAS_TRITON:
         N, K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
         A_DIV: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, W: tl.constexpr, USE_ASM: tl.constexpr, SKIP: tl.constexpr,
-        EVEN_N: tl.constexpr, PREFETCH: tl.constexpr,
+        EVEN_N: tl.constexpr, PREFETCH: tl.constexpr, CHAINS: tl.constexpr,
     ):  # fmt: skip
         """As `_int4_gemv_h2_grouped_kernel` (same grid, rows, epilogue `_g_out`), with each
         group's 32 products per row summed in f16x2 (`_gdot`); activations from
@@ -218,17 +233,33 @@ if HAS_TRITON:
             if GATED:
                 g = _dq_tile(puc, USE_ASM)
             a_off = kb * 4 * W + a_g
-            c0, u0 = _gs_row(c0, u0, ar0, ok0, q, g, sc, suc, a_off, W, GATED, USE_ASM, False)
+            c0, u0 = _gs_row(
+                c0, u0, ar0, ok0, q, g, sc, suc, a_off, W, GATED, USE_ASM, False, CHAINS
+            )
             if BLOCK_M > 1:
-                c1, u1 = _gs_row(c1, u1, ar1, ok1, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP)
+                c1, u1 = _gs_row(
+                    c1, u1, ar1, ok1, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP, CHAINS
+                )
             if BLOCK_M > 2:
-                c2, u2 = _gs_row(c2, u2, ar2, ok2, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP)
-                c3, u3 = _gs_row(c3, u3, ar3, ok3, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP)
+                c2, u2 = _gs_row(
+                    c2, u2, ar2, ok2, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP, CHAINS
+                )
+                c3, u3 = _gs_row(
+                    c3, u3, ar3, ok3, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP, CHAINS
+                )
             if BLOCK_M > 4:
-                c4, u4 = _gs_row(c4, u4, ar4, ok4, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP)
-                c5, u5 = _gs_row(c5, u5, ar5, ok5, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP)
-                c6, u6 = _gs_row(c6, u6, ar6, ok6, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP)
-                c7, u7 = _gs_row(c7, u7, ar7, ok7, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP)
+                c4, u4 = _gs_row(
+                    c4, u4, ar4, ok4, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP, CHAINS
+                )
+                c5, u5 = _gs_row(
+                    c5, u5, ar5, ok5, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP, CHAINS
+                )
+                c6, u6 = _gs_row(
+                    c6, u6, ar6, ok6, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP, CHAINS
+                )
+                c7, u7 = _gs_row(
+                    c7, u7, ar7, ok7, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP, CHAINS
+                )
         _g_out(c0, u0, p0, ok0, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
         if BLOCK_M > 1:
             _g_out(c1, u1, p1, ok1, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
@@ -262,6 +293,6 @@ def launch_gsum(a, rs, w, s, c, tw, sorted_ids, expert_ids, npost, N, K, num_pai
         c.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), A_DIV=a_div,
         GATED=gated, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], W=cfg["W"],
         USE_ASM=use_asm(asm), SKIP=cfg.get("SKIP", 1), EVEN_N=N % cfg["BLOCK_N"] == 0,
-        PREFETCH=cfg.get("PREFETCH", 0),
+        PREFETCH=cfg.get("PREFETCH", 0), CHAINS=cfg.get("CHAINS", 1),
         num_warps=cfg["num_warps"], **extra,
     )  # fmt: skip
