@@ -68,14 +68,15 @@ def compile_one(cfg: dict, launch: str, arch: int = 90):
 
         cons = dict(A_DIV=L["a_div"], GATED=L["gated"], BLOCK_M=cfg["BLOCK_M"],
                     BLOCK_N=cfg["BLOCK_N"], W=cfg["W"], USE_ASM=True, SKIP=cfg.get("SKIP", 1),
-                    EVEN_N=L["N"] % cfg["BLOCK_N"] == 0, PREFETCH=cfg.get("PREFETCH", 0), CHAINS=cfg.get("CHAINS", 1))  # fmt: skip
+                    EVEN_N=L["N"] % cfg["BLOCK_N"] == 0, PREFETCH=cfg.get("PREFETCH", 0), CHAINS=cfg.get("CHAINS", 1),
+                    CG=cfg.get("CG", 0))  # fmt: skip
     else:
         from k2serve.kernels.int4_gemv import _int4_gemv_h2_grouped_kernel as fn
 
         cons = dict(A_DIV=L["a_div"], GATED=L["gated"], BLOCK_M=cfg["BLOCK_M"],
                     BLOCK_N=cfg["BLOCK_N"], W=cfg["W"], WPG=4, USE_ASM=True, GS=cfg.get("GS", 1),
                     SKIP=cfg.get("SKIP", 1), PREFETCH=cfg.get("PREFETCH", 0),
-                    F16SUM=cfg.get("F16SUM", 0))  # fmt: skip
+                    F16SUM=cfg.get("F16SUM", 0), CG=cfg.get("CG", 0))  # fmt: skip
     sig = {**ptrs, **dict.fromkeys(ints, "i32"), **dict.fromkeys(cons, "constexpr")}
     div16 = [i for i, k in enumerate(sig) if k in ptrs or k in ints]  # K2 sizes: all % 16 == 0
     src = ASTSource(fn=fn, signature=sig, constexprs=cons,

@@ -127,12 +127,17 @@ if HAS_TRITON:
 
     @triton.jit
     def _load_words(w_base, s_base, offs_n, n_ok, kb, w_stride_n, s_stride_n,
-                    W: tl.constexpr, WPG: tl.constexpr, GS: tl.constexpr):  # fmt: skip
+                    W: tl.constexpr, WPG: tl.constexpr, GS: tl.constexpr,
+                    CG: tl.constexpr = 0):  # fmt: skip
         """Words [BN, W] of K-block kb and their scales: one per group of WPG words
-        [BN, W // WPG] with GS, else each word's group scale [BN, W]."""
+        [BN, W // WPG] with GS, else each word's group scale [BN, W]. CG: the words loaded
+        with ld.global.cg (L2 only: streamed once, no L1 lines allocated)."""
         offs_w = kb * W + tl.arange(0, W)
-        p = tl.load(w_base + offs_n[:, None] * w_stride_n + offs_w[None, :],
-                    mask=n_ok[:, None], other=0)  # fmt: skip
+        pp = w_base + offs_n[:, None] * w_stride_n + offs_w[None, :]
+        if CG:
+            p = tl.load(pp, mask=n_ok[:, None], other=0, cache_modifier=".cg")
+        else:
+            p = tl.load(pp, mask=n_ok[:, None], other=0)
         if GS:
             offs_s = kb * (W // WPG) + tl.arange(0, W // WPG)
         else:
@@ -576,6 +581,7 @@ if HAS_TRITON:
         A_DIV: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, W: tl.constexpr, WPG: tl.constexpr, USE_ASM: tl.constexpr,
         GS: tl.constexpr, SKIP: tl.constexpr, PREFETCH: tl.constexpr, F16SUM: tl.constexpr,
+        CG: tl.constexpr,
     ):  # fmt: skip
         """Grouped decode GEMV: a program per (aligned block of BLOCK_M <= 8 rows of one
         expert, N-block). c[pair] = W_e a[pair // A_DIV] for each real pair of the block:
@@ -618,26 +624,26 @@ if HAS_TRITON:
         c0, c1, c2, c3, c4, c5, c6, c7 = z, z, z, z, z, z, z, z
         u0, u1, u2, u3, u4, u5, u6, u7 = z, z, z, z, z, z, z, z
         nk = K // (8 * W)
-        p, s = _load_words(w_base, s_base, offs_n, n_ok, 0, w_stride_n, s_stride_n, W, WPG, GS)
+        p, s = _load_words(w_base, s_base, offs_n, n_ok, 0, w_stride_n, s_stride_n, W, WPG, GS, CG)
         pu, su = p, s
         if GATED:
             pu, su = _load_words(w_base, s_base, offs_n + N, n_ok, 0, w_stride_n, s_stride_n,
-                                 W, WPG, GS)  # fmt: skip
+                                 W, WPG, GS, CG)  # fmt: skip
         for kb in range(0, nk):
             pc, sc, puc, suc = p, s, pu, su
             if PREFETCH:  # the next K-block's loads in flight during this one's products
                 kn = tl.minimum(kb + 1, nk - 1)
                 p, s = _load_words(w_base, s_base, offs_n, n_ok, kn, w_stride_n, s_stride_n,
-                                   W, WPG, GS)  # fmt: skip
+                                   W, WPG, GS, CG)  # fmt: skip
                 if GATED:
                     pu, su = _load_words(w_base, s_base, offs_n + N, n_ok, kn, w_stride_n,
-                                         s_stride_n, W, WPG, GS)  # fmt: skip
+                                         s_stride_n, W, WPG, GS, CG)  # fmt: skip
             else:
                 pc, sc = _load_words(w_base, s_base, offs_n, n_ok, kb, w_stride_n, s_stride_n,
-                                     W, WPG, GS)  # fmt: skip
+                                     W, WPG, GS, CG)  # fmt: skip
                 if GATED:
                     puc, suc = _load_words(w_base, s_base, offs_n + N, n_ok, kb, w_stride_n,
-                                           s_stride_n, W, WPG, GS)  # fmt: skip
+                                           s_stride_n, W, WPG, GS, CG)  # fmt: skip
             sg = _g_scales(sc, GS)
             q0, q1, q2, q3 = _dq_h2(pc, USE_ASM)
             sug = sg
@@ -704,7 +710,8 @@ def _launch_grouped(a, rs, w, s, c, tw, sorted_ids, expert_ids, npost, N, K, num
         c.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), A_DIV=a_div,
         GATED=gated, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], W=cfg["W"], WPG=group // 8,
         USE_ASM=use_asm(asm), GS=cfg.get("GS", 1), SKIP=cfg.get("SKIP", 1),
-        PREFETCH=cfg.get("PREFETCH", 0), F16SUM=cfg.get("F16SUM", 0), num_warps=cfg["num_warps"],
+        PREFETCH=cfg.get("PREFETCH", 0), F16SUM=cfg.get("F16SUM", 0), CG=cfg.get("CG", 0),
+        num_warps=cfg["num_warps"],
     )  # fmt: skip
 
 

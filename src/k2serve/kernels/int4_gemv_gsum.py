@@ -133,7 +133,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _gs_load(w_base, s_base, offs_n, n_ok, kb, w_stride_n, s_stride_n, W: tl.constexpr,
-                 EVEN_N: tl.constexpr):  # fmt: skip
+                 EVEN_N: tl.constexpr, CG: tl.constexpr):  # fmt: skip
         """K-block kb: words [BN, W/4, 4] (raw) and the group scales [BN, W/4] float32 in the
         layout of the split words (`_dq_tile`). EVEN_N: N % BN == 0, no row
         mask (no zeroing of the load registers). Triton 3.6 lays the words out with the lanes
@@ -143,7 +143,11 @@ if HAS_TRITON:
         G: tl.constexpr = W // 4
         offs_g = kb * W + tl.arange(0, G)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [G, 4]
         pp = w_base + offs_n[:, None, None] * w_stride_n + offs_g[None, :, :]
-        if EVEN_N:
+        if CG and EVEN_N:  # ld.global.cg: streamed once, no L1 lines allocated
+            p = tl.load(pp, cache_modifier=".cg")
+        elif CG:
+            p = tl.load(pp, mask=n_ok[:, None, None], other=0, cache_modifier=".cg")
+        elif EVEN_N:
             p = tl.load(pp)
         else:
             p = tl.load(pp, mask=n_ok[:, None, None], other=0)
@@ -166,7 +170,7 @@ if HAS_TRITON:
         N, K, num_pairs, a_stride, c_stride, w_stride_e, w_stride_n, s_stride_e, s_stride_n,
         A_DIV: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, W: tl.constexpr, USE_ASM: tl.constexpr, SKIP: tl.constexpr,
-        EVEN_N: tl.constexpr, PREFETCH: tl.constexpr, CHAINS: tl.constexpr,
+        EVEN_N: tl.constexpr, PREFETCH: tl.constexpr, CHAINS: tl.constexpr, CG: tl.constexpr,
     ):  # fmt: skip
         """As `_int4_gemv_h2_grouped_kernel` (same grid, rows, epilogue `_g_out`), with each
         group's 32 products per row summed in f16x2 (`_gdot`); activations from
@@ -207,27 +211,27 @@ if HAS_TRITON:
         u0, u1, u2, u3, u4, u5, u6, u7 = z, z, z, z, z, z, z, z
         a_g = tl.arange(0, G)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [G, 4]
         nk = K // (8 * W)
-        p, s = _gs_load(w_base, s_base, offs_n, n_ok, 0, w_stride_n, s_stride_n, W, EVEN_N)
+        p, s = _gs_load(w_base, s_base, offs_n, n_ok, 0, w_stride_n, s_stride_n, W, EVEN_N, CG)
         pu, su = p, s
         if GATED:  # (without PREFETCH these first loads are dead code)
             pu, su = _gs_load(w_base, s_base, offs_n + N, n_ok, 0, w_stride_n, s_stride_n, W,
-                              EVEN_N)  # fmt: skip
+                              EVEN_N, CG)  # fmt: skip
         for kb in range(0, nk):
             if PREFETCH:  # the next K-block's loads in flight during this one's products
                 pc, sc, puc, suc = p, s, pu, su
                 kn = tl.minimum(kb + 1, nk - 1)
                 p, s = _gs_load(w_base, s_base, offs_n, n_ok, kn, w_stride_n, s_stride_n, W,
-                                EVEN_N)  # fmt: skip
+                                EVEN_N, CG)  # fmt: skip
                 if GATED:
                     pu, su = _gs_load(w_base, s_base, offs_n + N, n_ok, kn, w_stride_n,
-                                      s_stride_n, W, EVEN_N)  # fmt: skip
+                                      s_stride_n, W, EVEN_N, CG)  # fmt: skip
             else:
                 pc, sc = _gs_load(w_base, s_base, offs_n, n_ok, kb, w_stride_n, s_stride_n, W,
-                                  EVEN_N)  # fmt: skip
+                                  EVEN_N, CG)  # fmt: skip
                 puc, suc = pc, sc
                 if GATED:
                     puc, suc = _gs_load(w_base, s_base, offs_n + N, n_ok, kb, w_stride_n,
-                                        s_stride_n, W, EVEN_N)  # fmt: skip
+                                        s_stride_n, W, EVEN_N, CG)  # fmt: skip
             q = _dq_tile(pc, USE_ASM)
             g = q
             if GATED:
@@ -294,5 +298,6 @@ def launch_gsum(a, rs, w, s, c, tw, sorted_ids, expert_ids, npost, N, K, num_pai
         GATED=gated, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], W=cfg["W"],
         USE_ASM=use_asm(asm), SKIP=cfg.get("SKIP", 1), EVEN_N=N % cfg["BLOCK_N"] == 0,
         PREFETCH=cfg.get("PREFETCH", 0), CHAINS=cfg.get("CHAINS", 1),
+        CG=cfg.get("CG", 0),
         num_warps=cfg["num_warps"], **extra,
     )  # fmt: skip
