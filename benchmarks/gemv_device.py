@@ -53,9 +53,6 @@ VARIANTS = {
     "gsum cg": dict(GS1, CG=1, w2=dict(GS1["w2"], CG=1)),
     "gsum c4": dict(GS1, CHAINS=4, w2=dict(GS1["w2"], CHAINS=4)),
     "gsum skip0": dict(GS1, SKIP=0, w2=dict(GS1["w2"], SKIP=0)),
-    "gsum c4 n8": dict(GS1, CHAINS=4, BLOCK_N=8, w2=dict(BLOCK_N=8, W=64, num_warps=4, CHAINS=4)),
-    "gsum n8": dict(GS1, BLOCK_N=8, w2=dict(BLOCK_N=8, W=64, num_warps=4)),
-    "gsum m8": dict(GS1, BLOCK_M=8),
 }
 OUT_LINES: list[str] = []
 
@@ -168,7 +165,7 @@ def regs_of(cfg) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--tokens", default="64,128,192,256")
+    ap.add_argument("--tokens", default="128,64,192,256")
     ap.add_argument("--budget", type=float, default=200.0, help="seconds; later timings skipped")
     ap.add_argument("--dry", action="store_true", help="tiny layer, interpreter, no timing")
     args = ap.parse_args(argv)
