@@ -51,6 +51,9 @@ VARIANTS = {
     "shipped cg": dict(SHIPPED, CG=1, w2=dict(SHIPPED["w2"], CG=1)),
     "gsum": GS1,
     "gsum cg": dict(GS1, CG=1, w2=dict(GS1["w2"], CG=1)),
+    "gsum kt": dict(GS1, KT=1, w2=dict(GS1["w2"], KT=1)),
+    "gsum kt c4": dict(GS1, KT=1, CHAINS=4, w2=dict(GS1["w2"], KT=1, CHAINS=4)),
+    "gsum kt n8": dict(GS1, KT=1, BLOCK_N=8, w2=dict(BLOCK_N=8, W=64, num_warps=4, KT=1)),
     "gsum c4": dict(GS1, CHAINS=4, w2=dict(GS1["w2"], CHAINS=4)),
     "gsum skip0": dict(GS1, SKIP=0, w2=dict(GS1["w2"], SKIP=0)),
 }

@@ -69,7 +69,7 @@ def compile_one(cfg: dict, launch: str, arch: int = 90):
         cons = dict(A_DIV=L["a_div"], GATED=L["gated"], BLOCK_M=cfg["BLOCK_M"],
                     BLOCK_N=cfg["BLOCK_N"], W=cfg["W"], USE_ASM=True, SKIP=cfg.get("SKIP", 1),
                     EVEN_N=L["N"] % cfg["BLOCK_N"] == 0, PREFETCH=cfg.get("PREFETCH", 0), CHAINS=cfg.get("CHAINS", 1),
-                    CG=cfg.get("CG", 0))  # fmt: skip
+                    CG=cfg.get("CG", 0), KT=cfg.get("KT", 0))  # fmt: skip
     else:
         from k2serve.kernels.int4_gemv import _int4_gemv_h2_grouped_kernel as fn
 

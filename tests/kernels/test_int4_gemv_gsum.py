@@ -52,6 +52,7 @@ def _worst_case(D, I):  # noqa: E741
         dict(BLOCK_M=2, BLOCK_N=32, W=8, num_warps=4, GSUM=1, SKIP=0, PREFETCH=1),
         dict(BLOCK_M=8, BLOCK_N=64, W=16, num_warps=4, GSUM=1, w2=dict(BLOCK_N=16, W=8)),
         dict(BLOCK_M=4, BLOCK_N=16, W=16, num_warps=4, GS=1, F16SUM=2),
+        dict(BLOCK_M=4, BLOCK_N=32, W=16, num_warps=4, GSUM=1, KT=1, CHAINS=4, CG=1),
     ],
 )
 def test_gsum_matches_reference_and_shipped(cfg):
@@ -71,7 +72,8 @@ def test_gsum_matches_reference_and_shipped(cfg):
     ref = fm.fused_moe_ref(x, ew, w, ids)
     assert out.shape == (T, 256) and out.dtype == torch.bfloat16
     assert rel(out, ref) < TOL
-    base = {key: v for key, v in cfg.items() if key not in ("GSUM", "PREFETCH", "F16SUM", "w2")}
+    drop = ("GSUM", "PREFETCH", "F16SUM", "KT", "CHAINS", "CG", "w2")
+    base = {key: v for key, v in cfg.items() if key not in drop}
     ship = int4_gemv.int4_moe_decode_grouped(x, ew, w, ids, base)
     assert rel(out, ship) < TOL
 
@@ -114,7 +116,8 @@ def test_gsum_rejects_other_group_sizes():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the inline-PTX chain)")
 @pytest.mark.parametrize(
-    "extra", [dict(GSUM=1), dict(GSUM=1, CHAINS=4, PREFETCH=1), dict(GS=1, F16SUM=2)]
+    "extra",
+    [dict(GSUM=1), dict(GSUM=1, CHAINS=4, PREFETCH=1), dict(GSUM=1, KT=1, CG=1), dict(F16SUM=2)],
 )
 def test_group_f16_sums_k2_sizes_on_the_gpu(extra):
     """K2 sizes (7168 x 2048, 32 experts for memory), T=128 tokens, the inline-PTX path:

@@ -102,18 +102,25 @@ if HAS_TRITON:
             return (lo + hi).to(tl.float32)
 
     @triton.jit
+    def _a_plane(ab, s, KT: tl.constexpr):
+        """One activation plane [G, 4] (ab) broadcast to the tile ([BN, G, 4], KT [G, BN, 4],
+        the shape of the scales s with 4 appended) and split like the words."""
+        if KT:
+            return _split4(tl.broadcast_to(tl.load(ab)[:, None, :], [s.shape[0], s.shape[1], 4]))
+        else:
+            return _split4(tl.broadcast_to(tl.load(ab)[None, :, :], [s.shape[0], s.shape[1], 4]))
+
+    @triton.jit
     def _gs_row(acc, acc_u, a_row_ptr, ok, q, g, s, su, a_off, W: tl.constexpr,
                 GATED: tl.constexpr, USE_ASM: tl.constexpr, SKIP: tl.constexpr,
-                CHAINS: tl.constexpr):  # fmt: skip
+                CHAINS: tl.constexpr, KT: tl.constexpr):  # fmt: skip
         """One row of the block: its 4 activation planes of this K-block as [BN, G] per word
         of the group, then (SKIP: only for a real row) acc += group sum * group scale."""
-        BN: tl.constexpr = s.shape[0]
-        G: tl.constexpr = s.shape[1]
         ab = a_row_ptr + a_off
-        a0 = _split4(tl.broadcast_to(tl.load(ab)[None, :, :], [BN, G, 4]))
-        a1 = _split4(tl.broadcast_to(tl.load(ab + W)[None, :, :], [BN, G, 4]))
-        a2 = _split4(tl.broadcast_to(tl.load(ab + 2 * W)[None, :, :], [BN, G, 4]))
-        a3 = _split4(tl.broadcast_to(tl.load(ab + 3 * W)[None, :, :], [BN, G, 4]))
+        a0 = _a_plane(ab, s, KT)
+        a1 = _a_plane(ab + W, s, KT)
+        a2 = _a_plane(ab + 2 * W, s, KT)
+        a3 = _a_plane(ab + 3 * W, s, KT)
         a = (a0, a1, a2, a3)
         if SKIP:
             if ok:
@@ -132,8 +139,17 @@ if HAS_TRITON:
         return acc, acc_u
 
     @triton.jit
+    def _gs_out(acc, acc_u, KT: tl.constexpr, pair, ok, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n,
+                n_ok, A_DIV: tl.constexpr, GATED: tl.constexpr):  # fmt: skip
+        """`_g_out` of one row, the KT accumulators [G, BN] transposed first."""
+        if KT:
+            acc = tl.trans(acc)
+            acc_u = tl.trans(acc_u)
+        _g_out(acc, acc_u, pair, ok, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
+
+    @triton.jit
     def _gs_load(w_base, s_base, offs_n, n_ok, kb, w_stride_n, s_stride_n, W: tl.constexpr,
-                 EVEN_N: tl.constexpr, CG: tl.constexpr):  # fmt: skip
+                 EVEN_N: tl.constexpr, CG: tl.constexpr, KT: tl.constexpr):  # fmt: skip
         """K-block kb: words [BN, W/4, 4] (raw) and the group scales [BN, W/4] float32 in the
         layout of the split words (`_dq_tile`). EVEN_N: N % BN == 0, no row
         mask (no zeroing of the load registers). Triton 3.6 lays the words out with the lanes
@@ -142,26 +158,36 @@ if HAS_TRITON:
         benchmarks/gemv_sass.py, +0.25 instructions a weight)."""
         G: tl.constexpr = W // 4
         offs_g = kb * W + tl.arange(0, G)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [G, 4]
-        pp = w_base + offs_n[:, None, None] * w_stride_n + offs_g[None, :, :]
+        if KT:  # the tile as [G, BN, 4]: Triton then puts the lanes along K
+            pp = w_base + offs_n[None, :, None] * w_stride_n + offs_g[:, None, :]
+            pm = n_ok[None, :, None]
+        else:
+            pp = w_base + offs_n[:, None, None] * w_stride_n + offs_g[None, :, :]
+            pm = n_ok[:, None, None]
         if CG and EVEN_N:  # ld.global.cg: streamed once, no L1 lines allocated
             p = tl.load(pp, cache_modifier=".cg")
         elif CG:
-            p = tl.load(pp, mask=n_ok[:, None, None], other=0, cache_modifier=".cg")
+            p = tl.load(pp, mask=pm, other=0, cache_modifier=".cg")
         elif EVEN_N:
             p = tl.load(pp)
         else:
-            p = tl.load(pp, mask=n_ok[:, None, None], other=0)
+            p = tl.load(pp, mask=pm, other=0)
         # scales [BN, G]: the column step `one` (1, unknown to Triton's axis analysis) makes the
         # load one scale per thread and group, in the split words' layout: with a contiguous
         # step the coalescing pass picks a vector layout and converts it through shared memory
         # (STS, LDS, 2 BAR.SYNC per K step)
         one = s_stride_n // s_stride_n
         offs_s = kb * G + tl.arange(0, G) * one
-        sp = s_base + offs_n[:, None] * s_stride_n + offs_s[None, :]
+        if KT:
+            sp = s_base + offs_n[None, :] * s_stride_n + offs_s[:, None]
+            sm = n_ok[None, :]
+        else:
+            sp = s_base + offs_n[:, None] * s_stride_n + offs_s[None, :]
+            sm = n_ok[:, None]
         if EVEN_N:
             s = tl.load(sp)
         else:
-            s = tl.load(sp, mask=n_ok[:, None], other=0.0)
+            s = tl.load(sp, mask=sm, other=0.0)
         return p, s.to(tl.float32)
 
     @triton.jit
@@ -171,6 +197,7 @@ if HAS_TRITON:
         A_DIV: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, W: tl.constexpr, USE_ASM: tl.constexpr, SKIP: tl.constexpr,
         EVEN_N: tl.constexpr, PREFETCH: tl.constexpr, CHAINS: tl.constexpr, CG: tl.constexpr,
+        KT: tl.constexpr,
     ):  # fmt: skip
         """As `_int4_gemv_h2_grouped_kernel` (same grid, rows, epilogue `_g_out`), with each
         group's 32 products per row summed in f16x2 (`_gdot`); activations from
@@ -206,75 +233,92 @@ if HAS_TRITON:
         w_base = w_ptr + e * w_stride_e
         s_base = s_ptr + e * s_stride_e
         G: tl.constexpr = W // 4
-        z = tl.zeros([BLOCK_N, G], tl.float32)
+        if KT:
+            z = tl.zeros([G, BLOCK_N], tl.float32)
+        else:
+            z = tl.zeros([BLOCK_N, G], tl.float32)
         c0, c1, c2, c3, c4, c5, c6, c7 = z, z, z, z, z, z, z, z
         u0, u1, u2, u3, u4, u5, u6, u7 = z, z, z, z, z, z, z, z
         a_g = tl.arange(0, G)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [G, 4]
         nk = K // (8 * W)
-        p, s = _gs_load(w_base, s_base, offs_n, n_ok, 0, w_stride_n, s_stride_n, W, EVEN_N, CG)
+        p, s = _gs_load(w_base, s_base, offs_n, n_ok, 0, w_stride_n, s_stride_n, W, EVEN_N, CG, KT)
         pu, su = p, s
         if GATED:  # (without PREFETCH these first loads are dead code)
             pu, su = _gs_load(w_base, s_base, offs_n + N, n_ok, 0, w_stride_n, s_stride_n, W,
-                              EVEN_N, CG)  # fmt: skip
+                              EVEN_N, CG, KT)  # fmt: skip
         for kb in range(0, nk):
             if PREFETCH:  # the next K-block's loads in flight during this one's products
                 pc, sc, puc, suc = p, s, pu, su
                 kn = tl.minimum(kb + 1, nk - 1)
                 p, s = _gs_load(w_base, s_base, offs_n, n_ok, kn, w_stride_n, s_stride_n, W,
-                                EVEN_N, CG)  # fmt: skip
+                                EVEN_N, CG, KT)  # fmt: skip
                 if GATED:
                     pu, su = _gs_load(w_base, s_base, offs_n + N, n_ok, kn, w_stride_n,
-                                      s_stride_n, W, EVEN_N, CG)  # fmt: skip
+                                      s_stride_n, W, EVEN_N, CG, KT)  # fmt: skip
             else:
                 pc, sc = _gs_load(w_base, s_base, offs_n, n_ok, kb, w_stride_n, s_stride_n, W,
-                                  EVEN_N, CG)  # fmt: skip
+                                  EVEN_N, CG, KT)  # fmt: skip
                 puc, suc = pc, sc
                 if GATED:
                     puc, suc = _gs_load(w_base, s_base, offs_n + N, n_ok, kb, w_stride_n,
-                                        s_stride_n, W, EVEN_N, CG)  # fmt: skip
+                                        s_stride_n, W, EVEN_N, CG, KT)  # fmt: skip
             q = _dq_tile(pc, USE_ASM)
             g = q
             if GATED:
                 g = _dq_tile(puc, USE_ASM)
             a_off = kb * 4 * W + a_g
             c0, u0 = _gs_row(
-                c0, u0, ar0, ok0, q, g, sc, suc, a_off, W, GATED, USE_ASM, False, CHAINS
+                c0, u0, ar0, ok0, q, g, sc, suc, a_off, W, GATED, USE_ASM, False, CHAINS, KT
             )
             if BLOCK_M > 1:
                 c1, u1 = _gs_row(
-                    c1, u1, ar1, ok1, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP, CHAINS
+                    c1, u1, ar1, ok1, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP, CHAINS, KT
                 )
             if BLOCK_M > 2:
                 c2, u2 = _gs_row(
-                    c2, u2, ar2, ok2, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP, CHAINS
+                    c2, u2, ar2, ok2, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP, CHAINS, KT
                 )
                 c3, u3 = _gs_row(
-                    c3, u3, ar3, ok3, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP, CHAINS
+                    c3, u3, ar3, ok3, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP, CHAINS, KT
                 )
             if BLOCK_M > 4:
                 c4, u4 = _gs_row(
-                    c4, u4, ar4, ok4, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP, CHAINS
+                    c4, u4, ar4, ok4, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP, CHAINS, KT
                 )
                 c5, u5 = _gs_row(
-                    c5, u5, ar5, ok5, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP, CHAINS
+                    c5, u5, ar5, ok5, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP, CHAINS, KT
                 )
                 c6, u6 = _gs_row(
-                    c6, u6, ar6, ok6, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP, CHAINS
+                    c6, u6, ar6, ok6, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP, CHAINS, KT
                 )
                 c7, u7 = _gs_row(
-                    c7, u7, ar7, ok7, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP, CHAINS
+                    c7, u7, ar7, ok7, q, g, sc, suc, a_off, W, GATED, USE_ASM, SKIP, CHAINS, KT
                 )
-        _g_out(c0, u0, p0, ok0, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
+        _gs_out(c0, u0, KT, p0, ok0, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
         if BLOCK_M > 1:
-            _g_out(c1, u1, p1, ok1, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
+            _gs_out(
+                c1, u1, KT, p1, ok1, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED
+            )
         if BLOCK_M > 2:
-            _g_out(c2, u2, p2, ok2, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
-            _g_out(c3, u3, p3, ok3, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
+            _gs_out(
+                c2, u2, KT, p2, ok2, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED
+            )
+            _gs_out(
+                c3, u3, KT, p3, ok3, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED
+            )
         if BLOCK_M > 4:
-            _g_out(c4, u4, p4, ok4, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
-            _g_out(c5, u5, p5, ok5, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
-            _g_out(c6, u6, p6, ok6, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
-            _g_out(c7, u7, p7, ok7, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED)
+            _gs_out(
+                c4, u4, KT, p4, ok4, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED
+            )
+            _gs_out(
+                c5, u5, KT, p5, ok5, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED
+            )
+            _gs_out(
+                c6, u6, KT, p6, ok6, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED
+            )
+            _gs_out(
+                c7, u7, KT, p7, ok7, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok, A_DIV, GATED
+            )
 
 
 # the activations' range for the f16 group chain: max |x| in [2^TOP, 2^(TOP+1)) (module doc)
@@ -298,6 +342,6 @@ def launch_gsum(a, rs, w, s, c, tw, sorted_ids, expert_ids, npost, N, K, num_pai
         GATED=gated, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], W=cfg["W"],
         USE_ASM=use_asm(asm), SKIP=cfg.get("SKIP", 1), EVEN_N=N % cfg["BLOCK_N"] == 0,
         PREFETCH=cfg.get("PREFETCH", 0), CHAINS=cfg.get("CHAINS", 1),
-        CG=cfg.get("CG", 0),
+        CG=cfg.get("CG", 0), KT=cfg.get("KT", 0),
         num_warps=cfg["num_warps"], **extra,
     )  # fmt: skip
