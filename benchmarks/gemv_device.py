@@ -53,6 +53,7 @@ VARIANTS = {
     "gsum cg": dict(GS1, CG=1, w2=dict(GS1["w2"], CG=1)),
     "gsum kt": dict(GS1, KT=1, w2=dict(GS1["w2"], KT=1)),
     "gsum kt c4": dict(GS1, KT=1, CHAINS=4, w2=dict(GS1["w2"], KT=1, CHAINS=4)),
+    "gsum kt r128": dict(GS1, KT=1, maxnreg=128, w2=dict(GS1["w2"], KT=1)),
     "gsum kt n8": dict(GS1, KT=1, BLOCK_N=8, w2=dict(BLOCK_N=8, W=64, num_warps=4, KT=1)),
     "gsum c4": dict(GS1, CHAINS=4, w2=dict(GS1["w2"], CHAINS=4)),
     "gsum skip0": dict(GS1, SKIP=0, w2=dict(GS1["w2"], SKIP=0)),
@@ -143,6 +144,9 @@ def check_part(ew, names, dev, dry):
     return ok
 
 
+DEFAULTS = dict(GS=1, SKIP=1, PREFETCH=0, F16SUM=0, CG=0, CHAINS=1, KT=0)  # the launchers'
+
+
 def regs_of(cfg) -> str:
     """gate_up / down registers of the kernels compiled for cfg (Triton's cache of the jit)."""
     from k2serve.kernels.int4_gemv import _int4_gemv_h2_grouped_kernel
@@ -151,15 +155,16 @@ def regs_of(cfg) -> str:
     fn = _int4_gemv_gsum_kernel if cfg.get("GSUM") else _int4_gemv_h2_grouped_kernel
     out = []
     for gated, c in ((True, cfg), (False, {**cfg, **cfg.get("w2", {})})):
+        want = {n: c.get(n, DEFAULTS.get(n)) for n in ("BLOCK_N", "W", "BLOCK_M", *DEFAULTS)}
         found = "?"
         for cache in fn.device_caches.values():  # Triton 3.6: (kernels, keys, target, ...)
             for k in cache[0].values():
                 consts = getattr(k.src, "constants", {})
                 vals = {fn.arg_names[key[0]]: v for key, v in consts.items()}
-                same = all(vals.get(n) == c[n] for n in ("BLOCK_N", "W", "BLOCK_M"))
-                if same and vals.get("GATED") == gated and k.metadata.num_warps == c["num_warps"]:
-                    if cfg.get("GSUM") and vals.get("PREFETCH") != c.get("PREFETCH", 0):
-                        continue
+                same = all(vals[n] == v for n, v in want.items() if n in vals)
+                md = k.metadata
+                if (same and vals.get("GATED") == gated and md.num_warps == c["num_warps"]
+                        and getattr(md, "maxnreg", None) == c.get("maxnreg")):  # fmt: skip
                     found = str(k.n_regs)
         out.append(found)
     return "/".join(out)
