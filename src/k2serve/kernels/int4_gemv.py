@@ -8,7 +8,9 @@ Owns: `int4_moe_decode` (the routed-expert output of a decode step: both project
 SiLU-and-mul and the weighted top-k sum in two launches), `pack_h2` (the activation layout the
 kernel reads) and `_int4_gemv_h2_kernel`; `int4_moe_decode_grouped`, the same arithmetic with
 the pairs grouped by expert (`_int4_gemv_h2_grouped_kernel`: each weight tile loaded and
-dequantized once per block of up to 8 rows). The MoE backend runs the grouped one for the
+dequantized once per block of up to 8 rows; config keys F16SUM 2: a group's 32 products per
+row summed in f16x2, activations packed into [64, 128); CG: words loaded past L1; GSUM: the
+kernel of int4_gemv_gsum.py). The MoE backend runs the grouped one for the
 kernel policy's `int4_decode_grouped_min_pairs..max_pairs` (token, expert) pairs, else the
 per-pair one up to `int4_decode_max_pairs`; above, the grouped GEMM of int4_gemm.py.
 
