@@ -35,7 +35,8 @@ SHIPPED = dict(BLOCK_M=4, BLOCK_N=16, W=64, num_warps=4, GS=1,
                w2=dict(BLOCK_N=16, W=64, num_warps=4, GS=1))  # fmt: skip
 GS1 = dict(BLOCK_M=4, BLOCK_N=16, W=64, num_warps=4, GSUM=1, w2=dict(BLOCK_N=16, W=64, num_warps=4))
 # name -> config (gate_up launch; "w2": the down launch's overrides). "shipped" = h200.json's
-# int4_decode_grouped (checked against the table at run time). Registers / SASS instructions
+# int4_decode_grouped before wave 11 (run 3 put "gsum kt r128" in the table; the run prints
+# the table's entry). Registers / SASS instructions
 # per weight of each: benchmarks/gemv_sass.py (offline, Triton 3.6). Run 1 (lead, H100,
 # 2026-11-25 02:45, GSUM only): every GSUM tile 1.2-1.6x slower than shipped (T=128 uniform
 # 8.14 ms gsum, 6.97 n8, 7.60 pf, 7.26 m8 against 5.62) although it issues ~30% fewer

@@ -700,8 +700,8 @@ def _top(cfg: dict) -> int:
 
 def _launch_grouped(a, rs, w, s, c, tw, sorted_ids, expert_ids, npost, N, K, num_pairs, a_div,
                     gated, cfg, group, asm):  # fmt: skip
-    if cfg.get("GSUM"):  # the f16 group-sum variant (int4_gemv_gsum.py)
-        from .int4_gemv_gsum import launch_gsum
+    if cfg.get("GSUM") and group == 32 and cfg["W"] % 4 == 0:  # int4_gemv_gsum.py; other
+        from .int4_gemv_gsum import launch_gsum  # group sizes: the kernel below (top 6 is safe)
 
         return launch_gsum(a, rs, w, s, c, tw, sorted_ids, expert_ids, npost, N, K, num_pairs,
                            a_div, gated, cfg, group, asm)  # fmt: skip

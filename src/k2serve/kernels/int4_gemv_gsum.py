@@ -321,6 +321,12 @@ if HAS_TRITON:
             )
 
 
+def _hip() -> bool:
+    import torch
+
+    return torch.version.hip is not None
+
+
 # the activations' range for the f16 group chain: max |x| in [2^TOP, 2^(TOP+1)) (module doc)
 GSUM_TOP = 6
 
@@ -335,7 +341,8 @@ def launch_gsum(a, rs, w, s, c, tw, sorted_ids, expert_ids, npost, N, K, num_pai
         raise ValueError(f"GSUM grouped GEMV: group size 32 and W % 4 == 0 (got {group}, "
                          f"W={cfg['W']})")  # fmt: skip
     grid = (expert_ids.numel() * cdiv(N, cfg["BLOCK_N"]),)
-    extra = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
+    # maxnreg: a register cap (the CUDA backend's option; HIP has none)
+    extra = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") and not _hip() else {}
     _int4_gemv_gsum_kernel[grid](
         a, rs, w, s, c, tw, sorted_ids, expert_ids, npost, N, K, num_pairs, a.stride(0),
         c.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), A_DIV=a_div,
