@@ -8,7 +8,9 @@ Owns: `int4_moe_decode` (the routed-expert output of a decode step: both project
 SiLU-and-mul and the weighted top-k sum in two launches), `pack_h2` (the activation layout the
 kernel reads) and `_int4_gemv_h2_kernel`; `int4_moe_decode_grouped`, the same arithmetic with
 the pairs grouped by expert (`_int4_gemv_h2_grouped_kernel`: each weight tile loaded and
-dequantized once per block of up to 8 rows). The MoE backend runs the grouped one for the
+dequantized once per block of up to 8 rows; config keys F16SUM 2: a group's 32 products per
+row summed in f16x2, activations packed into [64, 128); CG: words loaded past L1; GSUM: the
+kernel of int4_gemv_gsum.py). The MoE backend runs the grouped one for the
 kernel policy's `int4_decode_grouped_min_pairs..max_pairs` (token, expert) pairs, else the
 per-pair one up to `int4_decode_max_pairs`; above, the grouped GEMM of int4_gemm.py.
 
@@ -100,15 +102,17 @@ if HAS_TRITON:
 
     @triton.jit
     def _pack_h2_kernel(x_ptr, a_ptr, rs_ptr, K, x_stride, a_stride, W: tl.constexpr,
-                        BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr):  # fmt: skip
+                        BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr,
+                        TOP: tl.constexpr):  # fmt: skip
         """One row: x [K] -> a [K/2] int32 f16x2 pairs, x scaled by 2^-e so that its largest
-        magnitude lies in [256, 512); rs = 2^e. Layout: in each block of W words (8W columns),
-        4 planes of W: a[b*4W + j*W + w] = (x[b*8W + 8w + j], x[b*8W + 8w + j + 4])."""
+        magnitude lies in [2^TOP, 2^(TOP+1)) (TOP 8: [256, 512)); rs = 2^e. Layout: in each
+        block of W words (8W columns), 4 planes of W:
+        a[b*4W + j*W + w] = (x[b*8W + 8w + j], x[b*8W + 8w + j + 4])."""
         r = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_K)
         xr = tl.load(x_ptr + r * x_stride + offs, mask=offs < K, other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(xr), 0)
-        e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - 8  # floor(log2 amax) - 8
+        e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - TOP  # floor(log2 amax) - TOP
         e = tl.where(amax > 0, tl.minimum(tl.maximum(e, -100), 100), 0)
         down = ((127 - e) << 23).to(tl.float32, bitcast=True)
         tl.store(rs_ptr + r, ((127 + e) << 23).to(tl.float32, bitcast=True))
@@ -125,12 +129,17 @@ if HAS_TRITON:
 
     @triton.jit
     def _load_words(w_base, s_base, offs_n, n_ok, kb, w_stride_n, s_stride_n,
-                    W: tl.constexpr, WPG: tl.constexpr, GS: tl.constexpr):  # fmt: skip
+                    W: tl.constexpr, WPG: tl.constexpr, GS: tl.constexpr,
+                    CG: tl.constexpr = 0):  # fmt: skip
         """Words [BN, W] of K-block kb and their scales: one per group of WPG words
-        [BN, W // WPG] with GS, else each word's group scale [BN, W]."""
+        [BN, W // WPG] with GS, else each word's group scale [BN, W]. CG: the words loaded
+        with ld.global.cg (L2 only: streamed once, no L1 lines allocated)."""
         offs_w = kb * W + tl.arange(0, W)
-        p = tl.load(w_base + offs_n[:, None] * w_stride_n + offs_w[None, :],
-                    mask=n_ok[:, None], other=0)  # fmt: skip
+        pp = w_base + offs_n[:, None] * w_stride_n + offs_w[None, :]
+        if CG:
+            p = tl.load(pp, mask=n_ok[:, None], other=0, cache_modifier=".cg")
+        else:
+            p = tl.load(pp, mask=n_ok[:, None], other=0)
         if GS:
             offs_s = kb * (W // WPG) + tl.arange(0, W // WPG)
         else:
@@ -237,9 +246,10 @@ if HAS_TRITON:
         store_rows(c_ptr, c_stride, rr, rr >= 0, offs_n, n_ok, y[None, :], 0)
 
 
-def pack_h2(x: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_h2(x: torch.Tensor, W: int, top: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """[M, K] -> (f16x2 pairs [M, K/2] int32 in the layout `_int4_gemv_h2_kernel` reads, the
-    per-row scale [M] float32 that undoes the activation's power-of-two scaling)."""
+    per-row scale [M] float32 that undoes the activation's power-of-two scaling; each row's
+    largest magnitude scaled into [2^top, 2^(top+1)))."""
     if x.stride(-1) != 1:  # the kernel steps along a row one element at a time
         x = x.contiguous()
     M, K = x.shape
@@ -247,7 +257,8 @@ def pack_h2(x: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
     rs = torch.empty(M, dtype=torch.float32, device=x.device)
     bk = triton.next_power_of_2(K)
     _pack_h2_kernel[(M,)](x, a, rs, K, x.stride(0), a.stride(0), W=W, BLOCK_K=bk,
-                          BLOCK_W=max(bk // 8, 1), num_warps=8 if K >= 4096 else 4)  # fmt: skip
+                          BLOCK_W=max(bk // 8, 1), TOP=top,
+                          num_warps=8 if K >= 4096 else 4)  # fmt: skip
     return a, rs
 
 
@@ -419,12 +430,83 @@ if HAS_TRITON:
         return ((q & 0xF).to(tl.float32) - 8.0) * x_lo + ((q >> 16).to(tl.float32) - 8.0) * x_hi
 
     @triton.jit
+    def _hadd2(a, b):
+        """f16x2 a + b (int32 lanes): the combine of `_g_sum16`'s group reduction."""
+        return tl.inline_asm_elementwise("add.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b],
+                                         dtype=tl.int32, is_pure=True, pack=1)  # fmt: skip
+
+    @triton.jit
+    def _add(a, b):
+        return a + b
+
+    @triton.jit
+    def _g_sum16(q0, q1, q2, q3, a0, a1, a2, a3, WPG: tl.constexpr, USE_ASM: tl.constexpr):
+        """Group sums [BN, W // WPG, 1] float32 of one row (F16SUM 2): each word's 4 f16x2
+        products chained as in `_dot_h2`, the WPG words of a group added in f16x2 (in-thread
+        reduction), the halves added in fp16, one conversion: 32 products per fp16 sum, so the
+        activations are packed into [64, 128) (`_top`). Plain path: the same sums in fp16."""
+        BN: tl.constexpr = q0.shape[0]
+        W: tl.constexpr = q0.shape[1]
+        if USE_ASM:
+            wh = tl.inline_asm_elementwise(
+                asm="""
+                {
+                .reg .b32 acc;
+                mul.f16x2 acc, $1, $5;
+                fma.rn.f16x2 acc, $2, $6, acc;
+                fma.rn.f16x2 acc, $3, $7, acc;
+                fma.rn.f16x2 $0, $4, $8, acc;
+                }
+                """,
+                constraints="=r,r,r,r,r,r,r,r,r",
+                args=[q0, q1, q2, q3, a0, a1, a2, a3],
+                dtype=tl.int32,
+                is_pure=True,
+                pack=1,
+            )
+            gh = tl.reduce(tl.reshape(wh, [BN, W // WPG, WPG]), 2, _hadd2, keep_dims=True)
+            return tl.inline_asm_elementwise(
+                asm="""
+                {
+                .reg .f16 lo, hi;
+                mov.b32 {lo, hi}, $1;
+                add.rn.f16 lo, lo, hi;
+                cvt.f32.f16 $0, lo;
+                }
+                """,
+                constraints="=r,r",
+                args=[gh],
+                dtype=tl.float32,
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            lo, hi = _nib_h(q0, a0)
+            l1, h1 = _nib_h(q1, a1)
+            l2, h2 = _nib_h(q2, a2)
+            l3, h3 = _nib_h(q3, a3)
+            lo = ((lo + l1) + l2) + l3
+            hi = ((hi + h1) + h2) + h3
+            gl = tl.reduce(tl.reshape(lo, [BN, W // WPG, WPG]), 2, _add, keep_dims=True)
+            gu = tl.reduce(tl.reshape(hi, [BN, W // WPG, WPG]), 2, _add, keep_dims=True)
+            return (gl + gu).to(tl.float32)
+
+    @triton.jit
+    def _nib_h(q, a):
+        """(n_lo - 8) * x_lo, (n_hi - 8) * x_hi in fp16 from raw nibble pairs q."""
+        x_lo = (a & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+        x_hi = ((a >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+        return ((q & 0xF) - 8).to(tl.float16) * x_lo, ((q >> 16) - 8).to(tl.float16) * x_hi
+
+    @triton.jit
     def _g_sum(acc, q0, q1, q2, q3, a0, a1, a2, a3, s, GS: tl.constexpr, WPG: tl.constexpr,
                USE_ASM: tl.constexpr, F16SUM: tl.constexpr):  # fmt: skip
         """acc += scale * word sums of one row (as `_h2_sum`, weights already dequantized).
         GS: s is the group scale as [BN, W // WPG, 1] (`_g_scales`), multiplied before the
         in-thread group sum so that acc stays in that sum's layout (no layout conversion per
         row)."""
+        if F16SUM == 2:  # GS: whole group sums in f16x2 (activations in [64, 128): _top)
+            return acc + tl.sum(_g_sum16(q0, q1, q2, q3, a0, a1, a2, a3, WPG, USE_ASM) * s, 2)
         ws = _dot_h2(q0, q1, q2, q3, a0, a1, a2, a3, USE_ASM, F16SUM)
         if GS:
             BN: tl.constexpr = ws.shape[0]
@@ -501,6 +583,7 @@ if HAS_TRITON:
         A_DIV: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, W: tl.constexpr, WPG: tl.constexpr, USE_ASM: tl.constexpr,
         GS: tl.constexpr, SKIP: tl.constexpr, PREFETCH: tl.constexpr, F16SUM: tl.constexpr,
+        CG: tl.constexpr,
     ):  # fmt: skip
         """Grouped decode GEMV: a program per (aligned block of BLOCK_M <= 8 rows of one
         expert, N-block). c[pair] = W_e a[pair // A_DIV] for each real pair of the block:
@@ -543,26 +626,26 @@ if HAS_TRITON:
         c0, c1, c2, c3, c4, c5, c6, c7 = z, z, z, z, z, z, z, z
         u0, u1, u2, u3, u4, u5, u6, u7 = z, z, z, z, z, z, z, z
         nk = K // (8 * W)
-        p, s = _load_words(w_base, s_base, offs_n, n_ok, 0, w_stride_n, s_stride_n, W, WPG, GS)
+        p, s = _load_words(w_base, s_base, offs_n, n_ok, 0, w_stride_n, s_stride_n, W, WPG, GS, CG)
         pu, su = p, s
         if GATED:
             pu, su = _load_words(w_base, s_base, offs_n + N, n_ok, 0, w_stride_n, s_stride_n,
-                                 W, WPG, GS)  # fmt: skip
+                                 W, WPG, GS, CG)  # fmt: skip
         for kb in range(0, nk):
             pc, sc, puc, suc = p, s, pu, su
             if PREFETCH:  # the next K-block's loads in flight during this one's products
                 kn = tl.minimum(kb + 1, nk - 1)
                 p, s = _load_words(w_base, s_base, offs_n, n_ok, kn, w_stride_n, s_stride_n,
-                                   W, WPG, GS)  # fmt: skip
+                                   W, WPG, GS, CG)  # fmt: skip
                 if GATED:
                     pu, su = _load_words(w_base, s_base, offs_n + N, n_ok, kn, w_stride_n,
-                                         s_stride_n, W, WPG, GS)  # fmt: skip
+                                         s_stride_n, W, WPG, GS, CG)  # fmt: skip
             else:
                 pc, sc = _load_words(w_base, s_base, offs_n, n_ok, kb, w_stride_n, s_stride_n,
-                                     W, WPG, GS)  # fmt: skip
+                                     W, WPG, GS, CG)  # fmt: skip
                 if GATED:
                     puc, suc = _load_words(w_base, s_base, offs_n + N, n_ok, kb, w_stride_n,
-                                           s_stride_n, W, WPG, GS)  # fmt: skip
+                                           s_stride_n, W, WPG, GS, CG)  # fmt: skip
             sg = _g_scales(sc, GS)
             q0, q1, q2, q3 = _dq_h2(pc, USE_ASM)
             sug = sg
@@ -606,8 +689,22 @@ if HAS_TRITON:
 GROUPED_BLOCK_M = (1, 2, 4, 8)
 
 
+def _top(cfg: dict) -> int:
+    """pack_h2's range for a grouped launch: GSUM sums 32 products in fp16 (GSUM_TOP)."""
+    if cfg.get("GSUM") or cfg.get("F16SUM") == 2:
+        from .int4_gemv_gsum import GSUM_TOP
+
+        return GSUM_TOP
+    return 8
+
+
 def _launch_grouped(a, rs, w, s, c, tw, sorted_ids, expert_ids, npost, N, K, num_pairs, a_div,
                     gated, cfg, group, asm):  # fmt: skip
+    if cfg.get("GSUM") and group == 32 and cfg["W"] % 4 == 0:  # int4_gemv_gsum.py; other
+        from .int4_gemv_gsum import launch_gsum  # group sizes: the kernel below (top 6 is safe)
+
+        return launch_gsum(a, rs, w, s, c, tw, sorted_ids, expert_ids, npost, N, K, num_pairs,
+                           a_div, gated, cfg, group, asm)  # fmt: skip
     bm = cfg["BLOCK_M"]
     grid = (expert_ids.numel() * cdiv(N, cfg["BLOCK_N"]),)
     _int4_gemv_h2_grouped_kernel[grid](
@@ -615,7 +712,8 @@ def _launch_grouped(a, rs, w, s, c, tw, sorted_ids, expert_ids, npost, N, K, num
         c.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), A_DIV=a_div,
         GATED=gated, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], W=cfg["W"], WPG=group // 8,
         USE_ASM=use_asm(asm), GS=cfg.get("GS", 1), SKIP=cfg.get("SKIP", 1),
-        PREFETCH=cfg.get("PREFETCH", 0), F16SUM=cfg.get("F16SUM", 0), num_warps=cfg["num_warps"],
+        PREFETCH=cfg.get("PREFETCH", 0), F16SUM=cfg.get("F16SUM", 0), CG=cfg.get("CG", 0),
+        num_warps=cfg["num_warps"],
     )  # fmt: skip
 
 
@@ -632,8 +730,9 @@ def int4_moe_decode_grouped(
     read and dequantized once per block of BLOCK_M rows); no host synchronisation. `config`:
     BLOCK_M (1, 2, 4 or 8), BLOCK_N, W, num_warps, optionally GS (default 1) and SKIP (default
     1: padding rows skip their products) of the gate+up launch, and optionally "w2": overrides
-    for the down launch (the kernel policy's `int4_decode_grouped`). W is halved for models
-    too small for it."""
+    for the down launch (the kernel policy's `int4_decode_grouped`); GSUM 1: the f16 group-sum
+    kernel of int4_gemv_gsum.py (GS, PREFETCH, F16SUM ignored; optional maxnreg). W is halved
+    for models too small for it."""
     from .moe_align import moe_align_block_size
 
     require_triton(x)
@@ -662,10 +761,10 @@ def int4_moe_decode_grouped(
     if active is not None:  # 0 rows in use: every program returns at once
         npost = npost * active
     inter = torch.empty(M, I, dtype=torch.float32, device=x.device)
-    a, rs = pack_h2(x, cfg["W"])
+    a, rs = pack_h2(x, cfg["W"], _top(cfg))
     _launch_grouped(a, rs, ew.w13, ew.w13_scale, inter, tw, sorted_ids, expert_ids, npost, I, D,
                     M, k, True, cfg, ew.group_size, asm)  # fmt: skip
-    a2, rs2 = pack_h2(inter, cfg2["W"])
+    a2, rs2 = pack_h2(inter, cfg2["W"], _top(cfg2))
     out = torch.empty(M, D, dtype=torch.float32, device=x.device)
     _launch_grouped(a2, rs2, ew.w2, ew.w2_scale, out, tw, sorted_ids, expert_ids, npost, D, I,
                     M, 1, False, cfg2, ew.group_size, asm)  # fmt: skip
