@@ -1,6 +1,7 @@
 """Fused waits of the one-graph hybrid decode step (issue 33 item 4; kernels.zero_copy "Fused
 waits"): the zero-copy staging kernel writes the layer's ready word itself (and clears the
-host's flag), the result kernel spins on that flag itself. CPU: both kernels under Triton's
+host's flag), and the result kernel can spin on that flag itself (kernel-level tests only: the
+runner keeps the wait its own node, measured faster on the H100). CPU: both kernels under Triton's
 interpreter (fences as no-ops there), the host side's protocol with fakes (HostJob.unblock,
 the runner's error path, the switch); the PTX order is checked by test_hybrid_zero_copy's
 compile test (benchmarks/zero_copy_compile.py). GPU: the protocol replay after replay, graphs
@@ -332,7 +333,8 @@ def _pair(spin: bool):
     plain.capture()
     assert fused.fused_waits and not plain.fused_waits
     assert all(j.handshake is not None for j in fused.jobs[4])
-    assert all(j.waits_in_kernel == spin for j in fused.jobs[4])
+    # the word only: the runner keeps the wait its own node (model.cuda_graph, "Fused waits")
+    assert not any(j.waits_in_kernel for j in fused.jobs[4])
     return model, fused, plain
 
 
@@ -375,7 +377,7 @@ def test_cuda_fused_waits_wait_for_a_late_cpu_part(way):
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_fused_waits_an_error_in_a_cpu_part_releases_the_device():
-    """A CPU part that raises with the fused spinning waits: the step raises (no hang: each
+    """A CPU part that raises with the fused word and spinning waits: the step raises (no hang: each
     later layer released after its staging kernel ran), the device drains, and the next
     steps give the unfused bits."""
     model, fused, plain = _pair(True)
