@@ -40,6 +40,8 @@ from routing_modes import load_counts, routing_ids  # noqa: E402
 E, D, I, K = 384, 7168, 2048, 8
 DEV = "cuda"  # module constants: a CPU smoke test sets small sizes and "cpu"
 MM = {"fp8": float("nan")}
+# the INT4 decode paths the dispatch part times each on its own (FusedMoEBackend.run_path)
+FIXED_PATHS = ("decode", "grouped", "mma", "gemm")
 
 
 def ceilings():
@@ -178,7 +180,7 @@ def part_dispatch(record: str | None, tokens=(16, 32, 48, 64, 96, 128, 192, 256)
             paths, lim = be.plan(T, K)
             outs, times = {}, {}
             fns = {
-                p: (lambda p=p: rule.run_path(p, x, ids, tw)) for p in ("decode", "grouped", "gemm")
+                p: (lambda p=p: rule.run_path(p, x, ids, tw)) for p in FIXED_PATHS
             }
             fns["select"] = lambda: be(x, ids, tw)
             fns["pair rule"] = lambda: rule(x, ids, tw)
@@ -198,7 +200,7 @@ def part_dispatch(record: str | None, tokens=(16, 32, 48, 64, 96, 128, 192, 256)
                 from k2serve.kernels.moe_select import moe_select
 
                 chosen = paths[int(moe_select(ids, E, lim)[:-1].argmax())]
-            fixed = {p: times[p] for p in ("decode", "grouped", "gemm") if p in times}
+            fixed = {p: times[p] for p in FIXED_PATHS if p in times}
             best = min(fixed, key=fixed.get) if fixed else "?"
             for p, ms in times.items():
                 note = f"{hits} experts, {T * K / hits:.1f} pairs/expert"
