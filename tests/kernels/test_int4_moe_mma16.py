@@ -164,6 +164,10 @@ def test_dispatch_hook_band_and_config():
     g64 = fm.ExpertWeights("int4", ew.w13, ew.w2, ew.w13_scale[..., ::2], ew.w2_scale[..., ::2],
                            64)  # fmt: skip
     assert all(FusedMoEBackend(g64).plan(T, 8)[0] != ("mma",) for T in (lo // 8, hi // 8))
+    # nor as a candidate of a routing band (the tables' bands it cannot run are dropped)
+    g = FusedMoEBackend(g64)
+    assert not any("mma" in g.plan(T, 8)[0] for T in range(1, 2 * hi // 8))
+    assert any("mma" in be.plan(T, 8)[0] for T in range(1, lo // 8))  # the band below lo
     be = FusedMoEBackend(ew, mma_config=dict(F16=1), mma_min_pairs=8, mma_max_pairs=16)
     assert be.plan(2, 4)[0] == ("mma",) and be.plan(4, 4)[0] == ("mma",)
     assert be.plan(1, 4)[0] != ("mma",) and be.plan(5, 4)[0] != ("mma",)

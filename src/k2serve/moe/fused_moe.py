@@ -17,9 +17,10 @@ runs the generic fused_moe kernel always. `prefill_impl` overrides the part abov
 "gemm" the grouped GEMM always, "grouped_mm" the generic fused_moe kernel below the threshold,
 "kernel" the generic kernel always (benchmarks compare them). Routing-aware bands
 (`routing_select`, the policy's `int4_routing_select`): for pair counts inside a band, 2-3 of
-the per-pair GEMV, grouped GEMV and GEMM are launched, and kernels/moe_select.py picks one on
-the device from the pairs per distinct expert hit (the others' programs return at once; the
-same CUDA graph serves every routing); `plan()` names the path(s) for a token count. On one
+the per-pair GEMV, grouped GEMV, tensor-core decode MoE ("mma") and GEMM are launched, and
+kernels/moe_select.py picks one on the device from the pairs per distinct expert hit (the
+others' programs return at once; the same CUDA graph serves every routing); `plan()` names
+the path(s) for a token count. On one
 K2 layer the grouped GEMM beats both others up to 8192 tokens (dequant + grouped_mm wins at
 16384; benchmarks/RESULTS.md). `gemm_backend` "gluon" (the policy's choice on sm_90 with Triton
 3.6) runs the grouped GEMM as kernels/int4_gemm_gluon.py's kernel with the tables'
@@ -179,15 +180,16 @@ class FusedMoEBackend(ExpertBackend):
         self.mma_config = dict(t.int4_decode_mma if mma_config is None else mma_config)
         lo = t.int4_decode_mma_min_pairs if mma_min_pairs is None else mma_min_pairs
         hi = t.int4_decode_mma_max_pairs if mma_max_pairs is None else mma_max_pairs
-        self.mma_pairs = (lo, hi) if self.mma_config and lo is not None and hi is not None else None
-        if w.group_size != 32:  # int4_moe_mma reads group-32 scales only
-            self.mma_pairs = None
+        mma_ok = bool(self.mma_config) and w.group_size == 32  # (it reads group-32 scales)
+        self.mma_pairs = (lo, hi) if mma_ok and lo is not None and hi is not None else None
         # bands of pair counts where the path is chosen on the device from the routing
+        # (the bands whose paths this backend can run: the tables are shared by checkpoints
+        # whose experts the grouped GEMV or the mma path cannot take, e.g. other group sizes)
         bands = t.int4_routing_select if routing_select is None else routing_select
-        if routing_select is None and not self.grouped_config:  # the table's bands need it
-            bands = [b for b in bands if "grouped" not in b.get("paths", ())]
+        needs = (("grouped", bool(self.grouped_config)), ("mma", mma_ok))
+        bands = [b for b in bands if all(ok or p not in b.get("paths", ()) for p, ok in needs)]
         self.routing_select = tuple(bands)
-        check_routing_select(self.routing_select, bool(self.grouped_config))
+        check_routing_select(self.routing_select, bool(self.grouped_config), mma_ok)
         # one config, or a table of configs by max pair count (int4_gemm.pick_config)
         self.prefill_config = gemm_configs if prefill_config is None else prefill_config
         self.asm = asm
@@ -336,10 +338,12 @@ class FusedMoEBackend(ExpertBackend):
         return out
 
 
-ROUTING_PATHS = ("decode", "grouped", "gemm")
+ROUTING_PATHS = ("decode", "grouped", "mma", "gemm")
 
 
-def check_routing_select(bands: Sequence[Mapping[str, Any]], grouped_ok: bool) -> None:
+def check_routing_select(
+    bands: Sequence[Mapping[str, Any]], grouped_ok: bool, mma_ok: bool = False
+) -> None:
     """A malformed `int4_routing_select` table fails at setup, not in a step."""
     for b in bands:
         try:
@@ -354,11 +358,13 @@ def check_routing_select(bands: Sequence[Mapping[str, Any]], grouped_ok: bool) -
             and len(set(paths)) == len(paths)
             and all(p in ROUTING_PATHS for p in paths)
             and (grouped_ok or "grouped" not in paths)
+            and (mma_ok or "mma" not in paths)
             and 0 < lo <= hi
         )
         if not ok:
             raise ValueError(
                 f"int4_routing_select entry {dict(b)}: use 2-3 distinct paths of "
-                f"{ROUTING_PATHS} (grouped needs int4_decode_grouped), one ascending "
+                f"{ROUTING_PATHS} (grouped needs int4_decode_grouped, mma int4_decode_mma and "
+                "group-32 experts), one ascending "
                 "pairs_per_expert limit between each two, 0 < min_pairs <= max_pairs"
             )
