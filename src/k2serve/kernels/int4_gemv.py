@@ -38,6 +38,7 @@ from .int4_dequant import use_asm
 
 if HAS_TRITON:
     from .int4_dequant import store_rows
+    from .int4_gemv_parts import _dq_h2, _g_out, _g_pair
 
     @triton.jit
     def _word_dot_h2(p, a0, a1, a2, a3, USE_ASM: tl.constexpr):
@@ -332,40 +333,6 @@ def int4_moe_h2(x, ew, tw, topk_ids, cfg: dict, cfg2: dict, asm: bool = True,
 if HAS_TRITON:
 
     @triton.jit
-    def _dq_h2(p, USE_ASM: tl.constexpr):
-        """Word p (8 nibbles) -> 4 int32 lanes holding weights (n_j - 8, n_j+4 - 8), j = 0..3:
-        with USE_ASM as f16x2 (the first half of `_word_dot_h2`); else the raw nibble pairs
-        (p >> 4j) & 0x000F000F, which `_dot_h2`'s plain path reads."""
-        if USE_ASM:
-            return tl.inline_asm_elementwise(
-                asm="""
-                {
-                .reg .b32 q, k1032, k16, k72;
-                mov.b32 k1032, 0x64086408;
-                mov.b32 k16, 0x2C002C00;
-                mov.b32 k72, 0xD480D480;
-                lop3.b32 $0, $4, 0x000F000F, 0x64006400, 0xEA;
-                lop3.b32 $1, $4, 0x00F000F0, 0x64006400, 0xEA;
-                shr.u32 q, $4, 8;
-                lop3.b32 $2, q, 0x000F000F, 0x64006400, 0xEA;
-                lop3.b32 $3, q, 0x00F000F0, 0x64006400, 0xEA;
-                sub.f16x2 $0, $0, k1032;
-                fma.rn.f16x2 $1, $1, k16, k72;
-                sub.f16x2 $2, $2, k1032;
-                fma.rn.f16x2 $3, $3, k16, k72;
-                }
-                """,
-                constraints="=r,=r,=r,=r,r",
-                args=[p],
-                dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-                is_pure=True,
-                pack=1,
-            )
-        else:
-            return (p & 0x000F000F, (p >> 4) & 0x000F000F, (p >> 8) & 0x000F000F,
-                    (p >> 12) & 0x000F000F)  # fmt: skip
-
-    @triton.jit
     def _dot_h2(q0, q1, q2, q3, a0, a1, a2, a3, USE_ASM: tl.constexpr, F16SUM: tl.constexpr):
         """sum_j q_j . a_j over the two halves, float32: the second half of `_word_dot_h2`
         (4 products per half summed in fp16 as there, the two halves added in fp32; F16SUM:
@@ -549,32 +516,6 @@ if HAS_TRITON:
         if GS:
             s = s[:, :, None]
         return s
-
-    @triton.jit
-    def _g_pair(sorted_ptr, i, num_pairs, a_ptr, a_stride, A_DIV: tl.constexpr):
-        """Row i of the block: (pair id, real?, its activation row's pointer; padding: row 0)."""
-        pair = tl.load(sorted_ptr + i)
-        ok = pair < num_pairs
-        row = tl.where(ok, pair // A_DIV, 0).to(tl.int64)
-        return pair, ok, a_ptr + row * a_stride
-
-    @triton.jit
-    def _g_out(acc, acc_u, pair, ok, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok,
-               A_DIV: tl.constexpr, GATED: tl.constexpr):  # fmt: skip
-        """Row epilogue: GATED: silu(gate) * up of the activation row's scale; else times the
-        pair's activation scale and top-k weight. Padding rows store nothing."""
-        y = tl.sum(acc, 1)
-        if GATED:
-            rs = tl.load(rs_ptr + tl.where(ok, pair // A_DIV, 0))
-            y = y * rs
-            u = tl.sum(acc_u, 1) * rs
-            y = y / (1.0 + tl.exp(-y)) * u
-        else:
-            pr = tl.where(ok, pair, 0)
-            y = y * (tl.load(rs_ptr + pr) * tl.load(tw_ptr + pr))
-        rr = tl.zeros([1], tl.int32) + pair
-        rok = (tl.zeros([1], tl.int32) + ok.to(tl.int32)) > 0
-        store_rows(c_ptr, c_stride, rr, rok, offs_n, n_ok, y[None, :], 0)
 
     @triton.jit
     def _int4_gemv_h2_grouped_kernel(

@@ -51,7 +51,7 @@ if HAS_TRITON:
         + "add.rn.f16x2 c0, c0, c1;\nadd.rn.f16x2 c2, c2, c3;\nadd.rn.f16x2 c0, c0, c2;\n"
         + "mov.b32 {lo, hi}, c0;\nadd.rn.f16 lo, lo, hi;\ncvt.f32.f16 $0, lo;\n}"
     )
-    from .int4_gemv import _dq_h2, _g_out, _g_pair
+    from .int4_gemv_parts import _dq_h2, _g_out, _g_pair
 
     @triton.jit
     def _split4(t):

@@ -1,0 +1,72 @@
+"""Triton pieces both grouped decode GEMVs use (int4_gemv.py's `_int4_gemv_h2_grouped_kernel`
+and int4_gemv_gsum.py's `_int4_gemv_gsum_kernel`): the word dequant to f16x2 (`_dq_h2`), a
+block row's pair and activation pointer (`_g_pair`) and a row's epilogue (`_g_out`). Their own
+module so that the two kernel files need not import each other (int4_gemv dispatches to the
+gsum kernel; the gsum kernel reads these)."""
+
+from __future__ import annotations
+
+from ._triton import HAS_TRITON, tl, triton
+
+if HAS_TRITON:
+    from .int4_dequant import store_rows
+
+    @triton.jit
+    def _dq_h2(p, USE_ASM: tl.constexpr):
+        """Word p (8 nibbles) -> 4 int32 lanes holding weights (n_j - 8, n_j+4 - 8), j = 0..3:
+        with USE_ASM as f16x2 (the first half of `_word_dot_h2`); else the raw nibble pairs
+        (p >> 4j) & 0x000F000F, which `_dot_h2`'s plain path reads."""
+        if USE_ASM:
+            return tl.inline_asm_elementwise(
+                asm="""
+                {
+                .reg .b32 q, k1032, k16, k72;
+                mov.b32 k1032, 0x64086408;
+                mov.b32 k16, 0x2C002C00;
+                mov.b32 k72, 0xD480D480;
+                lop3.b32 $0, $4, 0x000F000F, 0x64006400, 0xEA;
+                lop3.b32 $1, $4, 0x00F000F0, 0x64006400, 0xEA;
+                shr.u32 q, $4, 8;
+                lop3.b32 $2, q, 0x000F000F, 0x64006400, 0xEA;
+                lop3.b32 $3, q, 0x00F000F0, 0x64006400, 0xEA;
+                sub.f16x2 $0, $0, k1032;
+                fma.rn.f16x2 $1, $1, k16, k72;
+                sub.f16x2 $2, $2, k1032;
+                fma.rn.f16x2 $3, $3, k16, k72;
+                }
+                """,
+                constraints="=r,=r,=r,=r,r",
+                args=[p],
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            return (p & 0x000F000F, (p >> 4) & 0x000F000F, (p >> 8) & 0x000F000F,
+                    (p >> 12) & 0x000F000F)  # fmt: skip
+
+    @triton.jit
+    def _g_pair(sorted_ptr, i, num_pairs, a_ptr, a_stride, A_DIV: tl.constexpr):
+        """Row i of the block: (pair id, real?, its activation row's pointer; padding: row 0)."""
+        pair = tl.load(sorted_ptr + i)
+        ok = pair < num_pairs
+        row = tl.where(ok, pair // A_DIV, 0).to(tl.int64)
+        return pair, ok, a_ptr + row * a_stride
+
+    @triton.jit
+    def _g_out(acc, acc_u, pair, ok, c_ptr, c_stride, rs_ptr, tw_ptr, offs_n, n_ok,
+               A_DIV: tl.constexpr, GATED: tl.constexpr):  # fmt: skip
+        """Row epilogue: GATED: silu(gate) * up of the activation row's scale; else times the
+        pair's activation scale and top-k weight. Padding rows store nothing."""
+        y = tl.sum(acc, 1)
+        if GATED:
+            rs = tl.load(rs_ptr + tl.where(ok, pair // A_DIV, 0))
+            y = y * rs
+            u = tl.sum(acc_u, 1) * rs
+            y = y / (1.0 + tl.exp(-y)) * u
+        else:
+            pr = tl.where(ok, pair, 0)
+            y = y * (tl.load(rs_ptr + pr) * tl.load(tw_ptr + pr))
+        rr = tl.zeros([1], tl.int32) + pair
+        rok = (tl.zeros([1], tl.int32) + ok.to(tl.int32)) > 0
+        store_rows(c_ptr, c_stride, rr, rok, offs_n, n_ok, y[None, :], 0)
