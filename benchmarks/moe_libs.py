@@ -179,9 +179,7 @@ def part_dispatch(record: str | None, tokens=(16, 32, 48, 64, 96, 128, 192, 256)
             nb = hits * per
             paths, lim = be.plan(T, K)
             outs, times = {}, {}
-            fns = {
-                p: (lambda p=p: rule.run_path(p, x, ids, tw)) for p in FIXED_PATHS
-            }
+            fns = {p: (lambda p=p: rule.run_path(p, x, ids, tw)) for p in FIXED_PATHS}
             fns["select"] = lambda: be(x, ids, tw)
             fns["pair rule"] = lambda: rule(x, ids, tw)
             for p, fn in fns.items():
