@@ -51,7 +51,7 @@ if HAS_TRITON:
         + "add.rn.f16x2 c0, c0, c1;\nadd.rn.f16x2 c2, c2, c3;\nadd.rn.f16x2 c0, c0, c2;\n"
         + "mov.b32 {lo, hi}, c0;\nadd.rn.f16 lo, lo, hi;\ncvt.f32.f16 $0, lo;\n}"
     )
-    from .int4_gemv_parts import _dq_h2, _g_out, _g_pair
+    from .int4_gemv_parts import _dq_h2, _g_block, _g_out
 
     @triton.jit
     def _split4(t):
@@ -208,26 +208,9 @@ if HAS_TRITON:
         pid_n = pid % nbn
         if pid_m * BLOCK_M >= tl.load(npost_ptr):
             return
-        e = tl.load(eid_ptr + pid_m).to(tl.int64)
-        sb = sorted_ptr + pid_m * BLOCK_M
-        p0, ok0, ar0 = _g_pair(sb, 0, num_pairs, a_ptr, a_stride, A_DIV)
-        p1, ok1, ar1 = p0, ok0, ar0
-        p2, ok2, ar2 = p0, ok0, ar0
-        p3, ok3, ar3 = p0, ok0, ar0
-        p4, ok4, ar4 = p0, ok0, ar0
-        p5, ok5, ar5 = p0, ok0, ar0
-        p6, ok6, ar6 = p0, ok0, ar0
-        p7, ok7, ar7 = p0, ok0, ar0
-        if BLOCK_M > 1:
-            p1, ok1, ar1 = _g_pair(sb, 1, num_pairs, a_ptr, a_stride, A_DIV)
-        if BLOCK_M > 2:
-            p2, ok2, ar2 = _g_pair(sb, 2, num_pairs, a_ptr, a_stride, A_DIV)
-            p3, ok3, ar3 = _g_pair(sb, 3, num_pairs, a_ptr, a_stride, A_DIV)
-        if BLOCK_M > 4:
-            p4, ok4, ar4 = _g_pair(sb, 4, num_pairs, a_ptr, a_stride, A_DIV)
-            p5, ok5, ar5 = _g_pair(sb, 5, num_pairs, a_ptr, a_stride, A_DIV)
-            p6, ok6, ar6 = _g_pair(sb, 6, num_pairs, a_ptr, a_stride, A_DIV)
-            p7, ok7, ar7 = _g_pair(sb, 7, num_pairs, a_ptr, a_stride, A_DIV)
+        (e, p0, ok0, ar0, p1, ok1, ar1, p2, ok2, ar2, p3, ok3, ar3, p4, ok4, ar4, p5, ok5, ar5,
+         p6, ok6, ar6, p7, ok7, ar7) = _g_block(sorted_ptr, eid_ptr, pid_m, num_pairs, a_ptr,
+                                                a_stride, A_DIV, BLOCK_M)  # fmt: skip
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         w_base = w_ptr + e * w_stride_e

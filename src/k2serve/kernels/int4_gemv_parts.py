@@ -70,3 +70,31 @@ if HAS_TRITON:
         rr = tl.zeros([1], tl.int32) + pair
         rok = (tl.zeros([1], tl.int32) + ok.to(tl.int32)) > 0
         store_rows(c_ptr, c_stride, rr, rok, offs_n, n_ok, y[None, :], 0)
+
+    @triton.jit
+    def _g_block(sorted_ptr, eid_ptr, pid_m, num_pairs, a_ptr, a_stride, A_DIV: tl.constexpr,
+                 BLOCK_M: tl.constexpr):  # fmt: skip
+        """Aligned block pid_m's expert and its up to 8 rows as (pair, real?, activation row
+        pointer) triples (`_g_pair`; rows past BLOCK_M repeat row 0 and are never used)."""
+        e = tl.load(eid_ptr + pid_m).to(tl.int64)
+        sb = sorted_ptr + pid_m * BLOCK_M
+        p0, ok0, ar0 = _g_pair(sb, 0, num_pairs, a_ptr, a_stride, A_DIV)
+        p1, ok1, ar1 = p0, ok0, ar0
+        p2, ok2, ar2 = p0, ok0, ar0
+        p3, ok3, ar3 = p0, ok0, ar0
+        p4, ok4, ar4 = p0, ok0, ar0
+        p5, ok5, ar5 = p0, ok0, ar0
+        p6, ok6, ar6 = p0, ok0, ar0
+        p7, ok7, ar7 = p0, ok0, ar0
+        if BLOCK_M > 1:
+            p1, ok1, ar1 = _g_pair(sb, 1, num_pairs, a_ptr, a_stride, A_DIV)
+        if BLOCK_M > 2:
+            p2, ok2, ar2 = _g_pair(sb, 2, num_pairs, a_ptr, a_stride, A_DIV)
+            p3, ok3, ar3 = _g_pair(sb, 3, num_pairs, a_ptr, a_stride, A_DIV)
+        if BLOCK_M > 4:
+            p4, ok4, ar4 = _g_pair(sb, 4, num_pairs, a_ptr, a_stride, A_DIV)
+            p5, ok5, ar5 = _g_pair(sb, 5, num_pairs, a_ptr, a_stride, A_DIV)
+            p6, ok6, ar6 = _g_pair(sb, 6, num_pairs, a_ptr, a_stride, A_DIV)
+            p7, ok7, ar7 = _g_pair(sb, 7, num_pairs, a_ptr, a_stride, A_DIV)
+        return (e, p0, ok0, ar0, p1, ok1, ar1, p2, ok2, ar2, p3, ok3, ar3, p4, ok4, ar4,
+                p5, ok5, ar5, p6, ok6, ar6, p7, ok7, ar7)  # fmt: skip
