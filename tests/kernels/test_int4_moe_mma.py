@@ -59,7 +59,7 @@ CFGS = [
 
 
 @pytest.mark.parametrize("cfg", CFGS)
-@pytest.mark.parametrize("T, k", [(1, 2), (5, 4), (24, 8)])
+@pytest.mark.parametrize("T, k", [(1, 2), (5, 4), (20, 4)])
 def test_int4_moe_mma_matches_reference(cfg, T, k):
     """Blocks with one real row, blocks split over an expert's 24 rows, an expert without rows,
     a partial N block (BLOCK_N 128 over hidden 512 and intermediate 256 is whole; 64 over 256
