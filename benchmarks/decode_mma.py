@@ -70,6 +70,15 @@ MMA_SWEEP = {  # around run 2's best (the table's 16x64 G=4 PF=2)
     "f16 8x32 g8 w1 pf1": dict(F16, BLOCK_M=8, BLOCK_N=32, G=8, num_warps=1, PF=1),
     "f16 16x64 g4 w2 pf2 atomic": dict(F16, G=4, PF=2, ATOMIC=1),
     "f16 16x64 g4 w2 pf2 s4": dict(F16, G=4, PF=2, num_stages=4),
+    # for the H200 (wave 12): the H100's time at 1.4x its bandwidth is latency-bound, so more
+    # bytes in flight an SM: a farther prefetch, more stages, more CTAs an SM (maxnreg: gate_up
+    # needs 178 registers, 5 CTAs of 2 warps an SM), wider K steps (G=8)
+    "f16 16x64 g4 w2 pf4": dict(F16, G=4, PF=4),
+    "f16 16x64 g4 w2 pf3 s4": dict(F16, G=4, PF=3, num_stages=4),
+    "f16 16x64 g8 w2 pf2": dict(F16, G=8, PF=2),
+    "f16 16x64 g4 w2 pf2 r152": dict(F16, G=4, PF=2, maxnreg=152),
+    "f16 16x64 g4 w2 pf2 r128": dict(F16, G=4, PF=2, maxnreg=128),
+    "f16 16x64 g4 w2 pf3 r152": dict(F16, G=4, PF=3, maxnreg=152),
 }
 OUT_LINES: list[str] = []
 
