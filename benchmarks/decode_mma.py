@@ -79,6 +79,12 @@ MMA_SWEEP = {  # around run 2's best (the table's 16x64 G=4 PF=2)
     "f16 16x64 g4 w2 pf2 r152": dict(F16, G=4, PF=2, maxnreg=152),
     "f16 16x64 g4 w2 pf2 r128": dict(F16, G=4, PF=2, maxnreg=128),
     "f16 16x64 g4 w2 pf3 r152": dict(F16, G=4, PF=3, maxnreg=152),
+    # H200 run 1 (wave 12, runs/h200_w12_tune1_mma.txt): G=2 PF=4 best at T=128 (gate_up), the
+    # table's G=4 PF=2 at T=256 and for the down launch; around those
+    "f16 16x64 w2 pf4 down g4 pf2": dict(F16, PF=4, w2=dict(G=4, PF=2)),
+    "f16 16x64 w2 pf3": dict(F16, PF=3),
+    "f16 16x64 w2 pf6": dict(F16, PF=6),
+    "f16 16x64 w2 pf4 s4": dict(F16, PF=4, num_stages=4),
 }
 OUT_LINES: list[str] = []
 
