@@ -34,7 +34,7 @@ TOL = 2e-2  # tests/kernels' grouped GEMV tolerance against the float32 referenc
 SHIPPED = dict(BLOCK_M=4, BLOCK_N=16, W=64, num_warps=4, GS=1,
                w2=dict(BLOCK_N=16, W=64, num_warps=4, GS=1))  # fmt: skip
 GS1 = dict(BLOCK_M=4, BLOCK_N=16, W=64, num_warps=4, GSUM=1, w2=dict(BLOCK_N=16, W=64, num_warps=4))
-# name -> config (gate_up launch; "w2": the down launch's overrides). "shipped" = h200.json's
+# name -> config (gate_up launch; "w2": the down launch's overrides). "shipped" = h100.json's
 # int4_decode_grouped before wave 11 (run 3 put "gsum kt r128" in the table; the run prints
 # the table's entry). Registers / SASS instructions
 # per weight of each: benchmarks/gemv_sass.py (offline, Triton 3.6). Run 1 (lead, H100,

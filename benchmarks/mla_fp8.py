@@ -345,7 +345,7 @@ def bench_case(B: int, ctx: int, bw: float, sweep: bool, rows: list) -> None:
 
 def report(rows: list, cases: list[str]) -> None:
     """Every timing, then the issue's table (defaults, before, best) and the sweep's winners in
-    the form of configs/h200.json's "mla_decode" entry."""
+    the form of configs/h100.json's "mla_decode" entry."""
     import json
     import math
 
@@ -437,7 +437,7 @@ def report(rows: list, cases: list[str]) -> None:
         }
     sp = pick.get(("fp8", "splits")) or pick.get(("bf16", "splits")) or tab["fp8"]
     entry.update({k: sp[k] for k in ("waves", "min_split_keys", "max_splits")})
-    log('\nwinners as configs/h200.json "mla_decode" (split rule: the fp8 cache\'s winner):')
+    log('\nwinners as configs/h100.json "mla_decode" (split rule: the fp8 cache\'s winner):')
     for k, v in entry.items():
         log(f'    "{k}": {json.dumps(v)},')
 

@@ -1,7 +1,7 @@
 # ruff: noqa: E741, E501
 """The warp-specialized FP8-block prompt GEMM (kernels/fp8_gemm_gluon_ws.py, issue 28) on one
 H100: the GPU tests first, then K2 layer checks, then one K2 FP8 MoE layer timed with the
-shipped table (FP8_GLUON_TABLE = h200.json fp8_prefill_gluon) against each WS config.
+shipped table (FP8_GLUON_TABLE = h100.json fp8_prefill_gluon) against each WS config.
 Full output in $OUT/wsfp8_device.txt (+ $OUT/wsfp8_pytest.txt).
 
 Run (repo root, one H100, < 200 s): bash benchmarks/wsfp8_device.sh
@@ -122,7 +122,7 @@ def summary(res, ceil, tests_ok, summary_line, bad, elapsed) -> list[str]:
         f"bf16 matmul {ceil['mm']:.0f} TFLOP/s; K2 layer checks {sum(r['ok'] for r in checks)}/{len(checks)} passed"
         + (f" (FAILED: {', '.join(bad)})" if bad else "")
         + f"; bit-identical to the table {sum(bool(r.get('same')) for r in checks)}/{len(checks)}",
-        "table: the shipped fp8_prefill_gluon configs (h200.json); the others: WS configs",
+        "table: the shipped fp8_prefill_gluon configs (h100.json); the others: WS configs",
         "| T | routing | config | ms | TFLOP/s | % bf16 matmul | vs table | rel diff vs table |",
         "|---:|---|---|---:|---:|---:|---:|---:|",
     ]

@@ -1,7 +1,7 @@
 # ruff: noqa: E741, E501
 """The warp-specialized INT4 prompt GEMM (kernels/int4_gemm_gluon_ws.py, issue 28) on one H100:
 the GPU tests first, then K2 layer checks, then one K2 MoE layer timed with the table before
-WS against the table with it (h200.json int4_prefill_gluon = GLUON_TABLE) and the WS configs.
+WS against the table with it (h100.json int4_prefill_gluon = GLUON_TABLE) and the WS configs.
 Full output in $OUT/wsgemm_device.txt (+ $OUT/wsgemm_pytest.txt).
 
 Run (repo root, one H100, < 200 s): bash benchmarks/wsgemm_device.sh
@@ -44,7 +44,7 @@ BUDGET_S = 190
 
 
 def tables() -> dict:
-    """ "table": the kernel's table (GLUON_TABLE, h200.json's: WS from 32768 pairs); "before":
+    """ "table": the kernel's table (GLUON_TABLE, h100.json's: WS from 32768 pairs); "before":
     its entries without WS, the last band open (the shipped configs before WS)."""
     from k2serve.kernels.int4_gemm_gluon import GLUON_TABLE
 
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
             f"GPU tests: {summary}{'' if tests_ok or tests_ok is None else ' (FAILED)'}",
             f"bf16 matmul {ceil['mm']:.0f} TFLOP/s; K2 layer checks {sum(r['ok'] for r in checks)}/{len(checks)} passed"
             + (f" (FAILED: {', '.join(bad)})" if bad else ""),
-            "before: the shipped configs (the table without WS); table: h200.json's, WS from 32768 pairs",
+            "before: the shipped configs (the table without WS); table: h100.json's, WS from 32768 pairs",
             "| T | routing | config | ms | TFLOP/s | % bf16 matmul | vs before | rel diff vs before |",
             "|---:|---|---|---:|---:|---:|---:|---:|",
         ]

@@ -150,15 +150,15 @@ def test_policy_picks_gluon_only_where_it_runs(monkeypatch, caplog):
     monkeypatch.setattr(int4_gemm_gluon, "gluon_usable", lambda device: True)
     assert pol.pick_int4_gemm_backend(None, t, "cuda") == "gluon"
     assert pol.pick_int4_gemm_backend("triton", t, "cuda") == "triton"
-    no_gluon = pol.KernelTables.from_json("x", {**_h200_json(), "int4_prefill_gluon": []})
+    no_gluon = pol.KernelTables.from_json("x", {**_h100_json(), "int4_prefill_gluon": []})
     assert pol.pick_int4_gemm_backend(None, no_gluon, "cuda") == "triton"
 
 
-def _h200_json() -> dict:
+def _h100_json() -> dict:
     import json
     from importlib import resources
 
-    return json.loads(resources.files("k2serve.kernels").joinpath("configs/h200.json").read_text())
+    return json.loads(resources.files("k2serve.kernels").joinpath("configs/h100.json").read_text())
 
 
 def test_moe_backend_with_gluon_takes_its_table_and_never_grouped_mm():

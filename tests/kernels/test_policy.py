@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from dataclasses import FrozenInstanceError, replace
+from collections.abc import Mapping
+from dataclasses import FrozenInstanceError, fields, replace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from k2serve.kernels.policy import KernelPolicy, KernelTables, device_kind, load
 
 def test_shipped_tables_load_and_are_read_only():
     t = load_tables()
-    assert t.kind == "h200"
+    assert t.kind == "h100"
     assert t.gemv_bf16[(2112, 7168)]["BLOCK_K"] == 1024  # q_a + kv_a
     assert t.int4_decode["w2"]["W"] == 128 and t.int4_decode_max_pairs == 256
     assert t.int4_decode_grouped["BLOCK_M"] in (1, 2, 4, 8)
@@ -32,8 +33,69 @@ def test_shipped_tables_load_and_are_read_only():
 
 
 def test_unknown_kind_falls_back_to_the_default_table():
-    assert load_tables("no-such-gpu") is load_tables("h200")
+    assert load_tables("no-such-gpu") is load_tables("h100")
     assert device_kind("cpu") == "cpu"
+
+
+def test_h200_table_is_the_h100_one_with_its_own_entries():
+    """h200.json names h100.json as its base and holds only what was measured on an H200: the
+    tensor-core decode MoE's configs by pair count and the grouped GEMV's lower limit."""
+    h100, h200 = load_tables("h100"), load_tables("h200")
+    own = {"kind", "int4_decode_mma", "int4_decode_grouped_min_pairs"}
+    for f in fields(KernelTables):
+        if f.name not in own:
+            assert getattr(h200, f.name) == getattr(h100, f.name), f.name
+    assert isinstance(h100.int4_decode_mma, Mapping)
+    mma = h200.int4_decode_mma
+    assert isinstance(mma, tuple) and mma[-1]["max_pairs"] is None
+    assert [e["F16"] for e in mma] == [1] * len(mma)
+    assert h200.int4_decode_grouped_min_pairs < h100.int4_decode_grouped_min_pairs
+
+
+def test_table_bases(tmp_path, monkeypatch):
+    """A file's "base" kind is read first and the file's entries replace its; a base that is
+    missing or leads back to the file is a clear error."""
+    from k2serve.kernels import policy
+
+    base = json.loads(policy._configs().joinpath("h100.json").read_text())
+    (tmp_path / "a.json").write_text(json.dumps(base))
+    (tmp_path / "b.json").write_text(json.dumps({"base": "a", "int4_decode_max_pairs": 7}))
+    (tmp_path / "c.json").write_text(json.dumps({"base": "d"}))
+    (tmp_path / "d.json").write_text(json.dumps({"base": "c"}))
+    (tmp_path / "e.json").write_text(json.dumps({"base": "nowhere"}))
+    monkeypatch.setattr(policy, "_configs", lambda: tmp_path)
+    b = KernelTables.from_json("b", policy._read("b"))
+    assert b.int4_decode_max_pairs == 7 and b.gemv_bf16 == load_tables("h100").gemv_bf16
+    for name in ("c", "e"):
+        with pytest.raises(ValueError, match="is not another table"):
+            policy._read(name)
+    with pytest.raises(ValueError, match="malformed"):  # a table's last entry must be open
+        KernelTables.from_json("x", {**base, "int4_decode_mma": [{"max_pairs": 8, "F16": 1}]})
+
+
+def test_mma_configs_by_pair_count(monkeypatch):
+    """A table of int4_decode_mma configs: the MoE backend picks the entry by the step's
+    (token, expert) pairs, and the warm-up key tells the entries apart."""
+    from k2serve.kernels.fused_moe import ExpertWeights
+    from k2serve.moe import fused_moe as fm
+
+    E, D, I = 6, 256, 256  # noqa: E741
+    ew = ExpertWeights("int4", torch.zeros(E, 2 * I, D // 8, dtype=torch.int32),
+                       torch.zeros(E, D, I // 8, dtype=torch.int32),
+                       torch.ones(E, 2 * I, D // 32, dtype=torch.bfloat16),
+                       torch.ones(E, D, I // 32, dtype=torch.bfloat16), 32)  # fmt: skip
+    table = [dict(max_pairs=12, F16=1, G=2, PF=4), dict(max_pairs=None, F16=1, G=4, PF=2)]
+    be = fm.FusedMoEBackend(ew, mma_config=table, mma_min_pairs=8, mma_max_pairs=16)
+    assert be.plan(2, 4)[0] == ("mma",) and be.plan(4, 4)[0] == ("mma",)
+    assert be.config_key(2, 4)[0] == (("mma", 0),) and be.config_key(3, 4)[0] == (("mma", 0),)
+    assert be.config_key(4, 4)[0] == (("mma", 1),)
+    seen = []
+    monkeypatch.setattr(fm, "int4_moe_mma", lambda x, w, tw, ti, cfg, active: seen.append(cfg))
+    for T in (3, 4):
+        be.run_path("mma", torch.zeros(T, D), torch.zeros(T, 4, dtype=torch.int64),
+                    torch.ones(T, 4))  # fmt: skip
+    assert [(c["G"], c["PF"]) for c in seen] == [(2, 4), (4, 2)]
+    assert all("max_pairs" not in c for c in seen)
 
 
 def test_mla_decode_table_reaches_the_triton_backend():

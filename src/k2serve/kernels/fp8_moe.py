@@ -119,7 +119,7 @@ if HAS_TRITON:
 # Launch configs by (token, expert) pair count when the policy gives no table: the first entry
 # whose max_pairs >= the pair count (None: any). BLOCK_M is shared by both GEMMs (one
 # alignment); "w13" / "w2" hold each GEMM's tile and launch parameters (see kernels/configs).
-DEFAULT_TABLE: tuple[Mapping[str, Any], ...] = (  # configs/h200.json's (measured on one H100)
+DEFAULT_TABLE: tuple[Mapping[str, Any], ...] = (  # configs/h100.json's (measured on one H100)
     {"max_pairs": 8, "BLOCK_M": 16,
      "w13": {"BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4},
      "w2": {"BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}},

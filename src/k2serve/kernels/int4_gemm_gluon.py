@@ -82,12 +82,12 @@ logger = logging.getLogger(__name__)
 
 # Configs by (token, expert) pair count: BLOCK_M pairs x BLOCK_N outputs, W2 words per
 # parity-tile row, STAGES ring slots, warps (4 per 64-row MMA slice). The engine takes its
-# configs from the kernel tables (configs/h200.json "int4_prefill_gluon", measured there; the
+# configs from the kernel tables (configs/h100.json "int4_prefill_gluon", measured there; the
 # warm-up keys on that table's entries); this is the kernel's own default, the same values.
 # The larger tiles win from ~85 rows per expert (T=4096 on K2) although they waste part of a
 # tile: each weight and activation tile is re-read from L2 fewer times per FLOP. Wave 8: L1
 # (the words and scales through L1) and, above 16384 pairs, SILU. Wave 11: the warp-specialized
-# kernel from 32768 pairs (T=4096 at top-8), WS=2 RELEASE=2, from 131072 WS=1 (h200.json).
+# kernel from 32768 pairs (T=4096 at top-8), WS=2 RELEASE=2, from 131072 WS=1 (h100.json).
 GLUON_CONFIG = dict(BLOCK_M=128, BLOCK_N=256, W2=16, STAGES=3, num_warps=8, BF16X2=True, L1=True,
                     SILU=True)  # fmt: skip
 GLUON_TABLE = (

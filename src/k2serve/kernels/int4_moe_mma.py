@@ -61,7 +61,7 @@ CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "KW", "SWAP", "ATOMIC", "ETAB", "SPLIT", "n
 # SWAP, ATOMIC, num_warps, num_stages, maxnreg); these defaults for the keys a config leaves out
 # (16 pairs x 64 weight rows, weights as the MMA's M, two warps, 4 groups a K step, L2 prefetch
 # 2 steps ahead: the fastest F16 tile of the H100 sweeps, T=128 uniform 4.69 ms = 63% of copy
-# bw; kernels/configs/h200.json)
+# bw; kernels/configs/h100.json)
 F16_CONFIG = dict(BLOCK_M=16, BLOCK_N=64, G=4, SWAP=1, ATOMIC=0, num_warps=2, num_stages=3, PF=2)
 
 if HAS_TRITON:

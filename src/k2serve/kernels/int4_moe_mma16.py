@@ -39,7 +39,7 @@ of the experts 1.86 ms (1.36x); T=32 / 64 0.74 / 0.88x the per-pair GEMV. Withou
 5.03 ms (59%). Tiles of 64 weight rows a warp ran ~2x slower whatever their instruction count
 (8x128: 2.2 a weight, 10.2 ms): the time follows the weight rows streamed at once an SM and the
 bytes a row a K step (DRAM locality), not the instructions. Dispatched for 1024-2048 (token,
-expert) pairs (kernels/configs/h200.json int4_decode_mma).
+expert) pairs (kernels/configs/h100.json int4_decode_mma).
 
 Invariants: compressed-tensors words (nibble j of word i = column 8i + j, value + 8), bf16
 scales, group 32; K a multiple of 32 G; no host synchronisation (CUDA-graph safe).

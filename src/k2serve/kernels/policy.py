@@ -14,8 +14,9 @@ module global. A benchmark compares variants by building policies (`dataclasses.
 setting each up on the model, never by patching modules.
 
 Tables: one JSON file per device kind under `configs/` (package data). A CUDA device whose kind
-has no file uses the H200's (the one measured), which is logged once per setup; shapes missing
-from a table use each kernel's rule.
+has no file uses the H100's (where the tables were measured), which is logged once per setup;
+shapes missing from a table use each kernel's rule. A file with "base": "<kind>" holds only the
+entries measured differently on its kind, over the base kind's file (h200.json over h100.json).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_KIND = "h200"
+DEFAULT_KIND = "h100"
 MOE_PREFILL_PRECISIONS = ("auto", "bf16", "fp8")
 FP8_PREFILL_MIN_TOKENS = 512  # `--moe-prefill-precision fp8` on a table without a threshold
 Shape = tuple[int, int]  # (N, K) of a weight [N, K]
@@ -83,13 +84,23 @@ def _frozen(d: Mapping[str, Any]) -> Mapping[str, Any]:
     return FrozenMap({k: _frozen(v) if isinstance(v, Mapping) else v for k, v in d.items()})
 
 
+def _config_or_table(v: Any) -> Mapping[str, Any] | tuple[Mapping[str, Any], ...]:
+    """One config (a mapping) or configs by max pair count (a list, the last max_pairs null)."""
+    if isinstance(v, Mapping):
+        return _frozen(v)
+    table = tuple(_frozen(e) for e in v)
+    if not table or table[-1].get("max_pairs") is not None:
+        raise ValueError("a table of configs needs entries, the last with max_pairs null")
+    return table
+
+
 def _opt_int(data: Mapping[str, Any], key: str) -> int | None:
     return None if data.get(key) is None else int(data[key])
 
 
 @dataclass(frozen=True)
 class KernelTables:
-    """Tuned launch configs of one device kind (see configs/h200.json for the fields)."""
+    """Tuned launch configs of one device kind (see configs/h100.json for the fields)."""
 
     kind: str
     gemv_bf16: Mapping[Shape, Mapping[str, int] | None]  # None: cuBLAS is faster for the shape
@@ -123,9 +134,12 @@ class KernelTables:
     # they replace the pair-count rule above; absent from a table: off
     int4_routing_select: tuple[Mapping[str, Any], ...] = ()
     # the tensor-core INT4 decode MoE (int4_moe_mma.int4_moe_mma, e.g. its F16=1 design): its
-    # config and the (token, expert) pair counts it runs for, ahead of every other decode path
-    # (not inside int4_routing_select's bands); absent from a table (the default): off
-    int4_decode_mma: Mapping[str, Any] = field(default_factory=lambda: FrozenMap({}))
+    # config (or configs by max pair count) and the (token, expert) pair counts it runs for,
+    # ahead of every other decode path (not inside int4_routing_select's bands); absent from a
+    # table (the default): off
+    int4_decode_mma: Mapping[str, Any] | tuple[Mapping[str, Any], ...] = field(
+        default_factory=lambda: FrozenMap({})
+    )
     int4_decode_mma_min_pairs: int | None = None
     int4_decode_mma_max_pairs: int | None = None
     # the Gluon INT4 grouped GEMM (int4_gemm_gluon.py; Triton 3.6 on sm_90): its configs by max
@@ -193,7 +207,7 @@ class KernelTables:
                     }
                 ),
                 int4_routing_select=tuple(_frozen(e) for e in data.get("int4_routing_select", ())),
-                int4_decode_mma=_frozen(data.get("int4_decode_mma", {})),
+                int4_decode_mma=_config_or_table(data.get("int4_decode_mma", {})),
                 int4_decode_mma_min_pairs=_opt_int(data, "int4_decode_mma_min_pairs"),
                 int4_decode_mma_max_pairs=_opt_int(data, "int4_decode_mma_max_pairs"),
                 mla_prefill=tuple(
@@ -274,7 +288,18 @@ def load_tables(kind: str = DEFAULT_KIND) -> KernelTables:
 
 @cache
 def _load(name: str) -> KernelTables:  # cached: package data, immutable result
-    return KernelTables.from_json(name, json.loads(_configs().joinpath(f"{name}.json").read_text()))
+    return KernelTables.from_json(name, _read(name))
+
+
+def _read(name: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    """configs/<name>.json, over its "base" kind's file when it names one."""
+    data = json.loads(_configs().joinpath(f"{name}.json").read_text())
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if base in (name, *seen) or base not in _table_names():
+        raise ValueError(f"kernel table {name!r}: base {base!r} is not another table")
+    return {**_read(base, (*seen, name)), **data}
 
 
 @dataclass(frozen=True)

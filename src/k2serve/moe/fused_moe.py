@@ -54,7 +54,7 @@ from k2serve.kernels.fp8_gemm_gluon import check_table as check_fp8_gluon_table
 from k2serve.kernels.fp8_gemm_gluon import supported as fp8_gluon_supported
 from k2serve.kernels.fp8_moe import check_table, fp8_moe
 from k2serve.kernels.fused_moe import ExpertWeights, fused_moe
-from k2serve.kernels.int4_gemm import int4_moe_gemm, int4_moe_grouped_mm
+from k2serve.kernels.int4_gemm import int4_moe_gemm, int4_moe_grouped_mm, pick_config
 from k2serve.kernels.int4_gemv import int4_moe_decode, int4_moe_decode_grouped
 from k2serve.kernels.int4_moe_mma import int4_moe_mma
 from k2serve.kernels.moe_select import moe_select
@@ -120,7 +120,7 @@ class FusedMoEBackend(ExpertBackend):
         grouped_min_pairs: int | None = None,
         grouped_max_pairs: int | None = None,
         routing_select: Sequence[Mapping[str, Any]] | None = None,
-        mma_config: Mapping[str, Any] | None = None,
+        mma_config: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
         mma_min_pairs: int | None = None,
         mma_max_pairs: int | None = None,
         prefill_config: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
@@ -177,7 +177,9 @@ class FusedMoEBackend(ExpertBackend):
         )
         # the tensor-core decode MoE for pairs in [mma_min_pairs, mma_max_pairs], ahead of
         # every other decode path; no config or no limits (the tables' default): off
-        self.mma_config = dict(t.int4_decode_mma if mma_config is None else mma_config)
+        # one config, or a table of configs by max pair count (pick_config)
+        mma = t.int4_decode_mma if mma_config is None else mma_config
+        self.mma_config = dict(mma) if isinstance(mma, Mapping) else tuple(map(dict, mma))
         lo = t.int4_decode_mma_min_pairs if mma_min_pairs is None else mma_min_pairs
         hi = t.int4_decode_mma_max_pairs if mma_max_pairs is None else mma_max_pairs
         mma_ok = bool(self.mma_config) and w.group_size == 32  # (it reads group-32 scales)
@@ -279,6 +281,9 @@ class FusedMoEBackend(ExpertBackend):
                 picks.append(("fp8_gemm", band_index(self.fp8_table, pairs)))
             elif p == "fp8_gluon":
                 picks.append(("fp8_gluon", band_index(self.fp8_gluon_table, pairs)))
+            elif p == "mma":
+                table = self.mma_config
+                picks.append(("mma", 0 if isinstance(table, Mapping) else band_index(table, pairs)))
             elif p == "kernel":  # fused_moe._config: small-M below 4 pairs per expert
                 picks.append(("kernel", pairs <= 4 * self.weights.num_experts))
             else:
@@ -302,7 +307,8 @@ class FusedMoEBackend(ExpertBackend):
                 hidden, w, topk_weights, topk_ids, self.grouped_config, self.asm, active
             )
         if path == "mma":
-            return int4_moe_mma(hidden, w, topk_weights, topk_ids, self.mma_config, active)
+            cfg = pick_config(self.mma_config, topk_ids.numel())
+            return int4_moe_mma(hidden, w, topk_weights, topk_ids, cfg, active)
         if path == "decode":
             return int4_moe_decode(
                 hidden, w, topk_weights, topk_ids, self.decode_config, self.asm, active
