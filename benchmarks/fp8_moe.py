@@ -15,6 +15,8 @@ One K2 MoE layer: E=384, D=7168, I=2048, top-8, random float8_e4m3fn weights wit
   two (>= ~1.00x when the limit is right); then the pair counts where the generic kernel won.
 - sweep: each GEMM (gate+up, down) timed alone over candidate tiles per BLOCK_M; prints the
   winners as a `fp8_moe` table for kernels/configs/<kind>.json.
+- generic (not in the default parts): the generic kernel's small-M config against its own
+  rule and the new path at T = 128..1024, uniform and one-third routing.
 """
 
 from __future__ import annotations
@@ -137,6 +139,46 @@ def part_time(ew, policy):
         f"(table: fp8_moe_generic_max_pairs={backend.fp8_generic_max_pairs})")  # fmt: skip
 
 
+GENERIC_TS = (128, 192, 256, 320, 384, 512, 768, 1024)
+
+
+def part_generic(ew, policy):
+    """Where the generic kernel's small-M config (16-row blocks: weight streaming) stops
+    winning: it, the generic kernel's own rule (large-M past 4 pairs an expert) and the new
+    path (the table) at T = GENERIC_TS under uniform and one-third routing (every token's
+    experts from a fixed third: 8 pairs an expert at T=128), CUDA-graph timed; checked
+    against each other first."""
+    from k2serve.kernels import fp8_moe, fused_moe
+
+    table = policy.tables.fp8_moe
+    small = fused_moe._config(1, E, "fp8")  # the small-M block sizes
+    sub = torch.randperm(E, device=DEV)[: E // 3]
+    log(f"generic small-M config {small}")
+    log("| T | routing | experts hit | small-M ms | % copy bw | generic rule ms | new ms | best |")
+    log("|---|---|---|---|---|---|---|---|")
+    for T in GENERIC_TS:
+        for mode in ("uniform", "third"):
+            x, tw, ids = inputs(T, 200 + T)
+            if mode == "third":
+                ids = sub[torch.rand(T, E // 3, device=DEV).argsort(-1)[:, :K]].int()
+            hit = int(ids.unique().numel())
+            fns = {
+                "small-M": lambda: fused_moe.fused_moe(x, ew, tw, ids, small),
+                "generic rule": lambda: fused_moe.fused_moe(x, ew, tw, ids),
+                "new": lambda: fp8_moe.fp8_moe(x, ew, tw, ids, table=table),
+            }
+            ref = fns["new"]()
+            for name, fn in fns.items():
+                err = rel(fn(), ref)
+                if not err < 2e-2:
+                    log(f"check T={T} {mode} {name}: rel err {err:.2e} vs new FAIL")
+                    ms.FAILS.append(f"generic T={T} {mode} {name}")
+            t = {name: ms.graph_ms([fn]) for name, fn in fns.items()}
+            pct = 100 * expert_bytes(ew, hit) / t["small-M"] / 1e6 / ms.CEIL["bw"]
+            log(f"| {T} | {mode} | {hit} | {t['small-M']:.3f} | {pct:.0f}% | "
+                f"{t['generic rule']:.3f} | {t['new']:.3f} | {min(t, key=t.get)} |")  # fmt: skip
+
+
 # candidate tiles (BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M), chosen so that none
 # spills registers on sm_90 (ptxas); decode: 16-row blocks; prefill: 32-128-row blocks
 DEC13 = [(16, 128, 4, 4, 1), (32, 128, 4, 4, 1), (32, 128, 4, 6, 1), (64, 128, 4, 4, 1)]
@@ -254,6 +296,8 @@ def main():
         part_time(ew, policy)
     if "sweep" in parts:
         part_sweep(ew)
+    if "generic" in parts:
+        part_generic(ew, policy)
     log(f"done; failures: {ms.FAILS or 'none'}")
     return 1 if ms.FAILS else 0
 
