@@ -2,10 +2,9 @@
 """Device sweep of the tensor-core INT4 decode MoE against the shipped decode paths, on one K2
 MoE layer (E=384, D=7168, I=2048, group 32, random INT4 weights as model_speed._rand_experts):
 the f16 design (kernels/int4_moe_mma16.py, config F16=1 of int4_moe_mma: Marlin's dequant, the
-group scale once per group) and the bf16 design of wave 9 (its best tile, 16x32 mma.sync 3
-stages ETAB=2), T = 32, 64, 128, 192, 256 tokens x top-8 under uniform routing and T = 128
-with every token's experts drawn from one random third of them ("third"; --skewed adds the
-lognormal routing of model_speed.part_ggemv).
+group scale once per group; wave 9's bf16 design is removed), T = 32, 64, 128, 192, 256 tokens
+x top-8 under uniform routing and T = 128 with every token's experts drawn from one random third
+of them ("third"; --skewed adds the lognormal routing of model_speed.part_ggemv).
 
 Order: copy bandwidth (measured here); at T=128 uniform every path against the float32
 torch reference (fused_moe_ref: exact weights, fp32 sums, the bf16 intermediate); then per
@@ -38,18 +37,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 TOL = 4e-3
 # name -> config (gate_up launch; "w2": the down launch's overrides). Each compiles for sm_90
 # with Triton 3.6 without spills (checked offline: registers, shared memory, CTAs an SM, the
-# K loop's SASS instructions a weight). Run 1 (H100, 2026-11-24): every ETAB=1 config sat at
-# 9.4-10.6 ms at T=128 uniform whatever its tile, ETAB=0 at 7.1: the exponent tile (64 rows
-# of the same 64 bytes from L2, in every program) is a hot spot; ETAB=2 takes the exponent
-# from the scale pair's sign bit instead (no load), so these are the tiles again without it.
-# Run 2 (same day, runs/h100_w9_decode_mma_run2.txt): best "16x32 swap0 s3" everywhere, 47-51%
-# of copy bw (T=128 uniform 6.01 ms against the grouped GEMV's 5.63); ETAB=2 2-5% over ETAB=0.
-BASE = dict(BLOCK_M=16, BLOCK_N=64, KW=16, SWAP=1, ATOMIC=0, ETAB=2, num_warps=4, num_stages=2)
+# K loop's SASS instructions a weight). Wave 9's bf16 design (removed; its best tile 16x32
+# mma.sync, 3 stages, runs/h100_w9_decode_mma_run2.txt) read at 47-51% of copy bw (T=128
+# uniform 6.01 ms against the grouped GEMV's 5.63).
 # The F16 configs. SASS instructions a weight in the K loop (gate_up / down, benchmarks/mma_sass.py,
 # Triton 3.6 sm_90): 16x64 w2 3.16 / 3.44, 16x64 g4 w2 2.96 / 3.14, 16x32 g4 w1 2.89 / 3.16,
 # 16x64 g8 w2 2.84 / 2.99 (255 registers), 16x16 g8 w1 3.29 / 3.59, 8x32 g8 w1 2.16 / 2.25,
-# 8x32 g4 w1 2.27 / 2.41, 8x64 g4 w2 2.32 / 2.48, 16x128 swap0 3.61 / 3.81; the bf16 16x32
-# 4.92 / 5.70. G = 2 / 4 / 8: 32 / 64 / 128 contiguous bytes a weight row a K step.
+# 8x32 g4 w1 2.27 / 2.41, 8x64 g4 w2 2.32 / 2.48, 16x128 swap0 3.61 / 3.81; the removed bf16
+# 16x32 4.92 / 5.70. G = 2 / 4 / 8: 32 / 64 / 128 contiguous bytes a weight row a K step.
 # Run 1 (H100, lead, 02:45, branch at f51c44d): T=128 uniform 16x64 w2 5.03 ms (59% of copy bw,
 # 1.12x the grouped GEMV), 16x128 swap0 5.15, 8x64 g4 w2 6.15, and every tile of 64 weight rows
 # a warp (8x128 w2, 8x256 w4, 8x64 w1) ~10 ms whatever its instruction count (2.2 a weight):
@@ -59,7 +54,6 @@ BASE = dict(BLOCK_M=16, BLOCK_N=64, KW=16, SWAP=1, ATOMIC=0, ETAB=2, num_warps=4
 # 4.67, G=4 4.84, G=8 4.79, G=2 4.96; PF=8 6.47 (too far ahead); 62% at T=192/256.
 F16 = dict(F16=1, BLOCK_M=16, BLOCK_N=64, G=2, SWAP=1, ATOMIC=0, num_warps=2, num_stages=3)
 MMA_SWEEP = {  # around run 2's best (the table's 16x64 G=4 PF=2)
-    "bf16 16x32 swap0 s3": dict(BASE, BLOCK_N=32, SWAP=0, num_stages=3),
     "f16 16x128 swap0 w4": dict(F16, BLOCK_N=128, SWAP=0, num_warps=4),
     "f16 16x64 w2": dict(F16),
     "f16 16x64 g4 w2 pf2": dict(F16, G=4, PF=2),
@@ -161,41 +155,18 @@ def shipped_paths(cuda: bool):
 
 
 def launch_split(ew, x, tw, ti, cfg, cuda):
-    """(gate_up ms, down ms) of one config, each launch graph-timed alone on prepared inputs."""
-    from k2serve.kernels import int4_moe_mma as mm
+    """(gate_up ms, down ms) of one config, each launch graph-timed alone on prepared inputs
+    (the activation packing of each launch included)."""
+    from k2serve.kernels import int4_moe_mma16 as m16
+    from k2serve.kernels.int4_moe_mma import _configs
     from k2serve.kernels.moe_align import moe_align_block_size
 
     T, D = x.shape
     I, k = ew.intermediate, ti.shape[1]
     M = T * k
-    c13, c2 = mm._configs(cfg, D, I)
+    c13, c2 = _configs(cfg, D, I)
     sid, eids, npost = moe_align_block_size(ti, ew.num_experts, c13["BLOCK_M"])
     tw1 = tw.reshape(-1).float().contiguous()
-    if c13.get("F16"):
-        return f16_split(ew, x, tw1, sid, eids, npost, k, c13, c2, cuda)
-    xg = mm.to_plane_order(x, c13["KW"])
-    ex = torch.full((32,), 142 << 23, dtype=torch.int32, device=x.device)
-    act = torch.empty(M, I, dtype=x.dtype, device=x.device)
-    out = torch.zeros(T if c2["ATOMIC"] else M, D, dtype=torch.float32, device=x.device)
-
-    def up():
-        mm._launch(xg, ew.w13, ew.w13_scale, act, tw1, sid, eids, npost, ex, I, D, M, k, True,
-                   False, 1, False, c2["KW"], c13)  # fmt: skip
-
-    def down():
-        mm._launch(act, ew.w2, ew.w2_scale, out, tw1, sid, eids, npost, ex, D, I, M, 1, False,
-                   True, k if c2["ATOMIC"] else 1, bool(c2["ATOMIC"]), 0, c2)  # fmt: skip
-
-    return time_fns([up], cuda), time_fns([down], cuda)
-
-
-def f16_split(ew, x, tw1, sid, eids, npost, k, c13, c2, cuda):
-    """launch_split of an F16 config (the activation packing of each launch included)."""
-    from k2serve.kernels import int4_moe_mma16 as m16
-
-    T, D = x.shape
-    I = ew.intermediate  # noqa: E741
-    M = T * k
     act = torch.empty(M, I, dtype=torch.bfloat16, device=x.device)
     out = torch.zeros(T if c2["ATOMIC"] else M, D, dtype=torch.float32, device=x.device)
 

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Issue 28, target "decode B=128 >= 60% of copy bandwidth": the tensor-core INT4 decode MoE,
-# the f16 design (kernels/int4_moe_mma16.py) and wave 9's bf16 design, against the shipped
+# the f16 design (kernels/int4_moe_mma16.py, int4_moe_mma's only one), against the shipped
 # decode paths on one K2 MoE layer (benchmarks/decode_mma.py: fp32-reference and per-pair
 # checks, then CUDA-graph times, then the table), then the GPU tests at K2 sizes if the time
 # allows. Under 240 s on one H100; everything it prints is in $OUT/mma_*.txt.

@@ -1,15 +1,14 @@
 # ruff: noqa: E501
-"""Compile the INT4 decode MoE kernels of kernels/int4_moe_mma.py (the bf16 nibble-plane
-design) and kernels/int4_moe_mma16.py (the F16 design) for sm_90 without a GPU and print, per
-config and launch (gate_up: gated, A_DIV 8; down: top-k weight): registers, spilled bytes,
-shared memory, CTAs an SM, and the K loop's SASS instructions per INT4 weight a thread, by
-opcode class (the loop: the backward branch whose body holds the HMMAs). Issue 28: the
-bf16 design runs ~5 thread-instructions a weight (Nsight Compute, H100); Marlin-class ~1-1.5.
+"""Compile the tensor-core INT4 decode MoE kernel (kernels/int4_moe_mma16.py, the F16 design
+that int4_moe_mma runs) for sm_90 without a GPU and print, per config and launch (gate_up:
+gated, A_DIV 8; down: top-k weight): registers, spilled bytes, shared memory, CTAs an SM, and
+the K loop's SASS instructions per INT4 weight a thread, by opcode class (the loop: the
+backward branch whose body holds the HMMAs). Issue 28: wave 9's bf16 design (removed) ran
+~5 thread-instructions a weight (Nsight Compute, H100; 4.92 / 5.70 here); Marlin-class ~1-1.5.
 
 Run (no GPU; Triton 3.6, the version of the device image):
   PYTHONPATH=/tmp/tri36:src python benchmarks/mma_sass.py [--f16 16x128g2s3w4,...] [--sass DIR]
-An F16 config name: BLOCK_M x BLOCK_N g G s STAGES w WARPS [x: SWAP=1] [p PF]; "old" is the bf16
-design's default (16x32 mma.sync, 3 stages, ETAB=2 as measured by ncu).
+An F16 config name: BLOCK_M x BLOCK_N g G s STAGES w WARPS [x: SWAP=1] [p PF].
 """
 
 from __future__ import annotations
@@ -160,41 +159,21 @@ def f16_launch(cfg, gated):
     return k, cfg["BLOCK_N"] * 32 * cfg["G"] * (2 if gated else 1)
 
 
-def old_launch(cfg, gated):
-    import triton.language as tl
-
-    from k2serve.kernels.int4_moe_mma import _int4_mma_kernel
-
-    ptrs = {"a_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*i32", "c_ptr": "*bf16" if gated else "*fp32",
-            "tw_ptr": "*fp32", "sorted_ptr": "*i32", "eid_ptr": "*i32", "npost_ptr": "*i32",
-            "ex_ptr": "*i32"}  # fmt: skip
-    cons = dict(A_DIV=8 if gated else 1, GATED=gated, MUL_W=not gated, OUT_DIV=1,
-                ATOMIC=cfg["ATOMIC"], PERM_OUT=cfg["KW"] if gated else 0,
-                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], KW=cfg["KW"], SWAP=cfg["SWAP"],
-                DOT_DT=tl.bfloat16, ETAB=cfg["ETAB"])  # fmt: skip
-    k = compile_kernel(_int4_mma_kernel, ptrs, cons, cfg["num_warps"], cfg["num_stages"])
-    return k, cfg["BLOCK_N"] * 16 * cfg["KW"] * (2 if gated else 1)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--f16", default=DEFAULT_F16)
-    ap.add_argument("--no-old", action="store_true")
     ap.add_argument("--sass", default="", help="write each kernel's SASS / TTGIR / PTX here")
     args = ap.parse_args(argv)
     import triton
 
-    from k2serve.kernels.int4_moe_mma import MMA_CONFIG
-
     print(f"triton {triton.__version__}, target sm_90; per weight = K loop SASS instructions / "
           "INT4 weights a thread an iteration", flush=True)  # fmt: skip
-    todo = [] if args.no_old else [("old 16x32 swap0 s3 ETAB2", "old", dict(MMA_CONFIG, ETAB=2))]
-    todo += [(f"f16 {n}", "f16", parse_f16(n)) for n in args.f16.split(",") if n]
+    todo = [(f"f16 {n}", parse_f16(n)) for n in args.f16.split(",") if n]
     ok = True
-    for name, kind, cfg in todo:
+    for name, cfg in todo:
         for launch, gated in (("gate_up", True), ("down", False)):
             try:
-                k, w = (f16_launch if kind == "f16" else old_launch)(cfg, gated)
+                k, w = f16_launch(cfg, gated)
                 report(f"{name} {launch}", k, cfg["num_warps"], w, args.sass or None)
             except Exception as e:  # noqa: BLE001 - report and go on
                 ok = False

@@ -1,6 +1,7 @@
-"""The tensor-core INT4 decode MoE (kernels/int4_moe_mma.py) against the torch reference on
-ragged routings (small shapes through Triton's interpreter on CPU; the same code on CUDA), and
-at K2 sizes against the per-pair GEMV on a GPU."""
+"""The tensor-core INT4 decode MoE's entry point (kernels/int4_moe_mma.py: configs, the
+`active` flag, rows far from unit) through Triton's interpreter on CPU (the same code on CUDA),
+and the helpers test_int4_moe_mma16.py (the f16 kernel itself) shares: `experts`,
+`ragged_ids`, `rel`."""
 
 import pytest
 import torch
@@ -39,43 +40,6 @@ def ragged_ids(T, E, k, hot=0):
     return ids.to(DEVICE)
 
 
-CFGS = [
-    dict(
-        BLOCK_M=16, BLOCK_N=64, KW=16, SWAP=1, ATOMIC=0, ETAB=1, SPLIT=1, num_warps=4, num_stages=2
-    ),  # fmt: skip
-    dict(
-        BLOCK_M=8,
-        BLOCK_N=32,
-        KW=32,
-        SWAP=0,
-        ATOMIC=1,
-        ETAB=0,
-        num_warps=4,
-        num_stages=3,
-        w2=dict(BLOCK_N=64, KW=16, SWAP=1, ATOMIC=0, ETAB=1),
-    ),  # fmt: skip
-    dict(BLOCK_M=16, BLOCK_N=128, KW=16, SWAP=1, ATOMIC=1, ETAB=2, num_warps=8, num_stages=2),
-]
-
-
-@pytest.mark.parametrize("cfg", CFGS)
-@pytest.mark.parametrize("T, k", [(1, 2), (5, 4), (20, 4)])
-def test_int4_moe_mma_matches_reference(cfg, T, k):
-    """Blocks with one real row, blocks split over an expert's 24 rows, an expert without rows,
-    a partial N block (BLOCK_N 128 over hidden 512 and intermediate 256 is whole; 64 over 256
-    also), K steps of 16 KW with KW shrunk where the K does not take it."""
-    from k2serve.kernels.int4_moe_mma import int4_moe_mma
-
-    E, D, I = 12, 512, 256  # noqa: E741
-    ew = experts(E, D, I)
-    x = torch.randn(T, D, device=DEVICE, dtype=torch.bfloat16)
-    w = torch.rand(T, k, device=DEVICE)
-    ids = ragged_ids(T, E, k)
-    out = int4_moe_mma(x, ew, w, ids, cfg)
-    assert out.shape == (T, D) and out.dtype == torch.bfloat16
-    assert rel(out, fm.fused_moe_ref(x, ew, w, ids)) < TOL
-
-
 def test_int4_moe_mma_agrees_with_the_decode_gemv_and_rows_far_from_unit():
     """The same result as the per-pair GEMV (the reference path of the device sweep) on a
     routing with int64 ids, rows scaled far from unit (bf16 activations keep their range)."""
@@ -90,7 +54,7 @@ def test_int4_moe_mma_agrees_with_the_decode_gemv_and_rows_far_from_unit():
     w = torch.rand(T, k, device=DEVICE)
     ids = torch.stack([torch.randperm(8)[:k] for _ in range(T)]).to(DEVICE)
     ref = int4_moe_decode(x, ew, w, ids, dict(BLOCK_N=64, W=16, num_warps=4))
-    out = int4_moe_mma(x, ew, w, ids, dict(BLOCK_M=16, BLOCK_N=32, num_warps=4))
+    out = int4_moe_mma(x, ew, w, ids, dict(BLOCK_M=16, BLOCK_N=32, num_warps=4))  # F16 default
     assert rel(out, ref) < TOL
     assert rel(out, fm.fused_moe_ref(x, ew, w, ids)) < TOL
 
@@ -104,22 +68,12 @@ def test_int4_moe_mma_active_flag():
     x = torch.randn(3, 256, device=DEVICE, dtype=torch.bfloat16)
     w = torch.rand(3, 2, device=DEVICE)
     ids = torch.tensor([[0, 1], [1, 2], [0, 2]], device=DEVICE)
-    cfg = dict(BLOCK_M=8, BLOCK_N=64, ATOMIC=1)
+    cfg = dict(BLOCK_M=8, BLOCK_N=64, G=2, ATOMIC=1)
     on = torch.ones(1, dtype=torch.int32, device=DEVICE)
     base = int4_moe_mma(x, ew, w, ids, cfg)
     assert rel(int4_moe_mma(x, ew, w, ids, cfg, active=on), base) < 1e-6
     off = int4_moe_mma(x, ew, w, ids, cfg, active=on * 0)
     assert torch.count_nonzero(off) == 0
-
-
-def test_plane_order_is_the_gemm_order():
-    """The activation layout is int4_gemm's (one permutation for both kernels)."""
-    from k2serve.kernels.int4_gemm import to_gemm_order
-    from k2serve.kernels.int4_moe_mma import to_plane_order
-
-    x = torch.arange(2 * 1024, dtype=torch.float32).view(2, 1024)
-    for kw in (16, 32):
-        assert torch.equal(to_plane_order(x, kw), to_gemm_order(x, kw))
 
 
 def test_int4_moe_mma_rejects_bad_configs_and_weights():
@@ -135,33 +89,14 @@ def test_int4_moe_mma_rejects_bad_configs_and_weights():
         int4_moe_mma(x, ew, w, ids, dict(BLOCK_M=16, w2=dict(BLOCK_M=8)))
     with pytest.raises(ValueError, match="powers of two"):
         int4_moe_mma(x, ew, w, ids, dict(BLOCK_N=48))
-    small = experts(4, 128, 256)  # hidden 128: no K step of 16 KW = 256 columns
-    with pytest.raises(ValueError, match="multiple of 16 KW"):
-        int4_moe_mma(torch.randn(2, 128, device=DEVICE, dtype=torch.bfloat16), small, w, ids)
+    small = experts(4, 64, 256)  # hidden 64: no K step of 32 G = 128 columns (G=4)
+    with pytest.raises(ValueError, match="multiple of 32 G"):
+        int4_moe_mma(torch.randn(2, 64, device=DEVICE, dtype=torch.bfloat16), small, w, ids)
+    # wave 9's bf16 design is gone: its configs are refused, naming the f16 design
+    for old in (dict(F16=0), dict(w2=dict(F16=0)), dict(KW=16, ETAB=2), dict(SPLIT=1)):
+        with pytest.raises(ValueError, match="bf16 tensor-core design .* removed.*F16=1"):
+            int4_moe_mma(x, ew, w, ids, old)
     g64 = fm.ExpertWeights("int4", ew.w13, ew.w2, ew.w13_scale[..., ::2], ew.w2_scale[..., ::2],
                            64)  # fmt: skip
     with pytest.raises(ValueError, match="group 32"):
         int4_moe_mma(x, g64, w, ids)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("T", [32, 128, 256])
-def test_int4_moe_mma_k2_sizes_against_the_decode_gemv(T):
-    """One K2 MoE layer (384 experts of 7168 x 2048, top-8, uniform routing): two configs
-    against the per-pair GEMV within 4e-3 (3.6-3.8e-3 in the H100 sweeps: bf16 weights and
-    activations against the GEMV's exact weights and fp16 activations)."""
-    from k2serve.kernels.int4_gemv import int4_moe_decode
-    from k2serve.kernels.int4_moe_mma import int4_moe_mma
-    from k2serve.kernels.policy import load_tables
-
-    torch.manual_seed(T)
-    E, D, I, k = 384, 7168, 2048, 8  # noqa: E741
-    ew = experts(E, D, I, "cuda")
-    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
-    w = torch.softmax(torch.randn(T, k, device="cuda"), -1)
-    ids = torch.rand(T, E, device="cuda").argsort(-1)[:, :k].int()
-    ref = int4_moe_decode(x, ew, w, ids, dict(load_tables().int4_decode))
-    wide = dict(BLOCK_N=64, SWAP=1, ETAB=2, ATOMIC=1, num_warps=4, num_stages=2)
-    for cfg in (None, wide):  # the default (16x32 mma.sync) and the 16x64 wgmma tile
-        assert rel(int4_moe_mma(x, ew, w, ids, cfg), ref) < 4e-3

@@ -119,7 +119,7 @@ def test_f16_config_errors():
     ids = torch.tensor([[0, 1], [2, 3]], device=DEVICE)
     with pytest.raises(ValueError, match="G=3"):
         int4_moe_mma(x, ew, w, ids, dict(F16=1, G=3))
-    with pytest.raises(ValueError, match="both launches or neither"):
+    with pytest.raises(ValueError, match="bf16 tensor-core design .* removed"):
         int4_moe_mma(x, ew, w, ids, dict(F16=1, w2=dict(F16=0)))
     with pytest.raises(ValueError, match="BLOCK_M >= 8"):
         int4_moe_mma(x, ew, w, ids, dict(F16=1, BLOCK_N=8))

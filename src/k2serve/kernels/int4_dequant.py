@@ -1,9 +1,10 @@
 """Shared pieces of the INT4 MoE kernels: the weight format, its bit-trick dequantization, the
 plane layout, and a standalone dequant pass.
 
-Owns: `use_asm` (whether the inline-PTX dequant runs), `pick_pb` / `permute_planes` (the
-plane-major activation layout), `dequant_int4_planes` (weights to bf16 in plane order, for the
-dequant + torch._grouped_mm prefill path) and the Triton helpers the kernels share: `plane_f32`,
+Owns: `use_asm` (whether the inline-PTX dequant runs), `f16x2_dequant_asm` (the inline PTX of
+the f16x2 dequant, for any operand positions), `pick_pb` / `permute_planes` (the plane-major
+activation layout), `dequant_int4_planes` (weights to bf16 in plane order, for the dequant +
+torch._grouped_mm prefill path) and the Triton helpers the kernels share: `plane_f32`,
 `planes_bf16` and `store_rows`. The decode GEMV lives in int4_gemv.py, the prefill grouped GEMM
 and the dequant + grouped_mm path in int4_gemm.py.
 
@@ -20,7 +21,10 @@ Dequant without I2F: for nibble j < 4 of p (j >= 4: of p >> 16), `(p & (0xF << 4
 ((150 - 4j) << 23)` read as float32 is exactly 2^(23-4j) + n; subtracting 2^(23-4j) + 8 gives
 n - 8 (`plane_f32`). The bf16 path builds pairs with one lop3 (`(p >> 4j) & 0x000F000F |
 0x43004300` = two bf16 of value 128 + n), then one bf16x2 FMA for -136 and one for the scale
-(inline PTX in `planes_bf16`; a plain-Triton version runs under the interpreter).
+(inline PTX in `planes_bf16`; a plain-Triton version runs under the interpreter). The f16
+path (Marlin's) leaves two nibbles in an f16x2 register with one lop3 and the 0x6400 exponent
+(1024 + n, or 1024 + 16 n for the next nibble) and finishes both weights with one f16x2 sub or
+fma (`f16x2_dequant_asm`).
 
 Invariants: K % PB == 0, group % 8 == 0 and (PB/8) % (group/8) == 0.
 """
@@ -37,6 +41,39 @@ def use_asm(enabled: bool = True) -> bool:
     K2SERVE_INT4_ASM); never in the interpreter or on ROCm (PTX does not compile there: the
     plain-Triton paths run instead)."""
     return enabled and not INTERPRET and torch.version.hip is None
+
+
+def f16x2_dequant_asm(word: str, out: tuple[str, str, str, str], decl: str = "",
+                      then: str = "") -> str:  # fmt: skip
+    """The inline-PTX block (for `tl.inline_asm_elementwise`) of Marlin's INT4 dequant: the 8
+    nibbles n_0..n_7 (value + 8) of the 32-bit register `word` to four f16x2 registers
+    out[j] = (n_j - 8 low, n_j+4 - 8 high), exact: lop3 0xEA = (a & b) | c puts nibble n with
+    the exponent 0x6400 (fp16 1024) as 1024 + n (minus 1032: 0x6408), the next nibble up as
+    1024 + 16 n (times 1/16 minus 72: 0x2C00, 0xD480); 4 lop3, 1 shift and 4 f16x2 sub / fma
+    for 8 weights. `word`, `out`: asm operands ("$4") or registers that `decl` declares; the
+    block's own registers are q, k1032, k16, k72; `then`: PTX run after it in the same block.
+    One text for `_word_dot_h2` (int4_gemv.py), `_dq_h2` (int4_gemv_parts.py) and `_dq8`
+    (int4_moe_mma16.py), whose operands sit at other positions."""
+    t0, t1, t2, t3 = out
+    return f"""
+    {{
+    {decl}
+    .reg .b32 q, k1032, k16, k72;
+    mov.b32 k1032, 0x64086408;
+    mov.b32 k16, 0x2C002C00;
+    mov.b32 k72, 0xD480D480;
+    lop3.b32 {t0}, {word}, 0x000F000F, 0x64006400, 0xEA;
+    lop3.b32 {t1}, {word}, 0x00F000F0, 0x64006400, 0xEA;
+    shr.u32 q, {word}, 8;
+    lop3.b32 {t2}, q, 0x000F000F, 0x64006400, 0xEA;
+    lop3.b32 {t3}, q, 0x00F000F0, 0x64006400, 0xEA;
+    sub.f16x2 {t0}, {t0}, k1032;
+    fma.rn.f16x2 {t1}, {t1}, k16, k72;
+    sub.f16x2 {t2}, {t2}, k1032;
+    fma.rn.f16x2 {t3}, {t3}, k16, k72;
+    {then}
+    }}
+    """
 
 
 def pick_pb(*ks: int) -> int | None:

@@ -37,8 +37,27 @@ from ._triton import HAS_TRITON, cdiv, require_triton, tl, triton
 from .int4_dequant import use_asm
 
 if HAS_TRITON:
-    from .int4_dequant import store_rows
+    from .int4_dequant import f16x2_dequant_asm, store_rows
     from .int4_gemv_parts import _dq_h2, _g_block, _g_out
+
+    # the word's 8 weights (f16x2 pairs t0..t3) times the activation pairs $2..$5, summed
+    _WORD_DOT_H2_ASM = tl.constexpr(
+        f16x2_dequant_asm(
+            "$1",
+            ("t0", "t1", "t2", "t3"),
+            decl=".reg .b32 t0, t1, t2, t3, acc; .reg .f16 lo, hi; .reg .f32 flo, fhi;",
+            then="""
+            mul.f16x2 acc, t0, $2;
+            fma.rn.f16x2 acc, t1, $3, acc;
+            fma.rn.f16x2 acc, t2, $4, acc;
+            fma.rn.f16x2 acc, t3, $5, acc;
+            mov.b32 {lo, hi}, acc;
+            cvt.f32.f16 flo, lo;
+            cvt.f32.f16 fhi, hi;
+            add.f32 $0, flo, fhi;
+            """,
+        )
+    )
 
     @triton.jit
     def _word_dot_h2(p, a0, a1, a2, a3, USE_ASM: tl.constexpr):
@@ -46,39 +65,12 @@ if HAS_TRITON:
         activation pair (x_j, x_j+4) as f16x2: the nibbles that one lop3 leaves in the low and
         high half of a register (j = 0..3, see `pack_h2`)."""
         if USE_ASM:
-            # lop3 0xEA = (a & b) | c. 0x6400 is fp16 1024: low nibble n -> 1024 + n, the next
-            # nibble -> 1024 + 16n. Subtract 1032 (0x6408), or times 1/16 (0x2C00) minus 72
-            # (0xD480): n - 8 exactly, two weights per instruction. The 8 products are summed
-            # in fp16 (the activation is scaled so that the sum cannot overflow) and the two
-            # halves added in fp32: 16 instructions per 8 weights.
+            # the f16x2 dequant (int4_dequant.f16x2_dequant_asm: n - 8 exactly, two weights
+            # an instruction), then the 8 products summed in fp16 (the activation is scaled so
+            # that the sum cannot overflow) and the two halves added in fp32: 16 instructions
+            # per 8 weights.
             return tl.inline_asm_elementwise(
-                asm="""
-                {
-                .reg .b32 t0, t1, t2, t3, q, acc, k1032, k16, k72;
-                .reg .f16 lo, hi;
-                .reg .f32 flo, fhi;
-                mov.b32 k1032, 0x64086408;
-                mov.b32 k16, 0x2C002C00;
-                mov.b32 k72, 0xD480D480;
-                lop3.b32 t0, $1, 0x000F000F, 0x64006400, 0xEA;
-                lop3.b32 t1, $1, 0x00F000F0, 0x64006400, 0xEA;
-                shr.u32 q, $1, 8;
-                lop3.b32 t2, q, 0x000F000F, 0x64006400, 0xEA;
-                lop3.b32 t3, q, 0x00F000F0, 0x64006400, 0xEA;
-                sub.f16x2 t0, t0, k1032;
-                fma.rn.f16x2 t1, t1, k16, k72;
-                sub.f16x2 t2, t2, k1032;
-                fma.rn.f16x2 t3, t3, k16, k72;
-                mul.f16x2 acc, t0, $2;
-                fma.rn.f16x2 acc, t1, $3, acc;
-                fma.rn.f16x2 acc, t2, $4, acc;
-                fma.rn.f16x2 acc, t3, $5, acc;
-                mov.b32 {lo, hi}, acc;
-                cvt.f32.f16 flo, lo;
-                cvt.f32.f16 fhi, hi;
-                add.f32 $0, flo, fhi;
-                }
-                """,
+                asm=_WORD_DOT_H2_ASM,
                 constraints="=r,r,r,r,r,r",
                 args=[p, a0, a1, a2, a3],
                 dtype=tl.float32,

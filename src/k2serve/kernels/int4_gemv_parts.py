@@ -1,15 +1,18 @@
 """Triton pieces both grouped decode GEMVs use (int4_gemv.py's `_int4_gemv_h2_grouped_kernel`
-and int4_gemv_gsum.py's `_int4_gemv_gsum_kernel`): the word dequant to f16x2 (`_dq_h2`), a
-block row's pair and activation pointer (`_g_pair`) and a row's epilogue (`_g_out`). Their own
-module so that the two kernel files need not import each other (int4_gemv dispatches to the
-gsum kernel; the gsum kernel reads these)."""
+and int4_gemv_gsum.py's `_int4_gemv_gsum_kernel`): the word dequant to f16x2 (`_dq_h2`: the
+inline PTX of int4_dequant.f16x2_dequant_asm), an aligned block's expert and rows (`_g_block`,
+each row's pair and activation pointer from `_g_pair`) and a row's epilogue (`_g_out`). Their
+own module so that the two kernel files need not import each other (int4_gemv dispatches to
+the gsum kernel; the gsum kernel reads these)."""
 
 from __future__ import annotations
 
 from ._triton import HAS_TRITON, tl, triton
 
 if HAS_TRITON:
-    from .int4_dequant import store_rows
+    from .int4_dequant import f16x2_dequant_asm, store_rows
+
+    _DQ_H2_ASM = tl.constexpr(f16x2_dequant_asm("$4", ("$0", "$1", "$2", "$3")))
 
     @triton.jit
     def _dq_h2(p, USE_ASM: tl.constexpr):
@@ -18,23 +21,7 @@ if HAS_TRITON:
         (p >> 4j) & 0x000F000F, which `_dot_h2`'s plain path reads."""
         if USE_ASM:
             return tl.inline_asm_elementwise(
-                asm="""
-                {
-                .reg .b32 q, k1032, k16, k72;
-                mov.b32 k1032, 0x64086408;
-                mov.b32 k16, 0x2C002C00;
-                mov.b32 k72, 0xD480D480;
-                lop3.b32 $0, $4, 0x000F000F, 0x64006400, 0xEA;
-                lop3.b32 $1, $4, 0x00F000F0, 0x64006400, 0xEA;
-                shr.u32 q, $4, 8;
-                lop3.b32 $2, q, 0x000F000F, 0x64006400, 0xEA;
-                lop3.b32 $3, q, 0x00F000F0, 0x64006400, 0xEA;
-                sub.f16x2 $0, $0, k1032;
-                fma.rn.f16x2 $1, $1, k16, k72;
-                sub.f16x2 $2, $2, k1032;
-                fma.rn.f16x2 $3, $3, k16, k72;
-                }
-                """,
+                asm=_DQ_H2_ASM,
                 constraints="=r,=r,=r,=r,r",
                 args=[p],
                 dtype=(tl.int32, tl.int32, tl.int32, tl.int32),

@@ -2,15 +2,17 @@
 (issue 28: "decode B=128 >= 60% of copy bandwidth"; the F16=1 config of `int4_moe_mma`).
 
 Owns: `_int4_mma_f16_kernel`, `pack_f16` (the activation layout and per-row power-of-two
-scale it reads) and `launch_f16` (both projections of the routed experts).
+scale it reads), `launch_f16` (both projections of the routed experts), `F16_KEYS` and
+`check_f16` (the config keys and their check).
 
-Why: the bf16 design of int4_moe_mma.py (nibble planes, one fp32 FMA with the group scale a
-weight, a bf16 rounding) executes ~5 thread-instructions per INT4 weight (Nsight Compute,
-H100, T=128: 1.65e9 warp instructions for gate_up) and reads at ~51% of the copy bandwidth,
-like the CUDA-core grouped GEMV. Here a weight costs ~1.1 (Marlin's dequant: one lop3 makes
-two f16 values of two nibbles with the 0x6400 exponent, one f16x2 sub / fma finishes them,
-exact), the scale is applied once per group to an MMA partial (one FFMA an accumulator element
-a group), the MMA is mma.sync m16n8k16 f16 with fp32 accumulation.
+Why: wave 9's bf16 design (nibble planes, one fp32 FMA with the group scale a weight, a bf16
+rounding; removed, see int4_moe_mma.py) executed ~5 thread-instructions per INT4 weight
+(Nsight Compute, H100, T=128: 1.65e9 warp instructions for gate_up) and read at ~51% of the
+copy bandwidth, like the CUDA-core grouped GEMV. Here a weight costs ~1.1 (Marlin's dequant:
+one lop3 makes two f16 values of two nibbles with the 0x6400 exponent, one f16x2 sub / fma
+finishes them, exact: int4_dequant.f16x2_dequant_asm), the scale is applied once per group to
+an MMA partial (one FFMA an accumulator element a group), the MMA is mma.sync m16n8k16 f16
+with fp32 accumulation.
 
 Layout. One group (32 columns = 4 words a row) is one K=32 operand whose k order puts word t
 of the group in lane t of a quad, as Triton 3.6's mma.sync f16 operand (kWidth 4 on sm_90: a
@@ -28,8 +30,8 @@ of the same quantized math to ~2e-7 (tests/kernels/test_int4_moe_mma16.py).
 
 Cost (benchmarks/mma_sass.py, Triton 3.6 sm_90, SASS instructions a weight in the K loop,
 gate_up / down): 8x128 SWAP=1 two warps 2.21 / 2.46, 8x32 G=8 one warp 2.16 / 2.25, against
-4.92 / 5.70 for the bf16 design's 16x32 tile; no spills, no shared-memory round trip of the
-dequantized operand. The pieces a weight: lop3 0.52, f16x2 sub / fma 0.50, shift 0.13, HMMA
+4.92 / 5.70 for the removed bf16 design's 16x32 tile; no spills, no shared-memory round trip of
+the dequantized operand. The pieces a weight: lop3 0.52, f16x2 sub / fma 0.50, shift 0.13, HMMA
 0.13, FFMA 0.25 (BLOCK_M 8; 0.5 at 16), the rest addressing, the activation fragments' moves
 (Triton's kWidth-4 operand needs two LDS.64 halves a register pair) and the scale loads.
 Measured (H100, benchmarks/decode_mma.sh, one K2 layer, 2026-11-25, runs 1-2): 16x64 SWAP=1
@@ -50,36 +52,31 @@ from __future__ import annotations
 import torch
 
 from ._triton import HAS_TRITON, INTERPRET, cdiv, tl, triton
-from .int4_dequant import use_asm
+from .int4_dequant import f16x2_dequant_asm, use_asm
 
 if HAS_TRITON:
+    # the f16x2 pairs t0..t3 = (n_j - 8, n_j+4 - 8) split into the 8 f16 outputs $0..$7
+    _DQ8_ASM = tl.constexpr(
+        f16x2_dequant_asm(
+            "$8",
+            ("t0", "t1", "t2", "t3"),
+            decl=".reg .b32 t0, t1, t2, t3;",
+            then="""
+            mov.b32 {$0, $4}, t0;
+            mov.b32 {$1, $5}, t1;
+            mov.b32 {$2, $6}, t2;
+            mov.b32 {$3, $7}, t3;
+            """,
+        )
+    )
 
     @triton.jit
     def _dq8(p, USE_ASM: tl.constexpr):
-        """Word p -> its 8 weights n_j - 8 (j = 0..7) as f16, exact."""
-        if USE_ASM:  # lop3 0xEA = (a & b) | c; 1024 + n - 1032, (1024 + 16n) / 16 - 72
+        """Word p -> its 8 weights n_j - 8 (j = 0..7) as f16, exact (the f16x2 dequant of
+        int4_dequant.f16x2_dequant_asm, each pair split into its two halves)."""
+        if USE_ASM:
             return tl.inline_asm_elementwise(
-                asm="""
-                {
-                .reg .b32 t0, t1, t2, t3, q, k1032, k16, k72;
-                mov.b32 k1032, 0x64086408;
-                mov.b32 k16, 0x2C002C00;
-                mov.b32 k72, 0xD480D480;
-                lop3.b32 t0, $8, 0x000F000F, 0x64006400, 0xEA;
-                lop3.b32 t1, $8, 0x00F000F0, 0x64006400, 0xEA;
-                shr.u32 q, $8, 8;
-                lop3.b32 t2, q, 0x000F000F, 0x64006400, 0xEA;
-                lop3.b32 t3, q, 0x00F000F0, 0x64006400, 0xEA;
-                sub.f16x2 t0, t0, k1032;
-                fma.rn.f16x2 t1, t1, k16, k72;
-                sub.f16x2 t2, t2, k1032;
-                fma.rn.f16x2 t3, t3, k16, k72;
-                mov.b32 {$0, $4}, t0;
-                mov.b32 {$1, $5}, t1;
-                mov.b32 {$2, $6}, t2;
-                mov.b32 {$3, $7}, t3;
-                }
-                """,
+                asm=_DQ8_ASM,
                 constraints="=h,=h,=h,=h,=h,=h,=h,=h,r",
                 args=[p],
                 dtype=(tl.float16,) * 8,
@@ -192,8 +189,9 @@ if HAS_TRITON:
         ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
         SWAP: tl.constexpr, DOT_DT: tl.constexpr, USE_ASM: tl.constexpr, PF: tl.constexpr,
     ):  # fmt: skip
-        """One aligned block of BLOCK_M pairs of expert e x BLOCK_N weight rows n (as
-        `_int4_mma_kernel`, F16 design): a (`pack_f16`) f16 rows scaled by 1 / rs, K steps of
+        """One aligned block of BLOCK_M pairs of expert e (moe_align_block_size; padding
+        rows read nothing and store nothing, blocks past the rows in use return at once) x
+        BLOCK_N weight rows n: a (`pack_f16`) f16 rows scaled by 1 / rs, K steps of
         G groups; the scale pairs of step it + 1 are loaded in step it (registers: plain loads
         are not pipelined by Triton). PF > 0 (with USE_ASM): each weight row's 128-byte line
         of step it + PF is prefetched into L2 in step it (a line is 8 / G steps). GATED: rows n
@@ -290,7 +288,7 @@ def pack_f16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return a, rs
 
 
-F16_KEYS = (  # PF: the L2 prefetch distance in K steps (0: none)
+F16_KEYS = (  # int4_moe_mma's config keys; PF: the L2 prefetch distance in K steps (0: none)
     "F16",
     "BLOCK_M",
     "BLOCK_N",

@@ -133,7 +133,7 @@ class KernelTables:
     # "grouped", "gemm", "pairs_per_expert": ascending limits between them}; inside a band
     # they replace the pair-count rule above; absent from a table: off
     int4_routing_select: tuple[Mapping[str, Any], ...] = ()
-    # the tensor-core INT4 decode MoE (int4_moe_mma.int4_moe_mma, e.g. its F16=1 design): its
+    # the tensor-core INT4 decode MoE (int4_moe_mma.int4_moe_mma: the f16 design, F16=1): its
     # config (or configs by max pair count) and the (token, expert) pair counts it runs for,
     # ahead of every other decode path (not inside int4_routing_select's bands); absent from a
     # table (the default): off
