@@ -40,7 +40,7 @@ def test_pack_f16_is_exact_and_bounded():
     kernel's (nibble 4c + 2a + b of word t at 16a + 4t + 2b + c)."""
     from k2serve.kernels.int4_moe_mma16 import pack_f16
 
-    x = torch.randn(6, 64).bfloat16()
+    x = torch.randn(6, 64, device=DEVICE).bfloat16()
     x[1] *= 1e-30
     x[2] *= 1e30
     x[3] = 0
@@ -53,10 +53,10 @@ def test_pack_f16_is_exact_and_bounded():
     amax = a.float().abs().amax(1)
     live = amax > 0
     assert ((amax[live] >= 256) & (amax[live] < 512)).all() and not live[3]
-    col = torch.arange(32.0)[None].repeat(1, 2)  # one row of column numbers
+    col = torch.arange(32.0, device=DEVICE)[None].repeat(1, 2)  # one row of column numbers
     p = pack_f16(col)[0][0, :32].float() * pack_f16(col)[1][0]
     t, j = p // 8, p % 8
-    k = torch.arange(32.0)
+    k = torch.arange(32.0, device=DEVICE)
     assert torch.equal(16 * (j % 4 // 2) + 4 * t + 2 * (j % 2) + j // 4, k)
 
 
@@ -178,13 +178,14 @@ def test_dispatch_hook_band_and_config():
 
 
 def test_warmup_covers_the_mma_band():
-    """engine.warmup's token counts reach the tables' "mma" path."""
+    """engine.warmup's token counts reach the tables' "mma" path (each entry of a table of
+    mma configs by pair count: its own key)."""
     from k2serve.engine.warmup import config_key, warmup_token_counts
     from k2serve.moe.fused_moe import FusedMoEBackend
 
     be = FusedMoEBackend(experts(6, 256, 256))
     keys = {config_key([be], n, 8) for n in warmup_token_counts([be], 8, 512)}
-    assert ("mma",) in {p for k in keys for p in k[0][0]}
+    assert ("mma", 0) in {p for k in keys for p in k[0][0]}
 
 
 @pytest.mark.gpu
