@@ -151,7 +151,7 @@ def part_generic(ew, policy):
     from k2serve.kernels import fp8_moe, fused_moe
 
     table = policy.tables.fp8_moe
-    small = fused_moe._config(1, E, "fp8")  # the small-M block sizes
+    small = fused_moe.kernel_config(1, E, "fp8")  # the small-M block sizes
     sub = torch.randperm(E, device=DEV)[: E // 3]
     log(f"generic small-M config {small}")
     log("| T | routing | experts hit | small-M ms | % copy bw | generic rule ms | new ms | best |")

@@ -119,7 +119,7 @@ def part_moe():
         nb = hit * per + 2 * T * D * 2
         refs = [fm.fused_moe(x, ew, tw, ti) for tw, ti in routes]
         t0 = ms.graph_ms([lambda tw=tw, ti=ti: fm.fused_moe(x, ew, tw, ti) for tw, ti in routes])
-        ms.row("moe", f"fp8 experts T={T} default {fm._config(T * K, E, 'fp8')}", t0, nb)
+        ms.row("moe", f"fp8 experts T={T} default {fm.kernel_config(T * K, E, 'fp8')}", t0, nb)
         best = (t0, None)
         for bn, bk, st, nw in cands:
             cfg = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=st)

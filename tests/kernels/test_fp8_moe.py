@@ -177,13 +177,13 @@ def test_fused_moe_backend_fp8_routing(impl, T, ran, monkeypatch):
 
 
 def test_fused_moe_backend_fp8_limit_from_the_policy():
-    """The shipped limit reaches the backend: decode-sized batches (<= T=128 x top-8 on K2) run
+    """The shipped limit reaches the backend: decode-sized batches (<= T=256 x top-8 on K2) run
     the generic kernel, larger ones the grouped GEMMs; non-fp8 experts ignore fp8_impl."""
     from k2serve.kernels.policy import KernelPolicy, load_tables
     from k2serve.moe.fused_moe import FusedMoEBackend
 
     n = load_tables().fp8_moe_generic_max_pairs
-    assert n == 1024
+    assert n == 2048
     be = FusedMoEBackend(_experts(2, 128, 128), **KernelPolicy.reference().moe_kwargs())
     assert be.fp8_generic_max_pairs == n
     assert not be.fp8_uses_gemm(8) and not be.fp8_uses_gemm(n) and be.fp8_uses_gemm(n + 1)

@@ -23,7 +23,7 @@ def test_shipped_tables_load_and_are_read_only():
     assert 0 < t.int4_decode_grouped_min_pairs <= t.int4_decode_grouped_max_pairs
     assert t.fp8_linear[(576, 7168)][0]["SPLIT_K"] == 16
     assert t.fp8_moe[0]["BLOCK_M"] == 16 and t.fp8_moe[-1]["max_pairs"] is None
-    assert t.fp8_moe_generic_max_pairs == 1024  # FP8 experts: the generic kernel up to T=128 x 8
+    assert t.fp8_moe_generic_max_pairs == 2048  # FP8 experts: the generic kernel up to T=256 x 8
     with pytest.raises(TypeError):
         t.gemv_bf16[(1, 1)] = None  # type: ignore[index]
     with pytest.raises(TypeError):
@@ -96,6 +96,32 @@ def test_mma_configs_by_pair_count(monkeypatch):
                     torch.ones(T, 4))  # fmt: skip
     assert [(c["G"], c["PF"]) for c in seen] == [(2, 4), (4, 2)]
     assert all("max_pairs" not in c for c in seen)
+
+
+def test_fp8_generic_kernel_streams_weights_wherever_auto_runs_it(monkeypatch):
+    """FP8 experts under "auto": the generic kernel runs up to fp8_generic_max_pairs with its
+    small-M blocks, past 4 pairs an expert too (the kernel's own rule switches to large-M
+    there, 4x slower at T=256 x top-8 on a K2 layer); forced "kernel" keeps the rule."""
+    from k2serve.kernels.fused_moe import ExpertWeights, kernel_config
+    from k2serve.moe import fused_moe as fm
+
+    E, D, I = 4, 256, 128  # noqa: E741
+    f8 = torch.float8_e4m3fn
+    ew = ExpertWeights("fp8", torch.zeros(E, 2 * I, D, dtype=f8), torch.zeros(E, D, I, dtype=f8),
+                       torch.ones(E, 2, 2), torch.ones(E, 2, 1))  # fmt: skip
+    small, large = (kernel_config(n, E, "fp8")["BLOCK_M"] for n in (1, 4 * E + 1))
+    assert small < large
+    auto = fm.FusedMoEBackend(ew, fp8_impl="auto", fp8_generic_max_pairs=40)
+    assert auto.plan(5, 8)[0] == ("kernel",) and auto.plan(6, 8)[0] != ("kernel",)
+    assert auto.config_key(5, 8)[0] == (("kernel", small),)  # 40 pairs: 10 an expert
+    forced = fm.FusedMoEBackend(ew, fp8_impl="kernel")
+    assert forced.config_key(5, 8)[0] == (("kernel", large),)
+    seen = []
+    monkeypatch.setattr(fm, "fused_moe", lambda x, w, tw, ti, cfg: seen.append(cfg["BLOCK_M"]))
+    for be in (auto, forced):
+        be.run_path("kernel", torch.zeros(5, D), torch.zeros(5, 8, dtype=torch.int64),
+                    torch.ones(5, 8))  # fmt: skip
+    assert seen == [small, large]
 
 
 def test_mla_decode_table_reaches_the_triton_backend():

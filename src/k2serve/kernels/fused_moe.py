@@ -249,10 +249,11 @@ if HAS_TRITON:
         )
 
 
-def _config(num_pairs: int, num_experts: int, quant: str) -> dict:
-    """Block sizes: small-M (decode: weight streaming) or large-M (prefill: tensor cores).
-    Picked from config sweeps on one H200 (benchmarks/model_speed.py)."""
-    if num_pairs <= 4 * num_experts:
+def kernel_config(num_pairs: int, num_experts: int, quant: str, small_max_pairs=None) -> dict:
+    """Block sizes: small-M (decode: weight streaming) up to `small_max_pairs` (token, expert)
+    pairs (None: 4 an expert), large-M (prefill: tensor cores) above. Picked from config
+    sweeps on one H200 (benchmarks/model_speed.py)."""
+    if num_pairs <= (4 * num_experts if small_max_pairs is None else small_max_pairs):
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256 if quant == "int4" else 128,
                     num_warps=4, num_stages=4)  # fmt: skip
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
@@ -287,7 +288,7 @@ def fused_moe(
     k = topk_ids.shape[1]
     I, E = ew.intermediate, ew.num_experts
     M = T * k
-    cfg = dict(config or _config(M, E, ew.quant))
+    cfg = dict(config or kernel_config(M, E, ew.quant))
     while ew.quant == "int4" and D % cfg["BLOCK_K"] and cfg["BLOCK_K"] > 32:
         cfg["BLOCK_K"] //= 2  # small test models: the largest block dividing the hidden size
     if ew.quant == "int4" and (cfg["BLOCK_K"] % ew.group_size or ew.group_size % 8):
