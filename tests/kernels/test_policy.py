@@ -39,9 +39,10 @@ def test_unknown_kind_falls_back_to_the_default_table():
 
 def test_h200_table_is_the_h100_one_with_its_own_entries():
     """h200.json names h100.json as its base and holds only what was measured on an H200: the
-    tensor-core decode MoE's configs by pair count and the grouped GEMV's lower limit."""
+    tensor-core decode MoE's configs by pair count and its upper limit, the grouped GEMV's
+    lower limit."""
     h100, h200 = load_tables("h100"), load_tables("h200")
-    own = {"kind", "int4_decode_mma", "int4_decode_grouped_min_pairs"}
+    own = {"kind", "int4_decode_mma", "int4_decode_mma_max_pairs", "int4_decode_grouped_min_pairs"}
     for f in fields(KernelTables):
         if f.name not in own:
             assert getattr(h200, f.name) == getattr(h100, f.name), f.name
@@ -50,6 +51,7 @@ def test_h200_table_is_the_h100_one_with_its_own_entries():
     assert isinstance(mma, tuple) and mma[-1]["max_pairs"] is None
     assert [e["F16"] for e in mma] == [1] * len(mma)
     assert h200.int4_decode_grouped_min_pairs < h100.int4_decode_grouped_min_pairs
+    assert h200.int4_decode_mma_max_pairs > h100.int4_decode_mma_max_pairs
 
 
 def test_table_bases(tmp_path, monkeypatch):
