@@ -147,6 +147,9 @@ class KernelTables:
     # never); empty: the Triton kernel everywhere
     int4_prefill_gluon: tuple[Mapping[str, Any], ...] = ()
     int4_prefill_gluon_min_tokens: int | None = None
+    # the Gluon INT4 grouped GEMM with a narrow token tile: the "gemm_narrow" candidate of
+    # int4_routing_select's bands (steps whose experts get few pairs each); empty: none
+    int4_prefill_gluon_narrow: Mapping[str, Any] = field(default_factory=lambda: FrozenMap({}))
     # the Triton MLA prompt attention (kernels/mla_prefill.py): configs {"max_len": longest
     # query length of the step or None, block_m, block_n, num_warps, num_stages}, ascending;
     # empty: the kernel's default_config
@@ -189,6 +192,13 @@ class KernelTables:
                 int4_prefill_min_tokens=int(data["int4_prefill_min_tokens"]),
                 int4_prefill_gluon=tuple(_frozen(e) for e in data.get("int4_prefill_gluon", ())),
                 int4_prefill_gluon_min_tokens=_opt_int(data, "int4_prefill_gluon_min_tokens"),
+                int4_prefill_gluon_narrow=_frozen(
+                    {
+                        k: v
+                        for k, v in data.get("int4_prefill_gluon_narrow", {}).items()
+                        if k != "what"
+                    }
+                ),
                 fp8_prefill_gluon=tuple(_frozen(e) for e in data.get("fp8_prefill_gluon", ())),
                 fp8_prefill_gluon_min_pairs=_opt_int(data, "fp8_prefill_gluon_min_pairs"),
                 side_stream_max_tokens=int(data["side_stream_max_tokens"]),
@@ -446,6 +456,9 @@ class KernelPolicy:
             mma_max_pairs=t.int4_decode_mma_max_pairs,
             prefill_config=gemm_configs,
             prefill_min_tokens=grouped_mm_min_tokens,
+            gemm_narrow_config=(
+                t.int4_prefill_gluon_narrow if self.int4_gemm_backend == "gluon" else None
+            ),
             gemm_backend=self.int4_gemm_backend,
             asm=self.int4_asm,
             fp8_impl=self.fp8_moe_impl,

@@ -17,7 +17,8 @@ runs the generic fused_moe kernel always. `prefill_impl` overrides the part abov
 "gemm" the grouped GEMM always, "grouped_mm" the generic fused_moe kernel below the threshold,
 "kernel" the generic kernel always (benchmarks compare them). Routing-aware bands
 (`routing_select`, the policy's `int4_routing_select`): for pair counts inside a band, 2-3 of
-the per-pair GEMV, grouped GEMV, tensor-core decode MoE ("mma") and GEMM are launched, and
+the per-pair GEMV, grouped GEMV, tensor-core decode MoE ("mma"), GEMM and the GEMM with
+`gemm_narrow_config`'s narrow token tile ("gemm_narrow", Gluon only) are launched, and
 kernels/moe_select.py picks one on the device from the pairs per distinct expert hit (the
 others' programs return at once; the same CUDA graph serves every routing); `plan()` names
 the path(s) for a token count. On one
@@ -124,6 +125,7 @@ class FusedMoEBackend(ExpertBackend):
         mma_min_pairs: int | None = None,
         mma_max_pairs: int | None = None,
         prefill_config: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+        gemm_narrow_config: Mapping[str, Any] | None = None,
         asm: bool = True,
         fp8_impl: str = "auto",
         fp8_table: Sequence[Mapping[str, Any]] | None = None,
@@ -188,10 +190,15 @@ class FusedMoEBackend(ExpertBackend):
         # (the bands whose paths this backend can run: the tables are shared by checkpoints
         # whose experts the grouped GEMV or the mma path cannot take, e.g. other group sizes)
         bands = t.int4_routing_select if routing_select is None else routing_select
-        needs = (("grouped", bool(self.grouped_config)), ("mma", mma_ok))
+        # the grouped GEMM with narrow token tiles: a routing band's candidate for steps whose
+        # experts get few pairs each (the tables' int4_prefill_gluon_narrow; Gluon only)
+        self.gemm_narrow_config = dict(gemm_narrow_config or {})
+        narrow_ok = bool(self.gemm_narrow_config) and gemm_backend == "gluon"
+        needs = (("grouped", bool(self.grouped_config)), ("mma", mma_ok),
+                 ("gemm_narrow", narrow_ok))  # fmt: skip
         bands = [b for b in bands if all(ok or p not in b.get("paths", ()) for p, ok in needs)]
         self.routing_select = tuple(bands)
-        check_routing_select(self.routing_select, bool(self.grouped_config), mma_ok)
+        check_routing_select(self.routing_select, bool(self.grouped_config), mma_ok, narrow_ok)
         # one config, or a table of configs by max pair count (int4_gemm.pick_config)
         self.prefill_config = gemm_configs if prefill_config is None else prefill_config
         self.asm = asm
@@ -237,7 +244,8 @@ class FusedMoEBackend(ExpertBackend):
         """The kernel path(s) for `num_tokens` tokens x `top_k`: one path, or 2-3 candidates
         and the pairs-per-hit-expert limits between them (chosen on the device, moe_select).
         Paths: "w8a8" (FP8 activations, --moe-prefill-precision), "fp8_gemm", "fp8_gluon",
-        "kernel" (the generic fused_moe), "grouped_mm", "mma", "grouped", "decode", "gemm"."""
+        "kernel" (the generic fused_moe), "grouped_mm", "mma", "grouped", "decode", "gemm",
+        "gemm_narrow" (the GEMM with the narrow token tile of a routing band)."""
         pairs = num_tokens * top_k
         if self.w8a8_min_tokens is not None and num_tokens >= self.w8a8_min_tokens:
             return ("w8a8",), ()
@@ -313,6 +321,9 @@ class FusedMoEBackend(ExpertBackend):
             return int4_moe_decode(
                 hidden, w, topk_weights, topk_ids, self.decode_config, self.asm, active
             )
+        if path == "gemm_narrow":
+            return int4_moe_gemm(hidden, w, topk_weights, topk_ids, self.gemm_narrow_config,
+                                 self.asm, active, backend=self.gemm_backend)  # fmt: skip
         if path == "gemm":
             return int4_moe_gemm(
                 hidden,
@@ -354,11 +365,14 @@ class FusedMoEBackend(ExpertBackend):
         return out
 
 
-ROUTING_PATHS = ("decode", "grouped", "mma", "gemm")
+ROUTING_PATHS = ("decode", "grouped", "mma", "gemm", "gemm_narrow")
 
 
 def check_routing_select(
-    bands: Sequence[Mapping[str, Any]], grouped_ok: bool, mma_ok: bool = False
+    bands: Sequence[Mapping[str, Any]],
+    grouped_ok: bool,
+    mma_ok: bool = False,
+    narrow_ok: bool = False,
 ) -> None:
     """A malformed `int4_routing_select` table fails at setup, not in a step."""
     for b in bands:
@@ -375,12 +389,13 @@ def check_routing_select(
             and all(p in ROUTING_PATHS for p in paths)
             and (grouped_ok or "grouped" not in paths)
             and (mma_ok or "mma" not in paths)
+            and (narrow_ok or "gemm_narrow" not in paths)
             and 0 < lo <= hi
         )
         if not ok:
             raise ValueError(
                 f"int4_routing_select entry {dict(b)}: use 2-3 distinct paths of "
                 f"{ROUTING_PATHS} (grouped needs int4_decode_grouped, mma int4_decode_mma and "
-                "group-32 experts), one ascending "
+                "group-32 experts, gemm_narrow a narrow GEMM config), one ascending "
                 "pairs_per_expert limit between each two, 0 < min_pairs <= max_pairs"
             )
