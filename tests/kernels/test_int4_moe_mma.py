@@ -59,9 +59,9 @@ CFGS = [
 
 
 @pytest.mark.parametrize("cfg", CFGS)
-@pytest.mark.parametrize("T, k", [(1, 2), (5, 4), (20, 4)])
+@pytest.mark.parametrize("T, k", [(1, 2), (20, 4)])  # 20 x 4 also has 5 x 4's partial blocks
 def test_int4_moe_mma_matches_reference(cfg, T, k):
-    """Blocks with one real row, blocks split over an expert's 24 rows, an expert without rows,
+    """Blocks with one real row, blocks split over an expert's 20 rows, an expert without rows,
     a partial N block (BLOCK_N 128 over hidden 512 and intermediate 256 is whole; 64 over 256
     also), K steps of 16 KW with KW shrunk where the K does not take it."""
     from k2serve.kernels.int4_moe_mma import int4_moe_mma
