@@ -287,7 +287,8 @@ def test_fused_moe_backend_runs_the_grouped_gemv_in_its_range(monkeypatch):
     ew = _int4_experts(4, 256, 256)  # sizes of 256: the planes / GEMV paths
     cfg = dict(BLOCK_M=4, BLOCK_N=64, W=16, num_warps=4)
     be = FusedMoEBackend(ew, "auto", "kernel", grouped_config=cfg, grouped_min_pairs=6,
-                         grouped_max_pairs=8, decode_max_pairs=4)  # fmt: skip
+                         grouped_max_pairs=8, decode_max_pairs=4,
+                         decode_config=dict(BLOCK_N=64, W=16, num_warps=4))  # fmt: skip
     for T in (2, 3, 5):
         x = torch.randn(T, 256, device=DEVICE, dtype=torch.bfloat16)
         w = torch.rand(T, 2, device=DEVICE)
@@ -566,7 +567,7 @@ def test_int4_prefill_gemm_matches_reference(cfg, hidden, inter):
 
 @pytest.mark.parametrize(
     "impl, min_tokens",
-    [("auto", 4096), ("auto", 64), ("gemm", 64), ("grouped_mm", 4096), ("kernel", 64)],
+    [("auto", 4096), ("auto", 16), ("gemm", 16), ("grouped_mm", 4096), ("kernel", 16)],
 )
 def test_fused_moe_backend_prefill_paths_agree(impl, min_tokens):
     """Every INT4 path above the decode GEMV range (pairs > decode_max_pairs) gives the
@@ -575,16 +576,16 @@ def test_fused_moe_backend_prefill_paths_agree(impl, min_tokens):
     from k2serve.moe.fused_moe import FusedMoEBackend
 
     ew = _int4_experts(4, 256, 256)
-    T, k = 80, 4
+    T, k = 20, 4  # every token on all 4 experts: 20 rows each, a full and a partial block of 16
     x = torch.randn(T, 256, device=DEVICE, dtype=torch.bfloat16)
     w = torch.rand(T, k, device=DEVICE)
     ids = torch.stack([torch.randperm(4)[:k] for _ in range(T)]).int().to(DEVICE)
-    # both decode GEMVs off: 320 pairs must reach the prefill paths under test
+    # both decode GEMVs off: 80 pairs must reach the prefill paths under test
     be = FusedMoEBackend(
         ew,
         prefill_impl=impl,
         prefill_min_tokens=min_tokens,
-        decode_max_pairs=256,
+        decode_max_pairs=64,
         grouped_config={},
     )
     assert T * k > be.decode_max_pairs and be.grouped_min_pairs is None
