@@ -195,18 +195,20 @@ def _int4_experts(E, D, I):  # noqa: E741
 
 
 @pytest.mark.parametrize(
-    "cfg, D",  # each launch runs 2 or more K blocks of 8 W columns a row
+    "cfg",
     [
-        (dict(BLOCK_N=8, W=16, num_warps=4, GS=1, w2=dict(BLOCK_N=4, W=8, num_warps=2, GS=0)), 256),
-        (dict(BLOCK_N=4, W=8, num_warps=2), 128),
+        dict(BLOCK_N=8, W=16, num_warps=4, GS=1, w2=dict(BLOCK_N=4, W=8, num_warps=2, GS=0)),
+        dict(BLOCK_N=4, W=8, num_warps=2),
     ],
 )
-def test_int4_decode_gemv_matches_reference(cfg, D):
+def test_int4_decode_gemv_matches_reference(cfg):
+    """Hidden = inter = 128: 2 K blocks a row in each launch of W=8; the W=16 launch (cfg 0's
+    gate_up, the tables' config) runs 2 in test_int4_decode_gemv_with_the_policy_tables."""
     from k2serve.kernels import int4_gemv
 
-    ew = _int4_experts(4, D, 128)
+    ew = _int4_experts(4, 128, 128)
     T, k = 3, 2
-    x = torch.randn(T, D, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.randn(T, 128, device=DEVICE, dtype=torch.bfloat16)
     w = torch.rand(T, k, device=DEVICE)
     ids = torch.stack([torch.randperm(4)[:k] for _ in range(T)]).int().to(DEVICE)
     ids[1] = ids[0]  # two tokens on the same experts
