@@ -39,8 +39,8 @@ def test_inactive_path_does_no_work():
     """active = 0: the per-pair GEMV's programs return at once (its output is not written)."""
     from k2serve.kernels import int4_gemv
 
-    ew = _int4_experts(4, 256, 128)
-    x = torch.randn(3, 256, device=DEVICE, dtype=torch.bfloat16) * 7
+    ew = _int4_experts(4, 128, 128)  # the flag, not the K loop: the smallest W=16 takes
+    x = torch.randn(3, 128, device=DEVICE, dtype=torch.bfloat16) * 7
     w = torch.rand(3, 2, device=DEVICE)
     ids = torch.tensor([[0, 1], [2, 3], [1, 2]], device=DEVICE)
     cfg = dict(BLOCK_N=8, W=16, num_warps=4)
@@ -61,7 +61,8 @@ def test_backend_picks_by_pairs_per_expert(monkeypatch):
     ew = _int4_experts(8, 256, 256)
     band = dict(min_pairs=8, max_pairs=16, paths=["decode", "grouped"], pairs_per_expert=[2.0])
     be = FusedMoEBackend(ew, "auto", "auto", grouped_config=dict(BLOCK_M=4, BLOCK_N=64, W=16,
-                         num_warps=4), routing_select=[band], decode_max_pairs=4)  # fmt: skip
+                         num_warps=4), routing_select=[band], decode_max_pairs=4,
+                         decode_config=dict(BLOCK_N=64, W=16, num_warps=4))  # fmt: skip
     assert be.plan(4, 2) == (("decode", "grouped"), (2.0,))
     assert be.plan(2, 2) == (("decode",), ())
     assert be.plan(9, 2) == (("gemm",), ())

@@ -33,12 +33,14 @@ def _int4_experts(E, D, I):  # noqa: E741 - random packed INT4 experts, group 32
 def test_few_token_step_with_shared_experts(T):
     t = load_tables()
     E, k = 8, 4
-    ew = _int4_experts(E, 256, 128)
+    # hidden 128: one K block of W=16 a row (the K loop of these configs runs at hidden 256 in
+    # test_kernels' policy-table test and test_int4_gemv_gsum's GSUM KT=1 case)
+    ew = _int4_experts(E, 128, 128)
     g = torch.Generator().manual_seed(T)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     ids[:, 0] = 5  # one expert in every token, others shared by chance (8 experts, top-4)
     ids = ids.to(DEVICE)
-    x = torch.randn(T, 256, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.randn(T, 128, device=DEVICE, dtype=torch.bfloat16)
     w = torch.rand(T, k, device=DEVICE) / k
     ref = fm.fused_moe_ref(x, ew, w, ids)
     per_pair = int4_gemv.int4_moe_decode(x, ew, w, ids, dict(t.int4_decode), asm=False)
