@@ -98,6 +98,8 @@ def test_mma_configs_by_pair_count(monkeypatch):
                     torch.ones(T, 4))  # fmt: skip
     assert [(c["G"], c["PF"]) for c in seen] == [(2, 4), (4, 2)]
     assert all("max_pairs" not in c for c in seen)
+    with pytest.raises(ValueError, match="last with max_pairs None"):  # at setup, not in a step
+        fm.FusedMoEBackend(ew, mma_config=table[:1], mma_min_pairs=8, mma_max_pairs=16)
 
 
 def test_fp8_generic_kernel_streams_weights_wherever_auto_runs_it(monkeypatch):

@@ -182,6 +182,10 @@ class FusedMoEBackend(ExpertBackend):
         # one config, or a table of configs by max pair count (pick_config)
         mma = t.int4_decode_mma if mma_config is None else mma_config
         self.mma_config = dict(mma) if isinstance(mma, Mapping) else tuple(map(dict, mma))
+        if isinstance(self.mma_config, tuple) and (
+            not self.mma_config or self.mma_config[-1].get("max_pairs") is not None
+        ):
+            raise ValueError("mma_config: a table needs entries, the last with max_pairs None")
         lo = t.int4_decode_mma_min_pairs if mma_min_pairs is None else mma_min_pairs
         hi = t.int4_decode_mma_max_pairs if mma_max_pairs is None else mma_max_pairs
         mma_ok = bool(self.mma_config) and w.group_size == 32  # (it reads group-32 scales)
