@@ -79,6 +79,11 @@ MMA_SWEEP = {  # around run 2's best (the table's 16x64 G=4 PF=2)
     "f16 16x64 w2 pf3": dict(F16, PF=3),
     "f16 16x64 w2 pf6": dict(F16, PF=6),
     "f16 16x64 w2 pf4 s4": dict(F16, PF=4, num_stages=4),
+    # more warps an SM at G=2 (134 registers: 7 CTAs of 2 warps; sm_90 compile, mma_sass.py)
+    "f16 16x128 w4 pf4": dict(F16, BLOCK_N=128, num_warps=4, PF=4),
+    "f16 16x64 w4 pf4": dict(F16, num_warps=4, PF=4),
+    "f16 16x32 w1 pf4": dict(F16, BLOCK_N=32, num_warps=1, PF=4),
+    "f16 16x64 w2 pf4 r128": dict(F16, PF=4, maxnreg=128),
 }
 OUT_LINES: list[str] = []
 
