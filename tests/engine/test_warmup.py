@@ -90,6 +90,15 @@ def test_every_shipped_table_entry_is_warmed():
     fp8 = backend("fp8", fp8_impl="gemm")
     keys = {config_key([fp8], n, TOP_K) for n in warmup_token_counts([fp8], TOP_K, MAX_TOKENS)}
     assert {p for k in keys for p in k[0][0]} == {("fp8_gemm", i) for i in range(len(t.fp8_moe))}
+    fp8 = backend("fp8", fp8_gluon_min_pairs=t.fp8_prefill_gluon_min_pairs)  # Gluon's too
+    counts = warmup_token_counts([fp8], TOP_K, MAX_TOKENS)
+    assert t.fp8_routing_select and fp8.fp8_routing_select == t.fp8_routing_select
+    for band in t.fp8_routing_select:  # every candidate, the kernel with small-M blocks
+        for n in range(band["min_pairs"] // TOP_K + 1, band["max_pairs"] // TOP_K + 1):
+            key = config_key([fp8], n, TOP_K)
+            assert {p[0] for p in key[0][0]} == set(band["paths"])
+            assert ("kernel", 16) in key[0][0]
+            assert key in {config_key([fp8], c, TOP_K) for c in counts}
 
 
 # Every KernelTables field and what warms it. A new field (a new kernel or launch config the
@@ -121,6 +130,7 @@ TABLE_FIELDS = {
     "gemm_backend='gluon')",
     "fp8_prefill_gluon": "config_key ('fp8_gluon', entry) (tests/kernels/test_fp8_gemm_gluon.py)",
     "fp8_prefill_gluon_min_pairs": "FusedMoEBackend.plan: path 'fp8_gluon' where Gluon runs",
+    "fp8_routing_select": "config_key: every path of a band (the kernel's small-M blocks)",
     "mla_prefill": "the warm-up's prompt steps (one sequence up to the budget: every max_len band)",
 }
 

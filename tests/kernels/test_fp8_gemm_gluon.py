@@ -115,7 +115,11 @@ def test_dispatch_only_where_gluon_runs_and_in_the_band(monkeypatch, usable):
     assert p.fp8_gluon is usable
     kw = p.moe_kwargs()
     assert kw["fp8_gluon_min_pairs"] == (4096 if usable else None)
-    be = FusedMoEBackend(meta_fp8(), **kw)
+    # the shipped fp8_routing_select bands (T=257..768): the Gluon GEMM's band only where it runs
+    banded = FusedMoEBackend(meta_fp8(), **kw)
+    assert banded.plan(511, TOP_K)[0] == ("kernel", "fp8_gemm")
+    assert banded.plan(512, TOP_K)[0] == (("kernel", "fp8_gluon") if usable else ("fp8_gemm",))
+    be = FusedMoEBackend(meta_fp8(), **dict(kw, fp8_routing_select=()))  # the pair-count rule
     assert be.plan(1, TOP_K) == (("kernel",), ())  # decode: the generic kernel
     assert be.plan(511, TOP_K) == (("fp8_gemm",), ())  # below the band: fp8_moe
     assert be.plan(512, TOP_K) == ((("fp8_gluon",) if usable else ("fp8_gemm",)), ())
@@ -138,7 +142,8 @@ def test_dispatch_calls_the_kernel_with_its_table(monkeypatch):
     calls = []
     monkeypatch.setattr(backend_mod, "fp8_moe_gluon", lambda *a: calls.append(a) or "out")
     table = [dict(max_pairs=None, BLOCK_M=64, BLOCK_N=128, KS=32, STAGES=5, num_warps=4)]
-    be = FusedMoEBackend(meta_fp8(), fp8_gluon_table=table, fp8_gluon_min_pairs=0)
+    be = FusedMoEBackend(meta_fp8(), fp8_gluon_table=table, fp8_gluon_min_pairs=0,
+                         fp8_routing_select=())  # (T=600: the shipped band's)  # fmt: skip
     x, ids, w = torch.zeros(600, 1), torch.zeros(600, 8, dtype=torch.int32), torch.zeros(600, 8)
     assert be(x, ids, w) == "out"
     assert calls[0][0] is x and calls[0][4] == tuple(table)

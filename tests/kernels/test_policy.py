@@ -121,7 +121,9 @@ def test_fp8_generic_kernel_streams_weights_wherever_auto_runs_it(monkeypatch):
     forced = fm.FusedMoEBackend(ew, fp8_impl="kernel")
     assert forced.config_key(5, 8)[0] == (("kernel", large),)
     seen = []
-    monkeypatch.setattr(fm, "fused_moe", lambda x, w, tw, ti, cfg: seen.append(cfg["BLOCK_M"]))
+    monkeypatch.setattr(
+        fm, "fused_moe", lambda x, w, tw, ti, cfg, active=None: seen.append(cfg["BLOCK_M"])
+    )
     for be in (auto, forced):
         be.run_path("kernel", torch.zeros(5, D), torch.zeros(5, 8, dtype=torch.int64),
                     torch.ones(5, 8))  # fmt: skip

@@ -452,9 +452,11 @@ def fp8_moe_gluon(
     topk_weights: torch.Tensor,  # [T, k] float
     topk_ids: torch.Tensor,  # [T, k] int32/int64
     config: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+    active: torch.Tensor | None = None,  # [1] int32 on the device: 0 = skip (moe_select.py)
 ) -> torch.Tensor:  # [T, D]
     """fp8_moe.fp8_moe's result with the Gluon kernel: `config` one launch config (both GEMMs),
-    or a table by pair count (None: FP8_GLUON_TABLE). No host synchronisation."""
+    or a table by pair count (None: FP8_GLUON_TABLE). No host synchronisation. `active` 0:
+    every program returns at once (npost 0; the output is left unwritten)."""
     T, k = check_inputs("fp8_moe_gluon", x, ew, topk_weights, topk_ids)
     D = x.shape[1]
     if not supported(ew):
@@ -467,6 +469,8 @@ def fp8_moe_gluon(
         cfg = dict(config)
     x = x.contiguous()
     sorted_ids, eids, npost, units = gluon_align(topk_ids, E, cfg)
+    if active is not None:  # 0 rows in use: every program returns at once (TAIL too)
+        npost = npost * active
     tw = topk_weights.reshape(-1).float().contiguous()
     silu = bool(cfg.get("SILU", CONFIG_DEFAULTS["SILU"]))
     # without SILU the GEMM outputs stay fp32 (fp8_moe's rounding: one, of silu(gate) * up)

@@ -221,10 +221,12 @@ def fp8_moe(
     topk_ids: torch.Tensor,  # [T, k] int32/int64
     config: Mapping[str, Any] | None = None,
     table: Sequence[Mapping[str, Any]] | None = None,
+    active: torch.Tensor | None = None,  # [1] int32 on the device: 0 = skip (moe_select.py)
 ) -> torch.Tensor:  # [T, D]
     """Routed-expert output sum_j w_tj * expert_{e_tj}(x_t) for FP8-block experts; no host
     synchronisation. `config` ({"BLOCK_M", "w13", "w2"}) overrides the pick from `table` (the
-    kernel policy's fp8_moe table; None: DEFAULT_TABLE)."""
+    kernel policy's fp8_moe table; None: DEFAULT_TABLE). `active` 0: every program returns at
+    once (the output is left unwritten: the caller discards it); None: always run."""
     require_triton(x)
     T, k = check_inputs("fp8_moe", x, ew, topk_weights, topk_ids)
     D = x.shape[1]
@@ -235,6 +237,8 @@ def fp8_moe(
     bm = cfg["BLOCK_M"]
     x = x.contiguous()
     sorted_ids, eids, npost = moe_align_block_size(topk_ids, E, bm)
+    if active is not None:  # 0 rows in use: every program returns at once
+        npost = npost * active
     tw = topk_weights.reshape(-1).float().contiguous()
     inter = torch.empty(M, I, dtype=x.dtype, device=x.device)
     _gemm(x, ew.w13, ew.w13_scale, inter, tw, sorted_ids, eids, npost, I, D, M, k, True, False,

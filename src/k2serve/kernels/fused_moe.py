@@ -277,8 +277,11 @@ def fused_moe(
     topk_weights: torch.Tensor,  # [T, k] float
     topk_ids: torch.Tensor,  # [T, k] int32/int64
     config: dict | None = None,
+    active: torch.Tensor | None = None,  # [1] int32 on the device: 0 = skip (moe_select.py)
 ) -> torch.Tensor:  # [T, D]
-    """Routed-expert output sum_j w_tj * expert_{e_tj}(x_t); no host synchronisation."""
+    """Routed-expert output sum_j w_tj * expert_{e_tj}(x_t); no host synchronisation.
+    `active` 0: every program returns at once (the output is left unwritten: the caller
+    discards it); None: always run."""
     require_triton(x)
     T, D = x.shape
     if D != ew.hidden:
@@ -295,6 +298,8 @@ def fused_moe(
         raise ValueError(f"int4 group_size={ew.group_size} must divide BLOCK_K={cfg['BLOCK_K']}")
     x = x.contiguous()
     sorted_ids, expert_ids, npost = moe_align_block_size(topk_ids, E, cfg["BLOCK_M"])
+    if active is not None:  # 0 rows in use: every program returns at once
+        npost = npost * active
     tw = topk_weights.reshape(-1).float().contiguous()
     inter = torch.empty(M, I, dtype=x.dtype, device=x.device)
     _gemm(x, ew.w13, ew.w13_scale, inter, tw, sorted_ids, expert_ids, npost, I, D, M, k,

@@ -159,6 +159,10 @@ class KernelTables:
     # grouped GEMMs where Gluon runs (None: never; empty configs: the kernel's own table)
     fp8_prefill_gluon: tuple[Mapping[str, Any], ...] = ()
     fp8_prefill_gluon_min_pairs: int | None = None
+    # FP8-block experts chosen on the device from the routing (moe_select.py; fp8 "auto"):
+    # bands as int4_routing_select's with paths of "kernel" (the generic kernel, small-M
+    # blocks), "fp8_gemm", "fp8_gluon" (where Gluon runs); absent from a table: off
+    fp8_routing_select: tuple[Mapping[str, Any], ...] = ()
 
     def int4_gemm_configs(self, backend: str) -> tuple[tuple[Mapping[str, Any], ...], int | None]:
         """The INT4 grouped GEMM `backend`'s launch configs by max pair count and the fewest
@@ -217,6 +221,7 @@ class KernelTables:
                     }
                 ),
                 int4_routing_select=tuple(_frozen(e) for e in data.get("int4_routing_select", ())),
+                fp8_routing_select=tuple(_frozen(e) for e in data.get("fp8_routing_select", ())),
                 int4_decode_mma=_config_or_table(data.get("int4_decode_mma", {})),
                 int4_decode_mma_min_pairs=_opt_int(data, "int4_decode_mma_min_pairs"),
                 int4_decode_mma_max_pairs=_opt_int(data, "int4_decode_mma_max_pairs"),
@@ -466,5 +471,6 @@ class KernelPolicy:
             fp8_generic_max_pairs=t.fp8_moe_generic_max_pairs,
             fp8_gluon_table=t.fp8_prefill_gluon or None,
             fp8_gluon_min_pairs=t.fp8_prefill_gluon_min_pairs if self.fp8_gluon else None,
+            fp8_routing_select=t.fp8_routing_select,
             w8a8_min_tokens=self.moe_prefill_fp8_min_tokens(),
         )

@@ -34,8 +34,12 @@ tiles converted in registers, configs by pair count from `fp8_table`) above; "ge
 GEMMs always, "kernel" the generic kernel always (benchmarks compare them). From
 `fp8_gluon_min_pairs` pairs (None: never; the policy gives the tables'
 `fp8_prefill_gluon_min_pairs` only where Gluon runs: Triton 3.6 on sm_90) the grouped GEMMs are
-kernels/fp8_gemm_gluon.py's (path "fp8_gluon", configs `fp8_gluon_table`). The limits and
-launch configs come from the kernel policy (`KernelPolicy.moe_kwargs()`).
+kernels/fp8_gemm_gluon.py's (path "fp8_gluon", configs `fp8_gluon_table`). Routing-aware
+bands for FP8 (`fp8_routing_select`, the policy's `fp8_routing_select`; "auto" only): for pair
+counts inside a band the generic kernel (its small-M blocks) and a grouped GEMM ("fp8_gemm", or
+"fp8_gluon" where Gluon runs) are both launched and moe_select picks one on the device, ahead of
+the pair-count rule (the small-M kernel wins while the hit experts get few pairs each). The
+limits and launch configs come from the kernel policy (`KernelPolicy.moe_kwargs()`).
 Prompts on FP8 tensor cores (`w8a8_min_tokens`, from `--moe-prefill-precision`): steps of at
 least that many tokens run kernels/w8a8_moe.py (FP8 activations per token and 128 columns) for
 FP8-block and INT4 group-32 experts, ahead of every path above.
@@ -134,6 +138,7 @@ class FusedMoEBackend(ExpertBackend):
         gemm_backend: str = "triton",
         fp8_gluon_table: Sequence[Mapping[str, Any]] | None = None,
         fp8_gluon_min_pairs: int | None = None,
+        fp8_routing_select: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         """None limits / configs: the default device kind's tuned tables (kernels/configs)."""
         if int4_impl not in ("auto", "planes", "legacy"):
@@ -227,6 +232,13 @@ class FusedMoEBackend(ExpertBackend):
         )
         if self.fp8_gluon_min_pairs is not None:
             check_fp8_gluon_table(self.fp8_gluon_table)
+        # FP8 bands chosen on the device from the routing ("auto" only; "fp8_gluon" bands only
+        # where Gluon runs, as the tables are shared by every machine of a kind)
+        gluon_ok = self.fp8_gluon_min_pairs is not None
+        fb = t.fp8_routing_select if fp8_routing_select is None else fp8_routing_select
+        fb = [b for b in fb if gluon_ok or "fp8_gluon" not in b.get("paths", ())]
+        check_routing_select(fb, False, name="fp8_routing_select", allowed=FP8_ROUTING_PATHS)
+        self.fp8_routing_select = tuple(fb) if self.fp8_impl == "auto" else ()
         # steps of at least this many tokens: FP8 activations (None: never)
         m = (w8a8_min_tokens or {}).get(w.quant) if w8a8_supported(w) else None
         if m is not None and (not isinstance(m, int) or m < 0):
@@ -239,6 +251,13 @@ class FusedMoEBackend(ExpertBackend):
         if self.fp8_impl == "auto":
             return num_pairs > self.fp8_generic_max_pairs
         return self.fp8_impl == "gemm"
+
+    def fp8_band(self, num_pairs: int) -> Mapping[str, Any] | None:
+        """The fp8_routing_select band holding `num_pairs` pairs (None: the pair-count rule)."""
+        for band in self.fp8_routing_select:
+            if band["min_pairs"] <= num_pairs <= band["max_pairs"]:
+                return band
+        return None
 
     @classmethod
     def from_experts(cls, experts: nn.ModuleList, **kw) -> FusedMoEBackend:
@@ -253,6 +272,9 @@ class FusedMoEBackend(ExpertBackend):
         pairs = num_tokens * top_k
         if self.w8a8_min_tokens is not None and num_tokens >= self.w8a8_min_tokens:
             return ("w8a8",), ()
+        band = self.fp8_band(pairs) if self.fp8_impl is not None else None
+        if band is not None:
+            return tuple(band["paths"]), tuple(band["pairs_per_expert"])
         if self.fp8_impl is not None and self.fp8_uses_gemm(pairs):
             gmin = self.fp8_gluon_min_pairs
             return ("fp8_gluon" if gmin is not None and pairs >= gmin else "fp8_gemm",), ()
@@ -304,14 +326,14 @@ class FusedMoEBackend(ExpertBackend):
 
     def run_path(self, path: str, hidden, topk_ids, topk_weights, active=None) -> torch.Tensor:
         """One path of `plan` (`active`: [1] int32 on the device, 0 = its kernels return at
-        once; INT4 planes paths only)."""
+        once; every path but "w8a8" and "grouped_mm")."""
         w = self.weights
         if path == "w8a8":
             return w8a8_moe(hidden, w, topk_weights, topk_ids)
         if path == "fp8_gemm":
-            return fp8_moe(hidden, w, topk_weights, topk_ids, table=self.fp8_table)
+            return fp8_moe(hidden, w, topk_weights, topk_ids, table=self.fp8_table, active=active)
         if path == "fp8_gluon":
-            return fp8_moe_gluon(hidden, w, topk_weights, topk_ids, self.fp8_gluon_table)
+            return fp8_moe_gluon(hidden, w, topk_weights, topk_ids, self.fp8_gluon_table, active)
         if path == "grouped_mm":
             return int4_moe_grouped_mm(hidden, w, topk_weights, topk_ids)
         if path == "grouped":
@@ -339,16 +361,20 @@ class FusedMoEBackend(ExpertBackend):
                 active,
                 backend=self.gemm_backend,
             )
-        return fused_moe(hidden, w, topk_weights, topk_ids, self.kernel_config(topk_ids.numel()))
+        cfg = self.kernel_config(topk_ids.numel())
+        return fused_moe(hidden, w, topk_weights, topk_ids, cfg, active)
 
     def kernel_config(self, pairs: int) -> dict:
         """The generic kernel's block sizes for `pairs` (token, expert) pairs: with FP8 experts
         under "auto" (the kernel runs up to fp8_generic_max_pairs) its small-M blocks wherever
         it runs (past 4 pairs an expert too: T=256 x top-8 on one K2 layer, small-M 5.3 / 5.9
         ms on an H200 / H100 against large-M 24.9 / 24.2 and the grouped GEMMs' 7.7 / 8.2,
-        benchmarks/fp8_moe.py --parts generic), else the kernel's rule."""
+        benchmarks/fp8_moe.py --parts generic) and inside an fp8_routing_select band (its
+        "kernel" candidate), else the kernel's rule."""
         w = self.weights
         small = self.fp8_generic_max_pairs if self.fp8_impl == "auto" else None
+        if small is not None and self.fp8_band(pairs) is not None:
+            small = max(small, pairs)
         return kernel_config(pairs, w.num_experts, w.quant, small)
 
     def __call__(
@@ -370,6 +396,7 @@ class FusedMoEBackend(ExpertBackend):
 
 
 ROUTING_PATHS = ("decode", "grouped", "mma", "gemm", "gemm_narrow")
+FP8_ROUTING_PATHS = ("kernel", "fp8_gemm", "fp8_gluon")  # fp8_gluon: where Gluon runs
 
 
 def check_routing_select(
@@ -377,20 +404,23 @@ def check_routing_select(
     grouped_ok: bool,
     mma_ok: bool = False,
     narrow_ok: bool = False,
+    *,
+    name: str = "int4_routing_select",
+    allowed: tuple[str, ...] = ROUTING_PATHS,
 ) -> None:
-    """A malformed `int4_routing_select` table fails at setup, not in a step."""
+    """A malformed `name` table (`allowed` its paths) fails at setup, not in a step."""
     for b in bands:
         try:
             paths, ppe = list(b["paths"]), list(b["pairs_per_expert"])
             lo, hi = int(b["min_pairs"]), int(b["max_pairs"])
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"int4_routing_select entry {dict(b)}: {e!r}") from None
+            raise ValueError(f"{name} entry {dict(b)}: {e!r}") from None
         ok = (
             2 <= len(paths) <= 3
             and len(ppe) == len(paths) - 1
             and ppe == sorted(ppe)
             and len(set(paths)) == len(paths)
-            and all(p in ROUTING_PATHS for p in paths)
+            and all(p in allowed for p in paths)
             and (grouped_ok or "grouped" not in paths)
             and (mma_ok or "mma" not in paths)
             and (narrow_ok or "gemm_narrow" not in paths)
@@ -398,8 +428,8 @@ def check_routing_select(
         )
         if not ok:
             raise ValueError(
-                f"int4_routing_select entry {dict(b)}: use 2-3 distinct paths of "
-                f"{ROUTING_PATHS} (grouped needs int4_decode_grouped, mma int4_decode_mma and "
+                f"{name} entry {dict(b)}: use 2-3 distinct paths of "
+                f"{allowed} (grouped needs int4_decode_grouped, mma int4_decode_mma and "
                 "group-32 experts, gemm_narrow a narrow GEMM config), one ascending "
                 "pairs_per_expert limit between each two, 0 < min_pairs <= max_pairs"
             )
