@@ -17,6 +17,11 @@ One K2 MoE layer: E=384, D=7168, I=2048, top-8, random float8_e4m3fn weights wit
   winners as a `fp8_moe` table for kernels/configs/<kind>.json.
 - generic (not in the default parts): the generic kernel's small-M config against its own
   rule and the new path at T = 128..1024, uniform and one-third routing.
+- band (not in the default parts): what FusedMoEBackend with the device policy runs ("auto":
+  inside an fp8_routing_select band the candidate moe_select picks from the routing) beside
+  the fixed paths (the small-M generic kernel, fp8_moe, the Gluon GEMM where it runs) at
+  T = 256, 384, 512, 768, uniform and one-third routing; auto's output is checked against the
+  fixed path it chose (and every path against fp8_moe) before anything is timed.
 """
 
 from __future__ import annotations
@@ -179,6 +184,83 @@ def part_generic(ew, policy):
                 f"{t['generic rule']:.3f} | {t['new']:.3f} | {min(t, key=t.get)} |")  # fmt: skip
 
 
+BAND_TS = (256, 384, 512, 768)
+
+
+def _band_row(be, T, mode, sub, small):
+    """One (T, routing) row of part_band: check, then time (CUDA graphs)."""
+    from k2serve.kernels import fused_moe
+    from k2serve.kernels.moe_select import moe_select
+
+    x, tw, ids = inputs(T, 300 + T, DEV)
+    if mode == "third":
+        ids = sub[torch.rand(T, sub.numel(), device=DEV).argsort(-1)[:, :K]].int()
+    hit = int(ids.unique().numel())
+    paths, limits = be.plan(T, K)
+    chosen = paths[0]
+    if len(paths) > 1:
+        chosen = paths[int(moe_select(ids, E, limits)[:-1].argmax())]
+    fixed = {
+        "small-M": lambda: fused_moe.fused_moe(x, be.weights, tw, ids, small),
+        "fp8_gemm": lambda: be.run_path("fp8_gemm", x, ids, tw),
+    }
+    if be.fp8_gluon_min_pairs is not None:
+        fixed["fp8_gluon"] = lambda: be.run_path("fp8_gluon", x, ids, tw)
+    ref, out, want = fixed["fp8_gemm"](), be(x, ids, tw), be.run_path(chosen, x, ids, tw)
+    same, err = torch.equal(out, want), rel(out, want)
+    ok = same or err < 1e-3
+    errs = {}
+    for name, fn in fixed.items():
+        try:
+            errs[name] = rel(fn(), ref)
+        except Exception as e:  # noqa: BLE001 - a GPU-only path failing: report, go on
+            log(f"band T={T} {mode} {name}: {type(e).__name__}: {e}")
+            ms.FAILS.append(f"band T={T} {mode} {name} raised")
+    ok = ok and all(v < 2e-2 for v in errs.values())
+    log(f"check T={T} {mode}: plan {paths} {limits}, chose {chosen}: auto vs it "
+        f"{'bit-identical' if same else f'rel {err:.2e}'}; vs fp8_moe "
+        + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()) + ("  ok" if ok else "  FAIL"))  # fmt: skip
+    if not ok:
+        ms.FAILS.append(f"band T={T} {mode}")
+        return None
+    t = {name: ms.graph_ms([fixed[name]]) for name in errs}
+    t_auto = ms.graph_ms([lambda: be(x, ids, tw)])
+    best = min(t, key=t.get)
+    return (f"| {T} | {mode} | {hit} | {T * K / hit:.1f} | {'+'.join(paths)} | {chosen} | "
+            + " | ".join(f"{t[n]:.3f}" if n in t else "-" for n in ("small-M", "fp8_gemm", "fp8_gluon"))
+            + f" | {t_auto:.3f} | {best} | {t_auto / t[best]:.2f}x |")  # fmt: skip
+
+
+def part_band(ew, policy, ts=BAND_TS):
+    """The routing bands (fp8_routing_select) against the fixed paths: see the docstring."""
+    from k2serve.kernels import fused_moe
+    from k2serve.moe.fused_moe import FusedMoEBackend
+
+    be = FusedMoEBackend(ew, **policy.moe_kwargs())  # what the engine runs
+    small = fused_moe.kernel_config(1, E, "fp8")  # the small-M block sizes
+    bands = [(b["min_pairs"], b["max_pairs"], list(b["paths"]), list(b["pairs_per_expert"]))
+             for b in be.fp8_routing_select]  # fmt: skip
+    log(f"fp8_routing_select bands here: {bands}; generic up to {be.fp8_generic_max_pairs} "
+        f"pairs; Gluon from {be.fp8_gluon_min_pairs}")  # fmt: skip
+    sub = torch.randperm(E, device=DEV)[: E // 3]
+    rows = []
+    for T in ts:
+        for mode in ("uniform", "third"):
+            try:
+                row = _band_row(be, T, mode, sub, small)
+            except Exception as e:  # noqa: BLE001 - report, go on to the next row
+                log(f"band T={T} {mode}: {type(e).__name__}: {e}")
+                ms.FAILS.append(f"band T={T} {mode} raised")
+                row = None
+            if row:
+                rows.append(row)
+    log("| T | routing | experts hit | pairs/expert | plan | auto chose | small-M ms | fp8_gemm ms "
+        "| fp8_gluon ms | auto ms | best fixed | auto / best |")  # fmt: skip
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        log(row)
+
+
 # candidate tiles (BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M), chosen so that none
 # spills registers on sm_90 (ptxas); decode: 16-row blocks; prefill: 32-128-row blocks
 DEC13 = [(16, 128, 4, 4, 1), (32, 128, 4, 4, 1), (32, 128, 4, 6, 1), (64, 128, 4, 4, 1)]
@@ -298,6 +380,8 @@ def main():
         part_sweep(ew)
     if "generic" in parts:
         part_generic(ew, policy)
+    if "band" in parts:
+        part_band(ew, policy)
     log(f"done; failures: {ms.FAILS or 'none'}")
     return 1 if ms.FAILS else 0
 

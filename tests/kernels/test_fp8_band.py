@@ -125,3 +125,35 @@ def test_shipped_fp8_bands_reach_the_backend():
     assert bands and all("kernel" in b["paths"] for b in bands)
     kw = KernelPolicy.reference().moe_kwargs()
     assert kw["fp8_routing_select"] == bands
+
+
+def test_band_benchmark_part_on_cpu(monkeypatch, capsys):
+    """benchmarks/fp8_moe.py --parts band at toy sizes on the CPU (timer stubbed): every row
+    is checked (auto against the path it chose) and printed, both candidates are chosen."""
+    import dataclasses
+    import os
+    import sys
+
+    from k2serve.kernels.policy import KernelPolicy
+
+    bench = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
+    sys.path.insert(0, bench)
+    try:
+        import fp8_moe as fb
+        import model_speed as ms
+    finally:
+        sys.path.remove(bench)
+    for k, v in dict(E=9, D=128, I=128, K=2, DEV=DEVICE).items():
+        monkeypatch.setattr(fb, k, v)
+    monkeypatch.setattr(ms, "graph_ms", lambda fns, reps=20: [f() for f in fns] and 1.0)
+    monkeypatch.setattr(ms, "FAILS", [])
+    band = dict(min_pairs=8, max_pairs=16, paths=["kernel", "fp8_gemm"], pairs_per_expert=[2.5])
+    p = KernelPolicy.reference()
+    p = dataclasses.replace(p, tables=dataclasses.replace(p.tables, fp8_routing_select=(band,)))
+    torch.manual_seed(0)
+    fb.part_band(fb.make_experts(DEVICE), p, ts=(4, 6))
+    out = capsys.readouterr().out
+    assert ms.FAILS == [] and out.count("  ok") == 4
+    rows = [r for r in out.splitlines() if r.split("] ")[-1].startswith("| 4 |")]
+    assert len(rows) == 2 and "| kernel+fp8_gemm | kernel |" in rows[0]
+    assert "| kernel+fp8_gemm | fp8_gemm |" in rows[1]  # 8 pairs on 3 experts
