@@ -41,7 +41,7 @@ def test_configs_and_table():
     assert [dict(e) for e in fg.FP8_GLUON_TABLE] == [
         {k: v for k, v in e.items() if k != "what"} for e in t.fp8_prefill_gluon
     ]
-    assert t.fp8_prefill_gluon_min_pairs == 4096  # T=512 x top-8: measured >= fp8_moe
+    assert t.fp8_prefill_gluon_min_pairs == 2049  # T=257 x top-8: measured >= fp8_moe
     fg.check_table(t.fp8_prefill_gluon)
     assert [fg.pick(t.fp8_prefill_gluon, n)["BLOCK_M"] for n in (4096, 4097, 16385, 10**6)] == [
         32, 64, 128, 128]  # fmt: skip
@@ -117,8 +117,8 @@ def test_dispatch_only_where_gluon_runs_and_in_the_band(monkeypatch, usable):
     assert kw["fp8_gluon_min_pairs"] == (4096 if usable else None)
     # the shipped fp8_routing_select bands (T=257..768): the Gluon GEMM's band only where it runs
     banded = FusedMoEBackend(meta_fp8(), **kw)
-    assert banded.plan(511, TOP_K)[0] == ("kernel", "fp8_gemm")
-    assert banded.plan(512, TOP_K)[0] == (("kernel", "fp8_gluon") if usable else ("fp8_gemm",))
+    for T in (257, 511, 512, 768):  # the Gluon band where Gluon runs, else its fallback
+        assert banded.plan(T, TOP_K)[0] == ("kernel", "fp8_gluon" if usable else "fp8_gemm")
     be = FusedMoEBackend(meta_fp8(), **dict(kw, fp8_routing_select=()))  # the pair-count rule
     assert be.plan(1, TOP_K) == (("kernel",), ())  # decode: the generic kernel
     assert be.plan(511, TOP_K) == (("fp8_gemm",), ())  # below the band: fp8_moe
