@@ -52,25 +52,12 @@ from typing import Any
 
 import torch
 
+from ._gluon import HAS_GLUON, async_copy, gl, gluon, triton, warpgroup_mma, warpgroup_mma_wait
 from ._triton import cdiv
 from .fp8_gemm_gluon_ws import FP8_WS_DEFAULTS, fp8_ws_check, launch_fp8_ws
 from .fp8_moe import check_inputs
 from .int4_gemm_gluon import gluon_align, gluon_available
 from .policy import band_index
-
-try:  # pragma: no cover - depends on the installed Triton
-    import triton
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        async_copy,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-
-    HAS_GLUON = True
-except Exception:  # noqa: BLE001 - no Triton, no Gluon, or another Gluon API
-    HAS_GLUON = False
 
 # BLOCK_M pairs x BLOCK_N outputs, KS columns a sub-step, STAGES ring slots, warps (4 per 64
 # weight rows); PROMOTE: the block scale on an fp32 partial per 128-column K block (else on the

@@ -43,22 +43,17 @@ activations under 2^31 elements (int32 offsets). No host sync; CUDA-graph safe.
 
 from __future__ import annotations
 
+from ._gluon import (
+    HAS_GLUON,
+    async_copy,
+    fence_async_shared,
+    gl,
+    gluon,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from .int4_gemm_gluon_ws import ws_regs, ws_split
-
-try:  # pragma: no cover - depends on the installed Triton
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        async_copy,
-        fence_async_shared,
-        mbarrier,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-
-    HAS_GLUON = True
-except Exception:  # noqa: BLE001 - no Triton, no Gluon, or another Gluon API
-    HAS_GLUON = False
 
 FP8_WS_DEFAULTS = dict(WS=0, PW=4, RELEASE=1, FENCE=False)  # WS 0: the shipped kernel
 

@@ -59,24 +59,18 @@ import logging
 
 import torch
 
+from ._gluon import (
+    HAS_GLUON,
+    async_copy,
+    fence_async_shared,
+    gl,
+    gluon,
+    triton,
+    warpgroup_mma_wait,
+)
 from ._triton import cdiv
 from .int4_gemm_gluon_ws import WS_DEFAULTS, launch_ws, ws_check, ws_smem_bytes
 from .moe_align import max_blocks, moe_align_block_size, tail_units
-
-try:  # pragma: no cover - depends on the installed Triton
-    import triton
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        async_copy,
-        fence_async_shared,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-
-    HAS_GLUON = True
-except Exception:  # noqa: BLE001 - no Triton, no Gluon, or another Gluon API
-    HAS_GLUON = False
 
 logger = logging.getLogger(__name__)
 
@@ -192,13 +186,11 @@ def gluon_align(topk_ids: torch.Tensor, num_experts: int, cfg: dict):
 if HAS_GLUON:
     from .int4_gemm_gluon_parts import (
         _issue,
-        _plane,
-        _plane_pair_bf16x2,
+        _plane_mma,
         _rows,
         _silu_epilogue,
         _split_cols,
         _store_epilogue,
-        _to_plane,
     )
 
     @gluon.jit
@@ -332,47 +324,17 @@ if HAS_GLUON:
                    s_fill, STAGES, W2, L1, KW)  # fmt: skip
             slot = u % STAGES
             if KW:
-                w_tile = w_smem.index(2 * ((u // 2) % WS) + u % 2)
+                w_slot = 2 * ((u // 2) % WS) + u % 2
                 if KW == 2:
                     s_slot = 2 * ((u // 4) % 2) + (u // 2) % 2
                 else:
                     s_slot = (u // 2) % WS
             else:
-                w_tile = w_smem.index(slot)
+                w_slot = slot
                 s_slot = slot
-            sp = s_smem.index(s_slot).load(sl)
-            sb = gl.where((u % 2) == 0, sp << 16, sp & -65536).to(gl.float32, bitcast=True)
-            s = _to_plane(sb, l3, dl, BLOCK_N, W2)
-            if BF16X2:
-                s2 = s.to(gl.bfloat16)  # exact: the scales are bf16
-            else:
-                c15 = _to_plane(sb * -32776.0, l3, dl, BLOCK_N, W2)  # -(2^15 + 8) * s
-                c11 = _to_plane(sb * -2056.0, l3, dl, BLOCK_N, W2)  # -(2^11 + 8) * s
-            p = w_tile.load(dl)
-            a_slot = a_smem.index(slot)
-            for M in gl.static_range(4):  # planes 2M (low nibble of byte M) and 2M + 1
-                if BF16X2:
-                    w0, w1 = _plane_pair_bf16x2(p, s2, M)
-                else:
-                    w0 = _plane(p, s, c15, 2 * M)
-                    w1 = _plane(p, s, c11, 2 * M + 1)
-                b0 = a_slot.slice(2 * M * BM, BM).permute((1, 0))  # [W2, BM]
-                b1 = a_slot.slice((2 * M + 1) * BM, BM).permute((1, 0))
-                if INFLIGHT == 1:
-                    # retire the previous plane's MMA; this one's registers live to the next wait
-                    acc = warpgroup_mma(w0, b0, acc, is_async=True)
-                    acc, w_p1, w0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w_p1, w0))
-                    acc = warpgroup_mma(w1, b1, acc, is_async=True)
-                    acc, w0, w1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w0, w1))
-                    w_p1 = w1
-                else:
-                    # both planes' MMAs in flight while the next pair is dequantized
-                    acc = warpgroup_mma(w0, b0, acc, is_async=True)
-                    acc = warpgroup_mma(w1, b1, acc, is_async=True)
-                    acc, w_p0, w_p1, w0, w1 = warpgroup_mma_wait(
-                        num_outstanding=2, deps=(acc, w_p0, w_p1, w0, w1))  # fmt: skip
-                    w_p0 = w0
-                    w_p1 = w1
+            acc, w_p0, w_p1 = _plane_mma(u, acc, w_p0, w_p1, s_smem, s_slot, w_smem, w_slot,
+                                         a_smem, slot, None, BM, BLOCK_N, W2, BF16X2, INFLIGHT, dl,
+                                         l3, sl)  # fmt: skip
         acc, w_p0, w_p1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_p0, w_p1))
         async_copy.wait_group(0)
 

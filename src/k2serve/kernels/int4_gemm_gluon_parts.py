@@ -2,22 +2,16 @@
 wgmma's register-operand layout (one plane at a time in fp32 math, `_plane`, or two k-adjacent
 weights an instruction in bf16x2 PTX, `_plane_pair_bf16x2`; the scale broadcast over a plane's
 columns, `_split_cols` / `_to_plane`: layout conversions that move no data), a sub-step's
-copies (`_issue`), a tile's weight rows (`_rows`) and the SILU store (`_silu_epilogue`).
+dequant and wgmmas (`_plane_mma`, the K loop body of int4_gemm_gluon.py and of its
+warp-specialized variant int4_gemm_gluon_ws.py), a sub-step's copies (`_issue`), a tile's
+weight rows (`_rows`) and the SILU store (`_silu_epilogue`).
 
 Invariants: imports without Triton or Gluon (then defines nothing); Triton 3.6's Gluon API.
 """
 
 from __future__ import annotations
 
-try:  # pragma: no cover - depends on the installed Triton
-    import triton
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import async_copy
-
-    HAS_GLUON = True
-except Exception:  # noqa: BLE001 - no Triton, no Gluon, or another Gluon API
-    HAS_GLUON = False
+from ._gluon import HAS_GLUON, async_copy, gl, gluon, triton, warpgroup_mma, warpgroup_mma_wait
 
 if HAS_GLUON:
 
@@ -98,6 +92,63 @@ if HAS_GLUON:
         return gl.inline_asm_elementwise(ASM, "=r,=r,r,r,r", [p, s2],
                                          dtype=(gl.bfloat16, gl.bfloat16), is_pure=True,
                                          pack=2)  # fmt: skip
+
+    @gluon.jit
+    def _plane_mma(u, acc, w_p0, w_p1, s_smem, s_slot, w_smem, w_slot, a_smem, slot,
+                   R0: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, W2: gl.constexpr,
+                   BF16X2: gl.constexpr, INFLIGHT: gl.constexpr, dl: gl.constexpr,
+                   l3: gl.constexpr, sl: gl.constexpr):  # fmt: skip
+        """A sub-step's MMAs, the K loop body of int4_gemm_gluon.py's kernel and of each WS
+        consumer (int4_gemm_gluon_ws.py): load the scale words [BN, W2 / 4] of ring slot s_slot
+        (parity u % 2's halves) and the words [BN, W2] of slot w_slot, then per plane pair
+        dequantize (dl: the wgmma's register-operand layout; l3, sl: `_split_cols`'s) and issue
+        its wgmmas against the 8 activation planes [8 * BM, W2] of slot `slot`, waiting as
+        INFLIGHT says. R0: the first of the slots' rows to read (a WS warpgroup's BN rows), None:
+        all of them (BN = the tile's). w_p0, w_p1: the in-flight planes, alive through the waits'
+        deps. Returns (acc, w_p0, w_p1).
+        The words' view is made where each kernel made it before this helper existed (R0 None:
+        before the scales are loaded; else right before the words' load): the same IR order,
+        so ptxas schedules both kernels exactly as before (benchmarks/gluon_compile.py --sass)."""
+        if R0 is None:
+            w_tile = w_smem.index(w_slot)
+            sp = s_smem.index(s_slot).load(sl)
+        else:
+            sp = s_smem.index(s_slot).slice(R0, BN).load(sl)
+        sb = gl.where((u % 2) == 0, sp << 16, sp & -65536).to(gl.float32, bitcast=True)
+        s = _to_plane(sb, l3, dl, BN, W2)
+        if BF16X2:
+            s2 = s.to(gl.bfloat16)  # exact: the scales are bf16
+        else:
+            c15 = _to_plane(sb * -32776.0, l3, dl, BN, W2)  # -(2^15 + 8) * s
+            c11 = _to_plane(sb * -2056.0, l3, dl, BN, W2)  # -(2^11 + 8) * s
+        if R0 is not None:
+            w_tile = w_smem.index(w_slot).slice(R0, BN)
+        p = w_tile.load(dl)
+        a_slot = a_smem.index(slot)
+        for M in gl.static_range(4):  # planes 2M (low nibble of byte M) and 2M + 1
+            if BF16X2:
+                w0, w1 = _plane_pair_bf16x2(p, s2, M)
+            else:
+                w0 = _plane(p, s, c15, 2 * M)
+                w1 = _plane(p, s, c11, 2 * M + 1)
+            b0 = a_slot.slice(2 * M * BM, BM).permute((1, 0))  # [W2, BM]
+            b1 = a_slot.slice((2 * M + 1) * BM, BM).permute((1, 0))
+            if INFLIGHT == 1:
+                # retire the previous plane's MMA; this one's registers live to the next wait
+                acc = warpgroup_mma(w0, b0, acc, is_async=True)
+                acc, w_p1, w0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w_p1, w0))
+                acc = warpgroup_mma(w1, b1, acc, is_async=True)
+                acc, w0, w1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w0, w1))
+                w_p1 = w1
+            else:
+                # both planes' MMAs in flight while the next pair is dequantized
+                acc = warpgroup_mma(w0, b0, acc, is_async=True)
+                acc = warpgroup_mma(w1, b1, acc, is_async=True)
+                acc, w_p0, w_p1, w0, w1 = warpgroup_mma_wait(
+                    num_outstanding=2, deps=(acc, w_p0, w_p1, w0, w1))  # fmt: skip
+                w_p0 = w0
+                w_p1 = w1
+        return acc, w_p0, w_p1
 
     @gluon.jit
     def _rows(r, pid_n, N, BLOCK_N: gl.constexpr, SILU: gl.constexpr):

@@ -62,20 +62,15 @@ Invariants: as int4_gemm_gluon (Hopper, Triton 3.6 Gluon, group 32, K % (16 W2) 
 
 from __future__ import annotations
 
-try:  # pragma: no cover - depends on the installed Triton
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        async_copy,
-        fence_async_shared,
-        mbarrier,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-
-    HAS_GLUON = True
-except Exception:  # noqa: BLE001 - no Triton, no Gluon, or another Gluon API
-    HAS_GLUON = False
+from ._gluon import (
+    HAS_GLUON,
+    async_copy,
+    fence_async_shared,
+    gl,
+    gluon,
+    mbarrier,
+    warpgroup_mma_wait,
+)
 
 WS_DEFAULTS = dict(PW=4, PREG=0, CREG=0, RELEASE=1)  # P/CREG 0: the defaults (`ws_regs`)
 PREG_DEFAULT = 56
@@ -135,11 +130,9 @@ def ws_check(cfg: dict) -> None:
 if HAS_GLUON:
     from .int4_gemm_gluon_parts import (
         _out_cols,
-        _plane,
-        _plane_pair_bf16x2,
+        _plane_mma,
         _rows,
         _split_cols,
-        _to_plane,
     )
 
     @gluon.jit
@@ -226,37 +219,9 @@ if HAS_GLUON:
         mbarrier.wait(full.index(slot), (u // STAGES) & 1)
         if FENCE:
             fence_async_shared()
-        sp = s_smem.index(slot).slice(G * BN, BN).load(sl)
-        sb = gl.where((u % 2) == 0, sp << 16, sp & -65536).to(gl.float32, bitcast=True)
-        s = _to_plane(sb, l3, dl, BN, W2)
-        if BF16X2:
-            s2 = s.to(gl.bfloat16)
-        else:
-            c15 = _to_plane(sb * -32776.0, l3, dl, BN, W2)
-            c11 = _to_plane(sb * -2056.0, l3, dl, BN, W2)
-        p = w_smem.index(slot).slice(G * BN, BN).load(dl)
-        a_slot = a_smem.index(slot)
-        for M in gl.static_range(4):
-            if BF16X2:
-                w0, w1 = _plane_pair_bf16x2(p, s2, M)
-            else:
-                w0 = _plane(p, s, c15, 2 * M)
-                w1 = _plane(p, s, c11, 2 * M + 1)
-            b0 = a_slot.slice(2 * M * BM, BM).permute((1, 0))
-            b1 = a_slot.slice((2 * M + 1) * BM, BM).permute((1, 0))
-            if INFLIGHT == 1:
-                acc = warpgroup_mma(w0, b0, acc, is_async=True)
-                acc, w_p1, w0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w_p1, w0))
-                acc = warpgroup_mma(w1, b1, acc, is_async=True)
-                acc, w0, w1 = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w0, w1))
-                w_p1 = w1
-            else:
-                acc = warpgroup_mma(w0, b0, acc, is_async=True)
-                acc = warpgroup_mma(w1, b1, acc, is_async=True)
-                acc, w_p0, w_p1, w0, w1 = warpgroup_mma_wait(
-                    num_outstanding=2, deps=(acc, w_p0, w_p1, w0, w1))  # fmt: skip
-                w_p0 = w0
-                w_p1 = w1
+        acc, w_p0, w_p1 = _plane_mma(u, acc, w_p0, w_p1, s_smem, slot, w_smem, slot, a_smem, slot,
+                                     G * BN, BM, BN, W2, BF16X2, INFLIGHT, dl, l3,
+                                     sl)  # fmt: skip
         if RELEASE == 2:  # retire this sub-step's MMAs now: its own stage is free
             acc, w_p0, w_p1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_p0, w_p1))
             _release(empty.index(slot), RELEASE)
