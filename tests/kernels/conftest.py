@@ -39,3 +39,21 @@ def run_without_gluon():
         assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
 
     return run
+
+
+@pytest.fixture
+def chosen_paths(monkeypatch):
+    """The candidate index moe_select picks at each routing-band step of a FusedMoEBackend
+    (appended as the steps run; the real selection still decides)."""
+    from k2serve.moe import fused_moe as be_mod
+
+    chosen: list[int] = []
+    real = be_mod.moe_select
+
+    def spy(*a):
+        sel = real(*a)
+        chosen.append(sel[:-1].argmax().item())
+        return sel
+
+    monkeypatch.setattr(be_mod, "moe_select", spy)
+    return chosen

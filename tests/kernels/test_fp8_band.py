@@ -66,12 +66,11 @@ def _band_backend(**kw):
     return ew, FusedMoEBackend(ew, **args)
 
 
-def test_fp8_band_picks_by_pairs_per_expert(monkeypatch):
+def test_fp8_band_picks_by_pairs_per_expert(chosen_paths):
     """Inside a band both candidates are launched and the output is the chosen one's: spread
     routing (1 pair per hit expert) -> the generic kernel with its small-M blocks,
     concentrated (4) -> the grouped GEMMs; each equal to the chosen path run alone. Outside
     the band: the pair-count rule."""
-    from k2serve.moe import fused_moe as be_mod
 
     ew, be = _band_backend()
     assert be.plan(4, 2) == (("kernel", "fp8_gemm"), (3.0,))
@@ -79,15 +78,7 @@ def test_fp8_band_picks_by_pairs_per_expert(monkeypatch):
     # the band's kernel candidate runs small-M blocks past fp8_generic_max_pairs (config_key)
     assert be.kernel_config(8)["BLOCK_M"] == 16 and be.kernel_config(18)["BLOCK_M"] == 128
     assert be.config_key(4, 2)[0] == (("kernel", 16), ("fp8_gemm", 0))
-    chosen = []
-    real = be_mod.moe_select
-
-    def spy(*a):
-        sel = real(*a)
-        chosen.append(sel[:-1].argmax().item())
-        return sel
-
-    monkeypatch.setattr(be_mod, "moe_select", spy)
+    chosen = chosen_paths
     for ids, path in (([[0, 1], [2, 3], [4, 5], [6, 7]], "kernel"),
                       ([[0, 1], [1, 0], [0, 1], [1, 0]], "fp8_gemm")):  # fmt: skip
         ids = torch.tensor(ids, dtype=torch.int32, device=DEVICE)

@@ -51,11 +51,10 @@ def test_inactive_path_does_no_work():
     assert rel(int4_gemv.int4_moe_decode(x, ew, w, ids, cfg, active=on), ref) < 2e-2
 
 
-def test_backend_picks_by_pairs_per_expert(monkeypatch):
+def test_backend_picks_by_pairs_per_expert(chosen_paths):
     """In a routing_select band every candidate is launched and the output is the chosen
     one's: spread routing -> the per-pair GEMV, concentrated -> the grouped GEMV; the
     result is the reference either way. Outside the band: the pair-count rule."""
-    from k2serve.moe import fused_moe as be_mod
     from k2serve.moe.fused_moe import FusedMoEBackend
 
     ew = _int4_experts(8, 256, 256)
@@ -66,15 +65,7 @@ def test_backend_picks_by_pairs_per_expert(monkeypatch):
     assert be.plan(4, 2) == (("decode", "grouped"), (2.0,))
     assert be.plan(2, 2) == (("decode",), ())
     assert be.plan(9, 2) == (("gemm",), ())
-    chosen = []
-    real = be_mod.moe_select
-
-    def spy(*a):
-        sel = real(*a)
-        chosen.append(sel[:-1].argmax().item())
-        return sel
-
-    monkeypatch.setattr(be_mod, "moe_select", spy)
+    chosen = chosen_paths
     for ids in ([[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 1], [1, 0], [0, 1], [1, 0]]):
         ids = torch.tensor(ids, dtype=torch.int32, device=DEVICE)
         x = torch.randn(4, 256, device=DEVICE, dtype=torch.bfloat16)
