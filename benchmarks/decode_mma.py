@@ -64,26 +64,17 @@ MMA_SWEEP = {  # around run 2's best (the table's 16x64 G=4 PF=2)
     "f16 8x32 g8 w1 pf1": dict(F16, BLOCK_M=8, BLOCK_N=32, G=8, num_warps=1, PF=1),
     "f16 16x64 g4 w2 pf2 atomic": dict(F16, G=4, PF=2, ATOMIC=1),
     "f16 16x64 g4 w2 pf2 s4": dict(F16, G=4, PF=2, num_stages=4),
-    # for the H200 (wave 12): the H100's time at 1.4x its bandwidth is latency-bound, so more
-    # bytes in flight an SM: a farther prefetch, more stages, more CTAs an SM (maxnreg: gate_up
-    # needs 178 registers, 5 CTAs of 2 warps an SM), wider K steps (G=8)
+    # wave 12 (H200, runs/h200_w12_tune*_mma.txt, runs/h200_w12_mma_warps.txt): G=2 PF=4 best to
+    # T=128 (h200.json), G=4 PF=2 above; 4 stages within 1-3%. Measured and dropped here (ms at
+    # T=128 uniform against G=2 PF=4's 4.04-4.15): more CTAs an SM through a register cap
+    # (maxnreg 152 / 128: 4.36 / 5.14, spills), G=8 4.57, PF=6 4.88, 4-warp tiles of 64 / 128
+    # rows 8.27 / 7.52, 1-warp 32-row tiles 4.02
     "f16 16x64 g4 w2 pf4": dict(F16, G=4, PF=4),
     "f16 16x64 g4 w2 pf3 s4": dict(F16, G=4, PF=3, num_stages=4),
-    "f16 16x64 g8 w2 pf2": dict(F16, G=8, PF=2),
-    "f16 16x64 g4 w2 pf2 r152": dict(F16, G=4, PF=2, maxnreg=152),
-    "f16 16x64 g4 w2 pf2 r128": dict(F16, G=4, PF=2, maxnreg=128),
-    "f16 16x64 g4 w2 pf3 r152": dict(F16, G=4, PF=3, maxnreg=152),
-    # H200 run 1 (wave 12, runs/h200_w12_tune1_mma.txt): G=2 PF=4 best at T=128 (gate_up), the
-    # table's G=4 PF=2 at T=256 and for the down launch; around those
     "f16 16x64 w2 pf4 down g4 pf2": dict(F16, PF=4, w2=dict(G=4, PF=2)),
     "f16 16x64 w2 pf3": dict(F16, PF=3),
-    "f16 16x64 w2 pf6": dict(F16, PF=6),
     "f16 16x64 w2 pf4 s4": dict(F16, PF=4, num_stages=4),
-    # more warps an SM at G=2 (134 registers: 7 CTAs of 2 warps; sm_90 compile, mma_sass.py)
-    "f16 16x128 w4 pf4": dict(F16, BLOCK_N=128, num_warps=4, PF=4),
-    "f16 16x64 w4 pf4": dict(F16, num_warps=4, PF=4),
     "f16 16x32 w1 pf4": dict(F16, BLOCK_N=32, num_warps=1, PF=4),
-    "f16 16x64 w2 pf4 r128": dict(F16, PF=4, maxnreg=128),
 }
 OUT_LINES: list[str] = []
 
