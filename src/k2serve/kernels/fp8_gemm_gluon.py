@@ -57,7 +57,7 @@ from ._triton import cdiv
 from .fp8_gemm_gluon_ws import FP8_WS_DEFAULTS, fp8_ws_check, launch_fp8_ws
 from .fp8_moe import check_inputs
 from .int4_gemm_gluon import gluon_align, gluon_available
-from .policy import band_index
+from .policy import band_index, check_open_table
 
 # BLOCK_M pairs x BLOCK_N outputs, KS columns a sub-step, STAGES ring slots, warps (4 per 64
 # weight rows); PROMOTE: the block scale on an fp32 partial per 128-column K block (else on the
@@ -114,8 +114,7 @@ def check_config(cfg: Mapping[str, Any]) -> None:
 
 def check_table(table: Sequence[Mapping[str, Any]]) -> None:
     """Raise ValueError for a malformed table: configs by ascending max_pairs, the last null."""
-    if not table or table[-1].get("max_pairs") is not None:
-        raise ValueError("fp8_prefill_gluon: the last entry needs max_pairs null")
+    check_open_table(table, "fp8_prefill_gluon")
     for ent in table:
         try:
             check_config({**CONFIG_DEFAULTS, **{k: ent[k] for k in CONFIG_KEYS if k in ent}})

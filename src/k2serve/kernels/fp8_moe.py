@@ -45,7 +45,7 @@ import torch
 
 from ._triton import HAS_TRITON, cdiv, dot_dtype, require_triton, tl, triton
 from .moe_align import moe_align_block_size
-from .policy import band_index
+from .policy import band_index, check_open_table
 
 if HAS_TRITON:
     from .moe_align import aligned_block, grouped_tile
@@ -184,8 +184,7 @@ def check_table(table: Sequence[Mapping[str, Any]]) -> None:
             check_config(_entry(ent))
         except (KeyError, TypeError) as e:
             raise ValueError(f"fp8_moe: malformed table entry {dict(ent)!r}: {e!r}") from None
-    if not table or table[-1].get("max_pairs") is not None:
-        raise ValueError("fp8_moe: the table's last entry must have max_pairs null")
+    check_open_table(table, "fp8_moe")
 
 
 def _gemm(a, w, s, c, tw, sorted_ids, eids, npost, N, K, M, a_div, gated, mul_w, block_m, t,

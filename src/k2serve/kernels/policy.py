@@ -80,6 +80,14 @@ def band_index(table: Sequence[Mapping[str, Any]], n: int, key: str = "max_pairs
     return None
 
 
+def check_open_table(table: Sequence[Mapping[str, Any]], name: str) -> None:
+    """The same rule at setup: entries, the last open, so that `band_index` covers every n."""
+    if not table or table[-1].get("max_pairs") is not None:
+        raise ValueError(
+            f"{name}: a table needs entries, the last with max_pairs None (max_pairs null in JSON)"
+        )
+
+
 def _frozen(d: Mapping[str, Any]) -> Mapping[str, Any]:
     return FrozenMap({k: _frozen(v) if isinstance(v, Mapping) else v for k, v in d.items()})
 
@@ -89,8 +97,7 @@ def _config_or_table(v: Any) -> Mapping[str, Any] | tuple[Mapping[str, Any], ...
     if isinstance(v, Mapping):
         return _frozen(v)
     table = tuple(_frozen(e) for e in v)
-    if not table or table[-1].get("max_pairs") is not None:
-        raise ValueError("a table of configs needs entries, the last with max_pairs null")
+    check_open_table(table, "a table of configs")
     return table
 
 

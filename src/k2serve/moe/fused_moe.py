@@ -63,7 +63,7 @@ from k2serve.kernels.int4_gemm import int4_moe_gemm, int4_moe_grouped_mm, pick_c
 from k2serve.kernels.int4_gemv import int4_moe_decode, int4_moe_decode_grouped
 from k2serve.kernels.int4_moe_mma import int4_moe_mma
 from k2serve.kernels.moe_select import moe_select
-from k2serve.kernels.policy import band_index, load_tables
+from k2serve.kernels.policy import band_index, check_open_table, load_tables
 from k2serve.kernels.w8a8_moe import supported as w8a8_supported
 from k2serve.kernels.w8a8_moe import w8a8_moe
 from k2serve.moe.base import ExpertBackend
@@ -187,10 +187,8 @@ class FusedMoEBackend(ExpertBackend):
         # one config, or a table of configs by max pair count (pick_config)
         mma = t.int4_decode_mma if mma_config is None else mma_config
         self.mma_config = dict(mma) if isinstance(mma, Mapping) else tuple(map(dict, mma))
-        if isinstance(self.mma_config, tuple) and (
-            not self.mma_config or self.mma_config[-1].get("max_pairs") is not None
-        ):
-            raise ValueError("mma_config: a table needs entries, the last with max_pairs None")
+        if isinstance(self.mma_config, tuple):
+            check_open_table(self.mma_config, "mma_config")
         lo = t.int4_decode_mma_min_pairs if mma_min_pairs is None else mma_min_pairs
         hi = t.int4_decode_mma_max_pairs if mma_max_pairs is None else mma_max_pairs
         mma_ok = bool(self.mma_config) and w.group_size == 32  # (it reads group-32 scales)
