@@ -201,10 +201,8 @@ class FusedMoEBackend(ExpertBackend):
         # experts get few pairs each (the tables' int4_prefill_gluon_narrow; Gluon only)
         self.gemm_narrow_config = dict(gemm_narrow_config or {})
         narrow_ok = bool(self.gemm_narrow_config) and gemm_backend == "gluon"
-        needs = (("grouped", bool(self.grouped_config)), ("mma", mma_ok),
-                 ("gemm_narrow", narrow_ok))  # fmt: skip
-        bands = [b for b in bands if all(ok or p not in b.get("paths", ()) for p, ok in needs)]
-        self.routing_select = tuple(bands)
+        needs = {"grouped": bool(self.grouped_config), "mma": mma_ok, "gemm_narrow": narrow_ok}
+        self.routing_select = runnable_bands(bands, needs)
         check_routing_select(self.routing_select, bool(self.grouped_config), mma_ok, narrow_ok)
         # one config, or a table of configs by max pair count (int4_gemm.pick_config)
         self.prefill_config = gemm_configs if prefill_config is None else prefill_config
@@ -232,11 +230,10 @@ class FusedMoEBackend(ExpertBackend):
             check_fp8_gluon_table(self.fp8_gluon_table)
         # FP8 bands chosen on the device from the routing ("auto" only; "fp8_gluon" bands only
         # where Gluon runs, as the tables are shared by every machine of a kind)
-        gluon_ok = self.fp8_gluon_min_pairs is not None
         fb = t.fp8_routing_select if fp8_routing_select is None else fp8_routing_select
-        fb = [b for b in fb if gluon_ok or "fp8_gluon" not in b.get("paths", ())]
+        fb = runnable_bands(fb, {"fp8_gluon": self.fp8_gluon_min_pairs is not None})
         check_routing_select(fb, False, name="fp8_routing_select", allowed=FP8_ROUTING_PATHS)
-        self.fp8_routing_select = tuple(fb) if self.fp8_impl == "auto" else ()
+        self.fp8_routing_select = fb if self.fp8_impl == "auto" else ()
         # steps of at least this many tokens: FP8 activations (None: never)
         m = (w8a8_min_tokens or {}).get(w.quant) if w8a8_supported(w) else None
         if m is not None and (not isinstance(m, int) or m < 0):
@@ -249,13 +246,6 @@ class FusedMoEBackend(ExpertBackend):
         if self.fp8_impl == "auto":
             return num_pairs > self.fp8_generic_max_pairs
         return self.fp8_impl == "gemm"
-
-    def fp8_band(self, num_pairs: int) -> Mapping[str, Any] | None:
-        """The fp8_routing_select band holding `num_pairs` pairs (None: the pair-count rule)."""
-        for band in self.fp8_routing_select:
-            if band["min_pairs"] <= num_pairs <= band["max_pairs"]:
-                return band
-        return None
 
     @classmethod
     def from_experts(cls, experts: nn.ModuleList, **kw) -> FusedMoEBackend:
@@ -270,7 +260,7 @@ class FusedMoEBackend(ExpertBackend):
         pairs = num_tokens * top_k
         if self.w8a8_min_tokens is not None and num_tokens >= self.w8a8_min_tokens:
             return ("w8a8",), ()
-        band = self.fp8_band(pairs) if self.fp8_impl is not None else None
+        band = band_of(self.fp8_routing_select, pairs)  # (empty unless fp8 experts, "auto")
         if band is not None:
             return tuple(band["paths"]), tuple(band["pairs_per_expert"])
         if self.fp8_impl is not None and self.fp8_uses_gemm(pairs):
@@ -284,10 +274,9 @@ class FusedMoEBackend(ExpertBackend):
             return ("grouped_mm",), ()
         if impl == "auto" and self.mma_pairs and self.mma_pairs[0] <= pairs <= self.mma_pairs[1]:
             return ("mma",), ()
-        if impl == "auto":
-            for band in self.routing_select:
-                if band["min_pairs"] <= pairs <= band["max_pairs"]:
-                    return tuple(band["paths"]), tuple(band["pairs_per_expert"])
+        band = band_of(self.routing_select, pairs) if impl == "auto" else None
+        if band is not None:
+            return tuple(band["paths"]), tuple(band["pairs_per_expert"])
         gmin = self.grouped_min_pairs
         if gmin is not None and gmin <= pairs <= self.grouped_max_pairs:
             return ("grouped",), ()
@@ -371,7 +360,7 @@ class FusedMoEBackend(ExpertBackend):
         "kernel" candidate), else the kernel's rule."""
         w = self.weights
         small = self.fp8_generic_max_pairs if self.fp8_impl == "auto" else None
-        if small is not None and self.fp8_band(pairs) is not None:
+        if small is not None and band_of(self.fp8_routing_select, pairs) is not None:
             small = max(small, pairs)
         return kernel_config(pairs, w.num_experts, w.quant, small)
 
@@ -391,6 +380,19 @@ class FusedMoEBackend(ExpertBackend):
             y = self.run_path(paths[i], hidden, topk_ids, topk_weights, sel[i : i + 1])
             out = torch.where(sel[i].bool(), y, out)
         return out
+
+
+def runnable_bands(
+    bands: Sequence[Mapping[str, Any]], ok: Mapping[str, bool]
+) -> tuple[Mapping[str, Any], ...]:
+    """The routing bands whose paths this backend can run (`ok`: path -> whether it can; paths
+    not named: always): the tables are shared by every checkpoint and machine of a kind."""
+    return tuple(b for b in bands if all(ok.get(p, True) for p in b.get("paths", ())))
+
+
+def band_of(bands: Sequence[Mapping[str, Any]], pairs: int) -> Mapping[str, Any] | None:
+    """The first band holding `pairs` (token, expert) pairs; None: the pair-count rule."""
+    return next((b for b in bands if b["min_pairs"] <= pairs <= b["max_pairs"]), None)
 
 
 ROUTING_PATHS = ("decode", "grouped", "mma", "gemm", "gemm_narrow")
