@@ -7,26 +7,11 @@ does, so an activation range too wide for the 32-product sum shows up as inf her
 
 import pytest
 import torch
+from test_kernels import DEVICE, _int4_experts, ragged_decode_case, rel
 
 from k2serve.kernels import fused_moe as fm
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 2e-2  # tests/kernels/test_kernels.py's grouped GEMV tolerance
-
-
-def rel(a, b):
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def _experts(E, D, I):  # noqa: E741
-    def pk(n, k):
-        return torch.randint(-(2**31), 2**31 - 1, (E, n, k // 8), dtype=torch.int32, device=DEVICE)
-
-    def sc(n, k):
-        return (torch.rand(E, n, k // 32, device=DEVICE) * 0.004 + 0.002).bfloat16()
-
-    return fm.ExpertWeights("int4", pk(2 * I, D), pk(D, I), sc(2 * I, D), sc(D, I), 32)
 
 
 def _worst_case(D, I):  # noqa: E741
@@ -56,13 +41,8 @@ def ragged():
     for every config below."""
     from k2serve.kernels import int4_gemv
 
-    ew = _experts(4, 256, 128)
-    T, k = 5, 2
-    x = torch.randn(T, 256, device=DEVICE, dtype=torch.bfloat16)
-    x[1] *= 1e-4
-    x[3] *= 300.0
-    w = torch.rand(T, k, device=DEVICE)
-    ids = torch.tensor([[0, 1], [2, 0], [0, 1], [0, 2], [1, 0]], device=DEVICE)
+    ew = _int4_experts(4, 256, 128)
+    x, w, ids = ragged_decode_case(ew)
     ref = fm.fused_moe_ref(x, ew, w, ids)
     ship = int4_gemv.int4_moe_decode_grouped(x, ew, w, ids, SHIPPED)
     assert rel(ship, ref) < TOL
@@ -118,7 +98,7 @@ def test_gsum_with_another_group_size_runs_the_grouped_kernel():
     the GSUM config's narrower activation range, which is safe) and stay exact."""
     from k2serve.kernels import int4_gemv
 
-    ew = _experts(2, 256, 128)
+    ew = _int4_experts(2, 256, 128)
     ew = fm.ExpertWeights("int4", ew.w13, ew.w2, ew.w13_scale[..., ::2].contiguous(),
                           ew.w2_scale[..., ::2].contiguous(), 64)  # fmt: skip
     x = torch.randn(3, 256, device=DEVICE, dtype=torch.bfloat16)
@@ -139,7 +119,7 @@ def test_group_f16_sums_k2_sizes_on_the_gpu(extra):
     against the reference and the shipped config, and the worst case."""
     from k2serve.kernels import int4_gemv
 
-    ew = _experts(32, 7168, 2048)
+    ew = _int4_experts(32, 7168, 2048)
     T = 128
     x = torch.randn(T, 7168, device=DEVICE, dtype=torch.bfloat16)
     w = torch.rand(T, 8, device=DEVICE)

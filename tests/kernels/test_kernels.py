@@ -194,6 +194,18 @@ def _int4_experts(E, D, I):  # noqa: E741
     return fm.ExpertWeights("int4", pk(2 * I, D), pk(D, I), sc(2 * I, D), sc(D, I), 32)
 
 
+def ragged_decode_case(ew):
+    """Ragged routing over 4 experts for the grouped decode GEMVs: expert 0 in every token (its
+    rows span several blocks), expert 3 in none, blocks with padding rows; rows scaled far
+    from unit. (x [5, hidden] bf16, top-2 weights [5, 2], ids [5, 2])"""
+    x = torch.randn(5, ew.hidden, device=DEVICE, dtype=torch.bfloat16)
+    x[1] *= 1e-4
+    x[3] *= 300.0
+    w = torch.rand(5, 2, device=DEVICE)
+    ids = torch.tensor([[0, 1], [2, 0], [0, 1], [0, 2], [1, 0]], device=DEVICE)
+    return x, w, ids
+
+
 @pytest.mark.parametrize(
     "cfg",
     [
@@ -247,14 +259,9 @@ def test_int4_decode_grouped_matches_reference(cfg, asm):
     from k2serve.kernels import int4_gemv
 
     ew = _int4_experts(4, 256, 128)
-    T, k = 5, 2
-    x = torch.randn(T, 256, device=DEVICE, dtype=torch.bfloat16)
-    x[1] *= 1e-4
-    x[3] *= 300.0
-    w = torch.rand(T, k, device=DEVICE)
-    ids = torch.tensor([[0, 1], [2, 0], [0, 1], [0, 2], [1, 0]], device=DEVICE)
+    x, w, ids = ragged_decode_case(ew)
     out = int4_gemv.int4_moe_decode_grouped(x, ew, w, ids, cfg, asm)
-    assert out.shape == (T, 256) and out.dtype == torch.bfloat16
+    assert out.shape == (5, 256) and out.dtype == torch.bfloat16
     assert rel(out, fm.fused_moe_ref(x, ew, w, ids)) < 2e-2
 
 
