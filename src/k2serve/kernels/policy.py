@@ -92,6 +92,11 @@ def _frozen(d: Mapping[str, Any]) -> Mapping[str, Any]:
     return FrozenMap({k: _frozen(v) if isinstance(v, Mapping) else v for k, v in d.items()})
 
 
+def _launch_config(d: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A table entry a kernel takes as its config: without its "what" note."""
+    return _frozen({k: v for k, v in d.items() if k != "what"})
+
+
 def _config_or_table(v: Any) -> Mapping[str, Any] | tuple[Mapping[str, Any], ...]:
     """One config (a mapping) or configs by max pair count (a list, the last max_pairs null)."""
     if isinstance(v, Mapping):
@@ -203,21 +208,13 @@ class KernelTables:
                 int4_prefill_min_tokens=int(data["int4_prefill_min_tokens"]),
                 int4_prefill_gluon=tuple(_frozen(e) for e in data.get("int4_prefill_gluon", ())),
                 int4_prefill_gluon_min_tokens=_opt_int(data, "int4_prefill_gluon_min_tokens"),
-                int4_prefill_gluon_narrow=_frozen(
-                    {
-                        k: v
-                        for k, v in data.get("int4_prefill_gluon_narrow", {}).items()
-                        if k != "what"
-                    }
-                ),
+                int4_prefill_gluon_narrow=_launch_config(data.get("int4_prefill_gluon_narrow", {})),
                 fp8_prefill_gluon=tuple(_frozen(e) for e in data.get("fp8_prefill_gluon", ())),
                 fp8_prefill_gluon_min_pairs=_opt_int(data, "fp8_prefill_gluon_min_pairs"),
                 side_stream_max_tokens=int(data["side_stream_max_tokens"]),
                 fp8_moe=tuple(_frozen(e) for e in data["fp8_moe"]),
                 fp8_moe_generic_max_pairs=int(data["fp8_moe_generic_max_pairs"]),
-                mla_decode=_frozen(
-                    {k: v for k, v in data.get("mla_decode", {}).items() if k != "what"}
-                ),
+                mla_decode=_launch_config(data.get("mla_decode", {})),
                 int4_decode_grouped=_frozen(data.get("int4_decode_grouped", {})),
                 int4_decode_grouped_min_pairs=_opt_int(data, "int4_decode_grouped_min_pairs"),
                 int4_decode_grouped_max_pairs=_opt_int(data, "int4_decode_grouped_max_pairs"),
@@ -232,10 +229,7 @@ class KernelTables:
                 int4_decode_mma=_config_or_table(data.get("int4_decode_mma", {})),
                 int4_decode_mma_min_pairs=_opt_int(data, "int4_decode_mma_min_pairs"),
                 int4_decode_mma_max_pairs=_opt_int(data, "int4_decode_mma_max_pairs"),
-                mla_prefill=tuple(
-                    _frozen({k: v for k, v in e.items() if k != "what"})
-                    for e in data.get("mla_prefill", ())
-                ),
+                mla_prefill=tuple(_launch_config(e) for e in data.get("mla_prefill", ())),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"kernel table {kind!r} is malformed: {e!r}") from None
