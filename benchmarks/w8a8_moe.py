@@ -15,9 +15,10 @@ One K2 MoE layer: E=384, D=7168, I=2048, top-8, uniform random routing; FLOPs = 
   FusedMoEBackend runs with --moe-prefill-precision bf16: fp8_moe / int4_moe_gemm /
   dequant + grouped_mm), the fp8 path and the peer (FP8-block only: its bf16 weights are the
   dequantized fp8 ones, 34 GB);
-- split (FP8-block): each path's two GEMMs timed apart at the largest T (what FP8 for the down
-  GEMM alone would give: only the intermediate in e4m3, which fits the fidelity budget on the
-  tiny model where both inputs in e4m3 do not; benchmarks/RESULTS.md);
+- split (FP8-block, each T): the engine's two Gluon FP8 GEMMs and the FP8-activation ones timed
+  apart, and FP8 for the down GEMM alone (only the intermediate in e4m3, which fits the
+  fidelity budget on the tiny model where both inputs in e4m3 do not; benchmarks/RESULTS.md):
+  the whole layer's time and its error against the float32 product beside the engine's;
 - --sweep: a few launch configs of the fp8 path at the largest T.
 Exit status 1 if a check fails.
 """
@@ -149,24 +150,53 @@ def check_oracle(ew):
         FAILS.append(f"{ew.quant} oracle")
 
 
+def gluon_parts(ew, T, ids):
+    """The engine's FP8 prompt path at T tokens (kernels/fp8_gemm_gluon.py, the device's
+    table entry for T * K pairs): (config, alignment, gate_up(x, tw) -> the intermediate h
+    [M, I] float (SiLU-and-mul applied), down(h_bf16, tw) -> [M, D] pair rows)."""
+    from k2serve.kernels import fp8_gemm_gluon as fg
+    from k2serve.kernels.policy import KernelPolicy
+
+    M = T * K
+    cfg = fg.pick(KernelPolicy.for_device(DEV).tables.fp8_prefill_gluon, M)
+    sid, eids, npost, units = fg.gluon_align(ids, E, cfg)
+    silu = bool(cfg.get("SILU", fg.CONFIG_DEFAULTS["SILU"]))
+
+    def gate_up(x, twf):
+        h = torch.empty(M, I if silu else 2 * I, device=DEV,
+                        dtype=torch.bfloat16 if silu else torch.float32)  # fmt: skip
+        fg.gemm_fp8_gluon(x, ew.w13, ew.w13_scale, h, twf, sid, eids, npost, 2 * I, D, M, K,
+                          False, silu, cfg, units)  # fmt: skip
+        return h if silu else F.silu(h[:, :I]) * h[:, I:]
+
+    def down(h, twf):
+        out = torch.empty(M, D, device=DEV, dtype=torch.bfloat16)
+        fg.gemm_fp8_gluon(h, ew.w2, ew.w2_scale, out, twf, sid, eids, npost, D, I, M, 1, True,
+                          False, cfg, units)  # fmt: skip
+        return out
+
+    return cfg, gate_up, down
+
+
 def split_times(ew, T):
-    """The two GEMMs apart at T tokens (FP8-block experts): what FP8 for the down GEMM alone
-    (the intermediate in e4m3, the experts' input in bf16) would save."""
-    from k2serve.kernels import fp8_moe as f8
+    """The two GEMMs apart at T tokens (FP8-block experts), the engine's path (the Gluon FP8
+    GEMMs, bf16 activations) against FP8 activations, and FP8 for the down GEMM alone (the
+    intermediate in e4m3 per token and 128 columns, quantized from its fp32 value, the
+    experts' input in bf16: the variant that fits the fidelity budget on the tiny model where
+    both inputs in e4m3 do not; benchmarks/RESULTS.md): its time and its error on this layer
+    against the float32 product, beside the engine path's."""
     from k2serve.kernels import w8a8_moe as wm
+    from k2serve.kernels.fused_moe import fused_moe_ref
     from k2serve.kernels.moe_align import moe_align_block_size
 
     x, tw, ids = inputs(T, T)
     M = T * K
     twf = tw.reshape(-1).float().contiguous()
-    cfg = f8.pick_config(M)
-    al = moe_align_block_size(ids, E, cfg["BLOCK_M"])
-    inter = torch.randn(M, I, device=DEV, dtype=torch.bfloat16)
-    out = torch.empty(M, D, device=DEV, dtype=torch.bfloat16)
-    t13 = timed(lambda: f8._gemm(x, ew.w13, ew.w13_scale, inter, twf, *al, I, D, M, K, True,
-                                 False, cfg["BLOCK_M"], cfg["w13"], up_s_row=I // 128), iters=5)  # fmt: skip
-    t2 = timed(lambda: f8._gemm(inter, ew.w2, ew.w2_scale, out, twf, *al, D, I, M, 1, False, True,
-                                cfg["BLOCK_M"], cfg["w2"]), iters=5)  # fmt: skip
+    cfg, gate_up, down = gluon_parts(ew, T, ids)
+    inter = gate_up(x, twf)
+    inter_bf = inter.to(torch.bfloat16)
+    t13 = timed(lambda: gate_up(x, twf), iters=5)
+    t2 = timed(lambda: down(inter_bf, twf), iters=5)
     wc = wm.PREFILL_CONFIG
     al8 = moe_align_block_size(ids, E, wc["BLOCK_M"])
     h8 = torch.empty(M, I, device=DEV, dtype=torch.float8_e4m3fn)
@@ -177,15 +207,29 @@ def split_times(ew, T):
         wm._gemm(x8, xs, ew.w13, ew.w13_scale, h8, hs, twf, *al8, I, D, M, K, True, False,
                  False, wc["BLOCK_M"], wc["w13"], up_off=I, up_s_off=I // 128)  # fmt: skip
 
-    def down8():
-        q, s = wm.quant_fp8_groups(inter)
+    def down8(h):
+        q, s = wm.quant_fp8_groups(h)
+        out = torch.empty(M, D, device=DEV, dtype=torch.bfloat16)
         wm._gemm(q, s, ew.w2, ew.w2_scale, out, None, twf, *al8, D, I, M, 1, False, True, False,
                  wc["BLOCK_M"], wc["w2"])  # fmt: skip
+        return out
 
-    g8, d8 = timed(gate_up8, iters=5), timed(down8, iters=5)
-    log(f"split T={T}: bf16-activation kernels gate+up {t13:.3f} ms, down {t2:.3f} ms; FP8 "
-        f"gate+up (with x's quantization) {g8:.3f} ms, down (with h's) {d8:.3f} ms; FP8 down "
-        f"alone: {t13 + t2:.3f} -> {t13 + d8:.3f} ms")  # fmt: skip
+    def engine():
+        return down(gate_up(x, twf).to(torch.bfloat16), twf).view(T, K, D).sum(1)
+
+    def fp8_down():
+        return down8(gate_up(x, twf)).view(T, K, D).sum(1)
+
+    g8, d8 = timed(gate_up8, iters=5), timed(lambda: down8(inter), iters=5)
+    te, tf = timed(engine, iters=5), timed(fp8_down, iters=5)
+    ref = fused_moe_ref(x.float(), ew, tw, ids)
+    (ee, em), (fe, fm) = errs(engine(), ref), errs(fp8_down(), ref)
+    name = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}{' WS' if cfg.get('WS') else ''}"
+    log(f"split T={T}: the engine's Gluon FP8 GEMMs ({name}) gate+up {t13:.3f} ms, down {t2:.3f} "
+        f"ms; FP8 activations gate+up (with x's quantization) {g8:.3f} ms, down (with h's) "
+        f"{d8:.3f} ms")  # fmt: skip
+    log(f"fp8-down T={T}: whole layer {te:.3f} -> {tf:.3f} ms ({te / tf:.2f}x); error against "
+        f"float32 rel {ee:.2e} -> {fe:.2e} ({fe / ee:.1f}x), max {em:.2e} -> {fm:.2e}")  # fmt: skip
 
 
 def bench_format(fmt, tokens, lim, sweep, paths=True):
@@ -239,10 +283,11 @@ def bench_format(fmt, tokens, lim, sweep, paths=True):
                 log(f"{fmt} T={T}: fp8 activations' error / the bf16 path's = {f / b:.1f}x")
         del ref
     if paths and fmt == "fp8":
-        try:
-            split_times(ew, tokens[-1])
-        except Exception as ex:  # noqa: BLE001 - the table above stays
-            log(f"split: {type(ex).__name__}: {str(ex)[:300]}")
+        for T in tokens:
+            try:
+                split_times(ew, T)
+            except Exception as ex:  # noqa: BLE001 - the table above stays
+                log(f"split T={T}: {type(ex).__name__}: {str(ex)[:300]}")
     if sweep and fmt == "fp8":
         T = tokens[-1]
         x, tw, ids = inputs(T, T)

@@ -36,9 +36,10 @@ Partitions (`gl.warp_specialize`; the launch's num_warps is the default partitio
   (every consumer's rows), then `cp.async.mbarrier.arrive.noinc` on full (count 32 * PW: it
   completes when every producer thread's copies landed). int32 offsets, 64-bit bases scalar.
 
-Invariants: as fp8_gemm_gluon (Hopper, Triton 3.6 Gluon, K % 128 == 0, KS 32 or 64) with
-PROMOTE and CVT32 only; NC in 1..2, BLOCK_N / NC a multiple of 16 * CW; no TAIL; the
-activations under 2^31 elements (int32 offsets). No host sync; CUDA-graph safe.
+Invariants: as fp8_gemm_gluon (Hopper, Triton 3.6 Gluon, K % 128 == 0), KS 32, 64 or 128 (a
+128-column sub-step is one K block: the shipped table's since wave 13; the plain kernel takes
+32 or 64), with PROMOTE and CVT32 only; NC in 1..2, BLOCK_N / NC a multiple of 16 * CW; no
+TAIL; the activations under 2^31 elements (int32 offsets). No host sync; CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -77,8 +78,9 @@ def fp8_ws_check(cfg: dict) -> None:
         cfg.get("PW", 4) not in (1, 4)
         or cfg["STAGES"] < 2
         or cfg.get("RELEASE", 1) not in (0, 1, 2)
+        or cfg.get("KS", 64) not in (32, 64, 128)
     ):
-        raise ValueError("gluon fp8 GEMM WS: PW 1 or 4, STAGES >= 2, RELEASE 0..2")
+        raise ValueError("gluon fp8 GEMM WS: PW 1 or 4, STAGES >= 2, RELEASE 0..2, KS 32..128")
     if fp8_ws_smem_bytes(cfg) > 227 * 1024:
         raise ValueError(f"gluon fp8 GEMM WS: {fp8_ws_smem_bytes(cfg)} B of shared memory")
     maxnreg, creg, preg = ws_regs(cfg, fp8_ws_smem_bytes(cfg))
