@@ -22,6 +22,7 @@ WS_CFGS = [
     dict(BIG, BLOCK_M=32, num_warps=4, KS=32, STAGES=8, WS=1, RELEASE=0, FENCE=True),
     dict(BIG, KS=128, STAGES=4, WS=2, RELEASE=2),  # the table's (wave 13)
     dict(BIG, BLOCK_M=64, KS=128, STAGES=4, WS=2, RELEASE=2),
+    dict(BIG, BLOCK_M=32, KS=128, STAGES=4, WS=2, RELEASE=2),
 ]
 WS_KEYS = ("WS", "PW", "RELEASE", "FENCE")
 
@@ -174,7 +175,7 @@ def test_ws_matches_shipped_moe(T, cfg):
 @pytest.mark.parametrize(
     "cfg",
     WS_CFGS[:3] + WS_CFGS[4:],
-    ids=["ws2", "ws2e2", "ws1", "ws1-32", "ws2e2-ks128", "ws2e2-ks128-64"],
+    ids=["ws2", "ws2e2", "ws1", "ws1-32", "ws2e2-ks128", "ws2e2-ks128-64", "ws2e2-ks128-32"],
 )
 def test_ws_matches_shipped_launch(cfg, silu):
     """One launch with N=704 (a partial N tile) and the routing-weight store into fp32, or the

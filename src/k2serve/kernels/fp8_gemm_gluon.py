@@ -72,17 +72,15 @@ CONFIG_DEFAULTS = dict(KS=64, PROMOTE=True, CVT32=False, SILU=True, TAIL=False,
                        **FP8_WS_DEFAULTS)  # fmt: skip
 # The kernel's own default table, the shipped one's (configs/<kind>.json "fp8_prefill_gluon",
 # measured there; the engine takes its configs from the kernel tables): exact weights (PROMOTE)
-# converted by Triton's path (CVT32); 32-, 64-, then 128-row blocks (deeper rings where the
-# weights stream: few pairs per expert).
+# converted by Triton's path (CVT32); 32-, 64-, then 128-token blocks. Since wave 13 every entry
+# is the warp-specialized kernel (wave 11, from 16385 pairs only) with 128-column sub-steps:
+# 1.2-1.3x the plain kernel's 32x128 / 64x128 KS=64 entries at T=256-2048 uniform, 1.05-1.18x
+# the KS=64 / 6-stage WS entry at T=4096-16384 (benchmarks/prefill_split.py, H100).
 FP8_GLUON_TABLE: tuple[Mapping[str, Any], ...] = (
-    dict(max_pairs=4096, BLOCK_M=32, BLOCK_N=128, KS=64, STAGES=8, num_warps=4, PROMOTE=True,
-         CVT32=True),
-    # warp-specialized 128-column sub-steps from 4097 pairs (wave 13: 1.2-1.26x the plain
-    # 64x128 KS=64 kernel at T=1024-2048 uniform)
+    dict(max_pairs=4096, BLOCK_M=32, BLOCK_N=128, KS=128, STAGES=4, num_warps=8, PROMOTE=True,
+         CVT32=True, WS=2, RELEASE=2),
     dict(max_pairs=16384, BLOCK_M=64, BLOCK_N=128, KS=128, STAGES=4, num_warps=8, PROMOTE=True,
          CVT32=True, WS=2, RELEASE=2),
-    # warp-specialized from 16385 pairs (wave 11, H100: 1.03-1.11x the 128x128 STAGES=4 config);
-    # 128-column sub-steps (wave 13: 1.05-1.18x KS=64 STAGES=6 at T=4096-16384, both GEMMs)
     dict(max_pairs=None, BLOCK_M=128, BLOCK_N=128, KS=128, STAGES=4, num_warps=8, PROMOTE=True,
          CVT32=True, WS=2, RELEASE=2),
 )  # fmt: skip
