@@ -360,7 +360,9 @@ def part_sweep(ew):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="check,time,sweep")
-    parts = ap.parse_args().parts.split(",")
+    ap.add_argument("--band-ts", default=",".join(map(str, BAND_TS)), help="band: the T values")
+    args = ap.parse_args()
+    parts = args.parts.split(",")
     from k2serve.kernels.policy import KernelPolicy
 
     log(f"device {torch.cuda.get_device_name()}")
@@ -381,7 +383,7 @@ def main():
     if "generic" in parts:
         part_generic(ew, policy)
     if "band" in parts:
-        part_band(ew, policy)
+        part_band(ew, policy, tuple(int(t) for t in args.band_ts.split(",")))
     log(f"done; failures: {ms.FAILS or 'none'}")
     return 1 if ms.FAILS else 0
 

@@ -115,10 +115,12 @@ def test_dispatch_only_where_gluon_runs_and_in_the_band(monkeypatch, usable):
     assert p.fp8_gluon is usable
     kw = p.moe_kwargs()
     assert kw["fp8_gluon_min_pairs"] == (4096 if usable else None)
-    # the shipped fp8_routing_select bands (T=257..768): the Gluon GEMM's band only where it runs
+    # the shipped fp8_routing_select band (T=257..768, [kernel, fp8_gemm]): where Gluon runs
+    # the Gluon GEMM from its min pairs, ahead of the band
     banded = FusedMoEBackend(meta_fp8(), **kw)
-    for T in (257, 511, 512, 768):  # the Gluon band where Gluon runs, else its fallback
-        assert banded.plan(T, TOP_K)[0] == ("kernel", "fp8_gluon" if usable else "fp8_gemm")
+    for T in (257, 511, 512, 768):
+        gluon = usable and T * TOP_K >= 4096
+        assert banded.plan(T, TOP_K)[0] == (("fp8_gluon",) if gluon else ("kernel", "fp8_gemm"))
     be = FusedMoEBackend(meta_fp8(), **dict(kw, fp8_routing_select=()))  # the pair-count rule
     assert be.plan(1, TOP_K) == (("kernel",), ())  # decode: the generic kernel
     assert be.plan(511, TOP_K) == (("fp8_gemm",), ())  # below the band: fp8_moe

@@ -198,7 +198,7 @@ def _k2_meta_experts():
 
 
 def test_narrow_gemm_band_only_with_gluon(monkeypatch):
-    """The tables' [gemm_narrow, gemm] band (T=513..1151 at top-8): with the Gluon backend
+    """A [gemm_narrow, gemm] band (wave 12's, T=513..1151 at top-8): with the Gluon backend
     both tiles are launched and the routing picks one (below / from 24 pairs a hit expert);
     the Triton backend, which has no narrow config, drops the band; run_path("gemm_narrow")
     runs the narrow config; a band naming gemm_narrow without a config is an error."""
@@ -209,12 +209,14 @@ def test_narrow_gemm_band_only_with_gluon(monkeypatch):
 
     ew = _k2_meta_experts()
     pol = KernelPolicy.reference()
-    band = next(b for b in pol.tables.int4_routing_select if "gemm_narrow" in b["paths"])
+    band = dict(min_pairs=4097, max_pairs=9215, paths=["gemm_narrow", "gemm"],
+                pairs_per_expert=[24.0])  # fmt: skip
     T = band["min_pairs"] // 8 + 1
-    gluon_be = moe.FusedMoEBackend(ew, **replace(pol, int4_gemm_backend="gluon").moe_kwargs())
+    gluon_kw = replace(pol, int4_gemm_backend="gluon").moe_kwargs()
+    gluon_be = moe.FusedMoEBackend(ew, **{**gluon_kw, "routing_select": [band]})
     assert gluon_be.plan(T, 8) == (("gemm_narrow", "gemm"), (24.0,))
     assert gluon_be.plan(band["max_pairs"] // 8 + 1, 8)[0] == ("gemm",)
-    triton_be = moe.FusedMoEBackend(ew, **pol.moe_kwargs())
+    triton_be = moe.FusedMoEBackend(ew, **{**pol.moe_kwargs(), "routing_select": [band]})
     assert triton_be.gemm_narrow_config == {} and triton_be.plan(T, 8)[0] == ("gemm",)
     seen = []
     monkeypatch.setattr(moe, "int4_moe_gemm", lambda *a, **kw: seen.append((a[4], kw)))

@@ -83,17 +83,13 @@ logger = logging.getLogger(__name__)
 # (the words and scales through L1) and, above 16384 pairs, SILU. Wave 11: the warp-specialized
 # kernel from 32768 pairs (T=4096 at top-8), WS=2 RELEASE=2, from 131072 WS=1 (h100.json).
 # Wave 12: 32x256 on 8 warps with L1 up to 4096 pairs (1.3-1.7x the 16x128 / 32x128 it
-# replaced at T=256-512, both GPUs, uniform and concentrated routing).
+# replaced at T=256-512, both GPUs, uniform and concentrated routing). Wave 13: the WS kernel
+# with 64-token tiles up to 32767 pairs (1.03-1.4x the plain kernel's 32x256, 64x256 and
+# 128x256 tiles at T=256-3072, both routings; benchmarks/prefill_split.py, H100).
 GLUON_CONFIG = dict(BLOCK_M=128, BLOCK_N=256, W2=16, STAGES=3, num_warps=8, BF16X2=True, L1=True,
                     SILU=True)  # fmt: skip
 GLUON_TABLE = (
-    dict(
-        max_pairs=4096, BLOCK_M=32, BLOCK_N=256, W2=16, STAGES=4, num_warps=8, BF16X2=True, L1=True
-    ),
-    dict(
-        max_pairs=16384, BLOCK_M=64, BLOCK_N=256, W2=16, STAGES=4, num_warps=8, BF16X2=True, L1=True
-    ),
-    dict(max_pairs=32767, **GLUON_CONFIG),
+    dict(max_pairs=32767, **{**GLUON_CONFIG, "BLOCK_M": 64, "STAGES": 4}, WS=2, RELEASE=2),
     dict(max_pairs=131071, **{**GLUON_CONFIG, "STAGES": 4}, WS=2, RELEASE=2),
     dict(max_pairs=None, **{**GLUON_CONFIG, "STAGES": 4}, WS=1),
 )

@@ -33,11 +33,12 @@ and small batches: one H100, benchmarks/RESULTS.md), and kernels/fp8_moe.py's gr
 tiles converted in registers, configs by pair count from `fp8_table`) above; "gemm" the grouped
 GEMMs always, "kernel" the generic kernel always (benchmarks compare them). From
 `fp8_gluon_min_pairs` pairs (None: never; the policy gives the tables'
-`fp8_prefill_gluon_min_pairs` only where Gluon runs: Triton 3.6 on sm_90) the grouped GEMMs are
-kernels/fp8_gemm_gluon.py's (path "fp8_gluon", configs `fp8_gluon_table`). Routing-aware
-bands for FP8 (`fp8_routing_select`, the policy's `fp8_routing_select`; "auto" only): for pair
-counts inside a band the generic kernel (its small-M blocks) and a grouped GEMM ("fp8_gemm", or
-"fp8_gluon" where Gluon runs) are both launched and moe_select picks one on the device, ahead of
+`fp8_prefill_gluon_min_pairs` only where Gluon runs: Triton 3.6 on sm_90)
+kernels/fp8_gemm_gluon.py's grouped GEMMs run (path "fp8_gluon", configs `fp8_gluon_table`),
+under "auto" ahead of the generic kernel and the bands. Routing-aware bands for FP8
+(`fp8_routing_select`, the policy's `fp8_routing_select`; "auto" only): for pair counts inside
+a band the generic kernel (its small-M blocks) and a grouped GEMM ("fp8_gemm", or "fp8_gluon"
+below fp8_gluon_min_pairs) are both launched and moe_select picks one on the device, ahead of
 the pair-count rule (the small-M kernel wins while the hit experts get few pairs each). The
 limits and launch configs come from the kernel policy (`KernelPolicy.moe_kwargs()`).
 Prompts on FP8 tensor cores (`w8a8_min_tokens`, from `--moe-prefill-precision`): steps of at
@@ -260,11 +261,13 @@ class FusedMoEBackend(ExpertBackend):
         pairs = num_tokens * top_k
         if self.w8a8_min_tokens is not None and num_tokens >= self.w8a8_min_tokens:
             return ("w8a8",), ()
+        gmin = self.fp8_gluon_min_pairs  # (None unless fp8 experts where Gluon runs)
+        if self.fp8_impl == "auto" and gmin is not None and pairs >= gmin:
+            return ("fp8_gluon",), ()
         band = band_of(self.fp8_routing_select, pairs)  # (empty unless fp8 experts, "auto")
         if band is not None:
             return tuple(band["paths"]), tuple(band["pairs_per_expert"])
         if self.fp8_impl is not None and self.fp8_uses_gemm(pairs):
-            gmin = self.fp8_gluon_min_pairs
             return ("fp8_gluon" if gmin is not None and pairs >= gmin else "fp8_gemm",), ()
         if not self.use_planes:
             return ("kernel",), ()
