@@ -37,47 +37,34 @@ E, D, I, K = 384, 7168, 2048, 8
 def gemms(fmt, ew, x, tw, ids, cfg):
     """(gate_up(), down(h)) of one config: gate_up returns the bf16 intermediate [M, I]
     (SiLU-and-mul applied), down the pair rows [M, D]; both launches as the engine's path makes
-    them (int4_gemm.int4_moe_gemm / fp8_gemm_gluon.fp8_moe_gluon)."""
-    T = x.shape[0]
-    M = T * K
-    twf = tw.reshape(-1).float().contiguous()
-    if fmt == "int4":
-        from k2serve.kernels import int4_gemm_gluon as gg
-        from k2serve.kernels.int4_gemm import to_gemm_order
-
-        sid, eids, npost, units = gg.gluon_align(ids, E, cfg)
-        silu = bool(cfg.get("SILU"))
-        xg = to_gemm_order(x, cfg["W2"])
-
-        def gate_up():
-            h = torch.empty(M, I if silu else 2 * I, device=x.device, dtype=torch.bfloat16)
-            gg.gemm_gluon(xg, ew.w13, ew.w13_scale, h, twf, sid, eids, npost, 2 * I, D, M, K,
-                          False, True, cfg, units)  # fmt: skip
-            return h if silu else F.silu(h[:, :I]) * h[:, I:]
-
-        def down(h):
-            out = torch.empty(M, D, device=x.device, dtype=torch.bfloat16)
-            gg.gemm_gluon(h, ew.w2, ew.w2_scale, out, twf, sid, eids, npost, D, I, M, 1, True,
-                          False, cfg, units)  # fmt: skip
-            return out
-
-        return gate_up, down
+    them (int4_gemm.int4_moe_gemm / fp8_gemm_gluon.fp8_moe_gluon: the two launch functions
+    take the same operands; the INT4 one's gate_up stores in gemm order, the FP8 one's says
+    whether its epilogue applies the SiLU)."""
     from k2serve.kernels import fp8_gemm_gluon as fg
+    from k2serve.kernels import int4_gemm_gluon as gg
+    from k2serve.kernels.int4_gemm import to_gemm_order
 
-    sid, eids, npost, units = fg.gluon_align(ids, E, cfg)
-    silu = bool(cfg.get("SILU", fg.CONFIG_DEFAULTS["SILU"]))
+    M = x.shape[0] * K
+    twf = tw.reshape(-1).float().contiguous()
+    sid, eids, npost, units = gg.gluon_align(ids, E, cfg)
+    if fmt == "int4":
+        silu = bool(cfg.get("SILU"))
+        launch, a, flag, h_dtype = gg.gemm_gluon, to_gemm_order(x, cfg["W2"]), True, torch.bfloat16
+    else:
+        silu = bool(cfg.get("SILU", fg.CONFIG_DEFAULTS["SILU"]))
+        launch, a, flag = fg.gemm_fp8_gluon, x, silu
+        h_dtype = torch.bfloat16 if silu else torch.float32  # (fp8_moe_gluon's: one rounding)
 
     def gate_up():
-        h = torch.empty(M, I if silu else 2 * I, device=x.device,
-                        dtype=torch.bfloat16 if silu else torch.float32)  # fmt: skip
-        fg.gemm_fp8_gluon(x, ew.w13, ew.w13_scale, h, twf, sid, eids, npost, 2 * I, D, M, K,
-                          False, silu, cfg, units)  # fmt: skip
+        h = torch.empty(M, I if silu else 2 * I, device=x.device, dtype=h_dtype)
+        launch(a, ew.w13, ew.w13_scale, h, twf, sid, eids, npost, 2 * I, D, M, K, False, flag, cfg,
+               units)  # fmt: skip
         return h if silu else (F.silu(h[:, :I]) * h[:, I:]).to(torch.bfloat16)
 
     def down(h):
         out = torch.empty(M, D, device=x.device, dtype=torch.bfloat16)
-        fg.gemm_fp8_gluon(h, ew.w2, ew.w2_scale, out, twf, sid, eids, npost, D, I, M, 1, True,
-                          False, cfg, units)  # fmt: skip
+        launch(h, ew.w2, ew.w2_scale, out, twf, sid, eids, npost, D, I, M, 1, True, False, cfg,
+               units)  # fmt: skip
         return out
 
     return gate_up, down

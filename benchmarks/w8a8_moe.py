@@ -99,7 +99,9 @@ def make_experts(fmt):
 
 
 def inputs(T, seed):
-    return fp8_moe.inputs(T, seed, DEV)  # the same layer shape and routing as fp8_moe.py
+    """fp8_moe.py's layer inputs and routing, at this module's sizes (--smoke shrinks them)."""
+    fp8_moe.D, fp8_moe.E = D, E
+    return fp8_moe.inputs(T, seed, DEV)
 
 
 def errs(out, ref) -> tuple[float, float]:
@@ -150,41 +152,15 @@ def check_oracle(ew):
         FAILS.append(f"{ew.quant} oracle")
 
 
-def gluon_parts(ew, T, ids):
-    """The engine's FP8 prompt path at T tokens (kernels/fp8_gemm_gluon.py, the device's
-    table entry for T * K pairs): (config, alignment, gate_up(x, tw) -> the intermediate h
-    [M, I] float (SiLU-and-mul applied), down(h_bf16, tw) -> [M, D] pair rows)."""
-    from k2serve.kernels import fp8_gemm_gluon as fg
-    from k2serve.kernels.policy import KernelPolicy
-
-    M = T * K
-    cfg = fg.pick(KernelPolicy.for_device(DEV).tables.fp8_prefill_gluon, M)
-    sid, eids, npost, units = fg.gluon_align(ids, E, cfg)
-    silu = bool(cfg.get("SILU", fg.CONFIG_DEFAULTS["SILU"]))
-
-    def gate_up(x, twf):
-        h = torch.empty(M, I if silu else 2 * I, device=DEV,
-                        dtype=torch.bfloat16 if silu else torch.float32)  # fmt: skip
-        fg.gemm_fp8_gluon(x, ew.w13, ew.w13_scale, h, twf, sid, eids, npost, 2 * I, D, M, K,
-                          False, silu, cfg, units)  # fmt: skip
-        return h if silu else F.silu(h[:, :I]) * h[:, I:]
-
-    def down(h, twf):
-        out = torch.empty(M, D, device=DEV, dtype=torch.bfloat16)
-        fg.gemm_fp8_gluon(h, ew.w2, ew.w2_scale, out, twf, sid, eids, npost, D, I, M, 1, True,
-                          False, cfg, units)  # fmt: skip
-        return out
-
-    return cfg, gate_up, down
-
-
 def split_times(ew, T):
     """The two GEMMs apart at T tokens (FP8-block experts), the engine's path (the Gluon FP8
     GEMMs, bf16 activations) against FP8 activations, and FP8 for the down GEMM alone (the
-    intermediate in e4m3 per token and 128 columns, quantized from its fp32 value, the
+    intermediate in e4m3 per token and 128 columns, quantized from its bf16 value, the
     experts' input in bf16: the variant that fits the fidelity budget on the tiny model where
     both inputs in e4m3 do not; benchmarks/RESULTS.md): its time and its error on this layer
     against the float32 product, beside the engine path's."""
+    import prefill_split as ps  # (benchmarks/: the engine's Gluon GEMMs one at a time)
+
     from k2serve.kernels import w8a8_moe as wm
     from k2serve.kernels.fused_moe import fused_moe_ref
     from k2serve.kernels.moe_align import moe_align_block_size
@@ -192,11 +168,11 @@ def split_times(ew, T):
     x, tw, ids = inputs(T, T)
     M = T * K
     twf = tw.reshape(-1).float().contiguous()
-    cfg, gate_up, down = gluon_parts(ew, T, ids)
-    inter = gate_up(x, twf)
-    inter_bf = inter.to(torch.bfloat16)
-    t13 = timed(lambda: gate_up(x, twf), iters=5)
-    t2 = timed(lambda: down(inter_bf, twf), iters=5)
+    cfg = ps.table_cfg("fp8", M)
+    gate_up, down = ps.gemms("fp8", ew, x, tw, ids, cfg)
+    inter = gate_up()
+    t13 = timed(gate_up, iters=5)
+    t2 = timed(lambda: down(inter), iters=5)
     wc = wm.PREFILL_CONFIG
     al8 = moe_align_block_size(ids, E, wc["BLOCK_M"])
     h8 = torch.empty(M, I, device=DEV, dtype=torch.float8_e4m3fn)
@@ -215,10 +191,10 @@ def split_times(ew, T):
         return out
 
     def engine():
-        return down(gate_up(x, twf).to(torch.bfloat16), twf).view(T, K, D).sum(1)
+        return down(gate_up()).view(T, K, D).sum(1)
 
     def fp8_down():
-        return down8(gate_up(x, twf)).view(T, K, D).sum(1)
+        return down8(gate_up()).view(T, K, D).sum(1)
 
     g8, d8 = timed(gate_up8, iters=5), timed(lambda: down8(inter), iters=5)
     te, tf = timed(engine, iters=5), timed(fp8_down, iters=5)
