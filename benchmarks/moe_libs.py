@@ -41,7 +41,7 @@ E, D, I, K = 384, 7168, 2048, 8
 DEV = "cuda"  # module constants: a CPU smoke test sets small sizes and "cpu"
 MM = {"fp8": float("nan")}
 # the INT4 decode paths the dispatch part times each on its own (FusedMoEBackend.run_path)
-FIXED_PATHS = ("decode", "grouped", "mma", "gemm", "gemm_narrow")
+FIXED_PATHS = ("decode", "grouped", "mma", "gemm")
 
 
 def ceilings():

@@ -5,8 +5,8 @@
 #  1. the INT4 decode MoE (benchmarks/decode_mma.py: MMA_SWEEP or $MMA, at T = $TOKENS uniform
 #     and T=128 on a third of the experts);
 #  2. the Gluon GEMM's tiles at the middle sizes (wsgemm_device.py --part time at T = $MIDT,
-#     uniform and third: the shipped table, 32x256 and 64x256: int4_prefill_gluon's first
-#     entries and the [gemm_narrow, gemm] band);
+#     uniform and third: the shipped table against the plain 32x256 and 64x256 tiles, wave 12's
+#     entries there, which wave 13's warp-specialized 64-token tile replaced);
 #  3. the warp-specialized prompt GEMM's variants (wsgemm_device.py, $WSV at T = $TS);
 #  4. FP8 experts (fp8_moe.py --parts generic,band: the small-M generic kernel, the GEMMs and
 #     the band's choice at T=128..1024).

@@ -70,12 +70,10 @@ def test_every_shipped_table_entry_is_warmed():
     picks = {p for k in keys for p in k[0][0]}
     assert {("gemm", i) for i in range(len(t.int4_prefill))} <= picks
     assert {("decode",), ("grouped",), ("grouped_mm",)} <= picks
-    gluon = backend("int4", gemm_backend="gluon", prefill_config=None, prefill_min_tokens=None,
-                    gemm_narrow_config=t.int4_prefill_gluon_narrow)  # fmt: skip
     for band in t.int4_routing_select:  # every candidate of every band is launched
         n = band["min_pairs"] // TOP_K + 1
-        be = gluon if "gemm_narrow" in band["paths"] else int4  # (a Gluon-only path)
-        assert {p[0] for p in config_key([be], n, TOP_K)[0][0]} == set(band["paths"])
+        assert {p[0] for p in config_key([int4], n, TOP_K)[0][0]} == set(band["paths"])
+    gluon = backend("int4", gemm_backend="gluon", prefill_config=None, prefill_min_tokens=None)
     assert gluon.prefill_config == t.int4_prefill_gluon
     keys = {config_key([gluon], n, TOP_K) for n in warmup_token_counts([gluon], TOP_K, MAX_TOKENS)}
     picks = {p for k in keys for p in k[0][0]}
@@ -131,8 +129,6 @@ TABLE_FIELDS = {
     "moe_prefill_fp8_min_tokens": "FusedMoEBackend.plan: path 'w8a8' from that many tokens",
     "int4_prefill_gluon": "config_key ('gemm', entry) with gemm_backend='gluon'",
     "int4_prefill_gluon_min_tokens": "config_key path 'grouped_mm' with gemm_backend='gluon'",
-    "int4_prefill_gluon_narrow": "config_key path 'gemm_narrow' (a routing band's candidate, "
-    "gemm_backend='gluon')",
     "fp8_prefill_gluon": "config_key ('fp8_gluon', entry) (tests/kernels/test_fp8_gemm_gluon.py)",
     "fp8_prefill_gluon_min_pairs": "FusedMoEBackend.plan: path 'fp8_gluon' where Gluon runs",
     "fp8_routing_select": "config_key: every path of a band (the kernel's small-M blocks)",

@@ -176,93 +176,20 @@ def test_moe_backend_with_gluon_takes_its_table_and_never_grouped_mm():
                        torch.empty(E, D, I // 32, device=m))  # fmt: skip
     pol = KernelPolicy.reference()
     triton_be = FusedMoEBackend(ew, **pol.moe_kwargs())
-    gluon_be = FusedMoEBackend(ew, **replace(pol, int4_gemm_backend="gluon").moe_kwargs())
+    gluon_kw = replace(pol, int4_gemm_backend="gluon").moe_kwargs()
+    gluon_be = FusedMoEBackend(ew, **gluon_kw)
     assert triton_be.gemm_backend == "triton" and gluon_be.gemm_backend == "gluon"
     assert gluon_be.prefill_config == pol.tables.int4_prefill_gluon
     assert triton_be.plan(16384, 8)[0] == ("grouped_mm",)
     assert gluon_be.plan(16384, 8)[0] == ("gemm",) and gluon_be.plan(65536, 8)[0] == ("gemm",)
     assert gluon_be.plan(1, 8)[0] == triton_be.plan(1, 8)[0]  # decode paths are unchanged
+    # wave 12's [gemm_narrow, gemm] band: the narrow tile went in wave 13, and its path with it
+    narrow = dict(min_pairs=4097, max_pairs=9215, paths=["gemm_narrow", "gemm"],
+                  pairs_per_expert=[24.0])  # fmt: skip
+    with pytest.raises(ValueError, match="int4_routing_select entry"):
+        FusedMoEBackend(ew, **{**gluon_kw, "routing_select": [narrow]})
     with pytest.raises(ValueError, match="gemm_backend"):
         FusedMoEBackend(ew, gemm_backend="cutlass")
-
-
-def _k2_meta_experts():
-    from k2serve.kernels.fused_moe import ExpertWeights
-
-    E, D, I = 384, 7168, 2048  # noqa: E741
-    m = "meta"
-    return ExpertWeights("int4", torch.empty(E, 2 * I, D // 8, dtype=torch.int32, device=m),
-                         torch.empty(E, D, I // 8, dtype=torch.int32, device=m),
-                         torch.empty(E, 2 * I, D // 32, device=m),
-                         torch.empty(E, D, I // 32, device=m))  # fmt: skip
-
-
-def test_narrow_gemm_band_only_with_gluon(monkeypatch):
-    """A [gemm_narrow, gemm] band (wave 12's, T=513..1151 at top-8): with the Gluon backend
-    both tiles are launched and the routing picks one (below / from 24 pairs a hit expert);
-    the Triton backend, which has no narrow config, drops the band; run_path("gemm_narrow")
-    runs the narrow config; a band naming gemm_narrow without a config is an error."""
-    from dataclasses import replace
-
-    from k2serve.kernels.policy import KernelPolicy
-    from k2serve.moe import fused_moe as moe
-
-    ew = _k2_meta_experts()
-    pol = KernelPolicy.reference()
-    band = dict(min_pairs=4097, max_pairs=9215, paths=["gemm_narrow", "gemm"],
-                pairs_per_expert=[24.0])  # fmt: skip
-    T = band["min_pairs"] // 8 + 1
-    gluon_kw = replace(pol, int4_gemm_backend="gluon").moe_kwargs()
-    gluon_be = moe.FusedMoEBackend(ew, **{**gluon_kw, "routing_select": [band]})
-    assert gluon_be.plan(T, 8) == (("gemm_narrow", "gemm"), (24.0,))
-    assert gluon_be.plan(band["max_pairs"] // 8 + 1, 8)[0] == ("gemm",)
-    triton_be = moe.FusedMoEBackend(ew, **{**pol.moe_kwargs(), "routing_select": [band]})
-    assert triton_be.gemm_narrow_config == {} and triton_be.plan(T, 8)[0] == ("gemm",)
-    seen = []
-    monkeypatch.setattr(moe, "int4_moe_gemm", lambda *a, **kw: seen.append((a[4], kw)))
-    gluon_be.run_path("gemm_narrow", torch.zeros(T, 7168), torch.zeros(T, 8), torch.ones(T, 8))
-    assert seen[0][0] == dict(pol.tables.int4_prefill_gluon_narrow)
-    assert seen[0][1]["backend"] == "gluon"
-    with pytest.raises(ValueError, match="gemm_narrow a narrow GEMM config"):
-        moe.check_routing_select([dict(band)], True, True, narrow_ok=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not gluon_usable("cuda"), reason="needs an sm_90 GPU and Triton 3.6 Gluon")
-def test_narrow_gemm_band_picks_by_routing_on_the_gpu():
-    """On a small model with the band moved to its sizes: uniform routing (few pairs a hit
-    expert) takes the narrow tile, concentrated routing the table's, each bit-identical to
-    its path run alone (the other path's programs return at once)."""
-    from dataclasses import replace
-
-    from k2serve.kernels import fused_moe as fm
-    from k2serve.kernels.moe_select import moe_select_ref
-    from k2serve.kernels.policy import KernelPolicy
-    from k2serve.moe.fused_moe import FusedMoEBackend
-
-    torch.manual_seed(0)
-    E, D, I, k, T = 64, 768, 512, 8, 96  # noqa: E741 - 768 pairs
-    dev = "cuda"
-    pk = lambda n, kk: torch.randint(-(2**31), 2**31 - 1, (E, n, kk // 8), dtype=torch.int32,
-                                     device=dev)  # fmt: skip  # noqa: E731
-    sc = lambda n, kk: (torch.rand(E, n, kk // 32, device=dev) * 0.004 + 0.002).bfloat16()  # noqa: E731
-    ew = fm.ExpertWeights("int4", pk(2 * I, D), pk(D, I), sc(2 * I, D), sc(D, I), 32)
-    kw = replace(KernelPolicy.reference(), int4_gemm_backend="gluon").moe_kwargs()
-    band = dict(
-        min_pairs=512, max_pairs=1024, paths=["gemm_narrow", "gemm"], pairs_per_expert=[24.0]
-    )
-    be = FusedMoEBackend(ew, **{**kw, "routing_select": [band], "mma_config": {}})
-    assert be.plan(T, k) == (("gemm_narrow", "gemm"), (24.0,))
-    x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
-    w = torch.rand(T, k, device=dev)
-    spread = torch.rand(T, E, device=dev).argsort(-1)[:, :k].int()  # 12 pairs an expert
-    few = torch.randperm(E, device=dev)[:16]
-    dense = few[torch.rand(T, 16, device=dev).argsort(-1)[:, :k]].int()  # 48 pairs an expert
-    for ids, want in ((spread, "gemm_narrow"), (dense, "gemm")):
-        sel = moe_select_ref(ids, E, [24.0])
-        assert ["gemm_narrow", "gemm"][int(sel[:2].argmax())] == want
-        out = be(x, ids, w)
-        assert torch.equal(out, be.run_path(want, x, ids, w))
 
 
 @pytest.mark.parametrize(

@@ -142,8 +142,8 @@ class KernelTables:
     )
     # INT4 routed experts chosen on the device from the routing (kernels/moe_select.py): bands
     # of (token, expert) pair counts {"min_pairs", "max_pairs", "paths": 2 or 3 of "decode",
-    # "grouped", "gemm", "pairs_per_expert": ascending limits between them}; inside a band
-    # they replace the pair-count rule above; absent from a table: off
+    # "grouped", "mma", "gemm", "pairs_per_expert": ascending limits between them}; inside a
+    # band they replace the pair-count rule above; absent from a table: off
     int4_routing_select: tuple[Mapping[str, Any], ...] = ()
     # the tensor-core INT4 decode MoE (int4_moe_mma.int4_moe_mma: the f16 design, F16=1): its
     # config (or configs by max pair count) and the (token, expert) pair counts it runs for,
@@ -159,9 +159,6 @@ class KernelTables:
     # never); empty: the Triton kernel everywhere
     int4_prefill_gluon: tuple[Mapping[str, Any], ...] = ()
     int4_prefill_gluon_min_tokens: int | None = None
-    # the Gluon INT4 grouped GEMM with a narrow token tile: the "gemm_narrow" candidate of
-    # int4_routing_select's bands (steps whose experts get few pairs each); empty: none
-    int4_prefill_gluon_narrow: Mapping[str, Any] = field(default_factory=lambda: FrozenMap({}))
     # the Triton MLA prompt attention (kernels/mla_prefill.py): configs {"max_len": longest
     # query length of the step or None, block_m, block_n, num_warps, num_stages}, ascending;
     # empty: the kernel's default_config
@@ -208,7 +205,6 @@ class KernelTables:
                 int4_prefill_min_tokens=int(data["int4_prefill_min_tokens"]),
                 int4_prefill_gluon=tuple(_frozen(e) for e in data.get("int4_prefill_gluon", ())),
                 int4_prefill_gluon_min_tokens=_opt_int(data, "int4_prefill_gluon_min_tokens"),
-                int4_prefill_gluon_narrow=_launch_config(data.get("int4_prefill_gluon_narrow", {})),
                 fp8_prefill_gluon=tuple(_frozen(e) for e in data.get("fp8_prefill_gluon", ())),
                 fp8_prefill_gluon_min_pairs=_opt_int(data, "fp8_prefill_gluon_min_pairs"),
                 side_stream_max_tokens=int(data["side_stream_max_tokens"]),
@@ -462,9 +458,6 @@ class KernelPolicy:
             mma_max_pairs=t.int4_decode_mma_max_pairs,
             prefill_config=gemm_configs,
             prefill_min_tokens=grouped_mm_min_tokens,
-            gemm_narrow_config=(
-                t.int4_prefill_gluon_narrow if self.int4_gemm_backend == "gluon" else None
-            ),
             gemm_backend=self.int4_gemm_backend,
             asm=self.int4_asm,
             fp8_impl=self.fp8_moe_impl,

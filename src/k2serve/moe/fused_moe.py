@@ -17,8 +17,7 @@ runs the generic fused_moe kernel always. `prefill_impl` overrides the part abov
 "gemm" the grouped GEMM always, "grouped_mm" the generic fused_moe kernel below the threshold,
 "kernel" the generic kernel always (benchmarks compare them). Routing-aware bands
 (`routing_select`, the policy's `int4_routing_select`): for pair counts inside a band, 2-3 of
-the per-pair GEMV, grouped GEMV, tensor-core decode MoE ("mma"), GEMM and the GEMM with
-`gemm_narrow_config`'s narrow token tile ("gemm_narrow", Gluon only) are launched, and
+the per-pair GEMV, grouped GEMV, tensor-core decode MoE ("mma") and GEMM are launched, and
 kernels/moe_select.py picks one on the device from the pairs per distinct expert hit (the
 others' programs return at once; the same CUDA graph serves every routing); `plan()` names
 the path(s) for a token count. On one
@@ -130,7 +129,6 @@ class FusedMoEBackend(ExpertBackend):
         mma_min_pairs: int | None = None,
         mma_max_pairs: int | None = None,
         prefill_config: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
-        gemm_narrow_config: Mapping[str, Any] | None = None,
         asm: bool = True,
         fp8_impl: str = "auto",
         fp8_table: Sequence[Mapping[str, Any]] | None = None,
@@ -198,13 +196,9 @@ class FusedMoEBackend(ExpertBackend):
         # (the bands whose paths this backend can run: the tables are shared by checkpoints
         # whose experts the grouped GEMV or the mma path cannot take, e.g. other group sizes)
         bands = t.int4_routing_select if routing_select is None else routing_select
-        # the grouped GEMM with narrow token tiles: a routing band's candidate for steps whose
-        # experts get few pairs each (the tables' int4_prefill_gluon_narrow; Gluon only)
-        self.gemm_narrow_config = dict(gemm_narrow_config or {})
-        narrow_ok = bool(self.gemm_narrow_config) and gemm_backend == "gluon"
-        needs = {"grouped": bool(self.grouped_config), "mma": mma_ok, "gemm_narrow": narrow_ok}
-        self.routing_select = runnable_bands(bands, needs)
-        check_routing_select(self.routing_select, bool(self.grouped_config), mma_ok, narrow_ok)
+        grouped_ok = bool(self.grouped_config)
+        self.routing_select = runnable_bands(bands, {"grouped": grouped_ok, "mma": mma_ok})
+        check_routing_select(self.routing_select, grouped_ok, mma_ok)
         # one config, or a table of configs by max pair count (int4_gemm.pick_config)
         self.prefill_config = gemm_configs if prefill_config is None else prefill_config
         self.asm = asm
@@ -256,8 +250,7 @@ class FusedMoEBackend(ExpertBackend):
         """The kernel path(s) for `num_tokens` tokens x `top_k`: one path, or 2-3 candidates
         and the pairs-per-hit-expert limits between them (chosen on the device, moe_select).
         Paths: "w8a8" (FP8 activations, --moe-prefill-precision), "fp8_gemm", "fp8_gluon",
-        "kernel" (the generic fused_moe), "grouped_mm", "mma", "grouped", "decode", "gemm",
-        "gemm_narrow" (the GEMM with the narrow token tile of a routing band)."""
+        "kernel" (the generic fused_moe), "grouped_mm", "mma", "grouped", "decode", "gemm"."""
         pairs = num_tokens * top_k
         if self.w8a8_min_tokens is not None and num_tokens >= self.w8a8_min_tokens:
             return ("w8a8",), ()
@@ -337,9 +330,6 @@ class FusedMoEBackend(ExpertBackend):
             return int4_moe_decode(
                 hidden, w, topk_weights, topk_ids, self.decode_config, self.asm, active
             )
-        if path == "gemm_narrow":
-            return int4_moe_gemm(hidden, w, topk_weights, topk_ids, self.gemm_narrow_config,
-                                 self.asm, active, backend=self.gemm_backend)  # fmt: skip
         if path == "gemm":
             return int4_moe_gemm(
                 hidden,
@@ -398,7 +388,7 @@ def band_of(bands: Sequence[Mapping[str, Any]], pairs: int) -> Mapping[str, Any]
     return next((b for b in bands if b["min_pairs"] <= pairs <= b["max_pairs"]), None)
 
 
-ROUTING_PATHS = ("decode", "grouped", "mma", "gemm", "gemm_narrow")
+ROUTING_PATHS = ("decode", "grouped", "mma", "gemm")
 FP8_ROUTING_PATHS = ("kernel", "fp8_gemm", "fp8_gluon")  # fp8_gluon: where Gluon runs
 
 
@@ -406,7 +396,6 @@ def check_routing_select(
     bands: Sequence[Mapping[str, Any]],
     grouped_ok: bool,
     mma_ok: bool = False,
-    narrow_ok: bool = False,
     *,
     name: str = "int4_routing_select",
     allowed: tuple[str, ...] = ROUTING_PATHS,
@@ -426,13 +415,12 @@ def check_routing_select(
             and all(p in allowed for p in paths)
             and (grouped_ok or "grouped" not in paths)
             and (mma_ok or "mma" not in paths)
-            and (narrow_ok or "gemm_narrow" not in paths)
             and 0 < lo <= hi
         )
         if not ok:
             raise ValueError(
                 f"{name} entry {dict(b)}: use 2-3 distinct paths of "
                 f"{allowed} (grouped needs int4_decode_grouped, mma int4_decode_mma and "
-                "group-32 experts, gemm_narrow a narrow GEMM config), one ascending "
-                "pairs_per_expert limit between each two, 0 < min_pairs <= max_pairs"
+                "group-32 experts), one ascending pairs_per_expert limit between each two, "
+                "0 < min_pairs <= max_pairs"
             )
