@@ -80,7 +80,9 @@ def fp8_ws_check(cfg: dict) -> None:
         or cfg.get("RELEASE", 1) not in (0, 1, 2)
         or cfg.get("KS", 64) not in (32, 64, 128)
     ):
-        raise ValueError("gluon fp8 GEMM WS: PW 1 or 4, STAGES >= 2, RELEASE 0..2, KS 32..128")
+        raise ValueError(
+            "gluon fp8 GEMM WS: PW 1 or 4, STAGES >= 2, RELEASE 0..2, KS 32, 64 or 128"
+        )
     if fp8_ws_smem_bytes(cfg) > 227 * 1024:
         raise ValueError(f"gluon fp8 GEMM WS: {fp8_ws_smem_bytes(cfg)} B of shared memory")
     maxnreg, creg, preg = ws_regs(cfg, fp8_ws_smem_bytes(cfg))
