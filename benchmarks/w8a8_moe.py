@@ -161,6 +161,7 @@ def split_times(ew, T):
     against the float32 product, beside the engine path's."""
     import prefill_split as ps  # (benchmarks/: the engine's Gluon GEMMs one at a time)
 
+    from k2serve.kernels import fp8_gemm_gluon as fg
     from k2serve.kernels import w8a8_moe as wm
     from k2serve.kernels.fused_moe import fused_moe_ref
     from k2serve.kernels.moe_align import moe_align_block_size
@@ -191,7 +192,7 @@ def split_times(ew, T):
         return out
 
     def engine():
-        return down(gate_up()).view(T, K, D).sum(1)
+        return fg.fp8_moe_gluon(x, ew, tw, ids, cfg)
 
     def fp8_down():
         return down8(gate_up()).view(T, K, D).sum(1)
