@@ -9,7 +9,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PKGS="fastapi uvicorn starlette pydantic pydantic_core annotated-types typing-inspection sniffio
-python-multipart xgrammar jsonschema jsonschema-specifications referencing rpds-py"
+python-multipart xgrammar apache-tvm-ffi jsonschema jsonschema-specifications referencing rpds-py
+opentelemetry-api"
 mkdir -p .whl
 for name in $PKGS; do
   ver=$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('$name'))")
