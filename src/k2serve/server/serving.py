@@ -254,7 +254,11 @@ class EngineStream:
 
 
 class MergedStreams:
-    """Interleave EngineStreams as (stream index, output). Always `await aclose()` when done."""
+    """Interleave EngineStreams as (stream index, output). Always `await aclose()` when done.
+
+    One stream (every chat request, completions with one prompt and n=1) is read in place: a
+    pump task and a queue would add two task wake-ups to every token of every stream, which at
+    a few hundred concurrent streams is what the event loop spends its step on."""
 
     _DONE = object()
 
@@ -274,13 +278,20 @@ class MergedStreams:
         self.queue.put_nowait((i, self._DONE))
 
     def __aiter__(self) -> MergedStreams:
-        if not self.tasks:
+        if not self.tasks and len(self.streams) > 1:
             self.tasks = [
                 asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(self.streams)
             ]
         return self
 
     async def __anext__(self) -> tuple[int, Any]:
+        if len(self.streams) == 1:
+            if self.remaining:
+                try:
+                    return 0, await self.streams[0].__anext__()
+                except StopAsyncIteration:
+                    self.remaining = 0
+            raise StopAsyncIteration
         while self.remaining:
             i, item = await self.queue.get()
             if item is self._DONE:
