@@ -83,6 +83,14 @@ def gil_switch_interval_s() -> float:
     return env_seconds("K2SERVE_GIL_SWITCH_INTERVAL", GIL_SWITCH_INTERVAL_S)
 
 
+def launch_ahead() -> bool:
+    """K2SERVE_LAUNCH_AHEAD: with async scheduling on CUDA, queue each step's kernels as soon as
+    the engine submits it, behind the step on the device, and wait for the samples on a thread
+    of their own (engine.pipeline.StepWorker); 0 waits for each step's samples before the next
+    launch (the order before wave 14)."""
+    return env_bool("K2SERVE_LAUNCH_AHEAD", True)
+
+
 def shared_stream() -> bool:
     """K2SERVE_SHARED_STREAM: run the shared expert on a second CUDA stream (decode steps)."""
     return env_bool("K2SERVE_SHARED_STREAM", True)

@@ -390,3 +390,128 @@ def test_no_late_scheduling_when_the_next_step_is_full_already():
     assert sched.next_step_is_full() and eng.schedule_delay() == 0.0  # c fills the budget
     eng.add_request("d", [5], SamplingParams(temperature=0.0, max_tokens=50))
     run_to_completion(eng)
+
+
+# ---- launch ahead (CUDA's order, forced on the CPU) -----------------------------------------
+def make_launch_ahead(monkeypatch, **overrides) -> LLMEngine:
+    """An async engine whose worker launches ahead (StepWorker(launch_ahead=True)): samples
+    reach the host on the `k2serve-result` thread, each after a random 0-2 ms (a device that
+    is still busy), so a step is often launched before the one before it is complete."""
+    import random
+
+    from k2serve.engine import sampler as sampler_mod
+
+    rng = random.Random(7)
+    real = sampler_mod.PendingSample.result
+
+    def late_result(self):
+        time.sleep(rng.random() * 2e-3)
+        return real(self)
+
+    monkeypatch.setattr(sampler_mod.PendingSample, "result", late_result)
+    eng = make(True, **overrides)
+    eng.pipeline = StepWorker(eng.runner, launch_ahead=True)
+    return eng
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                           HealthCheck.function_scoped_fixture],
+)  # fmt: skip
+@given(workloads())
+def test_launch_ahead_gives_the_synchronous_outputs(monkeypatch, workload):
+    cfg, reqs = workload
+    reqs = [(p, sp, arrival, None) for p, sp, arrival in reqs]
+    ref = drive(make(False, **cfg), reqs)
+    eng = make_launch_ahead(monkeypatch, **cfg)
+    got = drive(eng, reqs)
+    assert set(got) == set(ref)
+    for rid in ref:
+        assert got[rid].finished
+        assert summary(got[rid]) == summary(ref[rid]), rid
+    assert set(eng.model.threads) == {"k2serve-step"}
+    eng.shutdown()
+    assert eng.pipeline._result_thread is None
+
+
+def test_launch_ahead_launches_the_next_step_before_the_sync(monkeypatch):
+    """With the host copy of step N held back, step N+1's forward still runs (it needs only
+    step N's tokens on the device): the worker is never waiting on a sync to launch."""
+    from k2serve.engine import sampler as sampler_mod
+
+    gate = threading.Event()
+    seen: list[int] = []
+    real = sampler_mod.PendingSample.result
+
+    def held(self):
+        gate.wait(5)
+        return real(self)
+
+    monkeypatch.setattr(sampler_mod.PendingSample, "result", held)
+    eng = make(True)
+    eng.pipeline = StepWorker(eng.runner, launch_ahead=True)
+    eng.add_request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    eng.model.threads.clear()
+    worker = threading.Thread(target=lambda: [eng.step() for _ in range(2)])
+    worker.start()  # step 1 submits N, step 2 submits N+1 then waits for N's result
+    t = time.perf_counter()
+    while len(eng.model.threads) < 2 and time.perf_counter() - t < 5:
+        time.sleep(1e-3)
+    seen.append(len(eng.model.threads))
+    gate.set()
+    worker.join(5)
+    assert seen == [2]  # both forwards ran while step N's samples were held on the "device"
+    eng.shutdown()
+
+
+def test_launch_ahead_a_failed_host_copy_fails_that_step_and_every_later_one(monkeypatch):
+    from k2serve.engine import sampler as sampler_mod
+
+    calls = {"n": 0}
+    real = sampler_mod.PendingSample.result
+
+    def flaky(self):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("copy fell over")
+        return real(self)
+
+    monkeypatch.setattr(sampler_mod.PendingSample, "result", flaky)
+    eng = make(True)
+    eng.pipeline = StepWorker(eng.runner, launch_ahead=True)
+    eng.add_request("a", [1, 2], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    with pytest.raises(RuntimeError, match="copy fell over"):
+        for _ in range(30):
+            eng.step()
+    # a step whose samples come after the failure fails with it (no mixed-up outputs)
+    fut: Future = Future()
+    eng.pipeline._results.put((InFlight(SchedulerOutput(), SimpleNamespace(sample_reqs=[]), fut),
+                               [], None))  # fmt: skip
+    with pytest.raises(RuntimeError, match="copy fell over"):
+        fut.result(5)
+    eng.shutdown()
+
+
+def test_deferred_samples_equal_the_direct_ones():
+    """Sampler(defer=True).result() (the host copies of tokens, logprobs, ranks and top-k)
+    equals the direct SamplerOutput, row for row, with mixed logprob requests."""
+    from k2serve.engine.request import Request
+    from k2serve.engine.sampler import PendingSample, Sampler
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50)
+    reqs = [
+        Request(f"r{i}", [1, 2], SamplingParams(temperature=0, logprobs=lp), max_tokens=4)
+        for i, lp in enumerate([None, 0, 2, 5, None])
+    ]
+    direct = Sampler()(logits, reqs)
+    pending = Sampler()(logits, reqs, defer=True)
+    assert isinstance(pending, PendingSample)
+    assert torch.equal(pending.token_ids_t, direct.token_ids_t)
+    got = pending.result()
+    assert got.token_ids == direct.token_ids
+    assert got.logprobs == direct.logprobs and got.ranks == direct.ranks
+    assert got.top_logprobs == direct.top_logprobs
+    assert got.logprobs[0] is None and len(got.top_logprobs[3]) == 5 and got.top_logprobs[1] == []

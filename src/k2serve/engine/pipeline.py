@@ -7,6 +7,11 @@ detokenizing, outputs) while step N+1 computes. A one-deep pipeline:
     engine thread:  schedule N+1 | prepare N+1 | submit | wait N | outputs of N | schedule N+2 ...
     step thread:    ... forward + sample N ...| forward + sample N+1 ...
 
+On CUDA the step thread launches ahead (`StepWorker`'s docstring): it queues each step's kernels
+as soon as the step is submitted and a `k2serve-result` thread waits for the samples, so the GPU
+runs N+1 right after N with no host hop between them (H100, served k2-slice: C=1 395 -> 517 and
+C=16 2194 -> 2521 output tok/s, benchmarks/RESULTS.md; `K2SERVE_LAUNCH_AHEAD=0` turns it off).
+
 The scheduler counts the token that step N samples for each request as a placeholder
 (`Request.num_output_placeholders`, engine.scheduler's docstring), and the runner fills the
 placeholder inputs of step N+1 from step N's sampled-token tensor on the device
@@ -62,7 +67,7 @@ from k2serve import envs
 from k2serve.engine.logits_processors import BanTokens, LogitBias
 from k2serve.engine.request import Request
 from k2serve.engine.runner import ModelInput
-from k2serve.engine.sampler import SamplerOutput
+from k2serve.engine.sampler import PendingSample, SamplerOutput
 from k2serve.engine.sampling_params import SamplingParams
 from k2serve.engine.scheduler import SchedulerOutput
 
@@ -152,9 +157,17 @@ class InFlight:
 class StepWorker:
     """Runs prepared steps in submission order on the `k2serve-step` thread; each step gets the
     samples of the one before (the source of its placeholder tokens). After a failure every
-    later step fails with the same error."""
+    later step fails with the same error.
 
-    def __init__(self, runner) -> None:
+    Launch ahead (CUDA; `launch_ahead`): the step thread only queues each step's kernels, its
+    samples' device->host copies and an event (sampler.PendingSample), and hands the step to
+    the `k2serve-result` thread, which waits for that event and completes the step's future.
+    So step N+1's kernels are queued as soon as the engine submits it, behind step N's on the
+    device, instead of after step N's host sync: the GPU goes from N to N+1 with no host hop
+    (the step thread's wake-up, its GIL and the launches after each sync were a gap of every
+    step, that grew with the event loop's and the engine thread's Python at large batches)."""
+
+    def __init__(self, runner, launch_ahead: bool | None = None) -> None:
         self.runner = runner
         self.inflight: InFlight | None = None
         self._q: queue.SimpleQueue = queue.SimpleQueue()
@@ -168,6 +181,13 @@ class StepWorker:
         self.cuda = getattr(getattr(runner, "device", None), "type", None) == "cuda"
         if self.cuda:
             runner.sampler.on_launched = self._on_launched
+        self.launch_ahead = (
+            (self.cuda and envs.launch_ahead()) if launch_ahead is None else launch_ahead
+        )
+        self._results: queue.SimpleQueue = queue.SimpleQueue()  # launched steps, in order
+        self._result_thread: threading.Thread | None = None
+        self._last_done = 0.0  # perf_counter when the last step's samples reached the host
+        self._result_error: BaseException | None = None
         # step-time model for schedule_delay: seconds = c0 + c1 * decodes + c2 * prompt tokens,
         # least squares over the recent steps (normal equations, forgetting 0.98); and an EWMA
         # of the engine thread's schedule + prepare time
@@ -189,6 +209,11 @@ class StepWorker:
                 sys.setswitchinterval(want)
             self._thread = threading.Thread(target=self._loop, name="k2serve-step", daemon=True)
             self._thread.start()
+            if self.launch_ahead:
+                self._result_thread = threading.Thread(
+                    target=self._result_loop, name="k2serve-result", daemon=True
+                )
+                self._result_thread.start()
         fut: Future = Future()
         step = InFlight(sched, inp, fut)
         self._q.put(step)
@@ -258,10 +283,12 @@ class StepWorker:
             if self._error is not None:
                 step.future.set_exception(self._error)
                 continue
-            step.started = t0 = time.perf_counter()
+            step.started = t0 = max(time.perf_counter(), self._last_done)
             self._running = step
             try:
-                reqs, samples = self.runner.run(step.sched, step.inp, self._prev)
+                reqs, samples = self.runner.run(
+                    step.sched, step.inp, self._prev, defer=self.launch_ahead
+                )
             except BaseException as e:  # noqa: BLE001 - handed to the engine thread
                 self._error = e
                 step.future.set_exception(e)
@@ -269,13 +296,47 @@ class StepWorker:
             finally:
                 self._running = None
                 step.launched.set()
-            self._learn(step.sched, time.perf_counter() - t0)
             self._prev = samples
+            if self.launch_ahead:
+                self._results.put((step, reqs, samples))
+                continue
+            self._learn(step.sched, time.perf_counter() - t0)
+            step.future.set_result((reqs, samples))
+
+    def _result_loop(self) -> None:
+        """Launch ahead: wait for each launched step's samples, in order, and complete it."""
+        while True:
+            item = self._results.get()
+            if item is None:
+                return
+            step, reqs, pending = item
+            if self._result_error is not None:  # every step after a failed one fails too
+                step.future.set_exception(self._result_error)
+                continue
+            try:
+                samples = pending.result() if isinstance(pending, PendingSample) else pending
+            except BaseException as e:  # noqa: BLE001 - a device error surfaces at the wait
+                self._result_error = e
+                self._error = self._error or e  # and the steps not launched yet
+                step.future.set_exception(e)
+                continue
+            done = time.perf_counter()
+            # the step ran on the device from when it was queued or the one before it ended
+            started = max(step.started or done, self._last_done)
+            self._last_done = done
+            nxt = self.inflight  # queued behind this one: it starts now (schedule_delay)
+            if nxt is not step and nxt is not None and nxt.started is not None:
+                nxt.started = max(nxt.started, done)
+            self._learn(step.sched, done - started)
             step.future.set_result((reqs, samples))
 
     def close(self) -> None:
-        """Stop the thread after the steps queued; idempotent."""
+        """Stop the threads after the steps queued; idempotent."""
         if self._thread is not None:
             self._q.put(None)
             self._thread.join(timeout=30)
             self._thread = None
+        if self._result_thread is not None:
+            self._results.put(None)
+            self._result_thread.join(timeout=30)
+            self._result_thread = None

@@ -40,7 +40,7 @@ from k2serve.cache.kv_cache_manager import KVCacheManager
 from k2serve.engine.input_batch import BlockTables, to_device
 from k2serve.engine.multimodal import EncoderCache
 from k2serve.engine.request import Request
-from k2serve.engine.sampler import Sampler, SamplerOutput
+from k2serve.engine.sampler import PendingSample, Sampler, SamplerOutput
 from k2serve.engine.scheduler import SchedulerOutput
 from k2serve.engine.spec import RuntimeSpec
 from k2serve.engine.spec_decode.verify import DraftRow
@@ -292,10 +292,15 @@ class ModelRunner(BatchBuilder):
 
     @torch.inference_mode()
     def run(
-        self, sched: SchedulerOutput, inp: ModelInput, prev: SamplerOutput | None = None
-    ) -> tuple[list[Request], SamplerOutput | None]:
+        self,
+        sched: SchedulerOutput,
+        inp: ModelInput,
+        prev: SamplerOutput | PendingSample | None = None,
+        defer: bool = False,
+    ) -> tuple[list[Request], SamplerOutput | PendingSample | None]:
         """The forward and the sampling of a prepared step. `prev`: the samples of the step
-        before (async scheduling: the tokens of `inp.fill`'s placeholders)."""
+        before (async scheduling: the tokens of `inp.fill`'s placeholders). defer: the samples
+        as a PendingSample (queued, not waited for: sampler.PendingSample)."""
         self.last_input = inp
         if inp.fill is not None:
             assert prev is not None and prev.token_ids_t is not None
@@ -324,7 +329,7 @@ class ModelRunner(BatchBuilder):
         if not inp.sample_reqs:
             return [], None
         logits = self.model.compute_logits(hidden[inp.logits_indices])  # [S, vocab] float32
-        return inp.sample_reqs, self.sampler(logits, inp.sample_reqs)
+        return inp.sample_reqs, self.sampler(logits, inp.sample_reqs, defer=defer)
 
     def check_health(self) -> None:
         """One process: no rank to lose (MultiprocExecutor checks its workers)."""

@@ -46,6 +46,60 @@ class SamplerOutput:
     token_ids_t: torch.Tensor | None = None  # [B] long on the logits' device (async scheduling)
 
 
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A device->host copy into a fresh pinned tensor, queued without blocking (the caching
+    host allocator keeps the block until the copy is done)."""
+    h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    h.copy_(t, non_blocking=True)
+    return h
+
+
+class PendingSample:
+    """A step's samples on the device, on their way to the host: `token_ids_t` feeds the next
+    step's placeholders on the device; `result()` waits for the copies (the step's one
+    device->host sync) and returns the SamplerOutput.
+
+    Deferred (CUDA): the tokens (and the logprob tensors) are copied into fresh pinned host
+    tensors without blocking, right behind the sampler's kernels, and an event is recorded; so
+    the wait in `result()` ends when this step's work is done, not when work queued after it is
+    (a plain `.tolist()` would sync the stream, queued next step included)."""
+
+    __slots__ = ("token_ids_t", "_host", "_event", "_nlp")
+
+    def __init__(self, tokens: torch.Tensor, lp, nlp: list[int | None], defer: bool) -> None:
+        self.token_ids_t = tokens
+        self._nlp = nlp  # each row's logprobs request (None: none)
+        host = [tokens] if lp is None else [tokens, lp[0], lp[1], *(lp[2] or ())]
+        self._event = None
+        if defer and tokens.is_cuda:
+            host = [_pinned_copy(t) for t in host]
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._host = host
+
+    def result(self) -> SamplerOutput:
+        if self._event is not None:
+            self._event.synchronize()  # releases the GIL while it waits
+        host = self._host
+        token_list = host[0].tolist()
+        num_rows = len(token_list)
+        out = SamplerOutput(
+            token_list, [None] * num_rows, [None] * num_rows, [None] * num_rows,
+            self.token_ids_t,
+        )  # fmt: skip
+        if len(host) > 1:
+            chosen_l, ranks_l = host[1].tolist(), host[2].tolist()
+            top_vl, top_il = (host[3].tolist(), host[4].tolist()) if len(host) > 3 else ([], [])
+            for i, n in enumerate(self._nlp):
+                if n is None:
+                    continue
+                out.logprobs[i], out.ranks[i] = chosen_l[i], ranks_l[i]
+                out.top_logprobs[i] = (
+                    list(zip(top_il[i][:n], top_vl[i][:n], strict=True)) if n else []
+                )
+        return out
+
+
 class Sampler:
     def __init__(self, device: torch.device | str = "cpu", seed: int = 0) -> None:
         self.device = torch.device(device)
@@ -125,8 +179,12 @@ class Sampler:
         return req.generator
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
-        # logits: [B, vocab] float32, row i belongs to reqs[i]
+    def __call__(
+        self, logits: torch.Tensor, reqs: list[Request], defer: bool = False
+    ) -> SamplerOutput | PendingSample:
+        """logits: [B, vocab] float32, row i belongs to reqs[i]. defer: return the step's
+        PendingSample (its device->host copies queued, not waited for) instead of the
+        SamplerOutput; the async worker launches the next step before it waits."""
         num_rows, vocab = logits.shape
         assert num_rows == len(reqs)
         params = [r.sampling_params for r in reqs]
@@ -188,31 +246,17 @@ class Sampler:
             sampled = self._sample(logits, reqs, params)
             tokens = torch.where(torch.tensor(greedy, device=logits.device), tokens, sampled)
 
+        lp = None
+        if logp is not None:
+            chosen = logp.gather(1, tokens[:, None])[:, 0]  # [B]
+            ranks = (logp > chosen[:, None]).sum(dim=-1) + 1  # [B]
+            k = max(p.logprobs or 0 for p in params)
+            top = logp.topk(k, dim=-1) if k else None  # ([B, k], [B, k])
+            lp = (chosen, ranks, top)
+        pending = PendingSample(tokens, lp, [p.logprobs for p in params], defer)
         if self.on_launched is not None:
             self.on_launched()
-        token_list = tokens.tolist()  # the step's one device->host sync (with logprobs below)
-        out = SamplerOutput(
-            token_list, [None] * num_rows, [None] * num_rows, [None] * num_rows, tokens
-        )
-        if logp is not None:
-            chosen = logp.gather(1, tokens[:, None])  # [B, 1]
-            ranks = (logp > chosen).sum(dim=-1) + 1  # [B]
-            k = max(p.logprobs or 0 for p in params)
-            top_vl: list = []
-            top_il: list = []
-            if k:
-                top_v, top_i = logp.topk(k, dim=-1)  # [B, k]
-                top_vl, top_il = top_v.tolist(), top_i.tolist()
-            chosen_l, ranks_l = chosen[:, 0].tolist(), ranks.tolist()
-            for i, p in enumerate(params):
-                if p.logprobs is None:
-                    continue
-                out.logprobs[i], out.ranks[i] = chosen_l[i], ranks_l[i]
-                n = p.logprobs
-                out.top_logprobs[i] = (
-                    list(zip(top_il[i][:n], top_vl[i][:n], strict=True)) if n else []
-                )
-        return out
+        return pending if defer else pending.result()
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> None:
         vocab = logits.shape[1]
