@@ -51,6 +51,9 @@ _HELP = {
     "min_tokens, logits processors or structured outputs, and engines with tensor / data "
     "parallel, speculative decoding, the KV host tier or images, run synchronously (default: "
     "on for a CUDA device with every expert on it, off on the CPU and with CPU experts)",
+    "stream_interval": "a streamed request gets its new tokens every N tokens (its first token "
+    "and its end at once), as vLLM's and SGLang's --stream-interval: larger values cut the "
+    "server's host work per token at high concurrency (default 1: every token)",
     "enforce_eager": "never capture CUDA graphs (decode steps run eagerly), as vLLM",
     "num_gpu_experts": "routed experts per MoE layer kept on the GPU, the rest in host memory "
     "computed on the CPU (default: all on the GPU; `k2serve plan` prints a value)",
@@ -184,6 +187,7 @@ class EngineConfig:
     moe_backend: str = "auto"
     moe_prefill_precision: str = "auto"
     enforce_eager: bool = False
+    stream_interval: int = 1
     async_scheduling: bool | None = None  # None: on for CUDA (engine.pipeline's default)
     num_gpu_experts: int | None = None
     expert_placement_file: str | None = None
@@ -242,7 +246,7 @@ class EngineConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}={v!r} must be a positive integer")
 
-        for name in ("max_num_seqs", "page_size", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "page_size", "tensor_parallel_size", "stream_interval"):
             positive(name)
         positive("max_num_batched_tokens", allow_none=True)
         if self.distributed_backend not in ("auto", "nccl", "gloo"):

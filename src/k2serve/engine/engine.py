@@ -171,6 +171,7 @@ class LLMEngine:
         # async scheduling: the step thread (None: every step runs on the caller's thread)
         self.pipeline = StepWorker(self.runner) if spec.async_scheduling else None
         self._sync_reqs: set[str] = set()  # unfinished requests whose steps run synchronously
+        self._stream_interval = cfg.stream_interval  # new tokens per output (first and last: 1)
         self.mm = MultiModalInputs.for_model(self.model_config, model_dir, cfg)
         self.eos_token_ids = eos_token_ids(self.model_config, tokenizer, model_dir)
         self.vocab_size = self.model_config.vocab_size
@@ -432,11 +433,15 @@ class LLMEngine:
     ) -> RequestOutput | None:
         outs = []
         states = self._states
+        every = self._stream_interval
         for req in reqs:
             st = states[req.request_id]
             if st.done_sent:
                 continue
             done = req.status.finished
+            if every > 1 and not done and st.tokens_sent:
+                if req.num_output_tokens - st.tokens_sent < every:
+                    continue  # --stream-interval: not yet
             text = st.text
             upto = len(text) if done else max(st.text_sent, len(text) - st.hold)
             lps = None
