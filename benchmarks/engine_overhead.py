@@ -190,7 +190,11 @@ def instrument(engine, acc: dict) -> None:
     r.model = _M()
     r.sampler = _Timed(r.sampler, "sample", acc)
     engine.scheduler.update_from_output = _Timed(engine.scheduler.update_from_output, "update", acc)
-    engine._process_text = _Timed(engine._process_text, "detok", acc)
+    # the detokenizer is a module function the engine calls by name (k2serve.engine.detokenize)
+    import k2serve.engine.engine as engine_mod
+
+    fn = engine_mod.process_text
+    engine_mod.process_text = _Timed(getattr(fn, "fn", fn), "detok", acc)
     engine._make_output = _Timed(engine._make_output, "outputs", acc)
 
 

@@ -77,6 +77,36 @@ def serve_child(argv: list[str]) -> int:
     xs = sorted(dec)
     ys = [dec[b] for b in xs]
     orig = DeepseekV3ForCausalLM.forward
+    # K2SERVE_HOST_TRACE=FILE: each forward's (start, end, tokens, decodes), written at exit
+    trace_path = os.environ.get("K2SERVE_HOST_TRACE")
+    trace: list | None = [] if trace_path else None
+    if trace_path:
+        import atexit
+
+        from k2serve.engine.pipeline import StepWorker
+        from k2serve.engine.runner import ModelRunner
+
+        marks: list = []  # (what, time): 0 = submitted, 1 = run() entered, 2 = run() returned
+        sub, run = StepWorker.submit, ModelRunner.run
+
+        def submit(self, *a, **kw):
+            marks.append((0, time.perf_counter()))
+            return sub(self, *a, **kw)
+
+        def run_(self, *a, **kw):
+            marks.append((1, time.perf_counter()))
+            try:
+                return run(self, *a, **kw)
+            finally:
+                marks.append((2, time.perf_counter()))
+
+        StepWorker.submit, ModelRunner.run = submit, run_
+
+        def dump():
+            np.savetxt(trace_path, np.array(trace or [[0, 0, 0, 0]]))
+            np.savetxt(trace_path + ".marks", np.array(marks or [[0, 0]]))
+
+        atexit.register(dump)
     zeros: dict[str, torch.Tensor] = {}  # made once: a fresh large zeros costs ms (page faults)
 
     def zero_rows(name: str, rows: int, cols: int, dtype) -> torch.Tensor:
@@ -92,7 +122,10 @@ def serve_child(argv: list[str]) -> int:
         T = input_ids.shape[0]
         nd = md.num_decodes
         ms = float(np.interp(nd, xs, ys)) if nd else 0.0
+        t0 = time.perf_counter()
         time.sleep((ms + (T - nd) / 1024 * pre_ms) / 1e3)  # releases the GIL, as a GPU wait
+        if trace is not None:
+            trace.append((t0, time.perf_counter(), T, nd))
         return zero_rows("hidden", T, self.config.hidden_size, torch.bfloat16)
 
     def compute_logits(self, hidden):  # on the GPU, part of the given step times
