@@ -5,7 +5,10 @@ kernel each way; a count near the time.sleep row's means the GIL was released du
     python benchmarks/gil_sync_probe.py        # CUDA only (H100, torch 2.11: all five release it)
 """
 
-import threading, time, torch
+import threading
+import time
+
+import torch
 
 x = torch.zeros(256, dtype=torch.long, device="cuda")
 
@@ -38,6 +41,8 @@ for what in ("tolist", "cpu", "item", "sync", "graph_replay_sleep"):
     dt = time.perf_counter() - t0
     stop.set()
     t.join()
+    n = out[0] / 1e6
     print(
-        f"{what:20s} wait {dt * 1e3:7.1f} ms, other thread's loop iterations {out[0] / 1e6:6.2f} M ({out[0] / 1e6 / (dt + 0.05):.1f} M/s)"
+        f"{what:20s} wait {dt * 1e3:7.1f} ms, the other thread's loop: {n:6.2f} M iterations "
+        f"({n / (dt + 0.05):.1f} M/s)"
     )
