@@ -495,7 +495,7 @@ def test_launch_ahead_a_failed_host_copy_fails_that_step_and_every_later_one(mon
 
 
 def test_deferred_samples_equal_the_direct_ones():
-    """Sampler(defer=True).result() (the host copies of tokens, logprobs, ranks and top-k)
+    """Sampler.launch(defer=True).result() (the host copies of tokens, logprobs, ranks and top-k)
     equals the direct SamplerOutput, row for row, with mixed logprob requests."""
     from k2serve.engine.request import Request
     from k2serve.engine.sampler import PendingSample, Sampler
@@ -507,7 +507,7 @@ def test_deferred_samples_equal_the_direct_ones():
         for i, lp in enumerate([None, 0, 2, 5, None])
     ]
     direct = Sampler()(logits, reqs)
-    pending = Sampler()(logits, reqs, defer=True)
+    pending = Sampler().launch(logits, reqs, defer=True)
     assert isinstance(pending, PendingSample)
     assert torch.equal(pending.token_ids_t, direct.token_ids_t)
     got = pending.result()

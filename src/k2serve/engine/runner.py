@@ -288,7 +288,9 @@ class ModelRunner(BatchBuilder):
         self, sched: SchedulerOutput, kv: KVCacheManager
     ) -> tuple[list[Request], SamplerOutput | None]:
         """Run one step; returns the requests that sampled and their samples (same order)."""
-        return self.run(sched, self.prepare(sched, kv))
+        reqs, samples = self.run(sched, self.prepare(sched, kv))
+        assert not isinstance(samples, PendingSample)  # not deferred: on the host
+        return reqs, samples
 
     @torch.inference_mode()
     def run(
@@ -329,7 +331,9 @@ class ModelRunner(BatchBuilder):
         if not inp.sample_reqs:
             return [], None
         logits = self.model.compute_logits(hidden[inp.logits_indices])  # [S, vocab] float32
-        return inp.sample_reqs, self.sampler(logits, inp.sample_reqs, defer=defer)
+        if defer:
+            return inp.sample_reqs, self.sampler.launch(logits, inp.sample_reqs, defer=True)
+        return inp.sample_reqs, self.sampler(logits, inp.sample_reqs)
 
     def check_health(self) -> None:
         """One process: no rank to lose (MultiprocExecutor checks its workers)."""

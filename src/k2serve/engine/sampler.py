@@ -179,12 +179,14 @@ class Sampler:
         return req.generator
 
     @torch.inference_mode()
-    def __call__(
-        self, logits: torch.Tensor, reqs: list[Request], defer: bool = False
-    ) -> SamplerOutput | PendingSample:
-        """logits: [B, vocab] float32, row i belongs to reqs[i]. defer: return the step's
-        PendingSample (its device->host copies queued, not waited for) instead of the
-        SamplerOutput; the async worker launches the next step before it waits."""
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+        """logits: [B, vocab] float32, row i belongs to reqs[i] -> the samples on the host."""
+        return self.launch(logits, reqs, defer=False).result()
+
+    @torch.inference_mode()
+    def launch(self, logits: torch.Tensor, reqs: list[Request], defer: bool) -> PendingSample:
+        """The samples' device work and their device->host copies; defer: the copies do not
+        block (PendingSample; the async worker launches the next step before it waits)."""
         num_rows, vocab = logits.shape
         assert num_rows == len(reqs)
         params = [r.sampling_params for r in reqs]
@@ -256,7 +258,7 @@ class Sampler:
         pending = PendingSample(tokens, lp, [p.logprobs for p in params], defer)
         if self.on_launched is not None:
             self.on_launched()
-        return pending if defer else pending.result()
+        return pending
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> None:
         vocab = logits.shape[1]
