@@ -101,17 +101,24 @@ def workloads(draw):
 )
 @given(workloads())
 def test_async_gives_the_synchronous_outputs(workload):
+    eng = check_equals_sync(workload, lambda cfg: make(True, **cfg))
+    assert eng.spec.async_scheduling
+
+
+def check_equals_sync(workload, make_async) -> LLMEngine:
+    """The workload through the synchronous engine and `make_async(cfg)`'s: the same outputs,
+    every forward on the step thread (overlapping the host)."""
     cfg, reqs = workload
     reqs = [(p, sp, arrival, None) for p, sp, arrival in reqs]
     ref = drive(make(False, **cfg), reqs)
-    eng = make(True, **cfg)
+    eng = make_async(cfg)
     got = drive(eng, reqs)
     assert set(got) == set(ref)
     for rid in ref:
         assert got[rid].finished
         assert summary(got[rid]) == summary(ref[rid]), rid
-    assert eng.spec.async_scheduling
-    assert set(eng.model.threads) == {"k2serve-step"}  # every forward overlapped the host
+    assert set(eng.model.threads) == {"k2serve-step"}
+    return eng
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -422,16 +429,7 @@ def make_launch_ahead(monkeypatch, **overrides) -> LLMEngine:
 )  # fmt: skip
 @given(workloads())
 def test_launch_ahead_gives_the_synchronous_outputs(monkeypatch, workload):
-    cfg, reqs = workload
-    reqs = [(p, sp, arrival, None) for p, sp, arrival in reqs]
-    ref = drive(make(False, **cfg), reqs)
-    eng = make_launch_ahead(monkeypatch, **cfg)
-    got = drive(eng, reqs)
-    assert set(got) == set(ref)
-    for rid in ref:
-        assert got[rid].finished
-        assert summary(got[rid]) == summary(ref[rid]), rid
-    assert set(eng.model.threads) == {"k2serve-step"}
+    eng = check_equals_sync(workload, lambda cfg: make_launch_ahead(monkeypatch, **cfg))
     eng.shutdown()
     assert eng.pipeline._result_thread is None
 
