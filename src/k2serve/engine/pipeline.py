@@ -283,7 +283,7 @@ class StepWorker:
             if self._error is not None:
                 step.future.set_exception(self._error)
                 continue
-            step.started = t0 = max(time.perf_counter(), self._last_done)
+            step.started = t0 = time.perf_counter()  # launch ahead: moved to its real start
             self._running = step
             try:
                 reqs, samples = self.runner.run(
