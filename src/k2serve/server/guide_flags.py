@@ -79,6 +79,7 @@ FLAGS: tuple[GuideFlag, ...] = (
             ("--enforce-eager", True, ""),
             ("--async-scheduling", True, ""),
             ("--no-async-scheduling", True, ""),
+            ("--stream-interval", False, "2"),  # also SGLang's spelling
             ("--dtype", False, "bfloat16"),
             ("--load-format", False, "auto"),
             ("--trust-remote-code", True, ""),
