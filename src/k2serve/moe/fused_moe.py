@@ -196,9 +196,9 @@ class FusedMoEBackend(ExpertBackend):
         # (the bands whose paths this backend can run: the tables are shared by checkpoints
         # whose experts the grouped GEMV or the mma path cannot take, e.g. other group sizes)
         bands = t.int4_routing_select if routing_select is None else routing_select
-        grouped_ok = bool(self.grouped_config)
-        self.routing_select = runnable_bands(bands, {"grouped": grouped_ok, "mma": mma_ok})
-        check_routing_select(self.routing_select, grouped_ok, mma_ok)
+        ok = {"grouped": bool(self.grouped_config), "mma": mma_ok}
+        self.routing_select = runnable_bands(bands, ok)
+        check_routing_select(self.routing_select)
         # one config, or a table of configs by max pair count (int4_gemm.pick_config)
         self.prefill_config = gemm_configs if prefill_config is None else prefill_config
         self.asm = asm
@@ -227,7 +227,7 @@ class FusedMoEBackend(ExpertBackend):
         # where Gluon runs, as the tables are shared by every machine of a kind)
         fb = t.fp8_routing_select if fp8_routing_select is None else fp8_routing_select
         fb = runnable_bands(fb, {"fp8_gluon": self.fp8_gluon_min_pairs is not None})
-        check_routing_select(fb, False, name="fp8_routing_select", allowed=FP8_ROUTING_PATHS)
+        check_routing_select(fb, name="fp8_routing_select", allowed=FP8_ROUTING_PATHS)
         self.fp8_routing_select = fb if self.fp8_impl == "auto" else ()
         # steps of at least this many tokens: FP8 activations (None: never)
         m = (w8a8_min_tokens or {}).get(w.quant) if w8a8_supported(w) else None
@@ -394,13 +394,12 @@ FP8_ROUTING_PATHS = ("kernel", "fp8_gemm", "fp8_gluon")  # fp8_gluon: where Gluo
 
 def check_routing_select(
     bands: Sequence[Mapping[str, Any]],
-    grouped_ok: bool,
-    mma_ok: bool = False,
     *,
     name: str = "int4_routing_select",
     allowed: tuple[str, ...] = ROUTING_PATHS,
 ) -> None:
-    """A malformed `name` table (`allowed` its paths) fails at setup, not in a step."""
+    """A malformed `name` table (`allowed` its paths) fails at setup, not in a step. (Bands
+    whose paths this backend cannot run were dropped before: `runnable_bands`.)"""
     for b in bands:
         try:
             paths, ppe = list(b["paths"]), list(b["pairs_per_expert"])
@@ -413,14 +412,10 @@ def check_routing_select(
             and ppe == sorted(ppe)
             and len(set(paths)) == len(paths)
             and all(p in allowed for p in paths)
-            and (grouped_ok or "grouped" not in paths)
-            and (mma_ok or "mma" not in paths)
             and 0 < lo <= hi
         )
         if not ok:
             raise ValueError(
-                f"{name} entry {dict(b)}: use 2-3 distinct paths of "
-                f"{allowed} (grouped needs int4_decode_grouped, mma int4_decode_mma and "
-                "group-32 experts), one ascending pairs_per_expert limit between each two, "
-                "0 < min_pairs <= max_pairs"
+                f"{name} entry {dict(b)}: use 2-3 distinct paths of {allowed}, one "
+                "ascending pairs_per_expert limit between each two, 0 < min_pairs <= max_pairs"
             )
