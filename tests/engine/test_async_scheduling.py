@@ -400,22 +400,19 @@ def test_no_late_scheduling_when_the_next_step_is_full_already():
 
 
 # ---- launch ahead (CUDA's order, forced on the CPU) -----------------------------------------
-def make_launch_ahead(monkeypatch, **overrides) -> LLMEngine:
-    """An async engine whose worker launches ahead (StepWorker(launch_ahead=True)): samples
-    reach the host on the `k2serve-result` thread, each after a random 0-2 ms (a device that
-    is still busy), so a step is often launched before the one before it is complete."""
-    import random
-
+def make_launch_ahead(monkeypatch, before_copy, **overrides) -> LLMEngine:
+    """An async engine whose worker launches ahead (StepWorker(launch_ahead=True)), each
+    step's host copy (PendingSample.result, on the `k2serve-result` thread) preceded by
+    `before_copy()`: a device still busy, held, or failing."""
     from k2serve.engine import sampler as sampler_mod
 
-    rng = random.Random(7)
     real = sampler_mod.PendingSample.result
 
-    def late_result(self):
-        time.sleep(rng.random() * 2e-3)
+    def result(self):
+        before_copy()
         return real(self)
 
-    monkeypatch.setattr(sampler_mod.PendingSample, "result", late_result)
+    monkeypatch.setattr(sampler_mod.PendingSample, "result", result)
     eng = make(True, **overrides)
     eng.pipeline = StepWorker(eng.runner, launch_ahead=True)
     return eng
@@ -429,7 +426,13 @@ def make_launch_ahead(monkeypatch, **overrides) -> LLMEngine:
 )  # fmt: skip
 @given(workloads())
 def test_launch_ahead_gives_the_synchronous_outputs(monkeypatch, workload):
-    eng = check_equals_sync(workload, lambda cfg: make_launch_ahead(monkeypatch, **cfg))
+    """Each host copy after a random 0-2 ms: a step is often launched before the one before it
+    is complete."""
+    import random
+
+    rng = random.Random(7)
+    late = lambda: time.sleep(rng.random() * 2e-3)  # noqa: E731
+    eng = check_equals_sync(workload, lambda cfg: make_launch_ahead(monkeypatch, late, **cfg))
     eng.shutdown()
     assert eng.pipeline._result_thread is None
 
@@ -437,19 +440,9 @@ def test_launch_ahead_gives_the_synchronous_outputs(monkeypatch, workload):
 def test_launch_ahead_launches_the_next_step_before_the_sync(monkeypatch):
     """With the host copy of step N held back, step N+1's forward still runs (it needs only
     step N's tokens on the device): the worker is never waiting on a sync to launch."""
-    from k2serve.engine import sampler as sampler_mod
-
     gate = threading.Event()
     seen: list[int] = []
-    real = sampler_mod.PendingSample.result
-
-    def held(self):
-        gate.wait(5)
-        return real(self)
-
-    monkeypatch.setattr(sampler_mod.PendingSample, "result", held)
-    eng = make(True)
-    eng.pipeline = StepWorker(eng.runner, launch_ahead=True)
+    eng = make_launch_ahead(monkeypatch, lambda: gate.wait(5))
     eng.add_request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     eng.model.threads.clear()
     worker = threading.Thread(target=lambda: [eng.step() for _ in range(2)])
@@ -465,20 +458,14 @@ def test_launch_ahead_launches_the_next_step_before_the_sync(monkeypatch):
 
 
 def test_launch_ahead_a_failed_host_copy_fails_that_step_and_every_later_one(monkeypatch):
-    from k2serve.engine import sampler as sampler_mod
-
     calls = {"n": 0}
-    real = sampler_mod.PendingSample.result
 
-    def flaky(self):
+    def flaky():
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("copy fell over")
-        return real(self)
 
-    monkeypatch.setattr(sampler_mod.PendingSample, "result", flaky)
-    eng = make(True)
-    eng.pipeline = StepWorker(eng.runner, launch_ahead=True)
+    eng = make_launch_ahead(monkeypatch, flaky)
     eng.add_request("a", [1, 2], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
     with pytest.raises(RuntimeError, match="copy fell over"):
         for _ in range(30):
