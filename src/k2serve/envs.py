@@ -29,6 +29,7 @@ monkeypatch. Nothing else in k2serve reads `os.environ` for a `K2SERVE_*` name.
 | K2SERVE_HYBRID_ZERO_COPY | bool | true | hybrid layers: host buffers through mapped memory |
 | K2SERVE_HYBRID_FUSED_WAIT | bool | true | one graph: the staging kernel writes the ready word |
 | K2SERVE_EAGLE_GRAPHS | bool | true | CUDA graphs for the EAGLE-3 draft's one-token steps |
+| K2SERVE_ENGINE_PROCESS | bool | unset | the served engine in a process of its own (unset: CUDA) |
 """
 
 from __future__ import annotations
@@ -89,6 +90,14 @@ def launch_ahead() -> bool:
     of their own (engine.pipeline.StepWorker); 0 waits for each step's samples before the next
     launch (the order before wave 14)."""
     return env_bool("K2SERVE_LAUNCH_AHEAD", True)
+
+
+def engine_process() -> bool | None:
+    """K2SERVE_ENGINE_PROCESS: run AsyncLLMEngine's engine in a process of its own
+    (engine.core_process); unset: where `use_engine_process` decides (CUDA)."""
+    if _raw("K2SERVE_ENGINE_PROCESS") is None:
+        return None
+    return env_bool("K2SERVE_ENGINE_PROCESS", False)
 
 
 def shared_stream() -> bool:

@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -449,9 +450,11 @@ def _read_stream(url: str, max_tokens: int, out: list, started=None) -> None:
         out.append(type(e).__name__)
 
 
-def test_sigterm_drains_and_exits_0(model_dir):
+@pytest.mark.parametrize("engine_process", ["0", "1"])
+def test_sigterm_drains_and_exits_0(model_dir, engine_process):
     """SIGTERM with two streams in flight: the short one completes, the long one is cut at
-    --drain-timeout, new connections are refused, and the process exits 0."""
+    --drain-timeout, new connections are refused, and the process exits 0; with the engine in
+    a process of its own (engine.core_process), that process is gone too."""
     import socket
     import threading
 
@@ -462,7 +465,8 @@ def test_sigterm_drains_and_exits_0(model_dir):
     cmd = [sys.executable, "-m", "k2serve.cli", "serve", "--model", model_dir, "--host",
            "127.0.0.1", "--port", str(port), "--num-kv-pages", "256", "--max-model-len", "1024",
            "--device", "cpu", "--drain-timeout", "2"]  # fmt: skip
-    env = {**os.environ, "K2SERVE_API_KEY": "", "K2SERVE_GIL_SWITCH_INTERVAL": "0.0002"}
+    env = {**os.environ, "K2SERVE_API_KEY": "", "K2SERVE_GIL_SWITCH_INTERVAL": "0.0002",
+           "K2SERVE_ENGINE_PROCESS": engine_process}  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)  # fmt: skip
     try:
@@ -504,6 +508,10 @@ def test_sigterm_drains_and_exits_0(model_dir):
         log = proc.stdout.read()
         assert "draining" in log and "serving on" in log and "Traceback" not in log
         assert "GIL switch interval 0.20 ms" in log  # the env var reached sys.setswitchinterval
+        ready = re.search(r"engine process (\d+) ready", log)
+        assert (ready is not None) == (engine_process == "1"), log
+        if ready:  # the server stopped its engine process before exiting
+            assert not os.path.exists(f"/proc/{ready.group(1)}")
     finally:
         if proc.poll() is None:
             proc.kill()

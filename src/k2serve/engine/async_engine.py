@@ -22,16 +22,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator
 
 from k2serve.engine.config import EngineConfig
+from k2serve.engine.core_process import EngineLoop, EngineProcess, use_engine_process
 from k2serve.engine.engine import EngineStats, LLMEngine
 from k2serve.engine.errors import EngineDeadError, EngineQueueFull
 from k2serve.engine.outputs import RequestOutput
 from k2serve.engine.sampling_params import SamplingParams
+from k2serve.engine.setup import describe_weights
 from k2serve.engine.spec import RuntimeSpec
 
 logger = logging.getLogger(__name__)
@@ -56,21 +57,29 @@ class AsyncLLMEngine:
         engine: LLMEngine | None = None,
         **llm_engine_kwargs,
     ) -> None:
-        """Build an LLMEngine from `engine_config` (or wrap a given `engine`) and start the loop."""
-        self.engine = (
-            engine if engine is not None else _make_engine(engine_config, **llm_engine_kwargs)
-        )
-        self.max_waiting = self.engine.config.max_waiting
-        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
+        """Build an LLMEngine from `engine_config` (or wrap a given `engine`) and start the loop.
+
+        Where the engine runs (`use_engine_process`): in a process of its own on CUDA (the
+        server's per-token Python then never takes the GIL from the step loop), else on a
+        thread of this process."""
         self._lock = threading.Lock()  # guards _streams and _pending_adds
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._pending_adds = 0
-        self._stats = self.engine.get_stats()
         self._dead: BaseException | None = None
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="k2serve-engine", daemon=True)
-        self._thread.start()
+        self._core: EngineLoop | EngineProcess
+        self.engine: LLMEngine | EngineProcess
+        if engine is None and not llm_engine_kwargs and use_engine_process(engine_config):
+            assert engine_config is not None
+            self._core = EngineProcess(engine_config, self)
+            self.engine = self._core  # the facade: tokenizer, config, spec, validate, ...
+        else:
+            if engine is None:
+                engine = _make_engine(engine_config, **llm_engine_kwargs)
+            self.engine = engine
+            self._core = EngineLoop(engine, self)
+        self.max_waiting = self.engine.config.max_waiting
+        self._stats = self.engine.get_stats()
+        self._core.start()
 
     @classmethod
     def from_config(cls, engine_config: EngineConfig | None = None, **kwargs) -> AsyncLLMEngine:
@@ -99,7 +108,19 @@ class AsyncLLMEngine:
 
     @property
     def model(self):
+        """The model (None when the engine runs in its own process)."""
         return self.engine.model
+
+    @property
+    def in_process(self) -> bool:
+        """False when the engine runs in a process of its own (`use_engine_process`)."""
+        return isinstance(self._core, EngineLoop)
+
+    def weights_description(self) -> tuple[str, str]:
+        """(weight formats, where the experts live) for the start-up log."""
+        if not isinstance(self._core, EngineLoop):
+            return self._core.weights
+        return describe_weights(self.engine.model, self.engine.model_config)
 
     @property
     def errored(self) -> bool:
@@ -143,8 +164,15 @@ class AsyncLLMEngine:
                     )
             self._streams[request_id] = (loop, q)
             self._pending_adds += 1
-        self._cmds.put(("add", request_id, prompt_token_ids, params, prompt, cache_salt, mm_inputs))
-        self._wake.set()
+        try:
+            self._core.submit_add(
+                request_id, prompt_token_ids, params, prompt, cache_salt, mm_inputs
+            )
+        except BaseException:  # nothing was queued (a request the engine process cannot take)
+            with self._lock:
+                self._streams.pop(request_id, None)
+                self._pending_adds -= 1
+            raise
         finished = False
         carry = None  # an item taken from the queue while merging, handled next
         try:
@@ -168,11 +196,11 @@ class AsyncLLMEngine:
             if not finished:
                 with self._lock:
                     self._streams.pop(request_id, None)
-                self._submit_abort(request_id)
+                self._core.submit_abort(request_id)
 
     def abort(self, request_id: str) -> None:
         """Abort a request; its iterator gets a last output with finish_reason "abort"."""
-        self._submit_abort(request_id)
+        self._core.submit_abort(request_id)
 
     def check_health(self) -> None:
         """Raise if the runner reports a failed rank (tensor / multi-node parallel); /health."""
@@ -194,70 +222,41 @@ class AsyncLLMEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the step loop, fail the open streams, then stop the engine's runner (TP workers).
         Idempotent."""
-        self._stop = True
-        self._wake.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+        stopped = self._core.stop(timeout)
         self._fail_all(EngineDeadError("the engine was shut down"))
-        if self._thread.is_alive():  # a step still running: its workers must not vanish under it
+        if not stopped:  # a step still running: its workers must not vanish under it
             logger.warning("engine thread still running after %.1fs; runner left up", timeout)
             return
         self.engine.shutdown()
 
-    # ---- engine thread -----------------------------------------------------------------------
-    def _submit_abort(self, request_id: str) -> None:
-        self._cmds.put(("abort", request_id))
-        self._wake.set()
+    # ---- what the engine loop reports (its thread, or the engine process's reader thread) ----
+    def wants(self, request_id: str) -> bool:
+        """False once the caller has left (the engine need not start the request)."""
+        with self._lock:
+            return request_id in self._streams
 
-    def _run(self) -> None:
-        eng = self.engine
-        try:
-            delay = getattr(eng, "schedule_delay", None)  # async scheduling (engine.pipeline)
-            while not self._stop:
-                wait = delay() if delay is not None else 0.0
-                if wait > 0:  # a long step in flight: let requests arriving now join the next
-                    eng.wait_in_flight(wait)
-                self._drain_commands()
-                if not eng.has_unfinished_requests():
-                    self._stats = eng.get_stats()
-                    self._wake.wait(timeout=1.0)
-                    self._wake.clear()
-                    continue
-                outputs = eng.step()
-                self._stats = eng.get_stats()
-                if outputs:
-                    self._dispatch_step(outputs)
-        except BaseException as e:  # noqa: BLE001 - any failure ends the engine
-            logger.exception("engine step loop failed")
-            self._dead = e
-            err = EngineDeadError(f"the engine step loop failed: {e!r}")
-            err.__cause__ = e
-            self._fail_all(err)
+    def request_failed(self, request_id: str, err: BaseException) -> None:
+        self._dispatch(request_id, err, True)
 
-    def _drain_commands(self) -> None:
-        while True:
-            try:
-                cmd = self._cmds.get_nowait()
-            except queue.Empty:
-                return
-            if cmd[0] == "add":
-                _, rid, ids, params, prompt, salt, mm = cmd
-                with self._lock:
-                    wanted = rid in self._streams
-                try:
-                    if wanted:  # else the caller left before the engine saw the request
-                        self.engine.add_request(
-                            rid, ids, params, prompt=prompt, cache_salt=salt, mm_inputs=mm
-                        )
-                except ValueError as e:
-                    self._dispatch(rid, e, True)
-                # NOTE: refresh the snapshot before un-counting the add, so that max_waiting
-                # never sees a request in neither count
-                self._stats = self.engine.get_stats()
-                with self._lock:
-                    self._pending_adds -= 1
-            else:
-                self.engine.abort_request(cmd[1])
+    def added(self, stats: EngineStats) -> None:
+        """An add command was handled; `stats` already counts the request (or its failure).
+        NOTE: the snapshot is refreshed before the add is un-counted, so that max_waiting
+        never sees a request in neither count."""
+        self._stats = stats
+        with self._lock:
+            self._pending_adds -= 1
+
+    def step_done(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
+        self._stats = stats
+        if outputs:
+            self._dispatch_step(outputs)
+
+    def stopped(self, cause: BaseException) -> None:
+        """The step loop failed (or the engine process ended): fail every stream, refuse more."""
+        self._dead = cause
+        err = EngineDeadError(f"the engine step loop failed: {cause!r}")
+        err.__cause__ = cause
+        self._fail_all(err)
 
     def _dispatch(self, request_id: str, item, last: bool) -> None:
         with self._lock:
@@ -271,7 +270,7 @@ class AsyncLLMEngine:
             if not last:
                 with self._lock:
                     self._streams.pop(request_id, None)
-                self.engine.abort_request(request_id)
+                self._core.submit_abort(request_id)
 
     def _dispatch_step(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their streams: one call_soon_threadsafe per event loop."""
@@ -291,7 +290,7 @@ class AsyncLLMEngine:
                     if not out.finished:
                         with self._lock:
                             self._streams.pop(out.request_id, None)
-                        self.engine.abort_request(out.request_id)
+                        self._core.submit_abort(out.request_id)
 
     def _fail_all(self, err: BaseException) -> None:
         with self._lock:

@@ -29,7 +29,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from k2serve.cache.kv_cache_manager import KVCacheManager
 from k2serve.engine.config import EngineConfig
@@ -45,6 +45,7 @@ from k2serve.engine.runner import ModelRunner
 from k2serve.engine.sampling_params import SamplingParams
 from k2serve.engine.scheduler import Scheduler, SchedulerOutput
 from k2serve.engine.setup import eos_token_ids, load_tokenizer, resolve_device, setup_rank
+from k2serve.engine.spec import RuntimeSpec
 from k2serve.engine.spec_decode.drafter import SpecDecodingStats
 from k2serve.multimodal.inputs import ImageInput
 
@@ -103,7 +104,73 @@ class _Parent:
         self.children = children
 
 
-class LLMEngine:
+class RequestChecks:
+    """What a request is checked against before it is queued (fixed settings only, so any
+    thread, and the server's process when the engine runs in its own: engine.core_process).
+    Needs spec, config, max_model_len, vocab_size, tokenizer, eos_token_ids, _grammar (None)
+    and _grammar_lock."""
+
+    spec: RuntimeSpec
+    config: EngineConfig
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any
+    eos_token_ids: frozenset[int]
+    _grammar: Any
+    _grammar_lock: threading.Lock
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Raise ValueError (PromptTooLongError) for a request that cannot be served; returns
+        its max_tokens (resolved against max_model_len when None)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        bad = [
+            t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size
+        ]
+        if bad:
+            raise ValueError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+            )
+        max_tokens = resolve_max_tokens(n, params.max_tokens, self.max_model_len)
+        cap = self.spec.kv_cache_tokens
+        if n + max_tokens > cap:
+            raise PromptTooLongError(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} tokens "
+                f"exceeds the KV cache ({cap} tokens)"
+            )
+        budget = self.spec.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and n > budget:
+            raise PromptTooLongError(
+                f"the prompt has {n} tokens but max_num_batched_tokens={budget} and chunked "
+                "prefill is off, so it could never be scheduled"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this engine has none")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary")
+        if params.structured_outputs is not None:
+            self.grammar_backend().compile(params.structured_outputs)  # cached; ValueError if bad
+        return max_tokens
+
+    def grammar_backend(self):
+        """The structured-outputs grammar backend (built on first use: the vocab as bytes)."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured outputs need a tokenizer; this engine has none")
+                from k2serve.structured.backend import GrammarBackend
+
+                self._grammar = GrammarBackend(
+                    self.tokenizer, self.vocab_size, sorted(self.eos_token_ids)
+                )
+            return self._grammar
+
+
+class LLMEngine(RequestChecks):
     def __init__(
         self,
         engine_config: EngineConfig | None = None,
@@ -190,56 +257,6 @@ class LLMEngine:
             self.drafter = build_drafter(cfg.speculative_config, self)
 
     # ---- requests ----------------------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Raise ValueError (PromptTooLongError) for a request that cannot be served; returns
-        its max_tokens (resolved against max_model_len when None)."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty: give at least one token")
-        bad = [
-            t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size
-        ]
-        if bad:
-            raise ValueError(
-                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
-            )
-        max_tokens = resolve_max_tokens(n, params.max_tokens, self.max_model_len)
-        cap = self.kv.num_pages * self.kv.page_size
-        if n + max_tokens > cap:
-            raise PromptTooLongError(
-                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} tokens "
-                f"exceeds the KV cache ({cap} tokens)"
-            )
-        budget = self.spec.max_num_batched_tokens
-        if not self.config.enable_chunked_prefill and n > budget:
-            raise PromptTooLongError(
-                f"the prompt has {n} tokens but max_num_batched_tokens={budget} and chunked "
-                "prefill is off, so it could never be scheduled"
-            )
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this engine has none")
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary")
-        if params.structured_outputs is not None:
-            self.grammar_backend().compile(params.structured_outputs)  # cached; ValueError if bad
-        return max_tokens
-
-    def grammar_backend(self):
-        """The structured-outputs grammar backend (built on first use: the vocab as bytes)."""
-        with self._grammar_lock:
-            if self._grammar is None:
-                if self.tokenizer is None:
-                    raise ValueError("structured outputs need a tokenizer; this engine has none")
-                from k2serve.structured.backend import GrammarBackend
-
-                self._grammar = GrammarBackend(
-                    self.tokenizer, self.vocab_size, sorted(self.eos_token_ids)
-                )
-            return self._grammar
-
     def add_request(
         self,
         request_id: str,

@@ -401,3 +401,27 @@ def setup_rank(
         async_scheduling=overlap,
     )
     return RankSetup(model, kv_caches, spec)
+
+
+def describe_weights(model, cfg) -> tuple[str, str]:
+    """(weight formats, where experts live) for the start-up log."""
+    by_dtype: dict[str, int] = {}
+    devices: set[str] = set()
+    expert_devices: set[str] = set()
+    if isinstance(model, torch.nn.Module):
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            key = str(t.dtype).replace("torch.", "")
+            by_dtype[key] = by_dtype.get(key, 0) + t.numel() * t.element_size()
+            devices.add(str(t.device))
+            if ".experts." in name:
+                expert_devices.add(str(t.device))
+    quant = cfg.quant.method if cfg.quant else "bf16 (unquantized)"
+    if cfg.quant and cfg.quant.method == "int4_group":
+        quant = f"int4_group (group {cfg.quant.group_size})"
+    elif cfg.quant and cfg.quant.method == "fp8_block":
+        quant = f"fp8_block {cfg.quant.block_size[0]}x{cfg.quant.block_size[1]}"
+    tensors = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(by_dtype.items()))
+    formats = f"{quant}; tensors: {tensors or 'unknown'}"
+    where = ", ".join(sorted(expert_devices or devices)) or "unknown"
+    experts = f"{cfg.n_routed_experts} routed x {len(cfg.moe_layers)} MoE layers on {where}"
+    return formats, experts

@@ -24,34 +24,6 @@ def _exit_on_lost_rank(message: str) -> None:
     os._exit(1)
 
 
-def _describe_weights(engine) -> tuple[str, str]:
-    """(weight formats, where experts live) for the start-up log."""
-    import torch
-
-    model = engine.model
-    cfg = engine.model_config
-    by_dtype: dict[str, int] = {}
-    devices: set[str] = set()
-    expert_devices: set[str] = set()
-    if isinstance(model, torch.nn.Module):
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            key = str(t.dtype).replace("torch.", "")
-            by_dtype[key] = by_dtype.get(key, 0) + t.numel() * t.element_size()
-            devices.add(str(t.device))
-            if ".experts." in name:
-                expert_devices.add(str(t.device))
-    quant = cfg.quant.method if cfg.quant else "bf16 (unquantized)"
-    if cfg.quant and cfg.quant.method == "int4_group":
-        quant = f"int4_group (group {cfg.quant.group_size})"
-    elif cfg.quant and cfg.quant.method == "fp8_block":
-        quant = f"fp8_block {cfg.quant.block_size[0]}x{cfg.quant.block_size[1]}"
-    tensors = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(by_dtype.items()))
-    formats = f"{quant}; tensors: {tensors or 'unknown'}"
-    where = ", ".join(sorted(expert_devices or devices)) or "unknown"
-    experts = f"{cfg.n_routed_experts} routed x {len(cfg.moe_layers)} MoE layers on {where}"
-    return formats, experts
-
-
 def bind_port(host: str, port: int):
     """A TCP socket bound to (host, port), not yet listening (uvicorn listens on it once the
     app is ready; until then connections are refused rather than left hanging).
@@ -213,7 +185,7 @@ def _log_startup(engine, state, model_dir: str, names: list[str], args) -> None:
     from k2serve import version_string
 
     spec = engine.spec
-    formats, experts = _describe_weights(engine)
+    formats, experts = engine.weights_description()
     logger.info("%s", version_string())
     logger.info(
         "model: %s (served as %s), max_model_len %d", model_dir, ", ".join(names),

@@ -1,0 +1,170 @@
+"""The engine in a process of its own (engine.core_process), on the demo checkpoint on the
+CPU with K2SERVE_ENGINE_PROCESS=1: the same tokens as the in-process engine, requests checked
+before they leave the server's process, aborts free the engine's pages, a dead engine process
+fails the open streams and refuses new ones, start-up errors surface as they do in-process."""
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from k2serve.engine.async_engine import AsyncLLMEngine
+from k2serve.engine.config import EngineConfig
+from k2serve.engine.core_process import use_engine_process
+from k2serve.engine.errors import EngineDeadError
+from k2serve.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _cfg(**kw) -> EngineConfig:
+    from k2serve.demo import demo_path
+
+    base = dict(model=os.fspath(demo_path()), device="cpu", max_model_len=256,
+                num_kv_pages=64, max_num_seqs=8)  # fmt: skip
+    return EngineConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def engines():
+    mp = pytest.MonkeyPatch()
+    mp.setenv("K2SERVE_ENGINE_PROCESS", "1")
+    remote = AsyncLLMEngine(_cfg())
+    mp.setenv("K2SERVE_ENGINE_PROCESS", "0")
+    local = AsyncLLMEngine(_cfg())
+    mp.undo()
+    yield remote, local
+    remote.shutdown()
+    local.shutdown()
+
+
+async def _run(a, ids, params, rid=None):
+    return [o async for o in a.generate(ids, params, rid)]
+
+
+def _tokens(deltas):
+    return [t for d in deltas for t in d.outputs[0].token_ids]
+
+
+async def _idle(a, timeout=30.0):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        s = a.get_stats()
+        if s.num_running == 0 and s.num_waiting == 0 and s.kv_pages_used == 0:
+            return s
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"engine not idle: {a.get_stats()}")
+
+
+def test_where_the_engine_runs(monkeypatch):
+    monkeypatch.delenv("K2SERVE_ENGINE_PROCESS", raising=False)
+    assert not use_engine_process(EngineConfig(device="cpu"))  # auto: CUDA only
+    monkeypatch.setattr("k2serve.engine.core_process.resolve_device",
+                        lambda d: __import__("torch").device("cuda"))  # fmt: skip
+    assert use_engine_process(EngineConfig(device="cuda"))
+    monkeypatch.setenv("K2SERVE_ENGINE_PROCESS", "0")
+    assert not use_engine_process(EngineConfig(device="cuda"))
+    monkeypatch.setenv("K2SERVE_ENGINE_PROCESS", "1")
+    assert use_engine_process(EngineConfig(device="cpu"))
+    assert not use_engine_process(EngineConfig(device="cpu", data_parallel_size=2))
+    monkeypatch.setenv("K2SERVE_ENGINE_PROCESS", "maybe")
+    with pytest.raises(ValueError, match="K2SERVE_ENGINE_PROCESS"):
+        use_engine_process(EngineConfig(device="cpu"))
+
+
+def test_same_tokens_and_text_as_in_process(engines):
+    remote, local = engines
+    assert not remote.in_process and local.in_process
+    assert remote.model is None and remote.engine.pid != os.getpid()
+    assert remote.max_model_len == local.max_model_len == 256
+    assert remote.spec.num_kv_pages == local.spec.num_kv_pages
+    assert remote.weights_description() == local.weights_description()
+    prompts = [[(5 * i + j) % 900 + 10 for j in range(4 + 3 * i)] for i in range(6)]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    async def main(a):
+        return await asyncio.gather(*(_run(a, p, greedy) for p in prompts))
+
+    got, want = asyncio.run(main(remote)), asyncio.run(main(local))
+    for g, w in zip(got, want, strict=True):
+        assert _tokens(g) == _tokens(w) and len(_tokens(g)) == 12
+        assert "".join(d.outputs[0].text for d in g) == "".join(d.outputs[0].text for d in w)
+        assert g[-1].finished and g[-1].outputs[0].finish_reason == "length"
+    s = asyncio.run(_idle(remote))
+    assert s.num_finished >= len(prompts) and s.generation_tokens >= 12 * len(prompts)
+
+
+def test_bad_requests_fail_in_the_server_process(engines):
+    remote, _ = engines
+
+    async def main():
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await _run(remote, [10**9], SamplingParams(max_tokens=2))
+        with pytest.raises(ValueError, match="exceeds|max_model_len|too long"):
+            await _run(remote, list(range(10, 300)), SamplingParams(max_tokens=2))
+        bad = SamplingParams(max_tokens=2, logits_processors=[lambda ids, logits: logits])
+        with pytest.raises(ValueError):  # a closure cannot cross to the engine process
+            await _run(remote, [10, 11], bad)
+        # nothing was queued or left counted
+        assert remote._pending_adds == 0 and not remote._streams
+        ok = await _run(remote, [10, 11], SamplingParams(temperature=0, max_tokens=3))
+        assert len(_tokens(ok)) == 3
+
+    asyncio.run(main())
+
+
+def test_leaving_early_and_abort_free_the_pages(engines):
+    remote, _ = engines
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        agen = remote.generate([10, 11, 12], long, "leave")
+        first = await agen.__anext__()
+        assert first.outputs[0].token_ids
+        await agen.aclose()  # the caller leaves: the engine process aborts it
+        task = asyncio.ensure_future(_run(remote, [13, 14, 15], long, "cut"))
+        await asyncio.sleep(0.2)
+        remote.abort("cut")
+        deltas = await task
+        assert deltas[-1].finished and deltas[-1].outputs[0].finish_reason == "abort"
+        assert len(_tokens(deltas)) < 200
+        return await _idle(remote)
+
+    s = asyncio.run(main())
+    assert s.kv_pages_used == 0
+
+
+def test_dead_engine_process_fails_streams_and_refuses(monkeypatch):
+    monkeypatch.setenv("K2SERVE_ENGINE_PROCESS", "1")
+    a = AsyncLLMEngine(_cfg(max_model_len=4096, num_kv_pages=512))
+    try:
+        a.check_health()
+        long = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
+
+        async def main():
+            task = asyncio.ensure_future(_run(a, [10, 11], long))
+            await asyncio.sleep(0.3)
+            os.kill(a.engine.pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(task, 30)
+            with pytest.raises(EngineDeadError):
+                await _run(a, [10, 11], long)
+
+        asyncio.run(main())
+        assert a.errored
+        with pytest.raises(RuntimeError, match="exited"):
+            a.check_health()
+    finally:
+        a.shutdown()
+
+
+def test_start_up_errors_surface_as_in_process(monkeypatch, tmp_path):
+    monkeypatch.setenv("K2SERVE_ENGINE_PROCESS", "1")
+    with pytest.raises((FileNotFoundError, ValueError, OSError)) as got:
+        AsyncLLMEngine(_cfg(model=str(tmp_path / "nope")))
+    monkeypatch.setenv("K2SERVE_ENGINE_PROCESS", "0")
+    with pytest.raises((FileNotFoundError, ValueError, OSError)) as want:
+        AsyncLLMEngine(_cfg(model=str(tmp_path / "nope")))
+    assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
