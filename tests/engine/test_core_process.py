@@ -88,12 +88,24 @@ def test_same_tokens_and_text_as_in_process(engines):
         return await asyncio.gather(*(_run(a, p, greedy) for p in prompts))
 
     got, want = asyncio.run(main(remote)), asyncio.run(main(local))
-    for g, w in zip(got, want, strict=True):
+    for p, g, w in zip(prompts, got, want, strict=True):
         assert _tokens(g) == _tokens(w) and len(_tokens(g)) == 12
+        assert all(d.prompt_token_ids == p for d in g)  # put back in the server process
         assert "".join(d.outputs[0].text for d in g) == "".join(d.outputs[0].text for d in w)
         assert g[-1].finished and g[-1].outputs[0].finish_reason == "length"
     s = asyncio.run(_idle(remote))
     assert s.num_finished >= len(prompts) and s.generation_tokens >= 12 * len(prompts)
+
+
+def test_every_output_field_is_sent_or_kept_by_the_server():
+    """A field added to RequestOutput must be packed (or kept server-side) explicitly."""
+    from dataclasses import fields
+
+    from k2serve.engine.core_process import PACKED_FIELDS, SERVER_SIDE_FIELDS
+    from k2serve.engine.outputs import RequestOutput
+
+    names = [f.name for f in fields(RequestOutput)]
+    assert sorted(names) == sorted(PACKED_FIELDS + SERVER_SIDE_FIELDS)
 
 
 def test_bad_requests_fail_in_the_server_process(engines):

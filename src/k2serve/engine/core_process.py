@@ -48,6 +48,7 @@ from k2serve.engine.config import EngineConfig
 from k2serve.engine.engine import EngineStats, LLMEngine, RequestChecks
 from k2serve.engine.errors import EngineDeadError
 from k2serve.engine.multimodal import MultiModalInputs
+from k2serve.engine.outputs import RequestOutput
 from k2serve.engine.setup import describe_weights, load_tokenizer, resolve_device
 
 logger = logging.getLogger(__name__)
@@ -146,6 +147,18 @@ class EngineLoop:
                 self.engine.abort_request(cmd[1])
 
 
+# RequestOutput's fields, as `pack_outputs` sends them (the prompt stays in the server process)
+PACKED_FIELDS = ("request_id", "outputs", "finished", "num_cached_tokens", "metrics")
+SERVER_SIDE_FIELDS = ("prompt", "prompt_token_ids")
+
+
+def pack_outputs(outputs: list[RequestOutput]) -> list[tuple]:
+    """A step's outputs without their prompts: every delta carries the request's prompt ids
+    (a 1K prompt: 256 requests a step pickled to 0.77 MB, 7.5 + 12 ms to pickle and unpickle
+    on the dev CPU, against 0.04 MB and 0.9 + 0.8 ms without)."""
+    return [(o.request_id, o.outputs, o.finished, o.num_cached_tokens, o.metrics) for o in outputs]
+
+
 def _dumps(msg) -> bytes:
     return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -203,6 +216,7 @@ class EngineProcess(RequestChecks):
         self.mm = MultiModalInputs.for_model(self.model_config, model_dir, cfg)
         self._grammar = None
         self._grammar_lock = threading.Lock()
+        self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # unfinished requests'
         self.runner = self  # check_health / set_on_failure, where LLMEngine has its runner
         self._reader = threading.Thread(target=self._read, name="k2serve-engine-reader",
                                         daemon=True)  # fmt: skip
@@ -232,7 +246,12 @@ class EngineProcess(RequestChecks):
             data = _dumps(("add", rid, ids, params, prompt, cache_salt, mm_inputs))
         except Exception as e:  # noqa: BLE001 - e.g. a logits processor defined in a closure
             raise ValueError(f"the request cannot be sent to the engine process: {e}") from None
-        self._send(data)
+        self._prompts[rid] = (prompt, ids)
+        try:
+            self._send(data)
+        except EngineDeadError:
+            self._prompts.pop(rid, None)
+            raise
 
     def submit_abort(self, rid: str) -> None:
         try:
@@ -286,11 +305,12 @@ class EngineProcess(RequestChecks):
                 break
             if kind == "step":
                 self._stats = rest[1]
-                sink.step_done(rest[0], rest[1])
+                sink.step_done(self._unpack(rest[0]), rest[1])
             elif kind == "added":
                 self._stats = rest[0]
                 sink.added(rest[0])
             elif kind == "request_failed":
+                self._prompts.pop(rest[0], None)
                 sink.request_failed(rest[0], rest[1])
             elif kind == "stopped":
                 self._report_end(rest[0])
@@ -299,6 +319,15 @@ class EngineProcess(RequestChecks):
             self._report_end(
                 RuntimeError(f"the engine process exited (code {self._proc.exitcode})")
             )
+
+    def _unpack(self, rows: list[tuple]) -> list[RequestOutput]:
+        """`pack_outputs`' rows -> RequestOutputs, the prompt put back from what was sent."""
+        outs = []
+        for rid, outputs, finished, cached, metrics in rows:
+            got = self._prompts.pop(rid, None) if finished else self._prompts.get(rid)
+            prompt, ids = got if got is not None else (None, [])
+            outs.append(RequestOutput(rid, prompt, ids, outputs, finished, cached, metrics))
+        return outs
 
     def _report_end(self, cause: BaseException) -> None:
         if self._ended:
@@ -340,10 +369,10 @@ class _PipeSink:
         self._last_stats = stats
         self.send("added", stats)
 
-    def step_done(self, outputs, stats: EngineStats) -> None:
+    def step_done(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
         if outputs or stats != self._last_stats:
             self._last_stats = stats
-            self.send("step", outputs, stats)
+            self.send("step", pack_outputs(outputs), stats)
 
     def stopped(self, cause: BaseException) -> None:
         try:
