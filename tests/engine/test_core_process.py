@@ -9,6 +9,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from k2serve.engine.async_engine import AsyncLLMEngine
 from k2serve.engine.config import EngineConfig
@@ -180,3 +181,28 @@ def test_start_up_errors_surface_as_in_process(monkeypatch, tmp_path):
     with pytest.raises((FileNotFoundError, ValueError, OSError)) as want:
         AsyncLLMEngine(_cfg(model=str(tmp_path / "nope")))
     assert type(got.value) is type(want.value) and str(got.value) == str(want.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_serves_from_its_own_process_with_the_same_tokens(monkeypatch):
+    """On CUDA the engine runs in its own process by default, with the in-process tokens."""
+    monkeypatch.delenv("K2SERVE_ENGINE_PROCESS", raising=False)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [[(3 * i + j) % 700 + 20 for j in range(5 + 7 * i)] for i in range(5)]
+    got = {}
+    for mode in ("auto", "0"):
+        if mode == "0":
+            monkeypatch.setenv("K2SERVE_ENGINE_PROCESS", "0")
+        a = AsyncLLMEngine(_cfg(device="cuda"))
+        try:
+            assert a.in_process == (mode == "0")
+
+            async def main(a=a):
+                return await asyncio.gather(*(_run(a, p, greedy) for p in prompts))
+
+            got[mode] = [_tokens(d) for d in asyncio.run(main())]
+            asyncio.run(_idle(a))
+        finally:
+            a.shutdown()
+    assert got["auto"] == got["0"] and all(len(t) == 16 for t in got["auto"])
