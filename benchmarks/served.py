@@ -68,7 +68,7 @@ def start_server(
         # SPY_MODE=--gil: only the thread holding the GIL is sampled (who serializes whom)
         cmd = [shutil.which("py-spy") or "py-spy", "record", "--nonblocking",
                os.environ.get("SPY_MODE", "--idle"), "--threads", "-r", "200", "-f", "raw",
-               "-o", spy, "--", *cmd]  # fmt: skip
+               "--subprocesses", "-o", spy, "--", *cmd]  # fmt: skip
     log = open(log_path, "w")  # noqa: SIM115 - closed by stop_server
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     wait_healthy(proc, port, log_path, 600)
