@@ -41,8 +41,8 @@ def engines():
     local.shutdown()
 
 
-async def _run(a, ids, params, rid=None):
-    return [o async for o in a.generate(ids, params, rid)]
+async def _run(a, ids, params, rid=None, **kw):
+    return [o async for o in a.generate(ids, params, rid, **kw)]
 
 
 def _tokens(deltas):
@@ -96,6 +96,64 @@ def test_same_tokens_and_text_as_in_process(engines):
         assert g[-1].finished and g[-1].outputs[0].finish_reason == "length"
     s = asyncio.run(_idle(remote))
     assert s.num_finished >= len(prompts) and s.generation_tokens >= 12 * len(prompts)
+
+
+def _full(deltas):
+    """(per sample index: tokens, text, logprobs, finish) of a merged stream."""
+    out = deltas[0]
+    for d in deltas[1:]:
+        out.merge(d)
+    return [(c.token_ids, c.text, c.logprobs, c.finish_reason, c.stop_reason) for c in out.outputs]
+
+
+KINDS = {
+    "n2_seeded": dict(n=2, temperature=0.8, seed=7, max_tokens=10),
+    "logprobs": dict(temperature=0, max_tokens=6, logprobs=3),
+    "stop_string": dict(temperature=0, max_tokens=40, stop=[" the"]),
+    "penalties": dict(temperature=0, max_tokens=12, repetition_penalty=1.3, min_tokens=4),
+    "json": dict(temperature=0, max_tokens=30, structured_outputs={"choice": ["yes", "no"]}),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_request_kinds_give_what_in_process_gives(engines, kind):
+    from k2serve.structured.params import StructuredOutputsParams
+
+    remote, local = engines
+    kw = dict(KINDS[kind])
+    if "structured_outputs" in kw:
+        kw["structured_outputs"] = StructuredOutputsParams(**kw["structured_outputs"])
+    params = SamplingParams(**kw)
+    prompt = remote.tokenizer.encode("Tell me about the weather in Paris and the sea.")
+    got = asyncio.run(_run(remote, prompt, params, f"{kind}-r"))
+    want = asyncio.run(_run(local, prompt, params, f"{kind}-l"))
+    assert _full(got) == _full(want)
+    assert len(_full(got)) == params.n
+
+
+def test_images_cross_to_the_engine_process(monkeypatch, tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from k2serve.weights.make_checkpoint import make_checkpoint
+    from k2serve.weights.presets import preset_config
+
+    make_checkpoint(tmp_path, preset_config("tiny-k2.5"), progress=False)
+    cfg = EngineConfig(model=str(tmp_path), device="cpu", max_model_len=1024, num_kv_pages=256)
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (56, 84, 3), dtype=np.uint8))
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    got = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("K2SERVE_ENGINE_PROCESS", mode)
+        a = AsyncLLMEngine(cfg)
+        try:
+            mm = a.engine.mm
+            ids, inputs = mm.process([5, 6, mm.placeholder_id, 7], [img])
+            assert len(ids) > 4 and inputs
+            got[mode] = _tokens(asyncio.run(_run(a, ids, greedy, mm_inputs=inputs)))
+        finally:
+            a.shutdown()
+    assert got["1"] == got["0"] and len(got["1"]) == 6
 
 
 def test_every_output_field_is_sent_or_kept_by_the_server():
