@@ -1,7 +1,10 @@
 """AsyncLLMEngine: the async shell around LLMEngine for the server.
 
-The step loop runs on its own thread (`k2serve-engine`), so the event loop never waits on the
-model. The event loop talks to it only through a command queue (add / abort) and gets outputs
+The step loop (`core_process.EngineLoop`) runs on its own thread (`k2serve-engine`), so the
+event loop never waits on the model; on CUDA that thread is in a process of its own
+(`core_process.EngineProcess`: the server's Python then never takes the step loop's GIL), and a
+reader thread here receives each step's outputs. The event loop talks to the loop only through
+commands (add / abort) and gets outputs
 back through one asyncio.Queue per request, filled by ONE `loop.call_soon_threadsafe` per step
 and event loop (each such call wakes the loop through its self-pipe; one per request per step
 cost more than the engine step itself at batch 64). A consumer that falls behind gets the
@@ -10,7 +13,8 @@ event loop costs one wake-up per step, not one per token.
 
 Invariants:
 - Only the engine thread touches the LLMEngine's mutable state; `validate()` (which reads only
-  fixed settings) runs on the caller's side so bad requests fail before anything is queued.
+  fixed settings: `engine.RequestChecks`) runs on the caller's side so bad requests fail before
+  anything is queued.
   With async scheduling the model and the sampler run a prepared step on the engine's own
   `k2serve-step` thread (k2serve.engine.pipeline); requests, scheduler and cache stay here.
 - Every request that `generate()` started ends in the engine: finished, or aborted when the
@@ -118,7 +122,7 @@ class AsyncLLMEngine:
 
     def weights_description(self) -> tuple[str, str]:
         """(weight formats, where the experts live) for the start-up log."""
-        if not isinstance(self._core, EngineLoop):
+        if isinstance(self._core, EngineProcess):
             return self._core.weights
         return describe_weights(self.engine.model, self.engine.model_config)
 
