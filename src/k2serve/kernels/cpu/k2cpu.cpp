@@ -162,6 +162,13 @@ static K2_INLINE v16f splat(float f) { return (v16f){} + f; }
 // Software prefetch of weight bytes K2_PREFETCH ahead of the current read: one thread streams
 // several rows at once and the hardware prefetchers alone left it latency-bound (dev CPU, one
 // thread, batch 1: 11-12 -> 14-15 GB/s per CPU-second with 1024).
+// Rows per dot_rows call at one token per expert (decode; the results are bit-identical for
+// any value). 4 on the 16-core Xeon host (K2 layer at 1 token: 1.90-2.18 ms against 2.27-2.63
+// with 1 on 16 threads, 10.2-11.1 against 11.3-13.3 on 2); 1 was 8-17% faster on the 2-core
+// Zen 5 dev VM (benchmarks/runs/h100_w15_rows_t1.txt): not switched by vendor on that evidence.
+#ifndef K2_ROWS_T1
+#define K2_ROWS_T1 4
+#endif
 #ifndef K2_PREFETCH
 #define K2_PREFETCH 1024
 #endif
@@ -549,7 +556,7 @@ static void dot_block(const Mat& m, int r0, int nrows, const void* const* xs,
       for (int t = 0; t < NT; ++t) out[i * 8 + t] = tmp[t];             \
     }                                                                   \
     break;
-    K2_CASE(1, 4)
+    K2_CASE(1, K2_ROWS_T1)
     K2_CASE(2, 4)
     K2_CASE(3, 2)
     K2_CASE(4, 2)
