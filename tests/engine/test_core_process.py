@@ -6,6 +6,8 @@ fails the open streams and refuses new ones, start-up errors surface as they do 
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -264,3 +266,28 @@ def test_cuda_serves_from_its_own_process_with_the_same_tokens(monkeypatch):
         finally:
             a.shutdown()
     assert got["auto"] == got["0"] and all(len(t) == 16 for t in got["auto"])
+
+
+def test_a_script_without_a_main_guard_can_start_the_engine_process(tmp_path):
+    """spawn re-imports the caller's __main__ in the child; the engine process must not, or a
+    script whose top level builds the engine would run again there (and fail)."""
+    script = tmp_path / "noguard.py"
+    script.write_text(
+        "import asyncio, os\n"
+        "from k2serve.engine.async_engine import AsyncLLMEngine\n"
+        "from k2serve.engine.config import EngineConfig\n"
+        "from k2serve.engine.sampling_params import SamplingParams\n"
+        "from k2serve.demo import demo_path\n"
+        "a = AsyncLLMEngine(EngineConfig(model=os.fspath(demo_path()), device='cpu',\n"
+        "                                max_model_len=128, num_kv_pages=16))\n"
+        "p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)\n"
+        "async def main():\n"
+        "    return [t async for o in a.generate([10, 11], p) for t in o.outputs[0].token_ids]\n"
+        "print('TOKENS', len(asyncio.run(main())), a.in_process)\n"
+        "a.shutdown()\n"
+    )
+    env = {**os.environ, "K2SERVE_ENGINE_PROCESS": "1"}
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                       timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "TOKENS 4 False" in r.stdout

@@ -34,6 +34,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import pickle
@@ -41,6 +42,7 @@ import queue
 import signal
 import sys
 import threading
+import types
 from typing import Any
 
 from k2serve import envs
@@ -159,6 +161,21 @@ def pack_outputs(outputs: list[RequestOutput]) -> list[tuple]:
     return [(o.request_id, o.outputs, o.finished, o.num_cached_tokens, o.metrics) for o in outputs]
 
 
+@contextlib.contextmanager
+def _main_module_hidden():
+    """While the engine process starts: spawn would import the caller's __main__ in it (to
+    unpickle what the target needs), re-running a script's top level that has no
+    `if __name__ == "__main__"` guard; the target lives in this module, so it needs nothing
+    from __main__."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
 def _dumps(msg) -> bytes:
     return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -190,7 +207,8 @@ class EngineProcess(RequestChecks):
             name="k2serve-engine-core",
             daemon=False,  # its tensor-parallel workers are its own children
         )
-        self._proc.start()
+        with _main_module_hidden():
+            self._proc.start()
         child.close()
         self._sink = sink
         self._send_lock = threading.Lock()
