@@ -1,3 +1,6 @@
+import asyncio
+import time
+
 import pytest
 from hypothesis import strategies as st
 
@@ -113,3 +116,14 @@ def draw_prompt(draw, bases: list[list[int]], max_model_len: int) -> list[int]:
     base = draw(st.sampled_from(bases + [[]]))
     tail = draw(st.lists(st.integers(1, VOCAB - 1), min_size=0 if base else 1, max_size=14))
     return (base + tail)[: max_model_len - 2]
+
+
+async def wait_idle(a, timeout=5.0):
+    """The AsyncLLMEngine's stats once nothing runs, waits or holds a page (or fail)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        s = a.get_stats()
+        if s.num_running == 0 and s.num_waiting == 0 and s.kv_pages_used == 0:
+            return s
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"engine not idle: {a.get_stats()}")

@@ -8,7 +8,7 @@ import pytest
 from k2serve.engine.async_engine import AsyncLLMEngine, EngineQueueFull
 from k2serve.engine.sampling_params import SamplingParams
 
-from .conftest import make_fake_engine
+from .conftest import make_fake_engine, wait_idle
 from .fakes import FakeTokenizer, reference_greedy
 
 
@@ -25,16 +25,6 @@ def aengine():
     for a in engines:
         a.shutdown()
         a.engine.check_integrity()
-
-
-async def wait_idle(a: AsyncLLMEngine, timeout=5.0):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        s = a.get_stats()
-        if s.num_running == 0 and s.num_waiting == 0 and s.kv_pages_used == 0:
-            return s
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"engine not idle: {a.get_stats()}")
 
 
 async def collect(a, prompt, params, rid):

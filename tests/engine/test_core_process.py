@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -18,6 +17,8 @@ from k2serve.engine.config import EngineConfig
 from k2serve.engine.core_process import use_engine_process
 from k2serve.engine.errors import EngineDeadError
 from k2serve.engine.sampling_params import SamplingParams
+
+from .conftest import wait_idle
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -49,16 +50,6 @@ async def _run(a, ids, params, rid=None, **kw):
 
 def _tokens(deltas):
     return [t for d in deltas for t in d.outputs[0].token_ids]
-
-
-async def _idle(a, timeout=30.0):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        s = a.get_stats()
-        if s.num_running == 0 and s.num_waiting == 0 and s.kv_pages_used == 0:
-            return s
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"engine not idle: {a.get_stats()}")
 
 
 def test_where_the_engine_runs(monkeypatch):
@@ -96,7 +87,7 @@ def test_same_tokens_and_text_as_in_process(engines):
         assert all(d.prompt_token_ids == p for d in g)  # put back in the server process
         assert "".join(d.outputs[0].text for d in g) == "".join(d.outputs[0].text for d in w)
         assert g[-1].finished and g[-1].outputs[0].finish_reason == "length"
-    s = asyncio.run(_idle(remote))
+    s = asyncio.run(wait_idle(remote, timeout=30))
     assert s.num_finished >= len(prompts) and s.generation_tokens >= 12 * len(prompts)
 
 
@@ -203,7 +194,7 @@ def test_leaving_early_and_abort_free_the_pages(engines):
         deltas = await task
         assert deltas[-1].finished and deltas[-1].outputs[0].finish_reason == "abort"
         assert len(_tokens(deltas)) < 200
-        return await _idle(remote)
+        return await wait_idle(remote, timeout=30)
 
     s = asyncio.run(main())
     assert s.kv_pages_used == 0
@@ -262,7 +253,7 @@ def test_cuda_serves_from_its_own_process_with_the_same_tokens(monkeypatch):
                 return await asyncio.gather(*(_run(a, p, greedy) for p in prompts))
 
             got[mode] = [_tokens(d) for d in asyncio.run(main())]
-            asyncio.run(_idle(a))
+            asyncio.run(wait_idle(a, timeout=30))
         finally:
             a.shutdown()
     assert got["auto"] == got["0"] and all(len(t) == 16 for t in got["auto"])
