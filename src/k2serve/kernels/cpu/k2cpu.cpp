@@ -162,6 +162,9 @@ static K2_INLINE v16f splat(float f) { return (v16f){} + f; }
 // Software prefetch of weight bytes K2_PREFETCH ahead of the current read: one thread streams
 // several rows at once and the hardware prefetchers alone left it latency-bound (dev CPU, one
 // thread, batch 1: 11-12 -> 14-15 GB/s per CPU-second with 1024).
+#ifndef K2_PREFETCH
+#define K2_PREFETCH 1024
+#endif
 // Rows per dot_rows call at one token per expert (decode; the results are bit-identical for
 // any value). 4 on the 16-core Xeon host (K2 layer at 1 token: 1.90-2.18 ms against 2.27-2.63
 // with 1 on 16 threads, 10.2-11.1 against 11.3-13.3 on 2); 1 was 8-17% faster on the 2-core
@@ -169,8 +172,20 @@ static K2_INLINE v16f splat(float f) { return (v16f){} + f; }
 #ifndef K2_ROWS_T1
 #define K2_ROWS_T1 4
 #endif
-#ifndef K2_PREFETCH
-#define K2_PREFETCH 1024
+// The INT4 x bf16 decode loop's prefetch of the next rows it reads: the cache level it fills
+// (0: no software prefetch, 1: L1 (_MM_HINT_T0, until wave 15), 2: L2 (_MM_HINT_T1)). Into L2
+// the prefetches do not hold the L1 fill buffers the current rows' loads need: one K2 layer at
+// 1 token on the 2-core Zen 5 dev VM 17.5 / 16.6 -> 11.0 / 11.0 ms on 1 thread, 9.4 / 9.5 ->
+// 6.5 / 7.0 on 2 (none: 21-23 / 12); on the H100 host's Xeon the same within noise in
+// cpu_moe.py (2 threads 10.8 -> 10.5-10.7 ms, 16: 1.90-2.40 either way) and the e2e's routed
+// experts 666 -> 625 ms a token on 2 threads (benchmarks/runs/h100_w15_i4bf_pf/).
+#ifndef K2_I4BF_PF
+#define K2_I4BF_PF 2
+#endif
+#if K2_I4BF_PF == 2
+#define K2_I4BF_HINT _MM_HINT_T1
+#else
+#define K2_I4BF_HINT _MM_HINT_T0
 #endif
 #ifndef K2_BFBF_PF_LEGACY  // 1: the bf16 GEMV's previous prefetch and items of 32 rows (before/
 #define K2_BFBF_PF_LEGACY 0  // after measurements)
@@ -427,7 +442,8 @@ static K2_INLINE void dot_rows_i4bf(const Mat& m, int r0, const void* const* xv,
   const int groups = m.cols >> 5, blocks = m.cols >> 7;
   alignas(64) float sf[R][I4BF_MAX_GROUPS];
   const int64_t sb = (int64_t)m.s_cols * 2;  // scale bytes per row
-  for (int64_t o = 0; o < R * sb; o += 64) _mm_prefetch((const char*)ps + o, _MM_HINT_T0);
+  if (K2_I4BF_PF > 0)
+    for (int64_t o = 0; o < R * sb; o += 64) _mm_prefetch((const char*)ps + o, K2_I4BF_HINT);
   i4bf_row_scales<R>(m, r0, groups, sf);
   __m512 acc[R][NT];
   for (int i = 0; i < R; ++i)
@@ -439,7 +455,8 @@ static K2_INLINE void dot_rows_i4bf(const Mat& m, int r0, const void* const* xv,
     __m512 sv[R];
     for (int i = 0; i < R; ++i) {
       const uint8_t* wp = m.w + (int64_t)(r0 + i) * m.row_bytes + (int64_t)b * 64;
-      _mm_prefetch((const char*)pw + (int64_t)i * m.row_bytes + (int64_t)b * 64, _MM_HINT_T0);
+      if (K2_I4BF_PF > 0)
+        _mm_prefetch((const char*)pw + (int64_t)i * m.row_bytes + (int64_t)b * 64, K2_I4BF_HINT);
       __m512i w = _mm512_loadu_si512(wp);
       q[i][0] = _mm512_ternarylogic_epi32(w, low, magic, 0xEA);  // (w & 0x0F) | 0x4300
       q[i][1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), low, magic, 0xEA);
