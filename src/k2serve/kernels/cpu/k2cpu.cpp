@@ -165,6 +165,10 @@ static K2_INLINE v16f splat(float f) { return (v16f){} + f; }
 #ifndef K2_PREFETCH
 #define K2_PREFETCH 1024
 #endif
+#ifndef K2_PREFETCH_L2  // 1: those prefetches (and the bf16 GEMV's into the next rows) fill L2
+#define K2_PREFETCH_L2 0  // only, as the INT4 decode loop's do (K2_I4BF_PF); measurements only
+#endif
+#define K2_PF_HINT (K2_PREFETCH_L2 ? _MM_HINT_T1 : _MM_HINT_T0)
 // Rows per dot_rows call at one token per expert (decode; the results are bit-identical for
 // any value). 4 on the 16-core Xeon host (K2 layer at 1 token: 1.90-2.18 ms against 2.27-2.63
 // with 1 on 16 threads, 10.2-11.1 against 11.3-13.3 on 2); 1 was 8-17% faster on the 2-core
@@ -195,7 +199,7 @@ static K2_INLINE v16f splat(float f) { return (v16f){} + f; }
 #endif
 static inline void prefetch_ahead(const void* p) {
 #if defined(__x86_64__) || defined(__i386__)
-  if (K2_PREFETCH > 0) _mm_prefetch((const char*)p + K2_PREFETCH, _MM_HINT_T0);
+  if (K2_PREFETCH > 0) _mm_prefetch((const char*)p + K2_PREFETCH, K2_PF_HINT);
 #else
   (void)p;
 #endif
@@ -503,7 +507,7 @@ static K2_INLINE void dot_rows_bfbf(const Mat& m, int r0, const void* const* xv,
       const uint8_t* wp = m.w + (int64_t)(r0 + i) * m.row_bytes + (int64_t)c * 64;
       if (wrap)
         _mm_prefetch((const char*)pw + (int64_t)i * m.row_bytes + (off - m.row_bytes),
-                     _MM_HINT_T0);
+                     K2_PF_HINT);
       else
         prefetch_ahead(wp);
       w[i] = _mm512_loadu_si512(wp);
