@@ -56,7 +56,7 @@ def test_where_the_engine_runs(monkeypatch):
     monkeypatch.delenv("K2SERVE_ENGINE_PROCESS", raising=False)
     assert not use_engine_process(EngineConfig(device="cpu"))  # auto: CUDA only
     monkeypatch.setattr("k2serve.engine.core_process.resolve_device",
-                        lambda d: __import__("torch").device("cuda"))  # fmt: skip
+                        lambda d: torch.device("cuda"))  # fmt: skip
     assert use_engine_process(EngineConfig(device="cuda"))
     monkeypatch.setenv("K2SERVE_ENGINE_PROCESS", "0")
     assert not use_engine_process(EngineConfig(device="cuda"))

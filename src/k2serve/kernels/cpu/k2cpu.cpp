@@ -186,11 +186,7 @@ static K2_INLINE v16f splat(float f) { return (v16f){} + f; }
 #ifndef K2_I4BF_PF
 #define K2_I4BF_PF 2
 #endif
-#if K2_I4BF_PF == 2
-#define K2_I4BF_HINT _MM_HINT_T1
-#else
-#define K2_I4BF_HINT _MM_HINT_T0
-#endif
+#define K2_I4BF_HINT (K2_I4BF_PF == 2 ? _MM_HINT_T1 : _MM_HINT_T0)
 #ifndef K2_BFBF_PF_LEGACY  // 1: the bf16 GEMV's previous prefetch and items of 32 rows (before/
 #define K2_BFBF_PF_LEGACY 0  // after measurements)
 #endif
